@@ -1,0 +1,58 @@
+# accrue: `make demo` and `make test` install what is missing, then build.
+# PyTorch 2.11.0 (the libtorch tch 0.24 expects, plus `import torch` for the
+# reference tests) lives in a virtual environment cached outside the checkout,
+# so fresh clones and CI runs reuse it.
+
+SHELL := /bin/bash
+ACCRUE_CACHE ?= $(HOME)/.cache/accrue
+VENV := $(ACCRUE_CACHE)/venv-torch-2.11.0
+PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn
+STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
+CARGO ?= cargo
+
+.PHONY: all setup demo test ci bench fmt clippy clean-runs
+
+all: setup
+	$(CARGO) build --workspace
+
+# The virtual environment, then the links .cargo/config.toml points at.
+setup: $(STAMP) .venv .libtorch
+
+$(STAMP):
+	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install -y python3 python3-venv)"; exit 1; }
+	mkdir -p $(ACCRUE_CACHE)
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --disable-pip-version-check -q $(PY_PACKAGES)
+	touch $@
+
+.venv: $(STAMP)
+	ln -sfn $(VENV) .venv
+
+.libtorch: $(STAMP)
+	ln -sfn $$(ls -d $(VENV)/lib/python3.*/site-packages/torch | head -n1) .libtorch
+
+# A real data set for the demo: scikit-learn's handwritten digits as IDX files.
+data/digits/train-images-idx3-ubyte: scripts/make_digits.py $(STAMP)
+	.venv/bin/python scripts/make_digits.py data/digits
+
+demo: setup data/digits/train-images-idx3-ubyte
+	$(CARGO) build -p accrue-worker
+	rm -rf runs/demo
+	./target/debug/accrue-worker train jobs/digits-mlp.toml --state-dir runs/demo
+
+test: setup data/digits/train-images-idx3-ubyte
+	$(CARGO) test --workspace
+
+# Engine throughput against the same PyTorch loop (docs/BENCHMARKS.md).
+bench: setup
+	$(CARGO) build --release -p accrue-worker
+	.venv/bin/python worker/benches/engine_vs_pytorch.py --binary target/release/accrue-worker
+
+fmt:
+	$(CARGO) fmt --all
+
+clippy: setup
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+clean-runs:
+	rm -rf runs

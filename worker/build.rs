@@ -1,0 +1,23 @@
+//! Bakes libtorch's lib/ folder into the rpath of every binary, test and
+//! example of this crate, so they run without LD_LIBRARY_PATH (SETUP-NOTES).
+//! `ACCRUE_CUDA=1` also links libtorch_cuda explicitly: rustc passes
+//! `--as-needed`, which would otherwise drop it and CUDA would never register.
+use std::path::PathBuf;
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+    println!("cargo:rerun-if-env-changed=ACCRUE_CUDA");
+    let Some(libtorch) = std::env::var_os("LIBTORCH") else {
+        println!("cargo:warning=LIBTORCH is not set; run `make setup` first");
+        return;
+    };
+    let libtorch = PathBuf::from(libtorch);
+    // A missing folder is reported by torch-sys itself; keep the path as given then.
+    let libtorch = libtorch.canonicalize().unwrap_or(libtorch);
+    let lib = libtorch.join("lib");
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    if std::env::var("ACCRUE_CUDA").as_deref() == Ok("1") {
+        println!("cargo:rustc-link-search=native={}", lib.display());
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+    }
+}

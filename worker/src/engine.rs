@@ -1,0 +1,742 @@
+//! The training engine of one rank.
+//!
+//! Micro-step: forward, loss, backward; gradients add into the parameters'
+//! `.grad` (the accumulation buffers) and nothing is communicated (`sync =
+//! "boundary"`). Sync step (the k-th micro-step or the epoch's last): one
+//! pipeline, [`Engine::sync_step`]: reduce(grads, counts) -> normalize -> clip
+//! -> optimizer step -> schedule -> zero grads -> commit.
+
+use crate::checkpoint::{self, TrainerState};
+use crate::clip;
+use crate::collective::Collective;
+use crate::data::{self, Dataset};
+use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::model::Model;
+use crate::optim::Optimizer;
+use crate::sampler::{ShardSpec, WindowPlan};
+use crate::schedule::Schedule;
+use crate::spec::{JobSpec, Normalize, SyncMode};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Reduction, Tensor};
+
+/// How a run is set up beyond the spec.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Where checkpoints go; default: spec.checkpoint.dir, else
+    /// `<state_dir>/checkpoints/<name>`.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Used for the default checkpoint folder (default `runs`).
+    pub state_dir: Option<PathBuf>,
+    /// Continue from the checkpoint LATEST names.
+    pub resume: bool,
+    /// Stop (with a checkpoint) once this many optimizer steps are committed,
+    /// as if preempted; the job can be resumed later.
+    pub stop_after_steps: Option<u64>,
+}
+
+/// Wall time of one optimizer step, split by phase.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct Timing {
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub clip_s: f64,
+    pub optimizer_s: f64,
+}
+
+/// What one committed optimizer step did.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct StepReport {
+    pub step: u64,
+    pub total_steps: u64,
+    pub epoch: u64,
+    pub micro_step: u64,
+    /// Mean loss over the window's samples on all ranks.
+    pub loss: f64,
+    /// Total gradient norm after normalization, before clipping.
+    pub grad_norm: f64,
+    /// Factor applied by norm clipping (1 when not clipped).
+    pub clip_coef: f64,
+    pub skipped: bool,
+    /// Samples in this window over all ranks.
+    pub samples: u64,
+    pub samples_seen: u64,
+    pub lr: f64,
+    pub samples_per_sec: f64,
+    pub timing: Timing,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct EvalReport {
+    pub epoch: u64,
+    pub step: u64,
+    pub loss: f64,
+    pub accuracy: f64,
+    pub samples: u64,
+}
+
+pub enum Event<'a> {
+    Step(&'a StepReport),
+    Eval(&'a EvalReport),
+    Checkpoint(&'a Path),
+}
+
+#[derive(Debug)]
+pub struct Summary {
+    pub state: TrainerState,
+    pub eval: Option<EvalReport>,
+    pub checkpoint: PathBuf,
+    /// Whether the run reached the job's last step (false when stopped early).
+    pub finished: bool,
+}
+
+/// The window in flight (not yet committed).
+#[derive(Debug, Default)]
+struct Window {
+    micro: usize,
+    samples: u64,
+    loss_sum: Option<Tensor>,
+    started: Option<Instant>,
+    compute: Duration,
+    comm: Duration,
+}
+
+pub struct Engine<C: Collective> {
+    spec: JobSpec,
+    collective: C,
+    device: Device,
+    model: Model,
+    optimizer: Optimizer,
+    schedule: Schedule,
+    train: Dataset,
+    eval: Option<Dataset>,
+    shard: ShardSpec,
+    plan: WindowPlan,
+    total_steps: u64,
+    normalize: Normalize,
+    sync: SyncMode,
+    state: TrainerState,
+    epoch_indices: (u64, Vec<i64>),
+    window: Window,
+    /// sync = every_step: the reduced gradients of the window so far.
+    acc: Option<Vec<Tensor>>,
+    checkpoint_dir: PathBuf,
+    opts: RunOptions,
+    last_checkpoint: Option<(u64, PathBuf)>,
+}
+
+pub fn resolve_device(name: &str) -> Result<Device> {
+    let err = |reason: String| Error::Device {
+        device: name.to_string(),
+        reason,
+    };
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "auto" => Ok(Device::cuda_if_available()),
+        _ => {
+            let n: usize = match name.strip_prefix("cuda:") {
+                Some(n) => n.parse().map_err(|_| err("expected cuda:N".into()))?,
+                None => 0,
+            };
+            if !tch::Cuda::is_available() {
+                return Err(err(
+                    "CUDA is not available on this machine (or this build lacks libtorch_cuda)"
+                        .into(),
+                ));
+            }
+            let count = tch::Cuda::device_count() as usize;
+            if n >= count {
+                return Err(err(format!(
+                    "only {count} CUDA devices are visible (0..{count})"
+                )));
+            }
+            Ok(Device::Cuda(n))
+        }
+    }
+}
+
+impl<C: Collective> Engine<C> {
+    /// Loads data, builds the model, applies `init` or the checkpoint, and
+    /// checks everything before anything is written.
+    pub fn new(spec: JobSpec, collective: C, opts: RunOptions) -> Result<Self> {
+        spec.validate()?;
+        let world = collective.world_size();
+        let rank = collective.rank();
+        let k = spec
+            .accumulation_steps(world as u64)
+            .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
+        let device = resolve_device(&spec.device)?;
+        if let Some(t) = spec.threads {
+            tch::set_num_threads(t as i32);
+        }
+        let splits = data::load(&spec.data, spec.seed)?;
+        let train = splits.train;
+        if train.is_empty() {
+            return Err(Error::Data {
+                path: spec
+                    .data
+                    .path
+                    .clone()
+                    .unwrap_or_else(|| spec.data.kind.clone().into()),
+                reason: "the training split holds no samples".into(),
+            });
+        }
+        let classes = match spec.model.num_classes {
+            Some(n) => n,
+            None => {
+                let eval_classes = match &splits.eval {
+                    Some(e) => e.classes()?,
+                    None => 0,
+                };
+                train.classes()?.max(eval_classes)
+            }
+        };
+        let mut model = Model::build(
+            &spec.model,
+            &train.sample_shape(),
+            classes,
+            device,
+            spec.seed,
+        )?;
+        if let Some(init) = &spec.model.init {
+            let tensors = Tensor::read_safetensors(init).map_err(|e| Error::Init {
+                path: init.clone(),
+                reason: e.to_string(),
+            })?;
+            model.load_named(init, tensors)?;
+        }
+        let train = train.to_device(device)?;
+        let eval = splits.eval.map(|e| e.to_device(device)).transpose()?;
+        let shard = ShardSpec {
+            len: train.len(),
+            world,
+            seed: spec.seed,
+            shuffle: spec.data.shuffle,
+            drop_last: spec.data.drop_last,
+        };
+        let plan = WindowPlan {
+            samples: shard.per_rank(),
+            batch: spec.data.batch_size as usize,
+            k,
+        };
+        if plan.samples == 0 {
+            return Err(Error::Data {
+                path: spec
+                    .data
+                    .path
+                    .clone()
+                    .unwrap_or_else(|| spec.data.kind.clone().into()),
+                reason: format!(
+                    "{} samples cannot feed {world} ranks with drop_last",
+                    train.len()
+                ),
+            });
+        }
+        let total_steps = spec
+            .max_steps
+            .unwrap_or(spec.epochs.unwrap_or(1) * plan.windows() as u64);
+        let schedule = Schedule::from_spec(&spec, total_steps);
+        let optimizer = Optimizer::new(&spec.optimizer, model.params.len());
+        let checkpoint_dir = opts
+            .checkpoint_dir
+            .clone()
+            .or_else(|| spec.checkpoint.dir.clone())
+            .unwrap_or_else(|| {
+                opts.state_dir
+                    .clone()
+                    .unwrap_or_else(|| "runs".into())
+                    .join("checkpoints")
+                    .join(&spec.name)
+            });
+        let state = TrainerState {
+            job: spec.name.clone(),
+            seed: spec.seed,
+            lr: schedule.lr_at(0),
+            world_size: world as u64,
+            accumulation_steps: k as u64,
+            ..Default::default()
+        };
+        let mut engine = Self {
+            normalize: spec.normalize(),
+            sync: spec.sync_mode(),
+            spec,
+            collective,
+            device,
+            model,
+            optimizer,
+            schedule,
+            train,
+            eval,
+            shard,
+            plan,
+            total_steps,
+            state,
+            epoch_indices: (u64::MAX, Vec::new()),
+            window: Window::default(),
+            acc: None,
+            checkpoint_dir,
+            opts,
+            last_checkpoint: None,
+        };
+        if engine.opts.resume {
+            engine.resume()?;
+        } else if let Some(n) = checkpoint::list_steps(&engine.checkpoint_dir)?.last() {
+            return Err(Error::Checkpoint {
+                path: engine.checkpoint_dir.clone(),
+                reason: format!(
+                    "already holds checkpoints (newest step-{n}); resume to continue, or choose another checkpoint.dir"
+                ),
+            });
+        }
+        if world > 1 {
+            engine.broadcast_state(0)?;
+        }
+        tracing::info!(rank, world, k, total_steps, device = ?device, "engine ready");
+        Ok(engine)
+    }
+
+    fn resume(&mut self) -> Result<()> {
+        let loaded =
+            checkpoint::read_latest(&self.checkpoint_dir)?.ok_or_else(|| Error::Checkpoint {
+                path: self.checkpoint_dir.clone(),
+                reason: "no checkpoint to resume from (no LATEST file)".into(),
+            })?;
+        let s = &loaded.state;
+        if s.world_size != self.state.world_size
+            || s.accumulation_steps != self.state.accumulation_steps
+        {
+            return Err(Error::Checkpoint {
+                path: loaded.path.clone(),
+                reason: format!(
+                    "written with world size {} and k = {}, this run has world size {} and k = {}",
+                    s.world_size,
+                    s.accumulation_steps,
+                    self.state.world_size,
+                    self.state.accumulation_steps
+                ),
+            });
+        }
+        self.model.load_named(
+            &loaded.path.join(checkpoint::MODEL_FILE),
+            checkpoint::to_device(loaded.model, self.device)?,
+        )?;
+        self.optimizer.load_state(
+            &self.model.params,
+            loaded.optimizer,
+            loaded.state.optimizer_steps,
+        )?;
+        self.last_checkpoint = Some((loaded.state.step, loaded.path.clone()));
+        self.state = loaded.state;
+        tracing::info!(step = self.state.step, path = %loaded.path.display(), "resumed");
+        Ok(())
+    }
+
+    /// Copies parameters and buffers from `root` to every rank.
+    fn broadcast_state(&mut self, root: usize) -> Result<()> {
+        let tensors: Vec<Tensor> = self.model.state().map(|(_, t)| t.shallow_clone()).collect();
+        let mut buf = flatten(&tensors)?;
+        self.collective.broadcast(&mut buf, root)?;
+        unflatten(&buf, &tensors)
+    }
+
+    pub fn parameters(&self) -> &[(String, Tensor)] {
+        &self.model.params
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn state(&self) -> &TrainerState {
+        &self.state
+    }
+
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
+    pub fn accumulation_steps(&self) -> usize {
+        self.plan.k
+    }
+
+    pub fn checkpoint_dir(&self) -> &Path {
+        &self.checkpoint_dir
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.state.step >= self.total_steps
+    }
+
+    fn indices_for(&mut self, epoch: u64) -> &[i64] {
+        if self.epoch_indices.0 != epoch {
+            let idx = self.shard.indices(self.collective.rank(), epoch);
+            self.epoch_indices = (epoch, idx.into_iter().map(|i| i as i64).collect());
+        }
+        &self.epoch_indices.1
+    }
+
+    /// Runs the next micro-step; on the window's last one also the sync step,
+    /// whose report it returns.
+    pub fn micro_step(&mut self) -> Result<Option<StepReport>> {
+        let started = Instant::now();
+        self.window.started.get_or_insert(started);
+        let m = self.state.cursor as usize + self.window.micro;
+        let (a, b) = self.plan.micro_batch_range(m);
+        let epoch = self.state.epoch;
+        let idx = Tensor::from_slice(&self.indices_for(epoch)[a..b]);
+        let idx = idx.f_to_device(self.device).ctx("moving indices")?;
+        let (x, y) = self.train.batch(&idx)?;
+        let n = (b - a) as u64;
+        let reduction = match self.normalize {
+            Normalize::GlobalCount => Reduction::Sum,
+            Normalize::Mean | Normalize::Sum => Reduction::Mean,
+        };
+        let logits = self.model.forward(&x, true)?;
+        let loss = logits
+            .f_cross_entropy_loss::<Tensor>(&y, None, reduction, -100, 0.0)
+            .ctx("computing the loss")?;
+        loss.f_backward().ctx("running backward")?;
+        let loss_sum = match reduction {
+            Reduction::Sum => loss.f_detach(),
+            _ => loss.f_detach().and_then(|l| l.f_mul_scalar(n as f64)),
+        }
+        .ctx("accumulating the loss")?;
+        self.window.loss_sum = Some(match self.window.loss_sum.take() {
+            None => loss_sum,
+            Some(acc) => acc.f_add(&loss_sum).ctx("accumulating the loss")?,
+        });
+        self.window.samples += n;
+        self.window.micro += 1;
+        self.state.micro_step += 1;
+        self.window.compute += started.elapsed();
+        if self.sync == SyncMode::EveryStep {
+            let t = Instant::now();
+            self.reduce_micro_step()?;
+            self.window.comm += t.elapsed();
+        }
+        if self.plan.is_sync(m) {
+            return self.sync_step().map(Some);
+        }
+        Ok(None)
+    }
+
+    /// sync = every_step: all-reduce this micro-step's gradients now and add
+    /// them to the window's accumulation buffers.
+    fn reduce_micro_step(&mut self) -> Result<()> {
+        let grads = self.model.grads();
+        if self.collective.world_size() > 1 {
+            let mut buf = flatten(&grads)?;
+            self.collective.all_reduce_sum(&mut buf)?;
+            unflatten(&buf, &grads)?;
+        }
+        let _guard = tch::no_grad_guard();
+        match &mut self.acc {
+            None => {
+                self.acc = Some(
+                    grads
+                        .iter()
+                        .map(|g| g.f_detach_copy())
+                        .collect::<Result<_, _>>()
+                        .ctx("accumulating")?,
+                )
+            }
+            Some(acc) => {
+                for (a, g) in acc.iter_mut().zip(&grads) {
+                    a.f_add_(g).ctx_("accumulating")?;
+                }
+            }
+        }
+        zero(&grads)
+    }
+
+    /// The sync-step pipeline.
+    pub fn sync_step(&mut self) -> Result<StepReport> {
+        let _guard = tch::no_grad_guard();
+        let grads = self.model.grads();
+        // 1. reduce gradients and the window's counts over all ranks.
+        let t_comm = Instant::now();
+        let loss_sum = match self.window.loss_sum.take() {
+            Some(l) => l.f_double_value(&[]).ctx("reading the loss")?,
+            None => 0.0,
+        };
+        let mut stats = [
+            self.window.samples as f32,
+            self.window.micro as f32,
+            loss_sum as f32,
+        ];
+        match self.acc.take() {
+            Some(acc) => {
+                for (g, a) in grads.iter().zip(&acc) {
+                    g.shallow_clone()
+                        .f_copy_(a)
+                        .ctx("restoring accumulated gradients")?;
+                }
+                self.collective.all_reduce_sum(&mut stats)?;
+            }
+            None if self.collective.world_size() > 1 => {
+                let mut buf = flatten(&grads)?;
+                buf.extend_from_slice(&stats);
+                self.collective.all_reduce_sum(&mut buf)?;
+                let n = buf.len();
+                stats.copy_from_slice(&buf[n - 3..]);
+                unflatten(&buf[..n - 3], &grads)?;
+            }
+            None => self.collective.all_reduce_sum(&mut stats)?,
+        }
+        let comm = self.window.comm + t_comm.elapsed();
+        let global_samples = stats[0].round() as u64;
+        let global_micro = stats[1].round() as u64;
+        let world = self.collective.world_size() as f64;
+        // 2. normalize.
+        let t_clip = Instant::now();
+        let divisor = match self.normalize {
+            Normalize::GlobalCount => global_samples as f64,
+            Normalize::Mean => global_micro as f64,
+            Normalize::Sum => world,
+        };
+        for g in &grads {
+            g.shallow_clone()
+                .f_div_scalar_(divisor)
+                .ctx_("normalizing gradients")?;
+        }
+        // 3. clip.
+        let norm_type = self.spec.norm_type();
+        let total = clip::total_norm(&grads, norm_type)?;
+        let grad_norm = total.f_double_value(&[]).ctx("reading the gradient norm")?;
+        let step = self.state.step;
+        let lr = self.schedule.lr_at(step);
+        let mut clip_coef = 1.0;
+        let skipped = !grad_norm.is_finite();
+        if skipped {
+            if !self.spec.skip_nonfinite() {
+                return Err(Error::NonFinite {
+                    step: step + 1,
+                    norm: grad_norm,
+                });
+            }
+            tracing::warn!(
+                step = step + 1,
+                grad_norm,
+                "non-finite gradient norm, step skipped"
+            );
+        } else if let Some(max_norm) = self.spec.clipping.max_norm {
+            clip_coef = clip::clip_by_norm(&grads, &total, max_norm)?;
+        } else if let Some(v) = self.spec.clipping.clip_value {
+            clip::clip_by_value(&grads, v)?;
+        }
+        let clip_s = t_clip.elapsed();
+        // 4. optimizer step, schedule, zero grads.
+        let t_opt = Instant::now();
+        if !skipped {
+            self.optimizer.step(&self.model.params, lr)?;
+        }
+        zero(&grads)?;
+        let optimizer_s = t_opt.elapsed();
+        // 5. commit.
+        let s = &mut self.state;
+        s.step += 1;
+        s.samples_seen += global_samples;
+        s.skipped_steps += skipped as u64;
+        s.optimizer_steps = self.optimizer.steps;
+        s.lr = lr;
+        s.cursor += self.window.micro as u64;
+        if s.cursor as usize >= self.plan.micro_batches() {
+            s.epoch += 1;
+            s.cursor = 0;
+        }
+        let wall = self.window.started.map(|t| t.elapsed()).unwrap_or_default();
+        let window = std::mem::take(&mut self.window);
+        Ok(StepReport {
+            step: s.step,
+            total_steps: self.total_steps,
+            epoch: s.epoch,
+            micro_step: s.micro_step,
+            loss: loss_sum_global(stats[2] as f64, global_samples),
+            grad_norm,
+            clip_coef,
+            skipped,
+            samples: global_samples,
+            samples_seen: s.samples_seen,
+            lr,
+            samples_per_sec: global_samples as f64 / wall.as_secs_f64().max(1e-9),
+            timing: Timing {
+                compute_s: window.compute.as_secs_f64(),
+                comm_s: comm.as_secs_f64(),
+                clip_s: clip_s.as_secs_f64(),
+                optimizer_s: optimizer_s.as_secs_f64(),
+            },
+        })
+    }
+
+    /// Loss and accuracy on the held-out split (None without one).
+    pub fn evaluate(&mut self) -> Result<Option<EvalReport>> {
+        let Some(eval) = &self.eval else {
+            return Ok(None);
+        };
+        let _guard = tch::no_grad_guard();
+        self.model.set_train(false)?;
+        let n = eval.len() as i64;
+        let bs = self.spec.eval.batch_size as i64;
+        let (mut loss, mut correct) = (0.0, 0i64);
+        let mut start = 0;
+        while start < n {
+            let len = bs.min(n - start);
+            let x = eval.x.f_narrow(0, start, len).ctx("evaluating")?;
+            let y = eval.y.f_narrow(0, start, len).ctx("evaluating")?;
+            let logits = self.model.forward(&x, false)?;
+            let l = logits
+                .f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)
+                .ctx("evaluating")?;
+            loss += l.f_double_value(&[]).ctx("evaluating")?;
+            let hits = logits
+                .f_argmax(-1, false)
+                .and_then(|p| p.f_eq_tensor(&y))
+                .and_then(|e| e.f_sum(Kind::Int64))
+                .and_then(|s| s.f_int64_value(&[]))
+                .ctx("evaluating")?;
+            correct += hits;
+            start += len;
+        }
+        self.model.set_train(true)?;
+        Ok(Some(EvalReport {
+            epoch: self.state.epoch,
+            step: self.state.step,
+            loss: loss / n.max(1) as f64,
+            accuracy: correct as f64 / n.max(1) as f64,
+            samples: n as u64,
+        }))
+    }
+
+    /// Writes a checkpoint of the committed state (rank 0 writes; the
+    /// others hold identical parameters).
+    pub fn checkpoint(&mut self) -> Result<PathBuf> {
+        if let Some((step, path)) = &self.last_checkpoint {
+            if *step == self.state.step {
+                return Ok(path.clone());
+            }
+        }
+        let path = if self.collective.rank() == 0 {
+            let model: Vec<(String, Tensor)> = self
+                .model
+                .state()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect();
+            let opt = self.optimizer.named_state(&self.model.params);
+            checkpoint::write(
+                &self.checkpoint_dir,
+                &self.state,
+                &model,
+                &opt,
+                self.spec.checkpoint.keep as usize,
+            )?
+        } else {
+            self.checkpoint_dir
+                .join(format!("step-{}", self.state.step))
+        };
+        self.last_checkpoint = Some((self.state.step, path.clone()));
+        Ok(path)
+    }
+
+    /// Trains to the end (or `stop_after_steps`), checkpointing and
+    /// evaluating as the spec says; always leaves a checkpoint of the last step.
+    pub fn run(&mut self, mut on_event: impl FnMut(Event<'_>)) -> Result<Summary> {
+        self.model.set_train(true)?;
+        let every = self.spec.checkpoint.every_steps;
+        let eval_every = self.spec.eval.every_epochs;
+        let mut stopped = false;
+        while !self.is_done() {
+            let Some(report) = self.micro_step()? else {
+                continue;
+            };
+            on_event(Event::Step(&report));
+            let epoch_ended = self.state.cursor == 0;
+            if eval_every > 0
+                && epoch_ended
+                && self.state.epoch % eval_every == 0
+                && !self.is_done()
+            {
+                if let Some(e) = self.evaluate()? {
+                    on_event(Event::Eval(&e));
+                }
+            }
+            if every > 0 && self.state.step % every == 0 && !self.is_done() {
+                let p = self.checkpoint()?;
+                on_event(Event::Checkpoint(&p));
+            }
+            if self
+                .opts
+                .stop_after_steps
+                .is_some_and(|s| self.state.step >= s)
+                && !self.is_done()
+            {
+                stopped = true;
+                break;
+            }
+        }
+        let checkpoint = self.checkpoint()?;
+        on_event(Event::Checkpoint(&checkpoint));
+        let eval = if stopped { None } else { self.evaluate()? };
+        if let Some(e) = &eval {
+            on_event(Event::Eval(e));
+        }
+        Ok(Summary {
+            state: self.state.clone(),
+            eval,
+            checkpoint,
+            finished: !stopped,
+        })
+    }
+}
+
+fn loss_sum_global(sum: f64, samples: u64) -> f64 {
+    sum / samples.max(1) as f64
+}
+
+fn zero(grads: &[Tensor]) -> Result<()> {
+    for g in grads {
+        if g.defined() {
+            g.shallow_clone().f_zero_().ctx_("zeroing gradients")?;
+        }
+    }
+    Ok(())
+}
+
+/// Copies tensors into one flat f32 host buffer (in order).
+pub fn flatten(tensors: &[Tensor]) -> Result<Vec<f32>> {
+    let total: usize = tensors.iter().map(|t| t.numel()).sum();
+    let mut buf = vec![0f32; total];
+    let mut off = 0;
+    for t in tensors {
+        let n = t.numel();
+        let host = t
+            .f_detach()
+            .and_then(|t| t.f_to_device(Device::Cpu))
+            .and_then(|t| t.f_to_kind(Kind::Float))
+            .and_then(|t| t.f_contiguous())
+            .ctx("flattening tensors")?;
+        host.f_copy_data(&mut buf[off..off + n], n)
+            .ctx("flattening tensors")?;
+        off += n;
+    }
+    Ok(buf)
+}
+
+/// Copies a flat buffer made by [`flatten`] back into the tensors.
+pub fn unflatten(buf: &[f32], tensors: &[Tensor]) -> Result<()> {
+    let _guard = tch::no_grad_guard();
+    let mut off = 0;
+    for t in tensors {
+        let n = t.numel();
+        let src = Tensor::from_slice(&buf[off..off + n])
+            .f_view(t.size().as_slice())
+            .and_then(|s| s.f_to_device(t.device()))
+            .and_then(|s| s.f_to_kind(t.kind()))
+            .ctx("unflattening tensors")?;
+        t.shallow_clone()
+            .f_copy_(&src)
+            .ctx("unflattening tensors")?;
+        off += n;
+    }
+    Ok(())
+}

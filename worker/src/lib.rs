@@ -1,0 +1,22 @@
+//! accrue-worker: the training engine of one rank (libtorch through tch).
+//!
+//! See docs/SEMANTICS.md for the accumulation, normalization and clipping
+//! contract and docs/ARCHITECTURE.md for where this crate sits.
+
+pub mod checkpoint;
+pub mod clip;
+pub mod collective;
+pub mod data;
+pub mod engine;
+pub mod error;
+pub mod model;
+pub mod optim;
+pub mod rng;
+pub mod sampler;
+pub mod schedule;
+pub mod spec;
+
+pub use collective::{Collective, SingleRank};
+pub use engine::{Engine, Event, RunOptions, StepReport};
+pub use error::{Error, Result};
+pub use spec::JobSpec;

@@ -1,0 +1,383 @@
+//! Models with PyTorch parameter names: `mlp` (torch.nn.Sequential of Linear
+//! and ReLU: `0.weight`, `0.bias`, `2.weight`, ...), `lenet5` (conv1, conv2,
+//! fc1..fc3), `resnet18`/`resnet34` (torchvision names) and `torchscript`
+//! (a module saved with torch.jit.save, trained through libtorch).
+
+use crate::error::{Error, Result, TorchContext};
+use crate::spec::ModelSpec;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::Mutex;
+use tch::nn::{self, Module, ModuleT};
+use tch::{CModule, Device, Kind, Tensor};
+
+/// Model construction draws from libtorch's process-global generator; this
+/// lock plus a re-seed makes the initial weights a function of the job seed
+/// even when several engines start at once (tests run on many threads).
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+
+enum Net {
+    Builtin(Box<dyn ModuleT>),
+    Script(CModule),
+}
+
+/// A model with its parameters and buffers listed by PyTorch name.
+pub struct Model {
+    /// Keeps the built-in layers' variables alive.
+    _vs: Option<nn::VarStore>,
+    net: Net,
+    /// Trainable parameters, in creation order (the order buckets use).
+    pub params: Vec<(String, Tensor)>,
+    /// Non-trainable state saved with the model (BatchNorm running stats).
+    pub buffers: Vec<(String, Tensor)>,
+    pub kind: String,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("kind", &self.kind)
+            .field("params", &self.params.len())
+            .finish()
+    }
+}
+
+#[derive(Debug)]
+struct Mlp {
+    layers: Vec<nn::Linear>,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let mut h = xs.flatten(1, -1);
+        let last = self.layers.len().saturating_sub(1);
+        for (i, l) in self.layers.iter().enumerate() {
+            h = h.apply(l);
+            if i < last {
+                h = h.relu();
+            }
+        }
+        h
+    }
+}
+
+/// LeNet-5 with ReLU and max-pooling; conv1 pads by 2 so 28x28 inputs work
+/// like the original 32x32. The PyTorch twin is in docs/SEMANTICS.md.
+#[derive(Debug)]
+struct LeNet5 {
+    conv1: nn::Conv2D,
+    conv2: nn::Conv2D,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+    fc3: nn::Linear,
+}
+
+impl Module for LeNet5 {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.apply(&self.conv1)
+            .relu()
+            .max_pool2d_default(2)
+            .apply(&self.conv2)
+            .relu()
+            .max_pool2d_default(2)
+            .flatten(1, -1)
+            .apply(&self.fc1)
+            .relu()
+            .apply(&self.fc2)
+            .relu()
+            .apply(&self.fc3)
+    }
+}
+
+fn lenet_features(h: i64, w: i64) -> i64 {
+    let side = |s: i64| ((s / 2) - 4) / 2;
+    16 * side(h).max(0) * side(w).max(0)
+}
+
+impl Model {
+    /// Builds the model for inputs of `sample_shape` and `classes` outputs on
+    /// `device`, seeded by `seed`, and checks one forward pass.
+    pub fn build(
+        spec: &ModelSpec,
+        sample_shape: &[i64],
+        classes: i64,
+        device: Device,
+        seed: u64,
+    ) -> Result<Self> {
+        let model = if spec.kind == "torchscript" {
+            let path = spec.path.clone().unwrap_or_default();
+            Self::load_script(&path, device)?
+        } else {
+            let _guard = INIT_LOCK
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            tch::manual_seed(seed as i64);
+            Self::build_builtin(spec, sample_shape, classes, device)?
+        };
+        model.probe(sample_shape, classes, device)?;
+        Ok(model)
+    }
+
+    fn build_builtin(
+        spec: &ModelSpec,
+        shape: &[i64],
+        classes: i64,
+        device: Device,
+    ) -> Result<Self> {
+        let vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let net: Box<dyn ModuleT> = match spec.kind.as_str() {
+            "mlp" => {
+                let mut widths = vec![shape.iter().product::<i64>()];
+                widths.extend_from_slice(&spec.hidden);
+                widths.push(classes);
+                let layers = widths
+                    .windows(2)
+                    .enumerate()
+                    .map(|(i, w)| {
+                        nn::linear(&root / (2 * i).to_string(), w[0], w[1], Default::default())
+                    })
+                    .collect();
+                Box::new(Mlp { layers })
+            }
+            "lenet5" => {
+                let (c, h, w) = match shape {
+                    [c, h, w] => (*c, *h, *w),
+                    _ => {
+                        return Err(Error::Model(format!(
+                            "lenet5 needs image samples [C, H, W], the data has shape {shape:?}"
+                        )))
+                    }
+                };
+                let feat = lenet_features(h, w);
+                if feat == 0 {
+                    return Err(Error::Model(format!(
+                        "lenet5 needs images of at least 12x12, the data has {h}x{w} \
+                         (use model.kind = \"mlp\" for small inputs)"
+                    )));
+                }
+                let conv = |p, i, o, pad| {
+                    nn::conv2d(
+                        p,
+                        i,
+                        o,
+                        5,
+                        nn::ConvConfig {
+                            padding: pad,
+                            ..Default::default()
+                        },
+                    )
+                };
+                Box::new(LeNet5 {
+                    conv1: conv(&root / "conv1", c, 6, 2),
+                    conv2: conv(&root / "conv2", 6, 16, 0),
+                    fc1: nn::linear(&root / "fc1", feat, 120, Default::default()),
+                    fc2: nn::linear(&root / "fc2", 120, 84, Default::default()),
+                    fc3: nn::linear(&root / "fc3", 84, classes, Default::default()),
+                })
+            }
+            "resnet18" | "resnet34" => {
+                if shape.len() != 3 || shape[0] != 3 {
+                    return Err(Error::Model(format!(
+                        "{} needs 3-channel images [3, H, W], the data has shape {shape:?}",
+                        spec.kind
+                    )));
+                }
+                if spec.kind == "resnet18" {
+                    Box::new(tch::vision::resnet::resnet18(&root, classes))
+                } else {
+                    Box::new(tch::vision::resnet::resnet34(&root, classes))
+                }
+            }
+            other => return Err(Error::Model(format!("unknown model.kind {other:?}"))),
+        };
+        let (params, buffers) = named_state(&vs);
+        Ok(Self {
+            _vs: Some(vs),
+            net: Net::Builtin(net),
+            params,
+            buffers,
+            kind: spec.kind.clone(),
+        })
+    }
+
+    fn load_script(path: &Path, device: Device) -> Result<Self> {
+        let module = CModule::load_on_device(path, device).map_err(|e| Error::Init {
+            path: path.to_path_buf(),
+            reason: format!("cannot load TorchScript module: {e}"),
+        })?;
+        let params = module
+            .named_parameters()
+            .ctx("listing TorchScript parameters")?;
+        let params = params
+            .into_iter()
+            .map(|(n, t)| {
+                Ok((
+                    n,
+                    if t.requires_grad() {
+                        t
+                    } else {
+                        t.f_set_requires_grad(true).ctx("enabling gradients")?
+                    },
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            _vs: None,
+            net: Net::Script(module),
+            params,
+            buffers: Vec::new(),
+            kind: "torchscript".into(),
+        })
+    }
+
+    /// One forward pass on a zero batch of 2 to turn shape errors into a
+    /// clear message before training starts.
+    fn probe(&self, shape: &[i64], classes: i64, device: Device) -> Result<()> {
+        let mut dims = vec![2];
+        dims.extend_from_slice(shape);
+        let x = Tensor::f_zeros(dims.as_slice(), (Kind::Float, device)).ctx("probing the model")?;
+        let _guard = tch::no_grad_guard();
+        let out = match &self.net {
+            Net::Builtin(m) => {
+                let m = &**m;
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.forward_t(&x, false)))
+                    .map_err(|p| {
+                        let msg = p
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_default();
+                        Error::Model(format!(
+                            "{} cannot take samples of shape {shape:?}: {}",
+                            self.kind,
+                            msg.lines().next().unwrap_or("")
+                        ))
+                    })?
+            }
+            Net::Script(m) => m.forward_ts(&[&x]).map_err(|e| {
+                Error::Model(format!(
+                    "torchscript module cannot take samples of shape {shape:?}: {e}"
+                ))
+            })?,
+        };
+        let got = out.size();
+        if got.len() != 2 || got[1] != classes {
+            return Err(Error::Model(format!(
+                "{} returns shape {got:?} for 2 samples, expected [2, {classes}] (logits per class)",
+                self.kind
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        match &self.net {
+            Net::Builtin(m) => Ok(m.forward_t(xs, train)),
+            Net::Script(m) => m.forward_ts(&[xs]).ctx("running the TorchScript module"),
+        }
+    }
+
+    /// Switches a TorchScript module between train and eval mode (built-in
+    /// models take the flag per call).
+    pub fn set_train(&mut self, train: bool) -> Result<()> {
+        if let Net::Script(m) = &mut self.net {
+            if train {
+                m.f_set_train()
+            } else {
+                m.f_set_eval()
+            }
+            .ctx("switching train/eval mode")?;
+        }
+        Ok(())
+    }
+
+    /// Parameters then buffers, by name.
+    pub fn state(&self) -> impl Iterator<Item = &(String, Tensor)> {
+        self.params.iter().chain(self.buffers.iter())
+    }
+
+    pub fn grads(&self) -> Vec<Tensor> {
+        self.params.iter().map(|(_, p)| p.grad()).collect()
+    }
+
+    /// Loads weights by name, strictly: every parameter and buffer must be in
+    /// the file with the same shape, and the file must hold nothing else
+    /// (BatchNorm's `num_batches_tracked` aside).
+    pub fn load_named(&mut self, path: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
+        let err = |reason: String| Error::Init {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut by_name: HashMap<String, Tensor> = tensors.into_iter().collect();
+        let ours: HashSet<&str> = self.state().map(|(n, _)| n.as_str()).collect();
+        let mut unexpected: Vec<&String> = by_name
+            .keys()
+            .filter(|k| !ours.contains(k.as_str()) && !k.ends_with("num_batches_tracked"))
+            .collect();
+        unexpected.sort();
+        let mut missing: Vec<&str> = self
+            .state()
+            .map(|(n, _)| n.as_str())
+            .filter(|n| !by_name.contains_key(*n))
+            .collect();
+        missing.sort();
+        if !missing.is_empty() || !unexpected.is_empty() {
+            return Err(err(format!(
+                "names do not match the {} model: missing {missing:?}, unexpected {unexpected:?}",
+                self.kind
+            )));
+        }
+        let mut mismatched = Vec::new();
+        for (name, t) in self.state() {
+            let src = &by_name[name];
+            if src.size() != t.size() {
+                mismatched.push(format!(
+                    "{name}: file {:?}, model {:?}",
+                    src.size(),
+                    t.size()
+                ));
+            }
+        }
+        if !mismatched.is_empty() {
+            return Err(err(format!(
+                "shapes do not match: {}",
+                mismatched.join("; ")
+            )));
+        }
+        let _guard = tch::no_grad_guard();
+        for (name, t) in self.params.iter_mut().chain(self.buffers.iter_mut()) {
+            let src = by_name
+                .remove(name)
+                .ok_or_else(|| err(format!("{name} vanished")))?;
+            let src = src
+                .f_to_kind(t.kind())
+                .and_then(|s| s.f_to_device(t.device()))
+                .ctx("loading weights")?;
+            t.f_copy_(&src).ctx("loading weights")?;
+        }
+        Ok(())
+    }
+}
+
+/// Trainable variables in creation order with their names, then the other
+/// variables sorted by name.
+fn named_state(vs: &nn::VarStore) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+    let named = vs.variables();
+    let mut by_ptr: HashMap<usize, String> = named
+        .iter()
+        .map(|(n, t)| (t.data_ptr() as usize, n.clone()))
+        .collect();
+    let mut params = Vec::new();
+    for t in vs.trainable_variables() {
+        if let Some(name) = by_ptr.remove(&(t.data_ptr() as usize)) {
+            params.push((name, t));
+        }
+    }
+    let mut buffers: Vec<(String, Tensor)> = named
+        .into_iter()
+        .filter(|(_, t)| by_ptr.contains_key(&(t.data_ptr() as usize)))
+        .collect();
+    buffers.sort_by(|a, b| a.0.cmp(&b.0));
+    (params, buffers)
+}

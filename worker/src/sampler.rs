@@ -1,0 +1,190 @@
+//! Data sharding with `torch.utils.data.DistributedSampler` semantics, and the
+//! split of a rank's epoch into micro-batches and accumulation windows.
+//!
+//! Everything here is pure arithmetic: the engine asks for an epoch's plan and
+//! walks it with a cursor (epoch, micro-batch index) that checkpoints record.
+
+use crate::rng::randperm;
+
+/// How one epoch is sharded over ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// Number of samples in the data set.
+    pub len: usize,
+    /// Number of ranks W (>= 1).
+    pub world: usize,
+    /// Base seed; the permutation of epoch e uses seed + e.
+    pub seed: u64,
+    pub shuffle: bool,
+    /// Drop the tail so every rank gets the same count (instead of padding).
+    pub drop_last: bool,
+}
+
+impl ShardSpec {
+    /// Samples each rank sees per epoch (`DistributedSampler.num_samples`).
+    pub fn per_rank(&self) -> usize {
+        if self.world == 0 {
+            return 0;
+        }
+        if self.drop_last && self.len % self.world != 0 {
+            // ceil((len - W) / W) as torch computes it; len < W gives 0.
+            self.len.saturating_sub(self.world).div_ceil(self.world)
+        } else {
+            self.len.div_ceil(self.world)
+        }
+    }
+
+    /// The indices rank `rank` reads in `epoch`, in order.
+    pub fn indices(&self, rank: usize, epoch: u64) -> Vec<usize> {
+        let num_samples = self.per_rank();
+        let total = num_samples * self.world;
+        if self.len == 0 || total == 0 {
+            return Vec::new();
+        }
+        let mut all = if self.shuffle {
+            randperm(self.len, self.seed.wrapping_add(epoch))
+        } else {
+            (0..self.len).collect()
+        };
+        if total > all.len() {
+            // Pad by repeating the list from its start, as torch does.
+            let base = all.clone();
+            while all.len() < total {
+                let need = total - all.len();
+                all.extend_from_slice(&base[..need.min(base.len())]);
+            }
+        } else {
+            all.truncate(total);
+        }
+        all.into_iter().skip(rank).step_by(self.world).collect()
+    }
+}
+
+/// The micro-batch and window structure of one rank's epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowPlan {
+    /// Samples of this rank in the epoch.
+    pub samples: usize,
+    /// Micro-batch size b.
+    pub batch: usize,
+    /// Accumulation steps k.
+    pub k: usize,
+}
+
+impl WindowPlan {
+    /// Micro-batches per epoch (the last one may be short).
+    pub fn micro_batches(&self) -> usize {
+        self.samples.div_ceil(self.batch.max(1))
+    }
+
+    /// Optimizer steps (windows) per epoch; the last window may be short.
+    pub fn windows(&self) -> usize {
+        self.micro_batches().div_ceil(self.k.max(1))
+    }
+
+    /// Sample range `[start, end)` of micro-batch `m` within the epoch.
+    pub fn micro_batch_range(&self, m: usize) -> (usize, usize) {
+        let start = (m * self.batch).min(self.samples);
+        let end = (start + self.batch).min(self.samples);
+        (start, end)
+    }
+
+    /// Number of micro-batches in the window that starts at micro-batch `m`.
+    pub fn window_len_from(&self, m: usize) -> usize {
+        let window_start = m - m % self.k.max(1);
+        (self.micro_batches() - window_start).min(self.k)
+    }
+
+    /// Whether micro-batch `m` closes its window (the k-th, or the epoch's last).
+    pub fn is_sync(&self, m: usize) -> bool {
+        (m + 1) % self.k.max(1) == 0 || m + 1 == self.micro_batches()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn torch_examples() {
+        // DistributedSampler(range(10), num_replicas=3, shuffle=False):
+        // padded to 12, rank 0 -> [0, 3, 6, 9], rank 2 -> [2, 5, 8, 1].
+        let s = ShardSpec {
+            len: 10,
+            world: 3,
+            seed: 0,
+            shuffle: false,
+            drop_last: false,
+        };
+        assert_eq!(s.indices(0, 0), vec![0, 3, 6, 9]);
+        assert_eq!(s.indices(2, 0), vec![2, 5, 8, 1]);
+        let d = ShardSpec {
+            drop_last: true,
+            ..s
+        };
+        assert_eq!(d.per_rank(), 3);
+        assert_eq!(d.indices(1, 0), vec![1, 4, 7]);
+    }
+
+    #[test]
+    fn windows_of_an_uneven_epoch() {
+        let p = WindowPlan {
+            samples: 108,
+            batch: 8,
+            k: 4,
+        };
+        assert_eq!(p.micro_batches(), 14);
+        assert_eq!(p.windows(), 4);
+        assert_eq!(p.micro_batch_range(13), (104, 108));
+        assert_eq!(p.window_len_from(12), 2);
+        assert_eq!(p.window_len_from(13), 2);
+        assert!(p.is_sync(3) && !p.is_sync(12) && p.is_sync(13));
+    }
+
+    proptest! {
+        #[test]
+        fn every_index_exactly_once_across_ranks(
+            len in 0usize..300, world in 1usize..9, seed in 0u64..1000,
+            epoch in 0u64..5, shuffle: bool, drop_last: bool,
+        ) {
+            let s = ShardSpec { len, world, seed, shuffle, drop_last };
+            let mut count = vec![0usize; len];
+            for r in 0..world {
+                let idx = s.indices(r, epoch);
+                prop_assert_eq!(idx.len(), s.per_rank());
+                for i in idx { count[i] += 1; }
+            }
+            let total = s.per_rank() * world;
+            if drop_last {
+                // Dropped tail: no index twice, exactly `total` distinct ones.
+                prop_assert!(count.iter().all(|&c| c <= 1));
+                prop_assert_eq!(count.iter().filter(|&&c| c == 1).count(), total);
+                prop_assert!(len - total < world);
+            } else {
+                // Padding: every index at least once; the extra ones are the padding.
+                prop_assert!(count.iter().all(|&c| c >= 1));
+                prop_assert_eq!(count.iter().sum::<usize>(), total);
+                prop_assert!(total - len < world);
+                if len >= world { prop_assert!(count.iter().all(|&c| c <= 2)); }
+            }
+        }
+
+        #[test]
+        fn micro_batches_tile_the_epoch(samples in 0usize..500, batch in 1usize..40, k in 1usize..10) {
+            let p = WindowPlan { samples, batch, k };
+            let mut next = 0;
+            let mut syncs = 0;
+            for m in 0..p.micro_batches() {
+                let (a, b) = p.micro_batch_range(m);
+                prop_assert_eq!(a, next);
+                prop_assert!(b > a && b - a <= batch);
+                next = b;
+                if p.is_sync(m) { syncs += 1; }
+                prop_assert!(p.window_len_from(m) >= 1 && p.window_len_from(m) <= k);
+            }
+            prop_assert_eq!(next, samples);
+            prop_assert_eq!(syncs, p.windows());
+        }
+    }
+}

@@ -1,0 +1,700 @@
+//! The job spec (DESIGN section 12): TOML parsed with `deny_unknown_fields`,
+//! then validated as a whole so that every bad value is reported at once with
+//! its field path, the value and the allowed range.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub name: String,
+    /// W: number of ranks.
+    #[serde(default = "one_u32")]
+    pub workers: u32,
+    pub min_workers: Option<u32>,
+    pub max_workers: Option<u32>,
+    #[serde(default)]
+    pub seed: u64,
+    /// Passes over the training data (default 1 when `max_steps` is absent).
+    pub epochs: Option<u64>,
+    /// Stop after this many optimizer steps (takes precedence over `epochs`).
+    pub max_steps: Option<u64>,
+    /// `auto` (CUDA when present), `cpu` or `cuda:N`.
+    #[serde(default = "auto")]
+    pub device: String,
+    /// libtorch intra-op threads for this rank (default: libtorch's choice).
+    pub threads: Option<u32>,
+    pub model: ModelSpec,
+    pub data: DataSpec,
+    #[serde(default)]
+    pub accumulation: AccumulationSpec,
+    #[serde(default)]
+    pub clipping: ClippingSpec,
+    pub optimizer: OptimizerSpec,
+    #[serde(default)]
+    pub schedule: ScheduleSpec,
+    #[serde(default)]
+    pub checkpoint: CheckpointSpec,
+    #[serde(default)]
+    pub eval: EvalSpec,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// mlp | lenet5 | resnet18 | resnet34 | torchscript
+    pub kind: String,
+    /// mlp hidden layer widths.
+    #[serde(default)]
+    pub hidden: Vec<i64>,
+    /// Output classes; inferred from the labels when absent.
+    pub num_classes: Option<i64>,
+    /// torchscript: the module file (torch.jit.save).
+    pub path: Option<PathBuf>,
+    /// Initial weights by name (strict), a safetensors file.
+    pub init: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    /// mnist | cifar10 | tensors | synthetic
+    pub kind: String,
+    /// mnist/cifar10: the folder; tensors: the training file.
+    pub path: Option<PathBuf>,
+    /// tensors: the held-out file (optional).
+    pub eval_path: Option<PathBuf>,
+    /// b: samples per worker per micro-step.
+    pub batch_size: u64,
+    #[serde(default = "yes")]
+    pub shuffle: bool,
+    #[serde(default)]
+    pub drop_last: bool,
+    /// synthetic: training samples.
+    pub samples: Option<u64>,
+    /// synthetic: held-out samples.
+    pub eval_samples: Option<u64>,
+    /// synthetic: per-sample shape, e.g. [32] or [1, 28, 28].
+    pub shape: Option<Vec<i64>>,
+    /// synthetic: number of classes.
+    pub classes: Option<i64>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AccumulationSpec {
+    /// k: micro-steps per optimizer step.
+    pub steps: Option<u64>,
+    /// Effective batch W*k*b; k is derived from it when set.
+    pub global_batch: Option<u64>,
+    /// global_count | mean | sum
+    #[serde(default = "global_count")]
+    pub normalize: String,
+    /// boundary | every_step
+    #[serde(default = "boundary")]
+    pub sync: String,
+}
+
+impl Default for AccumulationSpec {
+    fn default() -> Self {
+        Self {
+            steps: None,
+            global_batch: None,
+            normalize: global_count(),
+            sync: boundary(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ClippingSpec {
+    pub max_norm: Option<f64>,
+    /// 2.0 or inf (TOML `inf`), used for clipping and for the reported norm.
+    pub norm_type: Option<f64>,
+    pub clip_value: Option<f64>,
+    /// skip | error
+    pub on_nonfinite: Option<String>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSpec {
+    /// sgd | adam | adamw
+    pub kind: String,
+    pub lr: f64,
+    #[serde(default)]
+    pub momentum: f64,
+    #[serde(default)]
+    pub dampening: f64,
+    #[serde(default)]
+    pub nesterov: bool,
+    /// Default 0 (sgd, adam) or 0.01 (adamw), as in PyTorch.
+    pub weight_decay: Option<f64>,
+    pub betas: Option<[f64; 2]>,
+    pub eps: Option<f64>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSpec {
+    /// constant | cosine | step | linear_warmup
+    #[serde(default = "constant")]
+    pub kind: String,
+    /// Linear warm-up from lr/warmup_steps to lr over this many steps (any kind).
+    #[serde(default)]
+    pub warmup_steps: u64,
+    /// step: decay every step_size optimizer steps.
+    pub step_size: Option<u64>,
+    /// step: multiplicative decay (default 0.1).
+    pub gamma: Option<f64>,
+    /// cosine: the floor (default 0).
+    pub min_lr: Option<f64>,
+}
+
+impl Default for ScheduleSpec {
+    fn default() -> Self {
+        Self {
+            kind: constant(),
+            warmup_steps: 0,
+            step_size: None,
+            gamma: None,
+            min_lr: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSpec {
+    /// Default `<state-dir>/checkpoints/<name>`.
+    pub dir: Option<PathBuf>,
+    /// 0: only the final checkpoint.
+    #[serde(default)]
+    pub every_steps: u64,
+    #[serde(default = "three")]
+    pub keep: u64,
+}
+
+impl Default for CheckpointSpec {
+    fn default() -> Self {
+        Self {
+            dir: None,
+            every_steps: 0,
+            keep: three(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSpec {
+    /// Evaluate every N epochs (0: only at the end).
+    #[serde(default)]
+    pub every_epochs: u64,
+    #[serde(default = "eval_batch")]
+    pub batch_size: u64,
+}
+
+impl Default for EvalSpec {
+    fn default() -> Self {
+        Self {
+            every_epochs: 0,
+            batch_size: eval_batch(),
+        }
+    }
+}
+
+fn one_u32() -> u32 {
+    1
+}
+fn yes() -> bool {
+    true
+}
+fn three() -> u64 {
+    3
+}
+fn eval_batch() -> u64 {
+    256
+}
+fn auto() -> String {
+    "auto".into()
+}
+fn global_count() -> String {
+    "global_count".into()
+}
+fn boundary() -> String {
+    "boundary".into()
+}
+fn constant() -> String {
+    "constant".into()
+}
+
+pub const MODEL_KINDS: &[&str] = &["mlp", "lenet5", "resnet18", "resnet34", "torchscript"];
+pub const DATA_KINDS: &[&str] = &["mnist", "cifar10", "tensors", "synthetic"];
+pub const NORMALIZE: &[&str] = &["global_count", "mean", "sum"];
+pub const SYNC: &[&str] = &["boundary", "every_step"];
+pub const NONFINITE: &[&str] = &["skip", "error"];
+pub const OPTIMIZERS: &[&str] = &["sgd", "adam", "adamw"];
+pub const SCHEDULES: &[&str] = &["constant", "cosine", "step", "linear_warmup"];
+
+/// One refused value: where it is, what it was, what is allowed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FieldError {
+    pub field: String,
+    pub value: String,
+    pub allowed: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} = {}: {}", self.field, self.value, self.allowed)
+    }
+}
+
+/// Every problem found in a spec.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("invalid job spec:\n  {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  "))]
+pub struct SpecErrors(pub Vec<FieldError>);
+
+/// Collects field errors during validation.
+#[derive(Default)]
+pub struct Checker {
+    errors: Vec<FieldError>,
+}
+
+impl Checker {
+    pub fn fail(&mut self, field: &str, value: impl fmt::Debug, allowed: impl Into<String>) {
+        self.errors.push(FieldError {
+            field: field.to_string(),
+            value: format!("{value:?}"),
+            allowed: allowed.into(),
+        });
+    }
+
+    pub fn one_of(&mut self, field: &str, value: &str, allowed: &[&str]) {
+        if !allowed.contains(&value) {
+            self.fail(
+                field,
+                value,
+                format!("must be one of {}", allowed.join(", ")),
+            );
+        }
+    }
+
+    pub fn positive_finite(&mut self, field: &str, value: f64) {
+        if !(value.is_finite() && value > 0.0) {
+            self.fail(field, value, "must be a finite number > 0");
+        }
+    }
+
+    pub fn in_range(&mut self, field: &str, value: f64, lo: f64, hi: f64, what: &str) {
+        if !(value.is_finite() && value >= lo && value < hi) {
+            self.fail(field, value, format!("must be {what}"));
+        }
+    }
+
+    pub fn file_exists(&mut self, field: &str, path: &Path) {
+        if !path.is_file() {
+            self.fail(
+                field,
+                path.display().to_string(),
+                "must name an existing file",
+            );
+        }
+    }
+
+    pub fn finish(self) -> Result<(), SpecErrors> {
+        if self.errors.is_empty() {
+            Ok(())
+        } else {
+            Err(SpecErrors(self.errors))
+        }
+    }
+}
+
+/// Parse errors that are not about one value (syntax, unknown field, type).
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read job spec {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("job spec {path} is not valid: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("job spec {path}: {source}")]
+    Invalid { path: PathBuf, source: SpecErrors },
+}
+
+/// The concrete accumulation settings after validation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Normalize {
+    GlobalCount,
+    Mean,
+    Sum,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncMode {
+    Boundary,
+    EveryStep,
+}
+
+impl JobSpec {
+    pub fn from_toml_str(text: &str, origin: &Path) -> Result<Self, LoadError> {
+        let spec: JobSpec = toml::from_str(text).map_err(|e| LoadError::Parse {
+            path: origin.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        spec.validate().map_err(|source| LoadError::Invalid {
+            path: origin.to_path_buf(),
+            source,
+        })?;
+        Ok(spec)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, LoadError> {
+        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_toml_str(&text, path)
+    }
+
+    /// k for a world of `world` ranks: `steps`, or global_batch / (W*b).
+    pub fn accumulation_steps(&self, world: u64) -> Result<u64, FieldError> {
+        let b = self.data.batch_size.max(1);
+        match (self.accumulation.steps, self.accumulation.global_batch) {
+            (Some(k), _) => Ok(k),
+            (None, Some(g)) => {
+                let per_window = world.max(1) * b;
+                if g % per_window != 0 || g == 0 {
+                    Err(FieldError {
+                        field: "accumulation.global_batch".into(),
+                        value: g.to_string(),
+                        allowed: format!(
+                            "must be a positive multiple of workers * data.batch_size = {per_window}"
+                        ),
+                    })
+                } else {
+                    Ok(g / per_window)
+                }
+            }
+            (None, None) => Ok(1),
+        }
+    }
+
+    pub fn normalize(&self) -> Normalize {
+        match self.accumulation.normalize.as_str() {
+            "mean" => Normalize::Mean,
+            "sum" => Normalize::Sum,
+            _ => Normalize::GlobalCount,
+        }
+    }
+
+    pub fn sync_mode(&self) -> SyncMode {
+        if self.accumulation.sync == "every_step" {
+            SyncMode::EveryStep
+        } else {
+            SyncMode::Boundary
+        }
+    }
+
+    pub fn norm_type(&self) -> f64 {
+        self.clipping.norm_type.unwrap_or(2.0)
+    }
+
+    pub fn skip_nonfinite(&self) -> bool {
+        self.clipping.on_nonfinite.as_deref() != Some("error")
+    }
+
+    /// Checks every field; file contents are checked later by the loaders,
+    /// still before anything is written.
+    pub fn validate(&self) -> Result<(), SpecErrors> {
+        let mut c = Checker::default();
+        if self.name.trim().is_empty() {
+            c.fail("name", &self.name, "must be a non-empty string");
+        }
+        if self.workers == 0 {
+            c.fail("workers", self.workers, "must be an integer >= 1");
+        }
+        if let Some(m) = self.min_workers {
+            if m == 0 || m > self.workers {
+                c.fail("min_workers", m, format!("must be in 1..={}", self.workers));
+            }
+        }
+        if let Some(m) = self.max_workers {
+            if m < self.workers {
+                c.fail(
+                    "max_workers",
+                    m,
+                    format!("must be >= workers = {}", self.workers),
+                );
+            }
+        }
+        if self.epochs == Some(0) {
+            c.fail("epochs", 0, "must be an integer >= 1");
+        }
+        if self.max_steps == Some(0) {
+            c.fail("max_steps", 0, "must be an integer >= 1");
+        }
+        let d = self.device.as_str();
+        let cuda_ok = d
+            .strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.chars().all(|ch| ch.is_ascii_digit()));
+        if !(d == "auto" || d == "cpu" || d == "cuda" || cuda_ok) {
+            c.fail("device", d, "must be auto, cpu, cuda or cuda:N");
+        }
+        if self.threads == Some(0) {
+            c.fail("threads", 0, "must be an integer >= 1");
+        }
+        self.validate_model(&mut c);
+        self.validate_data(&mut c);
+        self.validate_accumulation(&mut c);
+        self.validate_clipping(&mut c);
+        self.validate_optimizer(&mut c);
+        self.validate_schedule(&mut c);
+        if self.checkpoint.keep == 0 {
+            c.fail("checkpoint.keep", 0, "must be an integer >= 1");
+        }
+        if self.eval.batch_size == 0 {
+            c.fail("eval.batch_size", 0, "must be an integer >= 1");
+        }
+        c.finish()
+    }
+
+    fn validate_model(&self, c: &mut Checker) {
+        let m = &self.model;
+        c.one_of("model.kind", &m.kind, MODEL_KINDS);
+        if let Some(bad) = m.hidden.iter().find(|&&h| h <= 0) {
+            c.fail("model.hidden", bad, "every width must be an integer >= 1");
+        }
+        if !m.hidden.is_empty() && m.kind != "mlp" {
+            c.fail(
+                "model.hidden",
+                &m.hidden,
+                "only allowed with model.kind = mlp",
+            );
+        }
+        if let Some(n) = m.num_classes {
+            if n < 1 {
+                c.fail("model.num_classes", n, "must be an integer >= 1");
+            }
+        }
+        match (&m.kind[..], &m.path) {
+            ("torchscript", None) => c.fail(
+                "model.path",
+                "(missing)",
+                "required for model.kind = torchscript",
+            ),
+            ("torchscript", Some(p)) => c.file_exists("model.path", p),
+            (_, Some(p)) => c.fail(
+                "model.path",
+                p.display().to_string(),
+                "only allowed with model.kind = torchscript",
+            ),
+            _ => {}
+        }
+        if let Some(p) = &m.init {
+            c.file_exists("model.init", p);
+        }
+    }
+
+    fn validate_data(&self, c: &mut Checker) {
+        let d = &self.data;
+        c.one_of("data.kind", &d.kind, DATA_KINDS);
+        if d.batch_size == 0 {
+            c.fail("data.batch_size", 0, "must be an integer >= 1");
+        }
+        match d.kind.as_str() {
+            "mnist" => match &d.path {
+                None => c.fail("data.path", "(missing)", "required for data.kind = mnist"),
+                Some(p) => {
+                    for f in crate::data::MNIST_FILES {
+                        c.file_exists("data.path", &p.join(f));
+                    }
+                }
+            },
+            "cifar10" => match &d.path {
+                None => c.fail("data.path", "(missing)", "required for data.kind = cifar10"),
+                Some(p) => {
+                    for f in crate::data::CIFAR_FILES {
+                        c.file_exists("data.path", &p.join(f));
+                    }
+                }
+            },
+            "tensors" => {
+                match &d.path {
+                    None => c.fail("data.path", "(missing)", "required for data.kind = tensors"),
+                    Some(p) => c.file_exists("data.path", p),
+                }
+                if let Some(p) = &d.eval_path {
+                    c.file_exists("data.eval_path", p);
+                }
+            }
+            "synthetic" => {
+                if d.samples == Some(0) {
+                    c.fail("data.samples", 0, "must be an integer >= 1");
+                }
+                if let Some(s) = &d.shape {
+                    if s.is_empty() || s.iter().any(|&x| x < 1) {
+                        c.fail("data.shape", s, "must be a non-empty list of integers >= 1");
+                    }
+                }
+                if let Some(k) = d.classes {
+                    if k < 2 {
+                        c.fail("data.classes", k, "must be an integer >= 2");
+                    }
+                }
+            }
+            _ => {}
+        }
+        if d.kind != "synthetic" {
+            for (field, set) in [
+                ("data.samples", d.samples.is_some()),
+                ("data.eval_samples", d.eval_samples.is_some()),
+                ("data.shape", d.shape.is_some()),
+                ("data.classes", d.classes.is_some()),
+            ] {
+                if set {
+                    c.fail(field, "(set)", "only allowed with data.kind = synthetic");
+                }
+            }
+        }
+    }
+
+    fn validate_accumulation(&self, c: &mut Checker) {
+        let a = &self.accumulation;
+        match (a.steps, a.global_batch) {
+            (Some(_), Some(_)) => c.fail(
+                "accumulation.global_batch",
+                a.global_batch,
+                "set either accumulation.steps or accumulation.global_batch, not both",
+            ),
+            (Some(0), None) => c.fail("accumulation.steps", 0, "must be an integer >= 1"),
+            (None, Some(_)) if self.data.batch_size > 0 => {
+                if let Err(e) = self.accumulation_steps(self.workers as u64) {
+                    c.errors.push(e);
+                }
+            }
+            _ => {}
+        }
+        c.one_of("accumulation.normalize", &a.normalize, NORMALIZE);
+        c.one_of("accumulation.sync", &a.sync, SYNC);
+    }
+
+    fn validate_clipping(&self, c: &mut Checker) {
+        let k = &self.clipping;
+        if let Some(m) = k.max_norm {
+            c.positive_finite("clipping.max_norm", m);
+        }
+        if let Some(v) = k.clip_value {
+            c.positive_finite("clipping.clip_value", v);
+        }
+        if k.max_norm.is_some() && k.clip_value.is_some() {
+            c.fail(
+                "clipping.clip_value",
+                k.clip_value,
+                "set either clipping.max_norm or clipping.clip_value, not both",
+            );
+        }
+        if let Some(n) = k.norm_type {
+            if !(n == 2.0 || n == f64::INFINITY) {
+                c.fail("clipping.norm_type", n, "must be 2.0 or inf");
+            }
+        }
+        if let Some(o) = &k.on_nonfinite {
+            c.one_of("clipping.on_nonfinite", o, NONFINITE);
+        }
+    }
+
+    fn validate_optimizer(&self, c: &mut Checker) {
+        let o = &self.optimizer;
+        c.one_of("optimizer.kind", &o.kind, OPTIMIZERS);
+        c.positive_finite("optimizer.lr", o.lr);
+        c.in_range("optimizer.momentum", o.momentum, 0.0, 1.0, "in [0, 1)");
+        c.in_range(
+            "optimizer.dampening",
+            o.dampening,
+            0.0,
+            1.0 + f64::EPSILON,
+            "in [0, 1]",
+        );
+        if let Some(w) = o.weight_decay {
+            c.in_range(
+                "optimizer.weight_decay",
+                w,
+                0.0,
+                f64::MAX,
+                "a finite number >= 0",
+            );
+        }
+        if o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0) {
+            c.fail(
+                "optimizer.nesterov",
+                true,
+                "requires optimizer.momentum > 0 and optimizer.dampening = 0",
+            );
+        }
+        if o.kind != "sgd" && (o.momentum != 0.0 || o.nesterov || o.dampening != 0.0) {
+            c.fail(
+                "optimizer.momentum",
+                o.momentum,
+                "momentum, dampening and nesterov are only allowed with optimizer.kind = sgd",
+            );
+        }
+        if let Some([b1, b2]) = o.betas {
+            c.in_range("optimizer.betas[0]", b1, 0.0, 1.0, "in [0, 1)");
+            c.in_range("optimizer.betas[1]", b2, 0.0, 1.0, "in [0, 1)");
+        }
+        if let Some(e) = o.eps {
+            c.positive_finite("optimizer.eps", e);
+        }
+        if o.kind == "sgd" && (o.betas.is_some() || o.eps.is_some()) {
+            c.fail(
+                "optimizer.betas",
+                o.betas,
+                "betas and eps are only allowed with adam or adamw",
+            );
+        }
+    }
+
+    fn validate_schedule(&self, c: &mut Checker) {
+        let s = &self.schedule;
+        c.one_of("schedule.kind", &s.kind, SCHEDULES);
+        if s.kind == "step" {
+            match s.step_size {
+                None | Some(0) => c.fail(
+                    "schedule.step_size",
+                    s.step_size,
+                    "must be an integer >= 1 for schedule.kind = step",
+                ),
+                _ => {}
+            }
+        }
+        if let Some(g) = s.gamma {
+            c.in_range(
+                "schedule.gamma",
+                g,
+                f64::MIN_POSITIVE,
+                1.0 + f64::EPSILON,
+                "in (0, 1]",
+            );
+        }
+        if let Some(m) = s.min_lr {
+            if !(m.is_finite() && m >= 0.0 && m < self.optimizer.lr) {
+                c.fail("schedule.min_lr", m, "must be >= 0 and below optimizer.lr");
+            }
+        }
+        if s.kind == "linear_warmup" && s.warmup_steps == 0 {
+            c.fail(
+                "schedule.warmup_steps",
+                0,
+                "must be >= 1 for schedule.kind = linear_warmup",
+            );
+        }
+    }
+}
