@@ -1,0 +1,95 @@
+//! Shared helpers for the engine tests.
+#![allow(dead_code)]
+
+use accrue_worker::engine::RunOptions;
+use accrue_worker::{Engine, JobSpec, SingleRank};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use tch::Tensor;
+
+/// The project's Python (with torch), from .cargo/config.toml.
+pub fn python() -> PathBuf {
+    let p = PathBuf::from(env!("ACCRUE_PYTHON"));
+    assert!(p.exists(), "{} is missing: run `make setup` first", p.display());
+    p
+}
+
+pub fn reference_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/torch_reference.py")
+}
+
+/// Runs the PyTorch reference script and returns its stdout.
+pub fn torch_reference(args: &[&str]) -> String {
+    let out = Command::new(python()).arg(reference_script()).args(args).output().expect("run python");
+    assert!(
+        out.status.success(),
+        "reference script {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+pub fn spec(toml: &str) -> JobSpec {
+    JobSpec::from_toml_str(toml, Path::new("test.toml")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+pub fn engine(spec: JobSpec, dir: &Path) -> Engine<SingleRank> {
+    let opts = RunOptions { checkpoint_dir: Some(dir.to_path_buf()), ..Default::default() };
+    Engine::new(spec, SingleRank, opts).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Trains to the end and returns the final parameters by name.
+pub fn train(spec: JobSpec, dir: &Path) -> Vec<(String, Tensor)> {
+    let mut e = engine(spec, dir);
+    e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
+    snapshot(&e)
+}
+
+pub fn snapshot(e: &Engine<SingleRank>) -> Vec<(String, Tensor)> {
+    e.parameters().iter().map(|(n, t)| (n.clone(), t.detach().copy())).collect()
+}
+
+/// Largest per-tensor `max|a - b| / max|b|` over all named tensors.
+pub fn max_rel_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            let diff = (ta - tb).abs().max().double_value(&[]);
+            diff / tb.abs().max().double_value(&[]).max(1e-30)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// A small synthetic-data MLP job; `extra` is appended (TOML tables).
+pub fn mlp_job(samples: u64, batch: u64, k: u64, normalize: &str, extra: &str) -> String {
+    format!(
+        r#"
+name = "t"
+seed = 5
+epochs = 2
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [16]
+[data]
+kind = "synthetic"
+samples = {samples}
+eval_samples = 0
+shape = [6]
+classes = 4
+batch_size = {batch}
+[accumulation]
+steps = {k}
+normalize = "{normalize}"
+[optimizer]
+kind = "sgd"
+lr = 0.1
+momentum = 0.9
+weight_decay = 0.001
+{extra}
+"#
+    )
+}

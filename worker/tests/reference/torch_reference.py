@@ -1,0 +1,130 @@
+"""PyTorch reference values for accrue's engine tests (run by the Rust tests
+with the project's virtual environment).
+
+  torch_reference.py clip OUT.safetensors
+      random gradients and what clip_grad_norm_ (2, inf) and clip_grad_value_
+      make of them
+  torch_reference.py sampler
+      DistributedSampler index lists for several settings, as JSON
+  torch_reference.py e2e-prepare DIR
+      data.safetensors (x, y) and init.safetensors (an MLP's state_dict)
+  torch_reference.py e2e-compare DIR CHECKPOINT_MODEL STEPS_PER_EPOCH_JSON
+      trains the same MLP with one large batch per optimizer step and compares
+      with the engine's model.safetensors (loaded strictly into the module)
+"""
+import json
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DistributedSampler
+
+torch.use_deterministic_algorithms(True)
+
+
+def clip(out):
+    g = torch.Generator().manual_seed(7)
+    shapes = [(16, 8), (16,), (4, 16), (4,)]
+    tensors = {}
+    for case, scale in [("big", 3.0), ("small", 0.01)]:
+        grads = [torch.randn(s, generator=g) * scale for s in shapes]
+        for i, t in enumerate(grads):
+            tensors[f"{case}.grad.{i}"] = t.clone()
+        for norm_type, tag in [(2.0, "l2"), (float("inf"), "inf")]:
+            params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+            for p, t in zip(params, grads):
+                p.grad = t.clone()
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0, norm_type=norm_type)
+            tensors[f"{case}.{tag}.total"] = total.reshape(1)
+            for i, p in enumerate(params):
+                tensors[f"{case}.{tag}.clipped.{i}"] = p.grad.clone()
+        params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+        for p, t in zip(params, grads):
+            p.grad = t.clone()
+        torch.nn.utils.clip_grad_value_(params, clip_value=0.5)
+        for i, p in enumerate(params):
+            tensors[f"{case}.value.clipped.{i}"] = p.grad.clone()
+    save_file(tensors, out)
+
+
+def sampler():
+    cases = []
+    for n, world, seed, epoch, shuffle, drop_last in [
+        (10, 3, 0, 0, False, False),
+        (10, 3, 42, 1, True, False),
+        (10, 3, 42, 1, True, True),
+        (100, 4, 7, 3, True, False),
+        (1000, 1, 123, 0, True, False),
+        (37, 5, 2**33 + 5, 2, True, True),
+    ]:
+        ranks = []
+        for rank in range(world):
+            s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+            s.set_epoch(epoch)
+            ranks.append(list(s))
+        cases.append(dict(n=n, world=world, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last, ranks=ranks))
+    print(json.dumps(cases))
+
+
+N, FEATURES, HIDDEN, CLASSES = 100, 6, [16, 12], 4
+
+
+def mlp():
+    widths = [FEATURES] + HIDDEN + [CLASSES]
+    layers = []
+    for i in range(len(widths) - 1):
+        layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def e2e_prepare(d):
+    torch.manual_seed(3)
+    x = torch.randn(N, FEATURES)
+    y = torch.randint(0, CLASSES, (N,))
+    save_file({"x": x, "y": y}, f"{d}/data.safetensors")
+    save_file({k: v.contiguous() for k, v in mlp().state_dict().items()}, f"{d}/init.safetensors")
+
+
+def e2e_compare(d, engine_model, cfg):
+    cfg = json.loads(cfg)
+    data = load_file(f"{d}/data.safetensors")
+    x, y = data["x"], data["y"]
+    model = mlp()
+    model.load_state_dict(load_file(f"{d}/init.safetensors"))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+    sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=cfg["seed"])
+    big_batch = cfg["batch"] * cfg["k"]
+    loss_fn = torch.nn.CrossEntropyLoss()
+    steps = 0
+    for epoch in range(cfg["epochs"]):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, len(order), big_batch):
+            idx = torch.tensor(order[start:start + big_batch])
+            opt.zero_grad()
+            loss_fn(model(x[idx]), y[idx]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
+            opt.step()
+            steps += 1
+    engine = mlp()
+    engine.load_state_dict(load_file(engine_model), strict=True)
+    ref, got = model.state_dict(), engine.state_dict()
+    worst = max(((got[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
+    moved = max(((ref[k] - v).abs().max()).item() for k, v in load_file(f"{d}/init.safetensors").items())
+    print(json.dumps({"steps": steps, "max_rel_diff": worst, "max_change_from_init": moved}))
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1]
+    if cmd == "clip":
+        clip(sys.argv[2])
+    elif cmd == "sampler":
+        sampler()
+    elif cmd == "e2e-prepare":
+        e2e_prepare(sys.argv[2])
+    elif cmd == "e2e-compare":
+        e2e_compare(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        sys.exit(f"unknown command {cmd}")
