@@ -360,7 +360,24 @@ impl Model {
     }
 }
 
-/// Trainable variables in creation order with their names, then the other
+/// Puts parameters in `module.parameters()` order: modules in creation
+/// order, and within a module `weight` before `bias` (tch creates the bias
+/// first).
+fn order_like_pytorch(params: &mut [(String, Tensor)]) {
+    let prefix = |n: &str| n.rsplit_once('.').map_or(String::new(), |(p, _)| p.to_string());
+    let mut first_seen: HashMap<String, usize> = HashMap::new();
+    for (i, (n, _)) in params.iter().enumerate() {
+        first_seen.entry(prefix(n)).or_insert(i);
+    }
+    let leaf_rank = |n: &str| match n.rsplit('.').next() {
+        Some("weight") => 0,
+        Some("bias") => 1,
+        _ => 2,
+    };
+    params.sort_by_key(|(n, _)| (first_seen[&prefix(n)], leaf_rank(n), n.clone()));
+}
+
+/// Trainable variables in module order with their names, then the other
 /// variables sorted by name.
 fn named_state(vs: &nn::VarStore) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
     let named = vs.variables();
@@ -374,6 +391,7 @@ fn named_state(vs: &nn::VarStore) -> (Vec<(String, Tensor)>, Vec<(String, Tensor
             params.push((name, t));
         }
     }
+    order_like_pytorch(&mut params);
     let mut buffers: Vec<(String, Tensor)> = named
         .into_iter()
         .filter(|(_, t)| by_ptr.contains_key(&(t.data_ptr() as usize)))
