@@ -81,6 +81,22 @@ fn sampler_equals_distributed_sampler() {
 /// model.safetensors strictly.
 #[test]
 fn end_to_end_equals_pytorch() {
+    let rel = e2e("sgd", "momentum = 0.9\nweight_decay = 0.01\nnesterov = true", 0.2, r#""momentum":0.9,"weight_decay":0.01,"nesterov":true"#);
+    assert!(rel < 1e-5, "engine and PyTorch (SGD) differ by {rel:e} (relative)");
+}
+
+/// Adam and AdamW (PyTorch's for-loop implementation) through the same run.
+#[test]
+fn end_to_end_adam_and_adamw_equal_pytorch() {
+    for kind in ["adam", "adamw"] {
+        let rel = e2e(kind, "weight_decay = 0.01", 0.01, r#""weight_decay":0.01"#);
+        assert!(rel < 1e-5, "engine and PyTorch ({kind}) differ by {rel:e} (relative)");
+    }
+}
+
+/// Trains the e2e MLP with the engine (k = 4, b = 8, clipping) and PyTorch
+/// (one batch of 32 per step) and returns their largest relative difference.
+fn e2e(kind: &str, optimizer: &str, lr: f64, cfg_extra: &str) -> f64 {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     torch_reference(&["e2e-prepare", d.to_str().unwrap()]);
@@ -105,10 +121,9 @@ steps = 4
 [clipping]
 max_norm = 0.5
 [optimizer]
-kind = "sgd"
-lr = 0.2
-momentum = 0.9
-weight_decay = 0.01
+kind = "{kind}"
+lr = {lr}
+{optimizer}
 "#,
         d = d.display()
     );
@@ -125,12 +140,13 @@ weight_decay = 0.01
     assert_eq!(summary.state.step, 12, "100 samples, windows of 32: 4 steps per epoch");
     assert!(clipped > 0, "the test must exercise clipping");
     let model = summary.checkpoint.join("model.safetensors");
-    let cfg = r#"{"lr":0.2,"momentum":0.9,"weight_decay":0.01,"seed":11,"batch":8,"k":4,"epochs":3,"max_norm":0.5}"#;
-    let out = torch_reference(&["e2e-compare", d.to_str().unwrap(), model.to_str().unwrap(), cfg]);
-    eprintln!("pytorch reference: {out}");
+    let cfg = format!(
+        r#"{{"optimizer":"{kind}","lr":{lr},{cfg_extra},"seed":11,"batch":8,"k":4,"epochs":3,"max_norm":0.5}}"#
+    );
+    let out = torch_reference(&["e2e-compare", d.to_str().unwrap(), model.to_str().unwrap(), &cfg]);
+    eprintln!("pytorch reference ({kind}): {out}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["steps"], 12);
     assert!(v["max_change_from_init"].as_f64().unwrap() > 1e-2, "training must move the weights: {out}");
-    let rel = v["max_rel_diff"].as_f64().unwrap();
-    assert!(rel < 1e-5, "engine and PyTorch differ by {rel:e} (relative)");
+    v["max_rel_diff"].as_f64().unwrap()
 }

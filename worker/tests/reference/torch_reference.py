@@ -93,7 +93,12 @@ def e2e_compare(d, engine_model, cfg):
     x, y = data["x"], data["y"]
     model = mlp()
     model.load_state_dict(load_file(f"{d}/init.safetensors"))
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+    kind = cfg.get("optimizer", "sgd")
+    if kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"], nesterov=cfg.get("nesterov", False))
+    else:
+        cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+        opt = cls(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], foreach=False)
     sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=cfg["seed"])
     big_batch = cfg["batch"] * cfg["k"]
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -116,6 +121,14 @@ def e2e_compare(d, engine_model, cfg):
     print(json.dumps({"steps": steps, "max_rel_diff": worst, "max_change_from_init": moved}))
 
 
+def script_export(d):
+    """A TorchScript twin of the e2e MLP and its weights as safetensors."""
+    torch.manual_seed(4)
+    m = mlp()
+    torch.jit.script(m).save(f"{d}/model.pt")
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, f"{d}/script_init.safetensors")
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "clip":
@@ -126,5 +139,7 @@ if __name__ == "__main__":
         e2e_prepare(sys.argv[2])
     elif cmd == "e2e-compare":
         e2e_compare(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif cmd == "script-export":
+        script_export(sys.argv[2])
     else:
         sys.exit(f"unknown command {cmd}")
