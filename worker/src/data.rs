@@ -147,14 +147,16 @@ pub fn parse_idx_images(bytes: &[u8], path: &Path) -> Result<(usize, usize, usiz
         be_u32(bytes, 8) as usize,
         be_u32(bytes, 12) as usize,
     );
-    let want = n * rows * cols;
+    // In u128: three u32 factors cannot overflow it (a corrupt header must
+    // be an error, not an overflow).
+    let want = n as u128 * rows as u128 * cols as u128;
     let have = bytes.len() - 16;
-    if have != want {
+    if have as u128 != want {
         return Err(data_err(
             path,
             format!(
                 "{} the header declares {n} images of {rows}x{cols} = {want} pixel bytes, the file holds {have}",
-                if have < want { "truncated:" } else { "trailing bytes:" }
+                if (have as u128) < want { "truncated:" } else { "trailing bytes:" }
             ),
         ));
     }

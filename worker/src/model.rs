@@ -16,6 +16,9 @@ use tch::{CModule, Device, Kind, Tensor};
 /// even when several engines start at once (tests run on many threads).
 static INIT_LOCK: Mutex<()> = Mutex::new(());
 
+/// Tensors by PyTorch name.
+pub type Named = Vec<(String, Tensor)>;
+
 enum Net {
     Builtin(Box<dyn ModuleT>),
     Script(CModule),
@@ -27,9 +30,9 @@ pub struct Model {
     _vs: Option<nn::VarStore>,
     net: Net,
     /// Trainable parameters, in creation order (the order buckets use).
-    pub params: Vec<(String, Tensor)>,
+    pub params: Named,
     /// Non-trainable state saved with the model (BatchNorm running stats).
-    pub buffers: Vec<(String, Tensor)>,
+    pub buffers: Named,
     pub kind: String,
 }
 
@@ -364,7 +367,10 @@ impl Model {
 /// order, and within a module `weight` before `bias` (tch creates the bias
 /// first).
 fn order_like_pytorch(params: &mut [(String, Tensor)]) {
-    let prefix = |n: &str| n.rsplit_once('.').map_or(String::new(), |(p, _)| p.to_string());
+    let prefix = |n: &str| {
+        n.rsplit_once('.')
+            .map_or(String::new(), |(p, _)| p.to_string())
+    };
     let mut first_seen: HashMap<String, usize> = HashMap::new();
     for (i, (n, _)) in params.iter().enumerate() {
         first_seen.entry(prefix(n)).or_insert(i);
@@ -379,7 +385,7 @@ fn order_like_pytorch(params: &mut [(String, Tensor)]) {
 
 /// Trainable variables in module order with their names, then the other
 /// variables sorted by name.
-fn named_state(vs: &nn::VarStore) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+fn named_state(vs: &nn::VarStore) -> (Named, Named) {
     let named = vs.variables();
     let mut by_ptr: HashMap<usize, String> = named
         .iter()

@@ -306,6 +306,22 @@ impl Checker {
         }
     }
 
+    /// A folder that must hold `files`: one error for a missing folder,
+    /// else one per missing file.
+    pub fn files_in(&mut self, field: &str, dir: &Path, files: &[&str]) {
+        if !dir.is_dir() {
+            self.fail(
+                field,
+                dir.display().to_string(),
+                format!("must name an existing folder holding {}", files.join(", ")),
+            );
+            return;
+        }
+        for f in files {
+            self.file_exists(field, &dir.join(f));
+        }
+    }
+
     pub fn finish(self) -> Result<(), SpecErrors> {
         if self.errors.is_empty() {
             Ok(())
@@ -512,19 +528,11 @@ impl JobSpec {
         match d.kind.as_str() {
             "mnist" => match &d.path {
                 None => c.fail("data.path", "(missing)", "required for data.kind = mnist"),
-                Some(p) => {
-                    for f in crate::data::MNIST_FILES {
-                        c.file_exists("data.path", &p.join(f));
-                    }
-                }
+                Some(p) => c.files_in("data.path", p, &crate::data::MNIST_FILES),
             },
             "cifar10" => match &d.path {
                 None => c.fail("data.path", "(missing)", "required for data.kind = cifar10"),
-                Some(p) => {
-                    for f in crate::data::CIFAR_FILES {
-                        c.file_exists("data.path", &p.join(f));
-                    }
-                }
+                Some(p) => c.files_in("data.path", p, &crate::data::CIFAR_FILES),
             },
             "tensors" => {
                 match &d.path {
@@ -569,9 +577,9 @@ impl JobSpec {
     fn validate_accumulation(&self, c: &mut Checker) {
         let a = &self.accumulation;
         match (a.steps, a.global_batch) {
-            (Some(_), Some(_)) => c.fail(
+            (Some(_), Some(g)) => c.fail(
                 "accumulation.global_batch",
-                a.global_batch,
+                g,
                 "set either accumulation.steps or accumulation.global_batch, not both",
             ),
             (Some(0), None) => c.fail("accumulation.steps", 0, "must be an integer >= 1"),
@@ -594,10 +602,10 @@ impl JobSpec {
         if let Some(v) = k.clip_value {
             c.positive_finite("clipping.clip_value", v);
         }
-        if k.max_norm.is_some() && k.clip_value.is_some() {
+        if let (Some(_), Some(v)) = (k.max_norm, k.clip_value) {
             c.fail(
                 "clipping.clip_value",
-                k.clip_value,
+                v,
                 "set either clipping.max_norm or clipping.clip_value, not both",
             );
         }

@@ -42,7 +42,11 @@ fn resume_continues_exactly() {
     let mut first = Engine::new(spec(&job), SingleRank, opts(false, Some(7))).unwrap();
     let s1 = first.run(|_| {}).unwrap();
     assert!(!s1.finished);
-    assert_eq!((s1.state.step, s1.state.epoch, s1.state.cursor), (7, 1, 4), "stopped mid-epoch");
+    assert_eq!(
+        (s1.state.step, s1.state.epoch, s1.state.cursor),
+        (7, 1, 4),
+        "stopped mid-epoch"
+    );
     drop(first);
     let mut second = Engine::new(spec(&job), SingleRank, opts(true, None)).unwrap();
     assert_eq!(second.state().step, 7);
@@ -52,7 +56,10 @@ fn resume_continues_exactly() {
     assert_eq!(s2.state.samples_seen, 14 * 16);
     let resumed = snapshot(&second);
     let rel = max_rel_diff(&resumed, &straight);
-    assert_eq!(rel, 0.0, "resumed run differs from the straight run by {rel:e}");
+    assert_eq!(
+        rel, 0.0,
+        "resumed run differs from the straight run by {rel:e}"
+    );
 }
 
 #[test]
@@ -67,12 +74,26 @@ fn checkpoint_layout_atomic_keep_and_latest() {
     })
     .unwrap();
     // every 3 steps, and always the final step 14.
-    assert_eq!(written, ["step-3", "step-6", "step-9", "step-12", "step-14"]);
-    let mut entries: Vec<String> =
-        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
+    assert_eq!(
+        written,
+        ["step-3", "step-6", "step-9", "step-12", "step-14"]
+    );
+    let mut entries: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
     entries.sort();
-    assert_eq!(entries, ["LATEST", "step-12", "step-14"], "keep = 2, no temporary folders left");
-    assert_eq!(std::fs::read_to_string(dir.path().join("LATEST")).unwrap().trim(), "step-14");
+    assert_eq!(
+        entries,
+        ["LATEST", "step-12", "step-14"],
+        "keep = 2, no temporary folders left"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("LATEST"))
+            .unwrap()
+            .trim(),
+        "step-14"
+    );
     let last = dir.path().join("step-14");
     let model = Tensor::read_safetensors(last.join("model.safetensors")).unwrap();
     let names: Vec<&str> = model.iter().map(|(n, _)| n.as_str()).collect();
@@ -88,8 +109,17 @@ fn checkpoint_layout_atomic_keep_and_latest() {
     assert_eq!(trainer["optimizer_steps"], 14);
     assert_eq!(trainer["samples_seen"], 14 * 16);
     // The saved weights are the engine's.
-    let w = model.iter().find(|(n, _)| n == "0.weight").unwrap().1.shallow_clone();
-    assert_eq!(e.parameters()[0].0, "0.weight", "parameters in module order");
+    let w = model
+        .iter()
+        .find(|(n, _)| n == "0.weight")
+        .unwrap()
+        .1
+        .shallow_clone();
+    assert_eq!(
+        e.parameters()[0].0,
+        "0.weight",
+        "parameters in module order"
+    );
     assert!(w.equal(&e.parameters()[0].1.detach()));
 }
 
@@ -100,12 +130,18 @@ fn existing_checkpoints_are_not_overwritten_without_resume() {
     let err = Engine::new(
         spec(&mlp_job(32, 8, 2, "global_count", "")),
         SingleRank,
-        RunOptions { checkpoint_dir: Some(dir.path().to_path_buf()), ..Default::default() },
+        RunOptions {
+            checkpoint_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        },
     )
     .err()
     .expect("must refuse");
     let msg = err.to_string();
-    assert!(msg.contains("already holds checkpoints") && msg.contains("step-4"), "{msg}");
+    assert!(
+        msg.contains("already holds checkpoints") && msg.contains("step-4"),
+        "{msg}"
+    );
 }
 
 /// A data set whose sample 5 holds a NaN: the window containing it has a
@@ -119,7 +155,10 @@ fn nan_data(dir: &Path) -> String {
     let job = mlp_job(64, 8, 2, "global_count", "");
     job.replace(
         "kind = \"synthetic\"\nsamples = 64\neval_samples = 0\nshape = [6]\nclasses = 4\n",
-        &format!("kind = \"tensors\"\nshuffle = false\npath = \"{}\"\n", path.display()),
+        &format!(
+            "kind = \"tensors\"\nshuffle = false\npath = \"{}\"\n",
+            path.display()
+        ),
     )
 }
 
@@ -137,7 +176,11 @@ fn nonfinite_gradient_step_is_skipped_and_counted() {
     };
     assert!(first.skipped && !first.grad_norm.is_finite(), "{first:?}");
     assert_eq!(e.state().skipped_steps, 1);
-    assert_eq!(max_rel_diff(&snapshot(&e), &before), 0.0, "a skipped step must not change parameters");
+    assert_eq!(
+        max_rel_diff(&snapshot(&e), &before),
+        0.0,
+        "a skipped step must not change parameters"
+    );
     let second = loop {
         if let Some(r) = e.micro_step().unwrap() {
             break r;
@@ -148,19 +191,31 @@ fn nonfinite_gradient_step_is_skipped_and_counted() {
     let summary = e.run(|_| {}).unwrap();
     // Sample 5 is in the first window of each of the 2 epochs.
     assert_eq!(summary.state.skipped_steps, 2);
-    assert!(e.parameters().iter().all(|(_, p)| p.isfinite().all().int64_value(&[]) == 1));
+    assert!(e
+        .parameters()
+        .iter()
+        .all(|(_, p)| p.isfinite().all().int64_value(&[]) == 1));
 }
 
 #[test]
 fn nonfinite_gradient_with_error_fails_clearly() {
     let dir = TempDir::new().unwrap();
-    let job = nan_data(dir.path()).replace("[optimizer]", "[clipping]\non_nonfinite = \"error\"\n[optimizer]");
+    let job = nan_data(dir.path()).replace(
+        "[optimizer]",
+        "[clipping]\non_nonfinite = \"error\"\n[optimizer]",
+    );
     let mut e = engine(spec(&job), &dir.path().join("ckpt"));
-    let err = e.run(|_| {}).err().expect("must fail");
+    let err = e.run(|_| {}).expect_err("must fail");
     assert!(matches!(err, Error::NonFinite { step: 1, .. }), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("non-finite gradient norm") && msg.contains("step 1"), "{msg}");
-    assert!(!dir.path().join("ckpt").exists(), "a failed step must not write a checkpoint");
+    assert!(
+        msg.contains("non-finite gradient norm") && msg.contains("step 1"),
+        "{msg}"
+    );
+    assert!(
+        !dir.path().join("ckpt").exists(),
+        "a failed step must not write a checkpoint"
+    );
 }
 
 #[test]
@@ -172,42 +227,112 @@ fn init_weights_are_loaded_strictly() {
     let w2 = Tensor::full([4, 16], 0.5, (Kind::Float, tch::Device::Cpu));
     let b2 = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu));
     let good = d.join("good.safetensors");
-    Tensor::write_safetensors(&[("0.weight", &w0), ("0.bias", &b0), ("2.weight", &w2), ("2.bias", &b2)], &good).unwrap();
+    Tensor::write_safetensors(
+        &[
+            ("0.weight", &w0),
+            ("0.bias", &b0),
+            ("2.weight", &w2),
+            ("2.bias", &b2),
+        ],
+        &good,
+    )
+    .unwrap();
     let with_init = |file: &Path| {
-        mlp_job(32, 8, 2, "global_count", "").replace("hidden = [16]", &format!("hidden = [16]\ninit = \"{}\"", file.display()))
+        mlp_job(32, 8, 2, "global_count", "").replace(
+            "hidden = [16]",
+            &format!("hidden = [16]\ninit = \"{}\"", file.display()),
+        )
     };
     let e = engine(spec(&with_init(&good)), &d.join("c1"));
     let names: Vec<&str> = e.parameters().iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["0.weight", "0.bias", "2.weight", "2.bias"]);
-    assert!(e.parameters()[2].1.equal(&w2), "2.weight must come from the file");
+    assert!(
+        e.parameters()[2].1.equal(&w2),
+        "2.weight must come from the file"
+    );
 
     let renamed = d.join("renamed.safetensors");
-    Tensor::write_safetensors(&[("0.weight", &w0), ("0.bias", &b0), ("fc.weight", &w2), ("2.bias", &b2)], &renamed)
-        .unwrap();
-    let err = Engine::new(spec(&with_init(&renamed)), SingleRank, RunOptions::default()).err().unwrap().to_string();
-    assert!(err.contains("renamed.safetensors") && err.contains("2.weight") && err.contains("fc.weight"), "{err}");
+    Tensor::write_safetensors(
+        &[
+            ("0.weight", &w0),
+            ("0.bias", &b0),
+            ("fc.weight", &w2),
+            ("2.bias", &b2),
+        ],
+        &renamed,
+    )
+    .unwrap();
+    let err = Engine::new(
+        spec(&with_init(&renamed)),
+        SingleRank,
+        RunOptions::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("renamed.safetensors")
+            && err.contains("2.weight")
+            && err.contains("fc.weight"),
+        "{err}"
+    );
 
     let reshaped = d.join("reshaped.safetensors");
     let w2bad = Tensor::zeros([4, 15], (Kind::Float, tch::Device::Cpu));
-    Tensor::write_safetensors(&[("0.weight", &w0), ("0.bias", &b0), ("2.weight", &w2bad), ("2.bias", &b2)], &reshaped)
-        .unwrap();
-    let err = Engine::new(spec(&with_init(&reshaped)), SingleRank, RunOptions::default()).err().unwrap().to_string();
-    assert!(err.contains("2.weight: file [4, 15], model [4, 16]"), "{err}");
+    Tensor::write_safetensors(
+        &[
+            ("0.weight", &w0),
+            ("0.bias", &b0),
+            ("2.weight", &w2bad),
+            ("2.bias", &b2),
+        ],
+        &reshaped,
+    )
+    .unwrap();
+    let err = Engine::new(
+        spec(&with_init(&reshaped)),
+        SingleRank,
+        RunOptions::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("2.weight: file [4, 15], model [4, 16]"),
+        "{err}"
+    );
 }
 
 #[test]
 fn model_that_cannot_take_the_data_is_refused() {
-    let job = mlp_job(32, 8, 2, "global_count", "").replace("kind = \"mlp\"\nhidden = [16]", "kind = \"lenet5\"");
-    let err = Engine::new(spec(&job), SingleRank, RunOptions::default()).err().unwrap().to_string();
-    assert!(err.contains("lenet5 needs image samples [C, H, W]") && err.contains("[6]"), "{err}");
+    let job = mlp_job(32, 8, 2, "global_count", "")
+        .replace("kind = \"mlp\"\nhidden = [16]", "kind = \"lenet5\"");
+    let err = Engine::new(spec(&job), SingleRank, RunOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("lenet5 needs image samples [C, H, W]") && err.contains("[6]"),
+        "{err}"
+    );
     let job = job.replace("shape = [6]", "shape = [1, 8, 8]");
-    let err = Engine::new(spec(&job), SingleRank, RunOptions::default()).err().unwrap().to_string();
-    assert!(err.contains("at least 12x12") && err.contains("8x8"), "{err}");
+    let err = Engine::new(spec(&job), SingleRank, RunOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("at least 12x12") && err.contains("8x8"),
+        "{err}"
+    );
 }
 
 #[test]
 fn unavailable_device_is_refused() {
-    let job = mlp_job(32, 8, 2, "global_count", "").replace("device = \"cpu\"", "device = \"cuda:7\"");
-    let err = Engine::new(spec(&job), SingleRank, RunOptions::default()).err().unwrap().to_string();
+    let job =
+        mlp_job(32, 8, 2, "global_count", "").replace("device = \"cpu\"", "device = \"cuda:7\"");
+    let err = Engine::new(spec(&job), SingleRank, RunOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("cuda:7"), "{err}");
 }

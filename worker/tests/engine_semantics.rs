@@ -11,16 +11,27 @@ use tempfile::TempDir;
 fn parameters_change_only_at_the_sync_step() {
     let dir = TempDir::new().unwrap();
     let mut e = engine(spec(&mlp_job(64, 8, 4, "global_count", "")), dir.path());
-    let first = |e: &accrue_worker::Engine<_>| e.parameters()[0].1.flatten(0, -1).double_value(&[0]);
+    let first =
+        |e: &accrue_worker::Engine<_>| e.parameters()[0].1.flatten(0, -1).double_value(&[0]);
     let before = first(&e);
     for micro in 1..=3 {
-        assert!(e.micro_step().unwrap().is_none(), "micro-step {micro} must not be a sync step");
+        assert!(
+            e.micro_step().unwrap().is_none(),
+            "micro-step {micro} must not be a sync step"
+        );
         assert_eq!(first(&e), before, "parameter changed at micro-step {micro}");
     }
-    let report = e.micro_step().unwrap().expect("micro-step 4 is the sync step");
+    let report = e
+        .micro_step()
+        .unwrap()
+        .expect("micro-step 4 is the sync step");
     assert_eq!(report.step, 1);
     assert_eq!(report.samples, 32);
-    assert_ne!(first(&e), before, "parameter did not change at micro-step 4");
+    assert_ne!(
+        first(&e),
+        before,
+        "parameter did not change at micro-step 4"
+    );
     // And again for the next window.
     let after_one = first(&e);
     for _ in 1..=3 {
@@ -46,7 +57,10 @@ fn equivalence(samples: u64, normalize: &str, extra: &str) -> f64 {
 fn accumulation_equals_the_large_batch() {
     for normalize in ["global_count", "mean"] {
         let rel = equivalence(160, normalize, "");
-        assert!(rel < 1e-5, "normalize {normalize}: k=4,b=8 differs from k=1,b=32 by {rel:e}");
+        assert!(
+            rel < 1e-5,
+            "normalize {normalize}: k=4,b=8 differs from k=1,b=32 by {rel:e}"
+        );
     }
 }
 
@@ -56,9 +70,15 @@ fn accumulation_equals_the_large_batch() {
 #[test]
 fn uneven_last_window_global_count_exact_mean_not() {
     let exact = equivalence(108, "global_count", "");
-    assert!(exact < 1e-5, "global_count differs from the large batch by {exact:e}");
+    assert!(
+        exact < 1e-5,
+        "global_count differs from the large batch by {exact:e}"
+    );
     let mean = equivalence(108, "mean", "");
-    assert!(mean > 1e-3, "mean should differ from the large batch, differs by only {mean:e}");
+    assert!(
+        mean > 1e-3,
+        "mean should differ from the large batch, differs by only {mean:e}"
+    );
 }
 
 /// sync = every_step (reduce each micro-step into separate accumulation
@@ -75,7 +95,10 @@ fn every_step_equals_boundary() {
         let a = train(spec(&every), d1.path());
         let b = train(spec(&mlp_job(108, 8, 4, normalize, "")), d2.path());
         let rel = max_rel_diff(&a, &b);
-        assert!(rel < 1e-6, "normalize {normalize}: every_step differs from boundary by {rel:e}");
+        assert!(
+            rel < 1e-6,
+            "normalize {normalize}: every_step differs from boundary by {rel:e}"
+        );
     }
 }
 
@@ -84,7 +107,9 @@ fn every_step_equals_boundary() {
 #[test]
 fn sum_is_k_times_mean() {
     let plain = |normalize: &str, lr: &str| {
-        mlp_job(160, 8, 4, normalize, "").replace("momentum = 0.9\nweight_decay = 0.001", "").replace("lr = 0.1", lr)
+        mlp_job(160, 8, 4, normalize, "")
+            .replace("momentum = 0.9\nweight_decay = 0.001", "")
+            .replace("lr = 0.1", lr)
     };
     let (d1, d2) = (TempDir::new().unwrap(), TempDir::new().unwrap());
     let sum = train(spec(&plain("sum", "lr = 0.025")), d1.path());
@@ -108,11 +133,17 @@ fn counters_after_a_run() {
         })
         .unwrap();
     // 14 micro-batches per epoch -> 4 windows (32, 32, 32, 12), 2 epochs.
-    let expected: Vec<(u64, u64)> =
-        [32, 32, 32, 12, 32, 32, 32, 12].iter().enumerate().map(|(i, &s)| (i as u64 + 1, s)).collect();
+    let expected: Vec<(u64, u64)> = [32, 32, 32, 12, 32, 32, 32, 12]
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| (i as u64 + 1, s))
+        .collect();
     assert_eq!(steps, expected);
     let s = summary.state;
-    assert_eq!((s.step, s.samples_seen, s.epoch, s.cursor, s.micro_step), (8, 216, 2, 0, 28));
+    assert_eq!(
+        (s.step, s.samples_seen, s.epoch, s.cursor, s.micro_step),
+        (8, 216, 2, 0, 28)
+    );
     assert!(summary.finished);
     assert!(summary.checkpoint.ends_with("step-8"));
 }

@@ -9,7 +9,13 @@ use tch::Device;
 use tempfile::TempDir;
 
 fn model_spec(kind: &str) -> ModelSpec {
-    ModelSpec { kind: kind.into(), hidden: vec![], num_classes: None, path: None, init: None }
+    ModelSpec {
+        kind: kind.into(),
+        hidden: vec![],
+        num_classes: None,
+        path: None,
+        init: None,
+    }
 }
 
 fn numel(m: &Model) -> i64 {
@@ -39,7 +45,9 @@ fn resnets_have_torchvision_names_and_sizes() {
     assert_eq!(r18.params[0].0, "conv1.weight");
     let r34 = Model::build(&model_spec("resnet34"), &[3, 32, 32], 10, Device::Cpu, 1).unwrap();
     assert_eq!((r34.params.len(), numel(&r34)), (110, 21_289_802));
-    let err = Model::build(&model_spec("resnet18"), &[1, 28, 28], 10, Device::Cpu, 1).err().unwrap();
+    let err = Model::build(&model_spec("resnet18"), &[1, 28, 28], 10, Device::Cpu, 1)
+        .err()
+        .unwrap();
     assert!(err.to_string().contains("3-channel"), "{err}");
 }
 
@@ -52,8 +60,16 @@ fn lenet5_names_and_size() {
     assert_eq!(
         names,
         [
-            "conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias", "fc2.weight",
-            "fc2.bias", "fc3.weight", "fc3.bias"
+            "conv1.weight",
+            "conv1.bias",
+            "conv2.weight",
+            "conv2.bias",
+            "fc1.weight",
+            "fc1.bias",
+            "fc2.weight",
+            "fc2.bias",
+            "fc3.weight",
+            "fc3.bias"
         ]
     );
     assert_eq!(numel(&m), 61_706);
@@ -62,7 +78,10 @@ fn lenet5_names_and_size() {
 /// The same seed gives the same initial weights, whatever else runs at once.
 #[test]
 fn initial_weights_follow_the_seed() {
-    let spec = ModelSpec { hidden: vec![8], ..model_spec("mlp") };
+    let spec = ModelSpec {
+        hidden: vec![8],
+        ..model_spec("mlp")
+    };
     let a = Model::build(&spec, &[5], 3, Device::Cpu, 9).unwrap();
     let b = Model::build(&spec, &[5], 3, Device::Cpu, 9).unwrap();
     let c = Model::build(&spec, &[5], 3, Device::Cpu, 10).unwrap();
@@ -77,14 +96,20 @@ fn torchscript_trains_like_the_builtin() {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     torch_reference(&["script-export", d.to_str().unwrap()]);
-    let base = mlp_job(64, 8, 2, "global_count", "").replace("shape = [6]\nclasses = 4", "shape = [6]\nclasses = 4");
+    let base = mlp_job(64, 8, 2, "global_count", "");
     let script = base.replace(
         "kind = \"mlp\"\nhidden = [16]",
-        &format!("kind = \"torchscript\"\npath = \"{}/model.pt\"\nnum_classes = 4", d.display()),
+        &format!(
+            "kind = \"torchscript\"\npath = \"{}/model.pt\"\nnum_classes = 4",
+            d.display()
+        ),
     );
     let builtin = base.replace(
         "kind = \"mlp\"\nhidden = [16]",
-        &format!("kind = \"mlp\"\nhidden = [16, 12]\ninit = \"{}/script_init.safetensors\"", d.display()),
+        &format!(
+            "kind = \"mlp\"\nhidden = [16, 12]\ninit = \"{}/script_init.safetensors\"",
+            d.display()
+        ),
     );
     assert!(script.contains("torchscript") && builtin.contains("script_init"));
     let a = train(spec(&script), &d.join("a"));
@@ -92,5 +117,9 @@ fn torchscript_trains_like_the_builtin() {
     let rel = max_rel_diff(&a, &b);
     assert!(rel < 1e-6, "torchscript and built-in differ by {rel:e}");
     let saved = tch::Tensor::read_safetensors(d.join("a/step-8/model.safetensors")).unwrap();
-    assert!(saved.iter().any(|(n, _)| n == "4.weight"), "{:?}", saved.iter().map(|(n, _)| n).collect::<Vec<_>>());
+    assert!(
+        saved.iter().any(|(n, _)| n == "4.weight"),
+        "{:?}",
+        saved.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
 }

@@ -10,13 +10,22 @@ use tch::Tensor;
 use tempfile::TempDir;
 
 fn get(named: &[(String, Tensor)], name: &str) -> Tensor {
-    named.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("{name} missing")).1.copy()
+    named
+        .iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("{name} missing"))
+        .1
+        .copy()
 }
 
 fn assert_close(a: &Tensor, b: &Tensor, what: &str) {
     let diff = (a - b).abs().max().double_value(&[]);
     let scale = b.abs().max().double_value(&[]).max(1e-30);
-    assert!(diff / scale < 1e-6, "{what}: relative difference {:e}", diff / scale);
+    assert!(
+        diff / scale < 1e-6,
+        "{what}: relative difference {:e}",
+        diff / scale
+    );
 }
 
 /// clip_grad_norm_ (norm 2 and inf) and clip_grad_value_ on the same
@@ -28,19 +37,34 @@ fn clipping_equals_pytorch() {
     torch_reference(&["clip", file.to_str().unwrap()]);
     let named = Tensor::read_safetensors(&file).unwrap();
     for case in ["big", "small"] {
-        let fresh = || (0..4).map(|i| get(&named, &format!("{case}.grad.{i}"))).collect::<Vec<_>>();
+        let fresh = || {
+            (0..4)
+                .map(|i| get(&named, &format!("{case}.grad.{i}")))
+                .collect::<Vec<_>>()
+        };
         for (tag, norm_type) in [("l2", 2.0), ("inf", f64::INFINITY)] {
             let grads = fresh();
             let total = clip::total_norm(&grads, norm_type).unwrap();
-            assert_close(&total.reshape([1]), &get(&named, &format!("{case}.{tag}.total")), "total norm");
+            assert_close(
+                &total.reshape([1]),
+                &get(&named, &format!("{case}.{tag}.total")),
+                "total norm",
+            );
             let coef = clip::clip_by_norm(&grads, &total, 1.0).unwrap();
             if case == "big" {
-                assert!(coef < 0.5, "{tag}: gradients of scale 3 must be clipped (coef {coef})");
+                assert!(
+                    coef < 0.5,
+                    "{tag}: gradients of scale 3 must be clipped (coef {coef})"
+                );
             } else {
                 assert_eq!(coef, 1.0, "{tag}: small gradients must not be clipped");
             }
             for (i, g) in grads.iter().enumerate() {
-                assert_close(g, &get(&named, &format!("{case}.{tag}.clipped.{i}")), &format!("{case} {tag} grad {i}"));
+                assert_close(
+                    g,
+                    &get(&named, &format!("{case}.{tag}.clipped.{i}")),
+                    &format!("{case} {tag} grad {i}"),
+                );
             }
         }
         let grads = fresh();
@@ -69,7 +93,12 @@ fn sampler_equals_distributed_sampler() {
         };
         let epoch = c["epoch"].as_u64().unwrap();
         for (rank, want) in c["ranks"].as_array().unwrap().iter().enumerate() {
-            let want: Vec<usize> = want.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+            let want: Vec<usize> = want
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as usize)
+                .collect();
             assert_eq!(s.indices(rank, epoch), want, "case {c} rank {rank}");
         }
     }
@@ -81,8 +110,16 @@ fn sampler_equals_distributed_sampler() {
 /// model.safetensors strictly.
 #[test]
 fn end_to_end_equals_pytorch() {
-    let rel = e2e("sgd", "momentum = 0.9\nweight_decay = 0.01\nnesterov = true", 0.2, r#""momentum":0.9,"weight_decay":0.01,"nesterov":true"#);
-    assert!(rel < 1e-5, "engine and PyTorch (SGD) differ by {rel:e} (relative)");
+    let rel = e2e(
+        "sgd",
+        "momentum = 0.9\nweight_decay = 0.01\nnesterov = true",
+        0.2,
+        r#""momentum":0.9,"weight_decay":0.01,"nesterov":true"#,
+    );
+    assert!(
+        rel < 1e-5,
+        "engine and PyTorch (SGD) differ by {rel:e} (relative)"
+    );
 }
 
 /// Adam and AdamW (PyTorch's for-loop implementation) through the same run.
@@ -90,7 +127,10 @@ fn end_to_end_equals_pytorch() {
 fn end_to_end_adam_and_adamw_equal_pytorch() {
     for kind in ["adam", "adamw"] {
         let rel = e2e(kind, "weight_decay = 0.01", 0.01, r#""weight_decay":0.01"#);
-        assert!(rel < 1e-5, "engine and PyTorch ({kind}) differ by {rel:e} (relative)");
+        assert!(
+            rel < 1e-5,
+            "engine and PyTorch ({kind}) differ by {rel:e} (relative)"
+        );
     }
 }
 
@@ -137,16 +177,27 @@ lr = {lr}
             }
         })
         .unwrap();
-    assert_eq!(summary.state.step, 12, "100 samples, windows of 32: 4 steps per epoch");
+    assert_eq!(
+        summary.state.step, 12,
+        "100 samples, windows of 32: 4 steps per epoch"
+    );
     assert!(clipped > 0, "the test must exercise clipping");
     let model = summary.checkpoint.join("model.safetensors");
     let cfg = format!(
         r#"{{"optimizer":"{kind}","lr":{lr},{cfg_extra},"seed":11,"batch":8,"k":4,"epochs":3,"max_norm":0.5}}"#
     );
-    let out = torch_reference(&["e2e-compare", d.to_str().unwrap(), model.to_str().unwrap(), &cfg]);
+    let out = torch_reference(&[
+        "e2e-compare",
+        d.to_str().unwrap(),
+        model.to_str().unwrap(),
+        &cfg,
+    ]);
     eprintln!("pytorch reference ({kind}): {out}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["steps"], 12);
-    assert!(v["max_change_from_init"].as_f64().unwrap() > 1e-2, "training must move the weights: {out}");
+    assert!(
+        v["max_change_from_init"].as_f64().unwrap() > 1e-2,
+        "training must move the weights: {out}"
+    );
     v["max_rel_diff"].as_f64().unwrap()
 }

@@ -10,7 +10,11 @@ use tch::Tensor;
 /// The project's Python (with torch), from .cargo/config.toml.
 pub fn python() -> PathBuf {
     let p = PathBuf::from(env!("ACCRUE_PYTHON"));
-    assert!(p.exists(), "{} is missing: run `make setup` first", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `make setup` first",
+        p.display()
+    );
     p
 }
 
@@ -20,7 +24,11 @@ pub fn reference_script() -> PathBuf {
 
 /// Runs the PyTorch reference script and returns its stdout.
 pub fn torch_reference(args: &[&str]) -> String {
-    let out = Command::new(python()).arg(reference_script()).args(args).output().expect("run python");
+    let out = Command::new(python())
+        .arg(reference_script())
+        .args(args)
+        .output()
+        .expect("run python");
     assert!(
         out.status.success(),
         "reference script {args:?} failed:\n{}",
@@ -34,7 +42,10 @@ pub fn spec(toml: &str) -> JobSpec {
 }
 
 pub fn engine(spec: JobSpec, dir: &Path) -> Engine<SingleRank> {
-    let opts = RunOptions { checkpoint_dir: Some(dir.to_path_buf()), ..Default::default() };
+    let opts = RunOptions {
+        checkpoint_dir: Some(dir.to_path_buf()),
+        ..Default::default()
+    };
     Engine::new(spec, SingleRank, opts).unwrap_or_else(|e| panic!("{e}"))
 }
 
@@ -46,7 +57,10 @@ pub fn train(spec: JobSpec, dir: &Path) -> Vec<(String, Tensor)> {
 }
 
 pub fn snapshot(e: &Engine<SingleRank>) -> Vec<(String, Tensor)> {
-    e.parameters().iter().map(|(n, t)| (n.clone(), t.detach().copy())).collect()
+    e.parameters()
+        .iter()
+        .map(|(n, t)| (n.clone(), t.detach().copy()))
+        .collect()
 }
 
 /// Largest per-tensor `max|a - b| / max|b|` over all named tensors.

@@ -1,0 +1,89 @@
+//! The real `accrue-worker` binary as a process: the demo job on the real
+//! digits data set, and a refused spec.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use tempfile::TempDir;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// The demo job reaches at least 95% on the 360 held-out digits and prints a
+/// progress line per optimizer step. Needs `make test` (it writes data/digits).
+#[test]
+fn demo_job_trains_digits_to_95_percent() {
+    let repo = repo();
+    assert!(
+        repo.join("data/digits/train-images-idx3-ubyte").exists(),
+        "data/digits is missing: run `make test` (it writes the digits as IDX files)"
+    );
+    let state = TempDir::new().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_accrue-worker"))
+        .current_dir(&repo)
+        .args(["train", "jobs/digits-mlp.toml", "--state-dir"])
+        .arg(state.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    // 1,437 samples, b = 8, k = 4: 180 micro-batches -> 45 steps per epoch, 30 epochs.
+    let steps = stdout.lines().filter(|l| l.starts_with("step ")).count();
+    assert_eq!(steps, 1350);
+    assert!(stdout.contains("step 1350/1350 epoch 30 loss"));
+    let acc: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("final accuracy "))
+        .and_then(|l| l.split('%').next())
+        .and_then(|v| v.parse().ok())
+        .expect("a final accuracy line");
+    assert!(acc >= 95.0, "final accuracy {acc}% < 95%");
+    assert!(state.path().join("checkpoints/digits-mlp/step-1350/model.safetensors").exists());
+}
+
+#[test]
+fn refused_spec_names_fields_and_writes_nothing() {
+    let dir = TempDir::new().unwrap();
+    let job = dir.path().join("bad.toml");
+    std::fs::write(
+        &job,
+        r#"
+name = "bad"
+[model]
+kind = "transformer"
+[data]
+kind = "synthetic"
+batch_size = 0
+[accumulation]
+steps = 0
+[clipping]
+max_norm = -1.0
+norm_type = 1.0
+[optimizer]
+kind = "sgd"
+lr = nan
+"#,
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let out = Command::new(env!("CARGO_BIN_EXE_accrue-worker"))
+        .args(["train"])
+        .arg(&job)
+        .arg("--state-dir")
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "model.kind = \"transformer\": must be one of mlp, lenet5, resnet18, resnet34, torchscript",
+        "data.batch_size = 0: must be an integer >= 1",
+        "accumulation.steps = 0: must be an integer >= 1",
+        "clipping.max_norm = -1.0: must be a finite number > 0",
+        "clipping.norm_type = 1.0: must be 2.0 or inf",
+        "optimizer.lr = NaN: must be a finite number > 0",
+    ] {
+        assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
+    }
+    assert!(!state.exists(), "a refused job must write nothing");
+}
