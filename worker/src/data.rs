@@ -367,14 +367,14 @@ pub fn synthetic(spec: &DataSpec, seed: u64) -> Result<Splits> {
         let y: Vec<i64> = x
             .chunks_exact(features.max(1))
             .map(|row| {
-                let score = |c: usize| -> f32 {
-                    row.iter()
-                        .enumerate()
-                        .map(|(i, v)| v * w[i * classes + c])
-                        .sum()
-                };
+                let mut scores = vec![0f32; classes];
+                for (i, v) in row.iter().enumerate() {
+                    for (c, s) in scores.iter_mut().enumerate() {
+                        *s += v * w[i * classes + c];
+                    }
+                }
                 (0..classes)
-                    .max_by(|&a, &b| score(a).total_cmp(&score(b)))
+                    .max_by(|&a, &b| scores[a].total_cmp(&scores[b]))
                     .unwrap_or(0) as i64
             })
             .collect();

@@ -6,7 +6,10 @@ use std::process::Command;
 use tempfile::TempDir;
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// The demo job reaches at least 95% on the 360 held-out digits and prints a
@@ -26,7 +29,11 @@ fn demo_job_trains_digits_to_95_percent() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // 1,437 samples, b = 8, k = 4: 180 micro-batches -> 45 steps per epoch, 30 epochs.
     let steps = stdout.lines().filter(|l| l.starts_with("step ")).count();
     assert_eq!(steps, 1350);
@@ -38,7 +45,10 @@ fn demo_job_trains_digits_to_95_percent() {
         .and_then(|v| v.parse().ok())
         .expect("a final accuracy line");
     assert!(acc >= 95.0, "final accuracy {acc}% < 95%");
-    assert!(state.path().join("checkpoints/digits-mlp/step-1350/model.safetensors").exists());
+    assert!(state
+        .path()
+        .join("checkpoints/digits-mlp/step-1350/model.safetensors")
+        .exists());
 }
 
 #[test]

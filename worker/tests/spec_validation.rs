@@ -255,9 +255,14 @@ fn mnist_with_a_missing_folder_names_data_path() {
     // One error for the missing folder, naming it and the files it must hold.
     assert_eq!(errs.len(), 1, "{errs:#?}");
     assert_eq!(errs[0].field, "data.path");
-    assert!(errs[0].value.contains(&folder.display().to_string()), "{errs:#?}");
     assert!(
-        errs[0].allowed.starts_with("must name an existing folder holding train-images-idx3-ubyte"),
+        errs[0].value.contains(&folder.display().to_string()),
+        "{errs:#?}"
+    );
+    assert!(
+        errs[0]
+            .allowed
+            .starts_with("must name an existing folder holding train-images-idx3-ubyte"),
         "{errs:#?}"
     );
 
