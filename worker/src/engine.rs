@@ -65,6 +65,9 @@ pub struct StepReport {
     pub lr: f64,
     pub samples_per_sec: f64,
     pub timing: Timing,
+    /// Data-plane bytes this rank sent and received for this step.
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -94,12 +97,17 @@ pub struct Summary {
 /// The window in flight (not yet committed).
 #[derive(Debug, Default)]
 struct Window {
+    /// Micro-steps run in this window (the cursor advances by this).
     micro: usize,
+    /// Non-empty micro-batches among them (`mean` divides by their global sum).
+    batches: usize,
     samples: u64,
     loss_sum: Option<Tensor>,
     started: Option<Instant>,
     compute: Duration,
     comm: Duration,
+    /// Collective byte counters when the window started.
+    bytes_at_start: (u64, u64),
 }
 
 pub struct Engine<C: Collective> {
@@ -121,6 +129,8 @@ pub struct Engine<C: Collective> {
     window: Window,
     /// sync = every_step: the reduced gradients of the window so far.
     acc: Option<Vec<Tensor>>,
+    /// Gradient buckets: ranges of parameter indices.
+    buckets: Vec<std::ops::Range<usize>>,
     checkpoint_dir: PathBuf,
     opts: RunOptions,
     last_checkpoint: Option<(u64, PathBuf)>,
@@ -214,9 +224,11 @@ impl<C: Collective> Engine<C> {
             seed: spec.seed,
             shuffle: spec.data.shuffle,
             drop_last: spec.data.drop_last,
+            pad: spec.data.pad,
         };
         let plan = WindowPlan {
-            samples: shard.per_rank(),
+            samples: shard.rank_len(rank),
+            max_samples: shard.rank_len(0),
             batch: spec.data.batch_size as usize,
             k,
         };
@@ -238,6 +250,9 @@ impl<C: Collective> Engine<C> {
             .unwrap_or(spec.epochs.unwrap_or(1) * plan.windows() as u64);
         let schedule = Schedule::from_spec(&spec, total_steps);
         let optimizer = Optimizer::new(&spec.optimizer, model.params.len());
+        let sizes: Vec<usize> = model.params.iter().map(|(_, p)| p.numel()).collect();
+        let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
+        let buckets = crate::comm::chunks::buckets(&sizes, cap_elems);
         let checkpoint_dir = opts
             .checkpoint_dir
             .clone()
@@ -275,6 +290,7 @@ impl<C: Collective> Engine<C> {
             epoch_indices: (u64::MAX, Vec::new()),
             window: Window::default(),
             acc: None,
+            buckets,
             checkpoint_dir,
             opts,
             last_checkpoint: None,
@@ -380,32 +396,17 @@ impl<C: Collective> Engine<C> {
     /// whose report it returns.
     pub fn micro_step(&mut self) -> Result<Option<StepReport>> {
         let started = Instant::now();
-        self.window.started.get_or_insert(started);
+        if self.window.started.is_none() {
+            self.window.started = Some(started);
+            self.window.bytes_at_start = self.collective.bytes();
+        }
         let m = self.state.cursor as usize + self.window.micro;
         let (a, b) = self.plan.micro_batch_range(m);
-        let epoch = self.state.epoch;
-        let idx = Tensor::from_slice(&self.indices_for(epoch)[a..b]);
-        let idx = idx.f_to_device(self.device).ctx("moving indices")?;
-        let (x, y) = self.train.batch(&idx)?;
         let n = (b - a) as u64;
-        let reduction = match self.normalize {
-            Normalize::GlobalCount => Reduction::Sum,
-            Normalize::Mean | Normalize::Sum => Reduction::Mean,
-        };
-        let logits = self.model.forward(&x, true)?;
-        let loss = logits
-            .f_cross_entropy_loss::<Tensor>(&y, None, reduction, -100, 0.0)
-            .ctx("computing the loss")?;
-        loss.f_backward().ctx("running backward")?;
-        let loss_sum = match reduction {
-            Reduction::Sum => loss.f_detach(),
-            _ => loss.f_detach().and_then(|l| l.f_mul_scalar(n as f64)),
+        if n > 0 {
+            self.forward_backward(a, b)?;
+            self.window.batches += 1;
         }
-        .ctx("accumulating the loss")?;
-        self.window.loss_sum = Some(match self.window.loss_sum.take() {
-            None => loss_sum,
-            Some(acc) => acc.f_add(&loss_sum).ctx("accumulating the loss")?,
-        });
         self.window.samples += n;
         self.window.micro += 1;
         self.state.micro_step += 1;
@@ -421,15 +422,39 @@ impl<C: Collective> Engine<C> {
         Ok(None)
     }
 
+    /// Forward, loss and backward on samples `a..b` of this rank's epoch;
+    /// gradients add into `.grad`.
+    fn forward_backward(&mut self, a: usize, b: usize) -> Result<()> {
+        let epoch = self.state.epoch;
+        let idx = Tensor::from_slice(&self.indices_for(epoch)[a..b]);
+        let idx = idx.f_to_device(self.device).ctx("moving indices")?;
+        let (x, y) = self.train.batch(&idx)?;
+        let reduction = match self.normalize {
+            Normalize::GlobalCount => Reduction::Sum,
+            Normalize::Mean | Normalize::Sum => Reduction::Mean,
+        };
+        let logits = self.model.forward(&x, true)?;
+        let loss = logits
+            .f_cross_entropy_loss::<Tensor>(&y, None, reduction, -100, 0.0)
+            .ctx("computing the loss")?;
+        loss.f_backward().ctx("running backward")?;
+        let loss_sum = match reduction {
+            Reduction::Sum => loss.f_detach(),
+            _ => loss.f_detach().and_then(|l| l.f_mul_scalar((b - a) as f64)),
+        }
+        .ctx("accumulating the loss")?;
+        self.window.loss_sum = Some(match self.window.loss_sum.take() {
+            None => loss_sum,
+            Some(acc) => acc.f_add(&loss_sum).ctx("accumulating the loss")?,
+        });
+        Ok(())
+    }
+
     /// sync = every_step: all-reduce this micro-step's gradients now and add
     /// them to the window's accumulation buffers.
     fn reduce_micro_step(&mut self) -> Result<()> {
         let grads = self.model.grads();
-        if self.collective.world_size() > 1 {
-            let mut buf = flatten(&grads)?;
-            self.collective.all_reduce_sum(&mut buf)?;
-            unflatten(&buf, &grads)?;
-        }
+        self.reduce(&grads, &mut Vec::new())?;
         let _guard = tch::no_grad_guard();
         match &mut self.acc {
             None => {
@@ -450,6 +475,32 @@ impl<C: Collective> Engine<C> {
         zero(&grads)
     }
 
+    /// All-reduces gradients bucket by bucket (`comm.bucket_cap_mb`), with
+    /// `extra` values (the window's counts) riding in the last bucket. For
+    /// W = 1 only `extra` goes through the collective (the identity).
+    fn reduce(&mut self, grads: &[Tensor], extra: &mut Vec<f32>) -> Result<()> {
+        if self.collective.world_size() == 1 || self.buckets.is_empty() {
+            if !extra.is_empty() {
+                self.collective.all_reduce_sum(extra)?;
+            }
+            return Ok(());
+        }
+        let last = self.buckets.len() - 1;
+        for (i, group) in self.buckets.iter().enumerate() {
+            let mut buf = flatten(&grads[group.clone()])?;
+            let n = buf.len();
+            if i == last {
+                buf.extend_from_slice(extra);
+            }
+            self.collective.all_reduce_sum(&mut buf)?;
+            if i == last {
+                extra.copy_from_slice(&buf[n..]);
+            }
+            unflatten(&buf[..n], &grads[group.clone()])?;
+        }
+        Ok(())
+    }
+
     /// The sync-step pipeline.
     pub fn sync_step(&mut self) -> Result<StepReport> {
         let _guard = tch::no_grad_guard();
@@ -460,9 +511,9 @@ impl<C: Collective> Engine<C> {
             Some(l) => l.f_double_value(&[]).ctx("reading the loss")?,
             None => 0.0,
         };
-        let mut stats = [
+        let mut stats = vec![
             self.window.samples as f32,
-            self.window.micro as f32,
+            self.window.batches as f32,
             loss_sum as f32,
         ];
         match self.acc.take() {
@@ -474,15 +525,7 @@ impl<C: Collective> Engine<C> {
                 }
                 self.collective.all_reduce_sum(&mut stats)?;
             }
-            None if self.collective.world_size() > 1 => {
-                let mut buf = flatten(&grads)?;
-                buf.extend_from_slice(&stats);
-                self.collective.all_reduce_sum(&mut buf)?;
-                let n = buf.len();
-                stats.copy_from_slice(&buf[n - 3..]);
-                unflatten(&buf[..n - 3], &grads)?;
-            }
-            None => self.collective.all_reduce_sum(&mut stats)?,
+            None => self.reduce(&grads, &mut stats)?,
         }
         let comm = self.window.comm + t_comm.elapsed();
         let global_samples = stats[0].round() as u64;
@@ -547,6 +590,7 @@ impl<C: Collective> Engine<C> {
         }
         let wall = self.window.started.map(|t| t.elapsed()).unwrap_or_default();
         let window = std::mem::take(&mut self.window);
+        let (sent, received) = self.collective.bytes();
         Ok(StepReport {
             step: s.step,
             total_steps: self.total_steps,
@@ -566,6 +610,8 @@ impl<C: Collective> Engine<C> {
                 clip_s: clip_s.as_secs_f64(),
                 optimizer_s: optimizer_s.as_secs_f64(),
             },
+            bytes_sent: sent - window.bytes_at_start.0,
+            bytes_received: received - window.bytes_at_start.1,
         })
     }
 
@@ -702,16 +748,37 @@ fn zero(grads: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
-/// Copies tensors into one flat f32 host buffer (in order).
+/// Copies tensors into one flat f32 host buffer (in order). CUDA tensors
+/// are concatenated on the device and staged through pinned host memory
+/// (one DMA per bucket instead of one pageable copy per tensor).
 pub fn flatten(tensors: &[Tensor]) -> Result<Vec<f32>> {
     let total: usize = tensors.iter().map(|t| t.numel()).sum();
     let mut buf = vec![0f32; total];
+    if let Some(device) = cuda_device(tensors) {
+        let parts: Vec<Tensor> = tensors
+            .iter()
+            .map(|t| {
+                t.f_detach()
+                    .and_then(|t| t.f_flatten(0, -1))
+                    .and_then(|t| t.f_to_kind(Kind::Float))
+            })
+            .collect::<Result<_, _>>()
+            .ctx("flattening tensors")?;
+        let flat = Tensor::f_cat(&parts, 0).ctx("flattening tensors")?;
+        let mut pinned = Tensor::f_empty([total as i64], (Kind::Float, Device::Cpu))
+            .and_then(|h| h.f_pin_memory(device))
+            .ctx("allocating pinned memory")?;
+        pinned.f_copy_(&flat).ctx("staging to pinned memory")?;
+        pinned
+            .f_copy_data(&mut buf, total)
+            .ctx("staging to pinned memory")?;
+        return Ok(buf);
+    }
     let mut off = 0;
     for t in tensors {
         let n = t.numel();
         let host = t
             .f_detach()
-            .and_then(|t| t.f_to_device(Device::Cpu))
             .and_then(|t| t.f_to_kind(Kind::Float))
             .and_then(|t| t.f_contiguous())
             .ctx("flattening tensors")?;
@@ -722,17 +789,32 @@ pub fn flatten(tensors: &[Tensor]) -> Result<Vec<f32>> {
     Ok(buf)
 }
 
-/// Copies a flat buffer made by [`flatten`] back into the tensors.
+fn cuda_device(tensors: &[Tensor]) -> Option<Device> {
+    tensors.iter().map(|t| t.device()).find(|d| d.is_cuda())
+}
+
+/// Copies a flat buffer made by [`flatten`] back into the tensors (through
+/// pinned memory for CUDA tensors).
 pub fn unflatten(buf: &[f32], tensors: &[Tensor]) -> Result<()> {
     let _guard = tch::no_grad_guard();
+    let staged = match cuda_device(tensors) {
+        Some(device) => Some(
+            Tensor::from_slice(buf)
+                .f_pin_memory(device)
+                .and_then(|h| h.f_to_device_(device, Kind::Float, true, false))
+                .ctx("staging from pinned memory")?,
+        ),
+        None => None,
+    };
     let mut off = 0;
     for t in tensors {
         let n = t.numel();
-        let src = Tensor::from_slice(&buf[off..off + n])
-            .f_view(t.size().as_slice())
-            .and_then(|s| s.f_to_device(t.device()))
-            .and_then(|s| s.f_to_kind(t.kind()))
-            .ctx("unflattening tensors")?;
+        let src = match &staged {
+            Some(flat) => flat.f_narrow(0, off as i64, n as i64),
+            None => Tensor::from_slice(&buf[off..off + n]).f_to_kind(t.kind()),
+        }
+        .and_then(|s| s.f_view(t.size().as_slice()))
+        .ctx("unflattening tensors")?;
         t.shallow_clone()
             .f_copy_(&src)
             .ctx("unflattening tensors")?;

@@ -27,8 +27,8 @@ pub enum Error {
          use \"skip\" to skip such steps)"
     )]
     NonFinite { step: u64, norm: f64 },
-    #[error("collective {op} failed: {reason}")]
-    Collective { op: &'static str, reason: String },
+    #[error("data plane: {0}")]
+    Comm(#[from] crate::comm::CommError),
     #[error("device {device}: {reason}")]
     Device { device: String, reason: String },
     #[error("libtorch error while {context}: {source}")]

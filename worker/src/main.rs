@@ -1,9 +1,12 @@
-//! accrue-worker: `train JOB.toml` runs one rank (W = 1) of a job.
-use accrue_worker::engine::{Event, RunOptions};
-use accrue_worker::{Engine, JobSpec, SingleRank};
-use anyhow::Context;
+//! accrue-worker: `train JOB.toml` runs one rank of a job: alone (W = 1), or
+//! with static rendezvous (`--rank R --world-size W --peers ...`).
+use accrue_worker::comm::{RingConfig, TcpRing};
+use accrue_worker::engine::{Event, RunOptions, Summary};
+use accrue_worker::{Collective, Engine, JobSpec, SingleRank};
+use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -18,32 +21,50 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a job as a single rank (W = 1), for debugging and small jobs.
-    Train {
-        /// The job spec (TOML).
-        job: PathBuf,
-        /// Continue from the checkpoint LATEST names.
-        #[arg(long)]
-        resume: bool,
-        /// Folder for state; checkpoints default to <state-dir>/checkpoints/<name>.
-        #[arg(long, default_value = "runs")]
-        state_dir: PathBuf,
-        /// Overrides checkpoint.dir.
-        #[arg(long)]
-        checkpoint_dir: Option<PathBuf>,
-        /// Stop with a checkpoint after this many optimizer steps (resume later).
-        #[arg(long)]
-        stop_after_steps: Option<u64>,
-        /// Overrides the spec's device (auto, cpu, cuda:N).
-        #[arg(long)]
-        device: Option<String>,
-        /// Overrides the spec's intra-op thread count.
-        #[arg(long)]
-        threads: Option<u32>,
-        /// Print one JSON object per event instead of progress lines.
-        #[arg(long)]
-        json: bool,
-    },
+    /// Run one rank of a job (alone by default, W = 1).
+    Train(TrainArgs),
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// The job spec (TOML).
+    job: PathBuf,
+    /// Continue from the checkpoint LATEST names.
+    #[arg(long)]
+    resume: bool,
+    /// Folder for state; checkpoints default to <state-dir>/checkpoints/<name>.
+    #[arg(long, default_value = "runs")]
+    state_dir: PathBuf,
+    /// Overrides checkpoint.dir.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Stop with a checkpoint after this many optimizer steps (resume later).
+    #[arg(long)]
+    stop_after_steps: Option<u64>,
+    /// Overrides the spec's device (auto, cpu, cuda:N).
+    #[arg(long)]
+    device: Option<String>,
+    /// Overrides the spec's intra-op thread count.
+    #[arg(long)]
+    threads: Option<u32>,
+    /// Print one JSON object per event instead of progress lines.
+    #[arg(long)]
+    json: bool,
+    /// This rank (0-based).
+    #[arg(long, default_value_t = 0)]
+    rank: usize,
+    /// Number of ranks W (the spec's `workers` is ignored here).
+    #[arg(long, default_value_t = 1)]
+    world_size: usize,
+    /// host:port of every rank's data-plane listener, in rank order.
+    #[arg(long, value_delimiter = ',')]
+    peers: Vec<String>,
+    /// File holding the job's shared secret (required when W > 1).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Ring generation (frames of other generations are refused).
+    #[arg(long, default_value_t = 0)]
+    generation: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -54,80 +75,99 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
-        Command::Train {
-            job,
-            resume,
-            state_dir,
-            checkpoint_dir,
-            stop_after_steps,
-            device,
-            threads,
-            json,
-        } => {
-            let mut spec = JobSpec::load(&job)?;
-            if let Some(d) = device {
-                spec.device = d;
-            }
-            if threads.is_some() {
-                spec.threads = threads;
-            }
-            let opts = RunOptions {
-                checkpoint_dir,
-                state_dir: Some(state_dir),
-                resume,
-                stop_after_steps,
-            };
-            let mut engine = Engine::new(spec, SingleRank, opts).context("cannot start the job")?;
-            let summary = engine
-                .run(|event| match (json, event) {
-                    (true, Event::Step(r)) => println!("{}", serde_json::json!({ "event": "step", "step": r })),
-                    (true, Event::Eval(e)) => println!("{}", serde_json::json!({ "event": "eval", "eval": e })),
-                    (true, Event::Checkpoint(p)) => {
-                        println!("{}", serde_json::json!({ "event": "checkpoint", "path": p }))
-                    }
-                    (false, Event::Step(r)) => println!(
-                        "step {}/{} epoch {} loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} samples/s {:.0}{}",
-                        r.step,
-                        r.total_steps,
-                        r.epoch,
-                        r.loss,
-                        r.grad_norm,
-                        r.clip_coef,
-                        r.lr,
-                        r.samples_per_sec,
-                        if r.skipped { " SKIPPED (non-finite gradient)" } else { "" }
-                    ),
-                    (false, Event::Eval(e)) => println!(
-                        "eval epoch {} step {} loss {:.4} accuracy {:.4} ({} samples)",
-                        e.epoch, e.step, e.loss, e.accuracy, e.samples
-                    ),
-                    (false, Event::Checkpoint(p)) => println!("checkpoint {}", p.display()),
-                })
-                .context("training failed")?;
-            if !json {
-                let s = &summary.state;
-                println!(
-                    "{} at step {}: {} samples, {} skipped steps, checkpoint {}",
-                    if summary.finished {
-                        "finished"
-                    } else {
-                        "stopped"
-                    },
-                    s.step,
-                    s.samples_seen,
-                    s.skipped_steps,
-                    summary.checkpoint.display()
-                );
-                if let Some(e) = &summary.eval {
-                    println!(
-                        "final accuracy {:.2}% (loss {:.4})",
-                        100.0 * e.accuracy,
-                        e.loss
-                    );
-                }
-            }
-            Ok(())
+    let Command::Train(args) = Cli::parse().command;
+    let mut spec = JobSpec::load(&args.job)?;
+    if let Some(d) = &args.device {
+        spec.device = d.clone();
+    }
+    if args.threads.is_some() {
+        spec.threads = args.threads;
+    }
+    let opts = RunOptions {
+        checkpoint_dir: args.checkpoint_dir.clone(),
+        state_dir: Some(args.state_dir.clone()),
+        resume: args.resume,
+        stop_after_steps: args.stop_after_steps,
+    };
+    let summary = if args.world_size <= 1 {
+        train(spec, SingleRank, opts, args.json)?
+    } else {
+        let Some(secret_file) = &args.secret_file else {
+            bail!("--secret-file is required when --world-size > 1");
+        };
+        let secret = std::fs::read(secret_file)
+            .with_context(|| format!("cannot read the secret file {}", secret_file.display()))?;
+        let secret = secret.trim_ascii_end().to_vec();
+        if secret.is_empty() {
+            bail!("the secret file {} is empty", secret_file.display());
+        }
+        let mut cfg = RingConfig::new(
+            spec.name.clone(),
+            args.rank,
+            args.world_size,
+            args.peers.clone(),
+            secret,
+        );
+        cfg.generation = args.generation;
+        cfg.timeout = Duration::from_secs_f64(spec.comm.timeout_s);
+        cfg.connect_timeout = Duration::from_secs_f64(spec.comm.connect_timeout_s);
+        let ring = TcpRing::start(None, cfg).context("cannot join the ring")?;
+        train(spec, ring, opts, args.json)?
+    };
+    if !args.json {
+        let s = &summary.state;
+        println!(
+            "{} at step {}: {} samples, {} skipped steps, checkpoint {}",
+            if summary.finished {
+                "finished"
+            } else {
+                "stopped"
+            },
+            s.step,
+            s.samples_seen,
+            s.skipped_steps,
+            summary.checkpoint.display()
+        );
+        if let Some(e) = &summary.eval {
+            println!(
+                "final accuracy {:.2}% (loss {:.4})",
+                100.0 * e.accuracy,
+                e.loss
+            );
         }
     }
+    Ok(())
+}
+
+fn train<C: Collective>(
+    spec: JobSpec,
+    collective: C,
+    opts: RunOptions,
+    json: bool,
+) -> anyhow::Result<Summary> {
+    let mut engine = Engine::new(spec, collective, opts).context("cannot start the job")?;
+    engine
+        .run(|event| match (json, event) {
+            (true, Event::Step(r)) => println!("{}", serde_json::json!({ "event": "step", "step": r })),
+            (true, Event::Eval(e)) => println!("{}", serde_json::json!({ "event": "eval", "eval": e })),
+            (true, Event::Checkpoint(p)) => println!("{}", serde_json::json!({ "event": "checkpoint", "path": p })),
+            (false, Event::Step(r)) => println!(
+                "step {}/{} epoch {} loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} samples/s {:.0}{}",
+                r.step,
+                r.total_steps,
+                r.epoch,
+                r.loss,
+                r.grad_norm,
+                r.clip_coef,
+                r.lr,
+                r.samples_per_sec,
+                if r.skipped { " SKIPPED (non-finite gradient)" } else { "" }
+            ),
+            (false, Event::Eval(e)) => println!(
+                "eval epoch {} step {} loss {:.4} accuracy {:.4} ({} samples)",
+                e.epoch, e.step, e.loss, e.accuracy, e.samples
+            ),
+            (false, Event::Checkpoint(p)) => println!("checkpoint {}", p.display()),
+        })
+        .context("training failed")
 }

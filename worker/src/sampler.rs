@@ -18,6 +18,10 @@ pub struct ShardSpec {
     pub shuffle: bool,
     /// Drop the tail so every rank gets the same count (instead of padding).
     pub drop_last: bool,
+    /// Pad (repeat the start) so every rank gets the same count; with
+    /// `pad = false` and no `drop_last` every sample is read exactly once and
+    /// the first `len % W` ranks get one sample more.
+    pub pad: bool,
 }
 
 impl ShardSpec {
@@ -34,18 +38,36 @@ impl ShardSpec {
         }
     }
 
+    /// Whether ranks may hold different sample counts.
+    pub fn uneven(&self) -> bool {
+        !self.pad && !self.drop_last
+    }
+
+    /// Samples rank `rank` sees per epoch.
+    pub fn rank_len(&self, rank: usize) -> usize {
+        if self.uneven() && self.world > 0 {
+            self.len / self.world + usize::from(rank < self.len % self.world)
+        } else {
+            self.per_rank()
+        }
+    }
+
     /// The indices rank `rank` reads in `epoch`, in order.
     pub fn indices(&self, rank: usize, epoch: u64) -> Vec<usize> {
+        if self.uneven() {
+            let all = self.order(epoch);
+            return all
+                .into_iter()
+                .skip(rank)
+                .step_by(self.world.max(1))
+                .collect();
+        }
         let num_samples = self.per_rank();
         let total = num_samples * self.world;
         if self.len == 0 || total == 0 {
             return Vec::new();
         }
-        let mut all = if self.shuffle {
-            randperm(self.len, self.seed.wrapping_add(epoch))
-        } else {
-            (0..self.len).collect()
-        };
+        let mut all = self.order(epoch);
         if total > all.len() {
             // Pad by repeating the list from its start, as torch does.
             let base = all.clone();
@@ -65,6 +87,10 @@ impl ShardSpec {
 pub struct WindowPlan {
     /// Samples of this rank in the epoch.
     pub samples: usize,
+    /// Samples of the largest rank: the window structure every rank follows
+    /// (ranks with fewer samples run empty micro-steps at the end, like
+    /// DDP's Join).
+    pub max_samples: usize,
     /// Micro-batch size b.
     pub batch: usize,
     /// Accumulation steps k.
@@ -72,9 +98,12 @@ pub struct WindowPlan {
 }
 
 impl WindowPlan {
-    /// Micro-batches per epoch (the last one may be short).
+    /// Micro-steps per epoch, the same on every rank (the last micro-batch
+    /// may be short, or empty on a rank with fewer samples).
     pub fn micro_batches(&self) -> usize {
-        self.samples.div_ceil(self.batch.max(1))
+        self.max_samples
+            .max(self.samples)
+            .div_ceil(self.batch.max(1))
     }
 
     /// Optimizer steps (windows) per epoch; the last window may be short.
@@ -82,7 +111,8 @@ impl WindowPlan {
         self.micro_batches().div_ceil(self.k.max(1))
     }
 
-    /// Sample range `[start, end)` of micro-batch `m` within the epoch.
+    /// Sample range `[start, end)` of this rank's micro-batch `m` within the
+    /// epoch (empty past the rank's last sample).
     pub fn micro_batch_range(&self, m: usize) -> (usize, usize) {
         let start = (m * self.batch).min(self.samples);
         let end = (start + self.batch).min(self.samples);
@@ -101,6 +131,17 @@ impl WindowPlan {
     }
 }
 
+impl ShardSpec {
+    /// The epoch's order of all samples (before padding and striding).
+    fn order(&self, epoch: u64) -> Vec<usize> {
+        if self.shuffle {
+            randperm(self.len, self.seed.wrapping_add(epoch))
+        } else {
+            (0..self.len).collect()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,6 +157,7 @@ mod tests {
             seed: 0,
             shuffle: false,
             drop_last: false,
+            pad: true,
         };
         assert_eq!(s.indices(0, 0), vec![0, 3, 6, 9]);
         assert_eq!(s.indices(2, 0), vec![2, 5, 8, 1]);
@@ -128,9 +170,38 @@ mod tests {
     }
 
     #[test]
+    fn uneven_ranks_share_the_window_structure() {
+        // 101 samples over 2 ranks: 51 and 50; b = 8 gives 7 micro-batches each.
+        let s = ShardSpec {
+            len: 101,
+            world: 2,
+            seed: 0,
+            shuffle: false,
+            drop_last: false,
+            pad: false,
+        };
+        assert_eq!((s.rank_len(0), s.rank_len(1)), (51, 50));
+        // 17 samples over 2 ranks with b = 8: rank 0 has 9 (2 micro-batches), rank 1 has 8 (1).
+        let p1 = WindowPlan {
+            samples: 8,
+            max_samples: 9,
+            batch: 8,
+            k: 4,
+        };
+        assert_eq!(p1.micro_batches(), 2);
+        assert_eq!(
+            p1.micro_batch_range(1),
+            (8, 8),
+            "an empty micro-step on the smaller rank"
+        );
+        assert!(p1.is_sync(1));
+    }
+
+    #[test]
     fn windows_of_an_uneven_epoch() {
         let p = WindowPlan {
             samples: 108,
+            max_samples: 108,
             batch: 8,
             k: 4,
         };
@@ -146,17 +217,22 @@ mod tests {
         #[test]
         fn every_index_exactly_once_across_ranks(
             len in 0usize..300, world in 1usize..9, seed in 0u64..1000,
-            epoch in 0u64..5, shuffle: bool, drop_last: bool,
+            epoch in 0u64..5, shuffle: bool, drop_last: bool, pad: bool,
         ) {
-            let s = ShardSpec { len, world, seed, shuffle, drop_last };
+            let s = ShardSpec { len, world, seed, shuffle, drop_last, pad };
             let mut count = vec![0usize; len];
             for r in 0..world {
                 let idx = s.indices(r, epoch);
-                prop_assert_eq!(idx.len(), s.per_rank());
+                prop_assert_eq!(idx.len(), s.rank_len(r));
+                prop_assert!(s.rank_len(r) <= s.rank_len(0));
                 for i in idx { count[i] += 1; }
             }
             let total = s.per_rank() * world;
-            if drop_last {
+            if s.uneven() {
+                // Every index exactly once; counts differ by at most one.
+                prop_assert!(count.iter().all(|&c| c == 1));
+                prop_assert!(s.rank_len(0) - s.rank_len(world - 1) <= 1);
+            } else if drop_last {
                 // Dropped tail: no index twice, exactly `total` distinct ones.
                 prop_assert!(count.iter().all(|&c| c <= 1));
                 prop_assert_eq!(count.iter().filter(|&&c| c == 1).count(), total);
@@ -172,7 +248,7 @@ mod tests {
 
         #[test]
         fn micro_batches_tile_the_epoch(samples in 0usize..500, batch in 1usize..40, k in 1usize..10) {
-            let p = WindowPlan { samples, batch, k };
+            let p = WindowPlan { samples, max_samples: samples, batch, k };
             let mut next = 0;
             let mut syncs = 0;
             for m in 0..p.micro_batches() {

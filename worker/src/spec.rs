@@ -39,6 +39,40 @@ pub struct JobSpec {
     pub checkpoint: CheckpointSpec,
     #[serde(default)]
     pub eval: EvalSpec,
+    #[serde(default)]
+    pub comm: CommSpec,
+}
+
+/// Data-plane settings.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CommSpec {
+    /// A peer silent this long during a collective is lost (seconds).
+    #[serde(default = "sixty")]
+    pub timeout_s: f64,
+    /// How long ranks wait for the ring to form (seconds).
+    #[serde(default = "sixty")]
+    pub connect_timeout_s: f64,
+    /// Gradient bucket size in MiB (DDP's bucket_cap_mb).
+    #[serde(default = "bucket_cap")]
+    pub bucket_cap_mb: f64,
+}
+
+impl Default for CommSpec {
+    fn default() -> Self {
+        Self {
+            timeout_s: sixty(),
+            connect_timeout_s: sixty(),
+            bucket_cap_mb: bucket_cap(),
+        }
+    }
+}
+
+fn sixty() -> f64 {
+    60.0
+}
+fn bucket_cap() -> f64 {
+    25.0
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -72,6 +106,10 @@ pub struct DataSpec {
     pub shuffle: bool,
     #[serde(default)]
     pub drop_last: bool,
+    /// Pad shards to equal size as DistributedSampler does (default); false
+    /// reads every sample exactly once and lets ranks differ by one sample.
+    #[serde(default = "yes")]
+    pub pad: bool,
     /// synthetic: training samples.
     pub samples: Option<u64>,
     /// synthetic: held-out samples.
@@ -476,6 +514,9 @@ impl JobSpec {
         if self.checkpoint.keep == 0 {
             c.fail("checkpoint.keep", 0, "must be an integer >= 1");
         }
+        c.positive_finite("comm.timeout_s", self.comm.timeout_s);
+        c.positive_finite("comm.connect_timeout_s", self.comm.connect_timeout_s);
+        c.positive_finite("comm.bucket_cap_mb", self.comm.bucket_cap_mb);
         if self.eval.batch_size == 0 {
             c.fail("eval.batch_size", 0, "must be an integer >= 1");
         }

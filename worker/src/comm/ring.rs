@@ -1,0 +1,860 @@
+//! The TCP ring: reduce-scatter then all-gather over a ring of ranks
+//! (rank r sends to r+1 and receives from r-1), broadcast along the ring, and
+//! a barrier. One communication thread per ring owns the buffer during an
+//! operation and receives (reducing piece by piece as the bytes arrive) while
+//! a sender thread writes, so both directions of every link are busy at once.
+//!
+//! Failure handling: every read and write has the ring's timeout; a rank that
+//! sees a peer vanish (end of stream, reset, timeout) tells its neighbours
+//! with an Abort frame naming the lost rank, forwards along the ring and
+//! backwards over the same connections, so every rank fails with an error
+//! naming the lost peer instead of waiting on a broken ring.
+
+use super::chunks::{self, chunk_range};
+use super::wire::{self, Header, Hello, Kind, HEADER_LEN};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Everything a rank needs to join a ring.
+#[derive(Clone, Debug)]
+pub struct RingConfig {
+    pub job: String,
+    pub generation: u64,
+    pub rank: usize,
+    pub world: usize,
+    /// host:port of every rank, in rank order (this rank listens on its own).
+    pub peers: Vec<String>,
+    pub secret: Vec<u8>,
+    /// A peer silent for this long during an operation is lost.
+    pub timeout: Duration,
+    /// How long to wait for the ring to form.
+    pub connect_timeout: Duration,
+    /// Largest frame payload accepted (and sent), in bytes.
+    pub max_frame_bytes: usize,
+}
+
+impl RingConfig {
+    pub fn new(
+        job: impl Into<String>,
+        rank: usize,
+        world: usize,
+        peers: Vec<String>,
+        secret: Vec<u8>,
+    ) -> Self {
+        Self {
+            job: job.into(),
+            generation: 0,
+            rank,
+            world,
+            peers,
+            secret,
+            timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(60),
+            max_frame_bytes: 4 << 20,
+        }
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    fn addr(&self, rank: usize) -> String {
+        self.peers.get(rank).cloned().unwrap_or_default()
+    }
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum CommError {
+    #[error("lost rank {rank} ({addr}) during {during}: {reason}")]
+    PeerLost {
+        rank: usize,
+        addr: String,
+        during: String,
+        reason: String,
+    },
+    #[error("rank {rank} ({addr}) was silent for {secs:.1} s during {during} (comm timeout)")]
+    Timeout {
+        rank: usize,
+        addr: String,
+        secs: f64,
+        during: String,
+    },
+    #[error("lost rank {lost} (reported by rank {reporter}): {reason}")]
+    Aborted {
+        lost: usize,
+        reporter: usize,
+        reason: String,
+    },
+    #[error("protocol error from rank {rank} ({addr}): {reason}")]
+    Protocol {
+        rank: usize,
+        addr: String,
+        reason: String,
+    },
+    #[error("cannot form the ring: {0}")]
+    Setup(String),
+    #[error("buffer of {got} elements, the ring expects {want} on every rank")]
+    Size { got: usize, want: usize },
+}
+
+impl CommError {
+    /// The rank this error blames, if any.
+    pub fn lost_rank(&self) -> Option<usize> {
+        match self {
+            CommError::PeerLost { rank, .. } | CommError::Timeout { rank, .. } => Some(*rank),
+            CommError::Aborted { lost, .. } => Some(*lost),
+            _ => None,
+        }
+    }
+}
+
+/// Bytes on the wire, headers included.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub sent: AtomicU64,
+    pub received: AtomicU64,
+}
+
+enum Request {
+    AllReduce(Vec<f32>),
+    Broadcast(Vec<f32>, usize),
+}
+
+type Reply = Result<Vec<f32>, CommError>;
+
+/// A formed ring; implements [`crate::Collective`].
+pub struct TcpRing {
+    cfg: Arc<RingConfig>,
+    requests: Option<mpsc::Sender<Request>>,
+    replies: mpsc::Receiver<Reply>,
+    counters: Arc<Counters>,
+    closing: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    /// Clones of the two links, for the goodbye on drop.
+    next_stream: Option<TcpStream>,
+    prev_stream: Option<TcpStream>,
+    listen_addr: Option<SocketAddr>,
+}
+
+/// Binds this rank's data-plane listener (before the ring forms, so tests
+/// can use port 0 and hand the real address to the other ranks).
+pub fn bind(addr: &str) -> Result<TcpListener, CommError> {
+    TcpListener::bind(addr).map_err(|e| CommError::Setup(format!("cannot listen on {addr}: {e}")))
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr, CommError> {
+    addr.to_socket_addrs()
+        .map_err(|e| CommError::Setup(format!("cannot resolve {addr}: {e}")))?
+        .next()
+        .ok_or_else(|| CommError::Setup(format!("{addr} resolves to no address")))
+}
+
+impl TcpRing {
+    /// Forms the ring: accepts the previous rank on `listener` (refusing and
+    /// logging anything else), connects to the next rank, and starts the
+    /// communication threads. W = 1 needs no sockets.
+    pub fn start(listener: Option<TcpListener>, cfg: RingConfig) -> Result<Self, CommError> {
+        if cfg.world == 0 || cfg.rank >= cfg.world {
+            return Err(CommError::Setup(format!(
+                "rank {} is outside world size {}",
+                cfg.rank, cfg.world
+            )));
+        }
+        if cfg.world > 1 && cfg.peers.len() != cfg.world {
+            return Err(CommError::Setup(format!(
+                "{} peer addresses for world size {}: need one per rank, in rank order",
+                cfg.peers.len(),
+                cfg.world
+            )));
+        }
+        let cfg = Arc::new(cfg);
+        let counters = Arc::new(Counters::default());
+        let closing = Arc::new(AtomicBool::new(false));
+        let (req_tx, req_rx) = mpsc::channel::<Request>();
+        let (rep_tx, rep_rx) = mpsc::channel::<Reply>();
+        let mut ring = Self {
+            cfg: cfg.clone(),
+            requests: Some(req_tx),
+            replies: rep_rx,
+            counters: counters.clone(),
+            closing: closing.clone(),
+            threads: Vec::new(),
+            next_stream: None,
+            prev_stream: None,
+            listen_addr: None,
+        };
+        if cfg.world == 1 {
+            return Ok(ring);
+        }
+        let listener = match listener {
+            Some(l) => l,
+            None => bind(&cfg.addr(cfg.rank))?,
+        };
+        ring.listen_addr = listener.local_addr().ok();
+        let (prev_tx, prev_rx) = mpsc::channel::<TcpStream>();
+        ring.threads.push(spawn_acceptor(
+            listener,
+            cfg.clone(),
+            prev_tx,
+            closing.clone(),
+        )?);
+        let next = connect_next(&cfg)?;
+        let prev = prev_rx.recv_timeout(cfg.connect_timeout).map_err(|_| {
+            CommError::Setup(format!(
+                "rank {} ({}) did not connect within {:?}",
+                cfg.prev(),
+                cfg.addr(cfg.prev()),
+                cfg.connect_timeout
+            ))
+        })?;
+        for s in [&next, &prev] {
+            s.set_nodelay(true).ok();
+            s.set_read_timeout(Some(cfg.timeout)).ok();
+            s.set_write_timeout(Some(cfg.timeout)).ok();
+        }
+        let abort: Arc<Mutex<Option<CommError>>> = Arc::new(Mutex::new(None));
+        let io = |r: io::Result<TcpStream>| {
+            r.map_err(|e| CommError::Setup(format!("cloning a socket: {e}")))
+        };
+        let back_reader = BackReader {
+            cfg: cfg.clone(),
+            next: io(next.try_clone())?,
+            prev: io(prev.try_clone())?,
+            abort: abort.clone(),
+            closing: closing.clone(),
+        };
+        ring.threads
+            .push(spawn("accrue-ring-back", move || back_reader.run())?);
+        let (send_tx, send_rx) = mpsc::channel::<SendJob>();
+        let (done_tx, done_rx) = mpsc::channel::<io::Result<()>>();
+        let sender_stream = io(next.try_clone())?;
+        let sender_counters = counters.clone();
+        ring.threads.push(spawn("accrue-ring-send", move || {
+            sender_loop(sender_stream, send_rx, done_tx, sender_counters)
+        })?);
+        ring.next_stream = Some(io(next.try_clone())?);
+        ring.prev_stream = Some(io(prev.try_clone())?);
+        let mut comm = Comm {
+            cfg: cfg.clone(),
+            prev,
+            next,
+            send: send_tx,
+            done: done_rx,
+            send_seq: 0,
+            recv_seq: 0,
+            abort,
+            counters,
+            scratch: Vec::new(),
+            failed: None,
+        };
+        ring.threads.push(spawn("accrue-ring-comm", move || {
+            while let Ok(req) = req_rx.recv() {
+                let reply = comm.serve(req);
+                if rep_tx.send(reply).is_err() {
+                    break;
+                }
+            }
+        })?);
+        tracing::info!(rank = cfg.rank, world = cfg.world, "ring formed");
+        Ok(ring)
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    pub fn config(&self) -> &RingConfig {
+        &self.cfg
+    }
+
+    fn call(&mut self, req: Request) -> Result<Vec<f32>, CommError> {
+        let tx = self
+            .requests
+            .as_ref()
+            .ok_or_else(|| CommError::Setup("the ring is closed".into()))?;
+        tx.send(req)
+            .map_err(|_| CommError::Setup("the communication thread has stopped".into()))?;
+        self.replies
+            .recv()
+            .map_err(|_| CommError::Setup("the communication thread has stopped".into()))?
+    }
+
+    pub fn all_reduce(&mut self, buf: &mut Vec<f32>) -> Result<(), CommError> {
+        if self.cfg.world == 1 {
+            return Ok(());
+        }
+        *buf = self.call(Request::AllReduce(std::mem::take(buf)))?;
+        Ok(())
+    }
+
+    pub fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> Result<(), CommError> {
+        if self.cfg.world == 1 {
+            return Ok(());
+        }
+        if root >= self.cfg.world {
+            return Err(CommError::Setup(format!(
+                "broadcast root {root} outside world size {}",
+                self.cfg.world
+            )));
+        }
+        *buf = self.call(Request::Broadcast(std::mem::take(buf), root))?;
+        Ok(())
+    }
+}
+
+impl Drop for TcpRing {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::SeqCst);
+        self.requests.take();
+        // Goodbye on both links: forward (the next rank's data stream) and
+        // backward (the previous rank's return path), so neither neighbour
+        // mistakes this clean close for a lost peer.
+        let goodbye = Header {
+            kind: Kind::Goodbye,
+            job_tag: 0,
+            generation: self.cfg.generation,
+            seq: 0,
+            len: 0,
+        };
+        for mut s in [self.prev_stream.take(), self.next_stream.take()]
+            .into_iter()
+            .flatten()
+        {
+            s.set_write_timeout(Some(Duration::from_millis(500))).ok();
+            let _ = s.write_all(&goodbye.encode());
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        if let Some(addr) = self.listen_addr {
+            // Wakes the acceptor's blocking accept so it sees `closing`.
+            let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(200));
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, CommError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map_err(|e| CommError::Setup(format!("cannot start thread {name}: {e}")))
+}
+
+/// Accepts connections for the whole life of the ring: the first one that
+/// proves it is the previous rank of this job and generation becomes the
+/// ring's input; everything else is refused and logged.
+fn spawn_acceptor(
+    listener: TcpListener,
+    cfg: Arc<RingConfig>,
+    prev_tx: mpsc::Sender<TcpStream>,
+    closing: Arc<AtomicBool>,
+) -> Result<JoinHandle<()>, CommError> {
+    spawn("accrue-ring-accept", move || {
+        let taken = Arc::new(AtomicBool::new(false));
+        for conn in listener.incoming() {
+            if closing.load(Ordering::SeqCst) {
+                break;
+            }
+            let Ok(mut s) = conn else { continue };
+            let (cfg, tx, taken) = (cfg.clone(), prev_tx.clone(), taken.clone());
+            let _ = std::thread::Builder::new().name("accrue-ring-handshake".into()).spawn(move || {
+                let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                let limit = cfg.timeout.min(Duration::from_secs(10));
+                s.set_read_timeout(Some(limit)).ok();
+                s.set_write_timeout(Some(limit)).ok();
+                match wire::handshake_accept(&mut s, &cfg.secret, &cfg.job, cfg.generation, cfg.prev() as u32) {
+                    Ok(_) if !taken.swap(true, Ordering::SeqCst) => {
+                        let _ = tx.send(s);
+                    }
+                    Ok(_) => tracing::warn!(%peer, "refused data-plane connection: the ring is already formed"),
+                    Err(reason) => tracing::warn!(%peer, %reason, "refused data-plane connection"),
+                }
+            });
+        }
+    })
+}
+
+fn connect_next(cfg: &RingConfig) -> Result<TcpStream, CommError> {
+    let next = cfg.next();
+    let addr_s = cfg.addr(next);
+    let deadline = Instant::now() + cfg.connect_timeout;
+    let mut backoff = Duration::from_millis(10);
+    let last_err = loop {
+        let attempt = resolve(&addr_s).and_then(|addr| {
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| {
+                CommError::Setup(format!("connecting to rank {next} at {addr_s}: {e}"))
+            })?;
+            s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+            s.set_write_timeout(Some(Duration::from_secs(10))).ok();
+            let hello = Hello {
+                rank: cfg.rank as u32,
+                generation: cfg.generation,
+                job: cfg.job.clone(),
+            };
+            wire::handshake_connect(&mut s, &cfg.secret, &hello).map_err(|e| {
+                CommError::Setup(format!("handshake with rank {next} at {addr_s}: {e}"))
+            })?;
+            Ok(s)
+        });
+        match attempt {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => break e,
+            Err(CommError::Setup(msg)) if msg.contains("refused the handshake") => {
+                return Err(CommError::Setup(msg));
+            }
+            Err(_) => {}
+        }
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(Duration::from_millis(200));
+    };
+    Err(CommError::Setup(format!(
+        "no connection to rank {next} within {:?}: {last_err}",
+        cfg.connect_timeout
+    )))
+}
+
+/// A region of the buffer for the sender thread. The communication thread
+/// waits for the sender's reply before it touches or frees the region.
+struct SendJob {
+    ptr: *const f32,
+    len: usize,
+    first_seq: u64,
+    piece: usize,
+    job_tag: u64,
+    generation: u64,
+}
+
+// SAFETY: the pointer is only read by the sender thread while the owning
+// communication thread blocks on the matching reply (see Comm::exchange).
+unsafe impl Send for SendJob {}
+
+fn frames(len: usize, piece: usize) -> usize {
+    len.div_ceil(piece.max(1)).max(1)
+}
+
+fn sender_loop(
+    mut stream: TcpStream,
+    jobs: mpsc::Receiver<SendJob>,
+    done: mpsc::Sender<io::Result<()>>,
+    counters: Arc<Counters>,
+) {
+    while let Ok(job) = jobs.recv() {
+        // SAFETY: see SendJob; the region stays valid and unmodified until
+        // this thread replies on `done`.
+        let data: &[f32] = unsafe { std::slice::from_raw_parts(job.ptr, job.len) };
+        let mut result = Ok(());
+        let n = frames(job.len, job.piece);
+        for f in 0..n {
+            let part = &data[(f * job.piece).min(job.len)..((f + 1) * job.piece).min(job.len)];
+            let bytes: &[u8] = bytemuck::cast_slice(part);
+            let header = Header {
+                kind: Kind::Data,
+                job_tag: job.job_tag,
+                generation: job.generation,
+                seq: job.first_seq + f as u64,
+                len: bytes.len() as u64,
+            };
+            result = stream
+                .write_all(&header.encode())
+                .and_then(|_| stream.write_all(bytes));
+            if result.is_err() {
+                break;
+            }
+            counters
+                .sent
+                .fetch_add((HEADER_LEN + bytes.len()) as u64, Ordering::Relaxed);
+        }
+        if done.send(result).is_err() {
+            break;
+        }
+    }
+}
+
+/// Watches the outgoing connection for an Abort sent backwards by the next
+/// rank, or for the next rank vanishing; records it and wakes the
+/// communication thread by shutting its input down.
+struct BackReader {
+    cfg: Arc<RingConfig>,
+    next: TcpStream,
+    prev: TcpStream,
+    abort: Arc<Mutex<Option<CommError>>>,
+    closing: Arc<AtomicBool>,
+}
+
+impl BackReader {
+    fn run(mut self) {
+        self.next.set_read_timeout(None).ok();
+        let next = self.cfg.next();
+        let err = match wire::read_header(&mut self.next) {
+            Ok(b) => match Header::decode(&b) {
+                Ok(h) if h.kind == Kind::Abort => match read_abort(&mut self.next, h.len) {
+                    Ok((lost, reason)) => CommError::Aborted {
+                        lost,
+                        reporter: next,
+                        reason,
+                    },
+                    Err(e) => lost(&self.cfg, next, "an abort", &e),
+                },
+                Ok(h) if h.kind == Kind::Goodbye => return,
+                Ok(h) => CommError::Protocol {
+                    rank: next,
+                    addr: self.cfg.addr(next),
+                    reason: format!("unexpected {:?} frame on the return path", h.kind),
+                },
+                Err(reason) => CommError::Protocol {
+                    rank: next,
+                    addr: self.cfg.addr(next),
+                    reason,
+                },
+            },
+            Err(e) => lost(&self.cfg, next, "the job", &e),
+        };
+        if self.closing.load(Ordering::SeqCst) {
+            return;
+        }
+        tracing::warn!(rank = self.cfg.rank, error = %err, "ring broken");
+        let mut slot = self.abort.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            // Tell the previous rank (it reads our return path) before waking our reader.
+            send_abort(&mut self.prev, &self.cfg, &err);
+            *slot = Some(err);
+        }
+        drop(slot);
+        let _ = self.prev.shutdown(Shutdown::Read);
+    }
+}
+
+fn lost(cfg: &RingConfig, rank: usize, during: &str, e: &io::Error) -> CommError {
+    let addr = cfg.addr(rank);
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => CommError::Timeout {
+            rank,
+            addr,
+            secs: cfg.timeout.as_secs_f64(),
+            during: during.into(),
+        },
+        io::ErrorKind::UnexpectedEof => CommError::PeerLost {
+            rank,
+            addr,
+            during: during.into(),
+            reason: "connection closed".into(),
+        },
+        _ => CommError::PeerLost {
+            rank,
+            addr,
+            during: during.into(),
+            reason: e.to_string(),
+        },
+    }
+}
+
+fn read_abort(s: &mut TcpStream, len: u64) -> io::Result<(usize, String)> {
+    if !(4..=4096).contains(&len) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("abort frame of {len} bytes"),
+        ));
+    }
+    let mut b = vec![0u8; len as usize];
+    s.read_exact(&mut b)?;
+    let lost = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+    Ok((lost, String::from_utf8_lossy(&b[4..]).into_owned()))
+}
+
+fn send_abort(s: &mut TcpStream, cfg: &RingConfig, err: &CommError) {
+    let Some(lost) = err.lost_rank() else { return };
+    let reason = err.to_string();
+    let mut payload = (lost as u32).to_le_bytes().to_vec();
+    payload.extend_from_slice(&reason.as_bytes()[..reason.len().min(1000)]);
+    let h = Header {
+        kind: Kind::Abort,
+        job_tag: wire::job_tag(&cfg.job),
+        generation: cfg.generation,
+        seq: 0,
+        len: payload.len() as u64,
+    };
+    s.set_write_timeout(Some(Duration::from_millis(500))).ok();
+    let _ = s.write_all(&h.encode()).and_then(|_| s.write_all(&payload));
+}
+
+/// The communication thread's state.
+struct Comm {
+    cfg: Arc<RingConfig>,
+    prev: TcpStream,
+    next: TcpStream,
+    send: mpsc::Sender<SendJob>,
+    done: mpsc::Receiver<io::Result<()>>,
+    send_seq: u64,
+    recv_seq: u64,
+    abort: Arc<Mutex<Option<CommError>>>,
+    counters: Arc<Counters>,
+    scratch: Vec<u8>,
+    failed: Option<CommError>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Apply {
+    Add,
+    Copy,
+}
+
+impl Comm {
+    fn serve(&mut self, req: Request) -> Reply {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if let Some(e) = self.abort.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            self.failed = Some(e.clone());
+            return Err(e);
+        }
+        let result = match req {
+            Request::AllReduce(mut buf) => self.all_reduce(&mut buf).map(|_| buf),
+            Request::Broadcast(mut buf, root) => self.broadcast(&mut buf, root).map(|_| buf),
+        };
+        if let Err(e) = &result {
+            // Prefer the cause the return path recorded (it names the lost rank).
+            let recorded = self.abort.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let e = match recorded {
+                Some(r) if !matches!(e, CommError::Aborted { .. }) => r,
+                _ => e.clone(),
+            };
+            tracing::warn!(rank = self.cfg.rank, error = %e, "collective failed");
+            send_abort(&mut self.next, &self.cfg, &e);
+            send_abort(&mut self.prev, &self.cfg, &e);
+            self.failed = Some(e.clone());
+            return Err(e);
+        }
+        result
+    }
+
+    fn piece(&self) -> usize {
+        (self.cfg.max_frame_bytes / 4).max(1)
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let (w, r, len) = (self.cfg.world, self.cfg.rank, buf.len());
+        let base = buf.as_mut_ptr();
+        for s in 0..w - 1 {
+            let send = chunk_range(len, w, chunks::rs_send(r, w, s));
+            let recv = chunk_range(len, w, chunks::rs_recv(r, w, s));
+            self.exchange(base, send, recv, Apply::Add, "all-reduce (reduce-scatter)")?;
+        }
+        for s in 0..w - 1 {
+            let send = chunk_range(len, w, chunks::ag_send(r, w, s));
+            let recv = chunk_range(len, w, chunks::ag_recv(r, w, s));
+            self.exchange(base, send, recv, Apply::Copy, "all-reduce (all-gather)")?;
+        }
+        Ok(())
+    }
+
+    /// Sends `send` to the next rank while receiving `recv` from the previous
+    /// one. The two ranges are distinct chunks of the same buffer.
+    fn exchange(
+        &mut self,
+        base: *mut f32,
+        send: std::ops::Range<usize>,
+        recv: std::ops::Range<usize>,
+        apply: Apply,
+        during: &str,
+    ) -> Result<(), CommError> {
+        debug_assert!(
+            send.end <= recv.start || recv.end <= send.start || send.is_empty() || recv.is_empty()
+        );
+        let piece = self.piece();
+        let job = SendJob {
+            // SAFETY: `send` lies inside the buffer `base` points to.
+            ptr: unsafe { base.add(send.start) },
+            len: send.len(),
+            first_seq: self.send_seq,
+            piece,
+            job_tag: wire::job_tag(&self.cfg.job),
+            generation: self.cfg.generation,
+        };
+        self.send_seq += frames(send.len(), piece) as u64;
+        self.send
+            .send(job)
+            .map_err(|_| CommError::Setup("the sender thread has stopped".into()))?;
+        // SAFETY: `recv` lies inside the buffer and does not overlap `send`,
+        // the only region another thread reads meanwhile.
+        let target = unsafe { std::slice::from_raw_parts_mut(base.add(recv.start), recv.len()) };
+        let received = self.receive(target, apply, during);
+        // Always collect the sender's reply before returning: the buffer must
+        // not be touched while it is still being read.
+        let sent = self
+            .done
+            .recv()
+            .map_err(|_| CommError::Setup("the sender thread has stopped".into()))?
+            .map_err(|e| lost(&self.cfg, self.cfg.next(), during, &e));
+        received?;
+        sent
+    }
+
+    /// Receives the frames the previous rank sends for `target`.
+    fn receive(&mut self, target: &mut [f32], apply: Apply, during: &str) -> Result<(), CommError> {
+        let prev = self.cfg.prev();
+        let piece = self.piece();
+        let total = target.len();
+        let n = frames(total, piece);
+        for f in 0..n {
+            let part = &mut target[(f * piece).min(total)..((f + 1) * piece).min(total)];
+            let header =
+                wire::read_header(&mut self.prev).map_err(|e| lost(&self.cfg, prev, during, &e))?;
+            let h = Header::decode(&header).map_err(|reason| self.protocol(reason))?;
+            match h.kind {
+                Kind::Abort => {
+                    let (lost_rank, reason) = read_abort(&mut self.prev, h.len)
+                        .map_err(|e| lost(&self.cfg, prev, during, &e))?;
+                    return Err(CommError::Aborted {
+                        lost: lost_rank,
+                        reporter: prev,
+                        reason,
+                    });
+                }
+                Kind::Goodbye => {
+                    return Err(CommError::PeerLost {
+                        rank: prev,
+                        addr: self.cfg.addr(prev),
+                        during: during.into(),
+                        reason: "the peer closed its ring".into(),
+                    })
+                }
+                Kind::Data => {}
+            }
+            let want_bytes = part.len() * 4;
+            if h.job_tag != wire::job_tag(&self.cfg.job) || h.generation != self.cfg.generation {
+                return Err(self.protocol(format!(
+                    "frame for another job or generation (generation {}, expected {})",
+                    h.generation, self.cfg.generation
+                )));
+            }
+            if h.seq != self.recv_seq {
+                return Err(self.protocol(format!(
+                    "frame sequence {} , expected {}",
+                    h.seq, self.recv_seq
+                )));
+            }
+            if h.len as usize != want_bytes || h.len as usize > self.cfg.max_frame_bytes {
+                return Err(self.protocol(format!(
+                    "frame of {} bytes, expected {want_bytes} (limit {})",
+                    h.len, self.cfg.max_frame_bytes
+                )));
+            }
+            self.recv_seq += 1;
+            match apply {
+                Apply::Copy => {
+                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(part);
+                    self.prev
+                        .read_exact(bytes)
+                        .map_err(|e| lost(&self.cfg, prev, during, &e))?;
+                }
+                Apply::Add => {
+                    self.scratch.resize(want_bytes, 0);
+                    self.prev
+                        .read_exact(&mut self.scratch)
+                        .map_err(|e| lost(&self.cfg, prev, during, &e))?;
+                    for (dst, src) in part.iter_mut().zip(self.scratch.chunks_exact(4)) {
+                        *dst += f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+                    }
+                }
+            }
+            self.counters
+                .received
+                .fetch_add((HEADER_LEN + want_bytes) as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn protocol(&self, reason: String) -> CommError {
+        let prev = self.cfg.prev();
+        CommError::Protocol {
+            rank: prev,
+            addr: self.cfg.addr(prev),
+            reason,
+        }
+    }
+
+    /// Pipelined ring broadcast: the root sends piece by piece; every other
+    /// rank receives each piece and forwards it unless its next is the root.
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        let (w, r) = (self.cfg.world, self.cfg.rank);
+        let piece = self.piece();
+        let len = buf.len();
+        let base = buf.as_mut_ptr();
+        let forwards = (r + 1) % w != root;
+        let mut pending = 0;
+        let mut result = Ok(());
+        for p in chunks::pieces(0..len.max(1), piece) {
+            let p = p.start.min(len)..p.end.min(len);
+            if r != root {
+                // SAFETY: piece `p` is not being sent (earlier pieces are).
+                let target = unsafe { std::slice::from_raw_parts_mut(base.add(p.start), p.len()) };
+                if let Err(e) = self.receive(target, Apply::Copy, "broadcast") {
+                    result = Err(e);
+                    break;
+                }
+            }
+            if r == root || forwards {
+                let job = SendJob {
+                    // SAFETY: inside the buffer; not written again in this call.
+                    ptr: unsafe { base.add(p.start) },
+                    len: p.len(),
+                    first_seq: self.send_seq,
+                    piece,
+                    job_tag: wire::job_tag(&self.cfg.job),
+                    generation: self.cfg.generation,
+                };
+                self.send_seq += 1;
+                if self.send.send(job).is_err() {
+                    result = Err(CommError::Setup("the sender thread has stopped".into()));
+                    break;
+                }
+                pending += 1;
+            }
+        }
+        for _ in 0..pending {
+            let sent = self
+                .done
+                .recv()
+                .map_err(|_| CommError::Setup("the sender thread has stopped".into()))?;
+            if let (Ok(()), Err(e)) = (&result, sent) {
+                result = Err(lost(&self.cfg, self.cfg.next(), "broadcast", &e));
+            }
+        }
+        result
+    }
+}
+
+impl crate::collective::Collective for TcpRing {
+    fn rank(&self) -> usize {
+        self.cfg.rank
+    }
+    fn world_size(&self) -> usize {
+        self.cfg.world
+    }
+    fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> crate::Result<()> {
+        self.all_reduce(buf).map_err(crate::Error::from)
+    }
+    fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> crate::Result<()> {
+        TcpRing::broadcast(self, buf, root).map_err(crate::Error::from)
+    }
+    fn barrier(&mut self) -> crate::Result<()> {
+        let mut one = vec![0f32];
+        self.all_reduce(&mut one).map_err(crate::Error::from)
+    }
+    fn bytes(&self) -> (u64, u64) {
+        (
+            self.counters.sent.load(Ordering::Relaxed),
+            self.counters.received.load(Ordering::Relaxed),
+        )
+    }
+}

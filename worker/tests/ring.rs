@@ -1,0 +1,239 @@
+//! The TCP ring with real sockets on loopback, one thread per rank.
+
+use accrue_worker::comm::chunks::{ring_recv_elems, ring_send_elems};
+use accrue_worker::comm::wire::{self, Hello, HEADER_LEN};
+use accrue_worker::comm::{bind, CommError, RingConfig, TcpRing};
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+const SECRET: &[u8] = b"test-secret";
+
+/// Binds W listeners on port 0 and returns them with their addresses.
+fn listeners(world: usize) -> (Vec<std::net::TcpListener>, Vec<String>) {
+    let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
+    let addrs = ls
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    (ls, addrs)
+}
+
+fn config(rank: usize, world: usize, peers: &[String], max_frame: usize) -> RingConfig {
+    let mut c = RingConfig::new("job-a", rank, world, peers.to_vec(), SECRET.to_vec());
+    c.timeout = Duration::from_secs(10);
+    c.connect_timeout = Duration::from_secs(10);
+    c.max_frame_bytes = max_frame;
+    c
+}
+
+/// Runs `f` on every rank of a freshly formed ring, one thread each.
+fn with_ring<T: Send + 'static>(
+    world: usize,
+    max_frame: usize,
+    f: impl Fn(usize, &mut TcpRing) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let (ls, addrs) = listeners(world);
+    let handles: Vec<_> = ls
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            let (addrs, f) = (addrs.clone(), f.clone());
+            std::thread::spawn(move || {
+                let mut ring =
+                    TcpRing::start(Some(l), config(rank, world, &addrs, max_frame)).unwrap();
+                f(rank, &mut ring)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn input(rank: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((rank * 1000 + i) % 251) as f32 * 0.5 - 17.0)
+        .collect()
+}
+
+#[test]
+fn all_reduce_sums_for_w_2_3_4() {
+    for world in [2, 3, 4] {
+        // Lengths: empty, shorter than W, odd, and many frames of 16 elements.
+        for len in [0, 1, world - 1, 7, 1001] {
+            let results = with_ring(world, 64, move |rank, ring| {
+                let mut buf = input(rank, len);
+                ring.all_reduce(&mut buf).unwrap();
+                buf
+            });
+            let want: Vec<f32> = (0..len)
+                .map(|i| (0..world).map(|r| input(r, len)[i]).sum())
+                .collect();
+            for (rank, got) in results.iter().enumerate() {
+                assert_eq!(got, &want, "W={world} len={len} rank {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_from_every_root_and_barrier() {
+    for world in [2, 3, 4] {
+        for root in 0..world {
+            let results = with_ring(world, 64, move |rank, ring| {
+                let mut buf = input(rank, 333);
+                ring.broadcast(&mut buf, root).unwrap();
+                for _ in 0..3 {
+                    ring_barrier(ring);
+                }
+                buf
+            });
+            for got in &results {
+                assert_eq!(got, &input(root, 333), "W={world} root={root}");
+            }
+        }
+    }
+}
+
+fn ring_barrier(ring: &mut TcpRing) {
+    use accrue_worker::Collective;
+    ring.barrier().unwrap();
+}
+
+/// Bytes on the wire per all-reduce: 2(W-1) chunks of about len/W elements
+/// each way, plus one 40-byte header per frame.
+#[test]
+fn byte_counters_follow_the_ring_formula() {
+    for world in [2, 3, 4] {
+        let len = 10_000;
+        let max_frame = 1 << 20; // one frame per chunk
+        let results = with_ring(world, max_frame, move |rank, ring| {
+            let mut buf = input(rank, len);
+            ring.all_reduce(&mut buf).unwrap();
+            use accrue_worker::Collective;
+            ring.bytes()
+        });
+        let frames = 2 * (world - 1) as u64;
+        for (rank, (sent, received)) in results.into_iter().enumerate() {
+            let want_sent =
+                4 * ring_send_elems(len, world, rank) as u64 + frames * HEADER_LEN as u64;
+            let want_recv =
+                4 * ring_recv_elems(len, world, rank) as u64 + frames * HEADER_LEN as u64;
+            assert_eq!(
+                (sent, received),
+                (want_sent, want_recv),
+                "W={world} rank {rank}"
+            );
+            let ideal = 2.0 * (world as f64 - 1.0) / world as f64 * (4 * len) as f64;
+            assert!(
+                (sent as f64 - ideal).abs() / ideal < 0.01,
+                "W={world}: {sent} vs {ideal}"
+            );
+        }
+    }
+}
+
+/// Garbage bytes and a wrong secret on a rank's data port are refused; the
+/// ring still forms and works.
+#[test]
+fn wrong_secret_and_garbage_are_refused() {
+    let (mut ls, addrs) = listeners(2);
+    let l1 = ls.pop().unwrap();
+    let l0 = ls.pop().unwrap();
+    let peers = addrs.clone();
+    let rank1 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l1), config(1, 2, &peers, 1 << 20)).unwrap();
+        let mut buf = vec![1.0f32; 5];
+        ring.all_reduce(&mut buf).unwrap();
+        buf
+    });
+    // Rank 1 listens; poke it before rank 0 exists.
+    let mut garbage = TcpStream::connect(&addrs[1]).unwrap();
+    garbage
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut wrong = TcpStream::connect(&addrs[1]).unwrap();
+    let hello = Hello {
+        rank: 0,
+        generation: 0,
+        job: "job-a".into(),
+    };
+    let err = wire::handshake_connect(&mut wrong, b"wrong-secret", &hello).unwrap_err();
+    assert!(err.contains("refused"), "{err}");
+    let mut stale = TcpStream::connect(&addrs[1]).unwrap();
+    let old = Hello {
+        rank: 0,
+        generation: 7,
+        job: "job-a".into(),
+    };
+    assert!(
+        wire::handshake_connect(&mut stale, SECRET, &old).is_err(),
+        "another generation must be refused"
+    );
+    let peers = addrs.clone();
+    let rank0 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l0), config(0, 2, &peers, 1 << 20)).unwrap();
+        let mut buf = vec![2.0f32; 5];
+        ring.all_reduce(&mut buf).unwrap();
+        buf
+    });
+    assert_eq!(rank0.join().unwrap(), vec![3.0; 5]);
+    assert_eq!(rank1.join().unwrap(), vec![3.0; 5]);
+}
+
+/// A rank that stops taking part becomes a typed error naming it on its
+/// neighbour within the timeout, not a hang.
+#[test]
+fn silent_peer_is_an_error_within_the_timeout() {
+    let (ls, addrs) = listeners(2);
+    let mut it = ls.into_iter();
+    let (l0, l1) = (it.next().unwrap(), it.next().unwrap());
+    let peers = addrs.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let rank1 = std::thread::spawn(move || {
+        let ring = TcpRing::start(Some(l1), config(1, 2, &peers, 1 << 20)).unwrap();
+        // Joins the ring, then never calls a collective until told.
+        let _ = rx.recv();
+        drop(ring);
+    });
+    let mut cfg = config(0, 2, &addrs, 1 << 20);
+    cfg.timeout = Duration::from_millis(1500);
+    let mut ring0 = TcpRing::start(Some(l0), cfg).unwrap();
+    let started = Instant::now();
+    let mut buf = vec![1.0f32; 1000];
+    let err = ring0.all_reduce(&mut buf).unwrap_err();
+    let waited = started.elapsed();
+    assert!(matches!(err, CommError::Timeout { rank: 1, .. }), "{err:?}");
+    assert!(err.to_string().contains("rank 1"), "{err}");
+    assert!(
+        waited >= Duration::from_millis(1400) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    // The ring stays failed: later calls fail at once with the same cause.
+    assert_eq!(ring0.all_reduce(&mut vec![0.0; 3]).unwrap_err(), err);
+    tx.send(()).unwrap();
+    rank1.join().unwrap();
+}
+
+/// A rank that closes its ring mid-job: the others fail naming it.
+#[test]
+fn vanished_peer_is_named_by_every_other_rank() {
+    let results = with_ring(3, 1 << 20, |rank, ring| {
+        let mut buf = input(rank, 100);
+        ring.all_reduce(&mut buf).unwrap();
+        if rank == 1 {
+            // Leave: sockets close (as a killed process's would).
+            return None;
+        }
+        let mut buf = input(rank, 100_000);
+        let started = Instant::now();
+        let err = ring.all_reduce(&mut buf).unwrap_err();
+        Some((err, started.elapsed()))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        if let Some((err, took)) = r {
+            assert_eq!(err.lost_rank(), Some(1), "rank {rank}: {err}");
+            assert!(err.to_string().contains("rank 1"), "rank {rank}: {err}");
+            assert!(took < Duration::from_secs(5), "rank {rank} took {took:?}");
+        }
+    }
+}
