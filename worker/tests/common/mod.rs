@@ -1,6 +1,8 @@
 //! Shared helpers for the engine tests.
 #![allow(dead_code)]
 
+pub mod procs;
+
 use accrue_worker::engine::RunOptions;
 use accrue_worker::{Engine, JobSpec, SingleRank};
 use std::path::{Path, PathBuf};

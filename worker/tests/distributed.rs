@@ -1,0 +1,214 @@
+//! Multi-process training over the TCP ring: real `accrue-worker` processes
+//! on loopback, static rendezvous.
+
+mod common;
+
+use accrue_worker::comm::chunks::ring_send_elems;
+use accrue_worker::comm::wire::{self, Hello, HEADER_LEN};
+use common::procs::*;
+use common::*;
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+use tch::Tensor;
+use tempfile::TempDir;
+
+fn job(samples: u64, batch: u64, k: u64, extra_data: &str, extra: &str) -> String {
+    format!(
+        r#"
+name = "dist"
+seed = 21
+max_steps = 10
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [24]
+[data]
+kind = "synthetic"
+samples = {samples}
+eval_samples = 32
+shape = [10]
+classes = 5
+batch_size = {batch}
+{extra_data}
+[accumulation]
+steps = {k}
+[clipping]
+max_norm = 1.0
+[optimizer]
+kind = "sgd"
+lr = 0.1
+momentum = 0.9
+weight_decay = 0.001
+[comm]
+timeout_s = 20
+connect_timeout_s = 30
+{extra}
+"#
+    )
+}
+
+fn write_job(dir: &Path, text: &str) -> std::path::PathBuf {
+    let p = dir.join("job.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Runs W ranks of `text` to completion and returns rank 0's final model and
+/// every rank's step reports.
+fn run_ranks(
+    dir: &Path,
+    text: &str,
+    world: usize,
+    before_rank0: impl FnOnce(&[String]),
+) -> (Vec<(String, Tensor)>, Vec<Vec<serde_json::Value>>) {
+    let job = write_job(dir, text);
+    let peers = free_addrs(world);
+    let mut ranks: Vec<Rank> = (1..world)
+        .map(|r| spawn_rank(&job, r, &peers, dir))
+        .collect();
+    before_rank0(&peers);
+    ranks.insert(0, spawn_rank(&job, 0, &peers, dir));
+    for r in &mut ranks {
+        let status = r
+            .wait(Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("rank {} did not finish", r.rank));
+        assert!(status.success(), "rank {} failed:\n{}", r.rank, r.stderr());
+    }
+    let model = Tensor::read_safetensors(dir.join("ckpt/step-10/model.safetensors")).unwrap();
+    (model, ranks.iter().map(|r| r.steps()).collect())
+}
+
+fn by_name(named: Vec<(String, Tensor)>, order: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    order
+        .iter()
+        .map(|(n, _)| {
+            named
+                .iter()
+                .find(|(m, _)| m == n)
+                .map(|(m, t)| (m.clone(), t.shallow_clone()))
+                .unwrap()
+        })
+        .collect()
+}
+
+/// W = 2, k = 4, b = 8 in two processes equals W = 1, k = 1, b = 64 in one
+/// process, and equals sync = every_step; byte counters follow the ring
+/// formula; garbage and a wrong secret on a data port change nothing.
+#[test]
+fn two_processes_equal_one_large_batch() {
+    let reference_dir = TempDir::new().unwrap();
+    let reference = train(spec(&job(640, 64, 1, "", "")), reference_dir.path());
+
+    let d = TempDir::new().unwrap();
+    let (model, steps) = run_ranks(d.path(), &job(640, 8, 4, "", ""), 2, |peers| {
+        // Rank 1 is listening: poke its data port before rank 0 exists.
+        assert!(wait_for(Duration::from_secs(30), || {
+            std::net::TcpStream::connect(&peers[1]).is_ok()
+        }));
+        let mut garbage = std::net::TcpStream::connect(&peers[1]).unwrap();
+        garbage
+            .write_all(&[0xde, 0xad, 0xbe, 0xef].repeat(64))
+            .unwrap();
+        let mut wrong = std::net::TcpStream::connect(&peers[1]).unwrap();
+        let hello = Hello {
+            rank: 0,
+            generation: 0,
+            job: "dist".into(),
+        };
+        assert!(wire::handshake_connect(&mut wrong, b"not-the-secret", &hello).is_err());
+    });
+    let model = by_name(model, &reference);
+    let rel = max_rel_diff(&model, &reference);
+    eprintln!("W=2,k=4,b=8 (processes) vs W=1,k=1,b=64: max relative difference {rel:e}");
+    assert!(
+        rel < 1e-5,
+        "two processes differ from the large batch by {rel:e}"
+    );
+    let log1 = std::fs::read_to_string(d.path().join("rank1.log")).unwrap();
+    assert!(
+        log1.contains("refused data-plane connection"),
+        "rank 1 must log the refusals:\n{log1}"
+    );
+
+    // Bytes: one bucket of P parameters + 3 counts per sync step.
+    let params: usize = reference.iter().map(|(_, t)| t.numel()).sum();
+    for (rank, reports) in steps.iter().enumerate() {
+        assert_eq!(reports.len(), 10);
+        let want = 4 * ring_send_elems(params + 3, 2, rank) as u64 + 2 * HEADER_LEN as u64;
+        for r in reports {
+            assert_eq!(r["bytes_sent"].as_u64().unwrap(), want, "rank {rank}: {r}");
+            assert_eq!(r["samples"], 64);
+        }
+    }
+
+    let e = TempDir::new().unwrap();
+    let every = job(640, 8, 4, "", "").replace("steps = 4", "steps = 4\nsync = \"every_step\"");
+    let (model_every, _) = run_ranks(e.path(), &every, 2, |_| {});
+    let rel = max_rel_diff(&by_name(model_every, &reference), &reference);
+    assert!(rel < 1e-5, "every_step across processes differs by {rel:e}");
+}
+
+/// 101 samples without padding: rank 0 reads 51, rank 1 reads 50, so the
+/// last window holds 19 + 18 samples; global_count still equals the large
+/// batch.
+#[test]
+fn uneven_ranks_stay_exact_with_global_count() {
+    let reference_dir = TempDir::new().unwrap();
+    let reference = train(spec(&job(101, 64, 1, "", "")), reference_dir.path());
+    let d = TempDir::new().unwrap();
+    let (model, steps) = run_ranks(d.path(), &job(101, 8, 4, "pad = false", ""), 2, |_| {});
+    let samples: Vec<u64> = steps[0]
+        .iter()
+        .map(|r| r["samples"].as_u64().unwrap())
+        .collect();
+    assert_eq!(samples, [64, 37, 64, 37, 64, 37, 64, 37, 64, 37]);
+    let rel = max_rel_diff(&by_name(model, &reference), &reference);
+    assert!(
+        rel < 1e-5,
+        "uneven ranks differ from the large batch by {rel:e}"
+    );
+}
+
+/// kill -9 of one rank during training: every other rank exits with an
+/// error naming the lost rank within the timeout.
+#[test]
+fn killed_rank_is_named_by_the_others() {
+    let d = TempDir::new().unwrap();
+    // A wide model and tiny batches: most of the time is spent in all-reduce.
+    let text = job(4096, 2, 1, "", "")
+        .replace("max_steps = 10", "max_steps = 100000")
+        .replace("hidden = [24]", "hidden = [1024, 1024]")
+        .replace("timeout_s = 20", "timeout_s = 10");
+    let jobp = write_job(d.path(), &text);
+    let peers = free_addrs(3);
+    let mut ranks: Vec<Rank> = (0..3)
+        .map(|r| spawn_rank(&jobp, r, &peers, d.path()))
+        .collect();
+    assert!(
+        wait_for(Duration::from_secs(60), || ranks[0].steps().len() >= 3),
+        "training did not start:\n{}",
+        ranks[0].stderr()
+    );
+    let started = std::time::Instant::now();
+    ranks[1].child.kill().unwrap(); // SIGKILL
+    for r in [0, 2] {
+        let status = ranks[r]
+            .wait(Duration::from_secs(15))
+            .unwrap_or_else(|| panic!("rank {r} hangs"));
+        assert!(!status.success());
+        let err = ranks[r].stderr();
+        assert!(
+            err.contains("lost rank 1"),
+            "rank {r} must name rank 1:\n{err}"
+        );
+        eprintln!(
+            "rank {r}: {}",
+            err.lines()
+                .find(|l| l.contains("lost rank 1"))
+                .unwrap_or("")
+        );
+    }
+    eprintln!("survivors exited {:?} after the kill", started.elapsed());
+}
