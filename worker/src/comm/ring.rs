@@ -55,7 +55,7 @@ impl RingConfig {
             secret,
             timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(60),
-            max_frame_bytes: 4 << 20,
+            max_frame_bytes: 1 << 20,
         }
     }
 
@@ -218,6 +218,7 @@ impl TcpRing {
         })?;
         for s in [&next, &prev] {
             s.set_nodelay(true).ok();
+
             s.set_read_timeout(Some(cfg.timeout)).ok();
             s.set_write_timeout(Some(cfg.timeout)).ok();
         }
@@ -598,7 +599,7 @@ struct Comm {
     recv_seq: u64,
     abort: Arc<Mutex<Option<CommError>>>,
     counters: Arc<Counters>,
-    scratch: Vec<u8>,
+    scratch: Vec<f32>,
     failed: Option<CommError>,
 }
 
@@ -758,12 +759,13 @@ impl Comm {
                         .map_err(|e| lost(&self.cfg, prev, during, &e))?;
                 }
                 Apply::Add => {
-                    self.scratch.resize(want_bytes, 0);
+                    self.scratch.resize(part.len(), 0.0);
+                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
                     self.prev
-                        .read_exact(&mut self.scratch)
+                        .read_exact(bytes)
                         .map_err(|e| lost(&self.cfg, prev, during, &e))?;
-                    for (dst, src) in part.iter_mut().zip(self.scratch.chunks_exact(4)) {
-                        *dst += f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+                    for (dst, src) in part.iter_mut().zip(&self.scratch) {
+                        *dst += *src;
                     }
                 }
             }
