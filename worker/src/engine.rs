@@ -68,6 +68,9 @@ pub struct StepReport {
     /// Data-plane bytes this rank sent and received for this step.
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// The same since this process joined the job.
+    pub job_bytes_sent: u64,
+    pub job_bytes_received: u64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -612,6 +615,8 @@ impl<C: Collective> Engine<C> {
             },
             bytes_sent: sent - window.bytes_at_start.0,
             bytes_received: received - window.bytes_at_start.1,
+            job_bytes_sent: sent,
+            job_bytes_received: received,
         })
     }
 

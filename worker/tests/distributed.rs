@@ -141,6 +141,21 @@ fn two_processes_equal_one_large_batch() {
             assert_eq!(r["bytes_sent"].as_u64().unwrap(), want, "rank {rank}: {r}");
             assert_eq!(r["samples"], 64);
         }
+        // Per job: the steps plus the parameter broadcast at start.
+        let last = reports.last().unwrap();
+        let per_steps: u64 = reports
+            .iter()
+            .map(|r| r["bytes_sent"].as_u64().unwrap())
+            .sum();
+        let total = last["job_bytes_sent"].as_u64().unwrap();
+        // Rank 0 also sent every parameter once at start (the broadcast, one
+        // frame); rank 1 does not forward it back to the root.
+        let broadcast = if rank == 0 {
+            4 * params as u64 + HEADER_LEN as u64
+        } else {
+            0
+        };
+        assert_eq!(total, per_steps + broadcast, "rank {rank}");
     }
 
     let e = TempDir::new().unwrap();
