@@ -255,6 +255,7 @@ impl TcpRing {
             abort,
             counters,
             scratch: Vec::new(),
+            tag: wire::job_tag(&cfg.job),
             failed: None,
         };
         ring.threads.push(spawn("accrue-ring-comm", move || {
@@ -600,6 +601,8 @@ struct Comm {
     abort: Arc<Mutex<Option<CommError>>>,
     counters: Arc<Counters>,
     scratch: Vec<f32>,
+    /// wire::job_tag of the job, computed once.
+    tag: u64,
     failed: Option<CommError>,
 }
 
@@ -671,20 +674,7 @@ impl Comm {
         debug_assert!(
             send.end <= recv.start || recv.end <= send.start || send.is_empty() || recv.is_empty()
         );
-        let piece = self.piece();
-        let job = SendJob {
-            // SAFETY: `send` lies inside the buffer `base` points to.
-            ptr: unsafe { base.add(send.start) },
-            len: send.len(),
-            first_seq: self.send_seq,
-            piece,
-            job_tag: wire::job_tag(&self.cfg.job),
-            generation: self.cfg.generation,
-        };
-        self.send_seq += frames(send.len(), piece) as u64;
-        self.send
-            .send(job)
-            .map_err(|_| CommError::Setup("the sender thread has stopped".into()))?;
+        self.post_send(base, send)?;
         // SAFETY: `recv` lies inside the buffer and does not overlap `send`,
         // the only region another thread reads meanwhile.
         let target = unsafe { std::slice::from_raw_parts_mut(base.add(recv.start), recv.len()) };
@@ -698,6 +688,29 @@ impl Comm {
             .map_err(|e| lost(&self.cfg, self.cfg.next(), during, &e));
         received?;
         sent
+    }
+
+    /// Hands `range` of the buffer at `base` to the sender thread. The caller
+    /// must not write that range until it has collected the sender's reply.
+    fn post_send(
+        &mut self,
+        base: *mut f32,
+        range: std::ops::Range<usize>,
+    ) -> Result<(), CommError> {
+        let piece = self.piece();
+        let job = SendJob {
+            // SAFETY: callers pass a range inside the buffer `base` points to.
+            ptr: unsafe { base.add(range.start) },
+            len: range.len(),
+            first_seq: self.send_seq,
+            piece,
+            job_tag: self.tag,
+            generation: self.cfg.generation,
+        };
+        self.send_seq += frames(range.len(), piece) as u64;
+        self.send
+            .send(job)
+            .map_err(|_| CommError::Setup("the sender thread has stopped".into()))
     }
 
     /// Receives the frames the previous rank sends for `target`.
@@ -732,7 +745,7 @@ impl Comm {
                 Kind::Data => {}
             }
             let want_bytes = part.len() * 4;
-            if h.job_tag != wire::job_tag(&self.cfg.job) || h.generation != self.cfg.generation {
+            if h.job_tag != self.tag || h.generation != self.cfg.generation {
                 return Err(self.protocol(format!(
                     "frame for another job or generation (generation {}, expected {})",
                     h.generation, self.cfg.generation
@@ -806,18 +819,9 @@ impl Comm {
                 }
             }
             if r == root || forwards {
-                let job = SendJob {
-                    // SAFETY: inside the buffer; not written again in this call.
-                    ptr: unsafe { base.add(p.start) },
-                    len: p.len(),
-                    first_seq: self.send_seq,
-                    piece,
-                    job_tag: wire::job_tag(&self.cfg.job),
-                    generation: self.cfg.generation,
-                };
-                self.send_seq += 1;
-                if self.send.send(job).is_err() {
-                    result = Err(CommError::Setup("the sender thread has stopped".into()));
+                // Piece `p` is complete here and not written again in this call.
+                if let Err(e) = self.post_send(base, p) {
+                    result = Err(e);
                     break;
                 }
                 pending += 1;

@@ -144,8 +144,7 @@ impl Hello {
     }
 }
 
-/// The proof that the connecting side knows the job's secret.
-pub fn proof(secret: &[u8], challenge: &[u8; 32], hello: &Hello) -> [u8; 32] {
+fn mac(secret: &[u8], challenge: &[u8; 32], hello: &Hello) -> Hmac<Sha256> {
     // HMAC accepts keys of any length, so new_from_slice cannot fail.
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).unwrap_or_else(|_| unreachable!());
     mac.update(b"accrue-ring-v1");
@@ -153,18 +152,17 @@ pub fn proof(secret: &[u8], challenge: &[u8; 32], hello: &Hello) -> [u8; 32] {
     mac.update(hello.job.as_bytes());
     mac.update(&hello.generation.to_le_bytes());
     mac.update(&hello.rank.to_le_bytes());
-    mac.finalize().into_bytes().into()
+    mac
+}
+
+/// The proof that the connecting side knows the job's secret.
+pub fn proof(secret: &[u8], challenge: &[u8; 32], hello: &Hello) -> [u8; 32] {
+    mac(secret, challenge, hello).finalize().into_bytes().into()
 }
 
 /// Constant-time check of a proof.
 pub fn verify(secret: &[u8], challenge: &[u8; 32], hello: &Hello, got: &[u8; 32]) -> bool {
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).unwrap_or_else(|_| unreachable!());
-    mac.update(b"accrue-ring-v1");
-    mac.update(challenge);
-    mac.update(hello.job.as_bytes());
-    mac.update(&hello.generation.to_le_bytes());
-    mac.update(&hello.rank.to_le_bytes());
-    mac.verify_slice(got).is_ok()
+    mac(secret, challenge, hello).verify_slice(got).is_ok()
 }
 
 /// Client side of the handshake.
