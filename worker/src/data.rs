@@ -9,20 +9,7 @@ use crate::spec::DataSpec;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
-pub const MNIST_FILES: [&str; 4] = [
-    "train-images-idx3-ubyte",
-    "train-labels-idx1-ubyte",
-    "t10k-images-idx3-ubyte",
-    "t10k-labels-idx1-ubyte",
-];
-pub const CIFAR_FILES: [&str; 6] = [
-    "data_batch_1.bin",
-    "data_batch_2.bin",
-    "data_batch_3.bin",
-    "data_batch_4.bin",
-    "data_batch_5.bin",
-    "test_batch.bin",
-];
+pub use accrue_common::spec::{CIFAR_FILES, MNIST_FILES};
 const CIFAR_RECORD: usize = 1 + 3 * 32 * 32;
 const IDX_IMAGES_MAGIC: u32 = 0x0000_0803;
 const IDX_LABELS_MAGIC: u32 = 0x0000_0801;

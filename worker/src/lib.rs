@@ -15,7 +15,7 @@ pub mod optim;
 pub mod rng;
 pub mod sampler;
 pub mod schedule;
-pub mod spec;
+pub use accrue_common::spec;
 
 pub use collective::{Collective, SingleRank};
 pub use engine::{Engine, Event, RunOptions, StepReport};

@@ -270,6 +270,23 @@ fn constant() -> String {
     "constant".into()
 }
 
+/// The files an MNIST folder must hold.
+pub const MNIST_FILES: [&str; 4] = [
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+];
+/// The files a CIFAR-10 folder must hold.
+pub const CIFAR_FILES: [&str; 6] = [
+    "data_batch_1.bin",
+    "data_batch_2.bin",
+    "data_batch_3.bin",
+    "data_batch_4.bin",
+    "data_batch_5.bin",
+    "test_batch.bin",
+];
+
 pub const MODEL_KINDS: &[&str] = &["mlp", "lenet5", "resnet18", "resnet34", "torchscript"];
 pub const DATA_KINDS: &[&str] = &["mnist", "cifar10", "tensors", "synthetic"];
 pub const NORMALIZE: &[&str] = &["global_count", "mean", "sum"];
@@ -569,11 +586,11 @@ impl JobSpec {
         match d.kind.as_str() {
             "mnist" => match &d.path {
                 None => c.fail("data.path", "(missing)", "required for data.kind = mnist"),
-                Some(p) => c.files_in("data.path", p, &crate::data::MNIST_FILES),
+                Some(p) => c.files_in("data.path", p, &MNIST_FILES),
             },
             "cifar10" => match &d.path {
                 None => c.fail("data.path", "(missing)", "required for data.kind = cifar10"),
-                Some(p) => c.files_in("data.path", p, &crate::data::CIFAR_FILES),
+                Some(p) => c.files_in("data.path", p, &CIFAR_FILES),
             },
             "tensors" => {
                 match &d.path {
