@@ -318,6 +318,8 @@ pub struct SpecErrors(pub Vec<FieldError>);
 #[derive(Default)]
 pub struct Checker {
     errors: Vec<FieldError>,
+    /// Whether file and folder checks run.
+    files: bool,
 }
 
 impl Checker {
@@ -352,7 +354,7 @@ impl Checker {
     }
 
     pub fn file_exists(&mut self, field: &str, path: &Path) {
-        if !path.is_file() {
+        if self.files && !path.is_file() {
             self.fail(
                 field,
                 path.display().to_string(),
@@ -364,6 +366,9 @@ impl Checker {
     /// A folder that must hold `files`: one error for a missing folder,
     /// else one per missing file.
     pub fn files_in(&mut self, field: &str, dir: &Path, files: &[&str]) {
+        if !self.files {
+            return;
+        }
         if !dir.is_dir() {
             self.fail(
                 field,
@@ -482,10 +487,23 @@ impl JobSpec {
         self.clipping.on_nonfinite.as_deref() != Some("error")
     }
 
-    /// Checks every field; file contents are checked later by the loaders,
-    /// still before anything is written.
+    /// Checks every field, and that the named files exist; file contents are
+    /// checked later by the loaders, still before anything is written.
     pub fn validate(&self) -> Result<(), SpecErrors> {
-        let mut c = Checker::default();
+        self.check(true)
+    }
+
+    /// Checks every field but not the file system (the coordinator's view of
+    /// the workers' files may differ).
+    pub fn validate_fields(&self) -> Result<(), SpecErrors> {
+        self.check(false)
+    }
+
+    fn check(&self, files: bool) -> Result<(), SpecErrors> {
+        let mut c = Checker {
+            files,
+            ..Default::default()
+        };
         if self.name.trim().is_empty() {
             c.fail("name", &self.name, "must be a non-empty string");
         }

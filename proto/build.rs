@@ -1,0 +1,10 @@
+//! Generates the gRPC code with the vendored protoc (no system protoc).
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    // SAFETY: build scripts are single-threaded; nothing reads the
+    // environment concurrently.
+    unsafe { std::env::set_var("PROTOC", protoc) };
+    println!("cargo:rerun-if-changed=accrue/v1/accrue.proto");
+    tonic_prost_build::configure().compile_protos(&["accrue/v1/accrue.proto"], &["."])?;
+    Ok(())
+}
