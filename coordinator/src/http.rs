@@ -1,0 +1,214 @@
+//! The status endpoint: /healthz, /readyz, /v1/jobs, /v1/jobs/{id},
+//! /metrics (Prometheus text) and / (a small dashboard).
+
+use crate::service::Coordinator;
+use accrue_proto::v1::{Job, JobState};
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::fmt::Write;
+use std::sync::Arc;
+
+pub fn router(c: Arc<Coordinator>) -> Router {
+    Router::new()
+        .route("/", get(dashboard))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(|| async { "ready\n" }))
+        .route("/v1/jobs", get(list))
+        .route("/v1/jobs/{id}", get(one))
+        .route("/metrics", get(metrics))
+        .with_state(c)
+}
+
+pub fn state_name(s: JobState) -> &'static str {
+    match s {
+        JobState::Unspecified => "unspecified",
+        JobState::Pending => "pending",
+        JobState::Rendezvous => "rendezvous",
+        JobState::Running => "running",
+        JobState::Recovering => "recovering",
+        JobState::Succeeded => "succeeded",
+        JobState::Failed => "failed",
+        JobState::Cancelled => "cancelled",
+    }
+}
+
+fn state_of(i: i32) -> &'static str {
+    state_name(JobState::try_from(i).unwrap_or(JobState::Unspecified))
+}
+
+/// A job as JSON (the proto fields, states by name).
+pub fn job_json(j: &Job) -> Value {
+    let c = j.counters.unwrap_or_default();
+    let t = c.timing.unwrap_or_default();
+    json!({
+        "id": j.id,
+        "name": j.spec.as_ref().map(|s| s.name.clone()),
+        "state": state_name(j.state()),
+        "workers": j.workers,
+        "generation": j.generation,
+        "accumulation_steps": j.accumulation_steps,
+        "counters": {
+            "step": c.step, "total_steps": c.total_steps, "micro_step": c.micro_step, "window": c.window,
+            "epoch": c.epoch, "samples_seen": c.samples_seen, "skipped_steps": c.skipped_steps,
+            "loss": c.loss, "grad_norm": c.grad_norm, "clip_coef": c.clip_coef, "lr": c.lr,
+            "samples_per_sec": c.samples_per_sec, "bytes_sent": c.bytes_sent,
+            "timing": {"compute_s": t.compute_s, "comm_s": t.comm_s, "clip_s": t.clip_s, "optimizer_s": t.optimizer_s},
+        },
+        "eval": j.eval.as_ref().map(|e| json!({"epoch": e.epoch, "step": e.step, "loss": e.loss, "accuracy": e.accuracy, "samples": e.samples})),
+        "checkpoint": j.checkpoint,
+        "error": j.error,
+        "created_unix_ms": j.created_unix_ms,
+        "history": j.history.iter().map(|h| json!({
+            "from": state_of(h.from), "to": state_of(h.to), "reason": h.reason, "at_unix_ms": h.at_unix_ms,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+async fn list(State(c): State<Arc<Coordinator>>) -> Json<Value> {
+    Json(json!({ "jobs": c.jobs().iter().map(job_json).collect::<Vec<_>>() }))
+}
+
+async fn one(State(c): State<Arc<Coordinator>>, Path(id): Path<String>) -> Response {
+    match c.job(&id) {
+        Some(j) => Json(job_json(&j)).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({ "error": format!("no job {id:?}") })),
+        )
+            .into_response(),
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Prometheus text format.
+pub fn metrics_text(c: &Coordinator) -> String {
+    let jobs = c.jobs();
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP accrue_workers_attached Worker daemons attached to this coordinator."
+    );
+    let _ = writeln!(out, "# TYPE accrue_workers_attached gauge");
+    let _ = writeln!(out, "accrue_workers_attached {}", c.worker_count());
+    let _ = writeln!(out, "# HELP accrue_jobs Jobs by state.");
+    let _ = writeln!(out, "# TYPE accrue_jobs gauge");
+    for s in [
+        JobState::Pending,
+        JobState::Rendezvous,
+        JobState::Running,
+        JobState::Recovering,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ] {
+        let n = jobs.iter().filter(|j| j.state() == s).count();
+        let _ = writeln!(out, "accrue_jobs{{state=\"{}\"}} {n}", state_name(s));
+    }
+    type Series = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&accrue_proto::v1::Counters) -> f64,
+    );
+    let series: [Series; 7] = [
+        (
+            "accrue_job_step",
+            "counter",
+            "Optimizer steps committed.",
+            |c| c.step as f64,
+        ),
+        (
+            "accrue_job_samples_seen",
+            "counter",
+            "Samples consumed by committed steps, all ranks.",
+            |c| c.samples_seen as f64,
+        ),
+        (
+            "accrue_job_loss",
+            "gauge",
+            "Mean loss of the last step.",
+            |c| c.loss,
+        ),
+        (
+            "accrue_job_grad_norm",
+            "gauge",
+            "Total gradient norm before clipping, last step.",
+            |c| c.grad_norm,
+        ),
+        (
+            "accrue_job_clip_coef",
+            "gauge",
+            "Clip coefficient of the last step.",
+            |c| c.clip_coef,
+        ),
+        (
+            "accrue_job_skipped_steps",
+            "counter",
+            "Steps skipped for a non-finite gradient.",
+            |c| c.skipped_steps as f64,
+        ),
+        (
+            "accrue_job_samples_per_second",
+            "gauge",
+            "Throughput of the last step.",
+            |c| c.samples_per_sec,
+        ),
+    ];
+    for (name, kind, help, f) in series {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for j in &jobs {
+            let c = j.counters.unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "{name}{{job=\"{}\",state=\"{}\"}} {}",
+                escape(&j.id),
+                state_name(j.state()),
+                f(&c)
+            );
+        }
+    }
+    out
+}
+
+async fn metrics(State(c): State<Arc<Coordinator>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        metrics_text(&c),
+    )
+        .into_response()
+}
+
+async fn dashboard(State(c): State<Arc<Coordinator>>) -> Html<String> {
+    let mut rows = String::new();
+    for j in c.jobs() {
+        let k = j.counters.unwrap_or_default();
+        let _ = write!(
+            rows,
+            "<tr><td><a href=\"/v1/jobs/{id}\">{id}</a></td><td>{}</td><td>{}/{}</td><td>{:.4}</td><td>{:.3}</td><td>{:.0}</td></tr>",
+            state_name(j.state()),
+            k.step,
+            k.total_steps,
+            k.loss,
+            k.grad_norm,
+            k.samples_per_sec,
+            id = escape(&j.id).replace('<', "&lt;")
+        );
+    }
+    Html(format!(
+        "<!doctype html><html><head><meta http-equiv=\"refresh\" content=\"2\"><title>accrue</title></head><body>\
+         <h1>accrue</h1><p>{} workers attached</p><table border=\"1\" cellpadding=\"4\">\
+         <tr><th>job</th><th>state</th><th>step</th><th>loss</th><th>grad norm</th><th>samples/s</th></tr>{rows}</table>\
+         <p><a href=\"/metrics\">/metrics</a> · <a href=\"/v1/jobs\">/v1/jobs</a></p></body></html>",
+        c.worker_count()
+    ))
+}

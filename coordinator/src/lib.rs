@@ -1,0 +1,117 @@
+//! accrue-coordinator: schedules jobs onto worker daemons and owns their
+//! counters (DESIGN sections 6, 7 and 10). No libtorch.
+
+pub mod http;
+pub mod service;
+pub mod state;
+pub mod store;
+
+pub use service::{Config, Coordinator};
+
+use accrue_proto::v1::{
+    job_service_server::JobServiceServer, worker_service_server::WorkerServiceServer,
+};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+
+/// A running coordinator: its addresses and a way to stop it.
+pub struct Handle {
+    pub grpc_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    pub coordinator: Arc<Coordinator>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Handle {
+    /// Stops serving and waits for the servers to finish.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
+}
+
+/// Binds both listeners (port 0 allowed), opens the store under
+/// `cfg.state_dir` and serves until stopped.
+pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartError> {
+    let store = store::RedbStore::open(&cfg.state_dir)?;
+    let coordinator = Coordinator::new(cfg.clone(), Box::new(store))?;
+    let bind = |addr: String| async move {
+        TcpListener::bind(&addr)
+            .await
+            .map_err(|source| StartError::Bind { addr, source })
+    };
+    let grpc_l = bind(grpc.to_string()).await?;
+    let http_l = bind(http.to_string()).await?;
+    let grpc_addr = grpc_l.local_addr().map_err(|source| StartError::Bind {
+        addr: grpc.into(),
+        source,
+    })?;
+    let http_addr = http_l.local_addr().map_err(|source| StartError::Bind {
+        addr: http.into(),
+        source,
+    })?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let max = cfg.max_message_bytes;
+    let jobs = JobServiceServer::new(service::JobApi(coordinator.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(16 << 20);
+    let workers = WorkerServiceServer::new(service::WorkerApi(coordinator.clone()))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(16 << 20);
+    let router = http::router(coordinator.clone());
+    let ticker = coordinator.clone();
+    let ttl = cfg.heartbeat_ttl;
+    let task = tokio::spawn(async move {
+        let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+        let mut stop_grpc = stop_tx.subscribe();
+        let mut stop_http = stop_tx.subscribe();
+        let grpc = tonic::transport::Server::builder()
+            .add_service(jobs)
+            .add_service(workers)
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(grpc_l),
+                async move {
+                    let _ = stop_grpc.recv().await;
+                },
+            );
+        let http = axum::serve(http_l, router).with_graceful_shutdown(async move {
+            let _ = stop_http.recv().await;
+        });
+        let tick = async move {
+            let mut every = tokio::time::interval(ttl / 4);
+            loop {
+                every.tick().await;
+                ticker.tick(service::now_ms());
+            }
+        };
+        tokio::select! {
+            _ = rx => { let _ = stop_tx.send(()); }
+            r = grpc => { if let Err(e) = r { tracing::error!(error = %e, "gRPC server stopped"); } }
+            _ = tick => {}
+        }
+        let _ = http.await;
+    });
+    tracing::info!(%grpc_addr, %http_addr, "coordinator serving");
+    Ok(Handle {
+        grpc_addr,
+        http_addr,
+        coordinator,
+        shutdown: Some(tx),
+        task,
+    })
+}

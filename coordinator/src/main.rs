@@ -1,0 +1,48 @@
+//! accrue-coordinator: parse flags, set up tracing, serve.
+use clap::Parser;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "accrue-coordinator",
+    version,
+    about = "accrue coordinator: schedules training jobs"
+)]
+struct Args {
+    /// gRPC address (JobService, WorkerService).
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: String,
+    /// Status endpoint address (/healthz, /readyz, /v1/jobs, /metrics, /).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    http: String,
+    /// Jobs and checkpoints live here (embedded redb database).
+    #[arg(long, default_value = "runs/coordinator")]
+    state_dir: PathBuf,
+    /// Seconds without a heartbeat before a worker counts as lost.
+    #[arg(long, default_value_t = 10.0)]
+    heartbeat_ttl: f64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+    let a = Args::parse();
+    let cfg = accrue_coordinator::Config {
+        state_dir: a.state_dir,
+        heartbeat_ttl: Duration::from_secs_f64(a.heartbeat_ttl),
+        ..Default::default()
+    };
+    let handle = accrue_coordinator::start(cfg, &a.listen, &a.http).await?;
+    println!("grpc {} http {}", handle.grpc_addr, handle.http_addr);
+    tokio::signal::ctrl_c().await?;
+    handle.stop().await;
+    Ok(())
+}

@@ -1,0 +1,769 @@
+//! The coordinator: jobs, workers, the gRPC services. Handlers lock the state
+//! in short blocks, decide with the pure functions of `state`, and send or
+//! persist after the lock is released.
+
+use crate::state::{self, Waiting};
+use crate::store::JobStore;
+use accrue_proto::v1::{
+    self, coordinator_message, worker_message, CoordinatorMessage, Counters, Job, JobEvent,
+    JobState, StepReport, WorkerMessage,
+};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub state_dir: PathBuf,
+    /// A worker silent this long is gone.
+    pub heartbeat_ttl: Duration,
+    /// Largest accepted gRPC message.
+    pub max_message_bytes: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            state_dir: "runs".into(),
+            heartbeat_ttl: Duration::from_secs(10),
+            max_message_bytes: 1 << 20,
+        }
+    }
+}
+
+type Outbox = mpsc::UnboundedSender<Result<CoordinatorMessage, Status>>;
+
+struct WorkerEntry {
+    hello: v1::WorkerHello,
+    tx: Outbox,
+    conn: u64,
+    last_seen_ms: i64,
+    job: Option<(String, u32)>,
+}
+
+struct JobEntry {
+    job: Job,
+    secret: Vec<u8>,
+    saved_ms: i64,
+}
+
+#[derive(Default)]
+struct State {
+    jobs: BTreeMap<String, JobEntry>,
+    /// Submission order.
+    order: Vec<String>,
+    workers: BTreeMap<String, WorkerEntry>,
+    next_conn: u64,
+    /// Report-handling latencies (µs) since the last read, for benchmarks.
+    latencies_us: Vec<u64>,
+}
+
+pub struct Coordinator {
+    cfg: Config,
+    state: Mutex<State>,
+    store: Box<dyn JobStore>,
+    events: broadcast::Sender<JobEvent>,
+}
+
+/// What a locked block decided: messages to send and jobs to persist.
+#[derive(Default)]
+struct Effects {
+    send: Vec<(Outbox, CoordinatorMessage)>,
+    save: Vec<Job>,
+    events: Vec<JobEvent>,
+}
+
+fn msg(m: coordinator_message::Msg) -> CoordinatorMessage {
+    CoordinatorMessage { msg: Some(m) }
+}
+
+impl Coordinator {
+    /// Loads every job from the store. Jobs that were running when the
+    /// coordinator stopped are failed with that reason (recovery of running
+    /// jobs arrives with etcd mode).
+    pub fn new(
+        cfg: Config,
+        store: Box<dyn JobStore>,
+    ) -> Result<Arc<Self>, crate::store::StoreError> {
+        let mut st = State::default();
+        let now = now_ms();
+        let mut to_save = Vec::new();
+        for mut job in store.list()? {
+            if !state::is_final(job.state()) && job.state() != JobState::Pending {
+                let _ = state::transition(
+                    &mut job,
+                    JobState::Failed,
+                    "the coordinator restarted while the job ran",
+                    now,
+                );
+                job.error = "the coordinator restarted while the job ran".into();
+                to_save.push(job.clone());
+            }
+            st.order.push(job.id.clone());
+            st.jobs.insert(
+                job.id.clone(),
+                JobEntry {
+                    job,
+                    secret: Vec::new(),
+                    saved_ms: now,
+                },
+            );
+        }
+        for j in &to_save {
+            store.put(j)?;
+        }
+        let (events, _) = broadcast::channel(16384);
+        Ok(Arc::new(Self {
+            cfg,
+            state: Mutex::new(st),
+            store,
+            events,
+        }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn apply(&self, fx: Effects) {
+        for j in &fx.save {
+            if let Err(e) = self.store.put(j) {
+                tracing::error!(job = %j.id, error = %e, "cannot persist job");
+            }
+        }
+        for (tx, m) in fx.send {
+            let _ = tx.send(Ok(m));
+        }
+        for e in fx.events {
+            let _ = self.events.send(e);
+        }
+    }
+
+    pub fn jobs(&self) -> Vec<Job> {
+        let st = self.lock();
+        st.order
+            .iter()
+            .filter_map(|id| st.jobs.get(id))
+            .map(|e| e.job.clone())
+            .collect()
+    }
+
+    pub fn job(&self, id: &str) -> Option<Job> {
+        self.lock().jobs.get(id).map(|e| e.job.clone())
+    }
+
+    pub fn worker_count(&self) -> usize {
+        self.lock().workers.len()
+    }
+
+    /// Report-handling latencies (µs) recorded since the last call.
+    pub fn take_latencies(&self) -> Vec<u64> {
+        std::mem::take(&mut self.lock().latencies_us)
+    }
+
+    pub fn submit(&self, spec: v1::JobSpec) -> Result<Job, Status> {
+        let domain = accrue_proto::spec_from_proto(&spec)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let now = now_ms();
+        let mut fx = Effects::default();
+        let job = {
+            let mut st = self.lock();
+            let n = st.order.len() + 1;
+            let id = format!("{}-{n}", domain.name);
+            let mut job = Job {
+                id: id.clone(),
+                spec: Some(accrue_proto::spec_to_proto(&domain)),
+                created_unix_ms: now,
+                counters: Some(Counters::default()),
+                ..Default::default()
+            };
+            let t = state::transition(&mut job, JobState::Pending, "submitted", now)
+                .map_err(|e| Status::internal(e.to_string()))?;
+            fx.events.push(JobEvent {
+                job: Some(job.clone()),
+                event: Some(v1::job_event::Event::Transition(t)),
+            });
+            fx.save.push(job.clone());
+            st.order.push(id.clone());
+            st.jobs.insert(
+                id.clone(),
+                JobEntry {
+                    job: job.clone(),
+                    secret: Vec::new(),
+                    saved_ms: now,
+                },
+            );
+            self.schedule(&mut st, now, &mut fx);
+            st.jobs[&id].job.clone()
+        };
+        tracing::info!(job = %job.id, "submitted");
+        self.apply(fx);
+        Ok(job)
+    }
+
+    /// Places waiting jobs on free workers (gang, FIFO).
+    fn schedule(&self, st: &mut State, now: i64, fx: &mut Effects) {
+        let waiting: Vec<Waiting> = st
+            .order
+            .iter()
+            .filter_map(|id| st.jobs.get(id))
+            .filter(|e| e.job.state() == JobState::Pending)
+            .map(|e| Waiting {
+                job: e.job.id.clone(),
+                world: e.job.spec.as_ref().map_or(1, |s| s.workers.max(1)) as usize,
+            })
+            .collect();
+        let free: Vec<String> = st
+            .workers
+            .iter()
+            .filter(|(_, w)| w.job.is_none())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for (job_id, workers) in state::gang_schedule(&waiting, &free) {
+            let Some(entry) = st.jobs.get_mut(&job_id) else {
+                continue;
+            };
+            let spec = entry.job.spec.clone().unwrap_or_default();
+            let domain = match accrue_proto::spec_from_proto(&spec) {
+                Ok(d) => d,
+                Err(e) => {
+                    if let Ok(t) =
+                        state::transition(&mut entry.job, JobState::Failed, e.to_string(), now)
+                    {
+                        fx.events.push(JobEvent {
+                            job: Some(entry.job.clone()),
+                            event: Some(v1::job_event::Event::Transition(t)),
+                        });
+                    }
+                    fx.save.push(entry.job.clone());
+                    continue;
+                }
+            };
+            let world = workers.len();
+            let k = domain.accumulation_steps(world as u64).unwrap_or(1) as u32;
+            entry.job.generation += 1;
+            entry.job.workers = workers.clone();
+            entry.job.accumulation_steps = k;
+            entry.secret = rand::random::<[u8; 32]>().to_vec();
+            let reason = format!(
+                "assigned to {} (generation {})",
+                workers.join(", "),
+                entry.job.generation
+            );
+            if let Ok(t) = state::transition(&mut entry.job, JobState::Rendezvous, reason, now) {
+                fx.events.push(JobEvent {
+                    job: Some(entry.job.clone()),
+                    event: Some(v1::job_event::Event::Transition(t)),
+                });
+            }
+            let ckpt = domain
+                .checkpoint
+                .dir
+                .clone()
+                .unwrap_or_else(|| self.cfg.state_dir.join("checkpoints").join(&job_id));
+            let ckpt = std::path::absolute(&ckpt).unwrap_or(ckpt);
+            let peers: Vec<String> = workers
+                .iter()
+                .map(|w| st.workers[w].hello.data_addr.clone())
+                .collect();
+            for (rank, w) in workers.iter().enumerate() {
+                let a = v1::Assignment {
+                    job_id: job_id.clone(),
+                    spec: Some(spec.clone()),
+                    rank: rank as u32,
+                    world_size: world as u32,
+                    peers: peers.clone(),
+                    generation: entry.job.generation,
+                    secret: entry.secret.clone(),
+                    accumulation_steps: k,
+                    resume_step: 0,
+                    checkpoint_dir: ckpt.display().to_string(),
+                };
+                if let Some(we) = st.workers.get_mut(w) {
+                    we.job = Some((job_id.clone(), rank as u32));
+                    fx.send
+                        .push((we.tx.clone(), msg(coordinator_message::Msg::Assign(a))));
+                }
+            }
+            fx.save.push(entry.job.clone());
+        }
+    }
+
+    pub fn cancel(&self, id: &str) -> Result<Job, Status> {
+        let now = now_ms();
+        let mut fx = Effects::default();
+        let job = {
+            let mut st = self.lock();
+            let entry = st
+                .jobs
+                .get_mut(id)
+                .ok_or_else(|| Status::not_found(format!("no job {id:?}")))?;
+            let from = entry.job.state();
+            if state::is_final(from) {
+                return Err(Status::failed_precondition(format!(
+                    "job {id} already ended ({from:?}); nothing to cancel"
+                )));
+            }
+            let t = state::transition(
+                &mut entry.job,
+                JobState::Cancelled,
+                "cancelled by a client",
+                now,
+            )
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+            fx.events.push(JobEvent {
+                job: Some(entry.job.clone()),
+                event: Some(v1::job_event::Event::Transition(t)),
+            });
+            fx.save.push(entry.job.clone());
+            let job = entry.job.clone();
+            for w in st.workers.values() {
+                if w.job.as_ref().is_some_and(|(j, _)| j == id) {
+                    let stop = v1::Stop {
+                        job_id: id.to_string(),
+                        reason: "cancelled".into(),
+                    };
+                    fx.send
+                        .push((w.tx.clone(), msg(coordinator_message::Msg::Stop(stop))));
+                }
+            }
+            job
+        };
+        tracing::info!(job = %id, "cancelled");
+        self.apply(fx);
+        Ok(job)
+    }
+
+    /// Fails a job and aborts its other ranks.
+    fn fail(&self, st: &mut State, job_id: &str, reason: String, now: i64, fx: &mut Effects) {
+        let Some(entry) = st.jobs.get_mut(job_id) else {
+            return;
+        };
+        if state::is_final(entry.job.state()) {
+            return;
+        }
+        entry.job.error = reason.clone();
+        if let Ok(t) = state::transition(&mut entry.job, JobState::Failed, reason.clone(), now) {
+            fx.events.push(JobEvent {
+                job: Some(entry.job.clone()),
+                event: Some(v1::job_event::Event::Transition(t)),
+            });
+        }
+        fx.save.push(entry.job.clone());
+        let generation = entry.job.generation;
+        for w in st.workers.values() {
+            if w.job.as_ref().is_some_and(|(j, _)| j == job_id) {
+                let abort = v1::Abort {
+                    job_id: job_id.into(),
+                    generation,
+                    reason: reason.clone(),
+                };
+                fx.send
+                    .push((w.tx.clone(), msg(coordinator_message::Msg::Abort(abort))));
+            }
+        }
+    }
+
+    fn register(&self, hello: v1::WorkerHello, tx: Outbox) -> Result<u64, Status> {
+        if hello.worker_id.is_empty() || hello.worker_id.len() > 128 {
+            return Err(Status::invalid_argument("worker_id must be 1..=128 bytes"));
+        }
+        let now = now_ms();
+        let mut fx = Effects::default();
+        let conn = {
+            let mut st = self.lock();
+            st.next_conn += 1;
+            let conn = st.next_conn;
+            if let Some(old) = st.workers.remove(&hello.worker_id) {
+                if let Some((job, rank)) = old.job {
+                    self.fail(
+                        &mut st,
+                        &job,
+                        format!("worker {} (rank {rank}) re-attached", hello.worker_id),
+                        now,
+                        &mut fx,
+                    );
+                }
+            }
+            tracing::info!(worker = %hello.worker_id, data = %hello.data_addr, "worker attached");
+            st.workers.insert(
+                hello.worker_id.clone(),
+                WorkerEntry {
+                    hello,
+                    tx,
+                    conn,
+                    last_seen_ms: now,
+                    job: None,
+                },
+            );
+            self.schedule(&mut st, now, &mut fx);
+            conn
+        };
+        self.apply(fx);
+        Ok(conn)
+    }
+
+    /// A worker is gone (stream ended, or heartbeat TTL passed).
+    pub fn lost(&self, worker: &str, conn: Option<u64>, reason: &str) {
+        let now = now_ms();
+        let mut fx = Effects::default();
+        {
+            let mut st = self.lock();
+            let matches = st
+                .workers
+                .get(worker)
+                .is_some_and(|w| conn.is_none_or(|c| c == w.conn));
+            if !matches {
+                return;
+            }
+            let Some(w) = st.workers.remove(worker) else {
+                return;
+            };
+            tracing::warn!(worker, reason, "worker lost");
+            if let Some((job, rank)) = w.job {
+                self.fail(
+                    &mut st,
+                    &job,
+                    format!("lost worker {worker} (rank {rank}): {reason}"),
+                    now,
+                    &mut fx,
+                );
+            }
+            self.schedule(&mut st, now, &mut fx);
+        }
+        self.apply(fx);
+    }
+
+    /// Expires workers whose heartbeats stopped.
+    pub fn tick(&self, now: i64) {
+        let seen: Vec<(String, i64)> = self
+            .lock()
+            .workers
+            .iter()
+            .map(|(id, w)| (id.clone(), w.last_seen_ms))
+            .collect();
+        for id in state::expired(now, &seen, self.cfg.heartbeat_ttl.as_millis() as i64) {
+            self.lost(&id, None, "no heartbeat within the TTL");
+        }
+    }
+
+    fn on_message(&self, worker: &str, m: WorkerMessage) {
+        let started = std::time::Instant::now();
+        let now = now_ms();
+        let mut fx = Effects::default();
+        {
+            let mut st = self.lock();
+            let Some(w) = st.workers.get_mut(worker) else {
+                return;
+            };
+            w.last_seen_ms = now;
+            let tx = w.tx.clone();
+            match m.msg {
+                Some(worker_message::Msg::Step(r)) => {
+                    self.on_step(&mut st, worker, tx, r, now, &mut fx)
+                }
+                Some(worker_message::Msg::Eval(e)) => {
+                    if let Some(entry) = st.jobs.get_mut(&m.job_id) {
+                        if entry.job.generation == m.generation {
+                            entry.job.eval = Some(e);
+                            fx.events.push(JobEvent {
+                                job: Some(entry.job.clone()),
+                                event: Some(v1::job_event::Event::Eval(e)),
+                            });
+                        }
+                    }
+                }
+                Some(worker_message::Msg::Done(d)) => {
+                    self.on_done(&mut st, worker, d, now, &mut fx)
+                }
+                _ => {}
+            }
+            st.latencies_us.push(started.elapsed().as_micros() as u64);
+            if st.latencies_us.len() > 1_000_000 {
+                st.latencies_us.clear();
+            }
+        }
+        self.apply(fx);
+    }
+
+    fn on_step(
+        &self,
+        st: &mut State,
+        worker: &str,
+        tx: Outbox,
+        r: StepReport,
+        now: i64,
+        fx: &mut Effects,
+    ) {
+        let Some(entry) = st.jobs.get_mut(&r.job_id) else {
+            let refused = v1::Refused {
+                job_id: r.job_id.clone(),
+                generation: r.generation,
+                reason: "unknown job".into(),
+            };
+            fx.send
+                .push((tx, msg(coordinator_message::Msg::Refused(refused))));
+            return;
+        };
+        if r.generation != entry.job.generation || state::is_final(entry.job.state()) {
+            let reason = format!(
+                "report of generation {} ignored: job {} is at generation {} ({:?})",
+                r.generation,
+                r.job_id,
+                entry.job.generation,
+                entry.job.state()
+            );
+            tracing::warn!(worker, %reason, "stale report");
+            let refused = v1::Refused {
+                job_id: r.job_id.clone(),
+                generation: r.generation,
+                reason,
+            };
+            fx.send
+                .push((tx, msg(coordinator_message::Msg::Refused(refused))));
+            return;
+        }
+        if r.rank != 0 {
+            return;
+        }
+        let c = entry.job.counters.get_or_insert_with(Default::default);
+        c.step = r.step;
+        c.total_steps = r.total_steps;
+        c.micro_step = r.micro_step;
+        c.window = r.step;
+        c.epoch = r.epoch;
+        c.samples_seen = r.samples_seen;
+        c.skipped_steps += r.skipped as u64;
+        c.loss = r.loss;
+        c.grad_norm = r.grad_norm;
+        c.clip_coef = r.clip_coef;
+        c.lr = r.lr;
+        c.samples_per_sec = r.samples_per_sec;
+        c.timing = r.timing;
+        c.bytes_sent = r.bytes_sent;
+        if entry.job.state() == JobState::Rendezvous {
+            if let Ok(t) = state::transition(
+                &mut entry.job,
+                JobState::Running,
+                "the ring formed and step 1 committed",
+                now,
+            ) {
+                fx.events.push(JobEvent {
+                    job: Some(entry.job.clone()),
+                    event: Some(v1::job_event::Event::Transition(t)),
+                });
+                fx.save.push(entry.job.clone());
+                entry.saved_ms = now;
+            }
+        }
+        fx.events.push(JobEvent {
+            job: Some(entry.job.clone()),
+            event: Some(v1::job_event::Event::Step(r)),
+        });
+        if now - entry.saved_ms >= 1000 {
+            entry.saved_ms = now;
+            fx.save.push(entry.job.clone());
+        }
+    }
+
+    fn on_done(&self, st: &mut State, worker: &str, d: v1::JobDone, now: i64, fx: &mut Effects) {
+        if let Some(w) = st.workers.get_mut(worker) {
+            if w.job.as_ref().is_some_and(|(j, _)| *j == d.job_id) {
+                w.job = None;
+            }
+        }
+        let current = st
+            .jobs
+            .get(&d.job_id)
+            .is_some_and(|e| e.job.generation == d.generation && !state::is_final(e.job.state()));
+        if current {
+            if !d.ok {
+                let reason = format!("rank {} on worker {worker} failed: {}", d.rank, d.error);
+                self.fail(st, &d.job_id, reason, now, fx);
+            } else if d.rank == 0 {
+                if let Some(entry) = st.jobs.get_mut(&d.job_id) {
+                    entry.job.checkpoint = d.checkpoint.clone();
+                    if d.eval.is_some() {
+                        entry.job.eval = d.eval;
+                    }
+                    let steps = entry.job.counters.as_ref().map_or(0, |c| c.step);
+                    if let Ok(t) = state::transition(
+                        &mut entry.job,
+                        JobState::Succeeded,
+                        format!("finished {steps} optimizer steps"),
+                        now,
+                    ) {
+                        fx.events.push(JobEvent {
+                            job: Some(entry.job.clone()),
+                            event: Some(v1::job_event::Event::Transition(t)),
+                        });
+                    }
+                    fx.save.push(entry.job.clone());
+                }
+            }
+        }
+        self.schedule(st, now, fx);
+    }
+
+    /// Events of one job: a snapshot first, then every change, ending after
+    /// a final state.
+    pub fn watch(
+        &self,
+        id: &str,
+    ) -> Result<impl Stream<Item = Result<JobEvent, Status>> + Send + 'static, Status> {
+        let mut rx = self.events.subscribe();
+        let snapshot = self
+            .job(id)
+            .ok_or_else(|| Status::not_found(format!("no job {id:?}")))?;
+        let id = id.to_string();
+        let done = state::is_final(snapshot.state());
+        Ok(async_stream(move |tx| async move {
+            let _ = tx
+                .send(Ok(JobEvent {
+                    job: Some(snapshot),
+                    event: None,
+                }))
+                .await;
+            if done {
+                return;
+            }
+            loop {
+                match rx.recv().await {
+                    Ok(ev) => {
+                        let Some(job) = &ev.job else { continue };
+                        if job.id != id {
+                            continue;
+                        }
+                        let last = state::is_final(job.state());
+                        if tx.send(Ok(ev)).await.is_err() || last {
+                            return;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        let _ = tx
+                            .send(Err(Status::data_loss(format!(
+                                "watcher fell {n} events behind"
+                            ))))
+                            .await;
+                        return;
+                    }
+                    Err(_) => return,
+                }
+            }
+        }))
+    }
+}
+
+/// A stream fed by a spawned task.
+fn async_stream<T, F, Fut>(f: F) -> impl Stream<Item = T> + Send + 'static
+where
+    T: Send + 'static,
+    F: FnOnce(mpsc::Sender<T>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(256);
+    tokio::spawn(f(tx));
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// gRPC JobService.
+#[derive(Clone)]
+pub struct JobApi(pub Arc<Coordinator>);
+
+#[tonic::async_trait]
+impl v1::job_service_server::JobService for JobApi {
+    async fn submit_job(
+        &self,
+        req: Request<v1::SubmitJobRequest>,
+    ) -> Result<Response<Job>, Status> {
+        let spec = req
+            .into_inner()
+            .spec
+            .ok_or_else(|| Status::invalid_argument("spec: (missing): required"))?;
+        self.0.submit(spec).map(Response::new)
+    }
+    async fn get_job(&self, req: Request<v1::GetJobRequest>) -> Result<Response<Job>, Status> {
+        let id = req.into_inner().id;
+        self.0
+            .job(&id)
+            .map(Response::new)
+            .ok_or_else(|| Status::not_found(format!("no job {id:?}")))
+    }
+    async fn list_jobs(
+        &self,
+        _: Request<v1::ListJobsRequest>,
+    ) -> Result<Response<v1::ListJobsResponse>, Status> {
+        Ok(Response::new(v1::ListJobsResponse {
+            jobs: self.0.jobs(),
+        }))
+    }
+    async fn cancel_job(
+        &self,
+        req: Request<v1::CancelJobRequest>,
+    ) -> Result<Response<Job>, Status> {
+        self.0.cancel(&req.into_inner().id).map(Response::new)
+    }
+    type WatchJobStream = BoxStream<JobEvent>;
+    async fn watch_job(
+        &self,
+        req: Request<v1::WatchJobRequest>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
+        let s = self.0.watch(&req.into_inner().id)?;
+        Ok(Response::new(Box::pin(s)))
+    }
+}
+
+/// gRPC WorkerService.
+#[derive(Clone)]
+pub struct WorkerApi(pub Arc<Coordinator>);
+
+#[tonic::async_trait]
+impl v1::worker_service_server::WorkerService for WorkerApi {
+    type AttachStream = BoxStream<CoordinatorMessage>;
+    async fn attach(
+        &self,
+        req: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let mut inbound = req.into_inner();
+        let first = inbound
+            .next()
+            .await
+            .ok_or_else(|| Status::invalid_argument("empty Attach stream"))??;
+        let Some(worker_message::Msg::Hello(hello)) = first.msg else {
+            return Err(Status::invalid_argument(
+                "the first Attach message must be a hello",
+            ));
+        };
+        let id = hello.worker_id.clone();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let conn = self.0.register(hello, tx)?;
+        let coord = self.0.clone();
+        tokio::spawn(async move {
+            let reason = loop {
+                match inbound.next().await {
+                    Some(Ok(m)) => coord.on_message(&id, m),
+                    Some(Err(e)) => break format!("stream error: {}", e.message()),
+                    None => break "stream closed".to_string(),
+                }
+            };
+            coord.lost(&id, Some(conn), &reason);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        )))
+    }
+}
