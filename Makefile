@@ -36,9 +36,9 @@ data/digits/train-images-idx3-ubyte: scripts/make_digits.py $(STAMP)
 	.venv/bin/python scripts/make_digits.py data/digits
 
 demo: setup data/digits/train-images-idx3-ubyte
-	$(CARGO) build -p accrue-worker
+	$(CARGO) build --workspace
 	rm -rf runs/demo
-	./target/debug/accrue-worker train jobs/digits-mlp.toml --state-dir runs/demo
+	./target/debug/accrue local jobs/digits-mlp.toml --workers 2 --state-dir runs/demo
 
 test: setup data/digits/train-images-idx3-ubyte
 	$(CARGO) test --workspace

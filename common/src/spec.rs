@@ -432,6 +432,25 @@ impl JobSpec {
         Ok(spec)
     }
 
+    /// Reads and checks the fields only (not the file system): for clients
+    /// that submit a job whose files live on the workers.
+    pub fn load_fields(path: &Path) -> Result<Self, LoadError> {
+        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let spec: JobSpec = toml::from_str(&text).map_err(|e| LoadError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        spec.validate_fields()
+            .map_err(|source| LoadError::Invalid {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(spec)
+    }
+
     pub fn load(path: &Path) -> Result<Self, LoadError> {
         let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
             path: path.to_path_buf(),

@@ -11,6 +11,7 @@ pub use service::{Config, Coordinator};
 use accrue_proto::v1::{
     job_service_server::JobServiceServer, worker_service_server::WorkerServiceServer,
 };
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -31,6 +32,7 @@ impl Handle {
             let _ = tx.send(());
         }
         let _ = (&mut self.task).await;
+        self.coordinator.close_store();
     }
 }
 
@@ -89,9 +91,13 @@ pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartE
                     let _ = stop_grpc.recv().await;
                 },
             );
-        let http = axum::serve(http_l, router).with_graceful_shutdown(async move {
-            let _ = stop_http.recv().await;
-        });
+        let http = tokio::spawn(
+            axum::serve(http_l, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stop_http.recv().await;
+                })
+                .into_future(),
+        );
         let tick = async move {
             let mut every = tokio::time::interval(ttl / 4);
             loop {
@@ -104,6 +110,7 @@ pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartE
             r = grpc => { if let Err(e) = r { tracing::error!(error = %e, "gRPC server stopped"); } }
             _ = tick => {}
         }
+        let _ = stop_tx.send(());
         let _ = http.await;
     });
     tracing::info!(%grpc_addr, %http_addr, "coordinator serving");

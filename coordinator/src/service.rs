@@ -73,7 +73,8 @@ struct State {
 pub struct Coordinator {
     cfg: Config,
     state: Mutex<State>,
-    store: Box<dyn JobStore>,
+    /// None once closed (the coordinator stopped).
+    store: Mutex<Option<Box<dyn JobStore>>>,
     events: broadcast::Sender<JobEvent>,
 }
 
@@ -128,7 +129,7 @@ impl Coordinator {
         Ok(Arc::new(Self {
             cfg,
             state: Mutex::new(st),
-            store,
+            store: Mutex::new(Some(store)),
             events,
         }))
     }
@@ -137,10 +138,26 @@ impl Coordinator {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Releases the job store (its file lock), so another coordinator can
+    /// open the same state dir; later changes are no longer persisted.
+    pub fn close_store(&self) {
+        self.store.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
     fn apply(&self, fx: Effects) {
-        for j in &fx.save {
-            if let Err(e) = self.store.put(j) {
-                tracing::error!(job = %j.id, error = %e, "cannot persist job");
+        if !fx.save.is_empty() {
+            let store = self.store.lock().unwrap_or_else(|p| p.into_inner());
+            for j in &fx.save {
+                match store.as_ref() {
+                    Some(s) => {
+                        if let Err(e) = s.put(j) {
+                            tracing::error!(job = %j.id, error = %e, "cannot persist job");
+                        }
+                    }
+                    None => {
+                        tracing::warn!(job = %j.id, "coordinator stopped; change not persisted")
+                    }
+                }
             }
         }
         for (tx, m) in fx.send {

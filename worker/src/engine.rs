@@ -34,6 +34,24 @@ pub struct RunOptions {
     /// Stop (with a checkpoint) once this many optimizer steps are committed,
     /// as if preempted; the job can be resumed later.
     pub stop_after_steps: Option<u64>,
+    /// Requests from another thread (the worker daemon), honoured at window
+    /// boundaries.
+    pub control: Option<std::sync::Arc<Control>>,
+}
+
+/// Flags another thread sets to steer a running engine.
+#[derive(Debug, Default)]
+pub struct Control {
+    /// Stop at the next window boundary (with a checkpoint).
+    pub stop: std::sync::atomic::AtomicBool,
+    /// Write a checkpoint at the next window boundary.
+    pub checkpoint_now: std::sync::atomic::AtomicBool,
+}
+
+impl Control {
+    pub fn stopping(&self) -> bool {
+        self.stop.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 /// Wall time of one optimizer step, split by phase.
@@ -715,10 +733,22 @@ impl<C: Collective> Engine<C> {
                 let p = self.checkpoint()?;
                 on_event(Event::Checkpoint(&p));
             }
-            if self
-                .opts
-                .stop_after_steps
-                .is_some_and(|s| self.state.step >= s)
+            let requested = self.opts.control.clone();
+            if let Some(c) = &requested {
+                if c.checkpoint_now
+                    .swap(false, std::sync::atomic::Ordering::SeqCst)
+                    && !self.is_done()
+                {
+                    let p = self.checkpoint()?;
+                    on_event(Event::Checkpoint(&p));
+                }
+            }
+            let stop_requested = requested.as_ref().is_some_and(|c| c.stopping());
+            if (stop_requested
+                || self
+                    .opts
+                    .stop_after_steps
+                    .is_some_and(|s| self.state.step >= s))
                 && !self.is_done()
             {
                 stopped = true;

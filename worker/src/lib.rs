@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod clip;
 pub mod collective;
 pub mod comm;
+pub mod daemon;
 pub mod data;
 pub mod engine;
 pub mod error;

@@ -23,6 +23,30 @@ struct Cli {
 enum Command {
     /// Run one rank of a job (alone by default, W = 1).
     Train(TrainArgs),
+    /// Attach to a coordinator and run the ranks it assigns.
+    Daemon(DaemonArgs),
+}
+
+#[derive(clap::Args)]
+struct DaemonArgs {
+    /// The coordinator's gRPC address.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    coordinator: String,
+    /// This worker's id (default: worker-<host>-<pid>).
+    #[arg(long)]
+    id: Option<String>,
+    /// Data-plane listener (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen_data: String,
+    /// Device for every job (auto, cpu, cuda:N); default: the job's own.
+    #[arg(long)]
+    device: Option<String>,
+    /// Relative data paths in job specs are resolved under this folder.
+    #[arg(long)]
+    data_root: Option<PathBuf>,
+    /// Seconds between heartbeats.
+    #[arg(long, default_value_t = 1.0)]
+    heartbeat: f64,
 }
 
 #[derive(clap::Args)]
@@ -76,7 +100,10 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let Command::Train(args) = Cli::parse().command;
+    let args = match Cli::parse().command {
+        Command::Train(args) => args,
+        Command::Daemon(d) => return daemon(d),
+    };
     let mut spec = JobSpec::load(&args.job)?;
     if let Some(d) = &args.device {
         spec.device = d.clone();
@@ -89,6 +116,7 @@ fn main() -> anyhow::Result<()> {
         state_dir: Some(args.state_dir.clone()),
         resume: args.resume,
         stop_after_steps: args.stop_after_steps,
+        control: None,
     };
     let summary = if args.world_size <= 1 {
         train(spec, SingleRank, opts, args.json)?
@@ -137,6 +165,26 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
+    let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+    let cfg = accrue_worker::daemon::DaemonConfig {
+        coordinator: d.coordinator,
+        worker_id: d
+            .id
+            .unwrap_or_else(|| format!("worker-{}-{}", host.trim(), std::process::id())),
+        listen_data: d.listen_data,
+        device: d.device,
+        data_root: d.data_root,
+        heartbeat: Duration::from_secs_f64(d.heartbeat),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(accrue_worker::daemon::run(cfg))?;
     Ok(())
 }
 

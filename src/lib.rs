@@ -1,0 +1,383 @@
+//! The `accrue` command-line client: submit, status, list, cancel, watch and
+//! local (an embedded coordinator plus N worker processes on loopback).
+
+use accrue_common::JobSpec;
+use accrue_proto::v1::{self, job_event, job_service_client::JobServiceClient, Job, JobState};
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+#[command(
+    name = "accrue",
+    version,
+    about = "accrue: distributed training with exact gradient accumulation"
+)]
+pub struct Cli {
+    /// The coordinator's gRPC address.
+    #[arg(long, global = true, default_value = "http://127.0.0.1:50051")]
+    pub coordinator: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Submit a job spec (TOML); prints the job id.
+    Submit {
+        job: PathBuf,
+        /// Watch until the job ends; exit 0 only if it succeeded.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// One job in detail, or every job.
+    Status { job: Option<String> },
+    /// Every job, one line each.
+    List,
+    /// Cancel a job.
+    Cancel { job: String },
+    /// Follow a job: progress bar (plain lines when not a terminal).
+    Watch { job: String },
+    /// Run a job on an embedded coordinator and N worker processes on loopback.
+    Local {
+        job: PathBuf,
+        #[arg(long, default_value_t = 2)]
+        workers: u32,
+        /// Coordinator state, checkpoints and logs.
+        #[arg(long, default_value = "runs/local")]
+        state_dir: PathBuf,
+        /// The worker binary (default: accrue-worker next to this binary).
+        #[arg(long)]
+        worker_bin: Option<PathBuf>,
+    },
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Submit { job, wait } => {
+            let mut client = connect(&cli.coordinator).await?;
+            let j = submit(&mut client, &job, None).await?;
+            println!("{}", j.id);
+            if wait {
+                let end = watch(&mut client, &j.id).await?;
+                return Ok(exit_for(&end));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { job: Some(id) } => {
+            let mut client = connect(&cli.coordinator).await?;
+            let j = client
+                .get_job(v1::GetJobRequest { id })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            print_job(&j);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { job: None } | Command::List => {
+            let mut client = connect(&cli.coordinator).await?;
+            let jobs = client
+                .list_jobs(v1::ListJobsRequest {})
+                .await
+                .map_err(status_err)?
+                .into_inner()
+                .jobs;
+            println!(
+                "{:<28} {:<11} {:>12} {:>10} {:>10}",
+                "JOB", "STATE", "STEP", "LOSS", "SAMPLES/S"
+            );
+            for j in jobs {
+                let c = j.counters.unwrap_or_default();
+                println!(
+                    "{:<28} {:<11} {:>12} {:>10.4} {:>10.0}",
+                    j.id,
+                    state_name(j.state()),
+                    format!("{}/{}", c.step, c.total_steps),
+                    c.loss,
+                    c.samples_per_sec
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Cancel { job } => {
+            let mut client = connect(&cli.coordinator).await?;
+            let j = client
+                .cancel_job(v1::CancelJobRequest { id: job })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            println!("{} {}", j.id, state_name(j.state()));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Watch { job } => {
+            let mut client = connect(&cli.coordinator).await?;
+            let end = watch(&mut client, &job).await?;
+            Ok(exit_for(&end))
+        }
+        Command::Local {
+            job,
+            workers,
+            state_dir,
+            worker_bin,
+        } => local(&job, workers, &state_dir, worker_bin).await,
+    }
+}
+
+fn exit_for(j: &Job) -> ExitCode {
+    if j.state() == JobState::Succeeded {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn status_err(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+}
+
+pub fn state_name(s: JobState) -> &'static str {
+    accrue_coordinator::http::state_name(s)
+}
+
+pub async fn connect(url: &str) -> anyhow::Result<JobServiceClient<Channel>> {
+    let channel = Channel::from_shared(url.to_string())
+        .with_context(|| format!("bad coordinator address {url:?}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(Duration::from_secs(20))
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach the coordinator at {url}"))?;
+    Ok(JobServiceClient::new(channel))
+}
+
+/// Reads a spec (fields checked here; files are the workers' to check) and
+/// submits it, with `workers` overriding W when given.
+pub async fn submit(
+    client: &mut JobServiceClient<Channel>,
+    path: &Path,
+    workers: Option<u32>,
+) -> anyhow::Result<Job> {
+    let mut spec = JobSpec::load_fields(path)?;
+    if let Some(w) = workers {
+        spec.workers = w;
+    }
+    let req = v1::SubmitJobRequest {
+        spec: Some(accrue_proto::spec_to_proto(&spec)),
+    };
+    Ok(client
+        .submit_job(req)
+        .await
+        .map_err(status_err)?
+        .into_inner())
+}
+
+fn print_job(j: &Job) {
+    let c = j.counters.unwrap_or_default();
+    println!("job        {}", j.id);
+    println!("state      {}", state_name(j.state()));
+    println!(
+        "workers    {} (generation {}, k = {})",
+        j.workers.join(", "),
+        j.generation,
+        j.accumulation_steps
+    );
+    println!(
+        "progress   step {}/{} epoch {} samples {} skipped {}",
+        c.step, c.total_steps, c.epoch, c.samples_seen, c.skipped_steps
+    );
+    println!(
+        "last step  loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} samples/s {:.0}",
+        c.loss, c.grad_norm, c.clip_coef, c.lr, c.samples_per_sec
+    );
+    if let Some(e) = &j.eval {
+        println!(
+            "eval       accuracy {:.2}% loss {:.4} (step {})",
+            100.0 * e.accuracy,
+            e.loss,
+            e.step
+        );
+    }
+    if !j.checkpoint.is_empty() {
+        println!("checkpoint {}", j.checkpoint);
+    }
+    if !j.error.is_empty() {
+        println!("error      {}", j.error);
+    }
+    println!("history");
+    for h in &j.history {
+        let from = JobState::try_from(h.from).unwrap_or(JobState::Unspecified);
+        let to = JobState::try_from(h.to).unwrap_or(JobState::Unspecified);
+        println!("  {} -> {}: {}", state_name(from), state_name(to), h.reason);
+    }
+}
+
+/// Follows a job until it ends; returns the final job.
+pub async fn watch(client: &mut JobServiceClient<Channel>, id: &str) -> anyhow::Result<Job> {
+    let mut stream = client
+        .watch_job(v1::WatchJobRequest { id: id.to_string() })
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let bar = tty.then(|| {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let mut last: Option<Job> = None;
+    while let Some(ev) = stream.message().await.map_err(status_err)? {
+        if let Some(j) = &ev.job {
+            last = Some(j.clone());
+        }
+        match ev.event {
+            Some(job_event::Event::Step(r)) => {
+                let line = format!(
+                    "loss {:.4} grad_norm {:.4} clip {:.3} samples/s {:.0}",
+                    r.loss, r.grad_norm, r.clip_coef, r.samples_per_sec
+                );
+                match &bar {
+                    Some(b) => {
+                        b.set_length(r.total_steps);
+                        b.set_position(r.step);
+                        b.set_message(line);
+                    }
+                    None => println!("step {}/{} epoch {} {line}", r.step, r.total_steps, r.epoch),
+                }
+            }
+            Some(job_event::Event::Transition(t)) => {
+                let to = JobState::try_from(t.to).unwrap_or(JobState::Unspecified);
+                let text = format!("{}: {}", state_name(to), t.reason);
+                match &bar {
+                    Some(b) => b.println(text),
+                    None => println!("{text}"),
+                }
+            }
+            Some(job_event::Event::Eval(e)) => {
+                let text = format!(
+                    "eval step {} accuracy {:.4} loss {:.4}",
+                    e.step, e.accuracy, e.loss
+                );
+                match &bar {
+                    Some(b) => b.println(text),
+                    None => println!("{text}"),
+                }
+            }
+            None => {}
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    last.ok_or_else(|| anyhow::anyhow!("the watch stream ended without any event"))
+}
+
+/// Worker processes killed when dropped.
+struct Children(Vec<std::process::Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+async fn local(
+    job: &Path,
+    workers: u32,
+    state_dir: &Path,
+    worker_bin: Option<PathBuf>,
+) -> anyhow::Result<ExitCode> {
+    if workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    // Refuse a bad spec before starting anything.
+    JobSpec::load(job)?;
+    let bin = match worker_bin {
+        Some(b) => b,
+        None => std::env::current_exe()?.with_file_name("accrue-worker"),
+    };
+    if !bin.exists() {
+        bail!(
+            "worker binary {} not found (build it with `cargo build -p accrue-worker`)",
+            bin.display()
+        );
+    }
+    let cfg = accrue_coordinator::Config {
+        state_dir: state_dir.to_path_buf(),
+        ..Default::default()
+    };
+    let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;
+    let url = format!("http://{}", handle.grpc_addr);
+    println!("coordinator {url} (status http://{}/)", handle.http_addr);
+    let logs = state_dir.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let mut children = Children(Vec::new());
+    for i in 0..workers {
+        let log = std::fs::File::create(logs.join(format!("worker-{i}.log")))?;
+        let child = std::process::Command::new(&bin)
+            .args([
+                "daemon",
+                "--coordinator",
+                &url,
+                "--listen-data",
+                "127.0.0.1:0",
+                "--id",
+                &format!("local-{i}"),
+            ])
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {}", bin.display()))?;
+        children.0.push(child);
+    }
+    let mut client = connect(&url).await?;
+    let submitted = submit(&mut client, job, Some(workers)).await?;
+    println!("job {}", submitted.id);
+    let end = tokio::select! {
+        r = watch(&mut client, &submitted.id) => r?,
+        _ = tokio::signal::ctrl_c() => {
+            let _ = client.cancel_job(v1::CancelJobRequest { id: submitted.id.clone() }).await;
+            drop(children);
+            handle.stop().await;
+            bail!("interrupted; job {} cancelled", submitted.id);
+        }
+    };
+    let c = end.counters.unwrap_or_default();
+    println!(
+        "{} {}: step {}/{}, {} samples, loss {:.4}",
+        end.id,
+        state_name(end.state()),
+        c.step,
+        c.total_steps,
+        c.samples_seen,
+        c.loss
+    );
+    if let Some(e) = &end.eval {
+        println!(
+            "final accuracy {:.2}% (loss {:.4})",
+            100.0 * e.accuracy,
+            e.loss
+        );
+    }
+    if !end.checkpoint.is_empty() {
+        println!("checkpoint {}", end.checkpoint);
+    }
+    if !end.error.is_empty() {
+        println!("error {}", end.error);
+    }
+    drop(children);
+    handle.stop().await;
+    Ok(exit_for(&end))
+}

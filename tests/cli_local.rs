@@ -1,0 +1,84 @@
+//! `accrue local` end to end through the CLI binary: an embedded coordinator
+//! and two worker processes train the demo job on the real digits data.
+
+mod common;
+
+use std::process::Command;
+use tempfile::TempDir;
+
+#[test]
+fn local_runs_the_demo_with_two_workers() {
+    let repo = common::repo();
+    assert!(
+        repo.join("data/digits/train-images-idx3-ubyte").exists(),
+        "run `make test` (it writes data/digits)"
+    );
+    common::worker_bin();
+    let state = TempDir::new().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .current_dir(&repo)
+        .args([
+            "local",
+            "jobs/digits-mlp.toml",
+            "--workers",
+            "2",
+            "--state-dir",
+        ])
+        .arg(state.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("job digits-mlp-1"), "{stdout}");
+    // 1,437 samples over 2 ranks (719 each, padded), b = 8, k = 4: 23 steps per epoch, 30 epochs.
+    assert!(
+        stdout.contains("digits-mlp-1 succeeded: step 690/690"),
+        "{stdout}"
+    );
+    let acc: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("final accuracy "))
+        .and_then(|l| l.split('%').next())
+        .and_then(|v| v.parse().ok())
+        .expect("a final accuracy line");
+    assert!(acc >= 95.0, "final accuracy {acc}%");
+    let ckpt = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("checkpoint "))
+        .expect("a checkpoint line");
+    assert!(
+        std::path::Path::new(ckpt)
+            .join("model.safetensors")
+            .exists(),
+        "{ckpt}"
+    );
+}
+
+#[test]
+fn local_refuses_a_bad_spec_before_starting_anything() {
+    let d = TempDir::new().unwrap();
+    let job = common::write(
+        d.path(),
+        "bad.toml",
+        &common::job_toml("bad", 2, 5, "").replace("lr = 0.1", "lr = -1"),
+    );
+    let state = d.path().join("state");
+    let out = Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .args(["local"])
+        .arg(&job)
+        .arg("--state-dir")
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("optimizer.lr = -1.0: must be a finite number > 0"),
+        "{err}"
+    );
+    assert!(!state.exists(), "nothing may be created for a refused job");
+}

@@ -1,0 +1,135 @@
+//! Helpers for process-level tests: an in-process coordinator on port 0,
+//! worker daemons as real processes (logs to files, killed on drop), and
+//! waits that poll a condition.
+#![allow(dead_code)]
+
+use accrue_proto::v1::{self, job_service_client::JobServiceClient, Job, JobState};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn worker_bin() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_BIN_EXE_accrue")).with_file_name("accrue-worker");
+    assert!(
+        p.exists(),
+        "{} is missing: `make test` builds the whole workspace first",
+        p.display()
+    );
+    p
+}
+
+pub struct Workers(pub Vec<Child>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Starts `n` worker daemons attached to `grpc`, logging into `dir`.
+pub fn start_workers(grpc: &str, n: usize, dir: &Path, prefix: &str) -> Workers {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let log = std::fs::File::create(dir.join(format!("{prefix}{i}.log"))).unwrap();
+        out.push(
+            Command::new(worker_bin())
+                .args([
+                    "daemon",
+                    "--coordinator",
+                    &format!("http://{grpc}"),
+                    "--id",
+                    &format!("{prefix}{i}"),
+                ])
+                .args(["--heartbeat", "0.2"])
+                .env("RUST_LOG", "info")
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        );
+    }
+    Workers(out)
+}
+
+pub async fn client(grpc: &str) -> JobServiceClient<Channel> {
+    accrue::connect(&format!("http://{grpc}")).await.unwrap()
+}
+
+/// Polls until `cond` holds or `limit` passes.
+pub async fn wait_until<F: FnMut() -> bool>(limit: Duration, mut cond: F) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond()
+}
+
+pub async fn wait_state(
+    c: &mut JobServiceClient<Channel>,
+    id: &str,
+    want: &[JobState],
+    limit: Duration,
+) -> Job {
+    let deadline = Instant::now() + limit;
+    loop {
+        let j = c
+            .get_job(v1::GetJobRequest { id: id.into() })
+            .await
+            .unwrap()
+            .into_inner();
+        if want.contains(&j.state()) || Instant::now() > deadline {
+            return j;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A small synthetic MLP job.
+pub fn job_toml(name: &str, workers: u32, max_steps: u64, extra: &str) -> String {
+    format!(
+        r#"
+name = "{name}"
+workers = {workers}
+seed = 3
+max_steps = {max_steps}
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [32]
+[data]
+kind = "synthetic"
+samples = 512
+eval_samples = 64
+shape = [16]
+classes = 4
+batch_size = 8
+[accumulation]
+steps = 2
+[clipping]
+max_norm = 1.0
+[optimizer]
+kind = "sgd"
+lr = 0.1
+momentum = 0.9
+{extra}
+"#
+    )
+}
+
+pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}

@@ -1,0 +1,537 @@
+//! The control plane end to end: an in-process coordinator on port 0, real
+//! worker daemon processes, real gRPC and HTTP over sockets.
+
+mod common;
+
+use accrue_coordinator::Config;
+use accrue_proto::v1::{self, job_event, JobState};
+use common::*;
+use std::time::Duration;
+use tempfile::TempDir;
+
+async fn coordinator(dir: &std::path::Path) -> accrue_coordinator::Handle {
+    let cfg = Config {
+        state_dir: dir.join("state"),
+        heartbeat_ttl: Duration::from_secs(3),
+        ..Default::default()
+    };
+    accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0")
+        .await
+        .unwrap()
+}
+
+fn spec(text: &str) -> v1::JobSpec {
+    let s = accrue_common::JobSpec::from_toml_str(text, std::path::Path::new("t.toml")).unwrap();
+    accrue_proto::spec_to_proto(&s)
+}
+
+/// Submit, watch every step in order to Succeeded, final checkpoint present,
+/// counters consistent; /v1/jobs JSON and /metrics show it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_watch_succeed_and_status_endpoint() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let _w = start_workers(&grpc, 2, d.path(), "w");
+    let mut c = client(&grpc).await;
+    let job = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("wj", 2, 12, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut stream = c
+        .watch_job(v1::WatchJobRequest { id: job.id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut steps = Vec::new();
+    let mut states = Vec::new();
+    let mut last = None;
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(120), stream.message())
+        .await
+        .unwrap()
+        .unwrap()
+    {
+        match ev.event {
+            Some(job_event::Event::Step(r)) => steps.push(r.step),
+            Some(job_event::Event::Transition(t)) => states.push(JobState::try_from(t.to).unwrap()),
+            _ => {}
+        }
+        last = ev.job;
+    }
+    eprintln!("watch ended");
+    let end = last.unwrap();
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert_eq!(
+        steps,
+        (1..=12).collect::<Vec<u64>>(),
+        "every optimizer step, in order"
+    );
+    assert_eq!(
+        states,
+        [JobState::Rendezvous, JobState::Running, JobState::Succeeded]
+    );
+    let cnt = end.counters.unwrap();
+    // W = 2, k = 2, b = 8: 32 samples per step.
+    assert_eq!(cnt.samples_seen, cnt.step * 32);
+    assert_eq!((cnt.step, cnt.total_steps), (12, 12));
+    assert!(
+        std::path::Path::new(&end.checkpoint)
+            .join("model.safetensors")
+            .exists(),
+        "{}",
+        end.checkpoint
+    );
+    assert!(end.eval.is_some());
+
+    let base = format!("http://{}", h.http_addr);
+    let jobs: serde_json::Value = reqwest::get(format!("{base}/v1/jobs"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(jobs["jobs"][0]["id"], job.id);
+    assert_eq!(jobs["jobs"][0]["state"], "succeeded");
+    assert_eq!(jobs["jobs"][0]["counters"]["step"], 12);
+    assert_eq!(jobs["jobs"][0]["counters"]["samples_seen"], 384);
+    let one: serde_json::Value = reqwest::get(format!("{base}/v1/jobs/{}", job.id))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(one["history"][1]["to"], "rendezvous");
+    let missing = reqwest::get(format!("{base}/v1/jobs/nope")).await.unwrap();
+    assert_eq!(missing.status(), 404);
+    let metrics = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("accrue_workers_attached 2"), "{metrics}");
+    assert!(
+        metrics.contains("accrue_jobs{state=\"succeeded\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!(
+            "accrue_job_step{{job=\"{}\",state=\"succeeded\"}} 12",
+            job.id
+        )),
+        "{metrics}"
+    );
+    assert!(metrics.contains("accrue_job_samples_seen{"), "{metrics}");
+    for path in ["/healthz", "/readyz", "/"] {
+        assert_eq!(
+            reqwest::get(format!("{base}{path}"))
+                .await
+                .unwrap()
+                .status(),
+            200,
+            "{path}"
+        );
+    }
+    eprintln!("http checked");
+    h.stop().await;
+}
+
+/// Three workers, two jobs of two workers each: the second waits (gang),
+/// then runs when workers free up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gang_scheduling_waits_for_a_whole_gang() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let _w = start_workers(&grpc, 3, d.path(), "g");
+    let coord = h.coordinator.clone();
+    assert!(wait_until(Duration::from_secs(60), || coord.worker_count() == 3).await);
+    let mut c = client(&grpc).await;
+    let a = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("ga", 2, 40, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let b = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("gb", 2, 5, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(a.state(), JobState::Rendezvous);
+    assert_eq!(
+        b.state(),
+        JobState::Pending,
+        "one worker is free, the gang needs two"
+    );
+    let a_end = wait_state(
+        &mut c,
+        &a.id,
+        &[JobState::Succeeded, JobState::Failed],
+        Duration::from_secs(120),
+    )
+    .await;
+    let b_end = wait_state(
+        &mut c,
+        &b.id,
+        &[JobState::Succeeded, JobState::Failed],
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(
+        (a_end.state(), b_end.state()),
+        (JobState::Succeeded, JobState::Succeeded),
+        "{a_end:?}\n{b_end:?}"
+    );
+    // Only three workers: the second gang needed at least one of the first's.
+    assert!(
+        b_end.workers.iter().any(|w| a_end.workers.contains(w)),
+        "{:?} {:?}",
+        a_end.workers,
+        b_end.workers
+    );
+    let a_assigned = a_end
+        .history
+        .iter()
+        .find(|t| t.to == JobState::Rendezvous as i32)
+        .unwrap()
+        .at_unix_ms;
+    let b_assigned = b_end
+        .history
+        .iter()
+        .find(|t| t.to == JobState::Rendezvous as i32)
+        .unwrap()
+        .at_unix_ms;
+    let a_steps = a_end.counters.unwrap().step;
+    assert_eq!(a_steps, 40);
+    assert!(b_assigned > a_assigned);
+    h.stop().await;
+}
+
+/// Cancel during a run: the workers stop within seconds and take the next job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_workers_and_they_take_the_next_job() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let _w = start_workers(&grpc, 2, d.path(), "c");
+    let mut c = client(&grpc).await;
+    let long = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("long", 2, 1_000_000, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let running = wait_state(
+        &mut c,
+        &long.id,
+        &[JobState::Running],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(running.state(), JobState::Running);
+    let cancelled = c
+        .cancel_job(v1::CancelJobRequest {
+            id: long.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cancelled.state(), JobState::Cancelled);
+    let started = std::time::Instant::now();
+    let next = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("next", 2, 4, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let end = wait_state(
+        &mut c,
+        &next.id,
+        &[JobState::Succeeded, JobState::Failed],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    let assigned = end
+        .history
+        .iter()
+        .find(|t| t.to == JobState::Rendezvous as i32)
+        .unwrap()
+        .at_unix_ms;
+    let cancel_at = cancelled.history.last().unwrap().at_unix_ms;
+    assert!(
+        assigned - cancel_at < 10_000,
+        "workers took {} ms to free up",
+        assigned - cancel_at
+    );
+    eprintln!("next job finished {:?} after the cancel", started.elapsed());
+    // Cancelling a finished job is refused.
+    let err = c
+        .cancel_job(v1::CancelJobRequest {
+            id: next.id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert!(err.message().contains("already ended"), "{}", err.message());
+    h.stop().await;
+}
+
+/// Bad input: invalid spec (nothing created), unknown id, oversized message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_with_the_right_codes() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let mut c = client(&grpc).await;
+    let mut bad = spec(&job_toml("bad", 2, 5, ""));
+    bad.optimizer.as_mut().unwrap().lr = 0.0;
+    bad.accumulation.as_mut().unwrap().steps = Some(0);
+    bad.model.as_mut().unwrap().kind = "gpt".into();
+    let err = c
+        .submit_job(v1::SubmitJobRequest { spec: Some(bad) })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    for needle in [
+        "optimizer.lr = 0.0: must be a finite number > 0",
+        "accumulation.steps = 0",
+        "model.kind = \"gpt\": must be one of",
+    ] {
+        assert!(
+            err.message().contains(needle),
+            "{needle} missing in {}",
+            err.message()
+        );
+    }
+    let none = c
+        .submit_job(v1::SubmitJobRequest { spec: None })
+        .await
+        .unwrap_err();
+    assert_eq!(none.code(), tonic::Code::InvalidArgument);
+    assert!(
+        c.list_jobs(v1::ListJobsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .jobs
+            .is_empty(),
+        "nothing half-created"
+    );
+    let nf = c
+        .get_job(v1::GetJobRequest {
+            id: "nope-1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(nf.code(), tonic::Code::NotFound);
+    assert_eq!(
+        c.cancel_job(v1::CancelJobRequest {
+            id: "nope-1".into()
+        })
+        .await
+        .unwrap_err()
+        .code(),
+        tonic::Code::NotFound
+    );
+    assert_eq!(
+        c.watch_job(v1::WatchJobRequest {
+            id: "nope-1".into()
+        })
+        .await
+        .unwrap_err()
+        .code(),
+        tonic::Code::NotFound
+    );
+    let mut huge = spec(&job_toml("huge", 1, 5, ""));
+    huge.model.as_mut().unwrap().hidden = vec![1; 2_000_000];
+    let err = c
+        .submit_job(v1::SubmitJobRequest { spec: Some(huge) })
+        .await
+        .map(|r| r.into_inner().id)
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::OutOfRange, "{}", err.message());
+    assert!(c
+        .list_jobs(v1::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs
+        .is_empty());
+    h.stop().await;
+}
+
+/// A worker whose report names a stale generation is ignored and told so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_generation_reports_are_refused() {
+    use tokio_stream::StreamExt;
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let mut c = client(&grpc).await;
+    let job = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("stale", 1, 5, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let channel = tonic::transport::Channel::from_shared(format!("http://{grpc}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut w = v1::worker_service_client::WorkerServiceClient::new(channel);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let hello = v1::WorkerHello {
+        worker_id: "fake".into(),
+        data_addr: "127.0.0.1:9".into(),
+        ..Default::default()
+    };
+    tx.send(v1::WorkerMessage {
+        msg: Some(v1::worker_message::Msg::Hello(hello)),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut inbound = w
+        .attach(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = inbound.next().await.unwrap().unwrap();
+    let Some(v1::coordinator_message::Msg::Assign(a)) = first.msg else {
+        panic!("expected an assignment: {first:?}")
+    };
+    assert_eq!(
+        (a.job_id.as_str(), a.generation, a.world_size),
+        (job.id.as_str(), 1, 1)
+    );
+    assert_eq!(a.secret.len(), 32);
+    let stale = v1::StepReport {
+        job_id: job.id.clone(),
+        generation: 0,
+        rank: 0,
+        step: 1,
+        ..Default::default()
+    };
+    tx.send(v1::WorkerMessage {
+        msg: Some(v1::worker_message::Msg::Step(stale)),
+        ..Default::default()
+    })
+    .unwrap();
+    let reply = inbound.next().await.unwrap().unwrap();
+    let Some(v1::coordinator_message::Msg::Refused(r)) = reply.msg else {
+        panic!("expected a refusal: {reply:?}")
+    };
+    assert!(
+        r.reason.contains("generation 0 ignored") && r.reason.contains("generation 1"),
+        "{}",
+        r.reason
+    );
+    let j = c
+        .get_job(v1::GetJobRequest { id: job.id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        j.counters.unwrap().step,
+        0,
+        "a stale report must not move the counters"
+    );
+    // The fake worker disappears: the job fails naming it.
+    drop(tx);
+    drop(inbound);
+    let end = wait_state(
+        &mut c,
+        &job.id,
+        &[JobState::Failed],
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(end.error.contains("lost worker fake"), "{}", end.error);
+    h.stop().await;
+}
+
+/// Stop the coordinator, start it on the same state dir: every job and its
+/// final state is listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_on_the_same_state_dir_lists_every_job() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let workers = start_workers(&grpc, 1, d.path(), "r");
+    let mut c = client(&grpc).await;
+    let done = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("done", 1, 3, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    wait_state(
+        &mut c,
+        &done.id,
+        &[JobState::Succeeded],
+        Duration::from_secs(60),
+    )
+    .await;
+    let cancelled = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("gone", 2, 3, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    c.cancel_job(v1::CancelJobRequest {
+        id: cancelled.id.clone(),
+    })
+    .await
+    .unwrap();
+    let waiting = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("later", 2, 3, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    drop(workers);
+    h.stop().await;
+    let h2 = coordinator(d.path()).await;
+    let mut c2 = client(&h2.grpc_addr.to_string()).await;
+    let jobs = c2
+        .list_jobs(v1::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    let got: Vec<(String, JobState)> = jobs.iter().map(|j| (j.id.clone(), j.state())).collect();
+    assert_eq!(
+        got,
+        [
+            (done.id, JobState::Succeeded),
+            (cancelled.id, JobState::Cancelled),
+            (waiting.id.clone(), JobState::Pending)
+        ]
+    );
+    assert_eq!(jobs[0].counters.unwrap().step, 3);
+    assert!(jobs[0].history.len() >= 4);
+    // New ids continue after the old ones.
+    let next = c2
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("later", 1, 3, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(next.id, waiting.id);
+    h2.stop().await;
+}
