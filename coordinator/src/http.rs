@@ -99,6 +99,23 @@ pub fn metrics_text(c: &Coordinator) -> String {
     );
     let _ = writeln!(out, "# TYPE accrue_workers_attached gauge");
     let _ = writeln!(out, "accrue_workers_attached {}", c.worker_count());
+    let (p50, p99, n) = c.report_latency();
+    let _ = writeln!(
+        out,
+        "# HELP accrue_report_handling_seconds Time to handle one worker message (recent window)."
+    );
+    let _ = writeln!(out, "# TYPE accrue_report_handling_seconds summary");
+    let _ = writeln!(
+        out,
+        "accrue_report_handling_seconds{{quantile=\"0.5\"}} {}",
+        p50 as f64 / 1e6
+    );
+    let _ = writeln!(
+        out,
+        "accrue_report_handling_seconds{{quantile=\"0.99\"}} {}",
+        p99 as f64 / 1e6
+    );
+    let _ = writeln!(out, "accrue_report_handling_seconds_count {n}");
     let _ = writeln!(out, "# HELP accrue_jobs Jobs by state.");
     let _ = writeln!(out, "# TYPE accrue_jobs gauge");
     for s in [

@@ -43,6 +43,8 @@ impl Default for Config {
     }
 }
 
+const LATENCY_WINDOW: usize = 65_536;
+
 type Outbox = mpsc::UnboundedSender<Result<CoordinatorMessage, Status>>;
 
 struct WorkerEntry {
@@ -66,8 +68,10 @@ struct State {
     order: Vec<String>,
     workers: BTreeMap<String, WorkerEntry>,
     next_conn: u64,
-    /// Report-handling latencies (µs) since the last read, for benchmarks.
+    /// The last report-handling latencies (µs), a ring of LATENCY_WINDOW.
     latencies_us: Vec<u64>,
+    latency_next: usize,
+    reports: u64,
 }
 
 pub struct Coordinator {
@@ -185,9 +189,19 @@ impl Coordinator {
         self.lock().workers.len()
     }
 
-    /// Report-handling latencies (µs) recorded since the last call.
-    pub fn take_latencies(&self) -> Vec<u64> {
-        std::mem::take(&mut self.lock().latencies_us)
+    /// (p50, p99, count) of the recent report-handling latencies, in µs,
+    /// and the number of reports handled so far.
+    pub fn report_latency(&self) -> (u64, u64, u64) {
+        let (mut l, n) = {
+            let st = self.lock();
+            (st.latencies_us.clone(), st.reports)
+        };
+        if l.is_empty() {
+            return (0, 0, n);
+        }
+        l.sort_unstable();
+        let q = |p: f64| l[((l.len() - 1) as f64 * p).round() as usize];
+        (q(0.5), q(0.99), n)
     }
 
     pub fn submit(&self, spec: v1::JobSpec) -> Result<Job, Status> {
@@ -507,10 +521,15 @@ impl Coordinator {
                 }
                 _ => {}
             }
-            st.latencies_us.push(started.elapsed().as_micros() as u64);
-            if st.latencies_us.len() > 1_000_000 {
-                st.latencies_us.clear();
+            let us = started.elapsed().as_micros() as u64;
+            st.reports += 1;
+            if st.latencies_us.len() < LATENCY_WINDOW {
+                st.latencies_us.push(us);
+            } else {
+                let i = st.latency_next;
+                st.latencies_us[i] = us;
             }
+            st.latency_next = (st.latency_next + 1) % LATENCY_WINDOW;
         }
         self.apply(fx);
     }
