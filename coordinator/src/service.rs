@@ -222,10 +222,7 @@ impl Coordinator {
             };
             let t = state::transition(&mut job, JobState::Pending, "submitted", now)
                 .map_err(|e| Status::internal(e.to_string()))?;
-            fx.events.push(JobEvent {
-                job: Some(job.clone()),
-                event: Some(v1::job_event::Event::Transition(t)),
-            });
+            fx.events.push(transition_event(&job, t));
             fx.save.push(job.clone());
             st.order.push(id.clone());
             st.jobs.insert(
@@ -273,10 +270,7 @@ impl Coordinator {
                     if let Ok(t) =
                         state::transition(&mut entry.job, JobState::Failed, e.to_string(), now)
                     {
-                        fx.events.push(JobEvent {
-                            job: Some(entry.job.clone()),
-                            event: Some(v1::job_event::Event::Transition(t)),
-                        });
+                        fx.events.push(transition_event(&entry.job, t));
                     }
                     fx.save.push(entry.job.clone());
                     continue;
@@ -294,10 +288,7 @@ impl Coordinator {
                 entry.job.generation
             );
             if let Ok(t) = state::transition(&mut entry.job, JobState::Rendezvous, reason, now) {
-                fx.events.push(JobEvent {
-                    job: Some(entry.job.clone()),
-                    event: Some(v1::job_event::Event::Transition(t)),
-                });
+                fx.events.push(transition_event(&entry.job, t));
             }
             let ckpt = domain
                 .checkpoint
@@ -354,10 +345,7 @@ impl Coordinator {
                 now,
             )
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
-            fx.events.push(JobEvent {
-                job: Some(entry.job.clone()),
-                event: Some(v1::job_event::Event::Transition(t)),
-            });
+            fx.events.push(transition_event(&entry.job, t));
             fx.save.push(entry.job.clone());
             let job = entry.job.clone();
             for w in st.workers.values() {
@@ -387,10 +375,7 @@ impl Coordinator {
         }
         entry.job.error = reason.clone();
         if let Ok(t) = state::transition(&mut entry.job, JobState::Failed, reason.clone(), now) {
-            fx.events.push(JobEvent {
-                job: Some(entry.job.clone()),
-                event: Some(v1::job_event::Event::Transition(t)),
-            });
+            fx.events.push(transition_event(&entry.job, t));
         }
         fx.save.push(entry.job.clone());
         let generation = entry.job.generation;
@@ -596,10 +581,7 @@ impl Coordinator {
                 "the ring formed and step 1 committed",
                 now,
             ) {
-                fx.events.push(JobEvent {
-                    job: Some(entry.job.clone()),
-                    event: Some(v1::job_event::Event::Transition(t)),
-                });
+                fx.events.push(transition_event(&entry.job, t));
                 fx.save.push(entry.job.clone());
                 entry.saved_ms = now;
             }
@@ -641,10 +623,7 @@ impl Coordinator {
                         format!("finished {steps} optimizer steps"),
                         now,
                     ) {
-                        fx.events.push(JobEvent {
-                            job: Some(entry.job.clone()),
-                            event: Some(v1::job_event::Event::Transition(t)),
-                        });
+                        fx.events.push(transition_event(&entry.job, t));
                     }
                     fx.save.push(entry.job.clone());
                 }
@@ -699,6 +678,14 @@ impl Coordinator {
                 }
             }
         }))
+    }
+}
+
+/// The event announcing that `job` just made transition `t`.
+fn transition_event(job: &Job, t: v1::Transition) -> JobEvent {
+    JobEvent {
+        job: Some(job.clone()),
+        event: Some(v1::job_event::Event::Transition(t)),
     }
 }
 
