@@ -21,7 +21,9 @@ setup: $(STAMP) .venv .libtorch
 $(STAMP):
 	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install -y python3 python3-venv)"; exit 1; }
 	mkdir -p $(ACCRUE_CACHE)
-	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV) || { \
+	  echo "python3 -m venv failed; installing Debian's python3-venv"; \
+	  (apt-get install -y python3-venv || sudo apt-get install -y python3-venv) && python3 -m venv $(VENV); }
 	$(VENV)/bin/pip install --disable-pip-version-check -q $(PY_PACKAGES)
 	touch $@
 

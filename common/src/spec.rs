@@ -580,8 +580,19 @@ impl JobSpec {
     fn validate_model(&self, c: &mut Checker) {
         let m = &self.model;
         c.one_of("model.kind", &m.kind, MODEL_KINDS);
-        if let Some(bad) = m.hidden.iter().find(|&&h| h <= 0) {
-            c.fail("model.hidden", bad, "every width must be an integer >= 1");
+        if let Some(bad) = m.hidden.iter().find(|&&h| !(1..=1 << 20).contains(&h)) {
+            c.fail(
+                "model.hidden",
+                bad,
+                "every width must be an integer in 1..=1048576",
+            );
+        }
+        if m.hidden.len() > 64 {
+            c.fail(
+                "model.hidden",
+                format!("{} layers", m.hidden.len()),
+                "at most 64 hidden layers",
+            );
         }
         if !m.hidden.is_empty() && m.kind != "mlp" {
             c.fail(
