@@ -212,6 +212,29 @@ fn print_job(j: &Job) {
         let to = JobState::try_from(h.to).unwrap_or(JobState::Unspecified);
         println!("  {} -> {}: {}", state_name(from), state_name(to), h.reason);
     }
+    if !j.recoveries.is_empty() {
+        println!("recoveries");
+    }
+    for r in &j.recoveries {
+        let took = if r.first_step_unix_ms > 0 {
+            format!(
+                "{:.2} s to the first step",
+                (r.first_step_unix_ms - r.started_unix_ms) as f64 / 1000.0
+            )
+        } else {
+            "not re-formed yet".into()
+        };
+        println!(
+            "  generation {}: lost [{}] joined [{}]; resumed after step {} with W = {}, k = {}; {took}; {}",
+            r.generation,
+            r.lost.join(", "),
+            r.joined.join(", "),
+            r.resumed_step,
+            r.world_size,
+            r.accumulation_steps,
+            r.reason
+        );
+    }
 }
 
 /// Follows a job until it ends; returns the final job.

@@ -380,7 +380,12 @@ async fn stale_generation_reports_are_refused() {
     let mut c = client(&grpc).await;
     let job = c
         .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&job_toml("stale", 1, 5, ""))),
+            spec: Some(spec(&job_toml(
+                "stale",
+                1,
+                5,
+                "[comm]\nrendezvous_timeout_s = 0.5",
+            ))),
         })
         .await
         .unwrap()
@@ -447,7 +452,8 @@ async fn stale_generation_reports_are_refused() {
         0,
         "a stale report must not move the counters"
     );
-    // The fake worker disappears: the job fails naming it.
+    // The fake worker disappears and no replacement comes within the
+    // rendezvous timeout: the job fails naming it.
     drop(tx);
     drop(inbound);
     let end = wait_state(
@@ -457,7 +463,13 @@ async fn stale_generation_reports_are_refused() {
         Duration::from_secs(10),
     )
     .await;
-    assert!(end.error.contains("lost worker fake"), "{}", end.error);
+    assert!(
+        end.error.contains("lost worker fake") && end.error.contains("min_workers = 1"),
+        "{}",
+        end.error
+    );
+    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
+    assert_eq!(end.recoveries[0].lost, ["fake"]);
     h.stop().await;
 }
 

@@ -56,6 +56,10 @@ pub struct CommSpec {
     /// Gradient bucket size in MiB (DDP's bucket_cap_mb).
     #[serde(default = "bucket_cap")]
     pub bucket_cap_mb: f64,
+    /// After a lost worker, how long the coordinator waits for a replacement
+    /// before shrinking to `min_workers` (or failing below it), seconds.
+    #[serde(default = "thirty")]
+    pub rendezvous_timeout_s: f64,
 }
 
 impl Default for CommSpec {
@@ -64,10 +68,14 @@ impl Default for CommSpec {
             timeout_s: sixty(),
             connect_timeout_s: sixty(),
             bucket_cap_mb: bucket_cap(),
+            rendezvous_timeout_s: thirty(),
         }
     }
 }
 
+fn thirty() -> f64 {
+    30.0
+}
 fn sixty() -> f64 {
     60.0
 }
@@ -571,6 +579,7 @@ impl JobSpec {
         c.positive_finite("comm.timeout_s", self.comm.timeout_s);
         c.positive_finite("comm.connect_timeout_s", self.comm.connect_timeout_s);
         c.positive_finite("comm.bucket_cap_mb", self.comm.bucket_cap_mb);
+        c.positive_finite("comm.rendezvous_timeout_s", self.comm.rendezvous_timeout_s);
         if self.eval.batch_size == 0 {
             c.fail("eval.batch_size", 0, "must be an integer >= 1");
         }

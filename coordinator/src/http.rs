@@ -65,6 +65,13 @@ pub fn job_json(j: &Job) -> Value {
         "history": j.history.iter().map(|h| json!({
             "from": state_of(h.from), "to": state_of(h.to), "reason": h.reason, "at_unix_ms": h.at_unix_ms,
         })).collect::<Vec<_>>(),
+        "recoveries": j.recoveries.iter().map(|r| json!({
+            "generation": r.generation, "lost": r.lost, "joined": r.joined, "reason": r.reason,
+            "started_unix_ms": r.started_unix_ms, "reformed_unix_ms": r.reformed_unix_ms,
+            "first_step_unix_ms": r.first_step_unix_ms, "resumed_step": r.resumed_step,
+            "world_size": r.world_size, "accumulation_steps": r.accumulation_steps,
+            "recovery_s": (r.first_step_unix_ms > 0).then(|| (r.first_step_unix_ms - r.started_unix_ms) as f64 / 1000.0),
+        })).collect::<Vec<_>>(),
     })
 }
 

@@ -59,7 +59,31 @@ struct JobEntry {
     job: Job,
     secret: Vec<u8>,
     saved_ms: i64,
+    /// Since when the job waits for workers to re-form (Recovering).
+    recovering_since: Option<i64>,
+    /// Re-formations since the last committed step (a job that keeps
+    /// failing to re-form fails).
+    stalled: u32,
+    /// After a coordinator restart: members that have not re-attached by
+    /// then are lost.
+    reattach_by: Option<i64>,
 }
+
+impl JobEntry {
+    fn new(job: Job, now: i64) -> Self {
+        Self {
+            job,
+            secret: Vec::new(),
+            saved_ms: now,
+            recovering_since: None,
+            stalled: 0,
+            reattach_by: None,
+        }
+    }
+}
+
+/// Re-formations in a row without a committed step before a job fails.
+const MAX_STALLED_REFORMS: u32 = 5;
 
 #[derive(Default)]
 struct State {
@@ -95,39 +119,29 @@ fn msg(m: coordinator_message::Msg) -> CoordinatorMessage {
 }
 
 impl Coordinator {
-    /// Loads every job from the store. Jobs that were running when the
-    /// coordinator stopped are failed with that reason (recovery of running
-    /// jobs arrives with etcd mode).
+    /// Loads every job from the store. Jobs that were running keep their
+    /// state: their workers keep training and re-attach (naming the job in
+    /// their hello); members that do not re-attach within the heartbeat TTL
+    /// are lost and the job recovers without them.
     pub fn new(
         cfg: Config,
         store: Box<dyn JobStore>,
     ) -> Result<Arc<Self>, crate::store::StoreError> {
         let mut st = State::default();
         let now = now_ms();
-        let mut to_save = Vec::new();
-        for mut job in store.list()? {
-            if !state::is_final(job.state()) && job.state() != JobState::Pending {
-                let _ = state::transition(
-                    &mut job,
-                    JobState::Failed,
-                    "the coordinator restarted while the job ran",
-                    now,
-                );
-                job.error = "the coordinator restarted while the job ran".into();
-                to_save.push(job.clone());
+        let grace = cfg.heartbeat_ttl.as_millis() as i64;
+        for job in store.list()? {
+            let mut entry = JobEntry::new(job, now);
+            match entry.job.state() {
+                JobState::Rendezvous | JobState::Running => entry.reattach_by = Some(now + grace),
+                JobState::Recovering => {
+                    entry.reattach_by = Some(now + grace);
+                    entry.recovering_since = Some(now);
+                }
+                _ => {}
             }
-            st.order.push(job.id.clone());
-            st.jobs.insert(
-                job.id.clone(),
-                JobEntry {
-                    job,
-                    secret: Vec::new(),
-                    saved_ms: now,
-                },
-            );
-        }
-        for j in &to_save {
-            store.put(j)?;
+            st.order.push(entry.job.id.clone());
+            st.jobs.insert(entry.job.id.clone(), entry);
         }
         let (events, _) = broadcast::channel(16384);
         Ok(Arc::new(Self {
@@ -225,14 +239,7 @@ impl Coordinator {
             fx.events.push(transition_event(&job, t));
             fx.save.push(job.clone());
             st.order.push(id.clone());
-            st.jobs.insert(
-                id.clone(),
-                JobEntry {
-                    job: job.clone(),
-                    secret: Vec::new(),
-                    saved_ms: now,
-                },
-            );
+            st.jobs.insert(id.clone(), JobEntry::new(job.clone(), now));
             self.schedule(&mut st, now, &mut fx);
             st.jobs[&id].job.clone()
         };
@@ -241,8 +248,10 @@ impl Coordinator {
         Ok(job)
     }
 
-    /// Places waiting jobs on free workers (gang, FIFO).
+    /// Re-forms and grows running jobs, then places waiting jobs on free
+    /// workers (gang, FIFO).
     fn schedule(&self, st: &mut State, now: i64, fx: &mut Effects) {
+        self.reform_jobs(st, now, fx);
         let waiting: Vec<Waiting> = st
             .order
             .iter()
@@ -253,73 +262,9 @@ impl Coordinator {
                 world: e.job.spec.as_ref().map_or(1, |s| s.workers.max(1)) as usize,
             })
             .collect();
-        let free: Vec<String> = st
-            .workers
-            .iter()
-            .filter(|(_, w)| w.job.is_none())
-            .map(|(id, _)| id.clone())
-            .collect();
+        let free = Self::free_workers(st);
         for (job_id, workers) in state::gang_schedule(&waiting, &free) {
-            let Some(entry) = st.jobs.get_mut(&job_id) else {
-                continue;
-            };
-            let spec = entry.job.spec.clone().unwrap_or_default();
-            let domain = match accrue_proto::spec_from_proto(&spec) {
-                Ok(d) => d,
-                Err(e) => {
-                    if let Ok(t) =
-                        state::transition(&mut entry.job, JobState::Failed, e.to_string(), now)
-                    {
-                        fx.events.push(transition_event(&entry.job, t));
-                    }
-                    fx.save.push(entry.job.clone());
-                    continue;
-                }
-            };
-            let world = workers.len();
-            let k = domain.accumulation_steps(world as u64).unwrap_or(1) as u32;
-            entry.job.generation += 1;
-            entry.job.workers = workers.clone();
-            entry.job.accumulation_steps = k;
-            entry.secret = rand::random::<[u8; 32]>().to_vec();
-            let reason = format!(
-                "assigned to {} (generation {})",
-                workers.join(", "),
-                entry.job.generation
-            );
-            if let Ok(t) = state::transition(&mut entry.job, JobState::Rendezvous, reason, now) {
-                fx.events.push(transition_event(&entry.job, t));
-            }
-            let ckpt = domain
-                .checkpoint
-                .dir
-                .clone()
-                .unwrap_or_else(|| self.cfg.state_dir.join("checkpoints").join(&job_id));
-            let ckpt = std::path::absolute(&ckpt).unwrap_or(ckpt);
-            let peers: Vec<String> = workers
-                .iter()
-                .map(|w| st.workers[w].hello.data_addr.clone())
-                .collect();
-            for (rank, w) in workers.iter().enumerate() {
-                let a = v1::Assignment {
-                    job_id: job_id.clone(),
-                    spec: Some(spec.clone()),
-                    rank: rank as u32,
-                    world_size: world as u32,
-                    peers: peers.clone(),
-                    generation: entry.job.generation,
-                    secret: entry.secret.clone(),
-                    accumulation_steps: k,
-                    resume_step: 0,
-                    checkpoint_dir: ckpt.display().to_string(),
-                };
-                if let Some(we) = st.workers.get_mut(w) {
-                    we.job = Some((job_id.clone(), rank as u32));
-                    fx.send
-                        .push((we.tx.clone(), msg(coordinator_message::Msg::Assign(a))));
-                }
-            }
-            fx.save.push(entry.job.clone());
+            self.form(st, &job_id, workers, now, fx);
         }
     }
 
@@ -378,16 +323,14 @@ impl Coordinator {
             fx.events.push(transition_event(&entry.job, t));
         }
         fx.save.push(entry.job.clone());
-        let generation = entry.job.generation;
         for w in st.workers.values() {
             if w.job.as_ref().is_some_and(|(j, _)| j == job_id) {
-                let abort = v1::Abort {
+                let stop = v1::Stop {
                     job_id: job_id.into(),
-                    generation,
                     reason: reason.clone(),
                 };
                 fx.send
-                    .push((w.tx.clone(), msg(coordinator_message::Msg::Abort(abort))));
+                    .push((w.tx.clone(), msg(coordinator_message::Msg::Stop(stop))));
             }
         }
     }
@@ -402,28 +345,37 @@ impl Coordinator {
             let mut st = self.lock();
             st.next_conn += 1;
             let conn = st.next_conn;
-            if let Some(old) = st.workers.remove(&hello.worker_id) {
-                if let Some((job, rank)) = old.job {
-                    self.fail(
+            let id = hello.worker_id.clone();
+            let claimed = (!hello.job_id.is_empty())
+                .then(|| (hello.job_id.clone(), hello.generation, hello.rank));
+            let old = st.workers.remove(&id);
+            if let Some((job, rank)) = old.and_then(|o| o.job) {
+                if claimed.as_ref().is_none_or(|(j, _, _)| *j != job) {
+                    // The daemon restarted: whatever it held is gone.
+                    self.begin_recovery(
                         &mut st,
                         &job,
-                        format!("worker {} (rank {rank}) re-attached", hello.worker_id),
+                        vec![id.clone()],
+                        format!("worker {id} (rank {rank}) re-attached without the job"),
                         now,
                         &mut fx,
                     );
                 }
             }
-            tracing::info!(worker = %hello.worker_id, data = %hello.data_addr, "worker attached");
+            tracing::info!(worker = %id, data = %hello.data_addr, job = ?claimed, "worker attached");
             st.workers.insert(
-                hello.worker_id.clone(),
+                id.clone(),
                 WorkerEntry {
                     hello,
-                    tx,
+                    tx: tx.clone(),
                     conn,
                     last_seen_ms: now,
                     job: None,
                 },
             );
+            if let Some((job, generation, rank)) = claimed {
+                self.rejoin(&mut st, &id, &job, generation, rank, tx, now, &mut fx);
+            }
             self.schedule(&mut st, now, &mut fx);
             conn
         };
@@ -431,7 +383,54 @@ impl Coordinator {
         Ok(conn)
     }
 
-    /// A worker is gone (stream ended, or heartbeat TTL passed).
+    /// A worker attached while running `job` at `generation` (the
+    /// coordinator restarted, or the stream broke and came back).
+    #[allow(clippy::too_many_arguments)]
+    fn rejoin(
+        &self,
+        st: &mut State,
+        worker: &str,
+        job: &str,
+        generation: u64,
+        rank: u32,
+        tx: Outbox,
+        now: i64,
+        fx: &mut Effects,
+    ) {
+        let live = st
+            .jobs
+            .get(job)
+            .filter(|e| !state::is_final(e.job.state()))
+            .map(|e| (e.job.generation, e.job.workers.clone(), e.job.state()));
+        let Some((current, members, job_state)) = live else {
+            let stop = v1::Stop {
+                job_id: job.into(),
+                reason: "the job is no longer running".into(),
+            };
+            fx.send
+                .push((tx, msg(coordinator_message::Msg::Stop(stop))));
+            return;
+        };
+        if let Some(w) = st.workers.get_mut(worker) {
+            w.job = Some((job.to_string(), rank));
+        }
+        let in_place = members.get(rank as usize).is_some_and(|m| m == worker);
+        if generation == current && in_place && job_state != JobState::Recovering {
+            tracing::info!(worker, job, generation, rank, "worker rejoined its job");
+            return;
+        }
+        self.begin_recovery(
+            st,
+            job,
+            Vec::new(),
+            format!("worker {worker} rejoined from generation {generation} (the job is at {current})"),
+            now,
+            fx,
+        );
+    }
+
+    /// A worker is gone (stream ended, lease expired, or heartbeat TTL
+    /// passed): its job recovers without it.
     pub fn lost(&self, worker: &str, conn: Option<u64>, reason: &str) {
         let now = now_ms();
         let mut fx = Effects::default();
@@ -449,9 +448,10 @@ impl Coordinator {
             };
             tracing::warn!(worker, reason, "worker lost");
             if let Some((job, rank)) = w.job {
-                self.fail(
+                self.begin_recovery(
                     &mut st,
                     &job,
+                    vec![worker.to_string()],
                     format!("lost worker {worker} (rank {rank}): {reason}"),
                     now,
                     &mut fx,
@@ -462,7 +462,8 @@ impl Coordinator {
         self.apply(fx);
     }
 
-    /// Expires workers whose heartbeats stopped.
+    /// Expires workers whose heartbeats stopped, and moves recoveries on
+    /// (timeouts, members that never re-attached after a restart).
     pub fn tick(&self, now: i64) {
         let seen: Vec<(String, i64)> = self
             .lock()
@@ -472,6 +473,317 @@ impl Coordinator {
             .collect();
         for id in state::expired(now, &seen, self.cfg.heartbeat_ttl.as_millis() as i64) {
             self.lost(&id, None, "no heartbeat within the TTL");
+        }
+        let mut fx = Effects::default();
+        {
+            let mut st = self.lock();
+            let overdue: Vec<(String, Vec<String>)> = st
+                .jobs
+                .values()
+                .filter(|e| e.reattach_by.is_some_and(|t| now >= t))
+                .map(|e| {
+                    let missing = e
+                        .job
+                        .workers
+                        .iter()
+                        .filter(|w| {
+                            st.workers
+                                .get(*w)
+                                .is_none_or(|x| x.job.as_ref().is_none_or(|(j, _)| *j != e.job.id))
+                        })
+                        .cloned()
+                        .collect();
+                    (e.job.id.clone(), missing)
+                })
+                .collect();
+            for (job, missing) in overdue {
+                if let Some(e) = st.jobs.get_mut(&job) {
+                    e.reattach_by = None;
+                }
+                if !missing.is_empty() {
+                    let reason = format!(
+                        "{} did not re-attach after the coordinator restarted",
+                        missing.join(", ")
+                    );
+                    self.begin_recovery(&mut st, &job, missing, reason, now, &mut fx);
+                }
+            }
+            self.schedule(&mut st, now, &mut fx);
+        }
+        self.apply(fx);
+    }
+
+    /// Starts (or extends) the recovery of a running job: the window in
+    /// flight is aborted on every surviving rank, then the ring re-forms
+    /// as soon as `reform_decision` allows.
+    fn begin_recovery(
+        &self,
+        st: &mut State,
+        job_id: &str,
+        lost: Vec<String>,
+        reason: String,
+        now: i64,
+        fx: &mut Effects,
+    ) {
+        let Some(entry) = st.jobs.get_mut(job_id) else {
+            return;
+        };
+        let from = entry.job.state();
+        if !matches!(
+            from,
+            JobState::Rendezvous | JobState::Running | JobState::Recovering
+        ) {
+            return;
+        }
+        tracing::warn!(job = job_id, generation = entry.job.generation, %reason, "recovering");
+        let open = entry
+            .job
+            .recoveries
+            .last_mut()
+            .filter(|r| r.generation == 0 && from == JobState::Recovering);
+        match open {
+            Some(r) => {
+                r.lost.extend(lost);
+                r.reason = format!("{}; {reason}", r.reason);
+            }
+            None => {
+                entry.job.recoveries.push(v1::Recovery {
+                    lost,
+                    reason: reason.clone(),
+                    started_unix_ms: now,
+                    ..Default::default()
+                });
+                if let Ok(t) = state::transition(&mut entry.job, JobState::Recovering, reason, now)
+                {
+                    fx.events.push(transition_event(&entry.job, t));
+                }
+                entry.recovering_since = Some(now);
+            }
+        }
+        fx.save.push(entry.job.clone());
+        let generation = entry.job.generation;
+        for w in st.workers.values() {
+            if w.job.as_ref().is_some_and(|(j, _)| j == job_id) {
+                let abort = v1::Abort {
+                    job_id: job_id.into(),
+                    generation,
+                    reason: "re-forming the ring".into(),
+                };
+                fx.send
+                    .push((w.tx.clone(), msg(coordinator_message::Msg::Abort(abort))));
+            }
+        }
+    }
+
+    /// Free workers (no job), in id order.
+    fn free_workers(st: &State) -> Vec<String> {
+        st.workers
+            .iter()
+            .filter(|(_, w)| w.job.is_none())
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// Re-forms recovering jobs that can be, and grows elastic ones that
+    /// idle workers can join (recovering jobs come before pending ones:
+    /// they hold state).
+    fn reform_jobs(&self, st: &mut State, now: i64, fx: &mut Effects) {
+        let ids: Vec<String> = st.order.clone();
+        for id in ids {
+            let Some(entry) = st.jobs.get(&id) else {
+                continue;
+            };
+            let state_now = entry.job.state();
+            if state_now != JobState::Recovering && state_now != JobState::Running {
+                continue;
+            }
+            let spec = entry.job.spec.clone().unwrap_or_default();
+            let Ok(domain) = accrue_proto::spec_from_proto(&spec) else {
+                continue;
+            };
+            let valid = |n: usize| domain.accumulation_steps(n as u64).is_ok();
+            let members = entry.job.workers.clone();
+            let survivors: Vec<String> = members
+                .iter()
+                .filter(|w| {
+                    st.workers
+                        .get(*w)
+                        .is_some_and(|x| x.job.as_ref().is_some_and(|(j, _)| *j == id))
+                })
+                .cloned()
+                .collect();
+            let free = Self::free_workers(st);
+            let max = domain.max_workers.unwrap_or(domain.workers).max(domain.workers) as usize;
+            let world = if state_now == JobState::Recovering {
+                if entry.stalled >= MAX_STALLED_REFORMS {
+                    let reason = format!(
+                        "{} re-formations in a row without a committed step",
+                        entry.stalled
+                    );
+                    self.fail(st, &id, reason, now, fx);
+                    continue;
+                }
+                let want = (domain.workers as usize).max(survivors.len()).min(max);
+                let min = domain.min_workers.unwrap_or(domain.workers) as usize;
+                let waited = now - entry.recovering_since.unwrap_or(now);
+                let timeout = (domain.comm.rendezvous_timeout_s * 1000.0) as i64;
+                if entry.reattach_by.is_some() {
+                    // Members may still come back after a restart.
+                    continue;
+                }
+                match state::reform_decision(
+                    survivors.len(),
+                    free.len(),
+                    want,
+                    min,
+                    waited,
+                    timeout,
+                    valid,
+                ) {
+                    state::Reform::Wait => continue,
+                    state::Reform::Fail(reason) => {
+                        let why = entry
+                            .job
+                            .recoveries
+                            .last()
+                            .map(|r| format!(" (recovering from: {})", r.reason))
+                            .unwrap_or_default();
+                        self.fail(st, &id, format!("{reason}{why}"), now, fx);
+                        continue;
+                    }
+                    state::Reform::Form(n) => n,
+                }
+            } else {
+                let pending = st
+                    .jobs
+                    .values()
+                    .any(|e| e.job.state() == JobState::Pending);
+                if pending || entry.reattach_by.is_some() || survivors.len() != members.len() {
+                    continue;
+                }
+                match state::grow_decision(members.len(), free.len(), max, valid) {
+                    Some(n) => n,
+                    None => continue,
+                }
+            };
+            let alive = |w: &str| survivors.iter().any(|s| s == w);
+            let newcomers: Vec<String> = free
+                .iter()
+                .take(world.saturating_sub(survivors.len()))
+                .cloned()
+                .collect();
+            let ranks = state::reform_ranks(&members, alive, &newcomers, world);
+            self.form(st, &id, ranks, now, fx);
+        }
+    }
+
+    /// Starts a new generation of `job_id` on `workers` (by rank).
+    fn form(&self, st: &mut State, job_id: &str, workers: Vec<String>, now: i64, fx: &mut Effects) {
+        let Some(entry) = st.jobs.get_mut(job_id) else {
+            return;
+        };
+        let spec = entry.job.spec.clone().unwrap_or_default();
+        let domain = match accrue_proto::spec_from_proto(&spec) {
+            Ok(d) => d,
+            Err(e) => {
+                let reason = e.to_string();
+                self.fail(st, job_id, reason, now, fx);
+                return;
+            }
+        };
+        let world = workers.len();
+        let k = match domain.accumulation_steps(world as u64) {
+            Ok(k) => k as u32,
+            Err(e) => {
+                let reason = format!("cannot run on {world} workers: {e}");
+                self.fail(st, job_id, reason, now, fx);
+                return;
+            }
+        };
+        let first = entry.job.generation == 0;
+        let growing = entry.job.state() == JobState::Running;
+        let previous = entry.job.workers.clone();
+        entry.job.generation += 1;
+        entry.job.workers = workers.clone();
+        entry.job.accumulation_steps = k;
+        entry.secret = rand::random::<[u8; 32]>().to_vec();
+        entry.recovering_since = None;
+        let generation = entry.job.generation;
+        let joined: Vec<String> = workers
+            .iter()
+            .filter(|w| !previous.contains(w))
+            .cloned()
+            .collect();
+        let committed = entry.job.counters.as_ref().map_or(0, |c| c.step);
+        let reason = if first {
+            format!("assigned to {} (generation {generation})", workers.join(", "))
+        } else {
+            entry.stalled += 1;
+            if growing {
+                entry.job.recoveries.push(v1::Recovery {
+                    reason: format!("growing: {} joined", joined.join(", ")),
+                    started_unix_ms: now,
+                    ..Default::default()
+                });
+                if let Ok(t) = state::transition(
+                    &mut entry.job,
+                    JobState::Recovering,
+                    format!("growing to {world} workers"),
+                    now,
+                ) {
+                    fx.events.push(transition_event(&entry.job, t));
+                }
+            }
+            if let Some(r) = entry.job.recoveries.last_mut() {
+                r.generation = generation;
+                r.joined = joined.clone();
+                r.reformed_unix_ms = now;
+                r.world_size = world as u32;
+                r.accumulation_steps = k;
+            }
+            format!(
+                "re-formed on {} (generation {generation}, W = {world}, k = {k}, from step {committed})",
+                workers.join(", ")
+            )
+        };
+        if let Ok(t) = state::transition(&mut entry.job, JobState::Rendezvous, reason, now) {
+            fx.events.push(transition_event(&entry.job, t));
+        }
+        let ckpt = domain
+            .checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.cfg.state_dir.join("checkpoints").join(job_id));
+        let ckpt = std::path::absolute(&ckpt).unwrap_or(ckpt);
+        let peers: Vec<String> = workers
+            .iter()
+            .map(|w| {
+                st.workers
+                    .get(w)
+                    .map(|x| x.hello.data_addr.clone())
+                    .unwrap_or_default()
+            })
+            .collect();
+        let secret = entry.secret.clone();
+        fx.save.push(entry.job.clone());
+        for (rank, w) in workers.iter().enumerate() {
+            let a = v1::Assignment {
+                job_id: job_id.to_string(),
+                spec: Some(spec.clone()),
+                rank: rank as u32,
+                world_size: world as u32,
+                peers: peers.clone(),
+                generation,
+                secret: secret.clone(),
+                accumulation_steps: k,
+                resume_step: committed,
+                checkpoint_dir: ckpt.display().to_string(),
+            };
+            if let Some(we) = st.workers.get_mut(w) {
+                we.job = Some((job_id.to_string(), rank as u32));
+                fx.send
+                    .push((we.tx.clone(), msg(coordinator_message::Msg::Assign(a))));
+            }
         }
     }
 
@@ -503,6 +815,20 @@ impl Coordinator {
                 }
                 Some(worker_message::Msg::Done(d)) => {
                     self.on_done(&mut st, worker, d, now, &mut fx)
+                }
+                Some(worker_message::Msg::Interrupted(i)) => {
+                    let current = st.jobs.get(&i.job_id).is_some_and(|e| {
+                        e.job.generation == i.generation
+                            && matches!(e.job.state(), JobState::Rendezvous | JobState::Running)
+                    });
+                    if current {
+                        let reason = format!(
+                            "rank {} on worker {worker} interrupted at step {}: {}",
+                            i.rank, i.step, i.error
+                        );
+                        self.begin_recovery(&mut st, &i.job_id, Vec::new(), reason, now, &mut fx);
+                        self.schedule(&mut st, now, &mut fx);
+                    }
                 }
                 _ => {}
             }
@@ -574,13 +900,22 @@ impl Coordinator {
         c.samples_per_sec = r.samples_per_sec;
         c.timing = r.timing;
         c.bytes_sent = r.bytes_sent;
+        entry.stalled = 0;
         if entry.job.state() == JobState::Rendezvous {
-            if let Ok(t) = state::transition(
-                &mut entry.job,
-                JobState::Running,
-                "the ring formed and step 1 committed",
-                now,
-            ) {
+            if let Some(rec) = entry
+                .job
+                .recoveries
+                .last_mut()
+                .filter(|x| x.generation == r.generation && x.first_step_unix_ms == 0)
+            {
+                rec.first_step_unix_ms = now;
+                rec.resumed_step = r.step.saturating_sub(1);
+            }
+            let reason = format!(
+                "the ring of generation {} formed and step {} committed",
+                r.generation, r.step
+            );
+            if let Ok(t) = state::transition(&mut entry.job, JobState::Running, reason, now) {
                 fx.events.push(transition_event(&entry.job, t));
                 fx.save.push(entry.job.clone());
                 entry.saved_ms = now;

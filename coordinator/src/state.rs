@@ -20,6 +20,7 @@ pub fn allowed(from: JobState, to: JobState) -> bool {
             | (Running, Failed)
             | (Running, Cancelled)
             | (Running, Recovering)
+            | (Rendezvous, Recovering)
             | (Recovering, Rendezvous)
             | (Recovering, Running)
             | (Recovering, Failed)
@@ -66,6 +67,93 @@ pub fn transition(
     job.set_state(to);
     job.history.push(t.clone());
     Ok(t)
+}
+
+/// What to do with a job that lost (or may gain) workers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reform {
+    /// Keep waiting for workers to attach.
+    Wait,
+    /// Re-form the ring with this many ranks now.
+    Form(usize),
+    /// Give up, for this reason.
+    Fail(String),
+}
+
+/// The recovery decision (DESIGN section 9), pure: `survivors` ranks still
+/// hold the job's state, `free` idle workers could join. The job wants
+/// `want` ranks and accepts down to `min`; after `timeout_ms` of waiting it
+/// shrinks to what is there, or fails below `min`. `valid(n)` says whether
+/// a world of n ranks can run the job (k must come out whole under
+/// `global_batch`).
+pub fn reform_decision(
+    survivors: usize,
+    free: usize,
+    want: usize,
+    min: usize,
+    waited_ms: i64,
+    timeout_ms: i64,
+    valid: impl Fn(usize) -> bool,
+) -> Reform {
+    let available = survivors + free;
+    let want = want.max(1);
+    let min = min.clamp(1, want);
+    if available >= want && valid(want) {
+        return Reform::Form(want);
+    }
+    if waited_ms < timeout_ms {
+        return Reform::Wait;
+    }
+    match (min..=available.min(want)).rev().find(|&n| valid(n)) {
+        Some(n) => Reform::Form(n),
+        None => Reform::Fail(format!(
+            "{available} worker(s) available after waiting {:.1} s for a replacement; the job needs at least min_workers = {min}",
+            timeout_ms as f64 / 1000.0
+        )),
+    }
+}
+
+/// Growth of a running elastic job: a new world size when idle workers can
+/// take it toward `max` (None: stay).
+pub fn grow_decision(
+    world: usize,
+    free: usize,
+    max: usize,
+    valid: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    (world + 1..=max.min(world + free))
+        .rev()
+        .find(|&n| valid(n))
+}
+
+/// Ranks of a re-formed ring: survivors keep their old rank when it still
+/// exists (so a replacement takes exactly the lost rank's place and its
+/// share of the data), the others fill the empty places in order, then
+/// newcomers. `old` is the previous generation's workers by rank, `alive`
+/// says which are still there.
+pub fn reform_ranks(
+    old: &[String],
+    alive: impl Fn(&str) -> bool,
+    newcomers: &[String],
+    world: usize,
+) -> Vec<String> {
+    let mut slots: Vec<Option<String>> = vec![None; world];
+    let mut displaced = Vec::new();
+    for (rank, w) in old.iter().enumerate() {
+        if !alive(w) {
+            continue;
+        }
+        if rank < world {
+            slots[rank] = Some(w.clone());
+        } else {
+            displaced.push(w.clone());
+        }
+    }
+    let mut fill = displaced.into_iter().chain(newcomers.iter().cloned());
+    for s in slots.iter_mut().filter(|s| s.is_none()) {
+        *s = fill.next();
+    }
+    slots.into_iter().flatten().collect()
 }
 
 /// A job waiting for workers.
@@ -191,6 +279,70 @@ mod tests {
             let to = JobState::try_from(to).unwrap();
             for from in [JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
                 prop_assert!(!allowed(from, to));
+            }
+        }
+    }
+
+    #[test]
+    fn reform_waits_then_shrinks_then_fails() {
+        let any = |_: usize| true;
+        assert_eq!(reform_decision(1, 1, 2, 1, 0, 5000, any), Reform::Form(2));
+        assert_eq!(reform_decision(1, 0, 2, 1, 100, 5000, any), Reform::Wait);
+        assert_eq!(reform_decision(1, 0, 2, 1, 5000, 5000, any), Reform::Form(1));
+        assert!(matches!(reform_decision(1, 0, 3, 2, 5000, 5000, any), Reform::Fail(m) if m.contains("min_workers = 2")));
+        // global_batch = 48, b = 8: W = 4 gives no whole k; shrink to 3.
+        let whole = |n: usize| 48 % (n * 8) == 0;
+        assert_eq!(reform_decision(4, 0, 5, 2, 9999, 10, whole), Reform::Form(3));
+        assert_eq!(grow_decision(2, 1, 3, any), Some(3));
+        assert_eq!(grow_decision(3, 4, 3, any), None);
+        assert_eq!(grow_decision(2, 2, 4, whole), Some(3));
+    }
+
+    #[test]
+    fn replacement_takes_the_lost_rank() {
+        let old: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let ranks = reform_ranks(&old, |w| w != "b", &["z".into()], 3);
+        assert_eq!(ranks, ["a", "z", "c"]);
+        let shrunk = reform_ranks(&old, |w| w != "a", &[], 2);
+        assert_eq!(shrunk, ["c", "b"]);
+    }
+
+    proptest! {
+        #[test]
+        fn reform_decision_is_sound(
+            survivors in 0usize..6, free in 0usize..6, want in 1usize..6, min in 1usize..6,
+            waited in 0i64..10_000, timeout in 0i64..10_000, step in 1usize..4,
+        ) {
+            let valid = |n: usize| n % step == 0;
+            match reform_decision(survivors, free, want, min, waited, timeout, valid) {
+                Reform::Form(n) => {
+                    prop_assert!(n <= survivors + free && n <= want && n >= min.min(want) && valid(n));
+                    if n < want { prop_assert!(waited >= timeout); }
+                }
+                Reform::Wait => prop_assert!(waited < timeout),
+                Reform::Fail(_) => prop_assert!(waited >= timeout),
+            }
+        }
+
+        #[test]
+        fn reform_ranks_keeps_everyone_once(
+            alive_mask in proptest::collection::vec(any::<bool>(), 1..6),
+            newcomers in 0usize..4, world in 1usize..8,
+        ) {
+            let old: Vec<String> = (0..alive_mask.len()).map(|i| format!("w{i}")).collect();
+            let new: Vec<String> = (0..newcomers).map(|i| format!("n{i}")).collect();
+            let alive = |w: &str| old.iter().position(|o| o == w).is_some_and(|i| alive_mask[i]);
+            let ranks = reform_ranks(&old, alive, &new, world);
+            let survivors = alive_mask.iter().filter(|&&a| a).count();
+            prop_assert_eq!(ranks.len(), world.min(survivors + newcomers));
+            let mut seen = ranks.clone();
+            seen.sort();
+            seen.dedup();
+            prop_assert_eq!(seen.len(), ranks.len());
+            for (r, w) in ranks.iter().enumerate() {
+                if let Some(i) = old.iter().position(|o| o == w) {
+                    if i < world { prop_assert_eq!(i, r); }
+                }
             }
         }
     }

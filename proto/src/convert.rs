@@ -82,6 +82,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             timeout_s: s.comm.timeout_s,
             connect_timeout_s: s.comm.connect_timeout_s,
             bucket_cap_mb: s.comm.bucket_cap_mb,
+            rendezvous_timeout_s: s.comm.rendezvous_timeout_s,
         }),
     }
 }
@@ -234,6 +235,11 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
                     comm_default.bucket_cap_mb
                 } else {
                     c.bucket_cap_mb
+                },
+                rendezvous_timeout_s: if c.rendezvous_timeout_s == 0.0 {
+                    comm_default.rendezvous_timeout_s
+                } else {
+                    c.rendezvous_timeout_s
                 },
             },
             None => comm_default,

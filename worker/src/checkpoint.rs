@@ -34,8 +34,13 @@ pub struct TrainerState {
     pub seed: u64,
     /// The learning rate of the last committed step.
     pub lr: f64,
+    /// The world size and k the cursor counts in.
     pub world_size: u64,
     pub accumulation_steps: u64,
+    /// Samples of the epoch's order consumed before the current sharding
+    /// began (non-zero after the world size changed mid-epoch).
+    #[serde(default)]
+    pub epoch_offset: u64,
 }
 
 fn ckpt_err(path: &Path, reason: impl Into<String>) -> Error {

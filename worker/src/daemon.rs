@@ -5,6 +5,7 @@
 
 use crate::comm::{RingConfig, TcpRing};
 use crate::engine::{Control, Event, RunOptions, StepReport};
+use crate::collective::Collective;
 use crate::Engine;
 use accrue_proto::v1::{
     self, coordinator_message, worker_message, worker_service_client::WorkerServiceClient,
@@ -13,7 +14,7 @@ use accrue_proto::v1::{
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -29,6 +30,10 @@ pub struct DaemonConfig {
     /// Relative data paths in job specs are resolved under this folder.
     pub data_root: Option<PathBuf>,
     pub heartbeat: Duration,
+    /// Audit log of every committed window's sample indices (JSON lines).
+    pub sample_log: Option<PathBuf>,
+    /// Sleep after every micro-step (fault-injection tests).
+    pub micro_step_delay: Option<Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,38 +96,109 @@ struct Running {
     job: String,
     control: Arc<Control>,
     thread: std::thread::JoinHandle<()>,
+    /// Later generations of the same job go to its thread.
+    next: std::sync::mpsc::Sender<v1::Assignment>,
 }
 
-/// Runs one assignment to its end on the calling (dedicated) thread.
-fn run_assignment(
-    a: v1::Assignment,
-    listener: Option<TcpListener>,
-    cfg: &DaemonConfig,
-    control: Arc<Control>,
-    out: &mpsc::UnboundedSender<WorkerMessage>,
-) {
-    let (job, generation, rank) = (a.job_id.clone(), a.generation, a.rank);
-    let result = (|| -> Result<crate::engine::Summary, String> {
-        let proto = a.spec.clone().ok_or("the assignment has no spec")?;
-        let mut spec = accrue_proto::spec_from_proto(&proto).map_err(|e| e.to_string())?;
-        if let Some(d) = &cfg.device {
-            spec.device = d.clone();
+/// The job, generation and rank this daemon is in (for the hello after a
+/// re-attach).
+type Current = Arc<Mutex<Option<(String, u64, u32)>>>;
+
+/// The ring of the current generation; empty between generations (so the
+/// old ring's listener thread is gone before the next ring forms).
+pub struct RingSlot {
+    ring: Option<TcpRing>,
+    rank: usize,
+    world: usize,
+}
+
+impl RingSlot {
+    fn closed(&self) -> Self {
+        Self {
+            ring: None,
+            rank: self.rank,
+            world: self.world,
         }
-        if let Some(root) = &cfg.data_root {
-            for p in [
-                &mut spec.data.path,
-                &mut spec.data.eval_path,
-                &mut spec.model.init,
-                &mut spec.model.path,
-            ]
-            .into_iter()
-            .flatten()
-            {
-                if p.is_relative() {
-                    *p = root.join(&*p);
-                }
+    }
+    fn ring(&mut self) -> crate::error::Result<&mut TcpRing> {
+        self.ring.as_mut().ok_or_else(|| {
+            crate::error::Error::Interrupted("the ring of this generation is closed".into())
+        })
+    }
+}
+
+impl Collective for RingSlot {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> crate::error::Result<()> {
+        Collective::all_reduce_sum(self.ring()?, buf)
+    }
+    fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> crate::error::Result<()> {
+        Collective::broadcast(self.ring()?, buf, root)
+    }
+    fn barrier(&mut self) -> crate::error::Result<()> {
+        Collective::barrier(self.ring()?)
+    }
+    fn bytes(&self) -> (u64, u64) {
+        self.ring.as_ref().map_or((0, 0), Collective::bytes)
+    }
+}
+
+/// The job spec of an assignment with this daemon's overrides applied.
+fn assigned_spec(a: &v1::Assignment, cfg: &DaemonConfig) -> Result<crate::spec::JobSpec, String> {
+    let proto = a.spec.clone().ok_or("the assignment has no spec")?;
+    let mut spec = accrue_proto::spec_from_proto(&proto).map_err(|e| e.to_string())?;
+    if let Some(d) = &cfg.device {
+        spec.device = d.clone();
+    }
+    if let Some(root) = &cfg.data_root {
+        for p in [
+            &mut spec.data.path,
+            &mut spec.data.eval_path,
+            &mut spec.model.init,
+            &mut spec.model.path,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if p.is_relative() {
+                *p = root.join(&*p);
             }
         }
+    }
+    Ok(spec)
+}
+
+/// What one generation of a job ended with.
+enum Outcome {
+    Finished(crate::engine::Summary),
+    /// The window was lost; the committed state is kept for the next
+    /// generation.
+    Interrupted(String),
+    Failed(String),
+}
+
+struct JobThread<'a> {
+    cfg: &'a DaemonConfig,
+    listener: Option<TcpListener>,
+    control: Arc<Control>,
+    out: &'a mpsc::UnboundedSender<WorkerMessage>,
+    engine: Option<Engine<RingSlot>>,
+}
+
+impl JobThread<'_> {
+    /// Forms this generation's ring, builds the engine (or moves the one
+    /// that survived onto the new ring) and trains.
+    fn generation(&mut self, a: &v1::Assignment) -> Outcome {
+        let (job, generation, rank) = (a.job_id.clone(), a.generation, a.rank);
+        let spec = match assigned_spec(a, self.cfg) {
+            Ok(s) => s,
+            Err(e) => return Outcome::Failed(e),
+        };
         let mut ring_cfg = RingConfig::new(
             job.clone(),
             rank as usize,
@@ -133,58 +209,176 @@ fn run_assignment(
         ring_cfg.generation = generation;
         ring_cfg.timeout = Duration::from_secs_f64(spec.comm.timeout_s);
         ring_cfg.connect_timeout = Duration::from_secs_f64(spec.comm.connect_timeout_s);
-        let ring = TcpRing::start(listener, ring_cfg).map_err(|e| e.to_string())?;
-        let opts = RunOptions {
-            checkpoint_dir: (!a.checkpoint_dir.is_empty())
-                .then(|| PathBuf::from(&a.checkpoint_dir)),
-            resume: a.resume_step > 0,
-            control: Some(control.clone()),
-            ..Default::default()
+        let listener = self.listener.as_ref().and_then(|l| l.try_clone().ok());
+        let ring = match TcpRing::start(listener, ring_cfg) {
+            Ok(r) => r,
+            Err(e) => return Outcome::Interrupted(e.to_string()),
         };
-        let mut engine = Engine::new(spec, ring, opts).map_err(|e| e.to_string())?;
-        engine
-            .run(|ev| {
-                let m = match ev {
-                    Event::Step(r) => step_msg(&job, generation, rank, r),
-                    Event::Eval(_) if rank != 0 => return,
-                    Event::Eval(e) => WorkerMessage {
-                        msg: Some(worker_message::Msg::Eval(eval_proto(e))),
-                        job_id: job.clone(),
-                        generation,
-                    },
-                    Event::Checkpoint(_) => return,
+        let slot = RingSlot {
+            ring: Some(ring),
+            rank: rank as usize,
+            world: a.world_size as usize,
+        };
+        let ready = match self.engine.as_mut() {
+            Some(engine) => engine.reconfigure(slot),
+            None => {
+                let opts = RunOptions {
+                    checkpoint_dir: (!a.checkpoint_dir.is_empty())
+                        .then(|| PathBuf::from(&a.checkpoint_dir)),
+                    resume_if_present: a.resume_step > 0 || a.generation > 1,
+                    sample_log: self.cfg.sample_log.clone(),
+                    micro_step_delay: self.cfg.micro_step_delay,
+                    control: Some(self.control.clone()),
+                    ..Default::default()
                 };
-                let _ = out.send(m);
-            })
-            .map_err(|e| e.to_string())
-    })();
-    let stopped = control.stopping();
-    let done = match result {
-        Ok(s) => v1::JobDone {
-            job_id: job.clone(),
-            generation,
-            rank,
-            ok: true,
-            error: String::new(),
-            checkpoint: s.checkpoint.display().to_string(),
-            eval: s.eval.as_ref().map(eval_proto),
-            stopped: stopped || !s.finished,
-        },
-        Err(e) => {
-            if !stopped {
-                tracing::error!(job = %job, rank, error = %e, "job failed");
+                Engine::new(spec, slot, opts).map(|e| {
+                    self.engine = Some(e);
+                })
             }
-            v1::JobDone {
-                job_id: job.clone(),
-                generation,
-                rank,
-                ok: stopped,
-                error: e,
-                stopped,
-                ..Default::default()
+        };
+        if let Err(e) = ready {
+            return if e.is_recoverable() {
+                Outcome::Interrupted(e.to_string())
+            } else {
+                Outcome::Failed(e.to_string())
+            };
+        }
+        let Some(engine) = self.engine.as_mut() else {
+            return Outcome::Failed("no engine".into());
+        };
+        let out = self.out;
+        let result = engine.run(|ev| {
+            let m = match ev {
+                Event::Step(r) => step_msg(&job, generation, rank, r),
+                Event::Eval(_) if rank != 0 => return,
+                Event::Eval(e) => WorkerMessage {
+                    msg: Some(worker_message::Msg::Eval(eval_proto(e))),
+                    job_id: job.clone(),
+                    generation,
+                },
+                Event::Checkpoint(_) => return,
+            };
+            let _ = out.send(m);
+        });
+        match result {
+            Ok(s) => Outcome::Finished(s),
+            Err(e) if e.is_recoverable() && !self.control.stopping() => {
+                Outcome::Interrupted(e.to_string())
+            }
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+}
+
+/// Runs a job to its end on the calling (dedicated) thread, through as many
+/// generations as the coordinator forms.
+fn run_assignment(
+    first: v1::Assignment,
+    next: std::sync::mpsc::Receiver<v1::Assignment>,
+    listener: Option<TcpListener>,
+    cfg: &DaemonConfig,
+    control: Arc<Control>,
+    out: &mpsc::UnboundedSender<WorkerMessage>,
+    current: Current,
+) {
+    let job = first.job_id.clone();
+    let mut a = first;
+    let mut t = JobThread {
+        cfg,
+        listener,
+        control: control.clone(),
+        out,
+        engine: None,
+    };
+    let done = loop {
+        control.abort.store(false, Ordering::SeqCst);
+        control.reform.store(false, Ordering::SeqCst);
+        *current.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((job.clone(), a.generation, a.rank));
+        let (generation, rank) = (a.generation, a.rank);
+        match t.generation(&a) {
+            Outcome::Finished(s) => {
+                break v1::JobDone {
+                    job_id: job.clone(),
+                    generation,
+                    rank,
+                    ok: true,
+                    error: String::new(),
+                    checkpoint: s.checkpoint.display().to_string(),
+                    eval: s.eval.as_ref().map(eval_proto),
+                    stopped: control.stopping() || !s.finished,
+                }
+            }
+            Outcome::Failed(e) => {
+                let stopped = control.stopping();
+                if !stopped {
+                    tracing::error!(job = %job, rank, error = %e, "job failed");
+                }
+                break v1::JobDone {
+                    job_id: job.clone(),
+                    generation,
+                    rank,
+                    ok: stopped,
+                    error: e,
+                    stopped,
+                    ..Default::default()
+                };
+            }
+            Outcome::Interrupted(e) => {
+                let step = match t.engine.as_mut() {
+                    Some(engine) => {
+                        if let Err(e) = engine.discard_window() {
+                            tracing::error!(error = %e, "cannot discard the window");
+                        }
+                        let closed = engine.collective_mut().closed();
+                        // Dropping the old ring says goodbye to its peers
+                        // and stops its listener thread.
+                        *engine.collective_mut() = closed;
+                        engine.state().step
+                    }
+                    None => 0,
+                };
+                tracing::warn!(job = %job, generation, rank, step, error = %e, "window interrupted; waiting for a new generation");
+                let _ = out.send(wrap(worker_message::Msg::Interrupted(v1::Interrupted {
+                    job_id: job.clone(),
+                    generation,
+                    rank,
+                    error: e,
+                    step,
+                })));
+                let waited = loop {
+                    match next.recv_timeout(Duration::from_millis(100)) {
+                        Ok(n) if n.generation > generation => break Some(n),
+                        Ok(_) => continue,
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                            if control.stopping() {
+                                break None;
+                            }
+                        }
+                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break None,
+                    }
+                };
+                match waited {
+                    Some(n) => {
+                        // Several may have queued up: the newest wins.
+                        a = std::iter::once(n).chain(next.try_iter()).max_by_key(|x| x.generation).unwrap_or_default();
+                    }
+                    None => {
+                        break v1::JobDone {
+                            job_id: job.clone(),
+                            generation,
+                            rank,
+                            ok: true,
+                            stopped: true,
+                            error: "stopped between generations".into(),
+                            ..Default::default()
+                        }
+                    }
+                }
             }
         }
     };
+    *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
     let _ = out.send(wrap(worker_message::Msg::Done(done)));
 }
 
@@ -205,6 +399,7 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
         .to_string();
     let (events_tx, mut events_rx) = mpsc::unbounded_channel::<WorkerMessage>();
     let mut running: Option<Running> = None;
+    let current: Current = Arc::default();
     let mut backoff = Duration::from_millis(50);
     loop {
         let client = match WorkerServiceClient::connect(cfg.coordinator.clone()).await {
@@ -224,6 +419,16 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
             device: cfg.device.clone().unwrap_or_else(|| "auto".into()),
             capacity: 1,
             version: env!("CARGO_PKG_VERSION").into(),
+            ..Default::default()
+        };
+        let hello = match current.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            Some((job_id, generation, rank)) => v1::WorkerHello {
+                job_id,
+                generation,
+                rank,
+                ..hello
+            },
+            None => hello,
         };
         let _ = tx.send(wrap(worker_message::Msg::Hello(hello)));
         let mut inbound = match client
@@ -265,23 +470,40 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
                     match m.msg {
                         Some(coordinator_message::Msg::Assign(a)) => {
                             if let Some(r) = &running {
-                                tracing::warn!(job = %a.job_id, busy = %r.job, "assignment while busy; ignored");
+                                if r.job == a.job_id && !r.thread.is_finished() {
+                                    tracing::info!(job = %a.job_id, generation = a.generation, rank = a.rank, world = a.world_size, "new generation");
+                                    r.control.reform.store(true, Ordering::SeqCst);
+                                    let _ = r.next.send(a);
+                                } else {
+                                    tracing::warn!(job = %a.job_id, busy = %r.job, "assignment while busy; ignored");
+                                }
                                 continue;
                             }
                             let control = Arc::new(Control::default());
                             let l = listener.try_clone().ok();
-                            let (cfg2, out, c2, job) = (cfg.clone(), events_tx.clone(), control.clone(), a.job_id.clone());
-                            tracing::info!(job = %job, rank = a.rank, world = a.world_size, "assignment");
+                            let (cfg2, out, c2, job, cur) = (cfg.clone(), events_tx.clone(), control.clone(), a.job_id.clone(), current.clone());
+                            let (next_tx, next_rx) = std::sync::mpsc::channel();
+                            tracing::info!(job = %job, rank = a.rank, world = a.world_size, generation = a.generation, "assignment");
                             let thread = std::thread::Builder::new()
                                 .name(format!("accrue-job-{job}"))
-                                .spawn(move || run_assignment(a, l, &cfg2, c2, &out));
+                                .spawn(move || run_assignment(a, next_rx, l, &cfg2, c2, &out, cur));
                             match thread {
-                                Ok(thread) => running = Some(Running { job, control, thread }),
+                                Ok(thread) => running = Some(Running { job, control, thread, next: next_tx }),
                                 Err(e) => tracing::error!(error = %e, "cannot start the job thread"),
                             }
                         }
                         Some(coordinator_message::Msg::Stop(s)) => stop(&running, &s.job_id, &s.reason),
-                        Some(coordinator_message::Msg::Abort(a)) => stop(&running, &a.job_id, &a.reason),
+                        Some(coordinator_message::Msg::Abort(a)) => {
+                            // Drop the window in flight and wait for the next
+                            // generation (a stop ends the job instead).
+                            let now = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                            if let Some(r) = running.as_ref().filter(|r| r.job == a.job_id) {
+                                if now.is_some_and(|(_, g, _)| g == a.generation) {
+                                    tracing::warn!(job = %a.job_id, generation = a.generation, reason = %a.reason, "window aborted");
+                                    r.control.abort.store(true, Ordering::SeqCst);
+                                }
+                            }
+                        }
                         Some(coordinator_message::Msg::CheckpointNow(c)) => {
                             if let Some(r) = running.as_ref().filter(|r| r.job == c.job_id) {
                                 r.control.checkpoint_now.store(true, Ordering::SeqCst);

@@ -31,6 +31,16 @@ pub struct RunOptions {
     pub state_dir: Option<PathBuf>,
     /// Continue from the checkpoint LATEST names.
     pub resume: bool,
+    /// Continue from LATEST when there is one, else start fresh (a rank
+    /// joining a job that is being recovered).
+    pub resume_if_present: bool,
+    /// Append every committed window's global sample indices (all ranks,
+    /// JSON lines) to this file: an audit of the data accounting.
+    pub sample_log: Option<PathBuf>,
+    /// Sleep this long after every micro-step (fault-injection tests and
+    /// demos: it makes a small job last long enough to kill a rank in the
+    /// middle of a window).
+    pub micro_step_delay: Option<Duration>,
     /// Stop (with a checkpoint) once this many optimizer steps are committed,
     /// as if preempted; the job can be resumed later.
     pub stop_after_steps: Option<u64>,
@@ -46,6 +56,12 @@ pub struct Control {
     pub stop: std::sync::atomic::AtomicBool,
     /// Write a checkpoint at the next window boundary.
     pub checkpoint_now: std::sync::atomic::AtomicBool,
+    /// Drop the window in flight at the next micro-step and return
+    /// [`Error::Interrupted`] (the coordinator is re-forming the ring).
+    pub abort: std::sync::atomic::AtomicBool,
+    /// A new generation is waiting: leave at the next window boundary
+    /// with [`Error::Interrupted`] (an elastic job grows).
+    pub reform: std::sync::atomic::AtomicBool,
 }
 
 impl Control {
@@ -155,6 +171,9 @@ pub struct Engine<C: Collective> {
     checkpoint_dir: PathBuf,
     opts: RunOptions,
     last_checkpoint: Option<(u64, PathBuf)>,
+    /// Whether this rank holds the job's committed state (it resumed or
+    /// committed a step), as opposed to fresh initial weights.
+    has_state: bool,
 }
 
 pub fn resolve_device(name: &str) -> Result<Device> {
@@ -246,6 +265,7 @@ impl<C: Collective> Engine<C> {
             shuffle: spec.data.shuffle,
             drop_last: spec.data.drop_last,
             pad: spec.data.pad,
+            offset: 0,
         };
         let plan = WindowPlan {
             samples: shard.rank_len(rank),
@@ -315,9 +335,14 @@ impl<C: Collective> Engine<C> {
             checkpoint_dir,
             opts,
             last_checkpoint: None,
+            has_state: false,
         };
-        if engine.opts.resume {
+        let latest_exists = engine.checkpoint_dir.join(checkpoint::LATEST).exists();
+        if engine.opts.resume || (engine.opts.resume_if_present && latest_exists) {
             engine.resume()?;
+        } else if engine.opts.resume_if_present {
+            // Joining a recovery before any checkpoint: the state comes
+            // from a surviving rank.
         } else if let Some(n) = checkpoint::list_steps(&engine.checkpoint_dir)?.last() {
             return Err(Error::Checkpoint {
                 path: engine.checkpoint_dir.clone(),
@@ -326,11 +351,271 @@ impl<C: Collective> Engine<C> {
                 ),
             });
         }
-        if world > 1 {
-            engine.broadcast_state(0)?;
-        }
-        tracing::info!(rank, world, k, total_steps, device = ?device, "engine ready");
+        engine.sync_state()?;
+        engine.reshard();
+        tracing::info!(rank, world, k, total_steps = engine.total_steps, step = engine.state.step, device = ?device, "engine ready");
         Ok(engine)
+    }
+
+    /// Joins a new generation on `collective` (a re-formed ring): k is
+    /// recomputed for its world size, the rank holding the newest committed
+    /// state broadcasts it to every rank, and the rest of the epoch is
+    /// re-sharded when the world size or k changed.
+    pub fn reconfigure(&mut self, collective: C) -> Result<()> {
+        self.discard_window()?;
+        self.collective = collective;
+        let world = self.collective.world_size();
+        self.plan.k = self
+            .spec
+            .accumulation_steps(world as u64)
+            .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
+        self.sync_state()?;
+        self.reshard();
+        tracing::info!(
+            rank = self.collective.rank(),
+            world,
+            k = self.plan.k,
+            step = self.state.step,
+            total_steps = self.total_steps,
+            "joined a new generation"
+        );
+        Ok(())
+    }
+
+    /// Forgets the window in flight (its gradients and counts): the
+    /// committed state stays as it is.
+    pub fn discard_window(&mut self) -> Result<()> {
+        let w = std::mem::take(&mut self.window);
+        self.state.micro_step = self.state.micro_step.saturating_sub(w.micro as u64);
+        self.acc = None;
+        zero(&self.model.grads())
+    }
+
+    /// The collective in use (for replacing it between generations).
+    pub fn collective_mut(&mut self) -> &mut C {
+        &mut self.collective
+    }
+
+    /// Makes every rank hold the newest committed state: the rank with the
+    /// highest committed step (lowest rank on ties) broadcasts parameters,
+    /// buffers, optimizer state and counters. With no committed state
+    /// anywhere (a fresh start) rank 0's initial weights are broadcast.
+    fn sync_state(&mut self) -> Result<()> {
+        let world = self.collective.world_size();
+        if world == 1 {
+            return Ok(());
+        }
+        let rank = self.collective.rank();
+        let mut steps = vec![0f32; world * 3];
+        if self.has_state {
+            encode_u48(self.state.step + 1, &mut steps[rank * 3..rank * 3 + 3]);
+        }
+        self.collective.all_reduce_sum(&mut steps)?;
+        let (source, best) = steps
+            .chunks(3)
+            .map(decode_u48)
+            .enumerate()
+            .fold((0, 0), |(r, b), (i, s)| if s > b { (i, s) } else { (r, b) });
+        if best == 0 {
+            return self.broadcast_state(0);
+        }
+        let mut buf = if rank == source {
+            self.pack_state()?
+        } else {
+            Vec::new()
+        };
+        let mut len = vec![0f32; 3];
+        encode_u48(buf.len() as u64, &mut len);
+        self.collective.broadcast(&mut len, source)?;
+        buf.resize(decode_u48(&len) as usize, 0.0);
+        self.collective.broadcast(&mut buf, source)?;
+        if rank != source {
+            self.unpack_state(&buf)?;
+        }
+        self.has_state = true;
+        tracing::info!(source, step = self.state.step, "state synchronised from rank {source}");
+        Ok(())
+    }
+
+    /// Parameters, buffers, optimizer state and counters as one flat
+    /// buffer: a 48-bit header length, the JSON header (two bytes per
+    /// element, exact small integers), then the tensors' values.
+    fn pack_state(&self) -> Result<Vec<f32>> {
+        let model: Vec<(String, Tensor)> = self
+            .model
+            .state()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let opt = self.optimizer.named_state(&self.model.params);
+        let shapes = |ts: &[(String, Tensor)]| -> Result<Vec<(String, Vec<i64>)>> {
+            ts.iter()
+                .map(|(n, t)| {
+                    if t.kind() != Kind::Float {
+                        return Err(Error::Model(format!(
+                            "{n} is {:?}; only float32 state can be synchronised between ranks",
+                            t.kind()
+                        )));
+                    }
+                    Ok((n.clone(), t.size()))
+                })
+                .collect()
+        };
+        let header = StateHeader {
+            state: self.state.clone(),
+            model: shapes(&model)?,
+            optimizer: shapes(&opt)?,
+        };
+        let json = serde_json::to_vec(&header).map_err(|e| Error::Model(e.to_string()))?;
+        let mut buf = vec![0f32; 3];
+        encode_u48(json.len() as u64, &mut buf);
+        buf.extend(
+            json.chunks(2)
+                .map(|c| (c[0] as u32 | (*c.get(1).unwrap_or(&0) as u32) << 8) as f32),
+        );
+        let tensors: Vec<Tensor> = model
+            .iter()
+            .chain(opt.iter())
+            .map(|(_, t)| t.shallow_clone())
+            .collect();
+        buf.extend(flatten(&tensors)?);
+        Ok(buf)
+    }
+
+    fn unpack_state(&mut self, buf: &[f32]) -> Result<()> {
+        let bad = |reason: String| Error::Model(format!("synchronised state: {reason}"));
+        let json_len = decode_u48(buf.get(..3).ok_or_else(|| bad("empty".into()))?) as usize;
+        let words = json_len.div_ceil(2);
+        let raw = buf
+            .get(3..3 + words)
+            .ok_or_else(|| bad("truncated header".into()))?;
+        let mut json = Vec::with_capacity(words * 2);
+        for w in raw {
+            let v = *w as u32;
+            json.extend([(v & 0xff) as u8, (v >> 8) as u8]);
+        }
+        json.truncate(json_len);
+        let header: StateHeader =
+            serde_json::from_slice(&json).map_err(|e| bad(e.to_string()))?;
+        let mut data = &buf[3 + words..];
+        let mut take = |shape: &[i64]| -> Result<&[f32]> {
+            let n = shape.iter().product::<i64>().max(0) as usize;
+            if data.len() < n {
+                return Err(bad("truncated tensor data".into()));
+            }
+            let (a, b) = data.split_at(n);
+            data = b;
+            Ok(a)
+        };
+        let mine: std::collections::HashMap<String, Tensor> = self
+            .model
+            .state()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let _guard = tch::no_grad_guard();
+        for (name, shape) in &header.model {
+            let t = mine
+                .get(name)
+                .ok_or_else(|| bad(format!("unknown tensor {name}")))?;
+            if t.size() != *shape {
+                return Err(bad(format!(
+                    "{name} has shape {shape:?} at the source, {:?} here",
+                    t.size()
+                )));
+            }
+            unflatten(take(shape)?, std::slice::from_ref(t))?;
+        }
+        let mut opt = Vec::with_capacity(header.optimizer.len());
+        for (name, shape) in &header.optimizer {
+            let t = Tensor::f_from_slice(take(shape)?)
+                .and_then(|t| t.f_view(shape.as_slice()))
+                .ctx("rebuilding optimizer state")?;
+            opt.push((name.clone(), t));
+        }
+        self.optimizer
+            .load_state(&self.model.params, opt, header.state.optimizer_steps)?;
+        self.state = header.state;
+        Ok(())
+    }
+
+    /// Points the sharding and the window plan at the current world size
+    /// and k; when they differ from the ones the cursor counts in, the rest
+    /// of the epoch is re-sharded from the committed cursor.
+    fn reshard(&mut self) {
+        let world = self.collective.world_size();
+        let rank = self.collective.rank();
+        let k = self.plan.k;
+        let b = self.spec.data.batch_size as usize;
+        let s = &mut self.state;
+        if s.world_size != world as u64 || s.accumulation_steps != k as u64 {
+            if s.cursor > 0 {
+                let old = ShardSpec {
+                    world: s.world_size.max(1) as usize,
+                    offset: s.epoch_offset as usize,
+                    ..self.shard
+                };
+                s.epoch_offset = old.offset_after(s.cursor as usize * b) as u64;
+                s.cursor = 0;
+            }
+            tracing::info!(
+                from_world = s.world_size,
+                from_k = s.accumulation_steps,
+                world,
+                k,
+                epoch_offset = s.epoch_offset,
+                "re-sharding the rest of the epoch"
+            );
+            s.world_size = world as u64;
+            s.accumulation_steps = k as u64;
+        }
+        let offset = s.epoch_offset as usize;
+        self.set_plan(world, rank, offset);
+        if self.plan.micro_batches() == 0 && self.state.epoch_offset > 0 {
+            // Nothing of this epoch is left for the new world (drop_last).
+            self.state.epoch += 1;
+            self.state.epoch_offset = 0;
+            self.set_plan(world, rank, 0);
+        }
+        self.total_steps = self.compute_total_steps();
+        self.schedule = Schedule::from_spec(&self.spec, self.total_steps);
+    }
+
+    fn set_plan(&mut self, world: usize, rank: usize, offset: usize) {
+        self.shard = ShardSpec {
+            world,
+            offset,
+            ..self.shard
+        };
+        self.plan = WindowPlan {
+            samples: self.shard.rank_len(rank),
+            max_samples: self.shard.rank_len(0),
+            ..self.plan
+        };
+        self.epoch_indices = (u64::MAX, Vec::new());
+    }
+
+    /// `max_steps`, or the committed steps plus the windows left in this
+    /// epoch and in the remaining full epochs under the current plan.
+    fn compute_total_steps(&self) -> u64 {
+        if let Some(m) = self.spec.max_steps {
+            return m;
+        }
+        let epochs = self.spec.epochs.unwrap_or(1);
+        let s = &self.state;
+        if s.epoch >= epochs {
+            return s.step;
+        }
+        let full = ShardSpec {
+            offset: 0,
+            ..self.shard
+        };
+        let full_windows = WindowPlan {
+            samples: full.rank_len(self.collective.rank()),
+            max_samples: full.rank_len(0),
+            ..self.plan
+        }
+        .windows() as u64;
+        let here = (self.plan.windows() as u64).saturating_sub(s.cursor / self.plan.k.max(1) as u64);
+        s.step + here + (epochs - s.epoch - 1) * full_windows
     }
 
     fn resume(&mut self) -> Result<()> {
@@ -339,21 +624,6 @@ impl<C: Collective> Engine<C> {
                 path: self.checkpoint_dir.clone(),
                 reason: "no checkpoint to resume from (no LATEST file)".into(),
             })?;
-        let s = &loaded.state;
-        if s.world_size != self.state.world_size
-            || s.accumulation_steps != self.state.accumulation_steps
-        {
-            return Err(Error::Checkpoint {
-                path: loaded.path.clone(),
-                reason: format!(
-                    "written with world size {} and k = {}, this run has world size {} and k = {}",
-                    s.world_size,
-                    s.accumulation_steps,
-                    self.state.world_size,
-                    self.state.accumulation_steps
-                ),
-            });
-        }
         self.model.load_named(
             &loaded.path.join(checkpoint::MODEL_FILE),
             checkpoint::to_device(loaded.model, self.device)?,
@@ -365,6 +635,7 @@ impl<C: Collective> Engine<C> {
         )?;
         self.last_checkpoint = Some((loaded.state.step, loaded.path.clone()));
         self.state = loaded.state;
+        self.has_state = true;
         tracing::info!(step = self.state.step, path = %loaded.path.display(), "resumed");
         Ok(())
     }
@@ -416,6 +687,13 @@ impl<C: Collective> Engine<C> {
     /// Runs the next micro-step; on the window's last one also the sync step,
     /// whose report it returns.
     pub fn micro_step(&mut self) -> Result<Option<StepReport>> {
+        if let Some(c) = &self.opts.control {
+            if c.abort.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(Error::Interrupted(
+                    "the coordinator aborted the window".into(),
+                ));
+            }
+        }
         let started = Instant::now();
         if self.window.started.is_none() {
             self.window.started = Some(started);
@@ -427,6 +705,9 @@ impl<C: Collective> Engine<C> {
         if n > 0 {
             self.forward_backward(a, b)?;
             self.window.batches += 1;
+        }
+        if let Some(d) = self.opts.micro_step_delay {
+            std::thread::sleep(d);
         }
         self.window.samples += n;
         self.window.micro += 1;
@@ -598,6 +879,10 @@ impl<C: Collective> Engine<C> {
         zero(&grads)?;
         let optimizer_s = t_opt.elapsed();
         // 5. commit.
+        if let Some(path) = self.opts.sample_log.clone() {
+            self.log_window(&path)?;
+        }
+        self.has_state = true;
         let s = &mut self.state;
         s.step += 1;
         s.samples_seen += global_samples;
@@ -608,7 +893,14 @@ impl<C: Collective> Engine<C> {
         if s.cursor as usize >= self.plan.micro_batches() {
             s.epoch += 1;
             s.cursor = 0;
+            if s.epoch_offset > 0 {
+                // The next epoch is sharded whole again.
+                s.epoch_offset = 0;
+                let (world, rank) = (self.collective.world_size(), self.collective.rank());
+                self.set_plan(world, rank, 0);
+            }
         }
+        let s = &mut self.state;
         let wall = self.window.started.map(|t| t.elapsed()).unwrap_or_default();
         let window = std::mem::take(&mut self.window);
         let (sent, received) = self.collective.bytes();
@@ -743,6 +1035,16 @@ impl<C: Collective> Engine<C> {
                     on_event(Event::Checkpoint(&p));
                 }
             }
+            if requested
+                .as_ref()
+                .is_some_and(|c| c.reform.load(std::sync::atomic::Ordering::SeqCst))
+                && !self.is_done()
+            {
+                return Err(Error::Interrupted(format!(
+                    "leaving at step {} for a new generation",
+                    self.state.step
+                )));
+            }
             let stop_requested = requested.as_ref().is_some_and(|c| c.stopping());
             if (stop_requested
                 || self
@@ -768,6 +1070,66 @@ impl<C: Collective> Engine<C> {
             finished: !stopped,
         })
     }
+}
+
+impl<C: Collective> Engine<C> {
+    /// Appends the global sample indices of the window being committed
+    /// (every rank's share, so any rank's line describes the whole window).
+    fn log_window(&mut self, path: &Path) -> Result<()> {
+        use std::io::Write;
+        let epoch = self.state.epoch;
+        let (first, count) = (self.state.cursor as usize, self.window.micro);
+        let mut indices = Vec::new();
+        for r in 0..self.shard.world {
+            let plan = WindowPlan {
+                samples: self.shard.rank_len(r),
+                ..self.plan
+            };
+            let idx = self.shard.indices(r, epoch);
+            for m in first..first + count {
+                let (a, b) = plan.micro_batch_range(m);
+                indices.extend_from_slice(&idx[a..b]);
+            }
+        }
+        let line = serde_json::json!({
+            "job": self.spec.name,
+            "step": self.state.step + 1,
+            "epoch": epoch,
+            "rank": self.collective.rank(),
+            "world": self.shard.world,
+            "indices": indices,
+        });
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(crate::error::io_err(path))?;
+        writeln!(f, "{line}").map_err(crate::error::io_err(path))
+    }
+}
+
+/// What [`Engine::pack_state`] puts before the tensor values.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StateHeader {
+    state: TrainerState,
+    model: Vec<(String, Vec<i64>)>,
+    optimizer: Vec<(String, Vec<i64>)>,
+}
+
+/// A value below 2^48 as three exact 16-bit integers in f32s (sums of
+/// such slots across ranks stay exact as long as one rank sets each).
+fn encode_u48(v: u64, out: &mut [f32]) {
+    for (i, o) in out.iter_mut().take(3).enumerate() {
+        *o = ((v >> (16 * i)) & 0xffff) as f32;
+    }
+}
+
+fn decode_u48(v: &[f32]) -> u64 {
+    v.iter()
+        .take(3)
+        .enumerate()
+        .map(|(i, x)| (x.round().max(0.0) as u64 & 0xffff) << (16 * i))
+        .sum()
 }
 
 fn loss_sum_global(sum: f64, samples: u64) -> f64 {

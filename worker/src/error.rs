@@ -31,11 +31,22 @@ pub enum Error {
     Comm(#[from] crate::comm::CommError),
     #[error("device {device}: {reason}")]
     Device { device: String, reason: String },
+    #[error("window interrupted: {0}")]
+    Interrupted(String),
     #[error("libtorch error while {context}: {source}")]
     Torch {
         context: &'static str,
         source: tch::TchError,
     },
+}
+
+impl Error {
+    /// Whether the rank can keep its committed state and join a new
+    /// generation (the ring failed or the coordinator aborted the window),
+    /// rather than the job being wrong.
+    pub fn is_recoverable(&self) -> bool {
+        matches!(self, Error::Comm(_) | Error::Interrupted(_))
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -47,6 +47,14 @@ struct DaemonArgs {
     /// Seconds between heartbeats.
     #[arg(long, default_value_t = 1.0)]
     heartbeat: f64,
+    /// Append every committed window's global sample indices (JSON lines)
+    /// to this file: an audit of the data accounting across recoveries.
+    #[arg(long)]
+    sample_log: Option<PathBuf>,
+    /// Sleep this many milliseconds after every micro-step (fault-injection
+    /// tests: makes a small job last long enough to kill a rank mid-window).
+    #[arg(long, default_value_t = 0)]
+    micro_step_delay_ms: u64,
 }
 
 #[derive(clap::Args)]
@@ -116,7 +124,7 @@ fn main() -> anyhow::Result<()> {
         state_dir: Some(args.state_dir.clone()),
         resume: args.resume,
         stop_after_steps: args.stop_after_steps,
-        control: None,
+        ..Default::default()
     };
     let summary = if args.world_size <= 1 {
         train(spec, SingleRank, opts, args.json)?
@@ -179,6 +187,9 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
         device: d.device,
         data_root: d.data_root,
         heartbeat: Duration::from_secs_f64(d.heartbeat),
+        sample_log: d.sample_log,
+        micro_step_delay: (d.micro_step_delay_ms > 0)
+            .then(|| Duration::from_millis(d.micro_step_delay_ms)),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -22,19 +22,31 @@ pub struct ShardSpec {
     /// `pad = false` and no `drop_last` every sample is read exactly once and
     /// the first `len % W` ranks get one sample more.
     pub pad: bool,
+    /// Samples at the start of the epoch's order already consumed before
+    /// this sharding began (0 normally). When the world size changes in the
+    /// middle of an epoch, the rest of the order, `order[offset..]`, is
+    /// sharded over the new ranks exactly as `DistributedSampler` shards a
+    /// list, so no sample is skipped or read twice.
+    pub offset: usize,
 }
 
 impl ShardSpec {
+    /// Samples this sharding covers: the epoch's order after `offset`.
+    pub fn remaining(&self) -> usize {
+        self.len.saturating_sub(self.offset)
+    }
+
     /// Samples each rank sees per epoch (`DistributedSampler.num_samples`).
     pub fn per_rank(&self) -> usize {
+        let len = self.remaining();
         if self.world == 0 {
             return 0;
         }
-        if self.drop_last && self.len % self.world != 0 {
+        if self.drop_last && len % self.world != 0 {
             // ceil((len - W) / W) as torch computes it; len < W gives 0.
-            self.len.saturating_sub(self.world).div_ceil(self.world)
+            len.saturating_sub(self.world).div_ceil(self.world)
         } else {
-            self.len.div_ceil(self.world)
+            len.div_ceil(self.world)
         }
     }
 
@@ -46,7 +58,8 @@ impl ShardSpec {
     /// Samples rank `rank` sees per epoch.
     pub fn rank_len(&self, rank: usize) -> usize {
         if self.uneven() && self.world > 0 {
-            self.len / self.world + usize::from(rank < self.len % self.world)
+            let len = self.remaining();
+            len / self.world + usize::from(rank < len % self.world)
         } else {
             self.per_rank()
         }
@@ -64,7 +77,7 @@ impl ShardSpec {
         }
         let num_samples = self.per_rank();
         let total = num_samples * self.world;
-        if self.len == 0 || total == 0 {
+        if self.remaining() == 0 || total == 0 {
             return Vec::new();
         }
         let mut all = self.order(epoch);
@@ -132,13 +145,24 @@ impl WindowPlan {
 }
 
 impl ShardSpec {
-    /// The epoch's order of all samples (before padding and striding).
+    /// The epoch's order of the samples this sharding covers (after
+    /// `offset`, before padding and striding).
     fn order(&self, epoch: u64) -> Vec<usize> {
-        if self.shuffle {
+        let mut all = if self.shuffle {
             randperm(self.len, self.seed.wrapping_add(epoch))
         } else {
             (0..self.len).collect()
-        }
+        };
+        all.drain(..self.offset.min(self.len));
+        all
+    }
+
+    /// The offset at which a new sharding continues after each rank of
+    /// this one consumed its first `per_rank_consumed` samples (a committed
+    /// window boundary before the epoch's end): ranks read interleaved
+    /// positions, so together they consumed a prefix of the order.
+    pub fn offset_after(&self, per_rank_consumed: usize) -> usize {
+        (self.offset + per_rank_consumed * self.world).min(self.len)
     }
 }
 
@@ -158,6 +182,7 @@ mod tests {
             shuffle: false,
             drop_last: false,
             pad: true,
+            offset: 0,
         };
         assert_eq!(s.indices(0, 0), vec![0, 3, 6, 9]);
         assert_eq!(s.indices(2, 0), vec![2, 5, 8, 1]);
@@ -179,6 +204,7 @@ mod tests {
             shuffle: false,
             drop_last: false,
             pad: false,
+            offset: 0,
         };
         assert_eq!((s.rank_len(0), s.rank_len(1)), (51, 50));
         // 17 samples over 2 ranks with b = 8: rank 0 has 9 (2 micro-batches), rank 1 has 8 (1).
@@ -219,7 +245,7 @@ mod tests {
             len in 0usize..300, world in 1usize..9, seed in 0u64..1000,
             epoch in 0u64..5, shuffle: bool, drop_last: bool, pad: bool,
         ) {
-            let s = ShardSpec { len, world, seed, shuffle, drop_last, pad };
+            let s = ShardSpec { len, world, seed, shuffle, drop_last, pad, offset: 0 };
             let mut count = vec![0usize; len];
             for r in 0..world {
                 let idx = s.indices(r, epoch);
@@ -244,6 +270,35 @@ mod tests {
                 prop_assert!(total - len < world);
                 if len >= world { prop_assert!(count.iter().all(|&c| c <= 2)); }
             }
+        }
+
+        #[test]
+        fn resharding_mid_epoch_reads_every_sample_once(
+            len in 1usize..300, w1 in 1usize..6, w2 in 1usize..6, seed in 0u64..1000,
+            shuffle: bool, windows in 0usize..10, batch in 1usize..9,
+        ) {
+            // W1 ranks consume `windows` micro-batches each, then W2 ranks
+            // take over the rest of the epoch (pad = false: exactly once).
+            let first = ShardSpec { len, world: w1, seed, shuffle, drop_last: false, pad: false, offset: 0 };
+            let c = (windows * batch).min(first.rank_len(w1 - 1));
+            let mut count = vec![0usize; len];
+            for r in 0..w1 {
+                for &i in &first.indices(r, 3)[..c] { count[i] += 1; }
+            }
+            let second = ShardSpec { world: w2, offset: first.offset_after(c), ..first };
+            for r in 0..w2 {
+                for i in second.indices(r, 3) { count[i] += 1; }
+            }
+            prop_assert!(count.iter().all(|&n| n == 1), "{:?}", count);
+            // The same order as one uninterrupted sharding would read.
+            let mut order = Vec::new();
+            let whole = ShardSpec { world: 1, ..first };
+            for i in whole.indices(0, 3) { order.push(i); }
+            let mut prefix: Vec<usize> = (0..c).flat_map(|j| (0..w1).map(move |r| (r, j))).map(|(r, j)| first.indices(r, 3)[j]).collect();
+            prefix.sort_unstable();
+            let mut expect = order[..c * w1].to_vec();
+            expect.sort_unstable();
+            prop_assert_eq!(prefix, expect);
         }
 
         #[test]

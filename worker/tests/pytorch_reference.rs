@@ -91,6 +91,7 @@ fn sampler_equals_distributed_sampler() {
             shuffle: c["shuffle"].as_bool().unwrap(),
             drop_last: c["drop_last"].as_bool().unwrap(),
             pad: true,
+            offset: 0,
         };
         let epoch = c["epoch"].as_u64().unwrap();
         for (rank, want) in c["ranks"].as_array().unwrap().iter().enumerate() {

@@ -411,9 +411,8 @@ fn connect_next(cfg: &RingConfig) -> Result<TcpStream, CommError> {
         match attempt {
             Ok(s) => return Ok(s),
             Err(e) if Instant::now() >= deadline => break e,
-            Err(CommError::Setup(msg)) if msg.contains("refused the handshake") => {
-                return Err(CommError::Setup(msg));
-            }
+            // A refusal is retried too: while a ring re-forms, the peer may
+            // still be on the previous generation for a moment.
             Err(_) => {}
         }
         std::thread::sleep(backoff);
