@@ -147,7 +147,7 @@ async fn gang_scheduling_waits_for_a_whole_gang() {
     let h = coordinator(d.path()).await;
     let grpc = h.grpc_addr.to_string();
     let _w = start_workers(&grpc, 3, d.path(), "g");
-    let coord = h.coordinator.clone();
+    let coord = h.coordinator().unwrap();
     assert!(wait_until(Duration::from_secs(60), || coord.worker_count() == 3).await);
     let mut c = client(&grpc).await;
     let a = c

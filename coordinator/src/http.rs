@@ -1,6 +1,7 @@
 //! The status endpoint: /healthz, /readyz, /v1/jobs, /v1/jobs/{id},
 //! /metrics (Prometheus text) and / (a small dashboard).
 
+use crate::gate::Gate;
 use crate::service::Coordinator;
 use accrue_proto::v1::{Job, JobState};
 use axum::extract::{Path, State};
@@ -12,15 +13,34 @@ use serde_json::{json, Value};
 use std::fmt::Write;
 use std::sync::Arc;
 
-pub fn router(c: Arc<Coordinator>) -> Router {
+pub fn router(g: Arc<Gate>) -> Router {
     Router::new()
         .route("/", get(dashboard))
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(|| async { "ready\n" }))
+        .route("/readyz", get(readyz))
         .route("/v1/jobs", get(list))
         .route("/v1/jobs/{id}", get(one))
         .route("/metrics", get(metrics))
-        .with_state(c)
+        .with_state(g)
+}
+
+async fn readyz(State(g): State<Arc<Gate>>) -> Response {
+    match g.not_ready() {
+        None => "ready\n".into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response(),
+    }
+}
+
+/// The coordinator, or 503 naming the leader.
+#[allow(clippy::result_large_err)]
+fn leader(g: &Gate) -> Result<Arc<Coordinator>, Response> {
+    g.get().map_err(|s| {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "error": s.message(), "leader": g.leader_addr() })),
+        )
+            .into_response()
+    })
 }
 
 pub fn state_name(s: JobState) -> &'static str {
@@ -75,11 +95,19 @@ pub fn job_json(j: &Job) -> Value {
     })
 }
 
-async fn list(State(c): State<Arc<Coordinator>>) -> Json<Value> {
-    Json(json!({ "jobs": c.jobs().iter().map(job_json).collect::<Vec<_>>() }))
+async fn list(State(g): State<Arc<Gate>>) -> Response {
+    let c = match leader(&g) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    Json(json!({ "jobs": c.jobs().iter().map(job_json).collect::<Vec<_>>() })).into_response()
 }
 
-async fn one(State(c): State<Arc<Coordinator>>, Path(id): Path<String>) -> Response {
+async fn one(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response {
+    let c = match leader(&g) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
     match c.job(&id) {
         Some(j) => Json(job_json(&j)).into_response(),
         None => (
@@ -204,7 +232,11 @@ pub fn metrics_text(c: &Coordinator) -> String {
     out
 }
 
-async fn metrics(State(c): State<Arc<Coordinator>>) -> Response {
+async fn metrics(State(g): State<Arc<Gate>>) -> Response {
+    let c = match leader(&g) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         metrics_text(&c),
@@ -212,7 +244,11 @@ async fn metrics(State(c): State<Arc<Coordinator>>) -> Response {
         .into_response()
 }
 
-async fn dashboard(State(c): State<Arc<Coordinator>>) -> Html<String> {
+async fn dashboard(State(g): State<Arc<Gate>>) -> Response {
+    let c = match leader(&g) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
     let mut rows = String::new();
     for j in c.jobs() {
         let k = j.counters.unwrap_or_default();
@@ -235,4 +271,5 @@ async fn dashboard(State(c): State<Arc<Coordinator>>) -> Html<String> {
          <p><a href=\"/metrics\">/metrics</a> · <a href=\"/v1/jobs\">/v1/jobs</a></p></body></html>",
         c.worker_count()
     ))
+    .into_response()
 }

@@ -1,6 +1,8 @@
 //! accrue-coordinator: schedules jobs onto worker daemons and owns their
 //! counters (DESIGN sections 6, 7 and 10). No libtorch.
 
+pub mod etcd;
+pub mod gate;
 pub mod http;
 pub mod service;
 pub mod state;
@@ -20,19 +22,26 @@ use tokio::net::TcpListener;
 pub struct Handle {
     pub grpc_addr: SocketAddr,
     pub http_addr: SocketAddr,
-    pub coordinator: Arc<Coordinator>,
+    pub gate: Arc<gate::Gate>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Handle {
+    /// The coordinator, when this process leads (always in embedded mode).
+    pub fn coordinator(&self) -> Option<Arc<Coordinator>> {
+        self.gate.coordinator()
+    }
+
     /// Stops serving and waits for the servers to finish.
     pub async fn stop(mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
         let _ = (&mut self.task).await;
-        self.coordinator.close_store();
+        if let Some(c) = self.gate.coordinator() {
+            c.close_store();
+        }
     }
 }
 
@@ -52,6 +61,32 @@ pub enum StartError {
 pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartError> {
     let store = store::RedbStore::open(&cfg.state_dir)?;
     let coordinator = Coordinator::new(cfg.clone(), Box::new(store))?;
+    serve(cfg, grpc, http, gate::Gate::leading(coordinator)).await
+}
+
+/// etcd mode: serves at once (as a follower that names the leader) and
+/// campaigns for leadership in the background; `advertise` is the gRPC
+/// address other processes reach this replica at (default: the bound one).
+pub async fn start_etcd(
+    cfg: Config,
+    grpc: &str,
+    http: &str,
+    etcd: etcd::EtcdConfig,
+    advertise: Option<String>,
+) -> Result<Handle, StartError> {
+    let g = gate::Gate::follower();
+    let handle = serve(cfg.clone(), grpc, http, g.clone()).await?;
+    let advertise = advertise.unwrap_or_else(|| handle.grpc_addr.to_string());
+    tokio::spawn(etcd::lead(cfg, etcd, advertise, g));
+    Ok(handle)
+}
+
+async fn serve(
+    cfg: Config,
+    grpc: &str,
+    http: &str,
+    gate: Arc<gate::Gate>,
+) -> Result<Handle, StartError> {
     let bind = |addr: String| async move {
         TcpListener::bind(&addr)
             .await
@@ -69,14 +104,14 @@ pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartE
     })?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let max = cfg.max_message_bytes;
-    let jobs = JobServiceServer::new(service::JobApi(coordinator.clone()))
+    let jobs = JobServiceServer::new(service::GatedJobApi(gate.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(16 << 20);
-    let workers = WorkerServiceServer::new(service::WorkerApi(coordinator.clone()))
+    let workers = WorkerServiceServer::new(service::GatedWorkerApi(gate.clone()))
         .max_decoding_message_size(max)
         .max_encoding_message_size(16 << 20);
-    let router = http::router(coordinator.clone());
-    let ticker = coordinator.clone();
+    let router = http::router(gate.clone());
+    let ticker = gate.clone();
     let ttl = cfg.heartbeat_ttl;
     let task = tokio::spawn(async move {
         let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
@@ -102,7 +137,9 @@ pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartE
             let mut every = tokio::time::interval(ttl / 4);
             loop {
                 every.tick().await;
-                ticker.tick(service::now_ms());
+                if let Some(c) = ticker.coordinator() {
+                    c.tick(service::now_ms());
+                }
             }
         };
         tokio::select! {
@@ -117,7 +154,7 @@ pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartE
     Ok(Handle {
         grpc_addr,
         http_addr,
-        coordinator,
+        gate,
         shutdown: Some(tx),
         task,
     })

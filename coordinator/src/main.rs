@@ -22,6 +22,21 @@ struct Args {
     /// Seconds without a heartbeat before a worker counts as lost.
     #[arg(long, default_value_t = 10.0)]
     heartbeat_ttl: f64,
+    /// etcd endpoints (comma-separated URLs): jobs, membership and leader
+    /// election live in etcd; several replicas may run, one leads.
+    #[arg(long, value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// Cluster name: keys live under /accrue/<cluster>/.
+    #[arg(long, default_value = "default")]
+    cluster: String,
+    /// gRPC address other processes reach this replica at (etcd mode;
+    /// default: the address it listens on).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Leader lease TTL in seconds (etcd mode): how long a dead leader
+    /// holds on before a follower takes over.
+    #[arg(long, default_value_t = 3)]
+    lease_ttl: i64,
 }
 
 #[tokio::main]
@@ -40,7 +55,16 @@ async fn main() -> anyhow::Result<()> {
         heartbeat_ttl: Duration::from_secs_f64(a.heartbeat_ttl),
         ..Default::default()
     };
-    let handle = accrue_coordinator::start(cfg, &a.listen, &a.http).await?;
+    let handle = if a.etcd.is_empty() {
+        accrue_coordinator::start(cfg, &a.listen, &a.http).await?
+    } else {
+        let etcd = accrue_coordinator::etcd::EtcdConfig {
+            endpoints: a.etcd,
+            cluster: a.cluster,
+            lease_ttl_s: a.lease_ttl.max(1),
+        };
+        accrue_coordinator::start_etcd(cfg, &a.listen, &a.http, etcd, a.advertise).await?
+    };
     println!("grpc {} http {}", handle.grpc_addr, handle.http_addr);
     tokio::signal::ctrl_c().await?;
     handle.stop().await;

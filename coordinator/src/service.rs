@@ -199,6 +199,14 @@ impl Coordinator {
         self.lock().jobs.get(id).map(|e| e.job.clone())
     }
 
+    /// Err (in words) while the job store cannot be written.
+    pub fn store_health(&self) -> Result<(), String> {
+        match self.store.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(s) => s.health(),
+            None => Err("the coordinator stopped".into()),
+        }
+    }
+
     pub fn worker_count(&self) -> usize {
         self.lock().workers.len()
     }
@@ -1123,5 +1131,56 @@ impl v1::worker_service_server::WorkerService for WorkerApi {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
         )))
+    }
+}
+
+/// JobService through the gate: the leader serves, a follower names it.
+#[derive(Clone)]
+pub struct GatedJobApi(pub Arc<crate::gate::Gate>);
+
+#[tonic::async_trait]
+impl v1::job_service_server::JobService for GatedJobApi {
+    async fn submit_job(
+        &self,
+        req: Request<v1::SubmitJobRequest>,
+    ) -> Result<Response<Job>, Status> {
+        JobApi(self.0.get()?).submit_job(req).await
+    }
+    async fn get_job(&self, req: Request<v1::GetJobRequest>) -> Result<Response<Job>, Status> {
+        JobApi(self.0.get()?).get_job(req).await
+    }
+    async fn list_jobs(
+        &self,
+        req: Request<v1::ListJobsRequest>,
+    ) -> Result<Response<v1::ListJobsResponse>, Status> {
+        JobApi(self.0.get()?).list_jobs(req).await
+    }
+    async fn cancel_job(
+        &self,
+        req: Request<v1::CancelJobRequest>,
+    ) -> Result<Response<Job>, Status> {
+        JobApi(self.0.get()?).cancel_job(req).await
+    }
+    type WatchJobStream = BoxStream<JobEvent>;
+    async fn watch_job(
+        &self,
+        req: Request<v1::WatchJobRequest>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
+        JobApi(self.0.get()?).watch_job(req).await
+    }
+}
+
+/// WorkerService through the gate.
+#[derive(Clone)]
+pub struct GatedWorkerApi(pub Arc<crate::gate::Gate>);
+
+#[tonic::async_trait]
+impl v1::worker_service_server::WorkerService for GatedWorkerApi {
+    type AttachStream = BoxStream<CoordinatorMessage>;
+    async fn attach(
+        &self,
+        req: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        WorkerApi(self.0.get()?).attach(req).await
     }
 }

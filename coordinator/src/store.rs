@@ -17,6 +17,10 @@ pub enum StoreError {
 pub trait JobStore: Send + Sync {
     fn put(&self, job: &Job) -> Result<(), StoreError>;
     fn list(&self) -> Result<Vec<Job>, StoreError>;
+    /// Err (in words) while writes cannot reach the backend.
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 pub struct RedbStore {

@@ -133,3 +133,64 @@ pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     std::fs::write(&p, text).unwrap();
     p
 }
+
+pub fn coordinator_bin() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_BIN_EXE_accrue")).with_file_name("accrue-coordinator");
+    assert!(
+        p.exists(),
+        "{} is missing: `make test` builds the whole workspace first",
+        p.display()
+    );
+    p
+}
+
+/// A coordinator process (killed on drop) and the addresses it printed.
+pub struct CoordinatorProc {
+    pub child: Child,
+    pub grpc: String,
+    pub http: String,
+}
+
+impl Drop for CoordinatorProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `accrue-coordinator` with `args`, logging to `log`; returns once
+/// it printed its addresses.
+pub fn spawn_coordinator(args: &[String], log: &Path) -> CoordinatorProc {
+    use std::io::BufRead;
+    let err = std::fs::File::create(log).unwrap();
+    let mut child = Command::new(coordinator_bin())
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(err)
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let first = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+        let _ = tx.send(first);
+        // Keep draining so later output never blocks the process.
+        for _ in lines {}
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("the coordinator printed no address; see {}", log.display()));
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    assert!(
+        parts.len() >= 4 && parts[0] == "grpc" && parts[2] == "http",
+        "unexpected first line {line:?}; see {}",
+        log.display()
+    );
+    CoordinatorProc {
+        child,
+        grpc: parts[1].to_string(),
+        http: parts[3].to_string(),
+    }
+}

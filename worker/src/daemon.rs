@@ -34,6 +34,10 @@ pub struct DaemonConfig {
     pub sample_log: Option<PathBuf>,
     /// Sleep after every micro-step (fault-injection tests).
     pub micro_step_delay: Option<Duration>,
+    /// etcd endpoints: register under a lease there and find the leader
+    /// coordinator through it (then `coordinator` is only a fallback).
+    pub etcd: Vec<String>,
+    pub cluster: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -397,15 +401,27 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
             source,
         })?
         .to_string();
+    if !cfg.etcd.is_empty() {
+        let info = serde_json::json!({
+            "data_addr": data_addr,
+            "device": cfg.device.clone().unwrap_or_else(|| "auto".into()),
+            "capacity": 1,
+            "version": env!("CARGO_PKG_VERSION"),
+        })
+        .to_string();
+        let ttl = (cfg.heartbeat.as_secs_f64() * 5.0).ceil().max(2.0) as i64;
+        tokio::spawn(register(cfg.clone(), info, ttl));
+    }
     let (events_tx, mut events_rx) = mpsc::unbounded_channel::<WorkerMessage>();
     let mut running: Option<Running> = None;
     let current: Current = Arc::default();
     let mut backoff = Duration::from_millis(50);
     loop {
-        let client = match WorkerServiceClient::connect(cfg.coordinator.clone()).await {
+        let url = coordinator_url(&cfg).await;
+        let client = match WorkerServiceClient::connect(url.clone()).await {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(coordinator = %cfg.coordinator, error = %e, "cannot reach the coordinator; retrying");
+                tracing::warn!(coordinator = %url, error = %e, "cannot reach the coordinator; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
                 continue;
@@ -518,6 +534,59 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
             }
         }
         tokio::time::sleep(backoff).await;
+    }
+}
+
+/// Where the coordinator is: the leader etcd names, else `--coordinator`.
+async fn coordinator_url(cfg: &DaemonConfig) -> String {
+    if cfg.etcd.is_empty() {
+        return cfg.coordinator.clone();
+    }
+    let key = format!("/accrue/{}/leader", cfg.cluster);
+    let found = async {
+        let mut c = etcd_client::Client::connect(&cfg.etcd, None).await.ok()?;
+        let r = c.get(key, None).await.ok()?;
+        let kv = r.kvs().first()?;
+        Some(format!("http://{}", String::from_utf8_lossy(kv.value())))
+    };
+    match tokio::time::timeout(Duration::from_secs(3), found).await {
+        Ok(Some(url)) => url,
+        _ => cfg.coordinator.clone(),
+    }
+}
+
+/// Keeps `/accrue/<cluster>/workers/<id>` alive under a lease; re-registers
+/// after etcd lost the lease (e.g. it was down longer than the TTL).
+async fn register(cfg: DaemonConfig, info: String, ttl: i64) {
+    let key = format!("/accrue/{}/workers/{}", cfg.cluster, cfg.worker_id);
+    let every = Duration::from_millis((ttl * 1000 / 3) as u64);
+    loop {
+        let round = async {
+            let mut c = etcd_client::Client::connect(&cfg.etcd, None).await?;
+            let lease = c.lease_grant(ttl, None).await?.id();
+            c.put(
+                key.clone(),
+                info.clone(),
+                Some(etcd_client::PutOptions::new().with_lease(lease)),
+            )
+            .await?;
+            tracing::info!(%key, lease, "registered in etcd");
+            let (mut keeper, mut stream) = c.lease_keep_alive(lease).await?;
+            loop {
+                keeper.keep_alive().await?;
+                match tokio::time::timeout(Duration::from_secs(2), stream.message()).await {
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+                    Ok(Ok(Some(_))) => return Ok::<(), etcd_client::Error>(()),
+                    Ok(Ok(None)) | Err(_) => return Ok(()),
+                    Ok(Err(e)) => return Err(e),
+                }
+                tokio::time::sleep(every).await;
+            }
+        };
+        if let Err(e) = round.await {
+            tracing::warn!(error = %e, "etcd registration interrupted; retrying");
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
 

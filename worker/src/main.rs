@@ -55,6 +55,13 @@ struct DaemonArgs {
     /// tests: makes a small job last long enough to kill a rank mid-window).
     #[arg(long, default_value_t = 0)]
     micro_step_delay_ms: u64,
+    /// etcd endpoints (comma-separated URLs): register this worker under a
+    /// lease and find the leader coordinator there.
+    #[arg(long, value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// Cluster name (etcd keys live under /accrue/<cluster>/).
+    #[arg(long, default_value = "default")]
+    cluster: String,
 }
 
 #[derive(clap::Args)]
@@ -190,6 +197,8 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
         sample_log: d.sample_log,
         micro_step_delay: (d.micro_step_delay_ms > 0)
             .then(|| Duration::from_millis(d.micro_step_delay_ms)),
+        etcd: d.etcd,
+        cluster: d.cluster,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1,0 +1,358 @@
+//! etcd mode end to end (DESIGN sections 7 and 9): a real etcd process on
+//! free ports, coordinator replicas and worker daemons as real processes.
+//! Coordinators are killed with SIGKILL; etcd is stopped and restarted.
+
+mod common;
+
+use accrue_proto::v1::{self, Job, JobState};
+use common::*;
+use prost::Message;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+use tempfile::TempDir;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// An etcd server with its own data dir (killed on drop).
+struct Etcd {
+    child: Option<Child>,
+    url: String,
+    peer: u16,
+    data: PathBuf,
+    log: PathBuf,
+}
+
+impl Etcd {
+    async fn start(dir: &Path) -> Etcd {
+        let mut e = Etcd {
+            child: None,
+            url: format!("http://127.0.0.1:{}", free_port()),
+            peer: free_port(),
+            data: dir.join("etcd-data"),
+            log: dir.join("etcd.log"),
+        };
+        e.spawn().await;
+        e
+    }
+
+    async fn spawn(&mut self) {
+        let peer = format!("http://127.0.0.1:{}", self.peer);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(
+            which("etcd").expect("etcd is not installed: `make test` installs etcd-server"),
+        )
+        .args(["--name", "t", "--data-dir"])
+        .arg(&self.data)
+        .args(["--listen-client-urls", &self.url, "--advertise-client-urls", &self.url])
+        .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+        .args(["--initial-cluster", &format!("t={peer}"), "--logger=zap"])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let ok = match etcd_client::Client::connect([self.url.as_str()], None).await {
+                Ok(mut c) => c.get("/health-probe", None).await.is_ok(),
+                Err(_) => false,
+            };
+            if ok {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("etcd did not become healthy; see {}", self.log.display());
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn which(bin: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(bin))
+            .find(|f| f.exists())
+    })
+}
+
+fn coordinator_args(etcd: &Etcd, cluster: &str, dir: &Path, ttl: u32) -> Vec<String> {
+    [
+        "--listen",
+        "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
+        "--heartbeat-ttl",
+        "3",
+        "--etcd",
+        &etcd.url,
+        "--cluster",
+        cluster,
+        "--lease-ttl",
+        &ttl.to_string(),
+        "--state-dir",
+        &dir.join("state").display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn spawn_etcd_worker(etcd: &Etcd, cluster: &str, id: &str, dir: &Path) -> Child {
+    let log = std::fs::File::create(dir.join(format!("{id}.log"))).unwrap();
+    Command::new(worker_bin())
+        .args(["daemon", "--coordinator", "http://127.0.0.1:9"])
+        .args(["--etcd", &etcd.url, "--cluster", cluster])
+        .args(["--id", id, "--heartbeat", "0.2", "--micro-step-delay-ms", "10"])
+        .env("RUST_LOG", "info")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+async fn ready(http: &str) -> bool {
+    match reqwest::get(format!("http://{http}/readyz")).await {
+        Ok(r) => r.status().is_success(),
+        Err(_) => false,
+    }
+}
+
+async fn wait_ready(http: &str, want: bool, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if ready(http).await == want {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+fn spec(name: &str, epochs: u64) -> v1::JobSpec {
+    let text = format!(
+        r#"
+name = "{name}"
+workers = 2
+seed = 5
+epochs = {epochs}
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [32]
+[data]
+kind = "synthetic"
+samples = 384
+eval_samples = 64
+shape = [16]
+classes = 4
+batch_size = 8
+[accumulation]
+steps = 4
+[optimizer]
+kind = "sgd"
+lr = 0.05
+[comm]
+timeout_s = 10
+connect_timeout_s = 10
+rendezvous_timeout_s = 20
+"#
+    );
+    let s = accrue_common::JobSpec::from_toml_str(&text, Path::new("t.toml")).unwrap();
+    accrue_proto::spec_to_proto(&s)
+}
+
+async fn submit(grpc: &str, spec: v1::JobSpec) -> Job {
+    client(grpc)
+        .await
+        .submit_job(v1::SubmitJobRequest { spec: Some(spec) })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+async fn wait_steps(grpc: &str, id: &str, step: u64) {
+    let mut c = client(grpc).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let j = c
+            .get_job(v1::GetJobRequest { id: id.into() })
+            .await
+            .unwrap()
+            .into_inner();
+        if j.counters.unwrap_or_default().step >= step {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("job {id} did not reach step {step}");
+}
+
+async fn finish(grpc: &str, id: &str) -> Job {
+    let mut c = client(grpc).await;
+    wait_state(
+        &mut c,
+        id,
+        &[JobState::Succeeded, JobState::Failed, JobState::Cancelled],
+        Duration::from_secs(120),
+    )
+    .await
+}
+
+/// The job as etcd holds it.
+async fn job_in_etcd(etcd: &Etcd, cluster: &str, id: &str) -> Job {
+    let mut c = etcd_client::Client::connect([etcd.url.as_str()], None)
+        .await
+        .unwrap();
+    let r = c
+        .get(format!("/accrue/{cluster}/jobs/{id}"), None)
+        .await
+        .unwrap();
+    Job::decode(r.kvs()[0].value()).unwrap()
+}
+
+/// Two coordinator replicas: the follower names the leader; kill -9 of the
+/// leader hands over to the follower, and the running job finishes without
+/// a restart of its workers (and without a re-formation).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follower_takes_over_when_the_leader_dies() {
+    let d = TempDir::new().unwrap();
+    let etcd = Etcd::start(d.path()).await;
+    let a = spawn_coordinator(&coordinator_args(&etcd, "ha", d.path(), 2), &d.path().join("coord-a.log"));
+    assert!(wait_ready(&a.http, true, Duration::from_secs(20)).await, "the first replica leads");
+    let b = spawn_coordinator(&coordinator_args(&etcd, "ha", d.path(), 2), &d.path().join("coord-b.log"));
+    // The follower is not ready and answers with the leader's address.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!ready(&b.http).await);
+    let err = client(&b.grpc)
+        .await
+        .list_jobs(v1::ListJobsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+    assert!(err.message().contains(&a.grpc), "{}", err.message());
+    let mut w = Workers(vec![
+        spawn_etcd_worker(&etcd, "ha", "h0", d.path()),
+        spawn_etcd_worker(&etcd, "ha", "h1", d.path()),
+    ]);
+    let job = submit(&a.grpc, spec("ha", 4)).await;
+    wait_steps(&a.grpc, &job.id, 3).await;
+    drop(a); // SIGKILL of the leader
+    let killed = Instant::now();
+    assert!(wait_ready(&b.http, true, Duration::from_secs(30)).await, "the follower takes over");
+    eprintln!("takeover: the follower was ready {:?} after the leader's kill", killed.elapsed());
+    let end = finish(&b.grpc, &job.id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert!(end.recoveries.is_empty(), "{:?}", end.recoveries);
+    assert_eq!(end.generation, 1);
+    let cnt = end.counters.unwrap();
+    assert_eq!((cnt.step, cnt.samples_seen), (cnt.total_steps, 4 * 384));
+    for c in &mut w.0 {
+        assert!(c.try_wait().unwrap().is_none(), "the workers were not restarted");
+    }
+    assert_eq!(job_in_etcd(&etcd, "ha", &job.id).await.state(), JobState::Succeeded);
+}
+
+/// A coordinator restart in etcd mode (on another port: workers find it
+/// through etcd): every job is still there and the running one finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
+    let d = TempDir::new().unwrap();
+    let etcd = Etcd::start(d.path()).await;
+    let first = spawn_coordinator(&coordinator_args(&etcd, "rs", d.path(), 2), &d.path().join("coord-1.log"));
+    assert!(wait_ready(&first.http, true, Duration::from_secs(20)).await);
+    let _w = Workers(vec![
+        spawn_etcd_worker(&etcd, "rs", "e0", d.path()),
+        spawn_etcd_worker(&etcd, "rs", "e1", d.path()),
+    ]);
+    let short = submit(&first.grpc, spec("short", 1)).await;
+    assert_eq!(finish(&first.grpc, &short.id).await.state(), JobState::Succeeded);
+    let long = submit(&first.grpc, spec("long", 4)).await;
+    wait_steps(&first.grpc, &long.id, 3).await;
+    drop(first);
+    let second = spawn_coordinator(&coordinator_args(&etcd, "rs", d.path(), 2), &d.path().join("coord-2.log"));
+    assert!(wait_ready(&second.http, true, Duration::from_secs(30)).await);
+    let jobs = client(&second.grpc)
+        .await
+        .list_jobs(v1::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    let ids: Vec<&str> = jobs.iter().map(|j| j.id.as_str()).collect();
+    assert_eq!(ids, [short.id.as_str(), long.id.as_str()]);
+    assert_eq!(jobs[0].state(), JobState::Succeeded);
+    let end = finish(&second.grpc, &long.id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    let cnt = end.counters.unwrap();
+    assert_eq!((cnt.step, cnt.samples_seen), (cnt.total_steps, 4 * 384));
+}
+
+/// etcd stopped for a few seconds and started again: the coordinator says
+/// not ready meanwhile, recovers by itself, and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_outage_loses_nothing() {
+    let d = TempDir::new().unwrap();
+    let mut etcd = Etcd::start(d.path()).await;
+    let co = spawn_coordinator(&coordinator_args(&etcd, "out", d.path(), 5), &d.path().join("coord.log"));
+    assert!(wait_ready(&co.http, true, Duration::from_secs(20)).await);
+    let _w = Workers(vec![
+        spawn_etcd_worker(&etcd, "out", "o0", d.path()),
+        spawn_etcd_worker(&etcd, "out", "o1", d.path()),
+    ]);
+    let job = submit(&co.grpc, spec("outage", 4)).await;
+    wait_steps(&co.grpc, &job.id, 3).await;
+    etcd.stop();
+    assert!(
+        wait_ready(&co.http, false, Duration::from_secs(15)).await,
+        "not ready while etcd is away"
+    );
+    // Jobs keep being served from memory meanwhile.
+    let during = submit(&co.grpc, spec("during", 1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    etcd.spawn().await;
+    assert!(
+        wait_ready(&co.http, true, Duration::from_secs(30)).await,
+        "ready again by itself"
+    );
+    let end = finish(&co.grpc, &job.id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    let cnt = end.counters.unwrap();
+    assert_eq!((cnt.step, cnt.samples_seen), (cnt.total_steps, 4 * 384));
+    assert_eq!(finish(&co.grpc, &during.id).await.state(), JobState::Succeeded);
+    // Everything reached etcd.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let a = job_in_etcd(&etcd, "out", &job.id).await;
+        let b = job_in_etcd(&etcd, "out", &during.id).await;
+        if a.state() == JobState::Succeeded && b.state() == JobState::Succeeded {
+            assert_eq!(a.counters.unwrap().step, cnt.step);
+            break;
+        }
+        assert!(Instant::now() < deadline, "etcd holds {:?} and {:?}", a.state(), b.state());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
