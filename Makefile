@@ -10,13 +10,24 @@ PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn
 STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
 CARGO ?= cargo
 
-.PHONY: all setup demo test ci bench fmt clippy clean-runs
+.PHONY: all setup system-packages demo test ci bench fmt clippy clean-runs
 
 all: setup
 	$(CARGO) build --workspace
 
-# The virtual environment, then the links .cargo/config.toml points at.
-setup: $(STAMP) .venv .libtorch
+# The virtual environment, then the links .cargo/config.toml points at;
+# Debian's etcd (tests start real etcd processes) and protoc (etcd-client's
+# build script needs one).
+setup: $(STAMP) .venv .libtorch system-packages
+
+system-packages:
+	@if ! command -v etcd >/dev/null || ! command -v protoc >/dev/null; then \
+	  echo "installing etcd-server and protobuf-compiler (Debian packages)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y etcd-server protobuf-compiler >/dev/null || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y etcd-server protobuf-compiler >/dev/null; } || \
+	  { echo "cannot install etcd-server and protobuf-compiler; install them and retry"; exit 1; }; \
+	fi
 
 $(STAMP):
 	@command -v python3 >/dev/null || { echo "python3 is required (apt-get install -y python3 python3-venv)"; exit 1; }

@@ -54,8 +54,18 @@ impl Etcd {
         )
         .args(["--name", "t", "--data-dir"])
         .arg(&self.data)
-        .args(["--listen-client-urls", &self.url, "--advertise-client-urls", &self.url])
-        .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+        .args([
+            "--listen-client-urls",
+            &self.url,
+            "--advertise-client-urls",
+            &self.url,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+        ])
         .args(["--initial-cluster", &format!("t={peer}"), "--logger=zap"])
         .stdout(log.try_clone().unwrap())
         .stderr(log)
@@ -125,7 +135,14 @@ fn spawn_etcd_worker(etcd: &Etcd, cluster: &str, id: &str, dir: &Path) -> Child 
     Command::new(worker_bin())
         .args(["daemon", "--coordinator", "http://127.0.0.1:9"])
         .args(["--etcd", &etcd.url, "--cluster", cluster])
-        .args(["--id", id, "--heartbeat", "0.2", "--micro-step-delay-ms", "10"])
+        .args([
+            "--id",
+            id,
+            "--heartbeat",
+            "0.2",
+            "--micro-step-delay-ms",
+            "10",
+        ])
         .env("RUST_LOG", "info")
         .stdout(log.try_clone().unwrap())
         .stderr(log)
@@ -241,9 +258,18 @@ async fn job_in_etcd(etcd: &Etcd, cluster: &str, id: &str) -> Job {
 async fn follower_takes_over_when_the_leader_dies() {
     let d = TempDir::new().unwrap();
     let etcd = Etcd::start(d.path()).await;
-    let a = spawn_coordinator(&coordinator_args(&etcd, "ha", d.path(), 2), &d.path().join("coord-a.log"));
-    assert!(wait_ready(&a.http, true, Duration::from_secs(20)).await, "the first replica leads");
-    let b = spawn_coordinator(&coordinator_args(&etcd, "ha", d.path(), 2), &d.path().join("coord-b.log"));
+    let a = spawn_coordinator(
+        &coordinator_args(&etcd, "ha", d.path(), 2),
+        &d.path().join("coord-a.log"),
+    );
+    assert!(
+        wait_ready(&a.http, true, Duration::from_secs(20)).await,
+        "the first replica leads"
+    );
+    let b = spawn_coordinator(
+        &coordinator_args(&etcd, "ha", d.path(), 2),
+        &d.path().join("coord-b.log"),
+    );
     // The follower is not ready and answers with the leader's address.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!ready(&b.http).await);
@@ -262,8 +288,14 @@ async fn follower_takes_over_when_the_leader_dies() {
     wait_steps(&a.grpc, &job.id, 3).await;
     drop(a); // SIGKILL of the leader
     let killed = Instant::now();
-    assert!(wait_ready(&b.http, true, Duration::from_secs(30)).await, "the follower takes over");
-    eprintln!("takeover: the follower was ready {:?} after the leader's kill", killed.elapsed());
+    assert!(
+        wait_ready(&b.http, true, Duration::from_secs(30)).await,
+        "the follower takes over"
+    );
+    eprintln!(
+        "takeover: the follower was ready {:?} after the leader's kill",
+        killed.elapsed()
+    );
     let end = finish(&b.grpc, &job.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert!(end.recoveries.is_empty(), "{:?}", end.recoveries);
@@ -271,9 +303,15 @@ async fn follower_takes_over_when_the_leader_dies() {
     let cnt = end.counters.unwrap();
     assert_eq!((cnt.step, cnt.samples_seen), (cnt.total_steps, 4 * 384));
     for c in &mut w.0 {
-        assert!(c.try_wait().unwrap().is_none(), "the workers were not restarted");
+        assert!(
+            c.try_wait().unwrap().is_none(),
+            "the workers were not restarted"
+        );
     }
-    assert_eq!(job_in_etcd(&etcd, "ha", &job.id).await.state(), JobState::Succeeded);
+    assert_eq!(
+        job_in_etcd(&etcd, "ha", &job.id).await.state(),
+        JobState::Succeeded
+    );
 }
 
 /// A coordinator restart in etcd mode (on another port: workers find it
@@ -282,18 +320,27 @@ async fn follower_takes_over_when_the_leader_dies() {
 async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
     let d = TempDir::new().unwrap();
     let etcd = Etcd::start(d.path()).await;
-    let first = spawn_coordinator(&coordinator_args(&etcd, "rs", d.path(), 2), &d.path().join("coord-1.log"));
+    let first = spawn_coordinator(
+        &coordinator_args(&etcd, "rs", d.path(), 2),
+        &d.path().join("coord-1.log"),
+    );
     assert!(wait_ready(&first.http, true, Duration::from_secs(20)).await);
     let _w = Workers(vec![
         spawn_etcd_worker(&etcd, "rs", "e0", d.path()),
         spawn_etcd_worker(&etcd, "rs", "e1", d.path()),
     ]);
     let short = submit(&first.grpc, spec("short", 1)).await;
-    assert_eq!(finish(&first.grpc, &short.id).await.state(), JobState::Succeeded);
+    assert_eq!(
+        finish(&first.grpc, &short.id).await.state(),
+        JobState::Succeeded
+    );
     let long = submit(&first.grpc, spec("long", 4)).await;
     wait_steps(&first.grpc, &long.id, 3).await;
     drop(first);
-    let second = spawn_coordinator(&coordinator_args(&etcd, "rs", d.path(), 2), &d.path().join("coord-2.log"));
+    let second = spawn_coordinator(
+        &coordinator_args(&etcd, "rs", d.path(), 2),
+        &d.path().join("coord-2.log"),
+    );
     assert!(wait_ready(&second.http, true, Duration::from_secs(30)).await);
     let jobs = client(&second.grpc)
         .await
@@ -317,7 +364,10 @@ async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
 async fn etcd_outage_loses_nothing() {
     let d = TempDir::new().unwrap();
     let mut etcd = Etcd::start(d.path()).await;
-    let co = spawn_coordinator(&coordinator_args(&etcd, "out", d.path(), 5), &d.path().join("coord.log"));
+    let co = spawn_coordinator(
+        &coordinator_args(&etcd, "out", d.path(), 5),
+        &d.path().join("coord.log"),
+    );
     assert!(wait_ready(&co.http, true, Duration::from_secs(20)).await);
     let _w = Workers(vec![
         spawn_etcd_worker(&etcd, "out", "o0", d.path()),
@@ -342,7 +392,10 @@ async fn etcd_outage_loses_nothing() {
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     let cnt = end.counters.unwrap();
     assert_eq!((cnt.step, cnt.samples_seen), (cnt.total_steps, 4 * 384));
-    assert_eq!(finish(&co.grpc, &during.id).await.state(), JobState::Succeeded);
+    assert_eq!(
+        finish(&co.grpc, &during.id).await.state(),
+        JobState::Succeeded
+    );
     // Everything reached etcd.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -352,7 +405,12 @@ async fn etcd_outage_loses_nothing() {
             assert_eq!(a.counters.unwrap().step, cnt.step);
             break;
         }
-        assert!(Instant::now() < deadline, "etcd holds {:?} and {:?}", a.state(), b.state());
+        assert!(
+            Instant::now() < deadline,
+            "etcd holds {:?} and {:?}",
+            a.state(),
+            b.state()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

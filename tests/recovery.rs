@@ -89,7 +89,10 @@ rendezvous_timeout_s = 1.5
     )
 }
 
-async fn get(c: &mut v1::job_service_client::JobServiceClient<tonic::transport::Channel>, id: &str) -> Job {
+async fn get(
+    c: &mut v1::job_service_client::JobServiceClient<tonic::transport::Channel>,
+    id: &str,
+) -> Job {
     c.get_job(v1::GetJobRequest { id: id.into() })
         .await
         .unwrap()
@@ -119,7 +122,13 @@ fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, (u64, Vec<u64>)> {
     let mut out: BTreeMap<u64, (u64, Vec<u64>)> = BTreeMap::new();
     for entry in std::fs::read_dir(dir).unwrap() {
         let p: PathBuf = entry.unwrap().path();
-        if !p.file_name().unwrap().to_str().unwrap().starts_with("samples-") {
+        if !p
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("samples-")
+        {
             continue;
         }
         for line in std::fs::read_to_string(&p).unwrap().lines() {
@@ -405,10 +414,19 @@ async fn coordinator_restart_keeps_the_running_job() {
     let d = TempDir::new().unwrap();
     let state = d.path().join("state").display().to_string();
     let args = |listen: &str| -> Vec<String> {
-        ["--listen", listen, "--http", "127.0.0.1:0", "--state-dir", &state, "--heartbeat-ttl", "3"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
+        [
+            "--listen",
+            listen,
+            "--http",
+            "127.0.0.1:0",
+            "--state-dir",
+            &state,
+            "--heartbeat-ttl",
+            "3",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
     };
     let first = spawn_coordinator(&args("127.0.0.1:0"), &d.path().join("coordinator-1.log"));
     let grpc = first.grpc.clone();

@@ -62,7 +62,10 @@ impl EtcdStore {
         let mut at_open = Vec::new();
         for kv in resp.kvs() {
             let job = Job::decode(kv.value()).map_err(|e| {
-                backend(&cfg.endpoints, format!("{}: {e}", String::from_utf8_lossy(kv.key())))
+                backend(
+                    &cfg.endpoints,
+                    format!("{}: {e}", String::from_utf8_lossy(kv.key())),
+                )
             })?;
             at_open.push(job);
         }
@@ -305,7 +308,9 @@ async fn keep_leading(mut client: Client, lease: i64, ttl_s: i64, gate: Arc<Gate
             loop {
                 keeper.keep_alive().await?;
                 match tokio::time::timeout(Duration::from_secs(2), stream.message()).await {
-                    Ok(Ok(Some(r))) if r.ttl() <= 0 => return Ok::<bool, etcd_client::Error>(false),
+                    Ok(Ok(Some(r))) if r.ttl() <= 0 => {
+                        return Ok::<bool, etcd_client::Error>(false)
+                    }
                     Ok(Ok(Some(_))) => gate.set_backend_ok(true),
                     Ok(Ok(None)) => return Ok(true),
                     Ok(Err(e)) => return Err(e),

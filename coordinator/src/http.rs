@@ -27,7 +27,11 @@ pub fn router(g: Arc<Gate>) -> Router {
 async fn readyz(State(g): State<Arc<Gate>>) -> Response {
     match g.not_ready() {
         None => "ready\n".into_response(),
-        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response(),
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        )
+            .into_response(),
     }
 }
 

@@ -201,7 +201,12 @@ impl Coordinator {
 
     /// Err (in words) while the job store cannot be written.
     pub fn store_health(&self) -> Result<(), String> {
-        match self.store.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        match self
+            .store
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
             Some(s) => s.health(),
             None => Err("the coordinator stopped".into()),
         }
@@ -431,7 +436,9 @@ impl Coordinator {
             st,
             job,
             Vec::new(),
-            format!("worker {worker} rejoined from generation {generation} (the job is at {current})"),
+            format!(
+                "worker {worker} rejoined from generation {generation} (the job is at {current})"
+            ),
             now,
             fx,
         );
@@ -621,7 +628,10 @@ impl Coordinator {
                 .cloned()
                 .collect();
             let free = Self::free_workers(st);
-            let max = domain.max_workers.unwrap_or(domain.workers).max(domain.workers) as usize;
+            let max = domain
+                .max_workers
+                .unwrap_or(domain.workers)
+                .max(domain.workers) as usize;
             let world = if state_now == JobState::Recovering {
                 if entry.stalled >= MAX_STALLED_REFORMS {
                     let reason = format!(
@@ -662,10 +672,7 @@ impl Coordinator {
                     state::Reform::Form(n) => n,
                 }
             } else {
-                let pending = st
-                    .jobs
-                    .values()
-                    .any(|e| e.job.state() == JobState::Pending);
+                let pending = st.jobs.values().any(|e| e.job.state() == JobState::Pending);
                 if pending || entry.reattach_by.is_some() || survivors.len() != members.len() {
                     continue;
                 }
@@ -724,7 +731,10 @@ impl Coordinator {
             .collect();
         let committed = entry.job.counters.as_ref().map_or(0, |c| c.step);
         let reason = if first {
-            format!("assigned to {} (generation {generation})", workers.join(", "))
+            format!(
+                "assigned to {} (generation {generation})",
+                workers.join(", ")
+            )
         } else {
             entry.stalled += 1;
             if growing {

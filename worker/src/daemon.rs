@@ -3,9 +3,9 @@
 //! an async task), reports every optimizer step, obeys stop, abort and
 //! checkpoint-now, and returns to idle for the next job.
 
+use crate::collective::Collective;
 use crate::comm::{RingConfig, TcpRing};
 use crate::engine::{Control, Event, RunOptions, StepReport};
-use crate::collective::Collective;
 use crate::Engine;
 use accrue_proto::v1::{
     self, coordinator_message, worker_message, worker_service_client::WorkerServiceClient,
@@ -365,7 +365,10 @@ fn run_assignment(
                 match waited {
                     Some(n) => {
                         // Several may have queued up: the newest wins.
-                        a = std::iter::once(n).chain(next.try_iter()).max_by_key(|x| x.generation).unwrap_or_default();
+                        a = std::iter::once(n)
+                            .chain(next.try_iter())
+                            .max_by_key(|x| x.generation)
+                            .unwrap_or_default();
                     }
                     None => {
                         break v1::JobDone {

@@ -433,7 +433,11 @@ impl<C: Collective> Engine<C> {
             self.unpack_state(&buf)?;
         }
         self.has_state = true;
-        tracing::info!(source, step = self.state.step, "state synchronised from rank {source}");
+        tracing::info!(
+            source,
+            step = self.state.step,
+            "state synchronised from rank {source}"
+        );
         Ok(())
     }
 
@@ -494,8 +498,7 @@ impl<C: Collective> Engine<C> {
             json.extend([(v & 0xff) as u8, (v >> 8) as u8]);
         }
         json.truncate(json_len);
-        let header: StateHeader =
-            serde_json::from_slice(&json).map_err(|e| bad(e.to_string()))?;
+        let header: StateHeader = serde_json::from_slice(&json).map_err(|e| bad(e.to_string()))?;
         let mut data = &buf[3 + words..];
         let mut take = |shape: &[i64]| -> Result<&[f32]> {
             let n = shape.iter().product::<i64>().max(0) as usize;
@@ -614,7 +617,8 @@ impl<C: Collective> Engine<C> {
             ..self.plan
         }
         .windows() as u64;
-        let here = (self.plan.windows() as u64).saturating_sub(s.cursor / self.plan.k.max(1) as u64);
+        let here =
+            (self.plan.windows() as u64).saturating_sub(s.cursor / self.plan.k.max(1) as u64);
         s.step + here + (epochs - s.epoch - 1) * full_windows
     }
 

@@ -149,12 +149,15 @@ fn two_processes_equal_one_large_batch() {
             .sum();
         let total = last["job_bytes_sent"].as_u64().unwrap();
         // Rank 0 also sent every parameter once at start (the broadcast, one
-        // frame); rank 1 does not forward it back to the root.
+        // frame); rank 1 does not forward it back to the root. Before it,
+        // every rank took part in the all-reduce of the committed-step
+        // vector (3 elements per rank: 6 here), one chunk of 3 per phase.
+        let step_vector = 2 * (HEADER_LEN as u64 + 4 * 3);
         let broadcast = if rank == 0 {
             4 * params as u64 + HEADER_LEN as u64
         } else {
             0
-        };
+        } + step_vector;
         assert_eq!(total, per_steps + broadcast, "rank {rank}");
     }
 
