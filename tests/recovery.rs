@@ -253,7 +253,7 @@ async fn lost_worker_is_replaced_and_the_result_is_unchanged() {
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
-    assert_eq!(r.lost, [victim.clone()]);
+    assert_eq!(r.lost, std::slice::from_ref(&victim));
     assert_eq!(r.joined, spare);
     assert_eq!((r.world_size, r.accumulation_steps), (2, 4));
     assert_eq!(
