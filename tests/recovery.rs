@@ -353,6 +353,24 @@ async fn lost_worker_without_spare_shrinks_and_recomputes_k() {
     let steps = end.counters.unwrap().step;
     assert_eq!(end.counters.unwrap().samples_seen, 2 * 480);
     assert_exact_accounting(d.path(), "shrink", steps, 2, 480);
+    // The status endpoint shows the same recovery history.
+    let v: serde_json::Value = reqwest::get(format!("http://{}/v1/jobs/{}", h.http_addr, j.id))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let rec = &v["recoveries"][0];
+    assert_eq!(rec["lost"][0], r.lost[0].as_str(), "{v}");
+    assert_eq!(
+        (
+            rec["world_size"].as_u64(),
+            rec["accumulation_steps"].as_u64()
+        ),
+        (Some(2), Some(3))
+    );
+    assert_eq!(rec["generation"].as_u64(), Some(r.generation));
+    assert!(rec["recovery_s"].as_f64().is_some_and(|s| s > 0.0), "{rec}");
     h.stop().await;
 }
 
