@@ -53,7 +53,9 @@ demo: setup data/digits/train-images-idx3-ubyte
 	rm -rf runs/demo
 	./target/debug/accrue local jobs/digits-mlp.toml --workers 2 --state-dir runs/demo
 
+# Process tests start accrue-coordinator and accrue-worker: build every binary first.
 test: setup data/digits/train-images-idx3-ubyte
+	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
 
 # Engine throughput against the same PyTorch loop (docs/BENCHMARKS.md).
