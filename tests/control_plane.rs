@@ -3,27 +3,10 @@
 
 mod common;
 
-use accrue_coordinator::Config;
 use accrue_proto::v1::{self, job_event, JobState};
 use common::*;
 use std::time::Duration;
 use tempfile::TempDir;
-
-async fn coordinator(dir: &std::path::Path) -> accrue_coordinator::Handle {
-    let cfg = Config {
-        state_dir: dir.join("state"),
-        heartbeat_ttl: Duration::from_secs(3),
-        ..Default::default()
-    };
-    accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0")
-        .await
-        .unwrap()
-}
-
-fn spec(text: &str) -> v1::JobSpec {
-    let s = accrue_common::JobSpec::from_toml_str(text, std::path::Path::new("t.toml")).unwrap();
-    accrue_proto::spec_to_proto(&s)
-}
 
 /// Submit, watch every step in order to Succeeded, final checkpoint present,
 /// counters consistent; /v1/jobs JSON and /metrics show it.

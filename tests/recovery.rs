@@ -5,7 +5,6 @@
 
 mod common;
 
-use accrue_coordinator::Config;
 use accrue_proto::v1::{self, Job, JobState};
 use common::*;
 use std::collections::BTreeMap;
@@ -13,22 +12,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use tempfile::TempDir;
-
-async fn coordinator(dir: &Path) -> accrue_coordinator::Handle {
-    let cfg = Config {
-        state_dir: dir.join("state"),
-        heartbeat_ttl: Duration::from_secs(3),
-        ..Default::default()
-    };
-    accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0")
-        .await
-        .unwrap()
-}
-
-fn spec(text: &str) -> v1::JobSpec {
-    let s = accrue_common::JobSpec::from_toml_str(text, Path::new("t.toml")).unwrap();
-    accrue_proto::spec_to_proto(&s)
-}
 
 /// One worker daemon with a sample log, slowed so a window lasts long
 /// enough to be interrupted.

@@ -194,3 +194,22 @@ pub fn spawn_coordinator(args: &[String], log: &Path) -> CoordinatorProc {
         http: parts[3].to_string(),
     }
 }
+
+/// An in-process embedded coordinator on port 0 (state under `dir/state`,
+/// heartbeat TTL 3 s).
+pub async fn coordinator(dir: &Path) -> accrue_coordinator::Handle {
+    let cfg = accrue_coordinator::Config {
+        state_dir: dir.join("state"),
+        heartbeat_ttl: Duration::from_secs(3),
+        ..Default::default()
+    };
+    accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0")
+        .await
+        .unwrap()
+}
+
+/// A TOML job spec as the proto JobSpec.
+pub fn spec(text: &str) -> v1::JobSpec {
+    let s = accrue_common::JobSpec::from_toml_str(text, Path::new("t.toml")).unwrap();
+    accrue_proto::spec_to_proto(&s)
+}
