@@ -10,7 +10,7 @@ PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn
 STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
 CARGO ?= cargo
 
-.PHONY: all setup system-packages demo test ci bench fmt clippy clean-runs
+.PHONY: all setup system-packages demo test ci bench bench-engine bench-allreduce fmt clippy clean-runs
 
 all: setup
 	$(CARGO) build --workspace
@@ -58,10 +58,22 @@ test: setup data/digits/train-images-idx3-ubyte
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
 
-# Engine throughput against the same PyTorch loop (docs/BENCHMARKS.md).
+# docs/BENCHMARKS.md section 4: `accrue local` against torchrun + DDP with
+# no_sync, LeNet-5 and ResNet-18, W = 2, k = 1, 4, 8 (about 10 minutes on
+# 2 cores). BENCH_ARGS passes flags through (e.g. --repeat 3).
 bench: setup
+	$(CARGO) build --release -p accrue -p accrue-worker
+	.venv/bin/python worker/benches/e2e_vs_ddp.py --accrue target/release/accrue $(BENCH_ARGS)
+
+# Section 1: one engine against the same single-process PyTorch loop.
+bench-engine: setup
 	$(CARGO) build --release -p accrue-worker
 	.venv/bin/python worker/benches/engine_vs_pytorch.py --binary target/release/accrue-worker
+
+# Section 2: the ring all-reduce against gloo and the raw TCP stream.
+bench-allreduce: setup
+	$(CARGO) build --release -p accrue-worker
+	.venv/bin/python worker/benches/allreduce_vs_gloo.py --bench target/release/allreduce-bench --worlds 2,3 --iters 20
 
 fmt:
 	$(CARGO) fmt --all

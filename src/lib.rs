@@ -52,6 +52,15 @@ pub enum Command {
         /// The worker binary (default: accrue-worker next to this binary).
         #[arg(long)]
         worker_bin: Option<PathBuf>,
+        /// libtorch intra-op threads per worker when the spec sets none
+        /// (default: the host's cores divided by --workers, at least 1, as
+        /// torchrun sets OMP_NUM_THREADS for several processes per node).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        threads: Option<u32>,
+        /// Print every job event as one JSON object per line (step reports
+        /// with their timing split and byte counters) instead of text.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -62,7 +71,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let j = submit(&mut client, &job, None).await?;
             println!("{}", j.id);
             if wait {
-                let end = watch(&mut client, &j.id).await?;
+                let end = watch(&mut client, &j.id, false).await?;
                 return Ok(exit_for(&end));
             }
             Ok(ExitCode::SUCCESS)
@@ -114,7 +123,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Watch { job } => {
             let mut client = connect(&cli.coordinator).await?;
-            let end = watch(&mut client, &job).await?;
+            let end = watch(&mut client, &job, false).await?;
             Ok(exit_for(&end))
         }
         Command::Local {
@@ -122,7 +131,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             workers,
             state_dir,
             worker_bin,
-        } => local(&job, workers, &state_dir, worker_bin).await,
+            threads,
+            json,
+        } => {
+            let opts = LocalOptions {
+                workers,
+                state_dir,
+                worker_bin,
+                threads,
+                json,
+            };
+            local(&job, opts).await
+        }
     }
 }
 
@@ -237,14 +257,70 @@ fn print_job(j: &Job) {
     }
 }
 
-/// Follows a job until it ends; returns the final job.
-pub async fn watch(client: &mut JobServiceClient<Channel>, id: &str) -> anyhow::Result<Job> {
+/// One job event as a JSON object (`accrue local --json`): the step
+/// report with its timing split and byte counters, a transition or an
+/// evaluation.
+pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
+    use serde_json::json;
+    Some(match ev.event.as_ref()? {
+        job_event::Event::Step(r) => {
+            let t = r.timing.clone().unwrap_or_default();
+            json!({
+                "event": "step",
+                "step": r.step,
+                "total_steps": r.total_steps,
+                "epoch": r.epoch,
+                "micro_step": r.micro_step,
+                "rank": r.rank,
+                "generation": r.generation,
+                "loss": r.loss,
+                "samples": r.samples,
+                "samples_seen": r.samples_seen,
+                "grad_norm": r.grad_norm,
+                "clip_coef": r.clip_coef,
+                "skipped": r.skipped,
+                "lr": r.lr,
+                "samples_per_sec": r.samples_per_sec,
+                "timing": {
+                    "compute_s": t.compute_s,
+                    "comm_s": t.comm_s,
+                    "clip_s": t.clip_s,
+                    "optimizer_s": t.optimizer_s,
+                },
+                "bytes_sent": r.bytes_sent,
+                "bytes_received": r.bytes_received,
+            })
+        }
+        job_event::Event::Transition(t) => json!({
+            "event": "transition",
+            "from": state_name(JobState::try_from(t.from).unwrap_or(JobState::Unspecified)),
+            "to": state_name(JobState::try_from(t.to).unwrap_or(JobState::Unspecified)),
+            "reason": t.reason,
+        }),
+        job_event::Event::Eval(e) => json!({
+            "event": "eval",
+            "epoch": e.epoch,
+            "step": e.step,
+            "loss": e.loss,
+            "accuracy": e.accuracy,
+            "samples": e.samples,
+        }),
+    })
+}
+
+/// Follows a job until it ends; returns the final job. With `json` every
+/// event is printed as one JSON line (see [`event_json`]).
+pub async fn watch(
+    client: &mut JobServiceClient<Channel>,
+    id: &str,
+    json: bool,
+) -> anyhow::Result<Job> {
     let mut stream = client
         .watch_job(v1::WatchJobRequest { id: id.to_string() })
         .await
         .map_err(status_err)?
         .into_inner();
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let tty = !json && std::io::IsTerminal::is_terminal(&std::io::stdout());
     let bar = tty.then(|| {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(
@@ -257,6 +333,12 @@ pub async fn watch(client: &mut JobServiceClient<Channel>, id: &str) -> anyhow::
     while let Some(ev) = stream.message().await.map_err(status_err)? {
         if let Some(j) = &ev.job {
             last = Some(j.clone());
+        }
+        if json {
+            if let Some(v) = event_json(&ev) {
+                println!("{v}");
+            }
+            continue;
         }
         match ev.event {
             Some(job_event::Event::Step(r)) => {
@@ -312,18 +394,32 @@ impl Drop for Children {
     }
 }
 
-async fn local(
-    job: &Path,
+/// `accrue local`'s flags.
+struct LocalOptions {
     workers: u32,
-    state_dir: &Path,
+    state_dir: PathBuf,
     worker_bin: Option<PathBuf>,
-) -> anyhow::Result<ExitCode> {
+    threads: Option<u32>,
+    json: bool,
+}
+
+/// Intra-op threads per local worker: the host's cores shared evenly.
+fn threads_per_worker(cores: usize, workers: u32) -> u32 {
+    (cores as u32 / workers.max(1)).max(1)
+}
+
+async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
+    let (workers, state_dir) = (opts.workers, opts.state_dir.as_path());
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
     // Refuse a bad spec before starting anything.
     JobSpec::load(job)?;
-    let bin = match worker_bin {
+    let threads = opts.threads.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        threads_per_worker(cores, workers)
+    });
+    let bin = match opts.worker_bin {
         Some(b) => b,
         None => std::env::current_exe()?.with_file_name("accrue-worker"),
     };
@@ -354,6 +450,8 @@ async fn local(
                 "127.0.0.1:0",
                 "--id",
                 &format!("local-{i}"),
+                "--threads",
+                &threads.to_string(),
             ])
             .env(
                 "RUST_LOG",
@@ -369,7 +467,7 @@ async fn local(
     let submitted = submit(&mut client, job, Some(workers)).await?;
     println!("job {}", submitted.id);
     let end = tokio::select! {
-        r = watch(&mut client, &submitted.id) => r?,
+        r = watch(&mut client, &submitted.id, opts.json) => r?,
         _ = tokio::signal::ctrl_c() => {
             let _ = client.cancel_job(v1::CancelJobRequest { id: submitted.id.clone() }).await;
             drop(children);
@@ -403,4 +501,19 @@ async fn local(
     drop(children);
     handle.stop().await;
     Ok(exit_for(&end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::threads_per_worker;
+
+    #[test]
+    fn local_workers_share_the_cores() {
+        assert_eq!(threads_per_worker(2, 2), 1);
+        assert_eq!(threads_per_worker(16, 2), 8);
+        assert_eq!(threads_per_worker(16, 3), 5);
+        // More workers than cores: one thread each, never zero.
+        assert_eq!(threads_per_worker(2, 4), 1);
+        assert_eq!(threads_per_worker(1, 1), 1);
+    }
 }

@@ -2,9 +2,15 @@
 //! The single-rank implementation is the identity; the TCP ring
 //! (`comm::TcpRing`) implements the same trait, so the loop does not change.
 //! Buffers are passed as `Vec`s so an implementation can hand them to its
-//! communication thread and back without copying.
+//! communication thread and back without copying; the gradient buckets of
+//! the sync step go through [`Collective::all_reduce_buckets`], which works
+//! in place on the engine's flat gradient buffer (no copy at all on CPU).
 
 use crate::error::Result;
+
+/// Called with a bucket's index and its host memory: before the bucket is
+/// reduced (`stage_in`, e.g. a device-to-host copy) or after (`stage_out`).
+pub type Stage<'a> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<()>;
 
 pub trait Collective: Send {
     fn rank(&self) -> usize;
@@ -16,6 +22,29 @@ pub trait Collective: Send {
     fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<()>;
+    /// Sums every bucket over all ranks, in place, in order. `stage_in(i)`
+    /// runs before bucket i is reduced and `stage_out(i)` after. The default
+    /// runs them in sequence through [`Collective::all_reduce_sum`] (one copy
+    /// per bucket; none for W = 1); the TCP ring works on the buckets' own
+    /// memory and runs `stage_in(i + 1)` while bucket i is on the wire.
+    fn all_reduce_buckets(
+        &mut self,
+        buckets: &mut [&mut [f32]],
+        stage_in: Stage<'_>,
+        stage_out: Stage<'_>,
+    ) -> Result<()> {
+        let single = self.world_size() == 1;
+        for (i, b) in buckets.iter_mut().enumerate() {
+            stage_in(i, b)?;
+            if !single {
+                let mut v = b.to_vec();
+                self.all_reduce_sum(&mut v)?;
+                b.copy_from_slice(&v);
+            }
+            stage_out(i, b)?;
+        }
+        Ok(())
+    }
     /// Bytes (sent, received) on the wire so far, framing included.
     fn bytes(&self) -> (u64, u64) {
         (0, 0)

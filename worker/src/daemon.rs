@@ -27,6 +27,9 @@ pub struct DaemonConfig {
     pub listen_data: String,
     /// Overrides the jobs' device (cpu, cuda:N, auto).
     pub device: Option<String>,
+    /// libtorch intra-op threads for jobs whose spec sets none (None:
+    /// libtorch's default, which honours OMP_NUM_THREADS).
+    pub threads: Option<u32>,
     /// Relative data paths in job specs are resolved under this folder.
     pub data_root: Option<PathBuf>,
     pub heartbeat: Duration,
@@ -147,6 +150,14 @@ impl Collective for RingSlot {
     fn barrier(&mut self) -> crate::error::Result<()> {
         Collective::barrier(self.ring()?)
     }
+    fn all_reduce_buckets(
+        &mut self,
+        buckets: &mut [&mut [f32]],
+        stage_in: crate::collective::Stage<'_>,
+        stage_out: crate::collective::Stage<'_>,
+    ) -> crate::error::Result<()> {
+        Collective::all_reduce_buckets(self.ring()?, buckets, stage_in, stage_out)
+    }
     fn bytes(&self) -> (u64, u64) {
         self.ring.as_ref().map_or((0, 0), Collective::bytes)
     }
@@ -158,6 +169,9 @@ fn assigned_spec(a: &v1::Assignment, cfg: &DaemonConfig) -> Result<crate::spec::
     let mut spec = accrue_proto::spec_from_proto(&proto).map_err(|e| e.to_string())?;
     if let Some(d) = &cfg.device {
         spec.device = d.clone();
+    }
+    if spec.threads.is_none() {
+        spec.threads = cfg.threads;
     }
     if let Some(root) = &cfg.data_root {
         for p in [

@@ -7,10 +7,10 @@
 //! -> optimizer step -> schedule -> zero grads -> commit.
 
 use crate::checkpoint::{self, TrainerState};
-use crate::clip;
 use crate::collective::Collective;
 use crate::data::{self, Dataset};
 use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::grads::FlatGrads;
 use crate::model::Model;
 use crate::optim::Optimizer;
 use crate::sampler::{ShardSpec, WindowPlan};
@@ -166,8 +166,8 @@ pub struct Engine<C: Collective> {
     window: Window,
     /// sync = every_step: the reduced gradients of the window so far.
     acc: Option<Vec<Tensor>>,
-    /// Gradient buckets: ranges of parameter indices.
-    buckets: Vec<std::ops::Range<usize>>,
+    /// The gradient-accumulation buffer every `.grad` is a view of.
+    grads: FlatGrads,
     checkpoint_dir: PathBuf,
     opts: RunOptions,
     last_checkpoint: Option<(u64, PathBuf)>,
@@ -291,9 +291,8 @@ impl<C: Collective> Engine<C> {
             .unwrap_or(spec.epochs.unwrap_or(1) * plan.windows() as u64);
         let schedule = Schedule::from_spec(&spec, total_steps);
         let optimizer = Optimizer::new(&spec.optimizer, model.params.len());
-        let sizes: Vec<usize> = model.params.iter().map(|(_, p)| p.numel()).collect();
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
-        let buckets = crate::comm::chunks::buckets(&sizes, cap_elems);
+        let grads = FlatGrads::attach(&model.params, cap_elems)?;
         let checkpoint_dir = opts
             .checkpoint_dir
             .clone()
@@ -331,7 +330,7 @@ impl<C: Collective> Engine<C> {
             epoch_indices: (u64::MAX, Vec::new()),
             window: Window::default(),
             acc: None,
-            buckets,
+            grads,
             checkpoint_dir,
             opts,
             last_checkpoint: None,
@@ -388,7 +387,7 @@ impl<C: Collective> Engine<C> {
         let w = std::mem::take(&mut self.window);
         self.state.micro_step = self.state.micro_step.saturating_sub(w.micro as u64);
         self.acc = None;
-        zero(&self.model.grads())
+        self.grads.zero()
     }
 
     /// The collective in use (for replacing it between generations).
@@ -760,7 +759,7 @@ impl<C: Collective> Engine<C> {
     /// them to the window's accumulation buffers.
     fn reduce_micro_step(&mut self) -> Result<()> {
         let grads = self.model.grads();
-        self.reduce(&grads, &mut Vec::new())?;
+        self.grads.all_reduce(&mut self.collective, &mut [])?;
         let _guard = tch::no_grad_guard();
         match &mut self.acc {
             None => {
@@ -778,33 +777,7 @@ impl<C: Collective> Engine<C> {
                 }
             }
         }
-        zero(&grads)
-    }
-
-    /// All-reduces gradients bucket by bucket (`comm.bucket_cap_mb`), with
-    /// `extra` values (the window's counts) riding in the last bucket. For
-    /// W = 1 only `extra` goes through the collective (the identity).
-    fn reduce(&mut self, grads: &[Tensor], extra: &mut Vec<f32>) -> Result<()> {
-        if self.collective.world_size() == 1 || self.buckets.is_empty() {
-            if !extra.is_empty() {
-                self.collective.all_reduce_sum(extra)?;
-            }
-            return Ok(());
-        }
-        let last = self.buckets.len() - 1;
-        for (i, group) in self.buckets.iter().enumerate() {
-            let mut buf = flatten(&grads[group.clone()])?;
-            let n = buf.len();
-            if i == last {
-                buf.extend_from_slice(extra);
-            }
-            self.collective.all_reduce_sum(&mut buf)?;
-            if i == last {
-                extra.copy_from_slice(&buf[n..]);
-            }
-            unflatten(&buf[..n], &grads[group.clone()])?;
-        }
-        Ok(())
+        self.grads.zero()
     }
 
     /// The sync-step pipeline.
@@ -831,28 +804,29 @@ impl<C: Collective> Engine<C> {
                 }
                 self.collective.all_reduce_sum(&mut stats)?;
             }
-            None => self.reduce(&grads, &mut stats)?,
+            None => self.grads.all_reduce(&mut self.collective, &mut stats)?,
         }
         let comm = self.window.comm + t_comm.elapsed();
         let global_samples = stats[0].round() as u64;
         let global_micro = stats[1].round() as u64;
         let world = self.collective.world_size() as f64;
-        // 2. normalize.
+        // 2.-3. normalize and clip: one reduction over the whole buffer for
+        // the norm of the summed gradients (the norm of the normalized ones
+        // is that divided by the divisor), then one pass that applies
+        // 1/divisor and the clip coefficient together.
         let t_clip = Instant::now();
         let divisor = match self.normalize {
             Normalize::GlobalCount => global_samples as f64,
             Normalize::Mean => global_micro as f64,
             Normalize::Sum => world,
         };
-        for g in &grads {
-            g.shallow_clone()
-                .f_div_scalar_(divisor)
-                .ctx_("normalizing gradients")?;
-        }
-        // 3. clip.
         let norm_type = self.spec.norm_type();
-        let total = clip::total_norm(&grads, norm_type)?;
-        let grad_norm = total.f_double_value(&[]).ctx("reading the gradient norm")?;
+        let grad_norm = self
+            .grads
+            .norm(norm_type)?
+            .f_double_value(&[])
+            .ctx("reading the gradient norm")?
+            / divisor;
         let step = self.state.step;
         let lr = self.schedule.lr_at(step);
         let mut clip_coef = 1.0;
@@ -870,9 +844,14 @@ impl<C: Collective> Engine<C> {
                 "non-finite gradient norm, step skipped"
             );
         } else if let Some(max_norm) = self.spec.clipping.max_norm {
-            clip_coef = clip::clip_by_norm(&grads, &total, max_norm)?;
+            // clip_grad_norm_: min(1, max_norm / (total_norm + 1e-6)).
+            clip_coef = (max_norm / (grad_norm + 1e-6)).min(1.0);
+            self.grads.scale(clip_coef / divisor)?;
         } else if let Some(v) = self.spec.clipping.clip_value {
-            clip::clip_by_value(&grads, v)?;
+            self.grads.div(divisor)?;
+            self.grads.clip_by_value(v)?;
+        } else {
+            self.grads.div(divisor)?;
         }
         let clip_s = t_clip.elapsed();
         // 4. optimizer step, schedule, zero grads.
@@ -880,7 +859,7 @@ impl<C: Collective> Engine<C> {
         if !skipped {
             self.optimizer.step(&self.model.params, lr)?;
         }
-        zero(&grads)?;
+        self.grads.zero()?;
         let optimizer_s = t_opt.elapsed();
         // 5. commit.
         if let Some(path) = self.opts.sample_log.clone() {
@@ -1138,15 +1117,6 @@ fn decode_u48(v: &[f32]) -> u64 {
 
 fn loss_sum_global(sum: f64, samples: u64) -> f64 {
     sum / samples.max(1) as f64
-}
-
-fn zero(grads: &[Tensor]) -> Result<()> {
-    for g in grads {
-        if g.defined() {
-            g.shallow_clone().f_zero_().ctx_("zeroing gradients")?;
-        }
-    }
-    Ok(())
 }
 
 /// Copies tensors into one flat f32 host buffer (in order). CUDA tensors

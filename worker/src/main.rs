@@ -41,6 +41,11 @@ struct DaemonArgs {
     /// Device for every job (auto, cpu, cuda:N); default: the job's own.
     #[arg(long)]
     device: Option<String>,
+    /// libtorch intra-op threads for jobs whose spec sets none (default:
+    /// libtorch's, i.e. OMP_NUM_THREADS or every core). With several
+    /// daemons on one host give each cores / daemons, as `accrue local` does.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    threads: Option<u32>,
     /// Relative data paths in job specs are resolved under this folder.
     #[arg(long)]
     data_root: Option<PathBuf>,
@@ -192,6 +197,7 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|| format!("worker-{}-{}", host.trim(), std::process::id())),
         listen_data: d.listen_data,
         device: d.device,
+        threads: d.threads,
         data_root: d.data_root,
         heartbeat: Duration::from_secs_f64(d.heartbeat),
         sample_log: d.sample_log,

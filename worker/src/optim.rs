@@ -31,6 +31,9 @@ pub struct Optimizer {
     pub steps: u64,
     /// Per parameter: named state tensors (momentum_buffer, exp_avg, exp_avg_sq).
     state: Vec<HashMap<&'static str, Tensor>>,
+    /// Per parameter: scratch tensors of its shape (two for Adam), made on
+    /// the first step and reused; not part of the state.
+    scratch: Vec<Option<(Tensor, Option<Tensor>)>>,
 }
 
 impl Optimizer {
@@ -59,19 +62,44 @@ impl Optimizer {
             rule,
             steps: 0,
             state: (0..num_params).map(|_| HashMap::new()).collect(),
+            scratch: Vec::new(),
         }
     }
 
-    /// One update of every parameter from its (normalized, clipped) gradient.
+    /// One update of every parameter from its (normalized, clipped)
+    /// gradient. The arithmetic is PyTorch's single-tensor SGD/Adam, op for
+    /// op; intermediate results go to per-parameter scratch tensors made on
+    /// the first step (and into the gradient itself, which the engine zeroes
+    /// right after), so a step allocates nothing.
     pub fn step(&mut self, params: &[(String, Tensor)], lr: f64) -> Result<()> {
         let _guard = tch::no_grad_guard();
         self.steps += 1;
         let step = self.steps as i32;
-        for ((_, p), state) in params.iter().zip(self.state.iter_mut()) {
-            let grad = p.grad();
+        if self.scratch.len() != params.len() {
+            self.scratch = (0..params.len()).map(|_| None).collect();
+        }
+        let adam = matches!(self.rule, Rule::Adam { .. });
+        for (((_, p), state), scratch) in params
+            .iter()
+            .zip(self.state.iter_mut())
+            .zip(self.scratch.iter_mut())
+        {
+            let mut grad = p.grad();
             if !grad.defined() {
                 continue;
             }
+            if scratch.is_none() {
+                let one = p.f_empty_like().ctx("optimizer scratch")?;
+                let two = if adam {
+                    Some(p.f_empty_like().ctx("optimizer scratch")?)
+                } else {
+                    None
+                };
+                *scratch = Some((one, two));
+            }
+            let Some((tmp, tmp2)) = scratch.as_ref() else {
+                continue; // unreachable: filled just above
+            };
             let mut p = p.shallow_clone();
             match self.rule {
                 Rule::Sgd {
@@ -80,12 +108,13 @@ impl Optimizer {
                     nesterov,
                     weight_decay,
                 } => {
-                    let mut d_p = if weight_decay != 0.0 {
-                        grad.f_add(&p.f_mul_scalar(weight_decay).ctx("sgd weight decay")?)
-                            .ctx("sgd weight decay")?
-                    } else {
-                        grad.shallow_clone()
-                    };
+                    // d_p = grad + weight_decay * p   (in the gradient)
+                    if weight_decay != 0.0 {
+                        p.f_mul_scalar_out(tmp, weight_decay)
+                            .ctx_("sgd weight decay")?;
+                        grad.f_add_(tmp).ctx_("sgd weight decay")?;
+                    }
+                    let mut d_p = grad.shallow_clone();
                     if momentum != 0.0 {
                         let buf = match state.get_mut("momentum_buffer") {
                             None => {
@@ -95,24 +124,26 @@ impl Optimizer {
                             }
                             Some(buf) => {
                                 buf.f_mul_scalar_(momentum).ctx_("sgd momentum")?;
-                                let scaled = if dampening != 0.0 {
-                                    d_p.f_mul_scalar(1.0 - dampening).ctx("sgd momentum")?
+                                if dampening != 0.0 {
+                                    d_p.f_mul_scalar_out(tmp, 1.0 - dampening)
+                                        .ctx_("sgd momentum")?;
+                                    buf.f_add_(tmp).ctx_("sgd momentum")?;
                                 } else {
-                                    d_p.shallow_clone()
-                                };
-                                buf.f_add_(&scaled).ctx_("sgd momentum")?;
+                                    buf.f_add_(&d_p).ctx_("sgd momentum")?;
+                                }
                                 buf.shallow_clone()
                             }
                         };
                         d_p = if nesterov {
-                            d_p.f_add(&buf.f_mul_scalar(momentum).ctx("sgd nesterov")?)
-                                .ctx("sgd nesterov")?
+                            buf.f_mul_scalar_out(tmp, momentum).ctx_("sgd nesterov")?;
+                            grad.f_add_(tmp).ctx_("sgd nesterov")?;
+                            grad.shallow_clone()
                         } else {
                             buf
                         };
                     }
-                    p.f_sub_(&d_p.f_mul_scalar(lr).ctx("sgd update")?)
-                        .ctx_("sgd update")?;
+                    d_p.f_mul_scalar_out(tmp, lr).ctx_("sgd update")?;
+                    p.f_sub_(tmp).ctx_("sgd update")?;
                 }
                 Rule::Adam {
                     beta1,
@@ -121,18 +152,15 @@ impl Optimizer {
                     weight_decay,
                     decoupled,
                 } => {
-                    let grad = if decoupled {
+                    if decoupled {
                         if weight_decay != 0.0 {
                             p.f_mul_scalar_(1.0 - lr * weight_decay)
                                 .ctx_("adamw decay")?;
                         }
-                        grad
                     } else if weight_decay != 0.0 {
-                        grad.f_add(&p.f_mul_scalar(weight_decay).ctx("adam decay")?)
-                            .ctx("adam decay")?
-                    } else {
-                        grad
-                    };
+                        p.f_mul_scalar_out(tmp, weight_decay).ctx_("adam decay")?;
+                        grad.f_add_(tmp).ctx_("adam decay")?;
+                    }
                     if !state.contains_key("exp_avg") {
                         state.insert("exp_avg", p.f_zeros_like().ctx("adam state")?);
                         state.insert("exp_avg_sq", p.f_zeros_like().ctx("adam state")?);
@@ -141,23 +169,26 @@ impl Optimizer {
                     let mut v = state["exp_avg_sq"].shallow_clone();
                     m.f_lerp_(&grad, 1.0 - beta1).ctx_("adam moments")?;
                     v.f_mul_scalar_(beta2).ctx_("adam moments")?;
-                    let g2 = grad
-                        .f_mul(&grad)
-                        .and_then(|g2| g2.f_mul_scalar(1.0 - beta2))
-                        .ctx("adam moments")?;
-                    v.f_add_(&g2).ctx_("adam moments")?;
+                    // v += (grad * grad) * (1 - beta2)
+                    grad.f_mul_out(tmp, &grad).ctx_("adam moments")?;
+                    tmp.shallow_clone()
+                        .f_mul_scalar_(1.0 - beta2)
+                        .ctx_("adam moments")?;
+                    v.f_add_(tmp).ctx_("adam moments")?;
                     let bc1 = 1.0 - beta1.powi(step);
                     let bc2_sqrt = (1.0 - beta2.powi(step)).sqrt();
-                    let denom = v
-                        .f_sqrt()
-                        .and_then(|s| s.f_div_scalar(bc2_sqrt))
-                        .and_then(|s| s.f_add_scalar(eps))
-                        .ctx("adam update")?;
-                    let upd = m
-                        .f_div(&denom)
-                        .and_then(|u| u.f_mul_scalar(lr / bc1))
-                        .ctx("adam update")?;
-                    p.f_sub_(&upd).ctx_("adam update")?;
+                    // denom = sqrt(v) / bc2_sqrt + eps
+                    let denom = tmp2.as_ref().unwrap_or(tmp);
+                    v.f_sqrt_out(denom).ctx_("adam update")?;
+                    let mut d = denom.shallow_clone();
+                    d.f_div_scalar_(bc2_sqrt).ctx_("adam update")?;
+                    d.f_add_scalar_(eps).ctx_("adam update")?;
+                    // p -= (m / denom) * (lr / bc1)
+                    m.f_div_out(tmp, denom).ctx_("adam update")?;
+                    tmp.shallow_clone()
+                        .f_mul_scalar_(lr / bc1)
+                        .ctx_("adam update")?;
+                    p.f_sub_(tmp).ctx_("adam update")?;
                 }
             }
         }

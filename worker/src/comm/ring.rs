@@ -126,8 +126,23 @@ pub struct Counters {
 
 enum Request {
     AllReduce(Vec<f32>),
+    /// A caller's buffer, reduced in place (see [`Lent`]).
+    AllReduceLent(Lent),
     Broadcast(Vec<f32>, usize),
 }
+
+/// A buffer the caller lends to the communication thread without copying
+/// it. The caller keeps its `&mut` borrow alive and does not touch the
+/// memory until it has received the matching reply (`all_reduce_buckets`
+/// always collects every reply it is owed before it returns).
+struct Lent {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: only the communication thread (and the sender thread it hands
+// ranges to) use the pointer, while the lending caller waits for the reply.
+unsafe impl Send for Lent {}
 
 type Reply = Result<Vec<f32>, CommError>;
 
@@ -296,6 +311,71 @@ impl TcpRing {
         }
         *buf = self.call(Request::AllReduce(std::mem::take(buf)))?;
         Ok(())
+    }
+
+    /// Reduces `buckets` in place, in order, on the communication thread,
+    /// without copying them: every bucket is staged in (`stage_in`) and
+    /// queued as soon as it is ready, so staging bucket i + 1 overlaps the
+    /// reduction of bucket i, and `stage_out(i)` overlaps bucket i + 1.
+    pub fn all_reduce_buckets(
+        &mut self,
+        buckets: &mut [&mut [f32]],
+        stage_in: crate::collective::Stage<'_>,
+        stage_out: crate::collective::Stage<'_>,
+    ) -> crate::Result<()> {
+        if self.cfg.world == 1 {
+            for (i, b) in buckets.iter_mut().enumerate() {
+                stage_in(i, b)?;
+                stage_out(i, b)?;
+            }
+            return Ok(());
+        }
+        let tx = self
+            .requests
+            .clone()
+            .ok_or_else(|| CommError::Setup("the ring is closed".into()))?;
+        let mut posted = 0;
+        let mut first_err: Option<crate::Error> = None;
+        for (i, b) in buckets.iter_mut().enumerate() {
+            if let Err(e) = stage_in(i, b) {
+                first_err = Some(e);
+                break;
+            }
+            let lent = Lent {
+                ptr: b.as_mut_ptr(),
+                len: b.len(),
+            };
+            if tx.send(Request::AllReduceLent(lent)).is_err() {
+                first_err =
+                    Some(CommError::Setup("the communication thread has stopped".into()).into());
+                break;
+            }
+            posted += 1;
+        }
+        // Collect every reply owed before touching (or returning) any bucket.
+        for (i, b) in buckets.iter_mut().enumerate().take(posted) {
+            let reply = self
+                .replies
+                .recv()
+                .map_err(|_| CommError::Setup("the communication thread has stopped".into()));
+            match reply {
+                Ok(Ok(_)) if first_err.is_none() => {
+                    if let Err(e) = stage_out(i, b) {
+                        first_err = Some(e);
+                    }
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) | Err(e) => {
+                    if first_err.is_none() {
+                        first_err = Some(e.into());
+                    }
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     pub fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> Result<(), CommError> {
@@ -622,6 +702,11 @@ impl Comm {
         }
         let result = match req {
             Request::AllReduce(mut buf) => self.all_reduce(&mut buf).map(|_| buf),
+            Request::AllReduceLent(lent) => {
+                // SAFETY: see `Lent`: the memory is valid and ours until we reply.
+                let buf = unsafe { std::slice::from_raw_parts_mut(lent.ptr, lent.len) };
+                self.all_reduce(buf).map(|_| Vec::new())
+            }
             Request::Broadcast(mut buf, root) => self.broadcast(&mut buf, root).map(|_| buf),
         };
         if let Err(e) = &result {
@@ -855,6 +940,14 @@ impl crate::collective::Collective for TcpRing {
     fn barrier(&mut self) -> crate::Result<()> {
         let mut one = vec![0f32];
         self.all_reduce(&mut one).map_err(crate::Error::from)
+    }
+    fn all_reduce_buckets(
+        &mut self,
+        buckets: &mut [&mut [f32]],
+        stage_in: crate::collective::Stage<'_>,
+        stage_out: crate::collective::Stage<'_>,
+    ) -> crate::Result<()> {
+        TcpRing::all_reduce_buckets(self, buckets, stage_in, stage_out)
     }
     fn bytes(&self) -> (u64, u64) {
         (

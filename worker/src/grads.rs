@@ -1,0 +1,340 @@
+//! The gradient-accumulation buffer: every parameter's `.grad` is a view
+//! into one flat f32 tensor (DDP's `gradient_as_bucket_view`). Backward
+//! adds into it in place on every micro-step; at the sync step the ring
+//! reduces its buckets where they lie (on CPU no flatten, no unflatten, no
+//! allocation), and normalization, the clipping norm and the clip itself
+//! are one operation each over the whole buffer.
+//!
+//! Layout: the gradients in parameter order, then [`EXTRA`] slots for the
+//! window's counts (samples, micro-batches, loss sum), which ride in the
+//! last bucket. On CUDA the buffer lives on the device and a pinned host
+//! mirror (allocated once) stages each bucket: the device-to-host copy of
+//! bucket i + 1 runs while bucket i is on the wire.
+
+use crate::collective::Collective;
+use crate::error::{Error, InPlace, Result, TorchContext};
+use std::ops::Range;
+use tch::{Device, Kind, Tensor};
+
+/// Slots after the gradients for the window's counts.
+pub const EXTRA: usize = 3;
+
+pub struct FlatGrads {
+    /// Gradients then EXTRA slots, on the parameters' device.
+    flat: Tensor,
+    /// Number of gradient elements (the EXTRA slots follow).
+    len: usize,
+    /// Element ranges of `flat`, aligned to parameter boundaries; the last
+    /// one includes the EXTRA slots.
+    buckets: Vec<Range<usize>>,
+    /// CUDA: pinned host mirror of `flat`.
+    host: Option<Tensor>,
+}
+
+impl FlatGrads {
+    /// Allocates the buffer and makes every parameter's gradient a view of
+    /// it (current gradient values are kept). `bucket_cap` is in elements.
+    pub fn attach(params: &[(String, Tensor)], bucket_cap: usize) -> Result<Self> {
+        let _guard = tch::no_grad_guard();
+        let device = params
+            .first()
+            .map(|(_, p)| p.device())
+            .unwrap_or(Device::Cpu);
+        if let Some((name, p)) = params
+            .iter()
+            .find(|(_, p)| p.kind() != Kind::Float || p.device() != device)
+        {
+            return Err(Error::Model(format!(
+                "parameter {name} is {:?} on {:?}; the gradient buffer holds float32 on one device ({device:?})",
+                p.kind(),
+                p.device()
+            )));
+        }
+        let sizes: Vec<usize> = params.iter().map(|(_, p)| p.numel()).collect();
+        let len: usize = sizes.iter().sum();
+        let flat = Tensor::f_zeros([(len + EXTRA) as i64], (Kind::Float, device))
+            .ctx("allocating the gradient buffer")?;
+        define_grads(params)?;
+        let mut off = 0;
+        for ((name, p), &n) in params.iter().zip(&sizes) {
+            let mut g = p.grad();
+            let view = flat
+                .f_narrow(0, off as i64, n as i64)
+                .and_then(|v| v.f_view(p.size().as_slice()))
+                .ctx("viewing the gradient buffer")?;
+            view.shallow_clone()
+                .f_copy_(&g)
+                .ctx("moving a gradient into the buffer")?;
+            g.f_set_data(&view)
+                .ctx("moving a gradient into the buffer")?;
+            // The view must be what backward accumulates into from now on.
+            let want = flat.data_ptr() as usize + off * 4;
+            if p.grad().data_ptr() as usize != want {
+                return Err(Error::Model(format!(
+                    "the gradient of {name} did not move into the flat buffer"
+                )));
+            }
+            off += n;
+        }
+        let mut buckets: Vec<Range<usize>> = crate::comm::chunks::buckets(&sizes, bucket_cap)
+            .into_iter()
+            .map(|r| {
+                let start: usize = sizes[..r.start].iter().sum();
+                let end: usize = start + sizes[r].iter().sum::<usize>();
+                start..end
+            })
+            .collect();
+        match buckets.last_mut() {
+            Some(last) => last.end += EXTRA,
+            None => buckets.push(0..EXTRA),
+        }
+        let host = if device.is_cuda() {
+            Some(
+                Tensor::f_zeros([(len + EXTRA) as i64], (Kind::Float, Device::Cpu))
+                    .and_then(|h| h.f_pin_memory(device))
+                    .ctx("allocating pinned memory")?,
+            )
+        } else {
+            None
+        };
+        Ok(Self {
+            flat,
+            len,
+            buckets,
+            host,
+        })
+    }
+
+    /// All gradients as one 1-D view (no EXTRA slots).
+    pub fn view(&self) -> Result<Tensor> {
+        self.flat
+            .f_narrow(0, 0, self.len as i64)
+            .ctx("viewing the gradient buffer")
+    }
+
+    pub fn buckets(&self) -> &[Range<usize>] {
+        &self.buckets
+    }
+
+    /// Zeroes every gradient and the EXTRA slots (one operation).
+    pub fn zero(&self) -> Result<()> {
+        self.flat
+            .shallow_clone()
+            .f_zero_()
+            .ctx_("zeroing gradients")
+    }
+
+    /// Divides every gradient by `divisor` (one operation).
+    pub fn div(&self, divisor: f64) -> Result<()> {
+        self.view()?
+            .f_div_scalar_(divisor)
+            .ctx_("normalizing gradients")
+    }
+
+    /// The `norm_type` norm (2.0 or inf) of all gradients together, as
+    /// clip_grad_norm_ defines it, in one reduction over the buffer
+    /// (linalg_norm of a 1-D tensor is the vector norm).
+    pub fn norm(&self, norm_type: f64) -> Result<Tensor> {
+        self.view()?
+            .f_linalg_norm(norm_type, None::<&[i64]>, false, None::<Kind>)
+            .ctx("computing the gradient norm")
+    }
+
+    /// Multiplies every gradient by `factor` (one operation).
+    pub fn scale(&self, factor: f64) -> Result<()> {
+        self.view()?.f_mul_scalar_(factor).ctx_("scaling gradients")
+    }
+
+    /// Clamps every gradient element to [-value, value].
+    pub fn clip_by_value(&self, value: f64) -> Result<()> {
+        self.view()?
+            .f_clamp_(-value, value)
+            .ctx_("clipping gradients by value")
+    }
+
+    /// Sums the gradients and `extra` (at most EXTRA values) over all ranks,
+    /// bucket by bucket, in place. W = 1: only `extra` goes through the
+    /// collective (the identity).
+    pub fn all_reduce<C: Collective>(
+        &mut self,
+        collective: &mut C,
+        extra: &mut [f32],
+    ) -> Result<()> {
+        assert!(extra.len() <= EXTRA, "at most {EXTRA} extra values");
+        if collective.world_size() == 1 {
+            let mut v = extra.to_vec();
+            collective.all_reduce_sum(&mut v)?;
+            extra.copy_from_slice(&v);
+            return Ok(());
+        }
+        let len = self.len;
+        let flat = self.flat.shallow_clone();
+        let (host, device) = match &self.host {
+            Some(h) => (h.shallow_clone(), self.flat.device()),
+            None => (self.flat.shallow_clone(), Device::Cpu),
+        };
+        // SAFETY: `host` is a contiguous float32 CPU tensor of len + EXTRA
+        // elements that outlives this call; the slices below are disjoint and
+        // nothing else reads or writes it meanwhile (the engine thread is in
+        // this call and the gradients are views that nobody touches now).
+        let mem: &mut [f32] =
+            unsafe { std::slice::from_raw_parts_mut(host.data_ptr() as *mut f32, len + EXTRA) };
+        mem[len..len + extra.len()].copy_from_slice(extra);
+        let mut parts: Vec<&mut [f32]> = Vec::with_capacity(self.buckets.len());
+        let mut rest = &mut mem[..];
+        let mut at = 0;
+        for r in &self.buckets {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.end - at);
+            parts.push(&mut head[r.start - at..]);
+            rest = tail;
+            at = r.end;
+        }
+        let ranges = self.buckets.clone();
+        let cuda = device.is_cuda();
+        let mut stage_in = |i: usize, _: &mut [f32]| -> Result<()> {
+            if cuda {
+                let r = &ranges[i];
+                let n = (r.end - r.start) as i64;
+                let is_last = i + 1 == ranges.len();
+                // The EXTRA slots of the last bucket are already on the host.
+                let dev_n = if is_last { n - EXTRA as i64 } else { n };
+                host.f_narrow(0, r.start as i64, dev_n)
+                    .and_then(|mut h| h.f_copy_(&flat.f_narrow(0, r.start as i64, dev_n)?))
+                    .ctx("staging gradients to pinned memory")?;
+            }
+            Ok(())
+        };
+        let mut stage_out = |i: usize, _: &mut [f32]| -> Result<()> {
+            if cuda {
+                let r = &ranges[i];
+                let n = (r.end - r.start) as i64;
+                let dev_n = if i + 1 == ranges.len() {
+                    n - EXTRA as i64
+                } else {
+                    n
+                };
+                flat.f_narrow(0, r.start as i64, dev_n)
+                    .and_then(|mut d| d.f_copy_(&host.f_narrow(0, r.start as i64, dev_n)?))
+                    .ctx("staging gradients from pinned memory")?;
+            }
+            Ok(())
+        };
+        collective.all_reduce_buckets(&mut parts, &mut stage_in, &mut stage_out)?;
+        extra.copy_from_slice(&mem[len..len + extra.len()]);
+        Ok(())
+    }
+}
+
+/// Gives every parameter a defined (zero) gradient, so it can be re-pointed
+/// into the buffer before the first backward: one backward of
+/// `0 * sum(p.sum())`.
+fn define_grads(params: &[(String, Tensor)]) -> Result<()> {
+    if params.iter().all(|(_, p)| p.grad().defined()) {
+        return Ok(());
+    }
+    let _grad = tch::with_grad(|| -> Result<()> {
+        let sums: Vec<Tensor> = params
+            .iter()
+            .filter(|(_, p)| p.requires_grad())
+            .map(|(_, p)| p.f_sum(None::<Kind>))
+            .collect::<Result<_, _>>()
+            .ctx("defining gradients")?;
+        if sums.is_empty() {
+            return Ok(());
+        }
+        Tensor::f_stack(&sums, 0)
+            .and_then(|s| s.f_sum(None::<Kind>))
+            .and_then(|s| s.f_mul_scalar(0.0))
+            .and_then(|s| s.f_backward())
+            .ctx("defining gradients")
+    });
+    _grad?;
+    if let Some((name, _)) = params.iter().find(|(_, p)| !p.grad().defined()) {
+        return Err(Error::Model(format!(
+            "parameter {name} has no gradient (does it require grad?)"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::SingleRank;
+
+    fn params() -> Vec<(String, Tensor)> {
+        tch::manual_seed(0);
+        ["w", "b", "v"]
+            .iter()
+            .zip([&[4i64, 3][..], &[4], &[2, 2]])
+            .map(|(n, s)| {
+                (
+                    n.to_string(),
+                    Tensor::randn(s, (Kind::Float, Device::Cpu)).set_requires_grad(true),
+                )
+            })
+            .collect()
+    }
+
+    fn loss(p: &[(String, Tensor)], x: &Tensor) -> Tensor {
+        let y = x.matmul(&p[0].1.tr()) + &p[1].1;
+        (y.pow_tensor_scalar(2).sum(Kind::Float) + p[2].1.sin().sum(Kind::Float)) * 0.5
+    }
+
+    #[test]
+    fn backward_accumulates_into_the_flat_buffer() {
+        let p = params();
+        let mut g = FlatGrads::attach(&p, 13).unwrap();
+        // Buckets tile the buffer on parameter boundaries, extras last.
+        assert_eq!(g.buckets(), &[0..12, 12..23]);
+        let x1 = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
+        let x2 = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
+        loss(&p, &x1).backward();
+        loss(&p, &x2).backward();
+        // The same sums computed independently on fresh leaves.
+        let fresh: Vec<Tensor> = p
+            .iter()
+            .map(|(_, t)| t.detach().set_requires_grad(true))
+            .collect();
+        let named: Vec<(String, Tensor)> = fresh
+            .iter()
+            .map(|t| (String::new(), t.shallow_clone()))
+            .collect();
+        (loss(&named, &x1) + loss(&named, &x2)).backward();
+        let want = Tensor::cat(
+            &fresh
+                .iter()
+                .map(|t| t.grad().flatten(0, -1))
+                .collect::<Vec<_>>(),
+            0,
+        );
+        let got = g.view().unwrap();
+        assert!(got.allclose(&want, 1e-6, 1e-6, false));
+        // Every .grad is a view of the buffer (no copy in between).
+        let mut off = 0;
+        for (_, t) in &p {
+            assert_eq!(
+                t.grad().data_ptr() as usize,
+                got.data_ptr() as usize + 4 * off
+            );
+            off += t.numel();
+        }
+        // Norm, scale, zero: one operation each over every gradient.
+        let norm = g.norm(2.0).unwrap().double_value(&[]);
+        let want_norm = want.norm().double_value(&[]);
+        assert!((norm - want_norm).abs() <= 1e-5 * want_norm);
+        g.scale(0.5).unwrap();
+        assert!(g
+            .view()
+            .unwrap()
+            .allclose(&(&want * 0.5), 1e-6, 1e-6, false));
+        let mut extra = [3.0f32, 2.0, 1.0];
+        g.all_reduce(&mut SingleRank, &mut extra).unwrap();
+        assert_eq!(extra, [3.0, 2.0, 1.0]);
+        g.zero().unwrap();
+        assert_eq!(p[0].1.grad().abs().sum(Kind::Float).double_value(&[]), 0.0);
+        // Still attached after zeroing: the next backward lands in the buffer.
+        loss(&p, &x1).backward();
+        assert!(g.view().unwrap().abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    }
+}
