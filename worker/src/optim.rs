@@ -108,11 +108,11 @@ impl Optimizer {
                     nesterov,
                     weight_decay,
                 } => {
-                    // d_p = grad + weight_decay * p   (in the gradient)
+                    // d_p = grad + weight_decay * p, in the gradient, in one
+                    // pass (torch: grad.add(p, alpha=weight_decay)).
                     if weight_decay != 0.0 {
-                        p.f_mul_scalar_out(tmp, weight_decay)
-                            .ctx_("sgd weight decay")?;
-                        grad.f_add_(tmp).ctx_("sgd weight decay")?;
+                        let wd = scalar(weight_decay, &p)?;
+                        grad.f_addcmul_(&p, &wd).ctx_("sgd weight decay")?;
                     }
                     let mut d_p = grad.shallow_clone();
                     if momentum != 0.0 {
@@ -142,8 +142,9 @@ impl Optimizer {
                             buf
                         };
                     }
-                    d_p.f_mul_scalar_out(tmp, lr).ctx_("sgd update")?;
-                    p.f_sub_(tmp).ctx_("sgd update")?;
+                    // p += (-lr) * d_p in one pass (torch: p.add_(d_p, alpha=-lr)).
+                    let neg_lr = scalar(-lr, &p)?;
+                    p.f_addcmul_(&d_p, &neg_lr).ctx_("sgd update")?;
                 }
                 Rule::Adam {
                     beta1,
@@ -240,4 +241,10 @@ impl Optimizer {
         self.steps = steps;
         Ok(())
     }
+}
+
+/// A 0-dim tensor holding `v` with `like`'s kind and device (the multiplier
+/// of a one-pass addcmul_).
+fn scalar(v: f64, like: &Tensor) -> Result<Tensor> {
+    Tensor::f_scalar_tensor(v, (like.kind(), like.device())).ctx("optimizer scalar")
 }
