@@ -44,7 +44,10 @@ Bytes: accrue's own byte counters per step (rank 0, framing included) against
 the ring optimum 2(W-1)/W x gradient bytes; and for both sides the loopback
 interface's transmitted bytes (/proc/net/dev, TCP/IP headers and control
 traffic included) over the measured steps, divided by steps and by W.
-Scaling efficiency: samples/s with W workers / (W x samples/s with one).
+Scaling efficiency: samples/s with W workers / (W x samples/s with one). As
+a ceiling, W plain single-process loops are also started together with no
+communication at all; their summed samples/s / (W x one loop alone) is what W
+processes get out of the shared cores, caches and memory of this machine.
 
 Usage (what `make bench` runs):
     .venv/bin/python worker/benches/e2e_vs_ddp.py --accrue target/release/accrue
@@ -230,6 +233,28 @@ def torch_worker(cfg):
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def run_independent(cfg, world):
+    """W plain single-process loops started together, no communication at
+    all: what W processes get out of this machine's cores, memory and cache
+    when they share it (the ceiling of any scaling measured here)."""
+    with tempfile.TemporaryDirectory(prefix="accrue-solo-") as tmp:
+        me = str(Path(__file__).resolve())
+        env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+        procs, outs = [], []
+        for i in range(world):
+            c = dict(cfg, out=str(Path(tmp) / f"out-{i}.json"))
+            outs.append(Path(c["out"]))
+            procs.append(subprocess.Popen([sys.executable, me, "--_pytorch-worker", json.dumps(c)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=env))
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode != 0:
+                sys.exit(f"independent PyTorch loop failed ({cfg['name']}):\n{err}")
+        return [json.loads(o.read_text()) for o in outs]
 
 
 def run_torch(cfg, world):
@@ -453,6 +478,14 @@ def main():
                     results[(name, k, side, world)] = s
                     print(f"[{name} k={k} W={world}] {side}: {s['rate']:.1f} samples/s, "
                           f"{s['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
+            runs = []
+            for _ in range(args.repeat):
+                solo = [summarize(r, args.warmup, 1) for r in run_independent(cfg, W)]
+                runs.append({"rate": sum(x["rate"] for x in solo)})
+            results[(name, k, "solo", W)] = median_run(runs)
+            print(f"[{name} k={k}] {W} independent plain loops: "
+                  f"{results[(name, k, 'solo', W)]['rate']:.1f} samples/s together",
+                  file=sys.stderr, flush=True)
 
     grad_elems = {}
     for name in names:
@@ -479,16 +512,23 @@ def main():
           f"(W = {W} against {W} x one worker):")
     print()
     print(f"| model | k | accrue W={W} | DDP W={W} | accrue / DDP | accrue W=1 | plain loop W=1 "
-          f"| accrue / plain (W=1) | accrue scaling | DDP scaling |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"| accrue / plain (W=1) | accrue scaling | DDP scaling | {W} independent loops |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         for k in ks:
             a2 = results[(name, k, "accrue", W)]["rate"]
             p2 = results[(name, k, "torch", W)]["rate"]
             a1 = results[(name, k, "accrue", 1)]["rate"]
             p1 = results[(name, k, "torch", 1)]["rate"]
+            solo = results[(name, k, "solo", W)]["rate"]
             print(f"| {name} | {k} | {a2:,.1f} | {p2:,.1f} | {a2 / p2:.2f} | {a1:,.1f} | "
-                  f"{p1:,.1f} | {a1 / p1:.2f} | {a2 / (W * a1):.2f} | {p2 / (W * p1):.2f} |")
+                  f"{p1:,.1f} | {a1 / p1:.2f} | {a2 / (W * a1):.2f} | {p2 / (W * p1):.2f} | "
+                  f"{solo / (W * p1):.2f} |")
+    print()
+    print(f"Scaling = samples/s at W = {W} / ({W} x the same side at W = 1). The last column is "
+          f"the same ratio for {W} plain loops started together with no communication at all "
+          f"(summed samples/s / ({W} x one plain loop alone)): how much of the machine {W} "
+          f"processes get when they share it, the ceiling of either side's scaling here.")
     print()
     print(f"Per optimizer step at W = {W} (ms, rank 0; other = wall - phases):")
     print()
