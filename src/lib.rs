@@ -264,7 +264,7 @@ pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
     use serde_json::json;
     Some(match ev.event.as_ref()? {
         job_event::Event::Step(r) => {
-            let t = r.timing.clone().unwrap_or_default();
+            let t = r.timing.unwrap_or_default();
             json!({
                 "event": "step",
                 "step": r.step,
