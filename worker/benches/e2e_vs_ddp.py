@@ -455,10 +455,13 @@ def main():
             window = W * base["b"] * k
             samples = max(window, base["samples"] // window * window)
             cfg = dict(base, name=name, k=k, steps=steps, samples=samples, threads=args.threads)
-            for world in (1, W):
-                for side in ("accrue", "torch"):
-                    runs = []
-                    for _ in range(args.repeat):
+            # Repeats are interleaved (accrue, PyTorch, accrue, ... for each
+            # W, then the independent loops), so a slow spell of a shared
+            # machine falls on both sides rather than on one side's runs.
+            runs = {}
+            for _ in range(args.repeat):
+                for world in (1, W):
+                    for side in ("accrue", "torch"):
                         if side == "accrue":
                             run = run_accrue(binary, cfg, world)
                             if name not in checked:
@@ -473,19 +476,17 @@ def main():
                                 checked.add(name)
                         else:
                             run = run_torch(cfg, world)
-                        runs.append(summarize(run, args.warmup, world))
-                    s = median_run(runs)
-                    results[(name, k, side, world)] = s
-                    print(f"[{name} k={k} W={world}] {side}: {s['rate']:.1f} samples/s, "
-                          f"{s['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
-            runs = []
-            for _ in range(args.repeat):
+                        s = summarize(run, args.warmup, world)
+                        runs.setdefault((side, world), []).append(s)
+                        print(f"[{name} k={k} W={world}] {side}: {s['rate']:.1f} samples/s, "
+                              f"{s['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
                 solo = [summarize(r, args.warmup, 1) for r in run_independent(cfg, W)]
-                runs.append({"rate": sum(x["rate"] for x in solo)})
-            results[(name, k, "solo", W)] = median_run(runs)
-            print(f"[{name} k={k}] {W} independent plain loops: "
-                  f"{results[(name, k, 'solo', W)]['rate']:.1f} samples/s together",
-                  file=sys.stderr, flush=True)
+                runs.setdefault(("solo", W), []).append({"rate": sum(x["rate"] for x in solo)})
+                print(f"[{name} k={k}] {W} independent plain loops: "
+                      f"{runs[('solo', W)][-1]['rate']:.1f} samples/s together",
+                      file=sys.stderr, flush=True)
+            for (side, world), rs in runs.items():
+                results[(name, k, side, world)] = median_run(rs)
 
     grad_elems = {}
     for name in names:

@@ -10,6 +10,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::collective::Collective;
 use crate::data::{self, Dataset};
 use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::fused::GradPrep;
 use crate::grads::FlatGrads;
 use crate::model::Model;
 use crate::optim::Optimizer;
@@ -831,7 +832,9 @@ impl<C: Collective> Engine<C> {
         let lr = self.schedule.lr_at(step);
         let mut clip_coef = 1.0;
         let skipped = !grad_norm.is_finite();
-        if skipped {
+        // What the gradients go through before the optimizer: 1/divisor and
+        // the clip, as one multiplier where possible.
+        let prep = if skipped {
             if !self.spec.skip_nonfinite() {
                 return Err(Error::NonFinite {
                     step: step + 1,
@@ -843,24 +846,39 @@ impl<C: Collective> Engine<C> {
                 grad_norm,
                 "non-finite gradient norm, step skipped"
             );
+            None
         } else if let Some(max_norm) = self.spec.clipping.max_norm {
             // clip_grad_norm_: min(1, max_norm / (total_norm + 1e-6)).
             clip_coef = (max_norm / (grad_norm + 1e-6)).min(1.0);
-            self.grads.scale(clip_coef / divisor)?;
+            Some(GradPrep::Mul((clip_coef / divisor) as f32))
         } else if let Some(v) = self.spec.clipping.clip_value {
-            self.grads.div(divisor)?;
-            self.grads.clip_by_value(v)?;
+            Some(GradPrep::DivClamp(divisor as f32, v as f32))
         } else {
-            self.grads.div(divisor)?;
-        }
-        let clip_s = t_clip.elapsed();
-        // 4. optimizer step, schedule, zero grads.
+            Some(GradPrep::Div(divisor as f32))
+        };
+        let mut clip_s = t_clip.elapsed();
+        let mut prep_s = Duration::ZERO;
+        // 4. optimizer step, zero grads. On CPU with SGD: one fused pass per
+        // parameter that also applies `prep` and zeroes the gradient
+        // (crate::fused); otherwise the same as tensor ops, pass by pass.
         let t_opt = Instant::now();
-        if !skipped {
-            self.optimizer.step(&self.model.params, lr)?;
+        let fused = match prep {
+            Some(prep) => self.optimizer.step_fused(&self.model.params, lr, prep)?,
+            None => false,
+        };
+        if fused {
+            self.grads.zero_extra()?;
+        } else {
+            if let Some(prep) = prep {
+                let t = Instant::now();
+                self.grads.prepare(prep)?;
+                prep_s = t.elapsed();
+                clip_s += prep_s;
+                self.optimizer.step(&self.model.params, lr)?;
+            }
+            self.grads.zero()?;
         }
-        self.grads.zero()?;
-        let optimizer_s = t_opt.elapsed();
+        let optimizer_s = t_opt.elapsed().saturating_sub(prep_s);
         // 5. commit.
         if let Some(path) = self.opts.sample_log.clone() {
             self.log_window(&path)?;

@@ -13,6 +13,7 @@
 
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::fused::GradPrep;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 
@@ -122,6 +123,28 @@ impl FlatGrads {
             .shallow_clone()
             .f_zero_()
             .ctx_("zeroing gradients")
+    }
+
+    /// Zeroes only the EXTRA slots (after a fused optimizer step that
+    /// zeroed the gradients itself).
+    pub fn zero_extra(&self) -> Result<()> {
+        self.flat
+            .f_narrow(0, self.len as i64, EXTRA as i64)
+            .and_then(|mut t| t.f_zero_())
+            .ctx_("zeroing the count slots")
+    }
+
+    /// Normalization and clipping as tensor ops over the whole buffer (the
+    /// path for optimizers and devices without a fused step).
+    pub fn prepare(&self, prep: GradPrep) -> Result<()> {
+        match prep {
+            GradPrep::Mul(s) => self.scale(s as f64),
+            GradPrep::Div(d) => self.div(d as f64),
+            GradPrep::DivClamp(d, v) => {
+                self.div(d as f64)?;
+                self.clip_by_value(v as f64)
+            }
+        }
     }
 
     /// Divides every gradient by `divisor` (one operation).

@@ -11,6 +11,7 @@ pub mod daemon;
 pub mod data;
 pub mod engine;
 pub mod error;
+pub mod fused;
 pub mod grads;
 pub mod model;
 pub mod optim;

@@ -5,7 +5,12 @@
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::spec::OptimizerSpec;
 use std::collections::HashMap;
-use tch::Tensor;
+use crate::fused::{self, GradPrep};
+use tch::{Device, Kind, Tensor};
+
+/// Below this many elements the fused step stays on one thread (spawning
+/// costs more than it saves).
+const PARALLEL_MIN: usize = 1 << 18;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Rule {
@@ -196,6 +201,139 @@ impl Optimizer {
         Ok(())
     }
 
+    /// The fused CPU step ([`crate::fused::sgd`]): prepares each gradient
+    /// (`prep`: normalization and clip), applies SGD and zeroes the gradient,
+    /// in one pass over memory per parameter. Returns `Ok(false)`, having
+    /// touched nothing, where it does not apply (Adam/AdamW, or a parameter,
+    /// gradient or buffer that is not a contiguous float32 CPU tensor); the
+    /// caller then runs the tensor-op pipeline. With more than one intra-op
+    /// thread the elements are split across that many threads.
+    pub fn step_fused(
+        &mut self,
+        params: &[(String, Tensor)],
+        lr: f64,
+        prep: GradPrep,
+    ) -> Result<bool> {
+        let Rule::Sgd {
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        } = self.rule
+        else {
+            return Ok(false);
+        };
+        let flat_f32 = |t: &Tensor| {
+            t.defined()
+                && t.kind() == Kind::Float
+                && t.device() == Device::Cpu
+                && t.is_contiguous()
+        };
+        let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
+        if !params
+            .iter()
+            .zip(&grads)
+            .all(|((_, p), g)| flat_f32(p) && flat_f32(g) && g.numel() == p.numel())
+        {
+            return Ok(false);
+        }
+        let first = momentum != 0.0 && self.steps == 0;
+        if momentum != 0.0 {
+            for ((_, p), state) in params.iter().zip(self.state.iter_mut()) {
+                if !state.contains_key("momentum_buffer") {
+                    if !first {
+                        // A buffer missing after step 1 (a checkpoint without
+                        // it): leave it to the op-by-op path's rules.
+                        return Ok(false);
+                    }
+                    state.insert(
+                        "momentum_buffer",
+                        p.f_zeros_like().ctx("sgd momentum buffer")?,
+                    );
+                }
+                if !flat_f32(&state["momentum_buffer"]) {
+                    return Ok(false);
+                }
+            }
+        }
+        let _guard = tch::no_grad_guard();
+        self.steps += 1;
+        let h = fused::Sgd {
+            lr: lr as f32,
+            momentum: momentum as f32,
+            one_minus_dampening: (1.0 - dampening) as f32,
+            nesterov,
+            weight_decay: weight_decay as f32,
+            first,
+        };
+        // SAFETY (all three slices): each tensor was checked above to be a
+        // contiguous float32 CPU tensor of numel elements; parameters,
+        // gradients and buffers are distinct storages (gradients are views of
+        // the flat gradient buffer, buffers were allocated per parameter),
+        // and nothing else runs on them while the engine thread is here. The
+        // tensor handles (`params`, `grads`, `self.state`) outlive the slices.
+        let raw = |t: &Tensor| unsafe {
+            std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel())
+        };
+        let mut work: Vec<(&mut [f32], &mut [f32], &mut [f32])> = params
+            .iter()
+            .zip(&grads)
+            .zip(&self.state)
+            .map(|(((_, p), g), state)| {
+                let buf: &mut [f32] = match state.get("momentum_buffer") {
+                    Some(b) if momentum != 0.0 => raw(b),
+                    _ => &mut [],
+                };
+                (raw(p), raw(g), buf)
+            })
+            .collect();
+        let threads = (tch::get_num_threads().max(1) as usize).min(64);
+        let total: usize = work.iter().map(|w| w.0.len()).sum();
+        if threads == 1 || total < PARALLEL_MIN {
+            for (p, g, b) in work.iter_mut() {
+                fused::sgd(p, g, b, prep, h);
+            }
+            return Ok(true);
+        }
+        let per = total.div_ceil(threads);
+        let mut shares: Vec<Vec<(&mut [f32], &mut [f32], &mut [f32])>> =
+            (0..threads).map(|_| Vec::new()).collect();
+        let (mut t, mut room) = (0, per);
+        for (mut p, mut g, mut b) in work {
+            while !p.is_empty() {
+                let n = p.len().min(room);
+                let (p1, p2) = p.split_at_mut(n);
+                let (g1, g2) = g.split_at_mut(n);
+                let (b1, b2) = if b.is_empty() {
+                    (&mut [][..], &mut [][..])
+                } else {
+                    b.split_at_mut(n)
+                };
+                shares[t].push((p1, g1, b1));
+                (p, g, b) = (p2, g2, b2);
+                room -= n;
+                if room == 0 {
+                    if t + 1 < threads {
+                        t += 1;
+                        room = per;
+                    } else {
+                        room = usize::MAX; // the last share takes the rest
+                    }
+                }
+            }
+        }
+        std::thread::scope(|s| {
+            for share in shares {
+                s.spawn(move || {
+                    for (p, g, b) in share {
+                        fused::sgd(p, g, b, prep, h);
+                    }
+                });
+            }
+        });
+        Ok(true)
+    }
+
     /// State tensors named `<param>.<state>` (for optimizer.safetensors).
     pub fn named_state(&self, params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
@@ -247,4 +385,134 @@ impl Optimizer {
 /// of a one-pass addcmul_).
 fn scalar(v: f64, like: &Tensor) -> Result<Tensor> {
     Tensor::f_scalar_tensor(v, (like.kind(), like.device())).ctx("optimizer scalar")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::OptimizerSpec;
+    use tch::{Device, Kind, Tensor};
+
+    fn sgd_spec(nesterov: bool, dampening: f64) -> OptimizerSpec {
+        toml::from_str(&format!(
+            "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\nweight_decay = 0.001\n\
+             nesterov = {nesterov}\ndampening = {dampening}"
+        ))
+        .unwrap()
+    }
+
+    /// Parameters of the given sizes with gradients set to `seed`-derived values.
+    fn params(sizes: &[i64], seed: i64) -> Vec<(String, Tensor)> {
+        tch::manual_seed(seed);
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let p = Tensor::randn([n], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+                (&p * 1.0).sum(Kind::Float).backward();
+                let _g = tch::no_grad_guard();
+                p.grad().copy_(&Tensor::randn([n], (Kind::Float, Device::Cpu)));
+                (format!("p{i}"), p)
+            })
+            .collect()
+    }
+
+    fn copy(ps: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+        ps.iter()
+            .map(|(n, p)| {
+                let q = p.detach().copy().set_requires_grad(true);
+                (q.shallow_clone() * 1.0).sum(Kind::Float).backward();
+                let _g = tch::no_grad_guard();
+                q.grad().copy_(&p.grad());
+                (n.clone(), q)
+            })
+            .collect()
+    }
+
+    fn set_grads(ps: &[(String, Tensor)], seed: i64) {
+        tch::manual_seed(seed);
+        let _g = tch::no_grad_guard();
+        for (_, p) in ps {
+            p.grad().copy_(&Tensor::randn(p.size(), (Kind::Float, Device::Cpu)));
+        }
+    }
+
+    /// Three steps of the fused step against the tensor-op step (clip scale
+    /// applied to the gradients first): the same parameters and momentum
+    /// buffers up to float rounding, gradients zeroed by the fused step.
+    #[test]
+    fn fused_step_equals_the_tensor_op_step() {
+        for (nesterov, dampening) in [(false, 0.0), (true, 0.0), (false, 0.25)] {
+            let fused_p = params(&[7, 300, 33], 3);
+            let plain_p = copy(&fused_p);
+            let mut fused = Optimizer::new(&sgd_spec(nesterov, dampening), 3);
+            let mut plain = Optimizer::new(&sgd_spec(nesterov, dampening), 3);
+            for step in 0..3 {
+                set_grads(&fused_p, 10 + step);
+                set_grads(&plain_p, 10 + step);
+                assert!(fused
+                    .step_fused(&fused_p, 0.1, GradPrep::Mul(0.3))
+                    .unwrap());
+                {
+                    let _g = tch::no_grad_guard();
+                    for (_, p) in &plain_p {
+                        let _ = p.grad().f_mul_scalar_(0.3f32 as f64).unwrap();
+                    }
+                }
+                plain.step(&plain_p, 0.1).unwrap();
+            }
+            for ((n, a), (_, b)) in fused_p.iter().zip(&plain_p) {
+                assert!(
+                    a.allclose(b, 1e-6, 1e-7, false),
+                    "{n} (nesterov {nesterov}, dampening {dampening}): {a:?} vs {b:?}"
+                );
+                assert_eq!(a.grad().abs().sum(Kind::Float).double_value(&[]), 0.0);
+            }
+            for ((n, a), (_, b)) in fused
+                .named_state(&fused_p)
+                .iter()
+                .zip(&plain.named_state(&plain_p))
+            {
+                assert!(a.allclose(b, 1e-6, 1e-7, false), "state {n}");
+            }
+            assert_eq!(fused.steps, 3);
+        }
+    }
+
+    /// Split over several threads the result is bit for bit the one-thread
+    /// result (the update is elementwise).
+    #[test]
+    fn fused_step_on_threads_is_bitwise_the_one_thread_step() {
+        let sizes = [PARALLEL_MIN as i64, 1000, PARALLEL_MIN as i64 / 3 + 7];
+        let a = params(&sizes, 5);
+        let b = copy(&a);
+        let mut oa = Optimizer::new(&sgd_spec(true, 0.0), 3);
+        let mut ob = Optimizer::new(&sgd_spec(true, 0.0), 3);
+        let before = tch::get_num_threads();
+        for step in 0..2 {
+            set_grads(&a, 20 + step);
+            set_grads(&b, 20 + step);
+            tch::set_num_threads(1);
+            assert!(oa.step_fused(&a, 0.05, GradPrep::Div(4.0)).unwrap());
+            tch::set_num_threads(3);
+            assert!(ob.step_fused(&b, 0.05, GradPrep::Div(4.0)).unwrap());
+        }
+        tch::set_num_threads(before);
+        for ((n, x), (_, y)) in a.iter().zip(&b) {
+            assert!(x.equal(y), "{n} differs between 1 and 3 threads");
+        }
+    }
+
+    /// Adam has no fused step: nothing is touched and the caller is told.
+    #[test]
+    fn fused_step_declines_adam() {
+        let spec: OptimizerSpec = toml::from_str("kind = \"adam\"\nlr = 0.1").unwrap();
+        let p = params(&[5], 1);
+        let before = p[0].1.copy();
+        let g = p[0].1.grad().copy();
+        let mut o = Optimizer::new(&spec, 1);
+        assert!(!o.step_fused(&p, 0.1, GradPrep::Mul(1.0)).unwrap());
+        assert!(p[0].1.equal(&before) && p[0].1.grad().equal(&g));
+        assert_eq!(o.steps, 0);
+    }
 }
