@@ -308,10 +308,17 @@ async fn follower_takes_over_when_the_leader_dies() {
             "the workers were not restarted"
         );
     }
-    assert_eq!(
-        job_in_etcd(&etcd, "ha", &job.id).await.state(),
-        JobState::Succeeded
-    );
+    // The store writes to etcd from a thread of its own: poll until the
+    // final state has landed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = job_in_etcd(&etcd, "ha", &job.id).await.state();
+        if state == JobState::Succeeded {
+            break;
+        }
+        assert!(Instant::now() < deadline, "etcd still holds {state:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A coordinator restart in etcd mode (on another port: workers find it

@@ -487,6 +487,24 @@ def main():
                       file=sys.stderr, flush=True)
             for (side, world), rs in runs.items():
                 results[(name, k, side, world)] = median_run(rs)
+            # Ratios within each repeat (runs minutes apart at most), then
+            # their median: steadier than a ratio of medians when the speed
+            # of a shared machine drifts between repeats.
+            a1, a2 = runs[("accrue", 1)], runs[("accrue", W)]
+            p1, p2 = runs[("torch", 1)], runs[("torch", W)]
+            so = runs[("solo", W)]
+            med = lambda xs: statistics.median(xs)  # noqa: E731
+            results[(name, k, "paired")] = {
+                "vs_ddp": med([a["rate"] / p["rate"] for a, p in zip(a2, p2)]),
+                "vs_plain": med([a["rate"] / p["rate"] for a, p in zip(a1, p1)]),
+                "scaling": med([b["rate"] / (W * a["rate"]) for a, b in zip(a1, a2)]),
+                "ddp_scaling": med([b["rate"] / (W * a["rate"]) for a, b in zip(p1, p2)]),
+                "solo": med([x["rate"] / (W * p["rate"]) for x, p in zip(so, p1)]),
+                "vs_ddp_range": (min(a["rate"] / p["rate"] for a, p in zip(a2, p2)),
+                                 max(a["rate"] / p["rate"] for a, p in zip(a2, p2))),
+                "scaling_range": (min(b["rate"] / (W * a["rate"]) for a, b in zip(a1, a2)),
+                                  max(b["rate"] / (W * a["rate"]) for a, b in zip(a1, a2))),
+            }
 
     grad_elems = {}
     for name in names:
@@ -521,10 +539,17 @@ def main():
             p2 = results[(name, k, "torch", W)]["rate"]
             a1 = results[(name, k, "accrue", 1)]["rate"]
             p1 = results[(name, k, "torch", 1)]["rate"]
-            solo = results[(name, k, "solo", W)]["rate"]
-            print(f"| {name} | {k} | {a2:,.1f} | {p2:,.1f} | {a2 / p2:.2f} | {a1:,.1f} | "
-                  f"{p1:,.1f} | {a1 / p1:.2f} | {a2 / (W * a1):.2f} | {p2 / (W * p1):.2f} | "
-                  f"{solo / (W * p1):.2f} |")
+            r = results[(name, k, "paired")]
+            rng = lambda lo_hi: (f" ({lo_hi[0]:.2f}–{lo_hi[1]:.2f})"  # noqa: E731
+                                 if args.repeat > 1 else "")
+            print(f"| {name} | {k} | {a2:,.1f} | {p2:,.1f} | {r['vs_ddp']:.2f}{rng(r['vs_ddp_range'])} | "
+                  f"{a1:,.1f} | {p1:,.1f} | {r['vs_plain']:.2f} | "
+                  f"{r['scaling']:.2f}{rng(r['scaling_range'])} | {r['ddp_scaling']:.2f} | "
+                  f"{r['solo']:.2f} |")
+    print()
+    print("samples/s: median of the runs. Ratios: the ratio within each repeat (both runs "
+          "taken minutes apart at most, sides interleaved), then the median over repeats; "
+          "in parentheses the lowest and highest of those ratios.")
     print()
     print(f"Scaling = samples/s at W = {W} / ({W} x the same side at W = 1). The last column is "
           f"the same ratio for {W} plain loops started together with no communication at all "

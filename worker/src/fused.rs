@@ -190,14 +190,16 @@ mod tests {
             prop_oneof![Just(0.0f32), 1e-5f32..1e-2],
             any::<bool>(),
         )
-            .prop_map(|(lr, momentum, dampening, nesterov, weight_decay, first)| Sgd {
-                lr,
-                momentum,
-                one_minus_dampening: 1.0 - dampening,
-                nesterov,
-                weight_decay,
-                first,
-            })
+            .prop_map(
+                |(lr, momentum, dampening, nesterov, weight_decay, first)| Sgd {
+                    lr,
+                    momentum,
+                    one_minus_dampening: 1.0 - dampening,
+                    nesterov,
+                    weight_decay,
+                    first,
+                },
+            )
     }
 
     fn prep() -> impl Strategy<Value = GradPrep> {
@@ -251,7 +253,11 @@ mod tests {
             let g = g0.shallow_clone() * s;
             let d = &g + &p0 * wd;
             let buf = &b0 * m + &d * (1.0 - damp);
-            let step = if nesterov { &d + &buf * m } else { buf.shallow_clone() };
+            let step = if nesterov {
+                &d + &buf * m
+            } else {
+                buf.shallow_clone()
+            };
             let want_p = &p0 - step * lr;
             let mut p = Vec::<f32>::try_from(&p0).unwrap();
             let mut g = Vec::<f32>::try_from(&g0).unwrap();
@@ -267,8 +273,14 @@ mod tests {
             sgd(&mut p, &mut g, &mut b, GradPrep::Mul(s as f32), h);
             let got_p = Tensor::from_slice(&p);
             let got_b = Tensor::from_slice(&b);
-            assert!(got_p.allclose(&want_p, 1e-6, 1e-6, false), "nesterov={nesterov}");
-            assert!(got_b.allclose(&buf, 1e-6, 1e-6, false), "nesterov={nesterov}");
+            assert!(
+                got_p.allclose(&want_p, 1e-6, 1e-6, false),
+                "nesterov={nesterov}"
+            );
+            assert!(
+                got_b.allclose(&buf, 1e-6, 1e-6, false),
+                "nesterov={nesterov}"
+            );
             assert!(g.iter().all(|&x| x == 0.0));
         }
     }

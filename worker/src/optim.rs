@@ -3,14 +3,18 @@
 //! with state that checkpoints can save by parameter name.
 
 use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::fused::{self, GradPrep};
 use crate::spec::OptimizerSpec;
 use std::collections::HashMap;
-use crate::fused::{self, GradPrep};
 use tch::{Device, Kind, Tensor};
 
 /// Below this many elements the fused step stays on one thread (spawning
 /// costs more than it saves).
 const PARALLEL_MIN: usize = 1 << 18;
+
+/// One parameter's (or a part of it) parameter, gradient and momentum
+/// buffer memory, as the fused step walks it.
+type Slices<'a> = (&'a mut [f32], &'a mut [f32], &'a mut [f32]);
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Rule {
@@ -224,10 +228,7 @@ impl Optimizer {
             return Ok(false);
         };
         let flat_f32 = |t: &Tensor| {
-            t.defined()
-                && t.kind() == Kind::Float
-                && t.device() == Device::Cpu
-                && t.is_contiguous()
+            t.defined() && t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous()
         };
         let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
         if !params
@@ -275,7 +276,7 @@ impl Optimizer {
         let raw = |t: &Tensor| unsafe {
             std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel())
         };
-        let mut work: Vec<(&mut [f32], &mut [f32], &mut [f32])> = params
+        let mut work: Vec<Slices> = params
             .iter()
             .zip(&grads)
             .zip(&self.state)
@@ -296,8 +297,7 @@ impl Optimizer {
             return Ok(true);
         }
         let per = total.div_ceil(threads);
-        let mut shares: Vec<Vec<(&mut [f32], &mut [f32], &mut [f32])>> =
-            (0..threads).map(|_| Vec::new()).collect();
+        let mut shares: Vec<Vec<Slices>> = (0..threads).map(|_| Vec::new()).collect();
         let (mut t, mut room) = (0, per);
         for (mut p, mut g, mut b) in work {
             while !p.is_empty() {
@@ -411,7 +411,8 @@ mod tests {
                 let p = Tensor::randn([n], (Kind::Float, Device::Cpu)).set_requires_grad(true);
                 (&p * 1.0).sum(Kind::Float).backward();
                 let _g = tch::no_grad_guard();
-                p.grad().copy_(&Tensor::randn([n], (Kind::Float, Device::Cpu)));
+                p.grad()
+                    .copy_(&Tensor::randn([n], (Kind::Float, Device::Cpu)));
                 (format!("p{i}"), p)
             })
             .collect()
@@ -433,7 +434,8 @@ mod tests {
         tch::manual_seed(seed);
         let _g = tch::no_grad_guard();
         for (_, p) in ps {
-            p.grad().copy_(&Tensor::randn(p.size(), (Kind::Float, Device::Cpu)));
+            p.grad()
+                .copy_(&Tensor::randn(p.size(), (Kind::Float, Device::Cpu)));
         }
     }
 
@@ -450,9 +452,7 @@ mod tests {
             for step in 0..3 {
                 set_grads(&fused_p, 10 + step);
                 set_grads(&plain_p, 10 + step);
-                assert!(fused
-                    .step_fused(&fused_p, 0.1, GradPrep::Mul(0.3))
-                    .unwrap());
+                assert!(fused.step_fused(&fused_p, 0.1, GradPrep::Mul(0.3)).unwrap());
                 {
                     let _g = tch::no_grad_guard();
                     for (_, p) in &plain_p {
