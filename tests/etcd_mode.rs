@@ -251,6 +251,24 @@ async fn job_in_etcd(etcd: &Etcd, cluster: &str, id: &str) -> Job {
     Job::decode(r.kvs()[0].value()).unwrap()
 }
 
+/// The job as etcd holds it once it is in `want` (the store writes to etcd
+/// from a thread of its own); fails after 10 s naming what etcd holds.
+async fn job_in_etcd_when(etcd: &Etcd, cluster: &str, id: &str, want: JobState) -> Job {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let job = job_in_etcd(etcd, cluster, id).await;
+        if job.state() == want {
+            return job;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "etcd holds {:?} for {id}, expected {want:?}",
+            job.state()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Two coordinator replicas: the follower names the leader; kill -9 of the
 /// leader hands over to the follower, and the running job finishes without
 /// a restart of its workers (and without a re-formation).
@@ -308,17 +326,7 @@ async fn follower_takes_over_when_the_leader_dies() {
             "the workers were not restarted"
         );
     }
-    // The store writes to etcd from a thread of its own: poll until the
-    // final state has landed.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let state = job_in_etcd(&etcd, "ha", &job.id).await.state();
-        if state == JobState::Succeeded {
-            break;
-        }
-        assert!(Instant::now() < deadline, "etcd still holds {state:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    job_in_etcd_when(&etcd, "ha", &job.id, JobState::Succeeded).await;
 }
 
 /// A coordinator restart in etcd mode (on another port: workers find it
@@ -404,20 +412,7 @@ async fn etcd_outage_loses_nothing() {
         JobState::Succeeded
     );
     // Everything reached etcd.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let a = job_in_etcd(&etcd, "out", &job.id).await;
-        let b = job_in_etcd(&etcd, "out", &during.id).await;
-        if a.state() == JobState::Succeeded && b.state() == JobState::Succeeded {
-            assert_eq!(a.counters.unwrap().step, cnt.step);
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "etcd holds {:?} and {:?}",
-            a.state(),
-            b.state()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let a = job_in_etcd_when(&etcd, "out", &job.id, JobState::Succeeded).await;
+    job_in_etcd_when(&etcd, "out", &during.id, JobState::Succeeded).await;
+    assert_eq!(a.counters.unwrap().step, cnt.step);
 }

@@ -493,17 +493,17 @@ def main():
             a1, a2 = runs[("accrue", 1)], runs[("accrue", W)]
             p1, p2 = runs[("torch", 1)], runs[("torch", W)]
             so = runs[("solo", W)]
-            med = lambda xs: statistics.median(xs)  # noqa: E731
+            vs_ddp = [a["rate"] / p["rate"] for a, p in zip(a2, p2)]
+            scaling = [b["rate"] / (W * a["rate"]) for a, b in zip(a1, a2)]
             results[(name, k, "paired")] = {
-                "vs_ddp": med([a["rate"] / p["rate"] for a, p in zip(a2, p2)]),
-                "vs_plain": med([a["rate"] / p["rate"] for a, p in zip(a1, p1)]),
-                "scaling": med([b["rate"] / (W * a["rate"]) for a, b in zip(a1, a2)]),
-                "ddp_scaling": med([b["rate"] / (W * a["rate"]) for a, b in zip(p1, p2)]),
-                "solo": med([x["rate"] / (W * p["rate"]) for x, p in zip(so, p1)]),
-                "vs_ddp_range": (min(a["rate"] / p["rate"] for a, p in zip(a2, p2)),
-                                 max(a["rate"] / p["rate"] for a, p in zip(a2, p2))),
-                "scaling_range": (min(b["rate"] / (W * a["rate"]) for a, b in zip(a1, a2)),
-                                  max(b["rate"] / (W * a["rate"]) for a, b in zip(a1, a2))),
+                "vs_ddp": statistics.median(vs_ddp),
+                "vs_plain": statistics.median([a["rate"] / p["rate"] for a, p in zip(a1, p1)]),
+                "scaling": statistics.median(scaling),
+                "ddp_scaling": statistics.median([b["rate"] / (W * a["rate"])
+                                                  for a, b in zip(p1, p2)]),
+                "solo": statistics.median([x["rate"] / (W * p["rate"]) for x, p in zip(so, p1)]),
+                "vs_ddp_range": (min(vs_ddp), max(vs_ddp)),
+                "scaling_range": (min(scaling), max(scaling)),
             }
 
     grad_elems = {}

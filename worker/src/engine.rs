@@ -863,7 +863,10 @@ impl<C: Collective> Engine<C> {
         // (crate::fused); otherwise the same as tensor ops, pass by pass.
         let t_opt = Instant::now();
         let fused = match prep {
-            Some(prep) => self.optimizer.step_fused(&self.model.params, lr, prep)?,
+            Some(prep) => match self.grads.cpu_mut() {
+                Some(g) => self.optimizer.step_fused(&self.model.params, g, lr, prep)?,
+                None => false,
+            },
             None => false,
         };
         if fused {

@@ -117,7 +117,6 @@ fn sgd_with(p: &mut [f32], g: &mut [f32], buf: &mut [f32], h: Sgd, prep: impl Fn
     }
     let m = h.momentum;
     let one_minus_damp = h.one_minus_dampening;
-    let p = &mut p[..];
     let g = &mut g[..p.len()];
     let buf = &mut buf[..p.len()];
     macro_rules! body {

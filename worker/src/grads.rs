@@ -113,6 +113,19 @@ impl FlatGrads {
             .ctx("viewing the gradient buffer")
     }
 
+    /// The gradients (no EXTRA slots) as one slice in parameter order,
+    /// where they live in host memory (None on CUDA).
+    pub fn cpu_mut(&mut self) -> Option<&mut [f32]> {
+        if self.flat.device() != Device::Cpu {
+            return None;
+        }
+        // SAFETY: `flat` is a contiguous float32 CPU tensor of len + EXTRA
+        // elements owned by self; the slice borrows self mutably, and the
+        // parameters' .grad views of it are not used while it lives (the
+        // engine thread is the only one that runs backward or steps).
+        Some(unsafe { std::slice::from_raw_parts_mut(self.flat.data_ptr() as *mut f32, self.len) })
+    }
+
     pub fn buckets(&self) -> &[Range<usize>] {
         &self.buckets
     }

@@ -207,14 +207,17 @@ impl Optimizer {
 
     /// The fused CPU step ([`crate::fused::sgd`]): prepares each gradient
     /// (`prep`: normalization and clip), applies SGD and zeroes the gradient,
-    /// in one pass over memory per parameter. Returns `Ok(false)`, having
-    /// touched nothing, where it does not apply (Adam/AdamW, or a parameter,
-    /// gradient or buffer that is not a contiguous float32 CPU tensor); the
-    /// caller then runs the tensor-op pipeline. With more than one intra-op
-    /// thread the elements are split across that many threads.
+    /// in one pass over memory per parameter. `grads` is every parameter's
+    /// gradient, in order, as one slice ([`crate::grads::FlatGrads::cpu_mut`]).
+    /// Returns `Ok(false)`, having touched nothing, where it does not apply
+    /// (Adam/AdamW, or a parameter or buffer that is not a contiguous
+    /// float32 CPU tensor); the caller then runs the tensor-op pipeline.
+    /// With more than one intra-op thread the elements are split across
+    /// that many threads.
     pub fn step_fused(
         &mut self,
         params: &[(String, Tensor)],
+        grads: &mut [f32],
         lr: f64,
         prep: GradPrep,
     ) -> Result<bool> {
@@ -230,12 +233,8 @@ impl Optimizer {
         let flat_f32 = |t: &Tensor| {
             t.defined() && t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous()
         };
-        let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
-        if !params
-            .iter()
-            .zip(&grads)
-            .all(|((_, p), g)| flat_f32(p) && flat_f32(g) && g.numel() == p.numel())
-        {
+        let total: usize = params.iter().map(|(_, p)| p.numel()).sum();
+        if total != grads.len() || !params.iter().all(|(_, p)| flat_f32(p)) {
             return Ok(false);
         }
         let first = momentum != 0.0 && self.steps == 0;
@@ -257,7 +256,6 @@ impl Optimizer {
                 }
             }
         }
-        let _guard = tch::no_grad_guard();
         self.steps += 1;
         let h = fused::Sgd {
             lr: lr as f32,
@@ -267,31 +265,29 @@ impl Optimizer {
             weight_decay: weight_decay as f32,
             first,
         };
-        // SAFETY (all three slices): each tensor was checked above to be a
-        // contiguous float32 CPU tensor of numel elements; parameters,
-        // gradients and buffers are distinct storages (gradients are views of
-        // the flat gradient buffer, buffers were allocated per parameter),
-        // and nothing else runs on them while the engine thread is here. The
-        // tensor handles (`params`, `grads`, `self.state`) outlive the slices.
+        // SAFETY (parameters and buffers): each tensor was checked above to
+        // be a contiguous float32 CPU tensor of numel elements; parameters,
+        // buffers and the gradient buffer are distinct storages, and nothing
+        // else runs on them while the engine thread is here. The tensor
+        // handles (`params`, `self.state`) outlive the slices.
         let raw = |t: &Tensor| unsafe {
             std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel())
         };
-        let mut work: Vec<Slices> = params
+        let pieces = params
             .iter()
-            .zip(&grads)
             .zip(&self.state)
-            .map(|(((_, p), g), state)| {
+            .scan(grads, |rest, ((_, p), state)| {
+                let (g, tail) = std::mem::take(rest).split_at_mut(p.numel());
+                *rest = tail;
                 let buf: &mut [f32] = match state.get("momentum_buffer") {
                     Some(b) if momentum != 0.0 => raw(b),
                     _ => &mut [],
                 };
-                (raw(p), raw(g), buf)
-            })
-            .collect();
+                Some((raw(p), g, buf))
+            });
         let threads = (tch::get_num_threads().max(1) as usize).min(64);
-        let total: usize = work.iter().map(|w| w.0.len()).sum();
         if threads == 1 || total < PARALLEL_MIN {
-            for (p, g, b) in work.iter_mut() {
+            for (p, g, b) in pieces {
                 fused::sgd(p, g, b, prep, h);
             }
             return Ok(true);
@@ -299,7 +295,7 @@ impl Optimizer {
         let per = total.div_ceil(threads);
         let mut shares: Vec<Vec<Slices>> = (0..threads).map(|_| Vec::new()).collect();
         let (mut t, mut room) = (0, per);
-        for (mut p, mut g, mut b) in work {
+        for (mut p, mut g, mut b) in pieces {
             while !p.is_empty() {
                 let n = p.len().min(room);
                 let (p1, p2) = p.split_at_mut(n);
@@ -390,6 +386,7 @@ fn scalar(v: f64, like: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::grads::FlatGrads;
     use crate::spec::OptimizerSpec;
     use tch::{Device, Kind, Tensor};
 
@@ -447,12 +444,15 @@ mod tests {
         for (nesterov, dampening) in [(false, 0.0), (true, 0.0), (false, 0.25)] {
             let fused_p = params(&[7, 300, 33], 3);
             let plain_p = copy(&fused_p);
+            let mut flat = FlatGrads::attach(&fused_p, 1 << 20).unwrap();
             let mut fused = Optimizer::new(&sgd_spec(nesterov, dampening), 3);
             let mut plain = Optimizer::new(&sgd_spec(nesterov, dampening), 3);
             for step in 0..3 {
                 set_grads(&fused_p, 10 + step);
                 set_grads(&plain_p, 10 + step);
-                assert!(fused.step_fused(&fused_p, 0.1, GradPrep::Mul(0.3)).unwrap());
+                assert!(fused
+                    .step_fused(&fused_p, flat.cpu_mut().unwrap(), 0.1, GradPrep::Mul(0.3))
+                    .unwrap());
                 {
                     let _g = tch::no_grad_guard();
                     for (_, p) in &plain_p {
@@ -486,6 +486,10 @@ mod tests {
         let sizes = [PARALLEL_MIN as i64, 1000, PARALLEL_MIN as i64 / 3 + 7];
         let a = params(&sizes, 5);
         let b = copy(&a);
+        let (mut fa, mut fb) = (
+            FlatGrads::attach(&a, 1 << 20).unwrap(),
+            FlatGrads::attach(&b, 1 << 20).unwrap(),
+        );
         let mut oa = Optimizer::new(&sgd_spec(true, 0.0), 3);
         let mut ob = Optimizer::new(&sgd_spec(true, 0.0), 3);
         let before = tch::get_num_threads();
@@ -493,9 +497,13 @@ mod tests {
             set_grads(&a, 20 + step);
             set_grads(&b, 20 + step);
             tch::set_num_threads(1);
-            assert!(oa.step_fused(&a, 0.05, GradPrep::Div(4.0)).unwrap());
+            assert!(oa
+                .step_fused(&a, fa.cpu_mut().unwrap(), 0.05, GradPrep::Div(4.0))
+                .unwrap());
             tch::set_num_threads(3);
-            assert!(ob.step_fused(&b, 0.05, GradPrep::Div(4.0)).unwrap());
+            assert!(ob
+                .step_fused(&b, fb.cpu_mut().unwrap(), 0.05, GradPrep::Div(4.0))
+                .unwrap());
         }
         tch::set_num_threads(before);
         for ((n, x), (_, y)) in a.iter().zip(&b) {
@@ -510,8 +518,11 @@ mod tests {
         let p = params(&[5], 1);
         let before = p[0].1.copy();
         let g = p[0].1.grad().copy();
+        let mut flat = FlatGrads::attach(&p, 1 << 20).unwrap();
         let mut o = Optimizer::new(&spec, 1);
-        assert!(!o.step_fused(&p, 0.1, GradPrep::Mul(1.0)).unwrap());
+        assert!(!o
+            .step_fused(&p, flat.cpu_mut().unwrap(), 0.1, GradPrep::Mul(1.0))
+            .unwrap());
         assert!(p[0].1.equal(&before) && p[0].1.grad().equal(&g));
         assert_eq!(o.steps, 0);
     }
