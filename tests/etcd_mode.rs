@@ -131,9 +131,21 @@ fn coordinator_args(etcd: &Etcd, cluster: &str, dir: &Path, ttl: u32) -> Vec<Str
 }
 
 fn spawn_etcd_worker(etcd: &Etcd, cluster: &str, id: &str, dir: &Path) -> Child {
+    spawn_etcd_worker_at(etcd, cluster, id, dir, "127.0.0.1:9")
+}
+
+/// A worker in etcd mode whose fallback coordinator address (used while
+/// etcd cannot be reached) is `coordinator`.
+fn spawn_etcd_worker_at(
+    etcd: &Etcd,
+    cluster: &str,
+    id: &str,
+    dir: &Path,
+    coordinator: &str,
+) -> Child {
     let log = std::fs::File::create(dir.join(format!("{id}.log"))).unwrap();
     Command::new(worker_bin())
-        .args(["daemon", "--coordinator", "http://127.0.0.1:9"])
+        .args(["daemon", "--coordinator", &format!("http://{coordinator}")])
         .args(["--etcd", &etcd.url, "--cluster", cluster])
         .args([
             "--id",
@@ -155,6 +167,20 @@ async fn ready(http: &str) -> bool {
         Ok(r) => r.status().is_success(),
         Err(_) => false,
     }
+}
+
+/// Whether /metrics has `line` within 30 s.
+async fn metric_reads(http: &str, line: &str) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Ok(r) = reqwest::get(format!("http://{http}/metrics")).await {
+            if r.text().await.is_ok_and(|t| t.lines().any(|l| l == line)) {
+                return true;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
 }
 
 async fn wait_ready(http: &str, want: bool, limit: Duration) -> bool {
@@ -373,6 +399,78 @@ async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
     assert_eq!((cnt.step, cnt.samples_seen), (cnt.total_steps, 4 * 384));
 }
 
+/// A job formed while etcd is away: no worker trains under a generation
+/// etcd has not recorded. The coordinator dies meanwhile (its queued writes
+/// with it); the next one finds the job as etcd holds it (pending), forms
+/// it, and it finishes once, with exact counters. Before assignments waited
+/// for etcd, the workers trained generation 1 unrecorded, the next
+/// coordinator handed out generation 1 again, and the old run's messages
+/// passed for the new one's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_worker_trains_under_a_generation_etcd_has_not_recorded() {
+    let d = TempDir::new().unwrap();
+    let mut etcd = Etcd::start(d.path()).await;
+    let first = spawn_coordinator(
+        &coordinator_args(&etcd, "gen", d.path(), 2),
+        &d.path().join("coord-1.log"),
+    );
+    assert!(wait_ready(&first.http, true, Duration::from_secs(20)).await);
+    let mut w = Workers(vec![spawn_etcd_worker(&etcd, "gen", "g0", d.path())]);
+    assert!(metric_reads(&first.http, "accrue_workers_attached 1").await);
+    // Needs two workers: pending, and recorded so.
+    let job = submit(&first.grpc, spec("gen", 2)).await;
+    job_in_etcd_when(&etcd, "gen", &job.id, JobState::Pending).await;
+    etcd.stop();
+    // The second worker reaches the coordinator by its fallback address.
+    w.0.push(spawn_etcd_worker_at(
+        &etcd,
+        "gen",
+        "g1",
+        d.path(),
+        &first.grpc,
+    ));
+    let mut c = client(&first.grpc).await;
+    let formed = wait_state(
+        &mut c,
+        &job.id,
+        &[JobState::Rendezvous],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(formed.state(), JobState::Rendezvous, "{formed:?}");
+    assert!(metric_reads(&first.http, "accrue_held_messages 2").await);
+    // The whole job takes about a second once it runs: for two seconds
+    // nothing may commit.
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        let j = c
+            .get_job(v1::GetJobRequest { id: job.id.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            (j.state(), j.counters.unwrap_or_default().step),
+            (JobState::Rendezvous, 0),
+            "trained under a generation etcd does not hold"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(first); // SIGKILL
+    etcd.spawn().await;
+    let second = spawn_coordinator(
+        &coordinator_args(&etcd, "gen", d.path(), 2),
+        &d.path().join("coord-2.log"),
+    );
+    assert!(wait_ready(&second.http, true, Duration::from_secs(30)).await);
+    let end = finish(&second.grpc, &job.id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert_eq!(end.generation, 1, "formed once, by the second coordinator");
+    let cnt = end.counters.unwrap();
+    assert!(cnt.total_steps > 0);
+    assert_eq!((cnt.step, cnt.samples_seen), (cnt.total_steps, 2 * 384));
+    job_in_etcd_when(&etcd, "gen", &job.id, JobState::Succeeded).await;
+}
+
 /// etcd stopped for a few seconds and started again: the coordinator says
 /// not ready meanwhile, recovers by itself, and nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -395,10 +493,34 @@ async fn etcd_outage_loses_nothing() {
         wait_ready(&co.http, false, Duration::from_secs(15)).await,
         "not ready while etcd is away"
     );
-    // Jobs keep being served from memory meanwhile.
-    let during = submit(&co.grpc, spec("during", 1)).await;
+    // A submission meanwhile is taken but answered only once it is in
+    // etcd; jobs keep being served from memory.
+    let grpc = co.grpc.clone();
+    let submitting = tokio::spawn(async move { submit(&grpc, spec("during", 1)).await });
+    let mut c = client(&co.grpc).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while c
+        .list_jobs(v1::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs
+        .len()
+        < 2
+    {
+        assert!(Instant::now() < deadline, "the submission never arrived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !submitting.is_finished(),
+        "a submission was acknowledged while etcd was away"
+    );
     etcd.spawn().await;
+    let during = tokio::time::timeout(Duration::from_secs(30), submitting)
+        .await
+        .expect("acknowledged once etcd is back")
+        .unwrap();
     assert!(
         wait_ready(&co.http, true, Duration::from_secs(30)).await,
         "ready again by itself"

@@ -5,7 +5,7 @@
 
 use crate::gate::Gate;
 use crate::service::{Config, Coordinator};
-use crate::store::{JobStore, StoreError};
+use crate::store::{JobStore, StoreError, WriteProgress};
 use accrue_proto::v1::Job;
 use etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
@@ -44,10 +44,12 @@ fn backend(endpoints: &[String], reason: impl std::fmt::Display) -> StoreError {
 /// The job store on etcd. Writes go to a thread of their own: the newest
 /// version of each job is written, in order, and retried until etcd takes
 /// it, so a handler never waits on etcd and nothing is lost while etcd is
-/// away (`health` says so meanwhile).
+/// away (`health` says so meanwhile). `progress` tells how far the writes
+/// have reached etcd.
 pub struct EtcdStore {
-    tx: std::sync::Mutex<mpsc::Sender<Job>>,
+    tx: std::sync::Mutex<mpsc::Sender<(u64, Job)>>,
     ok: Arc<AtomicBool>,
+    progress: Arc<WriteProgress>,
     at_open: Vec<Job>,
 }
 
@@ -76,22 +78,30 @@ impl EtcdStore {
                 .and_then(|n| n.parse::<u64>().ok())
                 .unwrap_or(u64::MAX)
         });
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<(u64, Job)>();
         let ok = Arc::new(AtomicBool::new(true));
-        let ok2 = ok.clone();
+        let progress = Arc::new(WriteProgress::default());
+        let (ok2, progress2) = (ok.clone(), progress.clone());
         std::thread::Builder::new()
             .name("accrue-etcd-writer".into())
-            .spawn(move || writer(client, prefix, rx, ok2))
+            .spawn(move || writer(client, prefix, rx, ok2, &progress2))
             .map_err(|e| backend(&cfg.endpoints, e))?;
         Ok(Self {
             tx: std::sync::Mutex::new(tx),
             ok,
+            progress,
             at_open,
         })
     }
 }
 
-fn writer(client: Client, prefix: String, rx: mpsc::Receiver<Job>, ok: Arc<AtomicBool>) {
+fn writer(
+    client: Client,
+    prefix: String,
+    rx: mpsc::Receiver<(u64, Job)>,
+    ok: Arc<AtomicBool>,
+    progress: &WriteProgress,
+) {
     let Ok(rt) = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -101,6 +111,9 @@ fn writer(client: Client, prefix: String, rx: mpsc::Receiver<Job>, ok: Arc<Atomi
     };
     let mut pending: BTreeMap<String, Job> = BTreeMap::new();
     let mut order: Vec<String> = Vec::new();
+    // The newest ticket received: once nothing is pending, every write up
+    // to it is in etcd (an older version of a job is covered by its newest).
+    let mut received = 0u64;
     loop {
         let wait = if pending.is_empty() {
             Duration::from_secs(3600)
@@ -108,12 +121,9 @@ fn writer(client: Client, prefix: String, rx: mpsc::Receiver<Job>, ok: Arc<Atomi
             Duration::from_millis(200)
         };
         match rx.recv_timeout(wait) {
-            Ok(j) => {
-                if !pending.contains_key(&j.id) {
-                    order.push(j.id.clone());
-                }
-                pending.insert(j.id.clone(), j);
-                for j in rx.try_iter() {
+            Ok(first) => {
+                for (ticket, j) in std::iter::once(first).chain(rx.try_iter()) {
+                    received = received.max(ticket);
                     if !pending.contains_key(&j.id) {
                         order.push(j.id.clone());
                     }
@@ -159,15 +169,18 @@ fn writer(client: Client, prefix: String, rx: mpsc::Receiver<Job>, ok: Arc<Atomi
                 }
             }
         }
+        if pending.is_empty() {
+            progress.advance(received);
+        }
     }
 }
 
 impl JobStore for EtcdStore {
     fn put(&self, job: &Job) -> Result<(), StoreError> {
-        self.tx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send(job.clone())
+        // The ticket is taken under the lock, so tickets reach the writer
+        // in the order they were issued.
+        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        tx.send((self.progress.issue(), job.clone()))
             .map_err(|_| StoreError::Backend {
                 path: "etcd".into(),
                 reason: "the writer thread stopped".into(),
@@ -182,6 +195,9 @@ impl JobStore for EtcdStore {
         } else {
             Err("etcd is unreachable; job writes are queued".into())
         }
+    }
+    fn progress(&self) -> Option<Arc<WriteProgress>> {
+        Some(self.progress.clone())
     }
 }
 

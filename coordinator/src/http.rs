@@ -138,6 +138,12 @@ pub fn metrics_text(c: &Coordinator) -> String {
     );
     let _ = writeln!(out, "# TYPE accrue_workers_attached gauge");
     let _ = writeln!(out, "accrue_workers_attached {}", c.worker_count());
+    let _ = writeln!(
+        out,
+        "# HELP accrue_held_messages Messages to workers waiting for job writes to reach etcd."
+    );
+    let _ = writeln!(out, "# TYPE accrue_held_messages gauge");
+    let _ = writeln!(out, "accrue_held_messages {}", c.held_messages());
     let (p50, p99, n) = c.report_latency();
     let _ = writeln!(
         out,

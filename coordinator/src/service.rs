@@ -3,12 +3,12 @@
 //! persist after the lock is released.
 
 use crate::state::{self, Waiting};
-use crate::store::JobStore;
+use crate::store::{JobStore, WriteProgress};
 use accrue_proto::v1::{
     self, coordinator_message, worker_message, CoordinatorMessage, Counters, Job, JobEvent,
     JobState, StepReport, WorkerMessage,
 };
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -104,6 +104,15 @@ pub struct Coordinator {
     /// None once closed (the coordinator stopped).
     store: Mutex<Option<Box<dyn JobStore>>>,
     events: broadcast::Sender<JobEvent>,
+    /// With a store that writes in the background (etcd): messages to
+    /// workers wait here, in order, until the job writes made before them
+    /// are durable. A new generation is thus in etcd before any worker
+    /// trains under it, and a coordinator that restarts never hands out a
+    /// generation number that workers already used.
+    progress: Option<Arc<WriteProgress>>,
+    held: Mutex<VecDeque<(u64, Outbox, CoordinatorMessage)>>,
+    /// The durable ticket, for those who wait on it (a submission).
+    durable: tokio::sync::watch::Sender<u64>,
 }
 
 /// What a locked block decided: messages to send and jobs to persist.
@@ -144,12 +153,25 @@ impl Coordinator {
             st.jobs.insert(entry.job.id.clone(), entry);
         }
         let (events, _) = broadcast::channel(16384);
-        Ok(Arc::new(Self {
+        let progress = store.progress();
+        let c = Arc::new(Self {
             cfg,
             state: Mutex::new(st),
             store: Mutex::new(Some(store)),
             events,
-        }))
+            progress,
+            held: Mutex::default(),
+            durable: tokio::sync::watch::Sender::new(0),
+        });
+        if let Some(p) = &c.progress {
+            let weak = Arc::downgrade(&c);
+            p.set_waker(Box::new(move || {
+                if let Some(c) = weak.upgrade() {
+                    c.release();
+                }
+            }));
+        }
+        Ok(c)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -178,12 +200,70 @@ impl Coordinator {
                 }
             }
         }
-        for (tx, m) in fx.send {
-            let _ = tx.send(Ok(m));
-        }
+        self.send(fx.send);
         for e in fx.events {
             let _ = self.events.send(e);
         }
+    }
+
+    /// Sends to workers: at once with a store whose writes are durable when
+    /// `put` returns; else behind every write issued so far, in order.
+    fn send(&self, msgs: Vec<(Outbox, CoordinatorMessage)>) {
+        let Some(p) = &self.progress else {
+            for (tx, m) in msgs {
+                let _ = tx.send(Ok(m));
+            }
+            return;
+        };
+        if !msgs.is_empty() {
+            let ticket = p.issued();
+            self.held
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(msgs.into_iter().map(|(tx, m)| (ticket, tx, m)));
+        }
+        self.release();
+    }
+
+    /// Sends the held messages whose writes are durable, oldest first.
+    fn release(&self) {
+        let Some(p) = &self.progress else {
+            return;
+        };
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let durable = p.durable();
+        self.durable.send_if_modified(|d| {
+            let newer = durable > *d;
+            *d = (*d).max(durable);
+            newer
+        });
+        while let Some((ticket, _, _)) = held.front() {
+            if *ticket > durable {
+                break;
+            }
+            if let Some((_, tx, m)) = held.pop_front() {
+                let _ = tx.send(Ok(m));
+            }
+        }
+    }
+
+    /// Returns once every job write made so far has reached the store's
+    /// backend (at once with a store whose writes are durable when made).
+    pub async fn wait_durable(&self) {
+        let Some(p) = &self.progress else {
+            return;
+        };
+        let ticket = p.issued();
+        if p.durable() >= ticket {
+            return;
+        }
+        let mut rx = self.durable.subscribe();
+        let _ = rx.wait_for(|d| *d >= ticket).await;
+    }
+
+    /// Messages to workers still waiting for their writes to be durable.
+    pub fn held_messages(&self) -> usize {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     pub fn jobs(&self) -> Vec<Job> {
@@ -969,6 +1049,16 @@ impl Coordinator {
                     if d.eval.is_some() {
                         entry.job.eval = d.eval;
                     }
+                    let c = entry.job.counters.get_or_insert_with(Default::default);
+                    if d.total_steps > 0 && d.step >= c.step {
+                        // Reports made while no coordinator listened can be
+                        // lost with it; the rank's own end state is exact.
+                        c.step = d.step;
+                        c.window = d.step;
+                        c.samples_seen = d.samples_seen;
+                        c.total_steps = d.total_steps;
+                        c.epoch = d.epoch;
+                    }
                     let steps = entry.job.counters.as_ref().map_or(0, |c| c.step);
                     if let Ok(t) = state::transition(
                         &mut entry.job,
@@ -1070,7 +1160,12 @@ impl v1::job_service_server::JobService for JobApi {
             .into_inner()
             .spec
             .ok_or_else(|| Status::invalid_argument("spec: (missing): required"))?;
-        self.0.submit(spec).map(Response::new)
+        let job = self.0.submit(spec)?;
+        // Acknowledged once it is durable: a coordinator that dies right
+        // after never loses a job it said it took (with etcd away, the
+        // answer waits until etcd is back).
+        self.0.wait_durable().await;
+        Ok(Response::new(job))
     }
     async fn get_job(&self, req: Request<v1::GetJobRequest>) -> Result<Response<Job>, Status> {
         let id = req.into_inner().id;
@@ -1192,5 +1287,188 @@ impl v1::worker_service_server::WorkerService for GatedWorkerApi {
         req: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::AttachStream>, Status> {
         WorkerApi(self.0.get()?).attach(req).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store that writes in the background and has not got far: jobs are
+    /// kept in memory, durable only as far as the test advances `progress`
+    /// (the etcd writer while etcd is slow or away).
+    struct Behind {
+        jobs: Mutex<BTreeMap<String, Job>>,
+        progress: Arc<WriteProgress>,
+    }
+
+    impl JobStore for Behind {
+        fn put(&self, job: &Job) -> Result<(), crate::store::StoreError> {
+            let mut jobs = self.jobs.lock().unwrap();
+            self.progress.issue();
+            jobs.insert(job.id.clone(), job.clone());
+            Ok(())
+        }
+        fn list(&self) -> Result<Vec<Job>, crate::store::StoreError> {
+            Ok(self.jobs.lock().unwrap().values().cloned().collect())
+        }
+        fn progress(&self) -> Option<Arc<WriteProgress>> {
+            Some(self.progress.clone())
+        }
+    }
+
+    fn spec() -> v1::JobSpec {
+        let text = r#"
+name = "held"
+workers = 2
+max_steps = 6
+[model]
+kind = "mlp"
+hidden = [8]
+[data]
+kind = "synthetic"
+samples = 64
+shape = [4]
+classes = 2
+batch_size = 4
+[optimizer]
+kind = "sgd"
+lr = 0.1
+"#;
+        let s =
+            accrue_common::JobSpec::from_toml_str(text, std::path::Path::new("t.toml")).unwrap();
+        accrue_proto::spec_to_proto(&s)
+    }
+
+    type Inbox = mpsc::UnboundedReceiver<Result<CoordinatorMessage, Status>>;
+
+    fn attach(c: &Coordinator, id: &str) -> Inbox {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let hello = v1::WorkerHello {
+            worker_id: id.into(),
+            data_addr: format!("127.0.0.1:{}", 7000 + id.len()),
+            ..Default::default()
+        };
+        c.register(hello, tx).unwrap();
+        rx
+    }
+
+    fn assigned(rx: &mut Inbox) -> Option<v1::Assignment> {
+        match rx.try_recv().ok()?.unwrap().msg {
+            Some(coordinator_message::Msg::Assign(a)) => Some(a),
+            other => panic!("expected an assignment, got {other:?}"),
+        }
+    }
+
+    fn behind() -> (Arc<Coordinator>, Arc<WriteProgress>) {
+        let progress = Arc::new(WriteProgress::default());
+        let store = Behind {
+            jobs: Mutex::default(),
+            progress: progress.clone(),
+        };
+        (
+            Coordinator::new(Config::default(), Box::new(store)).unwrap(),
+            progress,
+        )
+    }
+
+    #[test]
+    fn assignments_wait_until_their_generation_is_durable() {
+        let (c, progress) = behind();
+        let (mut rx0, mut rx1) = (attach(&c, "w0"), attach(&c, "w1"));
+        let job = c.submit(spec()).unwrap();
+        // Formed in memory at once (submit saved Pending, the form saved
+        // generation 1), but no worker hears of it yet.
+        assert_eq!(job.state(), JobState::Rendezvous);
+        assert_eq!(job.generation, 1);
+        assert_eq!(progress.issued(), 2);
+        assert_eq!(c.held_messages(), 2);
+        assert!(assigned(&mut rx0).is_none() && assigned(&mut rx1).is_none());
+        // Only the submission is durable: still held.
+        progress.advance(1);
+        assert!(assigned(&mut rx0).is_none() && assigned(&mut rx1).is_none());
+        // The generation is durable: both ranks get it, nothing stays held.
+        progress.advance(2);
+        let a0 = assigned(&mut rx0).expect("rank 0 assigned");
+        let a1 = assigned(&mut rx1).expect("rank 1 assigned");
+        assert_eq!((a0.generation, a0.rank, a1.rank), (1, 0, 1));
+        assert_eq!(c.held_messages(), 0);
+    }
+
+    #[test]
+    fn a_message_without_a_write_keeps_its_place_behind_held_ones() {
+        let (c, progress) = behind();
+        let (mut rx0, _rx1) = (attach(&c, "w0"), attach(&c, "w1"));
+        let job = c.submit(spec()).unwrap();
+        // A report for a job this coordinator does not know: refused, with
+        // no write of its own. It must not overtake the held assignment.
+        c.on_message(
+            "w0",
+            WorkerMessage {
+                msg: Some(worker_message::Msg::Step(StepReport {
+                    job_id: "nope".into(),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            },
+        );
+        assert!(rx0.try_recv().is_err());
+        progress.advance(progress.issued());
+        assert_eq!(assigned(&mut rx0).unwrap().job_id, job.id);
+        match rx0.try_recv().unwrap().unwrap().msg {
+            Some(coordinator_message::Msg::Refused(r)) => assert_eq!(r.job_id, "nope"),
+            other => panic!("expected the refusal second, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_submission_waits_until_it_is_durable() {
+        let (c, progress) = behind();
+        c.submit(spec()).unwrap();
+        let c2 = c.clone();
+        let mut waiting = tokio::spawn(async move { c2.wait_durable().await });
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), &mut waiting)
+                .await
+                .is_err(),
+            "returned before the write was durable"
+        );
+        progress.advance(progress.issued());
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("returns once durable")
+            .unwrap();
+    }
+
+    #[test]
+    fn the_final_counters_come_from_rank_0s_done() {
+        let (c, progress) = behind();
+        let (_rx0, _rx1) = (attach(&c, "w0"), attach(&c, "w1"));
+        let job = c.submit(spec()).unwrap();
+        progress.advance(progress.issued());
+        // No step report reached this coordinator (lost with the previous
+        // one, say); rank 0's end state is what the job shows.
+        let done = |rank: u32| WorkerMessage {
+            job_id: job.id.clone(),
+            generation: 1,
+            msg: Some(worker_message::Msg::Done(v1::JobDone {
+                job_id: job.id.clone(),
+                generation: 1,
+                rank,
+                ok: true,
+                step: 6,
+                samples_seen: 6 * 8 * 2,
+                total_steps: 6,
+                epoch: 1,
+                ..Default::default()
+            })),
+        };
+        c.on_message("w1", done(1));
+        assert_eq!(c.job(&job.id).unwrap().state(), JobState::Rendezvous);
+        c.on_message("w0", done(0));
+        let end = c.job(&job.id).unwrap();
+        assert_eq!(end.state(), JobState::Succeeded);
+        let k = end.counters.unwrap();
+        assert_eq!((k.step, k.total_steps, k.samples_seen), (6, 6, 96));
     }
 }

@@ -5,6 +5,8 @@ use accrue_proto::v1::Job;
 use prost::Message;
 use redb::{Database, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 
@@ -15,11 +17,68 @@ pub enum StoreError {
 }
 
 pub trait JobStore: Send + Sync {
+    /// Records the newest version of a job. A store whose `put` returns
+    /// before the write is durable says so through [`JobStore::progress`].
     fn put(&self, job: &Job) -> Result<(), StoreError>;
     fn list(&self) -> Result<Vec<Job>, StoreError>;
     /// Err (in words) while writes cannot reach the backend.
     fn health(&self) -> Result<(), String> {
         Ok(())
+    }
+    /// For a store that writes in the background: how far its writes are
+    /// durable. None: every `put` is durable when it returns.
+    fn progress(&self) -> Option<Arc<WriteProgress>> {
+        None
+    }
+}
+
+type Waker = Box<dyn Fn() + Send + Sync>;
+
+/// Tickets of background writes: every `put` takes the next ticket, and
+/// `durable` is the newest ticket up to which every write has reached the
+/// backend. The coordinator holds its messages to workers until the writes
+/// they follow from are durable, so no worker acts on a decision (a new
+/// generation, above all) that a restarted coordinator would not know.
+#[derive(Default)]
+pub struct WriteProgress {
+    issued: AtomicU64,
+    durable: AtomicU64,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl WriteProgress {
+    /// The next ticket. Take it in the order the writes are queued.
+    pub fn issue(&self) -> u64 {
+        self.issued.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// The newest ticket issued so far.
+    pub fn issued(&self) -> u64 {
+        self.issued.load(Ordering::SeqCst)
+    }
+
+    pub fn durable(&self) -> u64 {
+        self.durable.load(Ordering::SeqCst)
+    }
+
+    /// Every write up to `ticket` is durable; wakes whoever waits.
+    pub fn advance(&self, ticket: u64) {
+        let before = self.durable.fetch_max(ticket, Ordering::SeqCst);
+        if ticket > before {
+            if let Some(w) = self
+                .waker
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+            {
+                w();
+            }
+        }
+    }
+
+    /// Called (from the writer's thread) whenever `durable` moves on.
+    pub fn set_waker(&self, w: Waker) {
+        *self.waker.lock().unwrap_or_else(|p| p.into_inner()) = Some(w);
     }
 }
 

@@ -325,6 +325,10 @@ fn run_assignment(
                     checkpoint: s.checkpoint.display().to_string(),
                     eval: s.eval.as_ref().map(eval_proto),
                     stopped: control.stopping() || !s.finished,
+                    step: s.state.step,
+                    samples_seen: s.state.samples_seen,
+                    total_steps: t.engine.as_ref().map_or(0, |e| e.total_steps()),
+                    epoch: s.state.epoch,
                 }
             }
             Outcome::Failed(e) => {
