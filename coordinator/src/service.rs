@@ -111,8 +111,6 @@ pub struct Coordinator {
     /// generation number that workers already used.
     progress: Option<Arc<WriteProgress>>,
     held: Mutex<VecDeque<(u64, Outbox, CoordinatorMessage)>>,
-    /// The durable ticket, for those who wait on it (a submission).
-    durable: tokio::sync::watch::Sender<u64>,
 }
 
 /// What a locked block decided: messages to send and jobs to persist.
@@ -161,7 +159,6 @@ impl Coordinator {
             events,
             progress,
             held: Mutex::default(),
-            durable: tokio::sync::watch::Sender::new(0),
         });
         if let Some(p) = &c.progress {
             let weak = Arc::downgrade(&c);
@@ -232,11 +229,6 @@ impl Coordinator {
         };
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let durable = p.durable();
-        self.durable.send_if_modified(|d| {
-            let newer = durable > *d;
-            *d = (*d).max(durable);
-            newer
-        });
         while let Some((ticket, _, _)) = held.front() {
             if *ticket > durable {
                 break;
@@ -254,11 +246,8 @@ impl Coordinator {
             return;
         };
         let ticket = p.issued();
-        if p.durable() >= ticket {
-            return;
-        }
-        let mut rx = self.durable.subscribe();
-        let _ = rx.wait_for(|d| *d >= ticket).await;
+        // wait_for looks at the current value first.
+        let _ = p.subscribe().wait_for(|d| *d >= ticket).await;
     }
 
     /// Messages to workers still waiting for their writes to be durable.

@@ -39,11 +39,21 @@ type Waker = Box<dyn Fn() + Send + Sync>;
 /// backend. The coordinator holds its messages to workers until the writes
 /// they follow from are durable, so no worker acts on a decision (a new
 /// generation, above all) that a restarted coordinator would not know.
-#[derive(Default)]
 pub struct WriteProgress {
     issued: AtomicU64,
-    durable: AtomicU64,
+    /// The durable ticket; those who wait on it (a submission) subscribe.
+    durable: tokio::sync::watch::Sender<u64>,
     waker: Mutex<Option<Waker>>,
+}
+
+impl Default for WriteProgress {
+    fn default() -> Self {
+        Self {
+            issued: AtomicU64::new(0),
+            durable: tokio::sync::watch::Sender::new(0),
+            waker: Mutex::new(None),
+        }
+    }
 }
 
 impl WriteProgress {
@@ -58,13 +68,22 @@ impl WriteProgress {
     }
 
     pub fn durable(&self) -> u64 {
-        self.durable.load(Ordering::SeqCst)
+        *self.durable.borrow()
+    }
+
+    /// Changes of the durable ticket.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.durable.subscribe()
     }
 
     /// Every write up to `ticket` is durable; wakes whoever waits.
     pub fn advance(&self, ticket: u64) {
-        let before = self.durable.fetch_max(ticket, Ordering::SeqCst);
-        if ticket > before {
+        let moved = self.durable.send_if_modified(|d| {
+            let newer = ticket > *d;
+            *d = (*d).max(ticket);
+            newer
+        });
+        if moved {
             if let Some(w) = self
                 .waker
                 .lock()
