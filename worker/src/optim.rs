@@ -427,12 +427,16 @@ mod tests {
             .collect()
     }
 
-    fn set_grads(ps: &[(String, Tensor)], seed: i64) {
+    /// The same `seed`-derived gradients into both parameter sets: drawn
+    /// once and copied, since tests running alongside share libtorch's
+    /// global generator and may draw from it in between.
+    fn set_grads(a: &[(String, Tensor)], b: &[(String, Tensor)], seed: i64) {
         tch::manual_seed(seed);
         let _g = tch::no_grad_guard();
-        for (_, p) in ps {
-            p.grad()
-                .copy_(&Tensor::randn(p.size(), (Kind::Float, Device::Cpu)));
+        for ((_, p), (_, q)) in a.iter().zip(b) {
+            let g = Tensor::randn(p.size(), (Kind::Float, Device::Cpu));
+            p.grad().copy_(&g);
+            q.grad().copy_(&g);
         }
     }
 
@@ -448,8 +452,7 @@ mod tests {
             let mut fused = Optimizer::new(&sgd_spec(nesterov, dampening), 3);
             let mut plain = Optimizer::new(&sgd_spec(nesterov, dampening), 3);
             for step in 0..3 {
-                set_grads(&fused_p, 10 + step);
-                set_grads(&plain_p, 10 + step);
+                set_grads(&fused_p, &plain_p, 10 + step);
                 assert!(fused
                     .step_fused(&fused_p, flat.cpu_mut().unwrap(), 0.1, GradPrep::Mul(0.3))
                     .unwrap());
@@ -494,8 +497,7 @@ mod tests {
         let mut ob = Optimizer::new(&sgd_spec(true, 0.0), 3);
         let before = tch::get_num_threads();
         for step in 0..2 {
-            set_grads(&a, 20 + step);
-            set_grads(&b, 20 + step);
+            set_grads(&a, &b, 20 + step);
             tch::set_num_threads(1);
             assert!(oa
                 .step_fused(&a, fa.cpu_mut().unwrap(), 0.05, GradPrep::Div(4.0))
