@@ -382,8 +382,30 @@ pub async fn watch(
     last.ok_or_else(|| anyhow::anyhow!("the watch stream ended without any event"))
 }
 
-/// Worker processes killed when dropped.
+/// Worker processes: [`Children::shutdown`] asks them to stop (SIGTERM:
+/// each daemon detaches from the coordinator, a planned exit) and kills
+/// any that has not exited within 5 s; dropping kills what is left.
 struct Children(Vec<std::process::Child>);
+
+impl Children {
+    async fn shutdown(&mut self) {
+        for c in &self.0 {
+            if let Ok(pid) = libc::pid_t::try_from(c.id()) {
+                // SAFETY: kill(2) on our own child, not yet waited for (so
+                // its pid cannot have been reused), only sends a signal.
+                unsafe {
+                    libc::kill(pid, libc::SIGTERM);
+                }
+            }
+        }
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        for c in &mut self.0 {
+            while tokio::time::Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
 
 impl Drop for Children {
     fn drop(&mut self) {
@@ -470,6 +492,7 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
         r = watch(&mut client, &submitted.id, opts.json) => r?,
         _ = tokio::signal::ctrl_c() => {
             let _ = client.cancel_job(v1::CancelJobRequest { id: submitted.id.clone() }).await;
+            children.shutdown().await;
             drop(children);
             handle.stop().await;
             bail!("interrupted; job {} cancelled", submitted.id);
@@ -498,6 +521,7 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
     if !end.error.is_empty() {
         println!("error {}", end.error);
     }
+    children.shutdown().await;
     drop(children);
     handle.stop().await;
     Ok(exit_for(&end))

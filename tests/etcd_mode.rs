@@ -493,38 +493,47 @@ async fn etcd_outage_loses_nothing() {
         wait_ready(&co.http, false, Duration::from_secs(15)).await,
         "not ready while etcd is away"
     );
-    // A submission meanwhile is taken but answered only once it is in
-    // etcd; jobs keep being served from memory.
-    let grpc = co.grpc.clone();
-    let submitting = tokio::spawn(async move { submit(&grpc, spec("during", 1)).await });
-    let mut c = client(&co.grpc).await;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while c
-        .list_jobs(v1::ListJobsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .jobs
-        .len()
-        < 2
-    {
-        assert!(Instant::now() < deadline, "the submission never arrived");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // A submission meanwhile is refused within a bounded time, naming the
+    // store (UNAVAILABLE: the replica cannot make it durable, or no longer
+    // leads), and nothing of it remains.
+    let asked = Instant::now();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(15),
+        client(&co.grpc)
+            .await
+            .submit_job(v1::SubmitJobRequest {
+                spec: Some(spec("during", 1)),
+            }),
+    )
+    .await
+    .expect("answered within 15 s")
+    .expect_err("a submission was acknowledged while etcd was away");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    let said = refused.message();
     assert!(
-        !submitting.is_finished(),
-        "a submission was acknowledged while etcd was away"
+        said.contains("etcd") || said.contains("leader") || said.contains("durable"),
+        "{said}"
     );
+    eprintln!("refused after {:?}: {said}", asked.elapsed());
     etcd.spawn().await;
-    let during = tokio::time::timeout(Duration::from_secs(30), submitting)
-        .await
-        .expect("acknowledged once etcd is back")
-        .unwrap();
     assert!(
         wait_ready(&co.http, true, Duration::from_secs(30)).await,
         "ready again by itself"
     );
+    let jobs = client(&co.grpc)
+        .await
+        .list_jobs(v1::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs;
+    assert!(
+        jobs.iter().all(|j| !j.id.starts_with("during")),
+        "a refused submission was created: {:?}",
+        jobs.iter().map(|j| &j.id).collect::<Vec<_>>()
+    );
+    // Once etcd is back a submission is taken.
+    let during = submit(&co.grpc, spec("during", 1)).await;
     let end = finish(&co.grpc, &job.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     let cnt = end.counters.unwrap();
@@ -537,4 +546,209 @@ async fn etcd_outage_loses_nothing() {
     let a = job_in_etcd_when(&etcd, "out", &job.id, JobState::Succeeded).await;
     job_in_etcd_when(&etcd, "out", &during.id, JobState::Succeeded).await;
     assert_eq!(a.counters.unwrap().step, cnt.step);
+}
+
+/// Every write of a job key in etcd's history, oldest first: (revision,
+/// the replica that wrote it, the job's version, its id).
+async fn job_history(etcd: &Etcd, cluster: &str) -> Vec<(i64, String, u64, String)> {
+    use etcd_client::GetOptions;
+    let mut c = etcd_client::Client::connect([etcd.url.as_str()], None)
+        .await
+        .unwrap();
+    let prefix = accrue_proto::layout::etcd::jobs_prefix(cluster);
+    let now = c
+        .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    let mut out = Vec::new();
+    for rev in 1..=now {
+        let r = c
+            .get(
+                prefix.clone(),
+                Some(GetOptions::new().with_prefix().with_revision(rev)),
+            )
+            .await
+            .unwrap();
+        for kv in r.kvs().iter().filter(|kv| kv.mod_revision() == rev) {
+            let j = Job::decode(kv.value()).unwrap();
+            out.push((rev, j.written_by, j.version, j.id));
+        }
+    }
+    out
+}
+
+/// No write by `old` after the first write by `new`.
+fn assert_fenced(history: &[(i64, String, u64, String)], old: &str, new: &str) {
+    let first_new = history
+        .iter()
+        .find(|(_, w, _, _)| w == new)
+        .unwrap_or_else(|| panic!("no write by the new leader {new}: {history:?}"))
+        .0;
+    let late: Vec<_> = history
+        .iter()
+        .filter(|(rev, w, _, _)| w == old && *rev > first_new)
+        .collect();
+    assert!(
+        late.is_empty(),
+        "the old leader {old} wrote after the new leader's first write (revision {first_new}): {late:?}"
+    );
+}
+
+/// Fencing at the store: once the leader key is held under another lease,
+/// the old leader's queued writes (even a newer version) do not land, and
+/// the old leader learns it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_store_writes_nothing_after_the_new_leader() {
+    use accrue_coordinator::etcd::{EtcdConfig, EtcdStore, Fence};
+    use accrue_coordinator::store::JobStore;
+    use etcd_client::PutOptions;
+    use std::sync::Arc;
+    let d = TempDir::new().unwrap();
+    let etcd = Etcd::start(d.path()).await;
+    let cfg = EtcdConfig {
+        endpoints: vec![etcd.url.clone()],
+        cluster: "fs".into(),
+        lease_ttl_s: 2,
+    };
+    let mut c = etcd_client::Client::connect([etcd.url.as_str()], None)
+        .await
+        .unwrap();
+    let leader = accrue_proto::layout::etcd::leader_key("fs");
+    let job = |v: u64| Job {
+        id: "fenced-1".into(),
+        version: v,
+        generation: v,
+        ..Default::default()
+    };
+    async fn durable(s: &EtcdStore, t: u64) {
+        let mut rx = s.progress().subscribe();
+        tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|d| *d >= t))
+            .await
+            .expect("durable within 10 s")
+            .unwrap();
+    }
+    let la = c.lease_grant(30, None).await.unwrap().id();
+    c.put(leader.clone(), "a", Some(PutOptions::new().with_lease(la)))
+        .await
+        .unwrap();
+    let fenced_a = Arc::new(tokio::sync::Notify::new());
+    let a = EtcdStore::open(
+        c.clone(),
+        &cfg,
+        Fence {
+            leader_key: leader.clone(),
+            lease: la,
+            writer: "a".into(),
+            fenced: fenced_a.clone(),
+        },
+    )
+    .await
+    .unwrap();
+    durable(&a, a.put(&job(1)).unwrap()).await;
+    // A is cut off: its lease ends, B takes the leader key and writes.
+    c.lease_revoke(la).await.unwrap();
+    let lb = c.lease_grant(30, None).await.unwrap().id();
+    c.put(leader.clone(), "b", Some(PutOptions::new().with_lease(lb)))
+        .await
+        .unwrap();
+    let b = EtcdStore::open(
+        c.clone(),
+        &cfg,
+        Fence {
+            leader_key: leader.clone(),
+            lease: lb,
+            writer: "b".into(),
+            fenced: Arc::new(tokio::sync::Notify::new()),
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(b.list().unwrap()[0].version, 1);
+    durable(&b, b.put(&job(2)).unwrap()).await;
+    // A comes back with a newer version queued: refused, and A learns it.
+    a.put(&job(3)).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), fenced_a.notified())
+        .await
+        .expect("the old leader learns its writes are fenced");
+    let history = job_history(&etcd, "fs").await;
+    assert_fenced(&history, "a", "b");
+    let writes: Vec<(&str, u64)> = history
+        .iter()
+        .map(|(_, w, v, _)| (w.as_str(), *v))
+        .collect();
+    assert_eq!(writes, [("a", 1), ("b", 2)]);
+    a.close();
+    b.close();
+}
+
+fn signal(p: &CoordinatorProc, sig: i32) {
+    // SAFETY: kill(2) on our own child process only sends a signal.
+    let rc = unsafe { libc::kill(p.child.id() as libc::pid_t, sig) };
+    assert_eq!(rc, 0, "kill({}, {sig})", p.child.id());
+}
+
+/// A leader cut off from etcd (stopped for longer than its lease) is
+/// replaced. When it runs again it steps down by itself through the gate
+/// (it answers as a follower naming the new leader, and its process does
+/// not exit), refuses submissions, and etcd's history holds no write of
+/// it after the new leader's first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_leader_steps_down_and_never_writes_after_the_new_leader() {
+    let d = TempDir::new().unwrap();
+    let etcd = Etcd::start(d.path()).await;
+    let mut a = spawn_coordinator(
+        &coordinator_args(&etcd, "part", d.path(), 2),
+        &d.path().join("coord-a.log"),
+    );
+    assert!(wait_ready(&a.http, true, Duration::from_secs(20)).await);
+    let b = spawn_coordinator(
+        &coordinator_args(&etcd, "part", d.path(), 2),
+        &d.path().join("coord-b.log"),
+    );
+    // Needs two workers, none attached: it stays pending, written by A.
+    submit(&a.grpc, spec("before", 1)).await;
+    signal(&a, libc::SIGSTOP);
+    assert!(
+        wait_ready(&b.http, true, Duration::from_secs(30)).await,
+        "the follower takes over from the stopped leader"
+    );
+    submit(&b.grpc, spec("after", 1)).await;
+    signal(&a, libc::SIGCONT);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = client(&a.grpc)
+            .await
+            .list_jobs(v1::ListJobsRequest {})
+            .await;
+        match r {
+            Err(e) if e.code() == tonic::Code::Unavailable && e.message().contains(&b.grpc) => {
+                break
+            }
+            other => assert!(
+                Instant::now() < deadline,
+                "the old leader still serves: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        a.child.try_wait().unwrap().is_none(),
+        "the old leader exited instead of stepping down"
+    );
+    assert!(!ready(&a.http).await);
+    let refused = client(&a.grpc)
+        .await
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec("stale", 1)),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable);
+    let history = job_history(&etcd, "part").await;
+    assert_fenced(&history, &a.grpc, &b.grpc);
+    assert!(history.iter().any(|(_, w, _, id)| w == &a.grpc && id.starts_with("before")));
+    assert!(history.iter().all(|(_, _, _, id)| !id.starts_with("stale")));
 }

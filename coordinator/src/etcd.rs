@@ -1,11 +1,22 @@
 //! etcd mode (DESIGN section 7): jobs live under `/accrue/<cluster>/jobs/`,
 //! workers register under `/accrue/<cluster>/workers/<id>` with a lease
 //! they keep alive, and coordinator replicas elect a leader on
-//! `/accrue/<cluster>/leader` (its value: the leader's gRPC address).
+//! `/accrue/<cluster>/leader` (its value: the leader's gRPC address; the
+//! key layout is `accrue_proto::layout::etcd`, shared with the daemon).
+//!
+//! Leadership is fenced: every job write is a transaction that succeeds
+//! only while the leader key is still held under this replica's lease. A
+//! deposed leader's queued writes therefore fail instead of landing after a
+//! partition heals, and the first failed one makes it step down. A leader
+//! that cannot renew its lease within the TTL steps down on its own
+//! deadline. Stepping down goes through the gate (readiness 503, the
+//! follower's answers) and the replica campaigns again; the process never
+//! exits from here.
 
 use crate::gate::Gate;
 use crate::service::{Config, Coordinator};
-use crate::store::{JobStore, StoreError, WriteProgress};
+use crate::store::{supersedes, JobStore, StoreError, Write, WriteProgress, WriteQueue};
+use accrue_proto::layout::etcd::{job_key, jobs_prefix, leader_key, workers_prefix};
 use accrue_proto::v1::Job;
 use etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
@@ -13,8 +24,9 @@ use etcd_client::{
 use prost::Message;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::Duration;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
 
 #[derive(Clone, Debug)]
 pub struct EtcdConfig {
@@ -24,16 +36,6 @@ pub struct EtcdConfig {
     pub lease_ttl_s: i64,
 }
 
-pub fn jobs_prefix(cluster: &str) -> String {
-    format!("/accrue/{cluster}/jobs/")
-}
-pub fn workers_prefix(cluster: &str) -> String {
-    format!("/accrue/{cluster}/workers/")
-}
-pub fn leader_key(cluster: &str) -> String {
-    format!("/accrue/{cluster}/leader")
-}
-
 fn backend(endpoints: &[String], reason: impl std::fmt::Display) -> StoreError {
     StoreError::Backend {
         path: format!("etcd {}", endpoints.join(",")).into(),
@@ -41,20 +43,38 @@ fn backend(endpoints: &[String], reason: impl std::fmt::Display) -> StoreError {
     }
 }
 
+/// Whether a leader whose lease was last renewed at `renewed_ms` must step
+/// down at `now_ms`: once a full TTL has passed without a renewal, etcd may
+/// already have let the lease go and another replica may lead.
+pub fn must_step_down(renewed_ms: i64, now_ms: i64, ttl_ms: i64) -> bool {
+    now_ms - renewed_ms >= ttl_ms
+}
+
 /// The job store on etcd. Writes go to a thread of their own: the newest
 /// version of each job is written, in order, and retried until etcd takes
 /// it, so a handler never waits on etcd and nothing is lost while etcd is
-/// away (`health` says so meanwhile). `progress` tells how far the writes
-/// have reached etcd.
+/// away (`health` says so meanwhile). Each write is fenced by the leader
+/// lease; a refused one sets `fenced` and stops the writer.
 pub struct EtcdStore {
-    tx: std::sync::Mutex<mpsc::Sender<(u64, Job)>>,
+    queue: WriteQueue,
     ok: Arc<AtomicBool>,
-    progress: Arc<WriteProgress>,
     at_open: Vec<Job>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// Who writes: the leader key and lease that fence the writes, and the
+/// replica's address recorded in each job version (`written_by`).
+#[derive(Clone)]
+pub struct Fence {
+    pub leader_key: String,
+    pub lease: i64,
+    pub writer: String,
+    /// Notified once when a write is refused: this replica no longer leads.
+    pub fenced: Arc<Notify>,
 }
 
 impl EtcdStore {
-    pub async fn open(client: Client, cfg: &EtcdConfig) -> Result<Self, StoreError> {
+    pub async fn open(client: Client, cfg: &EtcdConfig, fence: Fence) -> Result<Self, StoreError> {
         let mut c = client.clone();
         let prefix = jobs_prefix(&cfg.cluster);
         let resp = c
@@ -78,113 +98,174 @@ impl EtcdStore {
                 .and_then(|n| n.parse::<u64>().ok())
                 .unwrap_or(u64::MAX)
         });
-        let (tx, rx) = mpsc::channel::<(u64, Job)>();
+        let (queue, rx) = WriteQueue::new(format!("etcd {}", cfg.endpoints.join(",")).into());
         let ok = Arc::new(AtomicBool::new(true));
-        let progress = Arc::new(WriteProgress::default());
-        let (ok2, progress2) = (ok.clone(), progress.clone());
-        std::thread::Builder::new()
+        let (ok2, progress) = (ok.clone(), queue.progress());
+        let written: BTreeMap<String, u64> =
+            at_open.iter().map(|j| (j.id.clone(), j.version)).collect();
+        let cluster = cfg.cluster.clone();
+        let thread = std::thread::Builder::new()
             .name("accrue-etcd-writer".into())
-            .spawn(move || writer(client, prefix, rx, ok2, &progress2))
+            .spawn(move || {
+                Writer {
+                    client,
+                    cluster,
+                    fence,
+                    ok: ok2,
+                    written,
+                }
+                .run(rx, &progress)
+            })
             .map_err(|e| backend(&cfg.endpoints, e))?;
         Ok(Self {
-            tx: std::sync::Mutex::new(tx),
+            queue,
             ok,
-            progress,
             at_open,
+            thread: Mutex::new(Some(thread)),
         })
     }
 }
 
-fn writer(
+struct Writer {
     client: Client,
-    prefix: String,
-    rx: mpsc::Receiver<(u64, Job)>,
+    cluster: String,
+    fence: Fence,
     ok: Arc<AtomicBool>,
-    progress: &WriteProgress,
-) {
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        tracing::error!("cannot start the etcd writer runtime");
-        return;
-    };
-    let mut pending: BTreeMap<String, Job> = BTreeMap::new();
-    let mut order: Vec<String> = Vec::new();
-    // The newest ticket received: once nothing is pending, every write up
-    // to it is in etcd (an older version of a job is covered by its newest).
-    let mut received = 0u64;
-    loop {
-        let wait = if pending.is_empty() {
-            Duration::from_secs(3600)
-        } else {
-            Duration::from_millis(200)
+    /// The newest version written of each job.
+    written: BTreeMap<String, u64>,
+}
+
+/// What one write attempt came to.
+enum Attempt {
+    Done,
+    /// etcd refused it: the lease no longer holds the leader key.
+    Fenced,
+    /// etcd did not answer; retry.
+    Retry(String),
+}
+
+impl Writer {
+    fn attempt(&mut self, rt: &tokio::runtime::Runtime, w: &Write) -> Attempt {
+        let key = job_key(&self.cluster, w.id());
+        let op = match w {
+            Write::Put(job) => {
+                if !supersedes(self.written.get(&job.id).copied(), job.version) {
+                    return Attempt::Done;
+                }
+                let mut job = job.clone();
+                job.written_by = self.fence.writer.clone();
+                TxnOp::put(key, job.encode_to_vec(), None)
+            }
+            Write::Delete(_) => TxnOp::delete(key, None),
         };
-        match rx.recv_timeout(wait) {
-            Ok(first) => {
-                for (ticket, j) in std::iter::once(first).chain(rx.try_iter()) {
-                    received = received.max(ticket);
-                    if !pending.contains_key(&j.id) {
-                        order.push(j.id.clone());
-                    }
-                    pending.insert(j.id.clone(), j);
+        let txn = Txn::new()
+            .when([Compare::lease(
+                self.fence.leader_key.clone(),
+                CompareOp::Equal,
+                self.fence.lease,
+            )])
+            .and_then([op]);
+        let mut c = self.client.clone();
+        let r = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(2), c.txn(txn)).await
+        });
+        match r {
+            Ok(Ok(resp)) if resp.succeeded() => {
+                if let Write::Put(job) = w {
+                    self.written.insert(job.id.clone(), job.version);
                 }
+                Attempt::Done
             }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) if pending.is_empty() => return,
-            Err(mpsc::RecvTimeoutError::Disconnected) => {}
+            Ok(Ok(_)) => Attempt::Fenced,
+            Ok(Err(e)) => Attempt::Retry(e.to_string()),
+            Err(_) => Attempt::Retry("timed out after 2 s".into()),
         }
-        let mut c = client.clone();
-        while let Some(id) = order.first().cloned() {
-            let Some(job) = pending.get(&id) else {
-                order.remove(0);
-                continue;
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<(u64, Write)>, progress: &WriteProgress) {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            tracing::error!("cannot start the etcd writer runtime");
+            return;
+        };
+        // The newest write of each job, in first-queued order.
+        let mut pending: BTreeMap<String, Write> = BTreeMap::new();
+        let mut order: Vec<String> = Vec::new();
+        // The newest ticket received: once nothing is pending, every write
+        // up to it is in etcd (an older version is covered by its newest).
+        let mut received = 0u64;
+        let mut closed = false;
+        loop {
+            let wait = if pending.is_empty() {
+                Duration::from_secs(3600)
+            } else {
+                Duration::from_millis(200)
             };
-            let put = rt.block_on(async {
-                tokio::time::timeout(
-                    Duration::from_secs(2),
-                    c.put(format!("{prefix}{id}"), job.encode_to_vec(), None),
-                )
-                .await
-            });
-            match put {
-                Ok(Ok(_)) => {
-                    pending.remove(&id);
-                    order.remove(0);
-                    if !ok.swap(true, Ordering::SeqCst) {
-                        tracing::info!("etcd reachable again; job writes caught up");
+            if !closed {
+                match rx.recv_timeout(wait) {
+                    Ok(first) => {
+                        for (ticket, w) in std::iter::once(first).chain(rx.try_iter()) {
+                            received = received.max(ticket);
+                            let id = w.id().to_string();
+                            if !pending.contains_key(&id) {
+                                order.push(id.clone());
+                            }
+                            pending.insert(id, w);
+                        }
                     }
-                }
-                Ok(Err(e)) => {
-                    if ok.swap(false, Ordering::SeqCst) {
-                        tracing::error!(error = %e, job = %id, "cannot write to etcd; retrying");
-                    }
-                    break;
-                }
-                Err(_) => {
-                    if ok.swap(false, Ordering::SeqCst) {
-                        tracing::error!(job = %id, "etcd write timed out; retrying");
-                    }
-                    break;
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => closed = true,
                 }
             }
-        }
-        if pending.is_empty() {
-            progress.advance(received);
+            if closed && pending.is_empty() {
+                return;
+            }
+            while let Some(id) = order.first().cloned() {
+                let Some(w) = pending.get(&id) else {
+                    order.remove(0);
+                    continue;
+                };
+                match self.attempt(&rt, w) {
+                    Attempt::Done => {
+                        pending.remove(&id);
+                        order.remove(0);
+                        if !self.ok.swap(true, Ordering::SeqCst) {
+                            tracing::info!("etcd reachable again; job writes caught up");
+                        }
+                    }
+                    Attempt::Fenced => {
+                        tracing::error!(job = %id, lease = self.fence.lease, "job write fenced: this replica no longer holds the leader key; dropping {} queued write(s)", pending.len());
+                        self.fence.fenced.notify_one();
+                        return;
+                    }
+                    Attempt::Retry(e) => {
+                        if self.ok.swap(false, Ordering::SeqCst) {
+                            tracing::error!(error = %e, job = %id, "cannot write to etcd; retrying");
+                        }
+                        if closed {
+                            // Stopping: what etcd does not take now is for
+                            // the next leader to decide again.
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            if pending.is_empty() {
+                progress.advance(received);
+            }
         }
     }
 }
 
 impl JobStore for EtcdStore {
-    fn put(&self, job: &Job) -> Result<(), StoreError> {
-        // The ticket is taken under the lock, so tickets reach the writer
-        // in the order they were issued.
-        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        tx.send((self.progress.issue(), job.clone()))
-            .map_err(|_| StoreError::Backend {
-                path: "etcd".into(),
-                reason: "the writer thread stopped".into(),
-            })
+    fn put(&self, job: &Job) -> Result<u64, StoreError> {
+        self.queue.push(Write::Put(job.clone()))
+    }
+    fn delete(&self, id: &str) -> Result<u64, StoreError> {
+        self.queue.push(Write::Delete(id.to_string()))
     }
     fn list(&self) -> Result<Vec<Job>, StoreError> {
         Ok(self.at_open.clone())
@@ -196,15 +277,22 @@ impl JobStore for EtcdStore {
             Err("etcd is unreachable; job writes are queued".into())
         }
     }
-    fn progress(&self) -> Option<Arc<WriteProgress>> {
-        Some(self.progress.clone())
+    fn progress(&self) -> Arc<WriteProgress> {
+        self.queue.progress()
+    }
+    fn close(&self) {
+        self.queue.close();
+        let t = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
     }
 }
 
 /// Campaigns for leadership until it wins, then serves as the coordinator:
 /// loads the jobs from etcd, watches worker leases, and keeps its own lease
-/// alive. A replica that loses its lease exits (a supervisor restarts it as
-/// a follower), so two leaders never act at once for longer than the TTL.
+/// alive. It steps down when the lease is lost, cannot be renewed within
+/// the TTL, or a job write is fenced, then campaigns again.
 pub async fn lead(cfg: Config, etcd: EtcdConfig, advertise: String, gate: Arc<Gate>) {
     let leader = leader_key(&etcd.cluster);
     let mut backoff = Duration::from_millis(100);
@@ -224,9 +312,9 @@ pub async fn lead(cfg: Config, etcd: EtcdConfig, advertise: String, gate: Arc<Ga
                     Some(PutOptions::new().with_lease(lease)),
                 )]);
             let won = client.txn(txn).await?.succeeded();
-            Ok::<_, etcd_client::Error>((client, lease, won))
+            Ok::<_, etcd_client::Error>((client, lease, won, Instant::now()))
         };
-        let (mut client, lease, won) = match attempt.await {
+        let (mut client, lease, won, granted) = match attempt.await {
             Ok(x) => {
                 gate.set_backend_ok(true);
                 backoff = Duration::from_millis(100);
@@ -245,13 +333,21 @@ pub async fn lead(cfg: Config, etcd: EtcdConfig, advertise: String, gate: Arc<Ga
             follow(&mut client, &leader, &gate).await;
             continue;
         }
-        tracing::info!(%advertise, "elected leader");
+        tracing::info!(%advertise, lease, "elected leader");
         gate.set_leader_addr(&advertise);
-        let store = match EtcdStore::open(client.clone(), &etcd).await {
+        let fenced = Arc::new(Notify::new());
+        let fence = Fence {
+            leader_key: leader.clone(),
+            lease,
+            writer: advertise.clone(),
+            fenced: fenced.clone(),
+        };
+        let store = match EtcdStore::open(client.clone(), &etcd, fence).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, "cannot load jobs from etcd");
                 let _ = client.lease_revoke(lease).await;
+                gate.set_leader_addr("");
                 continue;
             }
         };
@@ -260,14 +356,20 @@ pub async fn lead(cfg: Config, etcd: EtcdConfig, advertise: String, gate: Arc<Ga
             Err(e) => {
                 tracing::error!(error = %e, "cannot start the coordinator");
                 let _ = client.lease_revoke(lease).await;
+                gate.set_leader_addr("");
                 continue;
             }
         };
         gate.lead(coordinator.clone());
-        tokio::spawn(watch_workers(client.clone(), etcd.clone(), coordinator));
-        keep_leading(client, lease, etcd.lease_ttl_s, gate).await;
-        tracing::error!("lost the leader lease; exiting so a supervisor restarts this replica");
-        std::process::exit(3);
+        let watcher = tokio::spawn(watch_workers(client.clone(), etcd.clone(), coordinator));
+        let why = tokio::select! {
+            why = keep_leading(client.clone(), lease, etcd.lease_ttl_s, granted, &gate) => why,
+            _ = fenced.notified() => "a job write was fenced (another replica holds the leader key)".to_string(),
+        };
+        tracing::error!(reason = %why, "stepping down as leader");
+        watcher.abort();
+        gate.step_down();
+        let _ = tokio::time::timeout(Duration::from_secs(1), client.lease_revoke(lease)).await;
     }
 }
 
@@ -315,35 +417,53 @@ async fn follow(client: &mut Client, leader: &str, gate: &Gate) {
     }
 }
 
-/// Keeps the leader lease alive; returns once etcd says it expired.
-async fn keep_leading(mut client: Client, lease: i64, ttl_s: i64, gate: Arc<Gate>) {
-    let every = Duration::from_millis((ttl_s.max(1) * 1000 / 3) as u64);
+/// Keeps the leader lease alive; returns (why) once etcd says it expired or
+/// a full TTL passed without a renewal ([`must_step_down`]).
+async fn keep_leading(
+    mut client: Client,
+    lease: i64,
+    ttl_s: i64,
+    granted: Instant,
+    gate: &Gate,
+) -> String {
+    let ttl = Duration::from_secs(ttl_s.max(1) as u64);
+    let every = ttl / 3;
+    let mut renewed = granted;
+    let since = |t: Instant| t.elapsed().as_millis() as i64;
     loop {
+        if must_step_down(0, since(renewed), ttl.as_millis() as i64) {
+            return format!(
+                "the leader lease was not renewed within its TTL of {} s",
+                ttl.as_secs()
+            );
+        }
+        // Every attempt ends by the deadline, so the check above runs in
+        // time even while etcd does not answer.
+        let left = ttl.saturating_sub(renewed.elapsed());
         let round = async {
             let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
             loop {
                 keeper.keep_alive().await?;
-                match tokio::time::timeout(Duration::from_secs(2), stream.message()).await {
-                    Ok(Ok(Some(r))) if r.ttl() <= 0 => {
-                        return Ok::<bool, etcd_client::Error>(false)
+                match stream.message().await? {
+                    Some(r) if r.ttl() <= 0 => return Ok::<bool, etcd_client::Error>(false),
+                    Some(_) => {
+                        renewed = Instant::now();
+                        gate.set_backend_ok(true);
                     }
-                    Ok(Ok(Some(_))) => gate.set_backend_ok(true),
-                    Ok(Ok(None)) => return Ok(true),
-                    Ok(Err(e)) => return Err(e),
-                    Err(_) => return Ok(true),
+                    None => return Ok(true),
                 }
                 tokio::time::sleep(every).await;
             }
         };
-        match round.await {
-            Ok(false) => return,
-            Ok(true) => {}
-            Err(e) => {
+        match tokio::time::timeout(left, round).await {
+            Ok(Ok(false)) => return "etcd says the leader lease expired".into(),
+            Ok(Ok(true)) | Err(_) => {}
+            Ok(Err(e)) => {
                 gate.set_backend_ok(false);
                 tracing::warn!(error = %e, "cannot renew the leader lease; retrying");
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(200).min(every)).await;
     }
 }
 
@@ -374,5 +494,17 @@ async fn watch_workers(mut client: Client, etcd: EtcdConfig, c: Arc<Coordinator>
             }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_leader_steps_down_a_ttl_after_its_last_renewal() {
+        assert!(!must_step_down(1_000, 3_999, 3_000));
+        assert!(must_step_down(1_000, 4_000, 3_000));
+        assert!(must_step_down(1_000, 60_000, 3_000));
     }
 }

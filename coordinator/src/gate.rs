@@ -3,6 +3,7 @@
 //! the leader's address (gRPC UNAVAILABLE with an `x-accrue-leader`
 //! header; HTTP 503 with the address in the body).
 
+use crate::error::CoordError;
 use crate::service::Coordinator;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
@@ -77,21 +78,31 @@ impl Gate {
         }
     }
 
-    /// The coordinator, or UNAVAILABLE naming the leader.
-    #[allow(clippy::result_large_err)]
-    pub fn get(&self) -> Result<Arc<Coordinator>, tonic::Status> {
-        if let Some(c) = self.coordinator() {
-            return Ok(c);
+    /// Stops leading: the coordinator stops deciding and writing, its
+    /// worker streams close (the daemons re-attach to whoever leads next),
+    /// and this replica answers as a follower.
+    pub fn step_down(&self) {
+        let c = self
+            .current
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        self.set_leader_addr("");
+        if let Some(c) = c {
+            c.close();
         }
-        let leader = self.leader_addr();
-        let mut s = tonic::Status::unavailable(if leader.is_empty() {
-            "not the leader, and no leader is elected yet; retry".to_string()
-        } else {
-            format!("not the leader; the leader is at {leader}")
-        });
-        if let Ok(v) = leader.parse() {
-            s.metadata_mut().insert(LEADER_HEADER, v);
+    }
+
+    /// The coordinator, or NotLeader naming the leader when one is known.
+    pub fn get(&self) -> Result<Arc<Coordinator>, CoordError> {
+        match self.coordinator() {
+            Some(c) if !c.is_closed() => Ok(c),
+            _ => {
+                let leader = self.leader_addr();
+                Err(CoordError::NotLeader {
+                    leader: (!leader.is_empty()).then_some(leader),
+                })
+            }
         }
-        Err(s)
     }
 }

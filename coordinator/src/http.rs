@@ -38,13 +38,7 @@ async fn readyz(State(g): State<Arc<Gate>>) -> Response {
 /// The coordinator, or 503 naming the leader.
 #[allow(clippy::result_large_err)]
 fn leader(g: &Gate) -> Result<Arc<Coordinator>, Response> {
-    g.get().map_err(|s| {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "error": s.message(), "leader": g.leader_addr() })),
-        )
-            .into_response()
-    })
+    g.get().map_err(IntoResponse::into_response)
 }
 
 pub fn state_name(s: JobState) -> &'static str {
@@ -113,13 +107,25 @@ async fn one(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response {
         Err(r) => return r,
     };
     match c.job(&id) {
-        Some(j) => Json(job_json(&j)).into_response(),
-        None => (
-            StatusCode::NOT_FOUND,
-            Json(json!({ "error": format!("no job {id:?}") })),
-        )
-            .into_response(),
+        Ok(j) => Json(job_json(&j)).into_response(),
+        Err(e) => e.into_response(),
     }
+}
+
+/// Text made safe inside HTML (element content and quoted attributes).
+pub fn html_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for ch in s.chars() {
+        match ch {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 fn escape(s: &str) -> String {
@@ -271,7 +277,7 @@ async fn dashboard(State(g): State<Arc<Gate>>) -> Response {
             k.loss,
             k.grad_norm,
             k.samples_per_sec,
-            id = escape(&j.id).replace('<', "&lt;")
+            id = html_escape(&j.id)
         );
     }
     Html(format!(

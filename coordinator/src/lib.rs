@@ -1,13 +1,17 @@
 //! accrue-coordinator: schedules jobs onto worker daemons and owns their
 //! counters (DESIGN sections 6, 7 and 10). No libtorch.
 
+pub mod error;
 pub mod etcd;
 pub mod gate;
+pub mod grpc;
 pub mod http;
+pub mod scheduler;
 pub mod service;
 pub mod state;
 pub mod store;
 
+pub use error::CoordError;
 pub use service::{Config, Coordinator};
 
 use accrue_proto::v1::{
@@ -40,7 +44,7 @@ impl Handle {
         }
         let _ = (&mut self.task).await;
         if let Some(c) = self.gate.coordinator() {
-            c.close_store();
+            c.close();
         }
     }
 }
@@ -103,13 +107,13 @@ async fn serve(
         source,
     })?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let max = cfg.max_message_bytes;
-    let jobs = JobServiceServer::new(service::GatedJobApi(gate.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(16 << 20);
-    let workers = WorkerServiceServer::new(service::GatedWorkerApi(gate.clone()))
-        .max_decoding_message_size(max)
-        .max_encoding_message_size(16 << 20);
+    use accrue_proto::layout::{MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES};
+    let jobs = JobServiceServer::new(grpc::JobApi(gate.clone()))
+        .max_decoding_message_size(MAX_REQUEST_BYTES)
+        .max_encoding_message_size(MAX_RESPONSE_BYTES);
+    let workers = WorkerServiceServer::new(grpc::WorkerApi(gate.clone()))
+        .max_decoding_message_size(MAX_REQUEST_BYTES)
+        .max_encoding_message_size(MAX_RESPONSE_BYTES);
     let router = http::router(gate.clone());
     let ticker = gate.clone();
     let ttl = cfg.heartbeat_ttl;
@@ -138,7 +142,7 @@ async fn serve(
             loop {
                 every.tick().await;
                 if let Some(c) = ticker.coordinator() {
-                    c.tick(service::now_ms());
+                    c.tick();
                 }
             }
         };

@@ -37,6 +37,10 @@ struct Args {
     /// holds on before a follower takes over.
     #[arg(long, default_value_t = 3)]
     lease_ttl: i64,
+    /// Seconds a submission waits for its record to be durable before it
+    /// is taken back and refused with UNAVAILABLE.
+    #[arg(long, default_value_t = 5.0)]
+    durable_timeout: f64,
 }
 
 #[tokio::main]
@@ -52,8 +56,10 @@ async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let cfg = accrue_coordinator::Config {
         state_dir: a.state_dir,
-        heartbeat_ttl: Duration::from_secs_f64(a.heartbeat_ttl),
-        ..Default::default()
+        heartbeat_ttl: Duration::try_from_secs_f64(a.heartbeat_ttl)
+            .map_err(|e| anyhow::anyhow!("--heartbeat-ttl {}: {e}", a.heartbeat_ttl))?,
+        durable_timeout: Duration::try_from_secs_f64(a.durable_timeout)
+            .map_err(|e| anyhow::anyhow!("--durable-timeout {}: {e}", a.durable_timeout))?,
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

@@ -7,5 +7,6 @@ pub mod v1 {
 }
 
 mod convert;
+pub mod layout;
 
 pub use convert::{spec_from_proto, spec_to_proto};

@@ -411,6 +411,17 @@ fn run_assignment(
 /// when the coordinator goes away (reports made meanwhile are kept and sent
 /// after re-attaching).
 pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
+    run_until(cfg, std::future::pending()).await
+}
+
+/// [`run`] until `shutdown` completes: then the daemon stops its job,
+/// tells the coordinator it detaches (a planned exit, not a lost worker),
+/// waits briefly for the coordinator to close the stream, and returns.
+pub async fn run_until(
+    cfg: DaemonConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), DaemonError> {
+    let mut shutdown = std::pin::pin!(shutdown);
     let listener = TcpListener::bind(&cfg.listen_data).map_err(|source| DaemonError::Listen {
         addr: cfg.listen_data.clone(),
         source,
@@ -443,12 +454,15 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(coordinator = %url, error = %e, "cannot reach the coordinator; retrying");
-                tokio::time::sleep(backoff).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = &mut shutdown => return Ok(()),
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(2));
                 continue;
             }
         };
-        let mut client = client.max_decoding_message_size(16 << 20);
+        let mut client = client.max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES);
         let (tx, rx) = mpsc::unbounded_channel::<WorkerMessage>();
         let hello = v1::WorkerHello {
             worker_id: cfg.worker_id.clone(),
@@ -475,7 +489,10 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
             Ok(r) => r.into_inner(),
             Err(e) => {
                 tracing::warn!(error = %e.message(), "attach refused; retrying");
-                tokio::time::sleep(backoff).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = &mut shutdown => return Ok(()),
+                }
                 continue;
             }
         };
@@ -484,6 +501,23 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
         let mut beat = tokio::time::interval(cfg.heartbeat);
         loop {
             tokio::select! {
+                _ = &mut shutdown => {
+                    tracing::info!(worker = %cfg.worker_id, "shutting down: detaching from the coordinator");
+                    if let Some(r) = &running {
+                        r.control.stop.store(true, Ordering::SeqCst);
+                    }
+                    let _ = tx.send(wrap(worker_message::Msg::Detach(v1::Detach {
+                        reason: "the daemon was told to stop".into(),
+                    })));
+                    drop(tx);
+                    // The coordinator closes the stream once it has let the
+                    // worker go.
+                    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+                        while let Ok(Some(_)) = inbound.message().await {}
+                    })
+                    .await;
+                    return Ok(());
+                }
                 _ = beat.tick() => {
                     if tx.send(wrap(worker_message::Msg::Heartbeat(v1::Heartbeat {}))).is_err() { break; }
                     if running.as_ref().is_some_and(|r| r.thread.is_finished()) {
@@ -554,7 +588,10 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
                 }
             }
         }
-        tokio::time::sleep(backoff).await;
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = &mut shutdown => return Ok(()),
+        }
     }
 }
 
@@ -563,7 +600,7 @@ async fn coordinator_url(cfg: &DaemonConfig) -> String {
     if cfg.etcd.is_empty() {
         return cfg.coordinator.clone();
     }
-    let key = format!("/accrue/{}/leader", cfg.cluster);
+    let key = accrue_proto::layout::etcd::leader_key(&cfg.cluster);
     let found = async {
         let mut c = etcd_client::Client::connect(&cfg.etcd, None).await.ok()?;
         let r = c.get(key, None).await.ok()?;
@@ -579,7 +616,7 @@ async fn coordinator_url(cfg: &DaemonConfig) -> String {
 /// Keeps `/accrue/<cluster>/workers/<id>` alive under a lease; re-registers
 /// after etcd lost the lease (e.g. it was down longer than the TTL).
 async fn register(cfg: DaemonConfig, info: String, ttl: i64) {
-    let key = format!("/accrue/{}/workers/{}", cfg.cluster, cfg.worker_id);
+    let key = accrue_proto::layout::etcd::worker_key(&cfg.cluster, &cfg.worker_id);
     let every = Duration::from_millis((ttl * 1000 / 3) as u64);
     loop {
         let round = async {

@@ -210,7 +210,25 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(accrue_worker::daemon::run(cfg))?;
+    rt.block_on(async {
+        // SIGTERM (Kubernetes, `accrue local`) or Ctrl-C: a planned exit.
+        let stop = async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::select! {
+                _ = term.recv() => {}
+                r = tokio::signal::ctrl_c() => r?,
+            }
+            Ok::<(), std::io::Error>(())
+        };
+        accrue_worker::daemon::run_until(cfg, async {
+            if let Err(e) = stop.await {
+                tracing::error!(error = %e, "cannot listen for signals; running until killed");
+                std::future::pending::<()>().await;
+            }
+        })
+        .await
+    })?;
     Ok(())
 }
 

@@ -1,0 +1,108 @@
+//! The gRPC adapters: JobService and WorkerService, through the gate (the
+//! leader serves; a follower answers UNAVAILABLE naming the leader). They
+//! turn requests into coordinator calls and [`CoordError`]s into statuses,
+//! and hold no state of their own.
+
+use crate::error::CoordError;
+use crate::gate::Gate;
+use accrue_proto::v1::{
+    self, worker_message, CoordinatorMessage, Job, JobEvent, WorkerMessage,
+};
+use std::pin::Pin;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// gRPC JobService.
+#[derive(Clone)]
+pub struct JobApi(pub Arc<Gate>);
+
+#[tonic::async_trait]
+impl v1::job_service_server::JobService for JobApi {
+    async fn submit_job(
+        &self,
+        req: Request<v1::SubmitJobRequest>,
+    ) -> Result<Response<Job>, Status> {
+        let spec = req
+            .into_inner()
+            .spec
+            .ok_or_else(|| CoordError::InvalidArgument("spec: (missing): required".into()))?;
+        // Answers once the job is durable (bounded; UNAVAILABLE otherwise).
+        Ok(Response::new(self.0.get()?.submit(spec).await?))
+    }
+    async fn get_job(&self, req: Request<v1::GetJobRequest>) -> Result<Response<Job>, Status> {
+        Ok(Response::new(self.0.get()?.job(&req.into_inner().id)?))
+    }
+    async fn list_jobs(
+        &self,
+        _: Request<v1::ListJobsRequest>,
+    ) -> Result<Response<v1::ListJobsResponse>, Status> {
+        Ok(Response::new(v1::ListJobsResponse {
+            jobs: self.0.get()?.jobs(),
+        }))
+    }
+    async fn cancel_job(
+        &self,
+        req: Request<v1::CancelJobRequest>,
+    ) -> Result<Response<Job>, Status> {
+        Ok(Response::new(self.0.get()?.cancel(&req.into_inner().id)?))
+    }
+    type WatchJobStream = BoxStream<JobEvent>;
+    async fn watch_job(
+        &self,
+        req: Request<v1::WatchJobRequest>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
+        let s = self.0.get()?.watch(&req.into_inner().id)?;
+        Ok(Response::new(Box::pin(s)))
+    }
+}
+
+/// gRPC WorkerService.
+#[derive(Clone)]
+pub struct WorkerApi(pub Arc<Gate>);
+
+#[tonic::async_trait]
+impl v1::worker_service_server::WorkerService for WorkerApi {
+    type AttachStream = BoxStream<CoordinatorMessage>;
+    async fn attach(
+        &self,
+        req: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let coord = self.0.get()?;
+        let mut inbound = req.into_inner();
+        let first = inbound
+            .next()
+            .await
+            .ok_or_else(|| CoordError::Attach("empty stream".into()))??;
+        let Some(worker_message::Msg::Hello(hello)) = first.msg else {
+            return Err(CoordError::Attach("the first message must be a hello".into()).into());
+        };
+        let id = hello.worker_id.clone();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let conn = coord.attach(hello, tx)?;
+        tokio::spawn(async move {
+            let mut detached = false;
+            let reason = loop {
+                match inbound.next().await {
+                    Some(Ok(m)) => {
+                        detached |= matches!(m.msg, Some(worker_message::Msg::Detach(_)));
+                        coord.on_message(&id, conn, m)
+                    }
+                    Some(Err(e)) => break format!("stream error: {}", e.message()),
+                    None => break "stream closed".to_string(),
+                }
+            };
+            // After a Detach the worker is already gone: a planned exit is
+            // not a loss.
+            if !detached {
+                coord.lost(&id, Some(conn), &reason);
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        )))
+    }
+}
