@@ -26,6 +26,10 @@ use std::path::PathBuf;
 /// Re-formations in a row without a committed step before a job fails.
 pub const MAX_STALLED_REFORMS: u32 = 5;
 
+/// How long a recovery waits for every surviving rank to confirm it left
+/// the broken ring (its Interrupted report) before re-forming anyway.
+pub const ACK_GRACE_MS: i64 = 10_000;
+
 /// Longest accepted worker id, bytes.
 pub const MAX_WORKER_ID: usize = 128;
 
@@ -121,6 +125,9 @@ pub struct JobEntry {
     recovering_since: Option<i64>,
     /// Re-formations since the last committed step.
     stalled: u32,
+    /// Members that confirmed (Interrupted) they left the current
+    /// generation's ring: a recovery re-forms once every survivor has.
+    acked: std::collections::BTreeSet<String>,
     /// After a coordinator restart: members that have not re-attached by
     /// then are lost.
     reattach_by: Option<i64>,
@@ -136,6 +143,7 @@ impl JobEntry {
             saved_ms: now,
             recovering_since: None,
             stalled: 0,
+            acked: Default::default(),
             reattach_by: None,
             admitted,
         }
@@ -483,6 +491,12 @@ impl Cluster {
         if let Some(w) = self.workers.get_mut(worker) {
             w.job = Some((job.to_string(), place));
         }
+        if generation != current {
+            // It is in no ring of the current generation.
+            if let Some(e) = self.jobs.get_mut(job) {
+                e.acked.insert(worker.to_string());
+            }
+        }
         if generation == current && place == rank && job_state != JobState::Recovering {
             tracing::info!(worker, job, generation, rank, "worker rejoined its job");
             return;
@@ -718,9 +732,16 @@ impl Cluster {
                     // Members may still come back after a restart.
                     continue;
                 }
+                // A survivor still in the broken ring would not hear of the
+                // new one (and a peer that died but is not known lost yet
+                // would be taken in again): wait until each has confirmed,
+                // or the grace has passed.
+                let waited = now - entry.recovering_since.unwrap_or(now);
+                if waited < ACK_GRACE_MS && survivors.iter().any(|w| !entry.acked.contains(w)) {
+                    continue;
+                }
                 let want = (domain.workers as usize).max(survivors.len()).min(max);
                 let min = domain.min_workers.unwrap_or(domain.workers) as usize;
-                let waited = now - entry.recovering_since.unwrap_or(now);
                 let timeout = (domain.comm.rendezvous_timeout_s * 1000.0) as i64;
                 match state::reform_decision(
                     survivors.len(),
@@ -798,6 +819,7 @@ impl Cluster {
         entry.job.accumulation_steps = k;
         entry.secret = (self.secrets)();
         entry.recovering_since = None;
+        entry.acked.clear();
         let generation = entry.job.generation;
         let joined: Vec<String> = workers
             .iter()
@@ -968,17 +990,21 @@ impl Cluster {
             }
             Some(worker_message::Msg::Done(d)) => self.on_done(worker, conn, d, now, fx),
             Some(worker_message::Msg::Interrupted(i)) => {
-                let live = self.jobs.get(&i.job_id).is_some_and(|e| {
-                    matches!(e.job.state(), JobState::Rendezvous | JobState::Running)
-                });
-                if live && self.refusal(worker, &i.job_id, i.generation, i.rank).is_none() {
+                if self.refusal(worker, &i.job_id, i.generation, i.rank).is_some() {
+                    return;
+                }
+                let Some(e) = self.jobs.get_mut(&i.job_id) else {
+                    return;
+                };
+                e.acked.insert(worker.to_string());
+                if matches!(e.job.state(), JobState::Rendezvous | JobState::Running) {
                     let reason = format!(
                         "rank {} on worker {worker} interrupted at step {}: {}",
                         i.rank, i.step, i.error
                     );
                     self.begin_recovery(&i.job_id, Vec::new(), reason, now, fx);
-                    self.schedule(now, fx);
                 }
+                self.schedule(now, fx);
             }
             Some(worker_message::Msg::Detach(d)) => {
                 self.remove_worker(worker, Some(conn), &d.reason, true, now, fx);
@@ -1104,7 +1130,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const TTL: i64 = 10_000;
+    const TTL: i64 = 60_000;
 
     fn cluster() -> Cluster {
         Cluster::new(
@@ -1194,6 +1220,48 @@ mod tests {
         }))
     }
 
+    fn interrupted(job: &str, generation: u64, rank: u32) -> WorkerMessage {
+        m(worker_message::Msg::Interrupted(v1::Interrupted {
+            job_id: job.into(),
+            generation,
+            rank,
+            error: "aborted".into(),
+            ..Default::default()
+        }))
+    }
+
+    /// A recovery re-forms once every survivor confirmed, or after the
+    /// grace (a survivor that never answers cannot stall it).
+    #[test]
+    fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
+        let mut c = cluster();
+        for (i, w) in ["w0", "w1", "w2", "w3"].iter().enumerate() {
+            c.step(Input::Attach { conn: i as u64 + 1, hello: hello(w) }, 0);
+        }
+        let job = submit(&mut c, spec("j", 3, ""), 0);
+        // Rank 1 saw rank 2 vanish, before the coordinator did.
+        deliver(&mut c, "w1", interrupted(&job, 1, 1), 10);
+        assert_eq!(c.job(&job).unwrap().state(), JobState::Recovering);
+        assert_eq!(c.job(&job).unwrap().generation, 1, "w0 and w2 have not confirmed");
+        c.step(Input::Lost { worker: "w2".into(), conn: None, reason: "gone".into() }, 20);
+        assert_eq!(c.job(&job).unwrap().generation, 1, "w0 has not confirmed");
+        deliver(&mut c, "w0", interrupted(&job, 1, 0), 30);
+        let j = c.job(&job).unwrap();
+        assert_eq!((j.generation, j.recoveries.len()), (2, 1), "one recovery, without the dead w2");
+        assert!(!j.workers.contains(&"w2".to_string()));
+        assert_eq!(j.workers, ["w0", "w1", "w3"]);
+        // A survivor that never confirms holds it only for the grace.
+        deliver(&mut c, "w0", step_report(&job, 2, 0, 1), 40);
+        c.step(Input::Lost { worker: "w3".into(), conn: None, reason: "gone".into() }, 50);
+        c.step(Input::Attach { conn: 9, hello: hello("w4") }, 60);
+        deliver(&mut c, "w0", interrupted(&job, 2, 0), 70);
+        c.step(Input::Tick, 50 + ACK_GRACE_MS - 1);
+        assert_eq!(c.job(&job).unwrap().generation, 2, "w1 has not confirmed");
+        c.step(Input::Tick, 50 + ACK_GRACE_MS);
+        let j = c.job(&job).unwrap();
+        assert_eq!((j.generation, j.workers.clone()), (3, vec!["w0".to_string(), "w1".into(), "w4".into()]));
+    }
+
     fn conn_of(c: &Cluster, w: &str) -> u64 {
         c.worker(w).unwrap().conn
     }
@@ -1233,6 +1301,9 @@ mod tests {
             },
             20,
         );
+        // Not before the survivor confirmed it left the broken ring.
+        assert_eq!(c.job(&job).unwrap().generation, 1);
+        deliver(c, "w0", interrupted(&job, 1, 0), 25);
         let j = c.job(&job).unwrap();
         assert_eq!((j.generation, j.workers.clone()), (2, vec!["w0".to_string(), "w2".into()]));
         job
@@ -1505,7 +1576,7 @@ mod tests {
             (0usize..4).prop_map(Op::Step),
             (0usize..4, any::<bool>()).prop_map(|(w, ok)| Op::Done(w, ok)),
             (0usize..4).prop_map(Op::Interrupt),
-            (0i64..40_000).prop_map(Op::Tick),
+            (0i64..100_000).prop_map(Op::Tick),
         ]
     }
 
