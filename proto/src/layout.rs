@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 /// Largest message a client or worker may send the coordinator (specs,
-/// reports): the coordinator refuses bigger ones (gRPC RESOURCE_EXHAUSTED).
+/// reports): the coordinator refuses bigger ones (gRPC OUT_OF_RANGE).
 pub const MAX_REQUEST_BYTES: usize = 1 << 20;
 
 /// Largest message the coordinator sends (a job list, an assignment with its
