@@ -46,6 +46,22 @@ fn local_runs_the_demo_with_two_workers() {
         .and_then(|v| v.parse().ok())
         .expect("a final accuracy line");
     assert!(acc >= 95.0, "final accuracy {acc}%");
+    // A clean shutdown (issue 12, defect 7): the workers are told to stop
+    // and detach; a planned exit is not a lost worker, so a successful run
+    // prints no warning.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("WARN") && !stderr.contains("ERROR"),
+        "warnings on a successful run:\n{stderr}"
+    );
+    for i in 0..2 {
+        let log = std::fs::read_to_string(state.path().join(format!("logs/worker-{i}.log")))
+            .unwrap();
+        assert!(
+            log.contains("detaching from the coordinator"),
+            "worker {i} was not told to stop:\n{log}"
+        );
+    }
     let ckpt = stdout
         .lines()
         .find_map(|l| l.strip_prefix("checkpoint "))
