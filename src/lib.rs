@@ -170,7 +170,9 @@ pub async fn connect(url: &str) -> anyhow::Result<JobServiceClient<Channel>> {
         .connect()
         .await
         .with_context(|| format!("cannot reach the coordinator at {url}"))?;
-    Ok(JobServiceClient::new(channel))
+    Ok(JobServiceClient::new(channel)
+        .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES)
+        .max_encoding_message_size(accrue_proto::layout::MAX_REQUEST_BYTES))
 }
 
 /// Reads a spec (fields checked here; files are the workers' to check) and

@@ -55,8 +55,8 @@ fn local_runs_the_demo_with_two_workers() {
         "warnings on a successful run:\n{stderr}"
     );
     for i in 0..2 {
-        let log = std::fs::read_to_string(state.path().join(format!("logs/worker-{i}.log")))
-            .unwrap();
+        let log =
+            std::fs::read_to_string(state.path().join(format!("logs/worker-{i}.log"))).unwrap();
         assert!(
             log.contains("detaching from the coordinator"),
             "worker {i} was not told to stop:\n{log}"

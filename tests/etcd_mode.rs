@@ -271,7 +271,7 @@ async fn job_in_etcd(etcd: &Etcd, cluster: &str, id: &str) -> Job {
         .await
         .unwrap();
     let r = c
-        .get(format!("/accrue/{cluster}/jobs/{id}"), None)
+        .get(accrue_proto::layout::etcd::job_key(cluster, id), None)
         .await
         .unwrap();
     Job::decode(r.kvs()[0].value()).unwrap()
@@ -502,11 +502,9 @@ async fn etcd_outage_loses_nothing() {
     let asked = Instant::now();
     let refused = tokio::time::timeout(
         Duration::from_secs(15),
-        client(&co.grpc)
-            .await
-            .submit_job(v1::SubmitJobRequest {
-                spec: Some(spec("during", 1)),
-            }),
+        client(&co.grpc).await.submit_job(v1::SubmitJobRequest {
+            spec: Some(spec("during", 1)),
+        }),
     )
     .await
     .expect("answered within 15 s")
@@ -752,6 +750,8 @@ async fn a_deposed_leader_steps_down_and_never_writes_after_the_new_leader() {
     assert_eq!(refused.code(), tonic::Code::Unavailable);
     let history = job_history(&etcd, "part").await;
     assert_fenced(&history, &a.grpc, &b.grpc);
-    assert!(history.iter().any(|(_, w, _, id)| w == &a.grpc && id.starts_with("before")));
+    assert!(history
+        .iter()
+        .any(|(_, w, _, id)| w == &a.grpc && id.starts_with("before")));
     assert!(history.iter().all(|(_, _, _, id)| !id.starts_with("stale")));
 }

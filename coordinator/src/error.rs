@@ -85,7 +85,11 @@ mod tests {
     #[test]
     fn one_failure_one_code_on_both_paths() {
         let cases = [
-            (CoordError::InvalidArgument("x".into()), Code::InvalidArgument, 400),
+            (
+                CoordError::InvalidArgument("x".into()),
+                Code::InvalidArgument,
+                400,
+            ),
             (CoordError::JobNotFound("j".into()), Code::NotFound, 404),
             (
                 CoordError::AlreadyEnded {
@@ -96,8 +100,16 @@ mod tests {
                 Code::FailedPrecondition,
                 409,
             ),
-            (CoordError::NotLeader { leader: None }, Code::Unavailable, 503),
-            (CoordError::StoreUnavailable("etcd".into()), Code::Unavailable, 503),
+            (
+                CoordError::NotLeader { leader: None },
+                Code::Unavailable,
+                503,
+            ),
+            (
+                CoordError::StoreUnavailable("etcd".into()),
+                Code::Unavailable,
+                503,
+            ),
             (CoordError::Internal("x".into()), Code::Internal, 500),
         ];
         for (e, code, http) in cases {

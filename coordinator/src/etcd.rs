@@ -166,9 +166,8 @@ impl Writer {
             )])
             .and_then([op]);
         let mut c = self.client.clone();
-        let r = rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(2), c.txn(txn)).await
-        });
+        let r =
+            rt.block_on(async { tokio::time::timeout(Duration::from_secs(2), c.txn(txn)).await });
         match r {
             Ok(Ok(resp)) if resp.succeeded() => {
                 if let Write::Put(job) = w {

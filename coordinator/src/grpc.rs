@@ -5,9 +5,7 @@
 
 use crate::error::CoordError;
 use crate::gate::Gate;
-use accrue_proto::v1::{
-    self, worker_message, CoordinatorMessage, Job, JobEvent, WorkerMessage,
-};
+use accrue_proto::v1::{self, worker_message, CoordinatorMessage, Job, JobEvent, WorkerMessage};
 use std::pin::Pin;
 use std::sync::Arc;
 use tokio::sync::mpsc;

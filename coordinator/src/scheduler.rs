@@ -38,7 +38,10 @@ pub const MAX_WORKER_ID: usize = 128;
 pub enum Input {
     /// A worker opened connection `conn` with this hello (it names the job
     /// it is in the middle of, if any).
-    Attach { conn: u64, hello: v1::WorkerHello },
+    Attach {
+        conn: u64,
+        hello: v1::WorkerHello,
+    },
     /// A message on connection `conn` of `worker`.
     Message {
         worker: String,
@@ -54,13 +57,21 @@ pub enum Input {
     },
     /// A client submits a job. It is recorded but not scheduled until the
     /// shell says its record is durable ([`Input::Admit`]).
-    Submit { spec: v1::JobSpec },
+    Submit {
+        spec: v1::JobSpec,
+    },
     /// The submitted job's record is durable: schedule it.
-    Admit { job: String },
+    Admit {
+        job: String,
+    },
     /// The submitted job's record could not be made durable in time: take
     /// it back (it never ran), so nothing half-created remains.
-    Withdraw { job: String },
-    Cancel { job: String },
+    Withdraw {
+        job: String,
+    },
+    Cancel {
+        job: String,
+    },
     /// Time passed: expire silent workers, move recoveries on.
     Tick,
 }
@@ -80,7 +91,10 @@ pub enum Effect {
     /// Remove the job's record.
     Delete(String),
     /// Close connection `conn` of `worker` (the worker is gone or replaced).
-    Close { worker: String, conn: u64 },
+    Close {
+        worker: String,
+        conn: u64,
+    },
     Event(JobEvent),
     /// The answer to a Submit or Cancel.
     Reply(Result<Job, CoordError>),
@@ -470,7 +484,12 @@ impl Cluster {
         let (current, place, job_state) = match live {
             Some((g, Some(p), s)) => (g, p as u32, s),
             Some((g, None, _)) => {
-                tracing::info!(worker, job, generation, "re-attached naming a job it is not a member of; stopping it there");
+                tracing::info!(
+                    worker,
+                    job,
+                    generation,
+                    "re-attached naming a job it is not a member of; stopping it there"
+                );
                 refuse(
                     format!("worker {worker} is not a member of generation {g} of job {job}"),
                     fx,
@@ -514,7 +533,14 @@ impl Cluster {
 
     /// A worker is gone (stream ended, lease expired, heartbeat TTL passed,
     /// or it detached): its job recovers without it.
-    fn lost(&mut self, worker: &str, conn: Option<u64>, reason: &str, now: i64, fx: &mut Vec<Effect>) {
+    fn lost(
+        &mut self,
+        worker: &str,
+        conn: Option<u64>,
+        reason: &str,
+        now: i64,
+        fx: &mut Vec<Effect>,
+    ) {
         self.remove_worker(worker, conn, reason, false, now, fx);
         self.schedule(now, fx);
     }
@@ -808,7 +834,12 @@ impl Cluster {
         {
             Ok(k) => k,
             Err(e) => {
-                return self.fail(job_id, format!("cannot run on {world} workers: {e}"), now, fx)
+                return self.fail(
+                    job_id,
+                    format!("cannot run on {world} workers: {e}"),
+                    now,
+                    fx,
+                )
             }
         };
         let first = entry.job.generation == 0;
@@ -923,7 +954,10 @@ impl Cluster {
     fn member(&self, job: &str, generation: u64, rank: u32, worker: &str) -> bool {
         self.jobs.get(job).is_some_and(|e| {
             e.job.generation == generation
-                && e.job.workers.get(rank as usize).is_some_and(|w| w == worker)
+                && e.job
+                    .workers
+                    .get(rank as usize)
+                    .is_some_and(|w| w == worker)
         })
     }
 
@@ -970,7 +1004,14 @@ impl Cluster {
         None
     }
 
-    fn message(&mut self, worker: &str, conn: u64, m: WorkerMessage, now: i64, fx: &mut Vec<Effect>) {
+    fn message(
+        &mut self,
+        worker: &str,
+        conn: u64,
+        m: WorkerMessage,
+        now: i64,
+        fx: &mut Vec<Effect>,
+    ) {
         let Some(w) = self.workers.get_mut(worker).filter(|w| w.conn == conn) else {
             // A connection that has been replaced or removed.
             return;
@@ -990,7 +1031,10 @@ impl Cluster {
             }
             Some(worker_message::Msg::Done(d)) => self.on_done(worker, conn, d, now, fx),
             Some(worker_message::Msg::Interrupted(i)) => {
-                if self.refusal(worker, &i.job_id, i.generation, i.rank).is_some() {
+                if self
+                    .refusal(worker, &i.job_id, i.generation, i.rank)
+                    .is_some()
+                {
                     return;
                 }
                 let Some(e) = self.jobs.get_mut(&i.job_id) else {
@@ -1010,7 +1054,9 @@ impl Cluster {
                 self.remove_worker(worker, Some(conn), &d.reason, true, now, fx);
                 self.schedule(now, fx);
             }
-            Some(worker_message::Msg::Hello(_)) | Some(worker_message::Msg::Heartbeat(_)) | None => {}
+            Some(worker_message::Msg::Hello(_))
+            | Some(worker_message::Msg::Heartbeat(_))
+            | None => {}
         }
     }
 
@@ -1083,7 +1129,11 @@ impl Cluster {
         }
         match self.refusal(worker, &d.job_id, d.generation, d.rank) {
             Some(reason) => {
-                if self.jobs.get(&d.job_id).is_some_and(|e| !state::is_final(e.job.state())) {
+                if self
+                    .jobs
+                    .get(&d.job_id)
+                    .is_some_and(|e| !state::is_final(e.job.state()))
+                {
                     self.refuse(worker, conn, &d.job_id, d.generation, reason, fx);
                 }
             }
@@ -1146,8 +1196,8 @@ mod tests {
         let text = format!(
             "name = \"{name}\"\nworkers = {workers}\nmax_steps = 6\n{extra}\n[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\nkind = \"synthetic\"\nsamples = 64\nshape = [4]\nclasses = 2\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n"
         );
-        let s = accrue_common::JobSpec::from_toml_str(&text, std::path::Path::new("t.toml"))
-            .unwrap();
+        let s =
+            accrue_common::JobSpec::from_toml_str(&text, std::path::Path::new("t.toml")).unwrap();
         accrue_proto::spec_to_proto(&s)
     }
 
@@ -1236,30 +1286,67 @@ mod tests {
     fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
         let mut c = cluster();
         for (i, w) in ["w0", "w1", "w2", "w3"].iter().enumerate() {
-            c.step(Input::Attach { conn: i as u64 + 1, hello: hello(w) }, 0);
+            c.step(
+                Input::Attach {
+                    conn: i as u64 + 1,
+                    hello: hello(w),
+                },
+                0,
+            );
         }
         let job = submit(&mut c, spec("j", 3, ""), 0);
         // Rank 1 saw rank 2 vanish, before the coordinator did.
         deliver(&mut c, "w1", interrupted(&job, 1, 1), 10);
         assert_eq!(c.job(&job).unwrap().state(), JobState::Recovering);
-        assert_eq!(c.job(&job).unwrap().generation, 1, "w0 and w2 have not confirmed");
-        c.step(Input::Lost { worker: "w2".into(), conn: None, reason: "gone".into() }, 20);
+        assert_eq!(
+            c.job(&job).unwrap().generation,
+            1,
+            "w0 and w2 have not confirmed"
+        );
+        c.step(
+            Input::Lost {
+                worker: "w2".into(),
+                conn: None,
+                reason: "gone".into(),
+            },
+            20,
+        );
         assert_eq!(c.job(&job).unwrap().generation, 1, "w0 has not confirmed");
         deliver(&mut c, "w0", interrupted(&job, 1, 0), 30);
         let j = c.job(&job).unwrap();
-        assert_eq!((j.generation, j.recoveries.len()), (2, 1), "one recovery, without the dead w2");
+        assert_eq!(
+            (j.generation, j.recoveries.len()),
+            (2, 1),
+            "one recovery, without the dead w2"
+        );
         assert!(!j.workers.contains(&"w2".to_string()));
         assert_eq!(j.workers, ["w0", "w1", "w3"]);
         // A survivor that never confirms holds it only for the grace.
         deliver(&mut c, "w0", step_report(&job, 2, 0, 1), 40);
-        c.step(Input::Lost { worker: "w3".into(), conn: None, reason: "gone".into() }, 50);
-        c.step(Input::Attach { conn: 9, hello: hello("w4") }, 60);
+        c.step(
+            Input::Lost {
+                worker: "w3".into(),
+                conn: None,
+                reason: "gone".into(),
+            },
+            50,
+        );
+        c.step(
+            Input::Attach {
+                conn: 9,
+                hello: hello("w4"),
+            },
+            60,
+        );
         deliver(&mut c, "w0", interrupted(&job, 2, 0), 70);
         c.step(Input::Tick, 50 + ACK_GRACE_MS - 1);
         assert_eq!(c.job(&job).unwrap().generation, 2, "w1 has not confirmed");
         c.step(Input::Tick, 50 + ACK_GRACE_MS);
         let j = c.job(&job).unwrap();
-        assert_eq!((j.generation, j.workers.clone()), (3, vec!["w0".to_string(), "w1".into(), "w4".into()]));
+        assert_eq!(
+            (j.generation, j.workers.clone()),
+            (3, vec!["w0".to_string(), "w1".into(), "w4".into()])
+        );
     }
 
     fn conn_of(c: &Cluster, w: &str) -> u64 {
@@ -1305,7 +1392,10 @@ mod tests {
         assert_eq!(c.job(&job).unwrap().generation, 1);
         deliver(c, "w0", interrupted(&job, 1, 0), 25);
         let j = c.job(&job).unwrap();
-        assert_eq!((j.generation, j.workers.clone()), (2, vec!["w0".to_string(), "w2".into()]));
+        assert_eq!(
+            (j.generation, j.workers.clone()),
+            (2, vec!["w0".to_string(), "w2".into()])
+        );
         job
     }
 
@@ -1330,7 +1420,11 @@ mod tests {
             40,
         );
         let j = c.job(&job).unwrap();
-        assert_eq!(j.state(), JobState::Running, "the healthy generation goes on");
+        assert_eq!(
+            j.state(),
+            JobState::Running,
+            "the healthy generation goes on"
+        );
         assert_eq!(j.generation, 2);
         assert_eq!(aborts(&fx), 0, "no rank of generation 2 is aborted");
         let to_w1 = sends(&fx);
@@ -1338,7 +1432,10 @@ mod tests {
             matches!(&to_w1[..], [(w, coordinator_message::Msg::Stop(s))] if w == "w1" && s.job_id == job && s.reason.contains("not a member")),
             "{to_w1:?}"
         );
-        assert!(!c.worker("w1").unwrap().free(), "busy until its thread ended");
+        assert!(
+            !c.worker("w1").unwrap().free(),
+            "busy until its thread ended"
+        );
         // Its thread ends: the JobDone of a non-member frees it and changes
         // nothing else.
         let fx = deliver(&mut c, "w1", done(&job, 1, 1, true), 50);
@@ -1365,10 +1462,15 @@ mod tests {
         );
         // w1 claims rank 1 of generation 2 (w2's place).
         let fx = deliver(&mut c, "w1", step_report(&job, 2, 0, 5), 40);
-        assert!(matches!(&sends(&fx)[..], [(_, coordinator_message::Msg::Refused(r))] if r.reason.contains("not rank 0")));
+        assert!(
+            matches!(&sends(&fx)[..], [(_, coordinator_message::Msg::Refused(r))] if r.reason.contains("not rank 0"))
+        );
         assert_eq!(c.job(&job).unwrap().counters.unwrap().step, 1);
         let fx = deliver(&mut c, "w1", done(&job, 2, 1, false), 50);
-        assert!(matches!(&sends(&fx)[..], [(_, coordinator_message::Msg::Refused(_))]));
+        assert!(matches!(
+            &sends(&fx)[..],
+            [(_, coordinator_message::Msg::Refused(_))]
+        ));
         assert!(!state::is_final(c.job(&job).unwrap().state()));
         // The real rank 1 may.
         deliver(&mut c, "w2", done(&job, 2, 1, false), 60);
@@ -1408,7 +1510,13 @@ mod tests {
     #[test]
     fn a_detach_frees_the_worker_and_closes_its_stream() {
         let mut c = cluster();
-        c.step(Input::Attach { conn: 1, hello: hello("w0") }, 0);
+        c.step(
+            Input::Attach {
+                conn: 1,
+                hello: hello("w0"),
+            },
+            0,
+        );
         let fx = deliver(
             &mut c,
             "w0",
@@ -1442,7 +1550,13 @@ mod tests {
     #[test]
     fn a_submission_waits_for_admission_and_can_be_taken_back() {
         let mut c = cluster();
-        c.step(Input::Attach { conn: 1, hello: hello("w0") }, 0);
+        c.step(
+            Input::Attach {
+                conn: 1,
+                hello: hello("w0"),
+            },
+            0,
+        );
         let fx = c.step(
             Input::Submit {
                 spec: spec("a", 1, ""),
@@ -1454,16 +1568,41 @@ mod tests {
         assert!(sends(&fx).is_empty(), "not scheduled before it is durable");
         c.step(Input::Tick, 2);
         assert_eq!(c.job(&job.id).unwrap().state(), JobState::Pending);
-        let fx = c.step(Input::Withdraw { job: job.id.clone() }, 3);
+        let fx = c.step(
+            Input::Withdraw {
+                job: job.id.clone(),
+            },
+            3,
+        );
         assert_eq!(fx, vec![Effect::Delete(job.id.clone())]);
         assert!(c.job(&job.id).is_none());
         // Ids are never reused.
-        let again = reply(&c.step(Input::Submit { spec: spec("a", 1, "") }, 4)).unwrap();
+        let again = reply(&c.step(
+            Input::Submit {
+                spec: spec("a", 1, ""),
+            },
+            4,
+        ))
+        .unwrap();
         assert_ne!(again.id, job.id);
-        let fx = c.step(Input::Admit { job: again.id.clone() }, 5);
-        assert!(matches!(&sends(&fx)[..], [(w, coordinator_message::Msg::Assign(a))] if w == "w0" && a.accumulation_steps == 1));
+        let fx = c.step(
+            Input::Admit {
+                job: again.id.clone(),
+            },
+            5,
+        );
+        assert!(
+            matches!(&sends(&fx)[..], [(w, coordinator_message::Msg::Assign(a))] if w == "w0" && a.accumulation_steps == 1)
+        );
         // Withdrawing an admitted job does nothing.
-        assert!(c.step(Input::Withdraw { job: again.id.clone() }, 6).is_empty());
+        assert!(c
+            .step(
+                Input::Withdraw {
+                    job: again.id.clone()
+                },
+                6
+            )
+            .is_empty());
     }
 
     #[test]
@@ -1472,9 +1611,19 @@ mod tests {
         let mut s = spec("a", 1, "");
         s.data.as_mut().unwrap().batch_size = 0;
         let e = reply(&c.step(Input::Submit { spec: s }, 0)).unwrap_err();
-        assert!(matches!(&e, CoordError::InvalidArgument(m) if m.contains("data.batch_size")), "{e}");
+        assert!(
+            matches!(&e, CoordError::InvalidArgument(m) if m.contains("data.batch_size")),
+            "{e}"
+        );
         assert_eq!(c.jobs().count(), 0);
-        let e = reply(&c.step(Input::Attach { conn: 1, hello: hello("") }, 0)).unwrap_err();
+        let e = reply(&c.step(
+            Input::Attach {
+                conn: 1,
+                hello: hello(""),
+            },
+            0,
+        ))
+        .unwrap_err();
         assert!(e.to_string().contains("worker_id"));
         assert_eq!(c.worker_count(), 0);
     }
@@ -1482,8 +1631,19 @@ mod tests {
     #[test]
     fn every_write_carries_a_newer_version_and_only_the_newest_is_kept() {
         let mut c = cluster();
-        c.step(Input::Attach { conn: 1, hello: hello("w0") }, 0);
-        let fx = c.step(Input::Submit { spec: spec("a", 1, "") }, 0);
+        c.step(
+            Input::Attach {
+                conn: 1,
+                hello: hello("w0"),
+            },
+            0,
+        );
+        let fx = c.step(
+            Input::Submit {
+                spec: spec("a", 1, ""),
+            },
+            0,
+        );
         let id = reply(&fx).unwrap().id;
         // Admission forms the job: one Save (the newest of the step).
         let fx = c.step(Input::Admit { job: id.clone() }, 1);
@@ -1496,7 +1656,9 @@ mod tests {
             .collect();
         assert_eq!(saves, [2]);
         let fx = c.step(Input::Cancel { job: id.clone() }, 2);
-        assert!(fx.iter().any(|e| matches!(e, Effect::Save(j) if j.version == 3)));
+        assert!(fx
+            .iter()
+            .any(|e| matches!(e, Effect::Save(j) if j.version == 3)));
         assert_eq!(reply(&fx).unwrap().state(), JobState::Cancelled);
         let e = reply(&c.step(Input::Cancel { job: id.clone() }, 3)).unwrap_err();
         assert_eq!(e.grpc_code(), tonic::Code::FailedPrecondition);
@@ -1531,14 +1693,26 @@ mod tests {
         assert_eq!(aborts(&fx), 0);
         c.step(Input::Tick, TTL + 1);
         assert_eq!(c.job("old-7").unwrap().state(), JobState::Running);
-        let next = reply(&c.step(Input::Submit { spec: spec("new", 1, "") }, 20)).unwrap();
+        let next = reply(&c.step(
+            Input::Submit {
+                spec: spec("new", 1, ""),
+            },
+            20,
+        ))
+        .unwrap();
         assert_eq!(next.id, "new-8");
     }
 
     #[test]
     fn silent_workers_expire_after_the_ttl() {
         let mut c = cluster();
-        c.step(Input::Attach { conn: 1, hello: hello("w0") }, 0);
+        c.step(
+            Input::Attach {
+                conn: 1,
+                hello: hello("w0"),
+            },
+            0,
+        );
         c.step(Input::Tick, TTL);
         assert!(c.worker("w0").is_some());
         let fx = c.step(Input::Tick, TTL + 1);

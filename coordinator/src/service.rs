@@ -532,14 +532,24 @@ lr = 0.1
         }
     }
 
-    fn behind(durable_timeout: Duration) -> (Arc<Coordinator>, Arc<WriteProgress>, Arc<Mutex<Vec<String>>>) {
+    fn behind(
+        durable_timeout: Duration,
+    ) -> (
+        Arc<Coordinator>,
+        Arc<WriteProgress>,
+        Arc<Mutex<Vec<String>>>,
+    ) {
         let store = Behind::default();
         let (progress, deleted) = (store.progress.clone(), store.deleted.clone());
         let cfg = Config {
             durable_timeout,
             ..Default::default()
         };
-        (Coordinator::new(cfg, Box::new(store)).unwrap(), progress, deleted)
+        (
+            Coordinator::new(cfg, Box::new(store)).unwrap(),
+            progress,
+            deleted,
+        )
     }
 
     /// Submits in the background; returns once the submission's write is
@@ -619,9 +629,16 @@ lr = 0.1
         let _w = (attach(&c, "w0"), attach(&c, "w1"));
         let started = std::time::Instant::now();
         let err = c.submit(spec()).await.unwrap_err();
-        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
         assert_eq!(err.grpc_code(), tonic::Code::Unavailable);
-        assert!(err.to_string().contains("not durable within 0.3 s"), "{err}");
+        assert!(
+            err.to_string().contains("not durable within 0.3 s"),
+            "{err}"
+        );
         assert!(c.jobs().is_empty());
         assert_eq!(lock(&deleted).len(), 1);
         assert_eq!(c.held_messages(), 0, "nothing was decided for it");

@@ -292,7 +292,12 @@ impl JobStore for RedbStore {
         Ok(self.at_open.clone())
     }
     fn health(&self) -> Result<(), String> {
-        match self.health.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        match self
+            .health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
             None => Ok(()),
             Some(e) => Err(format!("cannot write the job store: {e}")),
         }
@@ -393,7 +398,10 @@ mod tests {
                 .unwrap();
         });
         s.close();
-        assert!(matches!(s.put(&job("a", 1, 2)), Err(StoreError::Closed { .. })));
+        assert!(matches!(
+            s.put(&job("a", 1, 2)),
+            Err(StoreError::Closed { .. })
+        ));
     }
 
     proptest! {

@@ -462,7 +462,9 @@ pub async fn run_until(
                 continue;
             }
         };
-        let mut client = client.max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES);
+        let mut client = client
+            .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES)
+            .max_encoding_message_size(accrue_proto::layout::MAX_REQUEST_BYTES);
         let (tx, rx) = mpsc::unbounded_channel::<WorkerMessage>();
         let hello = v1::WorkerHello {
             worker_id: cfg.worker_id.clone(),
