@@ -152,7 +152,7 @@ impl Writer {
                 if !supersedes(self.written.get(&job.id).copied(), job.version) {
                     return Attempt::Done;
                 }
-                let mut job = job.clone();
+                let mut job = (**job).clone();
                 job.written_by = self.fence.writer.clone();
                 TxnOp::put(key, job.encode_to_vec(), None)
             }
@@ -261,7 +261,7 @@ impl Writer {
 
 impl JobStore for EtcdStore {
     fn put(&self, job: &Job) -> Result<u64, StoreError> {
-        self.queue.push(Write::Put(job.clone()))
+        self.queue.push(Write::Put(Box::new(job.clone())))
     }
     fn delete(&self, id: &str) -> Result<u64, StoreError> {
         self.queue.push(Write::Delete(id.to_string()))

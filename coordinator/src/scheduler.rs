@@ -34,6 +34,9 @@ pub const ACK_GRACE_MS: i64 = 10_000;
 pub const MAX_WORKER_ID: usize = 128;
 
 /// What happened.
+// Inputs are built and consumed at once, never stored: their size does not
+// matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum Input {
     /// A worker opened connection `conn` with this hello (it names the job
@@ -1127,16 +1130,13 @@ impl Cluster {
                 w.draining = None;
             }
         }
+        let live = self
+            .jobs
+            .get(&d.job_id)
+            .is_some_and(|e| !state::is_final(e.job.state()));
         match self.refusal(worker, &d.job_id, d.generation, d.rank) {
-            Some(reason) => {
-                if self
-                    .jobs
-                    .get(&d.job_id)
-                    .is_some_and(|e| !state::is_final(e.job.state()))
-                {
-                    self.refuse(worker, conn, &d.job_id, d.generation, reason, fx);
-                }
-            }
+            Some(reason) if live => self.refuse(worker, conn, &d.job_id, d.generation, reason, fx),
+            Some(_) => {}
             None if !d.ok => {
                 let reason = format!("rank {} on worker {worker} failed: {}", d.rank, d.error);
                 self.fail(&d.job_id, reason, now, fx);

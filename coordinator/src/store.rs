@@ -122,7 +122,7 @@ impl WriteProgress {
 
 /// One queued write: the newest version of a job, or its removal.
 pub enum Write {
-    Put(Job),
+    Put(Box<Job>),
     Delete(String),
 }
 
@@ -283,7 +283,7 @@ fn redb_writer(
 
 impl JobStore for RedbStore {
     fn put(&self, job: &Job) -> Result<u64, StoreError> {
-        self.queue.push(Write::Put(job.clone()))
+        self.queue.push(Write::Put(Box::new(job.clone())))
     }
     fn delete(&self, id: &str) -> Result<u64, StoreError> {
         self.queue.push(Write::Delete(id.to_string()))
