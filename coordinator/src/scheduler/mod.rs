@@ -1,0 +1,378 @@
+//! Every decision of the coordinator, as one pure function:
+//! [`Cluster::step`]`(input, now) -> effects`.
+//!
+//! Inputs are what happened (a worker attached or re-attached, sent a
+//! report, finished, was lost or detached; a client submitted or cancelled
+//! a job; time passed). Effects say what to do about it, naming worker ids
+//! (with the connection they were decided for) and job versions, never
+//! channels: send a message, write a job, close a connection, publish an
+//! event, answer the caller. The async shell (`service.rs`) maps ids to
+//! streams and the store, and does nothing else. Nothing here reads a clock,
+//! a socket or a file, so every case is a unit or property test.
+//!
+//! Every job write carries a version bumped here, under the shell's lock,
+//! so the store can refuse to replace a newer version with an older one.
+
+use crate::error::CoordError;
+use crate::http::state_name;
+use crate::state::{self, Waiting};
+use accrue_proto::v1::{
+    self, coordinator_message, worker_message, CoordinatorMessage, Counters, Job, JobEvent,
+    JobState, StepReport, WorkerMessage,
+};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+mod membership;
+mod recovery;
+mod reports;
+#[cfg(test)]
+mod tests;
+
+/// Re-formations in a row without a committed step before a job fails.
+pub const MAX_STALLED_REFORMS: u32 = 5;
+
+/// How long a recovery waits for every surviving rank to confirm it left
+/// the broken ring (its Interrupted report) before re-forming anyway.
+pub const ACK_GRACE_MS: i64 = 10_000;
+
+/// Longest accepted worker id, bytes.
+pub const MAX_WORKER_ID: usize = 128;
+
+/// What happened.
+// Inputs are built and consumed at once, never stored: their size does not
+// matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug)]
+pub enum Input {
+    /// A worker opened connection `conn` with this hello (it names the job
+    /// it is in the middle of, if any).
+    Attach {
+        conn: u64,
+        hello: v1::WorkerHello,
+    },
+    /// A message on connection `conn` of `worker`.
+    Message {
+        worker: String,
+        conn: u64,
+        msg: WorkerMessage,
+    },
+    /// The connection broke, the heartbeat TTL passed or the etcd lease
+    /// expired (`conn` None: whatever connection the worker has).
+    Lost {
+        worker: String,
+        conn: Option<u64>,
+        reason: String,
+    },
+    /// A client submits a job. It is recorded but not scheduled until the
+    /// shell says its record is durable ([`Input::Admit`]).
+    Submit {
+        spec: v1::JobSpec,
+    },
+    /// The submitted job's record is durable: schedule it.
+    Admit {
+        job: String,
+    },
+    /// The submitted job's record could not be made durable in time: take
+    /// it back (it never ran), so nothing half-created remains.
+    Withdraw {
+        job: String,
+    },
+    Cancel {
+        job: String,
+    },
+    /// Time passed: expire silent workers, move recoveries on.
+    Tick,
+}
+
+/// What to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Effect {
+    /// Send `msg` on connection `conn` of `worker` (dropped if the worker
+    /// has re-attached since, on another connection).
+    Send {
+        worker: String,
+        conn: u64,
+        msg: CoordinatorMessage,
+    },
+    /// Write this version of the job.
+    Save(Job),
+    /// Remove the job's record.
+    Delete(String),
+    /// Close connection `conn` of `worker` (the worker is gone or replaced).
+    Close {
+        worker: String,
+        conn: u64,
+    },
+    Event(JobEvent),
+    /// The answer to a Submit or Cancel.
+    Reply(Result<Job, CoordError>),
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// A worker silent this long is lost.
+    pub heartbeat_ttl_ms: i64,
+    /// Checkpoints of jobs whose spec names no folder go under here.
+    pub state_dir: PathBuf,
+}
+
+#[derive(Clone, Debug)]
+pub struct WorkerEntry {
+    pub data_addr: String,
+    pub conn: u64,
+    pub last_seen_ms: i64,
+    /// The job and rank it serves.
+    pub job: Option<(String, u32)>,
+    /// A job it was told to stop while not a member of it: busy until its
+    /// JobDone for that job arrives.
+    pub draining: Option<String>,
+}
+
+impl WorkerEntry {
+    fn free(&self) -> bool {
+        self.job.is_none() && self.draining.is_none()
+    }
+    fn serves(&self, job: &str) -> bool {
+        self.job.as_ref().is_some_and(|(j, _)| j == job)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct JobEntry {
+    pub job: Job,
+    /// Data-plane secret of the current generation.
+    pub secret: Vec<u8>,
+    saved_ms: i64,
+    /// Since when the job waits for workers to re-form (Recovering).
+    recovering_since: Option<i64>,
+    /// Re-formations since the last committed step.
+    stalled: u32,
+    /// Members that confirmed (Interrupted) they left the current
+    /// generation's ring: a recovery re-forms once every survivor has.
+    acked: std::collections::BTreeSet<String>,
+    /// After a coordinator restart: members that have not re-attached by
+    /// then are lost.
+    reattach_by: Option<i64>,
+    /// Its record is durable: it may be scheduled.
+    admitted: bool,
+}
+
+impl JobEntry {
+    fn new(job: Job, now: i64, admitted: bool) -> Self {
+        Self {
+            job,
+            secret: Vec::new(),
+            saved_ms: now,
+            recovering_since: None,
+            stalled: 0,
+            acked: Default::default(),
+            reattach_by: None,
+            admitted,
+        }
+    }
+}
+
+/// Source of per-generation data-plane secrets (random in the service,
+/// fixed in tests).
+pub type Secrets = Box<dyn FnMut() -> Vec<u8> + Send>;
+
+/// The coordinator's whole state.
+pub struct Cluster {
+    cfg: Config,
+    jobs: BTreeMap<String, JobEntry>,
+    /// Submission order.
+    order: Vec<String>,
+    workers: BTreeMap<String, WorkerEntry>,
+    /// The next job id's sequence number.
+    next_seq: u64,
+    secrets: Secrets,
+}
+
+fn msg(m: coordinator_message::Msg) -> CoordinatorMessage {
+    CoordinatorMessage { msg: Some(m) }
+}
+
+/// The event announcing that `job` just made transition `t`.
+fn transition_event(job: &Job, t: v1::Transition) -> Effect {
+    Effect::Event(JobEvent {
+        job: Some(job.clone()),
+        event: Some(v1::job_event::Event::Transition(t)),
+    })
+}
+
+/// Records a new version of the job to be written.
+fn save(entry: &mut JobEntry, fx: &mut Vec<Effect>) {
+    entry.job.version += 1;
+    fx.push(Effect::Save(entry.job.clone()));
+}
+
+/// The sequence number a job id ends with (`<name>-<n>`).
+fn seq_of(id: &str) -> Option<u64> {
+    id.rsplit('-').next().and_then(|n| n.parse().ok())
+}
+
+impl Cluster {
+    pub fn new(cfg: Config, secrets: Secrets) -> Self {
+        Self {
+            cfg,
+            jobs: BTreeMap::new(),
+            order: Vec::new(),
+            workers: BTreeMap::new(),
+            next_seq: 1,
+            secrets,
+        }
+    }
+
+    /// Takes back the jobs a store holds (a restarted coordinator). Jobs
+    /// that were running keep their state: their workers keep training and
+    /// re-attach naming the job; members that have not re-attached within
+    /// the heartbeat TTL are lost and the job recovers without them.
+    pub fn restore(&mut self, jobs: Vec<Job>, now: i64) {
+        let grace = self.cfg.heartbeat_ttl_ms;
+        for job in jobs {
+            let mut e = JobEntry::new(job, now, true);
+            match e.job.state() {
+                JobState::Rendezvous | JobState::Running => e.reattach_by = Some(now + grace),
+                JobState::Recovering => {
+                    e.reattach_by = Some(now + grace);
+                    e.recovering_since = Some(now);
+                }
+                _ => {}
+            }
+            self.next_seq = self.next_seq.max(seq_of(&e.job.id).unwrap_or(0) + 1);
+            self.order.push(e.job.id.clone());
+            self.jobs.insert(e.job.id.clone(), e);
+        }
+    }
+
+    pub fn jobs(&self) -> impl Iterator<Item = &Job> {
+        self.order
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .map(|e| &e.job)
+    }
+
+    pub fn job(&self, id: &str) -> Option<&Job> {
+        self.jobs.get(id).map(|e| &e.job)
+    }
+
+    pub fn worker(&self, id: &str) -> Option<&WorkerEntry> {
+        self.workers.get(id)
+    }
+
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Decides what `input` means at time `now` (unix ms). Of several
+    /// writes of one job, only the newest is kept.
+    pub fn step(&mut self, input: Input, now: i64) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        match input {
+            Input::Attach { conn, hello } => self.attach(conn, hello, now, &mut fx),
+            Input::Message { worker, conn, msg } => self.message(&worker, conn, msg, now, &mut fx),
+            Input::Lost {
+                worker,
+                conn,
+                reason,
+            } => self.lost(&worker, conn, &reason, now, &mut fx),
+            Input::Submit { spec } => self.submit(spec, now, &mut fx),
+            Input::Admit { job } => {
+                if let Some(e) = self.jobs.get_mut(&job) {
+                    e.admitted = true;
+                }
+                self.schedule(now, &mut fx);
+            }
+            Input::Withdraw { job } => self.withdraw(&job, &mut fx),
+            Input::Cancel { job } => self.cancel(&job, now, &mut fx),
+            Input::Tick => self.tick(now, &mut fx),
+        }
+        // Only the newest version of each job needs writing.
+        let mut newest: BTreeMap<String, u64> = BTreeMap::new();
+        for e in &fx {
+            if let Effect::Save(j) = e {
+                let v = newest.entry(j.id.clone()).or_default();
+                *v = (*v).max(j.version);
+            }
+        }
+        fx.retain(|e| match e {
+            Effect::Save(j) => newest.get(&j.id) == Some(&j.version),
+            _ => true,
+        });
+        fx
+    }
+
+    fn submit(&mut self, spec: v1::JobSpec, now: i64, fx: &mut Vec<Effect>) {
+        let domain = match accrue_proto::spec_from_proto(&spec) {
+            Ok(d) => d,
+            Err(e) => {
+                fx.push(Effect::Reply(Err(CoordError::InvalidArgument(
+                    e.to_string(),
+                ))));
+                return;
+            }
+        };
+        let id = format!("{}-{}", domain.name, self.next_seq);
+        self.next_seq += 1;
+        let mut job = Job {
+            id: id.clone(),
+            spec: Some(accrue_proto::spec_to_proto(&domain)),
+            created_unix_ms: now,
+            counters: Some(Counters::default()),
+            ..Default::default()
+        };
+        match state::transition(&mut job, JobState::Pending, "submitted", now) {
+            Ok(t) => fx.push(transition_event(&job, t)),
+            Err(e) => {
+                fx.push(Effect::Reply(Err(CoordError::Internal(e.to_string()))));
+                return;
+            }
+        }
+        let mut entry = JobEntry::new(job, now, false);
+        save(&mut entry, fx);
+        fx.push(Effect::Reply(Ok(entry.job.clone())));
+        self.order.push(id.clone());
+        self.jobs.insert(id, entry);
+    }
+
+    fn withdraw(&mut self, id: &str, fx: &mut Vec<Effect>) {
+        if self.jobs.get(id).is_some_and(|e| !e.admitted) {
+            self.jobs.remove(id);
+            self.order.retain(|j| j != id);
+            fx.push(Effect::Delete(id.to_string()));
+        }
+    }
+
+    fn cancel(&mut self, id: &str, now: i64, fx: &mut Vec<Effect>) {
+        let Some(entry) = self.jobs.get_mut(id) else {
+            fx.push(Effect::Reply(Err(CoordError::JobNotFound(id.into()))));
+            return;
+        };
+        let from = entry.job.state();
+        if state::is_final(from) {
+            fx.push(Effect::Reply(Err(CoordError::AlreadyEnded {
+                job: id.into(),
+                state: state_name(from),
+                action: "cancel",
+            })));
+            return;
+        }
+        match state::transition(
+            &mut entry.job,
+            JobState::Cancelled,
+            "cancelled by a client",
+            now,
+        ) {
+            Ok(t) => fx.push(transition_event(&entry.job, t)),
+            Err(e) => {
+                fx.push(Effect::Reply(Err(CoordError::Internal(e.to_string()))));
+                return;
+            }
+        }
+        save(entry, fx);
+        fx.push(Effect::Reply(Ok(entry.job.clone())));
+        self.stop_members(id, "cancelled", fx);
+        self.schedule(now, fx);
+    }
+}

@@ -1,0 +1,247 @@
+//! What workers report: steps, evaluations, completions, interruptions, and
+//! whether a report counts at all (generation, rank, membership).
+
+use super::*;
+
+impl Cluster {
+    /// Whether `worker` holds `rank` in the current generation of `job`.
+    pub(super) fn member(&self, job: &str, generation: u64, rank: u32, worker: &str) -> bool {
+        self.jobs.get(job).is_some_and(|e| {
+            e.job.generation == generation
+                && e.job
+                    .workers
+                    .get(rank as usize)
+                    .is_some_and(|w| w == worker)
+        })
+    }
+
+    pub(super) fn refuse(
+        &self,
+        worker: &str,
+        conn: u64,
+        job: &str,
+        generation: u64,
+        reason: String,
+        fx: &mut Vec<Effect>,
+    ) {
+        tracing::warn!(worker, %reason, "message refused");
+        fx.push(Effect::Send {
+            worker: worker.into(),
+            conn,
+            msg: msg(coordinator_message::Msg::Refused(v1::Refused {
+                job_id: job.into(),
+                generation,
+                reason,
+            })),
+        });
+    }
+
+    /// Why a message about (`job`, `generation`, `rank`) from `worker` is
+    /// not taken (None: it is): the job must exist, be live and be at that
+    /// generation, and the worker must hold that rank in it.
+    pub(super) fn refusal(
+        &self,
+        worker: &str,
+        job: &str,
+        generation: u64,
+        rank: u32,
+    ) -> Option<String> {
+        let Some(e) = self.jobs.get(job) else {
+            return Some("unknown job".into());
+        };
+        if generation != e.job.generation || state::is_final(e.job.state()) {
+            return Some(format!(
+                "report of generation {generation} ignored: job {job} is at generation {} ({})",
+                e.job.generation,
+                state_name(e.job.state())
+            ));
+        }
+        if !self.member(job, generation, rank, worker) {
+            return Some(format!(
+                "worker {worker} is not rank {rank} of job {job} generation {generation}"
+            ));
+        }
+        None
+    }
+
+    pub(super) fn message(
+        &mut self,
+        worker: &str,
+        conn: u64,
+        m: WorkerMessage,
+        now: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(w) = self.workers.get_mut(worker).filter(|w| w.conn == conn) else {
+            // A connection that has been replaced or removed.
+            return;
+        };
+        w.last_seen_ms = now;
+        match m.msg {
+            Some(worker_message::Msg::Step(r)) => self.on_step(worker, conn, r, now, fx),
+            Some(worker_message::Msg::Eval(e)) => {
+                let rank0 = self.member(&m.job_id, m.generation, 0, worker);
+                if let Some(entry) = self.jobs.get_mut(&m.job_id).filter(|_| rank0) {
+                    entry.job.eval = Some(e);
+                    fx.push(Effect::Event(JobEvent {
+                        job: Some(entry.job.clone()),
+                        event: Some(v1::job_event::Event::Eval(e)),
+                    }));
+                }
+            }
+            Some(worker_message::Msg::Done(d)) => self.on_done(worker, conn, d, now, fx),
+            Some(worker_message::Msg::Interrupted(i)) => {
+                if self
+                    .refusal(worker, &i.job_id, i.generation, i.rank)
+                    .is_some()
+                {
+                    return;
+                }
+                let Some(e) = self.jobs.get_mut(&i.job_id) else {
+                    return;
+                };
+                e.acked.insert(worker.to_string());
+                if matches!(e.job.state(), JobState::Rendezvous | JobState::Running) {
+                    let reason = format!(
+                        "rank {} on worker {worker} interrupted at step {}: {}",
+                        i.rank, i.step, i.error
+                    );
+                    self.begin_recovery(&i.job_id, Vec::new(), reason, now, fx);
+                }
+                self.schedule(now, fx);
+            }
+            Some(worker_message::Msg::Detach(d)) => {
+                self.remove_worker(worker, Some(conn), &d.reason, true, now, fx);
+                self.schedule(now, fx);
+            }
+            Some(worker_message::Msg::Hello(_))
+            | Some(worker_message::Msg::Heartbeat(_))
+            | None => {}
+        }
+    }
+
+    pub(super) fn on_step(
+        &mut self,
+        worker: &str,
+        conn: u64,
+        r: StepReport,
+        now: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        if let Some(reason) = self.refusal(worker, &r.job_id, r.generation, r.rank) {
+            return self.refuse(worker, conn, &r.job_id, r.generation, reason, fx);
+        }
+        if r.rank != 0 {
+            return;
+        }
+        let Some(entry) = self.jobs.get_mut(&r.job_id) else {
+            return;
+        };
+        let c = entry.job.counters.get_or_insert_with(Default::default);
+        c.step = r.step;
+        c.total_steps = r.total_steps;
+        c.micro_step = r.micro_step;
+        c.window = r.step;
+        c.epoch = r.epoch;
+        c.samples_seen = r.samples_seen;
+        c.skipped_steps += r.skipped as u64;
+        c.loss = r.loss;
+        c.grad_norm = r.grad_norm;
+        c.clip_coef = r.clip_coef;
+        c.lr = r.lr;
+        c.samples_per_sec = r.samples_per_sec;
+        c.timing = r.timing;
+        c.bytes_sent = r.bytes_sent;
+        entry.stalled = 0;
+        if entry.job.state() == JobState::Rendezvous {
+            if let Some(rec) = entry
+                .job
+                .recoveries
+                .last_mut()
+                .filter(|x| x.generation == r.generation && x.first_step_unix_ms == 0)
+            {
+                rec.first_step_unix_ms = now;
+                rec.resumed_step = r.step.saturating_sub(1);
+            }
+            let reason = format!(
+                "the ring of generation {} formed and step {} committed",
+                r.generation, r.step
+            );
+            if let Ok(t) = state::transition(&mut entry.job, JobState::Running, reason, now) {
+                fx.push(transition_event(&entry.job, t));
+                entry.saved_ms = now;
+                save(entry, fx);
+            }
+        }
+        fx.push(Effect::Event(JobEvent {
+            job: Some(entry.job.clone()),
+            event: Some(v1::job_event::Event::Step(r)),
+        }));
+        if now - entry.saved_ms >= 1000 {
+            entry.saved_ms = now;
+            save(entry, fx);
+        }
+    }
+
+    pub(super) fn on_done(
+        &mut self,
+        worker: &str,
+        conn: u64,
+        d: v1::JobDone,
+        now: i64,
+        fx: &mut Vec<Effect>,
+    ) {
+        // The worker is free again once its thread for the job has ended,
+        // whatever the job's state.
+        if let Some(w) = self.workers.get_mut(worker) {
+            if w.serves(&d.job_id) {
+                w.job = None;
+            }
+            if w.draining.as_deref() == Some(d.job_id.as_str()) {
+                w.draining = None;
+            }
+        }
+        let live = self
+            .jobs
+            .get(&d.job_id)
+            .is_some_and(|e| !state::is_final(e.job.state()));
+        match self.refusal(worker, &d.job_id, d.generation, d.rank) {
+            Some(reason) if live => self.refuse(worker, conn, &d.job_id, d.generation, reason, fx),
+            Some(_) => {}
+            None if !d.ok => {
+                let reason = format!("rank {} on worker {worker} failed: {}", d.rank, d.error);
+                self.fail(&d.job_id, reason, now, fx);
+            }
+            None if d.rank == 0 => {
+                if let Some(entry) = self.jobs.get_mut(&d.job_id) {
+                    entry.job.checkpoint = d.checkpoint.clone();
+                    if d.eval.is_some() {
+                        entry.job.eval = d.eval;
+                    }
+                    let c = entry.job.counters.get_or_insert_with(Default::default);
+                    if d.total_steps > 0 && d.step >= c.step {
+                        // Reports made while no coordinator listened can be
+                        // lost with it; the rank's own end state is exact.
+                        c.step = d.step;
+                        c.window = d.step;
+                        c.samples_seen = d.samples_seen;
+                        c.total_steps = d.total_steps;
+                        c.epoch = d.epoch;
+                    }
+                    let steps = entry.job.counters.as_ref().map_or(0, |c| c.step);
+                    if let Ok(t) = state::transition(
+                        &mut entry.job,
+                        JobState::Succeeded,
+                        format!("finished {steps} optimizer steps"),
+                        now,
+                    ) {
+                        fx.push(transition_event(&entry.job, t));
+                    }
+                    save(entry, fx);
+                }
+            }
+            None => {}
+        }
+        self.schedule(now, fx);
+    }
+}

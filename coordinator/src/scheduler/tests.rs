@@ -1,0 +1,665 @@
+//! The scheduler's cases (every defect of issue 12 among them) and its
+//! invariants over random histories.
+
+use super::*;
+use proptest::prelude::*;
+
+const TTL: i64 = 60_000;
+
+fn cluster() -> Cluster {
+    Cluster::new(
+        Config {
+            heartbeat_ttl_ms: TTL,
+            state_dir: "/state".into(),
+        },
+        Box::new(|| vec![7; 32]),
+    )
+}
+
+fn spec(name: &str, workers: u32, extra: &str) -> v1::JobSpec {
+    let text = format!(
+        "name = \"{name}\"\nworkers = {workers}\nmax_steps = 6\n{extra}\n[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\nkind = \"synthetic\"\nsamples = 64\nshape = [4]\nclasses = 2\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n"
+    );
+    let s = accrue_common::JobSpec::from_toml_str(&text, std::path::Path::new("t.toml")).unwrap();
+    accrue_proto::spec_to_proto(&s)
+}
+
+fn hello(id: &str) -> v1::WorkerHello {
+    v1::WorkerHello {
+        worker_id: id.into(),
+        data_addr: format!("{id}:7000"),
+        ..Default::default()
+    }
+}
+
+fn sends(fx: &[Effect]) -> Vec<(String, coordinator_message::Msg)> {
+    fx.iter()
+        .filter_map(|e| match e {
+            Effect::Send { worker, msg, .. } => Some((worker.clone(), msg.msg.clone()?)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn aborts(fx: &[Effect]) -> usize {
+    sends(fx)
+        .iter()
+        .filter(|(_, m)| matches!(m, coordinator_message::Msg::Abort(_)))
+        .count()
+}
+
+fn reply(fx: &[Effect]) -> Result<Job, CoordError> {
+    fx.iter()
+        .find_map(|e| match e {
+            Effect::Reply(r) => Some(r.clone()),
+            _ => None,
+        })
+        .expect("a reply")
+}
+
+/// Submits and admits a job; returns its id.
+fn submit(c: &mut Cluster, s: v1::JobSpec, now: i64) -> String {
+    let id = reply(&c.step(Input::Submit { spec: s }, now)).unwrap().id;
+    c.step(Input::Admit { job: id.clone() }, now);
+    id
+}
+
+fn m(msg: worker_message::Msg) -> WorkerMessage {
+    WorkerMessage {
+        msg: Some(msg),
+        ..Default::default()
+    }
+}
+
+fn step_report(job: &str, generation: u64, rank: u32, step: u64) -> WorkerMessage {
+    m(worker_message::Msg::Step(StepReport {
+        job_id: job.into(),
+        generation,
+        rank,
+        step,
+        total_steps: 6,
+        ..Default::default()
+    }))
+}
+
+fn done(job: &str, generation: u64, rank: u32, ok: bool) -> WorkerMessage {
+    m(worker_message::Msg::Done(v1::JobDone {
+        job_id: job.into(),
+        generation,
+        rank,
+        ok,
+        stopped: true,
+        ..Default::default()
+    }))
+}
+
+fn interrupted(job: &str, generation: u64, rank: u32) -> WorkerMessage {
+    m(worker_message::Msg::Interrupted(v1::Interrupted {
+        job_id: job.into(),
+        generation,
+        rank,
+        error: "aborted".into(),
+        ..Default::default()
+    }))
+}
+
+/// A recovery re-forms once every survivor confirmed, or after the
+/// grace (a survivor that never answers cannot stall it).
+#[test]
+fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
+    let mut c = cluster();
+    for (i, w) in ["w0", "w1", "w2", "w3"].iter().enumerate() {
+        c.step(
+            Input::Attach {
+                conn: i as u64 + 1,
+                hello: hello(w),
+            },
+            0,
+        );
+    }
+    let job = submit(&mut c, spec("j", 3, ""), 0);
+    // Rank 1 saw rank 2 vanish, before the coordinator did.
+    deliver(&mut c, "w1", interrupted(&job, 1, 1), 10);
+    assert_eq!(c.job(&job).unwrap().state(), JobState::Recovering);
+    assert_eq!(
+        c.job(&job).unwrap().generation,
+        1,
+        "w0 and w2 have not confirmed"
+    );
+    c.step(
+        Input::Lost {
+            worker: "w2".into(),
+            conn: None,
+            reason: "gone".into(),
+        },
+        20,
+    );
+    assert_eq!(c.job(&job).unwrap().generation, 1, "w0 has not confirmed");
+    deliver(&mut c, "w0", interrupted(&job, 1, 0), 30);
+    let j = c.job(&job).unwrap();
+    assert_eq!(
+        (j.generation, j.recoveries.len()),
+        (2, 1),
+        "one recovery, without the dead w2"
+    );
+    assert!(!j.workers.contains(&"w2".to_string()));
+    assert_eq!(j.workers, ["w0", "w1", "w3"]);
+    // A survivor that never confirms holds it only for the grace.
+    deliver(&mut c, "w0", step_report(&job, 2, 0, 1), 40);
+    c.step(
+        Input::Lost {
+            worker: "w3".into(),
+            conn: None,
+            reason: "gone".into(),
+        },
+        50,
+    );
+    c.step(
+        Input::Attach {
+            conn: 9,
+            hello: hello("w4"),
+        },
+        60,
+    );
+    deliver(&mut c, "w0", interrupted(&job, 2, 0), 70);
+    c.step(Input::Tick, 50 + ACK_GRACE_MS - 1);
+    assert_eq!(c.job(&job).unwrap().generation, 2, "w1 has not confirmed");
+    c.step(Input::Tick, 50 + ACK_GRACE_MS);
+    let j = c.job(&job).unwrap();
+    assert_eq!(
+        (j.generation, j.workers.clone()),
+        (3, vec!["w0".to_string(), "w1".into(), "w4".into()])
+    );
+}
+
+fn conn_of(c: &Cluster, w: &str) -> u64 {
+    c.worker(w).unwrap().conn
+}
+
+fn deliver(c: &mut Cluster, w: &str, msg: WorkerMessage, now: i64) -> Vec<Effect> {
+    let conn = conn_of(c, w);
+    c.step(
+        Input::Message {
+            worker: w.into(),
+            conn,
+            msg,
+        },
+        now,
+    )
+}
+
+/// w0, w1 run job (generation 1); w1's stream breaks, w2 replaces it
+/// (generation 2). Returns the job id.
+fn replaced(c: &mut Cluster) -> String {
+    for (i, w) in ["w0", "w1", "w2"].iter().enumerate() {
+        c.step(
+            Input::Attach {
+                conn: i as u64 + 1,
+                hello: hello(w),
+            },
+            0,
+        );
+    }
+    let job = submit(c, spec("j", 2, ""), 0);
+    assert_eq!(c.job(&job).unwrap().workers, ["w0", "w1"]);
+    deliver(c, "w0", step_report(&job, 1, 0, 1), 10);
+    c.step(
+        Input::Lost {
+            worker: "w1".into(),
+            conn: Some(2),
+            reason: "stream error: h2".into(),
+        },
+        20,
+    );
+    // Not before the survivor confirmed it left the broken ring.
+    assert_eq!(c.job(&job).unwrap().generation, 1);
+    deliver(c, "w0", interrupted(&job, 1, 0), 25);
+    let j = c.job(&job).unwrap();
+    assert_eq!(
+        (j.generation, j.workers.clone()),
+        (2, vec!["w0".to_string(), "w2".into()])
+    );
+    job
+}
+
+/// Defect 1: a worker whose stream blipped re-attaches naming a job it
+/// is no longer a member of. It must not abort the healthy generation,
+/// must be told to stop, and must be free once it has.
+#[test]
+fn a_stale_member_reattaching_is_stopped_and_freed_without_a_recovery() {
+    let mut c = cluster();
+    let job = replaced(&mut c);
+    deliver(&mut c, "w0", step_report(&job, 2, 0, 2), 30);
+    let fx = c.step(
+        Input::Attach {
+            conn: 9,
+            hello: v1::WorkerHello {
+                job_id: job.clone(),
+                generation: 1,
+                rank: 1,
+                ..hello("w1")
+            },
+        },
+        40,
+    );
+    let j = c.job(&job).unwrap();
+    assert_eq!(
+        j.state(),
+        JobState::Running,
+        "the healthy generation goes on"
+    );
+    assert_eq!(j.generation, 2);
+    assert_eq!(aborts(&fx), 0, "no rank of generation 2 is aborted");
+    let to_w1 = sends(&fx);
+    assert!(
+        matches!(&to_w1[..], [(w, coordinator_message::Msg::Stop(s))] if w == "w1" && s.job_id == job && s.reason.contains("not a member")),
+        "{to_w1:?}"
+    );
+    assert!(
+        !c.worker("w1").unwrap().free(),
+        "busy until its thread ended"
+    );
+    // Its thread ends: the JobDone of a non-member frees it and changes
+    // nothing else.
+    let fx = deliver(&mut c, "w1", done(&job, 1, 1, true), 50);
+    assert!(c.worker("w1").unwrap().free());
+    assert_eq!(c.job(&job).unwrap().state(), JobState::Running);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Save(_))));
+    // And it can take the next job.
+    let next = submit(&mut c, spec("k", 1, ""), 60);
+    assert_eq!(c.job(&next).unwrap().workers, ["w1"]);
+}
+
+/// Defect 1, other half: a failed JobDone or a step report from the
+/// stale member must not touch the job.
+#[test]
+fn reports_from_outside_the_current_generation_are_refused() {
+    let mut c = cluster();
+    let job = replaced(&mut c);
+    c.step(
+        Input::Attach {
+            conn: 9,
+            hello: hello("w1"),
+        },
+        30,
+    );
+    // w1 claims rank 1 of generation 2 (w2's place).
+    let fx = deliver(&mut c, "w1", step_report(&job, 2, 0, 5), 40);
+    assert!(
+        matches!(&sends(&fx)[..], [(_, coordinator_message::Msg::Refused(r))] if r.reason.contains("not rank 0"))
+    );
+    assert_eq!(c.job(&job).unwrap().counters.unwrap().step, 1);
+    let fx = deliver(&mut c, "w1", done(&job, 2, 1, false), 50);
+    assert!(matches!(
+        &sends(&fx)[..],
+        [(_, coordinator_message::Msg::Refused(_))]
+    ));
+    assert!(!state::is_final(c.job(&job).unwrap().state()));
+    // The real rank 1 may.
+    deliver(&mut c, "w2", done(&job, 2, 1, false), 60);
+    assert_eq!(c.job(&job).unwrap().state(), JobState::Failed);
+}
+
+#[test]
+fn a_member_reattaching_in_place_keeps_its_generation() {
+    let mut c = cluster();
+    let job = replaced(&mut c);
+    deliver(&mut c, "w0", step_report(&job, 2, 0, 2), 30);
+    let fx = c.step(
+        Input::Attach {
+            conn: 9,
+            hello: v1::WorkerHello {
+                job_id: job.clone(),
+                generation: 2,
+                rank: 1,
+                ..hello("w2")
+            },
+        },
+        40,
+    );
+    assert_eq!(aborts(&fx), 0);
+    // The old connection is closed, the new one serves.
+    assert!(fx.contains(&Effect::Close {
+        worker: "w2".into(),
+        conn: 3
+    }));
+    assert_eq!(conn_of(&c, "w2"), 9);
+    assert_eq!(c.job(&job).unwrap().generation, 2);
+    assert!(c.worker("w2").unwrap().serves(&job));
+}
+
+/// Defect 7: a planned exit is not a loss (no warning), but a job the
+/// worker served still re-forms without it.
+#[test]
+fn a_detach_frees_the_worker_and_closes_its_stream() {
+    let mut c = cluster();
+    c.step(
+        Input::Attach {
+            conn: 1,
+            hello: hello("w0"),
+        },
+        0,
+    );
+    let fx = deliver(
+        &mut c,
+        "w0",
+        m(worker_message::Msg::Detach(v1::Detach {
+            reason: "SIGTERM".into(),
+        })),
+        5,
+    );
+    assert!(c.worker("w0").is_none());
+    assert_eq!(
+        fx,
+        vec![Effect::Close {
+            worker: "w0".into(),
+            conn: 1
+        }]
+    );
+    let job = replaced(&mut c);
+    deliver(
+        &mut c,
+        "w2",
+        m(worker_message::Msg::Detach(v1::Detach {
+            reason: "SIGTERM".into(),
+        })),
+        30,
+    );
+    let j = c.job(&job).unwrap();
+    assert_eq!(j.state(), JobState::Recovering);
+    assert!(j.recoveries.last().unwrap().reason.contains("detached"));
+}
+
+#[test]
+fn a_submission_waits_for_admission_and_can_be_taken_back() {
+    let mut c = cluster();
+    c.step(
+        Input::Attach {
+            conn: 1,
+            hello: hello("w0"),
+        },
+        0,
+    );
+    let fx = c.step(
+        Input::Submit {
+            spec: spec("a", 1, ""),
+        },
+        1,
+    );
+    let job = reply(&fx).unwrap();
+    assert_eq!(job.state(), JobState::Pending);
+    assert!(sends(&fx).is_empty(), "not scheduled before it is durable");
+    c.step(Input::Tick, 2);
+    assert_eq!(c.job(&job.id).unwrap().state(), JobState::Pending);
+    let fx = c.step(
+        Input::Withdraw {
+            job: job.id.clone(),
+        },
+        3,
+    );
+    assert_eq!(fx, vec![Effect::Delete(job.id.clone())]);
+    assert!(c.job(&job.id).is_none());
+    // Ids are never reused.
+    let again = reply(&c.step(
+        Input::Submit {
+            spec: spec("a", 1, ""),
+        },
+        4,
+    ))
+    .unwrap();
+    assert_ne!(again.id, job.id);
+    let fx = c.step(
+        Input::Admit {
+            job: again.id.clone(),
+        },
+        5,
+    );
+    assert!(
+        matches!(&sends(&fx)[..], [(w, coordinator_message::Msg::Assign(a))] if w == "w0" && a.accumulation_steps == 1)
+    );
+    // Withdrawing an admitted job does nothing.
+    assert!(c
+        .step(
+            Input::Withdraw {
+                job: again.id.clone()
+            },
+            6
+        )
+        .is_empty());
+}
+
+#[test]
+fn bad_specs_and_worker_ids_are_refused_with_their_field() {
+    let mut c = cluster();
+    let mut s = spec("a", 1, "");
+    s.data.as_mut().unwrap().batch_size = 0;
+    let e = reply(&c.step(Input::Submit { spec: s }, 0)).unwrap_err();
+    assert!(
+        matches!(&e, CoordError::InvalidArgument(m) if m.contains("data.batch_size")),
+        "{e}"
+    );
+    assert_eq!(c.jobs().count(), 0);
+    let e = reply(&c.step(
+        Input::Attach {
+            conn: 1,
+            hello: hello(""),
+        },
+        0,
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("worker_id"));
+    assert_eq!(c.worker_count(), 0);
+}
+
+#[test]
+fn every_write_carries_a_newer_version_and_only_the_newest_is_kept() {
+    let mut c = cluster();
+    c.step(
+        Input::Attach {
+            conn: 1,
+            hello: hello("w0"),
+        },
+        0,
+    );
+    let fx = c.step(
+        Input::Submit {
+            spec: spec("a", 1, ""),
+        },
+        0,
+    );
+    let id = reply(&fx).unwrap().id;
+    // Admission forms the job: one Save (the newest of the step).
+    let fx = c.step(Input::Admit { job: id.clone() }, 1);
+    let saves: Vec<u64> = fx
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Save(j) => Some(j.version),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(saves, [2]);
+    let fx = c.step(Input::Cancel { job: id.clone() }, 2);
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::Save(j) if j.version == 3)));
+    assert_eq!(reply(&fx).unwrap().state(), JobState::Cancelled);
+    let e = reply(&c.step(Input::Cancel { job: id.clone() }, 3)).unwrap_err();
+    assert_eq!(e.grpc_code(), tonic::Code::FailedPrecondition);
+}
+
+#[test]
+fn restored_jobs_keep_their_place_and_ids_continue() {
+    let mut c = cluster();
+    let job = Job {
+        id: "old-7".into(),
+        state: JobState::Running as i32,
+        generation: 3,
+        workers: vec!["w0".into()],
+        spec: Some(spec("old", 1, "")),
+        version: 40,
+        ..Default::default()
+    };
+    c.restore(vec![job], 0);
+    // The member re-attaches in place: no recovery.
+    let fx = c.step(
+        Input::Attach {
+            conn: 1,
+            hello: v1::WorkerHello {
+                job_id: "old-7".into(),
+                generation: 3,
+                rank: 0,
+                ..hello("w0")
+            },
+        },
+        10,
+    );
+    assert_eq!(aborts(&fx), 0);
+    c.step(Input::Tick, TTL + 1);
+    assert_eq!(c.job("old-7").unwrap().state(), JobState::Running);
+    let next = reply(&c.step(
+        Input::Submit {
+            spec: spec("new", 1, ""),
+        },
+        20,
+    ))
+    .unwrap();
+    assert_eq!(next.id, "new-8");
+}
+
+#[test]
+fn silent_workers_expire_after_the_ttl() {
+    let mut c = cluster();
+    c.step(
+        Input::Attach {
+            conn: 1,
+            hello: hello("w0"),
+        },
+        0,
+    );
+    c.step(Input::Tick, TTL);
+    assert!(c.worker("w0").is_some());
+    let fx = c.step(Input::Tick, TTL + 1);
+    assert!(c.worker("w0").is_none());
+    assert!(fx.contains(&Effect::Close {
+        worker: "w0".into(),
+        conn: 1
+    }));
+}
+
+/// Random histories: every invariant of the cluster holds after every
+/// input, and every job's versions only grow.
+#[derive(Clone, Debug)]
+enum Op {
+    Attach(usize, bool),
+    Lost(usize),
+    Detach(usize),
+    Submit(u32),
+    Admit,
+    Cancel(usize),
+    Step(usize),
+    Done(usize, bool),
+    Interrupt(usize),
+    Tick(i64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0usize..4, any::<bool>()).prop_map(|(w, c)| Op::Attach(w, c)),
+        (0usize..4).prop_map(Op::Lost),
+        (0usize..4).prop_map(Op::Detach),
+        (1u32..4).prop_map(Op::Submit),
+        Just(Op::Admit),
+        (0usize..4).prop_map(Op::Cancel),
+        (0usize..4).prop_map(Op::Step),
+        (0usize..4, any::<bool>()).prop_map(|(w, ok)| Op::Done(w, ok)),
+        (0usize..4).prop_map(Op::Interrupt),
+        (0i64..100_000).prop_map(Op::Tick),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    #[test]
+    fn invariants_hold_over_random_histories(ops in proptest::collection::vec(op(), 1..60)) {
+        let mut c = cluster();
+        let mut now = 0i64;
+        let mut conn = 0u64;
+        let mut versions: BTreeMap<String, u64> = BTreeMap::new();
+        let w = |i: usize| format!("w{i}");
+        for o in ops {
+            now += 100;
+            let jobs: Vec<String> = c.jobs().map(|j| j.id.clone()).collect();
+            let pick = |i: usize| jobs.get(i % jobs.len().max(1)).cloned().unwrap_or_default();
+            let input = match o {
+                Op::Attach(i, claim) => {
+                    conn += 1;
+                    let served = c.worker(&w(i)).and_then(|x| x.job.clone());
+                    let mut h = hello(&w(i));
+                    if let (true, Some((j, r))) = (claim, served) {
+                        h.job_id = j.clone();
+                        h.rank = r;
+                        h.generation = c.job(&j).map_or(0, |x| x.generation);
+                    }
+                    Input::Attach { conn, hello: h }
+                }
+                Op::Lost(i) => Input::Lost { worker: w(i), conn: None, reason: "gone".into() },
+                Op::Detach(i) | Op::Step(i) | Op::Done(i, _) | Op::Interrupt(i) if c.worker(&w(i)).is_none() => Input::Tick,
+                Op::Detach(i) => Input::Message { worker: w(i), conn: conn_of(&c, &w(i)), msg: m(worker_message::Msg::Detach(v1::Detach { reason: "bye".into() })) },
+                Op::Submit(n) => Input::Submit { spec: spec("p", n, "") },
+                Op::Admit => Input::Admit { job: pick(jobs.len().saturating_sub(1)) },
+                Op::Cancel(i) => Input::Cancel { job: pick(i) },
+                Op::Step(i) | Op::Done(i, _) | Op::Interrupt(i) => {
+                    let x = c.worker(&w(i)).unwrap();
+                    let Some((j, rank)) = x.job.clone() else { continue };
+                    let g = c.job(&j).map_or(0, |x| x.generation);
+                    let msg = match o {
+                        Op::Step(_) => step_report(&j, g, rank, 1),
+                        Op::Done(_, ok) => done(&j, g, rank, ok),
+                        _ => m(worker_message::Msg::Interrupted(v1::Interrupted { job_id: j, generation: g, rank, ..Default::default() })),
+                    };
+                    Input::Message { worker: w(i), conn: x.conn, msg }
+                }
+                Op::Tick(dt) => { now += dt; Input::Tick }
+            };
+            let fx = c.step(input, now);
+            for e in &fx {
+                match e {
+                    Effect::Save(j) => {
+                        let v = versions.entry(j.id.clone()).or_default();
+                        prop_assert!(j.version > *v, "job {} went from version {} to {}", j.id, v, j.version);
+                        *v = j.version;
+                    }
+                    Effect::Send { worker, conn, .. } => {
+                        // To the worker's current connection (or to one
+                        // removed later in the same step: dropped).
+                        prop_assert!(c.worker(worker).is_none_or(|x| x.conn == *conn));
+                    }
+                    _ => {}
+                }
+            }
+            // No worker serves two ranks; every live member serves its job.
+            let mut seen = BTreeMap::new();
+            for j in c.jobs() {
+                if state::is_final(j.state()) || j.state() == JobState::Pending {
+                    continue;
+                }
+                for (rank, m) in j.workers.iter().enumerate() {
+                    if let Some(x) = c.worker(m) {
+                        if x.serves(&j.id) {
+                            prop_assert_eq!(x.job.as_ref().map(|(_, r)| *r as usize), Some(rank));
+                            prop_assert!(seen.insert(m.clone(), j.id.clone()).is_none());
+                        }
+                    }
+                }
+            }
+            for id in ["w0", "w1", "w2", "w3"] {
+                if let Some(x) = c.worker(id) {
+                    if let Some((j, _)) = &x.job {
+                        let job = c.job(j).unwrap();
+                        prop_assert!(job.workers.iter().any(|m| m == id), "{} serves {} without being a member", id, j);
+                    }
+                }
+            }
+        }
+    }
+}
