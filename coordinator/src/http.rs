@@ -150,23 +150,25 @@ pub fn metrics_text(c: &Coordinator) -> String {
     );
     let _ = writeln!(out, "# TYPE accrue_held_messages gauge");
     let _ = writeln!(out, "accrue_held_messages {}", c.held_messages());
-    let (p50, p99, n) = c.report_latency();
-    let _ = writeln!(
-        out,
-        "# HELP accrue_report_handling_seconds Time to handle one worker message (recent window)."
-    );
-    let _ = writeln!(out, "# TYPE accrue_report_handling_seconds summary");
-    let _ = writeln!(
-        out,
-        "accrue_report_handling_seconds{{quantile=\"0.5\"}} {}",
-        p50 as f64 / 1e6
-    );
-    let _ = writeln!(
-        out,
-        "accrue_report_handling_seconds{{quantile=\"0.99\"}} {}",
-        p99 as f64 / 1e6
-    );
-    let _ = writeln!(out, "accrue_report_handling_seconds_count {n}");
+    let [decided, handled] = c.report_latency();
+    for (name, help, (p50, p99, n)) in [
+        (
+            "accrue_report_decision_seconds",
+            "Time to lock and decide one worker message (recent window).",
+            decided,
+        ),
+        (
+            "accrue_report_handling_seconds",
+            "Time to lock, decide and execute the effects of one worker message (recent window).",
+            handled,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} summary");
+        let _ = writeln!(out, "{name}{{quantile=\"0.5\"}} {}", p50 as f64 / 1e6);
+        let _ = writeln!(out, "{name}{{quantile=\"0.99\"}} {}", p99 as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count {n}");
+    }
     let _ = writeln!(out, "# HELP accrue_jobs Jobs by state.");
     let _ = writeln!(out, "# TYPE accrue_jobs gauge");
     for s in [
@@ -288,4 +290,21 @@ async fn dashboard(State(g): State<Arc<Gate>>) -> Response {
         c.worker_count()
     ))
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::html_escape;
+
+    #[test]
+    fn nothing_a_name_holds_escapes_its_attribute() {
+        let evil = r#"evil"><script>alert(1)</script>'&"#;
+        let safe = html_escape(evil);
+        assert_eq!(
+            safe,
+            "evil&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;&#39;&amp;"
+        );
+        assert!(!safe.contains(['<', '>', '"', '\'']));
+        assert_eq!(html_escape("digits-mlp-1"), "digits-mlp-1");
+    }
 }

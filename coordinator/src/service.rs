@@ -10,9 +10,11 @@
 //!   Close       ─▶ drop the worker's stream      Event ─▶ watchers
 //! ```
 //!
-//! Effects are executed under the same lock the decision was made under,
-//! so writes reach the store's queue in version order and messages queue
-//! in decision order; neither waits on I/O there.
+//! Effects are queued under the same lock the decision was made under, so
+//! writes reach the store's queue in version order and messages and events
+//! queue in decision order; nothing there waits on I/O. Messages are sent
+//! and events published after the lock is let go, each queue drained in
+//! order.
 
 use crate::error::CoordError;
 use crate::scheduler::{self, Cluster, Effect, Input};
@@ -58,13 +60,45 @@ const LATENCY_WINDOW: usize = 65_536;
 
 pub(crate) type Outbox = mpsc::UnboundedSender<Result<CoordinatorMessage, Status>>;
 
+/// The last LATENCY_WINDOW latencies (µs) of one kind, and how many there
+/// were in all.
+#[derive(Default)]
+struct Latencies {
+    ring: Vec<u64>,
+    next: usize,
+    count: u64,
+}
+
+impl Latencies {
+    fn record(&mut self, us: u64) {
+        self.count += 1;
+        if self.ring.len() < LATENCY_WINDOW {
+            self.ring.push(us);
+        } else {
+            self.ring[self.next] = us;
+        }
+        self.next = (self.next + 1) % LATENCY_WINDOW;
+    }
+
+    /// (p50, p99, count).
+    fn quantiles(&self) -> (u64, u64, u64) {
+        let mut l = self.ring.clone();
+        if l.is_empty() {
+            return (0, 0, self.count);
+        }
+        l.sort_unstable();
+        let q = |p: f64| l[((l.len() - 1) as f64 * p).round() as usize];
+        (q(0.5), q(0.99), self.count)
+    }
+}
+
 struct Inner {
     cluster: Cluster,
     next_conn: u64,
-    /// The last report-handling latencies (µs), a ring of LATENCY_WINDOW.
-    latencies_us: Vec<u64>,
-    latency_next: usize,
-    reports: u64,
+    /// Worker messages: lock + decision.
+    decided: Latencies,
+    /// Worker messages: lock + decision + executing the effects.
+    handled: Latencies,
 }
 
 /// A message waiting for the writes before it to be durable.
@@ -83,6 +117,8 @@ pub struct Coordinator {
     /// Each attached worker's current connection and its stream.
     conns: Mutex<BTreeMap<String, (u64, Outbox)>>,
     held: Mutex<VecDeque<Held>>,
+    /// Events decided but not yet published (kept in decision order).
+    unpublished: Mutex<VecDeque<JobEvent>>,
     events: broadcast::Sender<JobEvent>,
     /// Set when the coordinator stops (or steps down): nothing more is
     /// decided or written.
@@ -115,14 +151,14 @@ impl Coordinator {
             inner: Mutex::new(Inner {
                 cluster,
                 next_conn: 0,
-                latencies_us: Vec::new(),
-                latency_next: 0,
-                reports: 0,
+                decided: Latencies::default(),
+                handled: Latencies::default(),
             }),
             store,
             progress,
             conns: Mutex::default(),
             held: Mutex::default(),
+            unpublished: Mutex::default(),
             events,
             closed: AtomicBool::new(false),
         });
@@ -168,28 +204,29 @@ impl Coordinator {
             return Some(Err(CoordError::NotLeader { leader: None }));
         }
         let started = std::time::Instant::now();
-        let mut inner = lock(&self.inner);
-        let input = make(&mut inner, self);
-        let report = matches!(input, Input::Message { .. });
-        let fx = inner.cluster.step(input, now_ms());
-        let reply = self.apply(fx);
+        let (reply, report, decided) = {
+            let mut inner = lock(&self.inner);
+            let input = make(&mut inner, self);
+            let report = matches!(input, Input::Message { .. });
+            let fx = inner.cluster.step(input, now_ms());
+            let decided = started.elapsed();
+            (self.queue(fx), report, decided)
+        };
+        // Outside the lock, each in the order it was queued.
+        self.release();
+        self.publish();
         if report {
-            let us = started.elapsed().as_micros() as u64;
-            inner.reports += 1;
-            if inner.latencies_us.len() < LATENCY_WINDOW {
-                inner.latencies_us.push(us);
-            } else {
-                let i = inner.latency_next;
-                inner.latencies_us[i] = us;
-            }
-            inner.latency_next = (inner.latency_next + 1) % LATENCY_WINDOW;
+            let mut inner = lock(&self.inner);
+            inner.decided.record(decided.as_micros() as u64);
+            inner.handled.record(started.elapsed().as_micros() as u64);
         }
         reply
     }
 
-    /// Executes effects (called under the decision lock: writes queue in
-    /// version order, messages in decision order; nothing here blocks).
-    fn apply(&self, fx: Vec<Effect>) -> Option<Result<Job, CoordError>> {
+    /// Queues the effects (called under the decision lock, so writes queue
+    /// in version order and messages and events in decision order; nothing
+    /// here blocks). Sending and publishing happen after the lock is let go.
+    fn queue(&self, fx: Vec<Effect>) -> Option<Result<Job, CoordError>> {
         let mut reply = None;
         let mut sends = Vec::new();
         for e in fx {
@@ -211,9 +248,7 @@ impl Coordinator {
                         conns.remove(&worker);
                     }
                 }
-                Effect::Event(ev) => {
-                    let _ = self.events.send(ev);
-                }
+                Effect::Event(ev) => lock(&self.unpublished).push_back(ev),
                 Effect::Reply(r) => reply = Some(r),
             }
         }
@@ -227,8 +262,15 @@ impl Coordinator {
                 msg,
             }));
         }
-        self.release();
         reply
+    }
+
+    /// Publishes queued events to the watchers, oldest first.
+    fn publish(&self) {
+        let mut q = lock(&self.unpublished);
+        while let Some(ev) = q.pop_front() {
+            let _ = self.events.send(ev);
+        }
     }
 
     /// Sends the held messages whose writes are durable, oldest first, to
@@ -292,19 +334,12 @@ impl Coordinator {
         lock(&self.inner).cluster.worker_count()
     }
 
-    /// (p50, p99, count) of the recent report-handling latencies, in µs,
-    /// and the number of reports handled so far.
-    pub fn report_latency(&self) -> (u64, u64, u64) {
-        let (mut l, n) = {
-            let inner = lock(&self.inner);
-            (inner.latencies_us.clone(), inner.reports)
-        };
-        if l.is_empty() {
-            return (0, 0, n);
-        }
-        l.sort_unstable();
-        let q = |p: f64| l[((l.len() - 1) as f64 * p).round() as usize];
-        (q(0.5), q(0.99), n)
+    /// (p50, p99, count) in µs of the recent worker messages: the time to
+    /// take the lock and decide, and to also execute the effects (queue the
+    /// writes, release messages, fan out to watchers).
+    pub fn report_latency(&self) -> [(u64, u64, u64); 2] {
+        let inner = lock(&self.inner);
+        [inner.decided.quantiles(), inner.handled.quantiles()]
     }
 
     /// Records a job, waits (bounded) until its record is durable, then

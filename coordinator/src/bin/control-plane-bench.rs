@@ -196,20 +196,25 @@ async fn main() -> anyhow::Result<()> {
     let n1 = metric(&http, "accrue_report_handling_seconds_count").await;
     let p50 = metric(&http, "accrue_report_handling_seconds{quantile=\"0.5\"}").await;
     let p99 = metric(&http, "accrue_report_handling_seconds{quantile=\"0.99\"}").await;
+    // Decision only (lock + decide); absent before issue 12 (NaN then).
+    let d50 = metric(&http, "accrue_report_decision_seconds{quantile=\"0.5\"}").await;
+    let d99 = metric(&http, "accrue_report_decision_seconds{quantile=\"0.99\"}").await;
     let ticks_per_s = 100.0; // USER_HZ on Linux
     let cpu = (cpu1 - cpu0) as f64 / ticks_per_s / dt;
     let watched: u64 = events
         .iter()
         .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
         .sum();
-    println!("| workers | report rate | watchers | messages handled/s | p50 handling | p99 handling | coordinator CPU | watch events/s |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| workers | report rate | watchers | messages handled/s | p50 decision | p99 decision | p50 handling | p99 handling | coordinator CPU | watch events/s |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     println!(
-        "| {} | {} Hz | {} | {:.0} | {:.1} µs | {:.1} µs | {:.0}% of one core | {:.0} |",
+        "| {} | {} Hz | {} | {:.0} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.0}% of one core | {:.0} |",
         a.workers,
         a.hz,
         a.watchers,
         (n1 - n0) / dt,
+        d50 * 1e6,
+        d99 * 1e6,
         p50 * 1e6,
         p99 * 1e6,
         cpu * 100.0,
