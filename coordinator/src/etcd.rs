@@ -24,7 +24,7 @@ use etcd_client::{
 use prost::Message;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
@@ -59,7 +59,6 @@ pub struct EtcdStore {
     queue: WriteQueue,
     ok: Arc<AtomicBool>,
     at_open: Vec<Job>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Who writes: the leader key and lease that fence the writes, and the
@@ -117,12 +116,8 @@ impl EtcdStore {
                 .run(rx, &progress)
             })
             .map_err(|e| backend(&cfg.endpoints, e))?;
-        Ok(Self {
-            queue,
-            ok,
-            at_open,
-            thread: Mutex::new(Some(thread)),
-        })
+        queue.set_writer(thread);
+        Ok(Self { queue, ok, at_open })
     }
 }
 
@@ -281,10 +276,6 @@ impl JobStore for EtcdStore {
     }
     fn close(&self) {
         self.queue.close();
-        let t = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(t) = t {
-            let _ = t.join();
-        }
     }
 }
 

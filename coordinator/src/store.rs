@@ -141,6 +141,8 @@ pub struct WriteQueue {
     tx: Mutex<Option<mpsc::Sender<(u64, Write)>>>,
     progress: Arc<WriteProgress>,
     path: PathBuf,
+    /// The writer thread, joined on close.
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl WriteQueue {
@@ -151,9 +153,15 @@ impl WriteQueue {
                 tx: Mutex::new(Some(tx)),
                 progress: Arc::default(),
                 path,
+                writer: Mutex::new(None),
             },
             rx,
         )
+    }
+
+    /// The thread that drains this queue (joined on close).
+    pub fn set_writer(&self, t: std::thread::JoinHandle<()>) {
+        *self.writer.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
     }
 
     pub fn push(&self, w: Write) -> Result<u64, StoreError> {
@@ -171,9 +179,14 @@ impl WriteQueue {
         self.progress.clone()
     }
 
-    /// No more writes: the writer drains what is queued and ends.
+    /// No more writes: the writer drains what is queued (as far as its
+    /// backend takes it) and ends; returns once it has.
     pub fn close(&self) {
         self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let t = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
     }
 }
 
@@ -181,7 +194,6 @@ pub struct RedbStore {
     queue: WriteQueue,
     at_open: Vec<Job>,
     health: Arc<Mutex<Option<String>>>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl RedbStore {
@@ -204,11 +216,11 @@ impl RedbStore {
             .name("accrue-redb-writer".into())
             .spawn(move || redb_writer(db, rx, &progress, &h2))
             .map_err(|e| err(e.to_string()))?;
+        queue.set_writer(thread);
         Ok(Self {
             queue,
             at_open,
             health,
-            thread: Mutex::new(Some(thread)),
         })
     }
 }
@@ -307,10 +319,6 @@ impl JobStore for RedbStore {
     }
     fn close(&self) {
         self.queue.close();
-        let t = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(t) = t {
-            let _ = t.join();
-        }
     }
 }
 

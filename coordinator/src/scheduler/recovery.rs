@@ -5,21 +5,32 @@
 use super::*;
 
 impl Cluster {
+    /// Sends `m()` to every worker serving `job`.
+    fn tell_members(
+        &self,
+        job: &str,
+        m: impl Fn() -> coordinator_message::Msg,
+        fx: &mut Vec<Effect>,
+    ) {
+        for (id, w) in self.workers.iter().filter(|(_, w)| w.serves(job)) {
+            fx.push(Effect::Send {
+                worker: id.clone(),
+                conn: w.conn,
+                msg: msg(m()),
+            });
+        }
+    }
+
     /// Tells every worker serving `job` to stop it (each stays busy until
     /// its JobDone arrives).
     pub(super) fn stop_members(&self, job: &str, reason: &str, fx: &mut Vec<Effect>) {
-        for (id, w) in &self.workers {
-            if w.serves(job) {
-                fx.push(Effect::Send {
-                    worker: id.clone(),
-                    conn: w.conn,
-                    msg: msg(coordinator_message::Msg::Stop(v1::Stop {
-                        job_id: job.into(),
-                        reason: reason.into(),
-                    })),
-                });
-            }
-        }
+        let stop = || {
+            coordinator_message::Msg::Stop(v1::Stop {
+                job_id: job.into(),
+                reason: reason.into(),
+            })
+        };
+        self.tell_members(job, stop, fx);
     }
 
     /// Fails a job and stops its ranks.
@@ -86,19 +97,14 @@ impl Cluster {
         }
         save(entry, fx);
         let generation = entry.job.generation;
-        for (id, w) in &self.workers {
-            if w.serves(job_id) {
-                fx.push(Effect::Send {
-                    worker: id.clone(),
-                    conn: w.conn,
-                    msg: msg(coordinator_message::Msg::Abort(v1::Abort {
-                        job_id: job_id.into(),
-                        generation,
-                        reason: "re-forming the ring".into(),
-                    })),
-                });
-            }
-        }
+        let abort = || {
+            coordinator_message::Msg::Abort(v1::Abort {
+                job_id: job_id.into(),
+                generation,
+                reason: "re-forming the ring".into(),
+            })
+        };
+        self.tell_members(job_id, abort, fx);
     }
 
     /// Free workers (no job, nothing draining), in id order.
