@@ -16,7 +16,7 @@ use crate::model::Model;
 use crate::optim::Optimizer;
 use crate::sampler::{ShardSpec, WindowPlan};
 use crate::schedule::Schedule;
-use crate::spec::{JobSpec, Normalize, SyncMode};
+use crate::spec::{JobSpec, Normalize, OnNonfinite, SyncMode};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -229,7 +229,7 @@ impl<C: Collective> Engine<C> {
                     .data
                     .path
                     .clone()
-                    .unwrap_or_else(|| spec.data.kind.clone().into()),
+                    .unwrap_or_else(|| spec.data.kind.as_str().into()),
                 reason: "the training split holds no samples".into(),
             });
         }
@@ -280,7 +280,7 @@ impl<C: Collective> Engine<C> {
                     .data
                     .path
                     .clone()
-                    .unwrap_or_else(|| spec.data.kind.clone().into()),
+                    .unwrap_or_else(|| spec.data.kind.as_str().into()),
                 reason: format!(
                     "{} samples cannot feed {world} ranks with drop_last",
                     train.len()
@@ -314,8 +314,8 @@ impl<C: Collective> Engine<C> {
             ..Default::default()
         };
         let mut engine = Self {
-            normalize: spec.normalize(),
-            sync: spec.sync_mode(),
+            normalize: spec.accumulation.normalize,
+            sync: spec.accumulation.sync,
             spec,
             collective,
             device,
@@ -835,11 +835,14 @@ impl<C: Collective> Engine<C> {
         // What the gradients go through before the optimizer: 1/divisor and
         // the clip, as one multiplier where possible.
         let prep = if skipped {
-            if !self.spec.skip_nonfinite() {
-                return Err(Error::NonFinite {
-                    step: step + 1,
-                    norm: grad_norm,
-                });
+            match self.spec.clipping.on_nonfinite {
+                OnNonfinite::Skip => {}
+                OnNonfinite::Error => {
+                    return Err(Error::NonFinite {
+                        step: step + 1,
+                        norm: grad_norm,
+                    })
+                }
             }
             tracing::warn!(
                 step = step + 1,
