@@ -163,10 +163,20 @@ impl Collective for RingSlot {
     }
 }
 
-/// The job spec of an assignment with this daemon's overrides applied.
+/// The job spec of an assignment with this daemon's overrides applied, and
+/// k fixed to the assignment's: the coordinator decides k (from the spec and
+/// the world size of this generation), so the worker never recomputes it.
 fn assigned_spec(a: &v1::Assignment, cfg: &DaemonConfig) -> Result<crate::spec::JobSpec, String> {
     let proto = a.spec.clone().ok_or("the assignment has no spec")?;
     let mut spec = accrue_proto::spec_from_proto(&proto).map_err(|e| e.to_string())?;
+    if a.accumulation_steps == 0 {
+        return Err(format!(
+            "assignment of job {} generation {} has accumulation_steps = 0 (k must be >= 1)",
+            a.job_id, a.generation
+        ));
+    }
+    spec.accumulation.steps = Some(u64::from(a.accumulation_steps));
+    spec.accumulation.global_batch = None;
     if let Some(d) = &cfg.device {
         spec.device = d.clone();
     }
@@ -238,7 +248,7 @@ impl JobThread<'_> {
             world: a.world_size as usize,
         };
         let ready = match self.engine.as_mut() {
-            Some(engine) => engine.reconfigure(slot),
+            Some(engine) => engine.reconfigure(slot, spec.accumulation.steps),
             None => {
                 let opts = RunOptions {
                     checkpoint_dir: (!a.checkpoint_dir.is_empty())
@@ -615,5 +625,61 @@ fn stop(running: &Option<Running>, job: &str, reason: &str) {
     if let Some(r) = running.as_ref().filter(|r| r.job == job) {
         tracing::info!(job, reason, "stopping the job");
         r.control.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> DaemonConfig {
+        DaemonConfig {
+            coordinator: "http://127.0.0.1:1".into(),
+            worker_id: "w".into(),
+            listen_data: "127.0.0.1:0".into(),
+            device: None,
+            threads: None,
+            data_root: None,
+            heartbeat: Duration::from_secs(1),
+            sample_log: None,
+            micro_step_delay: None,
+            etcd: Vec::new(),
+            cluster: "c".into(),
+        }
+    }
+
+    /// An assignment of a job that fixes global_batch = 96 with b = 8 (so
+    /// k = 6 at W = 2, 4 at W = 3), with the coordinator's k.
+    fn assignment(world: u32, k: u32) -> v1::Assignment {
+        let text = "name = \"elastic\"\nworkers = 2\n[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n[accumulation]\nglobal_batch = 96\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+        let spec = crate::spec::JobSpec::from_toml_str(text, std::path::Path::new("t")).unwrap();
+        v1::Assignment {
+            job_id: "j1".into(),
+            generation: 2,
+            world_size: world,
+            accumulation_steps: k,
+            spec: Some(accrue_proto::spec_to_proto(&spec)),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn k_comes_from_the_assignment() {
+        // Whatever the spec would derive, the assignment's k is used.
+        for (world, k) in [(2, 6), (3, 4), (2, 5)] {
+            let spec = assigned_spec(&assignment(world, k), &cfg()).unwrap();
+            assert_eq!(spec.accumulation.steps, Some(u64::from(k)));
+            assert_eq!(spec.accumulation.global_batch, None);
+            assert_eq!(spec.accumulation_steps(u64::from(world)), Ok(u64::from(k)));
+        }
+    }
+
+    #[test]
+    fn an_assignment_with_k_zero_is_refused() {
+        let err = assigned_spec(&assignment(2, 0), &cfg()).unwrap_err();
+        assert_eq!(
+            err,
+            "assignment of job j1 generation 2 has accumulation_steps = 0 (k must be >= 1)"
+        );
     }
 }

@@ -357,14 +357,28 @@ impl<C: Collective> Engine<C> {
         Ok(engine)
     }
 
-    /// Joins a new generation on `collective` (a re-formed ring): k is
-    /// recomputed for its world size, the rank holding the newest committed
-    /// state broadcasts it to every rank, and the rest of the epoch is
-    /// re-sharded when the world size or k changed.
-    pub fn reconfigure(&mut self, collective: C) -> Result<()> {
+    /// Joins a new generation on `collective` (a re-formed ring) with
+    /// `accumulation_steps` as k: the value the coordinator decided for the
+    /// new world size, or (None) k computed from the spec for it. The rank
+    /// holding the newest committed state broadcasts it to every rank, and
+    /// the rest of the epoch is re-sharded when the world size or k changed.
+    pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
         self.discard_window()?;
         self.collective = collective;
         let world = self.collective.world_size();
+        if let Some(k) = accumulation_steps {
+            if k == 0 {
+                return Err(crate::spec::SpecErrors(vec![crate::spec::FieldError {
+                    field: "accumulation.steps".into(),
+                    value: "0".into(),
+                    allowed: "must be an integer >= 1 (k of the new generation)".into(),
+                }])
+                .into());
+            }
+            // The spec the engine keeps says the same k from now on.
+            self.spec.accumulation.steps = Some(k);
+            self.spec.accumulation.global_batch = None;
+        }
         self.plan.k = self
             .spec
             .accumulation_steps(world as u64)
