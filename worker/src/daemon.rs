@@ -11,6 +11,7 @@ use accrue_proto::v1::{
     self, coordinator_message, worker_message, worker_service_client::WorkerServiceClient,
     WorkerMessage,
 };
+use std::collections::VecDeque;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -417,6 +418,59 @@ fn run_assignment(
     let _ = out.send(wrap(worker_message::Msg::Done(done)));
 }
 
+/// How many unsent messages the outbox keeps at most.
+const OUTBOX_CAP: usize = 4096;
+
+/// The messages an attach stream refused because it had died (a
+/// `SendError` hands the message back), kept for the next stream, where
+/// they go first after the hello and in their order. Bounded: past
+/// [`OUTBOX_CAP`] the oldest step reports are dropped, never a JobDone or
+/// an Interrupted (which the coordinator's decisions wait on).
+#[derive(Debug, Default)]
+struct Outbox {
+    unsent: VecDeque<WorkerMessage>,
+}
+
+impl Outbox {
+    /// Sends `m` after everything kept before it. False when the stream is
+    /// gone; then `m` (and whatever could not go before it) is kept.
+    fn send(&mut self, tx: &mpsc::UnboundedSender<WorkerMessage>, m: WorkerMessage) -> bool {
+        self.unsent.push_back(m);
+        self.flush(tx)
+    }
+
+    /// Sends the kept messages in order; false (keeping the rest, the one
+    /// that failed first) when the stream is gone.
+    fn flush(&mut self, tx: &mpsc::UnboundedSender<WorkerMessage>) -> bool {
+        while let Some(m) = self.unsent.pop_front() {
+            if let Err(mpsc::error::SendError(m)) = tx.send(m) {
+                self.unsent.push_front(m);
+                self.trim();
+                return false;
+            }
+        }
+        true
+    }
+
+    fn trim(&mut self) {
+        while self.unsent.len() > OUTBOX_CAP {
+            let droppable = self.unsent.iter().position(|m| {
+                matches!(
+                    m.msg,
+                    Some(worker_message::Msg::Step(_) | worker_message::Msg::Heartbeat(_))
+                )
+            });
+            let Some(i) = droppable else { break };
+            self.unsent.remove(i);
+            tracing::warn!(cap = OUTBOX_CAP, "outbox full: dropped the oldest unsent step report");
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.unsent.len()
+    }
+}
+
 /// Attaches and serves assignments until the process is stopped; re-attaches
 /// when the coordinator goes away (reports made meanwhile are kept and sent
 /// after re-attaching).
@@ -447,6 +501,7 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
     let mut running: Option<Running> = None;
     let current: Current = Arc::default();
     let mut backoff = Duration::from_millis(50);
+    let mut outbox = Outbox::default();
     loop {
         let url = coordinator_url(&cfg).await;
         let client = match WorkerServiceClient::connect(url.clone()).await {
@@ -490,7 +545,14 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
             }
         };
         backoff = Duration::from_millis(50);
-        tracing::info!(worker = %cfg.worker_id, data = %data_addr, "attached");
+        tracing::info!(worker = %cfg.worker_id, data = %data_addr, unsent = outbox.len(), "attached");
+        // What the previous stream could not take goes first, right after
+        // the hello (queued above).
+        if !outbox.flush(&tx) {
+            tracing::warn!("the attach stream closed at once; retrying");
+            tokio::time::sleep(backoff).await;
+            continue;
+        }
         let mut beat = tokio::time::interval(cfg.heartbeat);
         loop {
             tokio::select! {
@@ -506,7 +568,7 @@ pub async fn run(cfg: DaemonConfig) -> Result<(), DaemonError> {
                             let _ = tokio::task::spawn_blocking(move || r.thread.join()).await;
                         }
                     }
-                    if tx.send(m).is_err() { break; }
+                    if !outbox.send(&tx, m) { break; }
                 }
                 msg = inbound.message() => {
                     let m = match msg {
@@ -672,6 +734,81 @@ mod tests {
             assert_eq!(spec.accumulation.global_batch, None);
             assert_eq!(spec.accumulation_steps(u64::from(world)), Ok(u64::from(k)));
         }
+    }
+
+    fn step(n: u64) -> WorkerMessage {
+        step_msg("j", 1, 0, &StepReport {
+            step: n,
+            total_steps: 10,
+            epoch: 0,
+            micro_step: n,
+            loss: 0.0,
+            grad_norm: 0.0,
+            clip_coef: 1.0,
+            skipped: false,
+            samples: 8,
+            samples_seen: 8 * n,
+            lr: 0.1,
+            samples_per_sec: 0.0,
+            timing: Default::default(),
+            bytes_sent: 0,
+            bytes_received: 0,
+            job_bytes_sent: 0,
+            job_bytes_received: 0,
+        })
+    }
+
+    fn done(step: u64) -> WorkerMessage {
+        wrap(worker_message::Msg::Done(v1::JobDone {
+            job_id: "j".into(),
+            ok: true,
+            step,
+            ..Default::default()
+        }))
+    }
+
+    fn drain(rx: &mut mpsc::UnboundedReceiver<WorkerMessage>) -> Vec<WorkerMessage> {
+        std::iter::from_fn(|| rx.try_recv().ok()).collect()
+    }
+
+    #[test]
+    fn a_message_a_dead_stream_refused_goes_first_on_the_next_one() {
+        let mut outbox = Outbox::default();
+        // The stream dies: its receiver is gone.
+        let (dead, rx) = mpsc::unbounded_channel();
+        drop(rx);
+        assert!(!outbox.send(&dead, step(1)));
+        assert!(!outbox.send(&dead, done(1)));
+        assert_eq!(outbox.len(), 2);
+        // The next stream: hello first, then the kept messages in order,
+        // then new ones.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let hello = wrap(worker_message::Msg::Hello(v1::WorkerHello::default()));
+        tx.send(hello.clone()).unwrap();
+        assert!(outbox.flush(&tx));
+        assert!(outbox.send(&tx, step(2)));
+        assert_eq!(outbox.len(), 0);
+        assert_eq!(drain(&mut rx), vec![hello, step(1), done(1), step(2)]);
+    }
+
+    #[test]
+    fn a_full_outbox_drops_step_reports_never_the_job_done() {
+        let mut outbox = Outbox::default();
+        let (dead, rx) = mpsc::unbounded_channel();
+        drop(rx);
+        assert!(!outbox.send(&dead, done(7)));
+        for n in 0..OUTBOX_CAP as u64 + 5 {
+            assert!(!outbox.send(&dead, step(n)));
+        }
+        assert_eq!(outbox.len(), OUTBOX_CAP);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        assert!(outbox.flush(&tx));
+        let got = drain(&mut rx);
+        assert_eq!(got.len(), OUTBOX_CAP);
+        assert_eq!(got[0], done(7));
+        // The oldest reports went: 0..=5 dropped, 6 is the first kept.
+        assert_eq!(got[1], step(6));
+        assert_eq!(got[OUTBOX_CAP - 1], step(OUTBOX_CAP as u64 + 4));
     }
 
     #[test]
