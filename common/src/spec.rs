@@ -86,8 +86,7 @@ fn bucket_cap() -> f64 {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
-    /// mlp | lenet5 | resnet18 | resnet34 | torchscript
-    pub kind: String,
+    pub kind: ModelKind,
     /// mlp hidden layer widths.
     #[serde(default)]
     pub hidden: Vec<i64>,
@@ -102,8 +101,7 @@ pub struct ModelSpec {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DataSpec {
-    /// mnist | cifar10 | tensors | synthetic
-    pub kind: String,
+    pub kind: DataKind,
     /// mnist/cifar10: the folder; tensors: the training file.
     pub path: Option<PathBuf>,
     /// tensors: the held-out file (optional).
@@ -135,12 +133,10 @@ pub struct AccumulationSpec {
     pub steps: Option<u64>,
     /// Effective batch W*k*b; k is derived from it when set.
     pub global_batch: Option<u64>,
-    /// global_count | mean | sum
-    #[serde(default = "global_count")]
-    pub normalize: String,
-    /// boundary | every_step
-    #[serde(default = "boundary")]
-    pub sync: String,
+    #[serde(default)]
+    pub normalize: Normalize,
+    #[serde(default)]
+    pub sync: SyncMode,
 }
 
 impl Default for AccumulationSpec {
@@ -148,8 +144,8 @@ impl Default for AccumulationSpec {
         Self {
             steps: None,
             global_batch: None,
-            normalize: global_count(),
-            sync: boundary(),
+            normalize: Normalize::default(),
+            sync: SyncMode::default(),
         }
     }
 }
@@ -161,15 +157,14 @@ pub struct ClippingSpec {
     /// 2.0 or inf (TOML `inf`), used for clipping and for the reported norm.
     pub norm_type: Option<f64>,
     pub clip_value: Option<f64>,
-    /// skip | error
-    pub on_nonfinite: Option<String>,
+    #[serde(default)]
+    pub on_nonfinite: OnNonfinite,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct OptimizerSpec {
-    /// sgd | adam | adamw
-    pub kind: String,
+    pub kind: OptimizerKind,
     pub lr: f64,
     #[serde(default)]
     pub momentum: f64,
@@ -186,9 +181,8 @@ pub struct OptimizerSpec {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleSpec {
-    /// constant | cosine | step | linear_warmup
-    #[serde(default = "constant")]
-    pub kind: String,
+    #[serde(default)]
+    pub kind: ScheduleKind,
     /// Linear warm-up from lr/warmup_steps to lr over this many steps (any kind).
     #[serde(default)]
     pub warmup_steps: u64,
@@ -203,7 +197,7 @@ pub struct ScheduleSpec {
 impl Default for ScheduleSpec {
     fn default() -> Self {
         Self {
-            kind: constant(),
+            kind: ScheduleKind::default(),
             warmup_steps: 0,
             step_size: None,
             gamma: None,
@@ -268,15 +262,6 @@ fn eval_batch() -> u64 {
 fn auto() -> String {
     "auto".into()
 }
-fn global_count() -> String {
-    "global_count".into()
-}
-fn boundary() -> String {
-    "boundary".into()
-}
-fn constant() -> String {
-    "constant".into()
-}
 
 /// The files an MNIST folder must hold.
 pub const MNIST_FILES: [&str; 4] = [
@@ -295,13 +280,169 @@ pub const CIFAR_FILES: [&str; 6] = [
     "test_batch.bin",
 ];
 
-pub const MODEL_KINDS: &[&str] = &["mlp", "lenet5", "resnet18", "resnet34", "torchscript"];
-pub const DATA_KINDS: &[&str] = &["mnist", "cifar10", "tensors", "synthetic"];
-pub const NORMALIZE: &[&str] = &["global_count", "mean", "sum"];
-pub const SYNC: &[&str] = &["boundary", "every_step"];
-pub const NONFINITE: &[&str] = &["skip", "error"];
-pub const OPTIMIZERS: &[&str] = &["sgd", "adam", "adamw"];
-pub const SCHEDULES: &[&str] = &["constant", "cosine", "step", "linear_warmup"];
+/// A closed set of names a spec field takes (`model.kind`, ...): the Rust
+/// enum, its TOML names and the field it belongs to, for messages.
+pub trait SpecEnum: Copy + Sized + 'static {
+    /// Every value, in the order messages list them.
+    const ALL: &'static [Self];
+    /// The spec field, e.g. `model.kind`.
+    const FIELD: &'static str;
+    fn as_str(self) -> &'static str;
+    fn parse(s: &str) -> Option<Self> {
+        Self::ALL.iter().copied().find(|v| v.as_str() == s)
+    }
+    /// "must be one of a, b, c".
+    fn allowed() -> String {
+        let names: Vec<&str> = Self::ALL.iter().map(|v| v.as_str()).collect();
+        format!("must be one of {}", names.join(", "))
+    }
+}
+
+macro_rules! spec_enum {
+    ($(#[$meta:meta])* $name:ident, $field:literal, { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize, Serialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name {
+            $($(#[$vmeta])* $variant),+
+        }
+
+        impl SpecEnum for $name {
+            const ALL: &'static [Self] = &[$($name::$variant),+];
+            const FIELD: &'static str = $field;
+            fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+
+        impl $name {
+            pub const ALL: &'static [Self] = <Self as SpecEnum>::ALL;
+            pub fn as_str(self) -> &'static str {
+                <Self as SpecEnum>::as_str(self)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = FieldError;
+            fn from_str(s: &str) -> Result<Self, FieldError> {
+                <Self as SpecEnum>::parse(s).ok_or_else(|| FieldError {
+                    field: $field.into(),
+                    value: format!("{s:?}"),
+                    allowed: <Self as SpecEnum>::allowed(),
+                })
+            }
+        }
+    };
+}
+
+spec_enum!(
+    /// `model.kind`.
+    ModelKind, "model.kind", {
+        Mlp = "mlp",
+        Lenet5 = "lenet5",
+        Resnet18 = "resnet18",
+        Resnet34 = "resnet34",
+        /// A user's module saved with torch.jit.save (`model.path`).
+        Torchscript = "torchscript",
+    }
+);
+
+spec_enum!(
+    /// `data.kind`.
+    DataKind, "data.kind", {
+        Mnist = "mnist",
+        Cifar10 = "cifar10",
+        Tensors = "tensors",
+        Synthetic = "synthetic",
+    }
+);
+
+spec_enum!(
+    /// `accumulation.normalize` (DESIGN section 3.2).
+    #[derive(Default)]
+    Normalize, "accumulation.normalize", {
+        /// Summed losses, gradients divided by the global sample count.
+        #[default]
+        GlobalCount = "global_count",
+        /// Per-micro-batch mean loss, divided by the global micro-batch count.
+        Mean = "mean",
+        /// Paddle `avg = false`: averaged over ranks only.
+        Sum = "sum",
+    }
+);
+
+spec_enum!(
+    /// `accumulation.sync`: when gradients are all-reduced.
+    #[derive(Default)]
+    SyncMode, "accumulation.sync", {
+        /// Once per window, at the sync step.
+        #[default]
+        Boundary = "boundary",
+        /// After every micro-step.
+        EveryStep = "every_step",
+    }
+);
+
+spec_enum!(
+    /// `clipping.on_nonfinite`: what a non-finite gradient norm does.
+    #[derive(Default)]
+    OnNonfinite, "clipping.on_nonfinite", {
+        /// Every rank skips the step (counted and reported).
+        #[default]
+        Skip = "skip",
+        /// The job fails.
+        Error = "error",
+    }
+);
+
+spec_enum!(
+    /// `optimizer.kind`.
+    OptimizerKind, "optimizer.kind", {
+        Sgd = "sgd",
+        Adam = "adam",
+        Adamw = "adamw",
+    }
+);
+
+spec_enum!(
+    /// `schedule.kind`.
+    #[derive(Default)]
+    ScheduleKind, "schedule.kind", {
+        #[default]
+        Constant = "constant",
+        Cosine = "cosine",
+        Step = "step",
+        LinearWarmup = "linear_warmup",
+    }
+);
+
+/// The longest job name (a DNS label).
+pub const MAX_JOB_NAME: usize = 63;
+
+/// What a job name may be (it names checkpoint folders, metrics and ring
+/// tags): 1 to 63 bytes of a-z, 0-9, '.', '_', '-', starting and ending
+/// with a letter or digit (`^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$`).
+pub fn is_valid_job_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    let edge = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    let inner = |c: u8| edge(c) || matches!(c, b'.' | b'_' | b'-');
+    match (b.first(), b.last()) {
+        (Some(&first), Some(&last)) => {
+            b.len() <= MAX_JOB_NAME && edge(first) && edge(last) && b.iter().all(|&c| inner(c))
+        }
+        _ => false,
+    }
+}
+
+pub const JOB_NAME_RULE: &str = "must be 1 to 63 characters of a-z, 0-9, '.', '_', '-', starting and ending with a letter or digit";
 
 /// One refused value: where it is, what it was, what is allowed.
 #[derive(Clone, Debug, PartialEq)]
@@ -337,16 +478,6 @@ impl Checker {
             value: format!("{value:?}"),
             allowed: allowed.into(),
         });
-    }
-
-    pub fn one_of(&mut self, field: &str, value: &str, allowed: &[&str]) {
-        if !allowed.contains(&value) {
-            self.fail(
-                field,
-                value,
-                format!("must be one of {}", allowed.join(", ")),
-            );
-        }
     }
 
     pub fn positive_finite(&mut self, field: &str, value: f64) {
@@ -413,31 +544,137 @@ pub enum LoadError {
     Invalid { path: PathBuf, source: SpecErrors },
 }
 
-/// The concrete accumulation settings after validation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Normalize {
-    GlobalCount,
-    Mean,
-    Sum,
+/// Where each typed kind lives in the TOML: (section, key) and a check of
+/// its value that returns the enum's name list on refusal.
+struct KindField {
+    section: &'static str,
+    key: &'static str,
+    field: &'static str,
+    /// A valid name that stands in for a refused value so that the rest of
+    /// the spec still deserializes and is checked.
+    placeholder: &'static str,
+    allowed: fn() -> String,
+    parses: fn(&str) -> bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SyncMode {
-    Boundary,
-    EveryStep,
+fn kind_field<E: SpecEnum>(section: &'static str, key: &'static str, placeholder: E) -> KindField {
+    KindField {
+        section,
+        key,
+        field: E::FIELD,
+        placeholder: placeholder.as_str(),
+        allowed: E::allowed,
+        parses: |s| E::parse(s).is_some(),
+    }
+}
+
+fn kind_fields() -> [KindField; 7] {
+    [
+        // Placeholders with the fewest requirements of their own (synthetic
+        // data names no files); what still depends on a refused kind is
+        // dropped by `merge_kind_errors`.
+        kind_field("model", "kind", ModelKind::Mlp),
+        kind_field("data", "kind", DataKind::Synthetic),
+        kind_field("accumulation", "normalize", Normalize::GlobalCount),
+        kind_field("accumulation", "sync", SyncMode::Boundary),
+        kind_field("clipping", "on_nonfinite", OnNonfinite::Skip),
+        kind_field("optimizer", "kind", OptimizerKind::Sgd),
+        kind_field("schedule", "kind", ScheduleKind::Constant),
+    ]
+}
+
+/// Checks every kind field of a parsed TOML document against its allowed
+/// names; each refused value is reported and replaced by a valid
+/// placeholder, so that deserializing and validating the rest still runs
+/// and every error of the spec is reported at once.
+fn check_kinds(doc: &mut toml::Table) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    for k in kind_fields() {
+        let Some(toml::Value::Table(section)) = doc.get_mut(k.section) else {
+            continue;
+        };
+        let Some(value) = section.get_mut(k.key) else {
+            continue;
+        };
+        let shown = match value {
+            toml::Value::String(s) if (k.parses)(s) => continue,
+            toml::Value::String(s) => format!("{s:?}"),
+            other => other.to_string(),
+        };
+        errors.push(FieldError {
+            field: k.field.into(),
+            value: shown,
+            allowed: (k.allowed)(),
+        });
+        *value = toml::Value::String(k.placeholder.into());
+    }
+    errors
+}
+
+/// The errors of a spec whose refused kinds (`kind_errors`) were replaced
+/// by placeholders before `checked` ran: the kind errors first, then the
+/// others, less those that only depend on a refused kind (e.g. "required
+/// for data.kind = mnist" when data.kind itself was refused).
+pub fn merge_kind_errors(
+    kind_errors: Vec<FieldError>,
+    checked: Result<(), SpecErrors>,
+) -> Result<(), SpecErrors> {
+    let mut errors = kind_errors;
+    if let Err(SpecErrors(more)) = checked {
+        let refused: Vec<String> = errors.iter().map(|e| format!("{} = ", e.field)).collect();
+        errors.extend(
+            more.into_iter()
+                .filter(|e| !refused.iter().any(|r| e.allowed.contains(r.as_str()))),
+        );
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(SpecErrors(errors))
+    }
 }
 
 impl JobSpec {
-    pub fn from_toml_str(text: &str, origin: &Path) -> Result<Self, LoadError> {
-        let spec: JobSpec = toml::from_str(text).map_err(|e| LoadError::Parse {
+    /// Parses a spec: syntax, unknown fields and wrong types are a
+    /// [`LoadError::Parse`]; every refused value (unknown kinds included) is
+    /// reported at once in [`LoadError::Invalid`]. `files`: whether the
+    /// named files and folders must exist.
+    fn parse(text: &str, origin: &Path, files: bool) -> Result<Self, LoadError> {
+        let parse_err = |e: toml::de::Error| LoadError::Parse {
             path: origin.to_path_buf(),
             message: e.to_string(),
-        })?;
-        spec.validate().map_err(|source| LoadError::Invalid {
+        };
+        let (spec, kind_errors) = match toml::from_str::<JobSpec>(text) {
+            Ok(spec) => (spec, Vec::new()),
+            Err(first) => {
+                // Maybe only kinds are refused: check them all, put valid
+                // placeholders in their place and try again. Anything else
+                // is reported with the original (located) message.
+                let mut doc: toml::Table = toml::from_str(text).map_err(parse_err)?;
+                let errors = check_kinds(&mut doc);
+                if errors.is_empty() {
+                    return Err(parse_err(first));
+                }
+                let spec = toml::Value::Table(doc)
+                    .try_into::<JobSpec>()
+                    .map_err(|_| parse_err(first))?;
+                (spec, errors)
+            }
+        };
+        merge_kind_errors(kind_errors, spec.check(files)).map_err(|source| LoadError::Invalid {
             path: origin.to_path_buf(),
             source,
         })?;
         Ok(spec)
+    }
+
+    pub fn from_toml_str(text: &str, origin: &Path) -> Result<Self, LoadError> {
+        Self::parse(text, origin, true)
+    }
+
+    /// Parses and checks the fields only (not the file system).
+    pub fn fields_from_toml_str(text: &str, origin: &Path) -> Result<Self, LoadError> {
+        Self::parse(text, origin, false)
     }
 
     /// Reads and checks the fields only (not the file system): for clients
@@ -447,16 +684,7 @@ impl JobSpec {
             path: path.to_path_buf(),
             source,
         })?;
-        let spec: JobSpec = toml::from_str(&text).map_err(|e| LoadError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        spec.validate_fields()
-            .map_err(|source| LoadError::Invalid {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        Ok(spec)
+        Self::fields_from_toml_str(&text, path)
     }
 
     pub fn load(path: &Path) -> Result<Self, LoadError> {
@@ -490,28 +718,8 @@ impl JobSpec {
         }
     }
 
-    pub fn normalize(&self) -> Normalize {
-        match self.accumulation.normalize.as_str() {
-            "mean" => Normalize::Mean,
-            "sum" => Normalize::Sum,
-            _ => Normalize::GlobalCount,
-        }
-    }
-
-    pub fn sync_mode(&self) -> SyncMode {
-        if self.accumulation.sync == "every_step" {
-            SyncMode::EveryStep
-        } else {
-            SyncMode::Boundary
-        }
-    }
-
     pub fn norm_type(&self) -> f64 {
         self.clipping.norm_type.unwrap_or(2.0)
-    }
-
-    pub fn skip_nonfinite(&self) -> bool {
-        self.clipping.on_nonfinite.as_deref() != Some("error")
     }
 
     /// Checks every field, and that the named files exist; file contents are
@@ -531,8 +739,8 @@ impl JobSpec {
             files,
             ..Default::default()
         };
-        if self.name.trim().is_empty() {
-            c.fail("name", &self.name, "must be a non-empty string");
+        if !is_valid_job_name(&self.name) {
+            c.fail("name", &self.name, JOB_NAME_RULE);
         }
         if self.workers == 0 {
             c.fail("workers", self.workers, "must be an integer >= 1");
@@ -588,7 +796,6 @@ impl JobSpec {
 
     fn validate_model(&self, c: &mut Checker) {
         let m = &self.model;
-        c.one_of("model.kind", &m.kind, MODEL_KINDS);
         if let Some(bad) = m.hidden.iter().find(|&&h| !(1..=1 << 20).contains(&h)) {
             c.fail(
                 "model.hidden",
@@ -603,7 +810,7 @@ impl JobSpec {
                 "at most 64 hidden layers",
             );
         }
-        if !m.hidden.is_empty() && m.kind != "mlp" {
+        if !m.hidden.is_empty() && m.kind != ModelKind::Mlp {
             c.fail(
                 "model.hidden",
                 &m.hidden,
@@ -615,19 +822,25 @@ impl JobSpec {
                 c.fail("model.num_classes", n, "must be an integer >= 1");
             }
         }
-        match (&m.kind[..], &m.path) {
-            ("torchscript", None) => c.fail(
+        match (m.kind, &m.path) {
+            (ModelKind::Torchscript, None) => c.fail(
                 "model.path",
                 "(missing)",
                 "required for model.kind = torchscript",
             ),
-            ("torchscript", Some(p)) => c.file_exists("model.path", p),
-            (_, Some(p)) => c.fail(
+            (ModelKind::Torchscript, Some(p)) => c.file_exists("model.path", p),
+            (
+                ModelKind::Mlp | ModelKind::Lenet5 | ModelKind::Resnet18 | ModelKind::Resnet34,
+                Some(p),
+            ) => c.fail(
                 "model.path",
                 p.display().to_string(),
                 "only allowed with model.kind = torchscript",
             ),
-            _ => {}
+            (
+                ModelKind::Mlp | ModelKind::Lenet5 | ModelKind::Resnet18 | ModelKind::Resnet34,
+                None,
+            ) => {}
         }
         if let Some(p) = &m.init {
             c.file_exists("model.init", p);
@@ -636,20 +849,19 @@ impl JobSpec {
 
     fn validate_data(&self, c: &mut Checker) {
         let d = &self.data;
-        c.one_of("data.kind", &d.kind, DATA_KINDS);
         if d.batch_size == 0 {
             c.fail("data.batch_size", 0, "must be an integer >= 1");
         }
-        match d.kind.as_str() {
-            "mnist" => match &d.path {
+        match d.kind {
+            DataKind::Mnist => match &d.path {
                 None => c.fail("data.path", "(missing)", "required for data.kind = mnist"),
                 Some(p) => c.files_in("data.path", p, &MNIST_FILES),
             },
-            "cifar10" => match &d.path {
+            DataKind::Cifar10 => match &d.path {
                 None => c.fail("data.path", "(missing)", "required for data.kind = cifar10"),
                 Some(p) => c.files_in("data.path", p, &CIFAR_FILES),
             },
-            "tensors" => {
+            DataKind::Tensors => {
                 match &d.path {
                     None => c.fail("data.path", "(missing)", "required for data.kind = tensors"),
                     Some(p) => c.file_exists("data.path", p),
@@ -658,7 +870,7 @@ impl JobSpec {
                     c.file_exists("data.eval_path", p);
                 }
             }
-            "synthetic" => {
+            DataKind::Synthetic => {
                 if d.samples == Some(0) {
                     c.fail("data.samples", 0, "must be an integer >= 1");
                 }
@@ -673,9 +885,8 @@ impl JobSpec {
                     }
                 }
             }
-            _ => {}
         }
-        if d.kind != "synthetic" {
+        if d.kind != DataKind::Synthetic {
             for (field, set) in [
                 ("data.samples", d.samples.is_some()),
                 ("data.eval_samples", d.eval_samples.is_some()),
@@ -705,8 +916,6 @@ impl JobSpec {
             }
             _ => {}
         }
-        c.one_of("accumulation.normalize", &a.normalize, NORMALIZE);
-        c.one_of("accumulation.sync", &a.sync, SYNC);
     }
 
     fn validate_clipping(&self, c: &mut Checker) {
@@ -729,14 +938,10 @@ impl JobSpec {
                 c.fail("clipping.norm_type", n, "must be 2.0 or inf");
             }
         }
-        if let Some(o) = &k.on_nonfinite {
-            c.one_of("clipping.on_nonfinite", o, NONFINITE);
-        }
     }
 
     fn validate_optimizer(&self, c: &mut Checker) {
         let o = &self.optimizer;
-        c.one_of("optimizer.kind", &o.kind, OPTIMIZERS);
         c.positive_finite("optimizer.lr", o.lr);
         c.in_range("optimizer.momentum", o.momentum, 0.0, 1.0, "in [0, 1)");
         c.in_range(
@@ -762,7 +967,7 @@ impl JobSpec {
                 "requires optimizer.momentum > 0 and optimizer.dampening = 0",
             );
         }
-        if o.kind != "sgd" && (o.momentum != 0.0 || o.nesterov || o.dampening != 0.0) {
+        if o.kind != OptimizerKind::Sgd && (o.momentum != 0.0 || o.nesterov || o.dampening != 0.0) {
             c.fail(
                 "optimizer.momentum",
                 o.momentum,
@@ -776,19 +981,18 @@ impl JobSpec {
         if let Some(e) = o.eps {
             c.positive_finite("optimizer.eps", e);
         }
-        if o.kind == "sgd" && (o.betas.is_some() || o.eps.is_some()) {
+        if o.kind == OptimizerKind::Sgd && (o.betas.is_some() || o.eps.is_some()) {
             c.fail(
                 "optimizer.betas",
                 o.betas,
-                "betas and eps are only allowed with adam or adamw",
+                "betas and eps are only allowed with optimizer.kind = adam or adamw",
             );
         }
     }
 
     fn validate_schedule(&self, c: &mut Checker) {
         let s = &self.schedule;
-        c.one_of("schedule.kind", &s.kind, SCHEDULES);
-        if s.kind == "step" {
+        if s.kind == ScheduleKind::Step {
             match s.step_size {
                 None | Some(0) => c.fail(
                     "schedule.step_size",
@@ -812,12 +1016,184 @@ impl JobSpec {
                 c.fail("schedule.min_lr", m, "must be >= 0 and below optimizer.lr");
             }
         }
-        if s.kind == "linear_warmup" && s.warmup_steps == 0 {
+        if s.kind == ScheduleKind::LinearWarmup && s.warmup_steps == 0 {
             c.fail(
                 "schedule.warmup_steps",
                 0,
                 "must be >= 1 for schedule.kind = linear_warmup",
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const BASE: &str = "name = \"unit\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+
+    fn invalid(text: &str) -> Vec<FieldError> {
+        match JobSpec::fields_from_toml_str(text, Path::new("t.toml")) {
+            Err(LoadError::Invalid { source, .. }) => source.0,
+            other => panic!("expected LoadError::Invalid, got {other:?}"),
+        }
+    }
+
+    /// The serde name of every value is its `as_str`, and parsing it back
+    /// gives the same value (the names in messages are the names TOML takes).
+    fn names_agree<E>()
+    where
+        E: SpecEnum + Serialize + for<'de> Deserialize<'de> + PartialEq + fmt::Debug,
+    {
+        for v in E::ALL {
+            let json = serde_json_like(v);
+            assert_eq!(json, v.as_str());
+            assert_eq!(E::parse(v.as_str()), Some(*v));
+            let back: E = toml::Value::String(v.as_str().into()).try_into().unwrap();
+            assert_eq!(back, *v);
+        }
+        assert_eq!(E::parse("no-such-kind"), None);
+    }
+
+    /// The string serde writes for a unit variant.
+    fn serde_json_like<E: Serialize>(v: &E) -> String {
+        match toml::Value::try_from(v).unwrap() {
+            toml::Value::String(s) => s,
+            other => panic!("not a string: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_kind_serializes_as_its_name() {
+        names_agree::<ModelKind>();
+        names_agree::<DataKind>();
+        names_agree::<Normalize>();
+        names_agree::<SyncMode>();
+        names_agree::<OnNonfinite>();
+        names_agree::<OptimizerKind>();
+        names_agree::<ScheduleKind>();
+        assert_eq!(OptimizerKind::Adamw.as_str(), "adamw");
+        assert_eq!(ScheduleKind::LinearWarmup.as_str(), "linear_warmup");
+        assert_eq!(
+            <OnNonfinite as SpecEnum>::allowed(),
+            "must be one of skip, error"
+        );
+    }
+
+    #[test]
+    fn defaults_match_the_design() {
+        let s = JobSpec::fields_from_toml_str(BASE, Path::new("t.toml")).unwrap();
+        assert_eq!(s.accumulation.normalize, Normalize::GlobalCount);
+        assert_eq!(s.accumulation.sync, SyncMode::Boundary);
+        assert_eq!(s.clipping.on_nonfinite, OnNonfinite::Skip);
+        assert_eq!(s.schedule.kind, ScheduleKind::Constant);
+    }
+
+    #[test]
+    fn every_unknown_kind_is_reported_with_the_other_errors() {
+        let text = BASE
+            .replace("kind = \"mlp\"", "kind = \"gpt\"")
+            .replace("kind = \"sgd\"", "kind = \"lion\"")
+            .replace("lr = 0.1", "lr = -1.0\n[schedule]\nkind = 3\n[accumulation]\nsync = \"sometimes\"\nnormalize = \"mean\"\n[clipping]\non_nonfinite = \"ignore\"");
+        let errs = invalid(&text);
+        let shown: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            shown,
+            vec![
+                "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript",
+                "accumulation.sync = \"sometimes\": must be one of boundary, every_step",
+                "clipping.on_nonfinite = \"ignore\": must be one of skip, error",
+                "optimizer.kind = \"lion\": must be one of sgd, adam, adamw",
+                "schedule.kind = 3: must be one of constant, cosine, step, linear_warmup",
+                "optimizer.lr = -1.0: must be a finite number > 0",
+            ],
+        );
+    }
+
+    #[test]
+    fn a_placeholder_kind_adds_no_errors_of_its_own() {
+        // Refused kinds stand in as mlp, synthetic and sgd: what only
+        // depends on the kind (model.path with mlp, data.path required for
+        // mnist, betas with sgd) is not reported; everything else is.
+        let text = BASE
+            .replace("kind = \"mlp\"", "kind = \"vit\"\npath = \"m.pt\"")
+            .replace("kind = \"synthetic\"", "kind = \"imagenet\"\npath = \"/no/such/dir\"")
+            .replace("kind = \"sgd\"", "kind = \"lion\"\nbetas = [0.9, 0.99]\neps = -1.0");
+        let errs = invalid(&text);
+        let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            vec!["model.kind", "data.kind", "optimizer.kind", "optimizer.eps"],
+            "{errs:?}"
+        );
+        // With valid kinds the dependent checks do run.
+        let text = BASE
+            .replace("kind = \"mlp\"", "kind = \"lenet5\"\npath = \"m.pt\"")
+            .replace("kind = \"synthetic\"", "kind = \"mnist\"");
+        let fields: Vec<String> = invalid(&text).into_iter().map(|e| e.field).collect();
+        assert_eq!(fields, vec!["model.path", "data.path"]);
+    }
+
+    #[test]
+    fn other_parse_errors_keep_their_located_message() {
+        let text = BASE.replace("lr = 0.1", "lr = 0.1\nlearning_rate = 2");
+        match JobSpec::fields_from_toml_str(&text, Path::new("t.toml")) {
+            Err(LoadError::Parse { message, .. }) => {
+                assert!(message.contains("learning_rate"), "{message}");
+                assert!(message.contains("line"), "{message}");
+            }
+            other => panic!("expected a parse error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn job_names() {
+        for ok in ["a", "0", "digits-mlp", "a.b_c-d", "x1", &"a".repeat(63)] {
+            assert!(is_valid_job_name(ok), "{ok:?}");
+        }
+        for bad in [
+            "",
+            "-a",
+            "a-",
+            ".a",
+            "a_",
+            "A",
+            "job name",
+            "jöb",
+            "a/b",
+            "a\n",
+            &"a".repeat(64),
+        ] {
+            assert!(!is_valid_job_name(bad), "{bad:?}");
+        }
+        let errs = invalid(&BASE.replace("name = \"unit\"", "name = \"My Job\""));
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(
+            errs[0].to_string(),
+            format!("name = \"My Job\": {JOB_NAME_RULE}")
+        );
+    }
+
+    fn name_regex() -> regex::Regex {
+        regex::Regex::new(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$").unwrap()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Accepted exactly when the regex of the rule matches (the regex
+        /// crate is the independent implementation).
+        #[test]
+        fn job_name_rule_is_the_regex(
+            name in prop_oneof![
+                "[a-z0-9._-]{0,66}",
+                "[a-z0-9][a-z0-9._-]{0,63}[a-z0-9]",
+                "[a-zA-Z0-9._ /-]{0,8}",
+                ".{0,70}",
+            ]
+        ) {
+            prop_assert_eq!(is_valid_job_name(&name), name_regex().is_match(&name), "{:?}", name);
         }
     }
 }

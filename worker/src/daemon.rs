@@ -11,6 +11,7 @@ use accrue_proto::v1::{
     self, coordinator_message, worker_message, worker_service_client::WorkerServiceClient,
     WorkerMessage,
 };
+use std::collections::VecDeque;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -163,10 +164,20 @@ impl Collective for RingSlot {
     }
 }
 
-/// The job spec of an assignment with this daemon's overrides applied.
+/// The job spec of an assignment with this daemon's overrides applied, and
+/// k fixed to the assignment's: the coordinator decides k (from the spec and
+/// the world size of this generation), so the worker never recomputes it.
 fn assigned_spec(a: &v1::Assignment, cfg: &DaemonConfig) -> Result<crate::spec::JobSpec, String> {
     let proto = a.spec.clone().ok_or("the assignment has no spec")?;
     let mut spec = accrue_proto::spec_from_proto(&proto).map_err(|e| e.to_string())?;
+    if a.accumulation_steps == 0 {
+        return Err(format!(
+            "assignment of job {} generation {} has accumulation_steps = 0 (k must be >= 1)",
+            a.job_id, a.generation
+        ));
+    }
+    spec.accumulation.steps = Some(u64::from(a.accumulation_steps));
+    spec.accumulation.global_batch = None;
     if let Some(d) = &cfg.device {
         spec.device = d.clone();
     }
@@ -238,7 +249,7 @@ impl JobThread<'_> {
             world: a.world_size as usize,
         };
         let ready = match self.engine.as_mut() {
-            Some(engine) => engine.reconfigure(slot),
+            Some(engine) => engine.reconfigure(slot, spec.accumulation.steps),
             None => {
                 let opts = RunOptions {
                     checkpoint_dir: (!a.checkpoint_dir.is_empty())
@@ -407,6 +418,59 @@ fn run_assignment(
     let _ = out.send(wrap(worker_message::Msg::Done(done)));
 }
 
+/// How many unsent messages the outbox keeps at most.
+const OUTBOX_CAP: usize = 4096;
+
+/// The messages an attach stream refused because it had died (a
+/// `SendError` hands the message back), kept for the next stream, where
+/// they go first after the hello and in their order. Bounded: past
+/// [`OUTBOX_CAP`] the oldest step reports are dropped, never a JobDone or
+/// an Interrupted (which the coordinator's decisions wait on).
+#[derive(Debug, Default)]
+struct Outbox {
+    unsent: VecDeque<WorkerMessage>,
+}
+
+impl Outbox {
+    /// Sends `m` after everything kept before it. False when the stream is
+    /// gone; then `m` (and whatever could not go before it) is kept.
+    fn send(&mut self, tx: &mpsc::UnboundedSender<WorkerMessage>, m: WorkerMessage) -> bool {
+        self.unsent.push_back(m);
+        self.flush(tx)
+    }
+
+    /// Sends the kept messages in order; false (keeping the rest, the one
+    /// that failed first) when the stream is gone.
+    fn flush(&mut self, tx: &mpsc::UnboundedSender<WorkerMessage>) -> bool {
+        while let Some(m) = self.unsent.pop_front() {
+            if let Err(mpsc::error::SendError(m)) = tx.send(m) {
+                self.unsent.push_front(m);
+                self.trim();
+                return false;
+            }
+        }
+        true
+    }
+
+    fn trim(&mut self) {
+        while self.unsent.len() > OUTBOX_CAP {
+            let droppable = self.unsent.iter().position(|m| {
+                matches!(
+                    m.msg,
+                    Some(worker_message::Msg::Step(_) | worker_message::Msg::Heartbeat(_))
+                )
+            });
+            let Some(i) = droppable else { break };
+            self.unsent.remove(i);
+            tracing::warn!(cap = OUTBOX_CAP, "outbox full: dropped the oldest unsent step report");
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.unsent.len()
+    }
+}
+
 /// Attaches and serves assignments until the process is stopped; re-attaches
 /// when the coordinator goes away (reports made meanwhile are kept and sent
 /// after re-attaching).
@@ -448,6 +512,7 @@ pub async fn run_until(
     let mut running: Option<Running> = None;
     let current: Current = Arc::default();
     let mut backoff = Duration::from_millis(50);
+    let mut outbox = Outbox::default();
     loop {
         let url = coordinator_url(&cfg).await;
         let client = match WorkerServiceClient::connect(url.clone()).await {
@@ -499,7 +564,14 @@ pub async fn run_until(
             }
         };
         backoff = Duration::from_millis(50);
-        tracing::info!(worker = %cfg.worker_id, data = %data_addr, "attached");
+        tracing::info!(worker = %cfg.worker_id, data = %data_addr, unsent = outbox.len(), "attached");
+        // What the previous stream could not take goes first, right after
+        // the hello (queued above).
+        if !outbox.flush(&tx) {
+            tracing::warn!("the attach stream closed at once; retrying");
+            tokio::time::sleep(backoff).await;
+            continue;
+        }
         let mut beat = tokio::time::interval(cfg.heartbeat);
         loop {
             tokio::select! {
@@ -532,7 +604,7 @@ pub async fn run_until(
                             let _ = tokio::task::spawn_blocking(move || r.thread.join()).await;
                         }
                     }
-                    if tx.send(m).is_err() { break; }
+                    if !outbox.send(&tx, m) { break; }
                 }
                 msg = inbound.message() => {
                     let m = match msg {
@@ -654,5 +726,136 @@ fn stop(running: &Option<Running>, job: &str, reason: &str) {
     if let Some(r) = running.as_ref().filter(|r| r.job == job) {
         tracing::info!(job, reason, "stopping the job");
         r.control.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> DaemonConfig {
+        DaemonConfig {
+            coordinator: "http://127.0.0.1:1".into(),
+            worker_id: "w".into(),
+            listen_data: "127.0.0.1:0".into(),
+            device: None,
+            threads: None,
+            data_root: None,
+            heartbeat: Duration::from_secs(1),
+            sample_log: None,
+            micro_step_delay: None,
+            etcd: Vec::new(),
+            cluster: "c".into(),
+        }
+    }
+
+    /// An assignment of a job that fixes global_batch = 96 with b = 8 (so
+    /// k = 6 at W = 2, 4 at W = 3), with the coordinator's k.
+    fn assignment(world: u32, k: u32) -> v1::Assignment {
+        let text = "name = \"elastic\"\nworkers = 2\n[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n[accumulation]\nglobal_batch = 96\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+        let spec = crate::spec::JobSpec::from_toml_str(text, std::path::Path::new("t")).unwrap();
+        v1::Assignment {
+            job_id: "j1".into(),
+            generation: 2,
+            world_size: world,
+            accumulation_steps: k,
+            spec: Some(accrue_proto::spec_to_proto(&spec)),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn k_comes_from_the_assignment() {
+        // Whatever the spec would derive, the assignment's k is used.
+        for (world, k) in [(2, 6), (3, 4), (2, 5)] {
+            let spec = assigned_spec(&assignment(world, k), &cfg()).unwrap();
+            assert_eq!(spec.accumulation.steps, Some(u64::from(k)));
+            assert_eq!(spec.accumulation.global_batch, None);
+            assert_eq!(spec.accumulation_steps(u64::from(world)), Ok(u64::from(k)));
+        }
+    }
+
+    fn step(n: u64) -> WorkerMessage {
+        step_msg("j", 1, 0, &StepReport {
+            step: n,
+            total_steps: 10,
+            epoch: 0,
+            micro_step: n,
+            loss: 0.0,
+            grad_norm: 0.0,
+            clip_coef: 1.0,
+            skipped: false,
+            samples: 8,
+            samples_seen: 8 * n,
+            lr: 0.1,
+            samples_per_sec: 0.0,
+            timing: Default::default(),
+            bytes_sent: 0,
+            bytes_received: 0,
+            job_bytes_sent: 0,
+            job_bytes_received: 0,
+        })
+    }
+
+    fn done(step: u64) -> WorkerMessage {
+        wrap(worker_message::Msg::Done(v1::JobDone {
+            job_id: "j".into(),
+            ok: true,
+            step,
+            ..Default::default()
+        }))
+    }
+
+    fn drain(rx: &mut mpsc::UnboundedReceiver<WorkerMessage>) -> Vec<WorkerMessage> {
+        std::iter::from_fn(|| rx.try_recv().ok()).collect()
+    }
+
+    #[test]
+    fn a_message_a_dead_stream_refused_goes_first_on_the_next_one() {
+        let mut outbox = Outbox::default();
+        // The stream dies: its receiver is gone.
+        let (dead, rx) = mpsc::unbounded_channel();
+        drop(rx);
+        assert!(!outbox.send(&dead, step(1)));
+        assert!(!outbox.send(&dead, done(1)));
+        assert_eq!(outbox.len(), 2);
+        // The next stream: hello first, then the kept messages in order,
+        // then new ones.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let hello = wrap(worker_message::Msg::Hello(v1::WorkerHello::default()));
+        tx.send(hello.clone()).unwrap();
+        assert!(outbox.flush(&tx));
+        assert!(outbox.send(&tx, step(2)));
+        assert_eq!(outbox.len(), 0);
+        assert_eq!(drain(&mut rx), vec![hello, step(1), done(1), step(2)]);
+    }
+
+    #[test]
+    fn a_full_outbox_drops_step_reports_never_the_job_done() {
+        let mut outbox = Outbox::default();
+        let (dead, rx) = mpsc::unbounded_channel();
+        drop(rx);
+        assert!(!outbox.send(&dead, done(7)));
+        for n in 0..OUTBOX_CAP as u64 + 5 {
+            assert!(!outbox.send(&dead, step(n)));
+        }
+        assert_eq!(outbox.len(), OUTBOX_CAP);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        assert!(outbox.flush(&tx));
+        let got = drain(&mut rx);
+        assert_eq!(got.len(), OUTBOX_CAP);
+        assert_eq!(got[0], done(7));
+        // The oldest reports went: 0..=5 dropped, 6 is the first kept.
+        assert_eq!(got[1], step(6));
+        assert_eq!(got[OUTBOX_CAP - 1], step(OUTBOX_CAP as u64 + 4));
+    }
+
+    #[test]
+    fn an_assignment_with_k_zero_is_refused() {
+        let err = assigned_spec(&assignment(2, 0), &cfg()).unwrap_err();
+        assert_eq!(
+            err,
+            "assignment of job j1 generation 2 has accumulation_steps = 0 (k must be >= 1)"
+        );
     }
 }

@@ -5,7 +5,7 @@
 
 use crate::error::{io_err, Error, Result, TorchContext};
 use crate::rng::Mt19937;
-use crate::spec::DataSpec;
+use crate::spec::{DataKind, DataSpec};
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
@@ -82,15 +82,14 @@ pub struct Splits {
 
 pub fn load(spec: &DataSpec, seed: u64) -> Result<Splits> {
     let path = || spec.path.clone().unwrap_or_default();
-    match spec.kind.as_str() {
-        "mnist" => load_mnist(&path()),
-        "cifar10" => load_cifar10(&path()),
-        "tensors" => Ok(Splits {
+    match spec.kind {
+        DataKind::Mnist => load_mnist(&path()),
+        DataKind::Cifar10 => load_cifar10(&path()),
+        DataKind::Tensors => Ok(Splits {
             train: read_tensors(&path())?,
             eval: spec.eval_path.as_deref().map(read_tensors).transpose()?,
         }),
-        "synthetic" => synthetic(spec, seed),
-        other => Err(Error::Model(format!("unknown data.kind {other:?}"))),
+        DataKind::Synthetic => synthetic(spec, seed),
     }
 }
 

@@ -16,7 +16,7 @@ use crate::model::Model;
 use crate::optim::Optimizer;
 use crate::sampler::{ShardSpec, WindowPlan};
 use crate::schedule::Schedule;
-use crate::spec::{JobSpec, Normalize, SyncMode};
+use crate::spec::{JobSpec, Normalize, OnNonfinite, SyncMode};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -229,7 +229,7 @@ impl<C: Collective> Engine<C> {
                     .data
                     .path
                     .clone()
-                    .unwrap_or_else(|| spec.data.kind.clone().into()),
+                    .unwrap_or_else(|| spec.data.kind.as_str().into()),
                 reason: "the training split holds no samples".into(),
             });
         }
@@ -280,7 +280,7 @@ impl<C: Collective> Engine<C> {
                     .data
                     .path
                     .clone()
-                    .unwrap_or_else(|| spec.data.kind.clone().into()),
+                    .unwrap_or_else(|| spec.data.kind.as_str().into()),
                 reason: format!(
                     "{} samples cannot feed {world} ranks with drop_last",
                     train.len()
@@ -314,8 +314,8 @@ impl<C: Collective> Engine<C> {
             ..Default::default()
         };
         let mut engine = Self {
-            normalize: spec.normalize(),
-            sync: spec.sync_mode(),
+            normalize: spec.accumulation.normalize,
+            sync: spec.accumulation.sync,
             spec,
             collective,
             device,
@@ -357,14 +357,28 @@ impl<C: Collective> Engine<C> {
         Ok(engine)
     }
 
-    /// Joins a new generation on `collective` (a re-formed ring): k is
-    /// recomputed for its world size, the rank holding the newest committed
-    /// state broadcasts it to every rank, and the rest of the epoch is
-    /// re-sharded when the world size or k changed.
-    pub fn reconfigure(&mut self, collective: C) -> Result<()> {
+    /// Joins a new generation on `collective` (a re-formed ring) with
+    /// `accumulation_steps` as k: the value the coordinator decided for the
+    /// new world size, or (None) k computed from the spec for it. The rank
+    /// holding the newest committed state broadcasts it to every rank, and
+    /// the rest of the epoch is re-sharded when the world size or k changed.
+    pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
         self.discard_window()?;
         self.collective = collective;
         let world = self.collective.world_size();
+        if let Some(k) = accumulation_steps {
+            if k == 0 {
+                return Err(crate::spec::SpecErrors(vec![crate::spec::FieldError {
+                    field: "accumulation.steps".into(),
+                    value: "0".into(),
+                    allowed: "must be an integer >= 1 (k of the new generation)".into(),
+                }])
+                .into());
+            }
+            // The spec the engine keeps says the same k from now on.
+            self.spec.accumulation.steps = Some(k);
+            self.spec.accumulation.global_batch = None;
+        }
         self.plan.k = self
             .spec
             .accumulation_steps(world as u64)
@@ -835,11 +849,14 @@ impl<C: Collective> Engine<C> {
         // What the gradients go through before the optimizer: 1/divisor and
         // the clip, as one multiplier where possible.
         let prep = if skipped {
-            if !self.spec.skip_nonfinite() {
-                return Err(Error::NonFinite {
-                    step: step + 1,
-                    norm: grad_norm,
-                });
+            match self.spec.clipping.on_nonfinite {
+                OnNonfinite::Skip => {}
+                OnNonfinite::Error => {
+                    return Err(Error::NonFinite {
+                        step: step + 1,
+                        norm: grad_norm,
+                    })
+                }
             }
             tracing::warn!(
                 step = step + 1,

@@ -4,7 +4,7 @@
 //! (a module saved with torch.jit.save, trained through libtorch).
 
 use crate::error::{Error, Result, TorchContext};
-use crate::spec::ModelSpec;
+use crate::spec::{ModelKind, ModelSpec};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Mutex;
@@ -33,7 +33,7 @@ pub struct Model {
     pub params: Named,
     /// Non-trainable state saved with the model (BatchNorm running stats).
     pub buffers: Named,
-    pub kind: String,
+    pub kind: ModelKind,
 }
 
 impl std::fmt::Debug for Model {
@@ -107,7 +107,7 @@ impl Model {
         device: Device,
         seed: u64,
     ) -> Result<Self> {
-        let model = if spec.kind == "torchscript" {
+        let model = if spec.kind == ModelKind::Torchscript {
             let path = spec.path.clone().unwrap_or_default();
             Self::load_script(&path, device)?
         } else {
@@ -129,8 +129,8 @@ impl Model {
     ) -> Result<Self> {
         let vs = nn::VarStore::new(device);
         let root = vs.root();
-        let net: Box<dyn ModuleT> = match spec.kind.as_str() {
-            "mlp" => {
+        let net: Box<dyn ModuleT> = match spec.kind {
+            ModelKind::Mlp => {
                 let mut widths = vec![shape.iter().product::<i64>()];
                 widths.extend_from_slice(&spec.hidden);
                 widths.push(classes);
@@ -143,7 +143,7 @@ impl Model {
                     .collect();
                 Box::new(Mlp { layers })
             }
-            "lenet5" => {
+            ModelKind::Lenet5 => {
                 let (c, h, w) = match shape {
                     [c, h, w] => (*c, *h, *w),
                     _ => {
@@ -179,20 +179,24 @@ impl Model {
                     fc3: nn::linear(&root / "fc3", 84, classes, Default::default()),
                 })
             }
-            "resnet18" | "resnet34" => {
+            ModelKind::Resnet18 | ModelKind::Resnet34 => {
                 if shape.len() != 3 || shape[0] != 3 {
                     return Err(Error::Model(format!(
                         "{} needs 3-channel images [3, H, W], the data has shape {shape:?}",
                         spec.kind
                     )));
                 }
-                if spec.kind == "resnet18" {
+                if spec.kind == ModelKind::Resnet18 {
                     Box::new(tch::vision::resnet::resnet18(&root, classes))
                 } else {
                     Box::new(tch::vision::resnet::resnet34(&root, classes))
                 }
             }
-            other => return Err(Error::Model(format!("unknown model.kind {other:?}"))),
+            ModelKind::Torchscript => {
+                return Err(Error::Model(
+                    "a torchscript model is loaded from model.path, not built".into(),
+                ))
+            }
         };
         let (params, buffers) = named_state(&vs);
         Ok(Self {
@@ -200,7 +204,7 @@ impl Model {
             net: Net::Builtin(net),
             params,
             buffers,
-            kind: spec.kind.clone(),
+            kind: spec.kind,
         })
     }
 
@@ -230,7 +234,7 @@ impl Model {
             net: Net::Script(module),
             params,
             buffers: Vec::new(),
-            kind: "torchscript".into(),
+            kind: ModelKind::Torchscript,
         })
     }
 

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::fused::{self, GradPrep};
-use crate::spec::OptimizerSpec;
+use crate::spec::{OptimizerKind, OptimizerSpec};
 use std::collections::HashMap;
 use tch::{Device, Kind, Tensor};
 
@@ -48,19 +48,21 @@ pub struct Optimizer {
 impl Optimizer {
     pub fn new(spec: &OptimizerSpec, num_params: usize) -> Self {
         let [beta1, beta2] = spec.betas.unwrap_or([0.9, 0.999]);
-        let rule = match spec.kind.as_str() {
-            "adam" | "adamw" => Rule::Adam {
+        let rule = match spec.kind {
+            OptimizerKind::Adam | OptimizerKind::Adamw => Rule::Adam {
                 beta1,
                 beta2,
                 eps: spec.eps.unwrap_or(1e-8),
-                decoupled: spec.kind == "adamw",
-                weight_decay: spec.weight_decay.unwrap_or(if spec.kind == "adamw" {
-                    0.01
-                } else {
-                    0.0
-                }),
+                decoupled: spec.kind == OptimizerKind::Adamw,
+                weight_decay: spec.weight_decay.unwrap_or(
+                    if spec.kind == OptimizerKind::Adamw {
+                        0.01
+                    } else {
+                        0.0
+                    },
+                ),
             },
-            _ => Rule::Sgd {
+            OptimizerKind::Sgd => Rule::Sgd {
                 momentum: spec.momentum,
                 dampening: spec.dampening,
                 nesterov: spec.nesterov,
@@ -387,7 +389,7 @@ fn scalar(v: f64, like: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
     use crate::grads::FlatGrads;
-    use crate::spec::OptimizerSpec;
+    use crate::spec::{OptimizerKind, OptimizerSpec};
     use tch::{Device, Kind, Tensor};
 
     fn sgd_spec(nesterov: bool, dampening: f64) -> OptimizerSpec {

@@ -1,7 +1,7 @@
 //! Learning-rate schedules as pure functions of the optimizer step (never the
 //! micro-step). `lr_at(s)` is the rate used by optimizer step `s` (0-based).
 
-use crate::spec::JobSpec;
+use crate::spec::{JobSpec, ScheduleKind};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Kind {
@@ -28,15 +28,16 @@ pub struct Schedule {
 impl Schedule {
     pub fn from_spec(spec: &JobSpec, total_steps: u64) -> Self {
         let s = &spec.schedule;
-        let kind = match s.kind.as_str() {
-            "cosine" => Kind::Cosine {
+        let kind = match s.kind {
+            ScheduleKind::Cosine => Kind::Cosine {
                 min_lr: s.min_lr.unwrap_or(0.0),
             },
-            "step" => Kind::Step {
+            ScheduleKind::Step => Kind::Step {
                 step_size: s.step_size.unwrap_or(1).max(1),
                 gamma: s.gamma.unwrap_or(0.1),
             },
-            _ => Kind::Constant,
+            // Warm-up applies to every kind; linear_warmup is only warm-up.
+            ScheduleKind::Constant | ScheduleKind::LinearWarmup => Kind::Constant,
         };
         Self {
             base_lr: spec.optimizer.lr,

@@ -10,7 +10,7 @@ use tempfile::TempDir;
 
 fn model_spec(kind: &str) -> ModelSpec {
     ModelSpec {
-        kind: kind.into(),
+        kind: kind.parse().unwrap(),
         hidden: vec![],
         num_classes: None,
         path: None,

@@ -2,7 +2,7 @@
 //! refused at parse time; every bad value is reported, all at once, with its
 //! field path, the value and the allowed range.
 
-use accrue_worker::spec::{FieldError, LoadError, SpecErrors};
+use accrue_worker::spec::{FieldError, LoadError, Normalize, OnNonfinite, SpecErrors, SyncMode};
 use accrue_worker::JobSpec;
 use std::path::Path;
 use tempfile::TempDir;
@@ -47,15 +47,16 @@ fn replace(text: &str, from: &str, to: &str) -> String {
     text.replacen(from, to, 1)
 }
 
-/// Parses (which must succeed) and validates (which must fail); the errors.
+/// Loads a spec whose values (not its syntax) must be refused; the errors.
 fn errors(text: &str) -> Vec<FieldError> {
-    let spec: JobSpec = toml::from_str(text).unwrap_or_else(|e| panic!("parse: {e}\n{text}"));
-    match spec.validate() {
-        Ok(()) => panic!("spec was accepted:\n{text}"),
-        Err(SpecErrors(errs)) => {
+    match JobSpec::from_toml_str(text, Path::new(ORIGIN)) {
+        Ok(_) => panic!("spec was accepted:\n{text}"),
+        Err(LoadError::Invalid { path, source: SpecErrors(errs) }) => {
+            assert_eq!(path, Path::new(ORIGIN));
             assert!(!errs.is_empty());
             errs
         }
+        Err(other) => panic!("expected refused values, got {other}\n{text}"),
     }
 }
 
@@ -85,10 +86,10 @@ fn minimal_synthetic_spec_is_valid_with_defaults() {
     assert_eq!(spec.data.batch_size, 8);
     assert_eq!(spec.optimizer.lr, 0.1);
     assert_eq!(spec.device, "auto");
-    assert_eq!(spec.accumulation.normalize, "global_count");
-    assert_eq!(spec.accumulation.sync, "boundary");
+    assert_eq!(spec.accumulation.normalize, Normalize::GlobalCount);
+    assert_eq!(spec.accumulation.sync, SyncMode::Boundary);
     assert_eq!(spec.norm_type(), 2.0);
-    assert!(spec.skip_nonfinite());
+    assert_eq!(spec.clipping.on_nonfinite, OnNonfinite::Skip);
     assert_eq!(spec.accumulation_steps(2), Ok(1));
 }
 
@@ -448,4 +449,57 @@ fn global_batch_derives_k_and_must_be_divisible() {
         e.allowed,
         "set either accumulation.steps or accumulation.global_batch, not both"
     );
+}
+
+#[test]
+fn every_kind_refuses_unknown_values_with_the_allowed_names() {
+    for (section, key, allowed) in [
+        ("accumulation", "normalize", "global_count, mean, sum"),
+        ("accumulation", "sync", "boundary, every_step"),
+        ("clipping", "on_nonfinite", "skip, error"),
+        ("schedule", "kind", "constant, cosine, step, linear_warmup"),
+    ] {
+        let field = format!("{section}.{key}");
+        let e = one_error(&with(BASE, section, &format!("{key} = \"bogus\"")), &field);
+        assert_eq!(e.value, "\"bogus\"");
+        assert_eq!(e.allowed, format!("must be one of {allowed}"));
+        // Wrong-typed values are refused the same way.
+        let e = one_error(&with(BASE, section, &format!("{key} = 7")), &field);
+        assert_eq!(e.value, "7");
+    }
+    let e = one_error(
+        &replace(BASE, r#"kind = "sgd""#, r#"kind = "SGD""#),
+        "optimizer.kind",
+    );
+    assert_eq!(e.allowed, "must be one of sgd, adam, adamw");
+}
+
+#[test]
+fn an_unknown_kind_and_a_bad_value_are_reported_together() {
+    let text = replace(BASE, r#"kind = "mlp""#, r#"kind = "gpt""#);
+    let text = replace(&text, "lr = 0.1", "lr = 0.0");
+    let errs = errors(&text);
+    let shown: Vec<String> = errs.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        shown,
+        vec![
+            "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript",
+            "optimizer.lr = 0.0: must be a finite number > 0",
+        ]
+    );
+}
+
+#[test]
+fn job_names_are_dns_labels() {
+    for bad in ["", "Unit", "unit test", "-unit", "unit-", "unit/1", &"u".repeat(64)] {
+        let e = one_error(&replace(BASE, "name = \"unit\"", &format!("name = {bad:?}")), "name");
+        assert_eq!(e.value, format!("{bad:?}"));
+        assert_eq!(
+            e.allowed,
+            "must be 1 to 63 characters of a-z, 0-9, '.', '_', '-', starting and ending with a letter or digit"
+        );
+    }
+    for good in ["u", "digits-mlp", "run_2.v1", &"u".repeat(63)] {
+        accepted(&replace(BASE, "name = \"unit\"", &format!("name = {good:?}")));
+    }
 }

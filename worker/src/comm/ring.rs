@@ -104,6 +104,8 @@ pub enum CommError {
     Setup(String),
     #[error("buffer of {got} elements, the ring expects {want} on every rank")]
     Size { got: usize, want: usize },
+    #[error(transparent)]
+    Wire(#[from] wire::WireError),
 }
 
 impl CommError {
@@ -184,6 +186,15 @@ impl TcpRing {
                 cfg.rank, cfg.world
             )));
         }
+        // Ranks go on the wire as u32 and the job id as a length-prefixed
+        // string: refuse what would not fit rather than truncate it.
+        if u32::try_from(cfg.world).is_err() {
+            return Err(CommError::Setup(format!(
+                "world size {} does not fit the wire's u32 ranks",
+                cfg.world
+            )));
+        }
+        wire::job_id_len(&cfg.job)?;
         if cfg.world > 1 && cfg.peers.len() != cfg.world {
             return Err(CommError::Setup(format!(
                 "{} peer addresses for world size {}: need one per rank, in rank order",

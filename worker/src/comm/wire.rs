@@ -19,7 +19,34 @@ pub const HELLO_MAGIC: &[u8; 4] = b"ACRH";
 pub const FRAME_MAGIC: u32 = 0x3152_4341; // "ACR1" little endian
 pub const VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 40;
+/// The longest job id a hello carries (its length goes as a u16).
 pub const MAX_JOB_ID: usize = 256;
+
+/// A value that does not fit the wire format: refused, never truncated.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("{what} of {len} bytes is too long for the ring handshake (limit {limit} bytes)")]
+    TooLong {
+        what: &'static str,
+        len: usize,
+        limit: usize,
+    },
+}
+
+/// The job id's length as the hello sends it, checked against [`MAX_JOB_ID`]
+/// (which the reading side enforces too) and against the u16 it goes in.
+pub fn job_id_len(job: &str) -> Result<u16, WireError> {
+    let len = job.len();
+    let too_long = WireError::TooLong {
+        what: "job id",
+        len,
+        limit: MAX_JOB_ID,
+    };
+    if len > MAX_JOB_ID {
+        return Err(too_long);
+    }
+    u16::try_from(len).map_err(|_| too_long)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -96,16 +123,18 @@ pub struct Hello {
 }
 
 impl Hello {
-    pub fn encode(&self) -> Vec<u8> {
+    /// The hello's bytes; a job id longer than [`MAX_JOB_ID`] is refused.
+    pub fn encode(&self) -> Result<Vec<u8>, WireError> {
+        let len = job_id_len(&self.job)?;
         let job = self.job.as_bytes();
         let mut b = Vec::with_capacity(20 + job.len());
         b.extend_from_slice(HELLO_MAGIC);
         b.extend_from_slice(&VERSION.to_le_bytes());
         b.extend_from_slice(&self.rank.to_le_bytes());
         b.extend_from_slice(&self.generation.to_le_bytes());
-        b.extend_from_slice(&(job.len() as u16).to_le_bytes());
+        b.extend_from_slice(&len.to_le_bytes());
         b.extend_from_slice(job);
-        b
+        Ok(b)
     }
 
     /// Reads a hello; refuses a bad magic, version or oversized job id
@@ -171,7 +200,8 @@ pub fn handshake_connect(
     secret: &[u8],
     hello: &Hello,
 ) -> Result<(), String> {
-    s.write_all(&hello.encode())
+    let bytes = hello.encode().map_err(|e| e.to_string())?;
+    s.write_all(&bytes)
         .map_err(|e| format!("sending hello: {e}"))?;
     let mut challenge = [0u8; 32];
     s.read_exact(&mut challenge)
@@ -246,6 +276,46 @@ mod tests {
         assert!(Header::decode(&garbage)
             .unwrap_err()
             .contains("bad frame magic"));
+    }
+
+    #[test]
+    fn hello_round_trip_and_long_job_ids_are_refused_not_truncated() {
+        for len in [0, 1, 255, MAX_JOB_ID] {
+            let hello = Hello {
+                rank: 3,
+                generation: 7,
+                job: "j".repeat(len),
+            };
+            let bytes = hello.encode().unwrap();
+            assert_eq!(bytes.len(), 20 + len);
+            assert_eq!(Hello::read(&mut &bytes[..]).unwrap(), hello);
+        }
+        // 257 bytes, and 65_537 (which `as u16` would have sent as 1).
+        for len in [MAX_JOB_ID + 1, (1 << 16) + 1] {
+            let hello = Hello {
+                rank: 0,
+                generation: 1,
+                job: "j".repeat(len),
+            };
+            let err = hello.encode().unwrap_err();
+            assert_eq!(
+                err,
+                WireError::TooLong {
+                    what: "job id",
+                    len,
+                    limit: MAX_JOB_ID
+                }
+            );
+            assert_eq!(
+                err.to_string(),
+                format!("job id of {len} bytes is too long for the ring handshake (limit 256 bytes)")
+            );
+            // The handshake fails before writing anything.
+            let mut sink = std::io::Cursor::new(Vec::new());
+            let e = handshake_connect(&mut sink, b"s", &hello).unwrap_err();
+            assert!(e.contains("too long"), "{e}");
+            assert!(sink.get_ref().is_empty());
+        }
     }
 
     #[test]
