@@ -596,7 +596,7 @@ fn check_kinds(doc: &mut toml::Table) -> Vec<FieldError> {
         let Some(value) = section.get_mut(k.key) else {
             continue;
         };
-        let shown = match value {
+        let shown = match &*value {
             toml::Value::String(s) if (k.parses)(s) => continue,
             toml::Value::String(s) => format!("{s:?}"),
             other => other.to_string(),
