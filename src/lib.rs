@@ -170,9 +170,10 @@ pub async fn connect(url: &str) -> anyhow::Result<JobServiceClient<Channel>> {
         .connect()
         .await
         .with_context(|| format!("cannot reach the coordinator at {url}"))?;
+    // Requests above the coordinator's limit are refused there, with
+    // OUT_OF_RANGE naming the size.
     Ok(JobServiceClient::new(channel)
-        .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES)
-        .max_encoding_message_size(accrue_proto::layout::MAX_REQUEST_BYTES))
+        .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES))
 }
 
 /// Reads a spec (fields checked here; files are the workers' to check) and

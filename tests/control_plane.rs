@@ -296,6 +296,22 @@ async fn bad_input_is_refused_with_the_right_codes() {
             err.message()
         );
     }
+    // Job names are DNS labels (issue 12, defect 4): markup that broke the
+    // dashboard's HTML and names too long for the ring handshake are refused.
+    for name in [
+        r#"evil"><script>alert(1)</script>"#.to_string(),
+        "a".repeat(300),
+        "Upper".into(),
+    ] {
+        let mut s = spec(&job_toml("ok", 1, 5, ""));
+        s.name = name.clone();
+        let err = c
+            .submit_job(v1::SubmitJobRequest { spec: Some(s) })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}");
+        assert!(err.message().contains("name = "), "{}", err.message());
+    }
     let none = c
         .submit_job(v1::SubmitJobRequest { spec: None })
         .await

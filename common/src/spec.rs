@@ -1118,8 +1118,14 @@ mod tests {
         // mnist, betas with sgd) is not reported; everything else is.
         let text = BASE
             .replace("kind = \"mlp\"", "kind = \"vit\"\npath = \"m.pt\"")
-            .replace("kind = \"synthetic\"", "kind = \"imagenet\"\npath = \"/no/such/dir\"")
-            .replace("kind = \"sgd\"", "kind = \"lion\"\nbetas = [0.9, 0.99]\neps = -1.0");
+            .replace(
+                "kind = \"synthetic\"",
+                "kind = \"imagenet\"\npath = \"/no/such/dir\"",
+            )
+            .replace(
+                "kind = \"sgd\"",
+                "kind = \"lion\"\nbetas = [0.9, 0.99]\neps = -1.0",
+            );
         let errs = invalid(&text);
         let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
         assert_eq!(

@@ -581,7 +581,11 @@ timeout_s = 5
         )
             .prop_map(|(kind, hidden, num_classes, path, init)| ModelSpec {
                 kind,
-                hidden: if kind == ModelKind::Mlp { hidden } else { Vec::new() },
+                hidden: if kind == ModelKind::Mlp {
+                    hidden
+                } else {
+                    Vec::new()
+                },
                 num_classes,
                 path: (kind == ModelKind::Torchscript).then_some(path),
                 init,
@@ -708,8 +712,7 @@ timeout_s = 5
                 };
                 let schedule = ScheduleSpec {
                     kind: sched.0,
-                    warmup_steps: sched.1
-                        + u64::from(sched.0 == ScheduleKind::LinearWarmup),
+                    warmup_steps: sched.1 + u64::from(sched.0 == ScheduleKind::LinearWarmup),
                     step_size: (sched.0 == ScheduleKind::Step).then_some(sched.2),
                     gamma: sched.3,
                     min_lr: sched.4.map(|f| f * optimizer.lr),

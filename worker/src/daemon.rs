@@ -462,7 +462,10 @@ impl Outbox {
             });
             let Some(i) = droppable else { break };
             self.unsent.remove(i);
-            tracing::warn!(cap = OUTBOX_CAP, "outbox full: dropped the oldest unsent step report");
+            tracing::warn!(
+                cap = OUTBOX_CAP,
+                "outbox full: dropped the oldest unsent step report"
+            );
         }
     }
 
@@ -527,9 +530,7 @@ pub async fn run_until(
                 continue;
             }
         };
-        let mut client = client
-            .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES)
-            .max_encoding_message_size(accrue_proto::layout::MAX_REQUEST_BYTES);
+        let mut client = client.max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES);
         let (tx, rx) = mpsc::unbounded_channel::<WorkerMessage>();
         let hello = v1::WorkerHello {
             worker_id: cfg.worker_id.clone(),
@@ -776,25 +777,30 @@ mod tests {
     }
 
     fn step(n: u64) -> WorkerMessage {
-        step_msg("j", 1, 0, &StepReport {
-            step: n,
-            total_steps: 10,
-            epoch: 0,
-            micro_step: n,
-            loss: 0.0,
-            grad_norm: 0.0,
-            clip_coef: 1.0,
-            skipped: false,
-            samples: 8,
-            samples_seen: 8 * n,
-            lr: 0.1,
-            samples_per_sec: 0.0,
-            timing: Default::default(),
-            bytes_sent: 0,
-            bytes_received: 0,
-            job_bytes_sent: 0,
-            job_bytes_received: 0,
-        })
+        step_msg(
+            "j",
+            1,
+            0,
+            &StepReport {
+                step: n,
+                total_steps: 10,
+                epoch: 0,
+                micro_step: n,
+                loss: 0.0,
+                grad_norm: 0.0,
+                clip_coef: 1.0,
+                skipped: false,
+                samples: 8,
+                samples_seen: 8 * n,
+                lr: 0.1,
+                samples_per_sec: 0.0,
+                timing: Default::default(),
+                bytes_sent: 0,
+                bytes_received: 0,
+                job_bytes_sent: 0,
+                job_bytes_received: 0,
+            },
+        )
     }
 
     fn done(step: u64) -> WorkerMessage {

@@ -54,13 +54,13 @@ impl Optimizer {
                 beta2,
                 eps: spec.eps.unwrap_or(1e-8),
                 decoupled: spec.kind == OptimizerKind::Adamw,
-                weight_decay: spec.weight_decay.unwrap_or(
-                    if spec.kind == OptimizerKind::Adamw {
+                weight_decay: spec
+                    .weight_decay
+                    .unwrap_or(if spec.kind == OptimizerKind::Adamw {
                         0.01
                     } else {
                         0.0
-                    },
-                ),
+                    }),
             },
             OptimizerKind::Sgd => Rule::Sgd {
                 momentum: spec.momentum,

@@ -51,7 +51,10 @@ fn replace(text: &str, from: &str, to: &str) -> String {
 fn errors(text: &str) -> Vec<FieldError> {
     match JobSpec::from_toml_str(text, Path::new(ORIGIN)) {
         Ok(_) => panic!("spec was accepted:\n{text}"),
-        Err(LoadError::Invalid { path, source: SpecErrors(errs) }) => {
+        Err(LoadError::Invalid {
+            path,
+            source: SpecErrors(errs),
+        }) => {
             assert_eq!(path, Path::new(ORIGIN));
             assert!(!errs.is_empty());
             errs
@@ -491,8 +494,19 @@ fn an_unknown_kind_and_a_bad_value_are_reported_together() {
 
 #[test]
 fn job_names_are_dns_labels() {
-    for bad in ["", "Unit", "unit test", "-unit", "unit-", "unit/1", &"u".repeat(64)] {
-        let e = one_error(&replace(BASE, "name = \"unit\"", &format!("name = {bad:?}")), "name");
+    for bad in [
+        "",
+        "Unit",
+        "unit test",
+        "-unit",
+        "unit-",
+        "unit/1",
+        &"u".repeat(64),
+    ] {
+        let e = one_error(
+            &replace(BASE, "name = \"unit\"", &format!("name = {bad:?}")),
+            "name",
+        );
         assert_eq!(e.value, format!("{bad:?}"));
         assert_eq!(
             e.allowed,
@@ -500,6 +514,10 @@ fn job_names_are_dns_labels() {
         );
     }
     for good in ["u", "digits-mlp", "run_2.v1", &"u".repeat(63)] {
-        accepted(&replace(BASE, "name = \"unit\"", &format!("name = {good:?}")));
+        accepted(&replace(
+            BASE,
+            "name = \"unit\"",
+            &format!("name = {good:?}"),
+        ));
     }
 }

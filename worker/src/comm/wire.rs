@@ -308,7 +308,9 @@ mod tests {
             );
             assert_eq!(
                 err.to_string(),
-                format!("job id of {len} bytes is too long for the ring handshake (limit 256 bytes)")
+                format!(
+                    "job id of {len} bytes is too long for the ring handshake (limit 256 bytes)"
+                )
             );
             // The handshake fails before writing anything.
             let mut sink = std::io::Cursor::new(Vec::new());
