@@ -358,7 +358,9 @@ pub async fn lead(cfg: Config, etcd: EtcdConfig, advertise: String, gate: Arc<Ga
         };
         tracing::error!(reason = %why, "stepping down as leader");
         watcher.abort();
-        gate.step_down();
+        if let Some(c) = gate.step_down() {
+            let _ = tokio::task::spawn_blocking(move || c.close()).await;
+        }
         let _ = tokio::time::timeout(Duration::from_secs(1), client.lease_revoke(lease)).await;
     }
 }

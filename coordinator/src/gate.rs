@@ -78,19 +78,19 @@ impl Gate {
         }
     }
 
-    /// Stops leading: the coordinator stops deciding and writing, its
-    /// worker streams close (the daemons re-attach to whoever leads next),
-    /// and this replica answers as a follower.
-    pub fn step_down(&self) {
+    /// Stops leading: this replica answers as a follower at once; the
+    /// coordinator is returned for the caller to close (off the async
+    /// runtime: closing joins the store's writer thread), after which it
+    /// decides and writes nothing and its worker streams are closed (the
+    /// daemons re-attach to whoever leads next).
+    pub fn step_down(&self) -> Option<Arc<Coordinator>> {
         let c = self
             .current
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .take();
         self.set_leader_addr("");
-        if let Some(c) = c {
-            c.close();
-        }
+        c
     }
 
     /// The coordinator, or NotLeader naming the leader when one is known.

@@ -44,7 +44,8 @@ impl Handle {
         }
         let _ = (&mut self.task).await;
         if let Some(c) = self.gate.coordinator() {
-            c.close();
+            // Closing joins the store's writer thread: off the runtime.
+            let _ = tokio::task::spawn_blocking(move || c.close()).await;
         }
     }
 }
