@@ -126,7 +126,7 @@ pub struct DataSpec {
     pub classes: Option<i64>,
 }
 
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
 pub struct AccumulationSpec {
     /// k: micro-steps per optimizer step.
@@ -137,17 +137,6 @@ pub struct AccumulationSpec {
     pub normalize: Normalize,
     #[serde(default)]
     pub sync: SyncMode,
-}
-
-impl Default for AccumulationSpec {
-    fn default() -> Self {
-        Self {
-            steps: None,
-            global_batch: None,
-            normalize: Normalize::default(),
-            sync: SyncMode::default(),
-        }
-    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]
@@ -178,7 +167,7 @@ pub struct OptimizerSpec {
     pub eps: Option<f64>,
 }
 
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleSpec {
     #[serde(default)]
@@ -192,18 +181,6 @@ pub struct ScheduleSpec {
     pub gamma: Option<f64>,
     /// cosine: the floor (default 0).
     pub min_lr: Option<f64>,
-}
-
-impl Default for ScheduleSpec {
-    fn default() -> Self {
-        Self {
-            kind: ScheduleKind::default(),
-            warmup_steps: 0,
-            step_size: None,
-            gamma: None,
-            min_lr: None,
-        }
-    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]

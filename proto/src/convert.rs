@@ -15,6 +15,9 @@ trait KindMap: SpecEnum {
     type Proto: TryFrom<i32> + Into<i32>;
     fn to_proto(self) -> Self::Proto;
     fn from_proto(p: Self::Proto) -> Option<Self>;
+    /// The proto value's name, e.g. MODEL_KIND_MLP.
+    #[cfg(test)]
+    fn proto_name(p: Self::Proto) -> &'static str;
 }
 
 macro_rules! kind_map {
@@ -25,6 +28,10 @@ macro_rules! kind_map {
                 match self {
                     $($domain::$d => v1::$proto::$p),+
                 }
+            }
+            #[cfg(test)]
+            fn proto_name(p: v1::$proto) -> &'static str {
+                p.as_str_name()
             }
             fn from_proto(p: v1::$proto) -> Option<Self> {
                 match p {
@@ -218,9 +225,9 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
                 .collect(),
         ));
     }
-    let acc = p.accumulation.clone().unwrap_or_default();
-    let clip = p.clipping.clone().unwrap_or_default();
-    let sched = p.schedule.clone().unwrap_or_default();
+    let acc = p.accumulation.unwrap_or_default();
+    let clip = p.clipping.unwrap_or_default();
+    let sched = p.schedule.unwrap_or_default();
     let ck_default = CheckpointSpec::default();
     let ev_default = EvalSpec::default();
     let comm_default = CommSpec::default();
@@ -548,6 +555,11 @@ timeout_s = 5
             for &k in K::ALL {
                 let raw = to_proto(k);
                 assert_ne!(raw, 0, "{k:?} maps to UNSPECIFIED");
+                // By name: mlp is MODEL_KIND_MLP, global_count is
+                // NORMALIZE_GLOBAL_COUNT (catches two swapped values).
+                let name = K::proto_name(k.to_proto());
+                let want = format!("_{}", k.as_str().to_uppercase());
+                assert!(name.ends_with(&want), "{k:?} maps to {name}");
                 assert!(seen.insert(raw), "{k:?} shares proto value {raw}");
                 let mut errors = Vec::new();
                 let back = from_proto(raw, Unspecified::Required, K::ALL[0], &mut errors);

@@ -20,6 +20,9 @@ pub trait Collective: Send {
     fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> Result<()>;
     /// Copies `root`'s buffer into every rank's buffer.
     fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> Result<()>;
+    /// Copies `root`'s bytes into every rank's `buf`, resizing it: the other
+    /// ranks need not know the length beforehand.
+    fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<()>;
     /// Sums every bucket over all ranks, in place, in order. `stage_in(i)`
@@ -66,6 +69,9 @@ impl Collective for SingleRank {
         Ok(())
     }
     fn broadcast(&mut self, _buf: &mut Vec<f32>, _root: usize) -> Result<()> {
+        Ok(())
+    }
+    fn broadcast_bytes(&mut self, _buf: &mut Vec<u8>, _root: usize) -> Result<()> {
         Ok(())
     }
     fn barrier(&mut self) -> Result<()> {

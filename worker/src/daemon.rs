@@ -148,6 +148,9 @@ impl Collective for RingSlot {
     fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> crate::error::Result<()> {
         Collective::broadcast(self.ring()?, buf, root)
     }
+    fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> crate::error::Result<()> {
+        Collective::broadcast_bytes(self.ring()?, buf, root)
+    }
     fn barrier(&mut self) -> crate::error::Result<()> {
         Collective::barrier(self.ring()?)
     }

@@ -389,7 +389,7 @@ fn scalar(v: f64, like: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
     use crate::grads::FlatGrads;
-    use crate::spec::{OptimizerKind, OptimizerSpec};
+    use crate::spec::OptimizerSpec;
     use tch::{Device, Kind, Tensor};
 
     fn sgd_spec(nesterov: bool, dampening: f64) -> OptimizerSpec {

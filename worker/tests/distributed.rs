@@ -150,9 +150,10 @@ fn two_processes_equal_one_large_batch() {
         let total = last["job_bytes_sent"].as_u64().unwrap();
         // Rank 0 also sent every parameter once at start (the broadcast, one
         // frame); rank 1 does not forward it back to the root. Before it,
-        // every rank took part in the all-reduce of the committed-step
-        // vector (3 elements per rank: 6 here), one chunk of 3 per phase.
-        let step_vector = 2 * (HEADER_LEN as u64 + 4 * 3);
+        // every rank broadcast its committed step as bytes: a frame with
+        // the length (u64) and a frame with the step (u64); at W = 2 no
+        // rank forwards the other's.
+        let step_vector = 2 * (HEADER_LEN as u64 + 8);
         let broadcast = if rank == 0 {
             4 * params as u64 + HEADER_LEN as u64
         } else {

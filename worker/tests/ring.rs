@@ -318,3 +318,61 @@ fn failing_stage_is_reported_after_posted_buckets_return() {
         assert_eq!(again, vec![2.0f32; 10]);
     }
 }
+
+/// Root `root`'s bytes for a broadcast of `len` (distinct per root).
+fn bytes_of(root: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i * 131 + root * 17 + i / 256) % 256) as u8)
+        .collect()
+}
+
+#[test]
+fn broadcast_bytes_moves_any_length_from_every_root() {
+    // Frames of 4 bytes split even the 8-byte length; 1_000_003 bytes is an
+    // odd tail in 64 KiB frames.
+    for (len, max_frame) in [(0, 64), (1, 64), (13, 4), (1_000_003, 1 << 16)] {
+        let world = 3;
+        let results = with_ring(world, max_frame, move |rank, ring| {
+            let mut got = Vec::new();
+            for root in 0..world {
+                // Non-roots start with a buffer of another length and content.
+                let mut buf = if rank == root {
+                    bytes_of(root, len)
+                } else {
+                    vec![0xa5; 5]
+                };
+                ring.broadcast_bytes(&mut buf, root).unwrap();
+                got.push(buf);
+            }
+            ring_barrier(ring);
+            got
+        });
+        for (rank, got) in results.iter().enumerate() {
+            for (root, buf) in got.iter().enumerate() {
+                assert_eq!(buf.len(), len, "len {len} root {root} rank {rank}");
+                assert!(
+                    *buf == bytes_of(root, len),
+                    "len {len}: rank {rank} got other bytes from root {root}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_job_id_too_long_for_the_hello_is_refused_before_connecting() {
+    let (mut ls, addrs) = listeners(2);
+    let mut cfg = config(0, 2, &addrs, 64);
+    cfg.job = "j".repeat(wire::MAX_JOB_ID + 1);
+    let err = TcpRing::start(ls.pop(), cfg)
+        .err()
+        .expect("must be refused");
+    assert_eq!(
+        err,
+        CommError::Wire(wire::WireError::TooLong {
+            what: "job id",
+            len: wire::MAX_JOB_ID + 1,
+            limit: wire::MAX_JOB_ID,
+        })
+    );
+}

@@ -131,6 +131,8 @@ enum Request {
     /// A caller's buffer, reduced in place (see [`Lent`]).
     AllReduceLent(Lent),
     Broadcast(Vec<f32>, usize),
+    /// Length first, then the bytes (see [`TcpRing::broadcast_bytes`]).
+    BroadcastBytes(Vec<u8>, usize),
 }
 
 /// A buffer the caller lends to the communication thread without copying
@@ -146,7 +148,19 @@ struct Lent {
 // ranges to) use the pointer, while the lending caller waits for the reply.
 unsafe impl Send for Lent {}
 
-type Reply = Result<Vec<f32>, CommError>;
+/// The buffer an operation hands back: `floats` for the f32 operations,
+/// `bytes` for the byte broadcast (the other one is empty).
+#[derive(Default)]
+struct Returned {
+    floats: Vec<f32>,
+    bytes: Vec<u8>,
+}
+
+type Reply = Result<Returned, CommError>;
+
+/// The most bytes [`TcpRing::broadcast_bytes`] accepts from a peer: a
+/// length beyond it is a protocol error, not an allocation.
+pub const MAX_BROADCAST_BYTES: u64 = 1 << 40;
 
 /// A formed ring; implements [`crate::Collective`].
 pub struct TcpRing {
@@ -304,7 +318,7 @@ impl TcpRing {
         &self.cfg
     }
 
-    fn call(&mut self, req: Request) -> Result<Vec<f32>, CommError> {
+    fn call(&mut self, req: Request) -> Result<Returned, CommError> {
         let tx = self
             .requests
             .as_ref()
@@ -320,7 +334,7 @@ impl TcpRing {
         if self.cfg.world == 1 {
             return Ok(());
         }
-        *buf = self.call(Request::AllReduce(std::mem::take(buf)))?;
+        *buf = self.call(Request::AllReduce(std::mem::take(buf)))?.floats;
         Ok(())
     }
 
@@ -399,7 +413,29 @@ impl TcpRing {
                 self.cfg.world
             )));
         }
-        *buf = self.call(Request::Broadcast(std::mem::take(buf), root))?;
+        *buf = self
+            .call(Request::Broadcast(std::mem::take(buf), root))?
+            .floats;
+        Ok(())
+    }
+
+    /// Copies `root`'s bytes into every rank's `buf` (resized to them): the
+    /// root sends the length (u64, little endian), then the bytes, both
+    /// pipelined along the ring in tagged frames of at most
+    /// `max_frame_bytes`. Any length, 0 included.
+    pub fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        if self.cfg.world == 1 {
+            return Ok(());
+        }
+        if root >= self.cfg.world {
+            return Err(CommError::Setup(format!(
+                "broadcast root {root} outside world size {}",
+                self.cfg.world
+            )));
+        }
+        *buf = self
+            .call(Request::BroadcastBytes(std::mem::take(buf), root))?
+            .bytes;
         Ok(())
     }
 }
@@ -518,7 +554,8 @@ fn connect_next(cfg: &RingConfig) -> Result<TcpStream, CommError> {
 /// A region of the buffer for the sender thread. The communication thread
 /// waits for the sender's reply before it touches or frees the region.
 struct SendJob {
-    ptr: *const f32,
+    /// `len` bytes, sent in frames of `piece` bytes.
+    ptr: *const u8,
     len: usize,
     first_seq: u64,
     piece: usize,
@@ -543,12 +580,11 @@ fn sender_loop(
     while let Ok(job) = jobs.recv() {
         // SAFETY: see SendJob; the region stays valid and unmodified until
         // this thread replies on `done`.
-        let data: &[f32] = unsafe { std::slice::from_raw_parts(job.ptr, job.len) };
+        let data: &[u8] = unsafe { std::slice::from_raw_parts(job.ptr, job.len) };
         let mut result = Ok(());
         let n = frames(job.len, job.piece);
         for f in 0..n {
-            let part = &data[(f * job.piece).min(job.len)..((f + 1) * job.piece).min(job.len)];
-            let bytes: &[u8] = bytemuck::cast_slice(part);
+            let bytes = &data[(f * job.piece).min(job.len)..((f + 1) * job.piece).min(job.len)];
             let header = Header {
                 kind: Kind::Data,
                 job_tag: job.job_tag,
@@ -711,14 +747,26 @@ impl Comm {
             self.failed = Some(e.clone());
             return Err(e);
         }
+        let floats = |floats| Returned {
+            floats,
+            ..Default::default()
+        };
         let result = match req {
-            Request::AllReduce(mut buf) => self.all_reduce(&mut buf).map(|_| buf),
+            Request::AllReduce(mut buf) => self.all_reduce(&mut buf).map(|_| floats(buf)),
             Request::AllReduceLent(lent) => {
                 // SAFETY: see `Lent`: the memory is valid and ours until we reply.
                 let buf = unsafe { std::slice::from_raw_parts_mut(lent.ptr, lent.len) };
-                self.all_reduce(buf).map(|_| Vec::new())
+                self.all_reduce(buf).map(|_| Returned::default())
             }
-            Request::Broadcast(mut buf, root) => self.broadcast(&mut buf, root).map(|_| buf),
+            Request::Broadcast(mut buf, root) => {
+                self.broadcast(&mut buf, root).map(|_| floats(buf))
+            }
+            Request::BroadcastBytes(mut bytes, root) => {
+                self.broadcast_bytes(&mut bytes, root).map(|_| Returned {
+                    bytes,
+                    ..Default::default()
+                })
+            }
         };
         if let Err(e) = &result {
             // Prefer the cause the return path recorded (it names the lost rank).
@@ -785,24 +833,37 @@ impl Comm {
         sent
     }
 
-    /// Hands `range` of the buffer at `base` to the sender thread. The caller
-    /// must not write that range until it has collected the sender's reply.
+    /// Hands `range` of the f32 buffer at `base` to the sender thread, in
+    /// frames of `piece()` elements. The caller must not write that range
+    /// until it has collected the sender's reply.
     fn post_send(
         &mut self,
         base: *mut f32,
         range: std::ops::Range<usize>,
     ) -> Result<(), CommError> {
-        let piece = self.piece();
+        // SAFETY: callers pass a range inside the buffer `base` points to.
+        let start = unsafe { base.add(range.start) } as *const u8;
+        self.post_send_bytes(start, range.len() * 4, self.piece() * 4)
+    }
+
+    /// Hands `len` bytes at `ptr` to the sender thread, in frames of
+    /// `piece` bytes (one empty frame for `len` 0). The caller must not
+    /// write them until it has collected the sender's reply.
+    fn post_send_bytes(
+        &mut self,
+        ptr: *const u8,
+        len: usize,
+        piece: usize,
+    ) -> Result<(), CommError> {
         let job = SendJob {
-            // SAFETY: callers pass a range inside the buffer `base` points to.
-            ptr: unsafe { base.add(range.start) },
-            len: range.len(),
+            ptr,
+            len,
             first_seq: self.send_seq,
             piece,
             job_tag: self.tag,
             generation: self.cfg.generation,
         };
-        self.send_seq += frames(range.len(), piece) as u64;
+        self.send_seq += frames(len, piece) as u64;
         self.send
             .send(job)
             .map_err(|_| CommError::Setup("the sender thread has stopped".into()))
@@ -816,49 +877,8 @@ impl Comm {
         let n = frames(total, piece);
         for f in 0..n {
             let part = &mut target[(f * piece).min(total)..((f + 1) * piece).min(total)];
-            let header =
-                wire::read_header(&mut self.prev).map_err(|e| lost(&self.cfg, prev, during, &e))?;
-            let h = Header::decode(&header).map_err(|reason| self.protocol(reason))?;
-            match h.kind {
-                Kind::Abort => {
-                    let (lost_rank, reason) = read_abort(&mut self.prev, h.len)
-                        .map_err(|e| lost(&self.cfg, prev, during, &e))?;
-                    return Err(CommError::Aborted {
-                        lost: lost_rank,
-                        reporter: prev,
-                        reason,
-                    });
-                }
-                Kind::Goodbye => {
-                    return Err(CommError::PeerLost {
-                        rank: prev,
-                        addr: self.cfg.addr(prev),
-                        during: during.into(),
-                        reason: "the peer closed its ring".into(),
-                    })
-                }
-                Kind::Data => {}
-            }
             let want_bytes = part.len() * 4;
-            if h.job_tag != self.tag || h.generation != self.cfg.generation {
-                return Err(self.protocol(format!(
-                    "frame for another job or generation (generation {}, expected {})",
-                    h.generation, self.cfg.generation
-                )));
-            }
-            if h.seq != self.recv_seq {
-                return Err(self.protocol(format!(
-                    "frame sequence {} , expected {}",
-                    h.seq, self.recv_seq
-                )));
-            }
-            if h.len as usize != want_bytes || h.len as usize > self.cfg.max_frame_bytes {
-                return Err(self.protocol(format!(
-                    "frame of {} bytes, expected {want_bytes} (limit {})",
-                    h.len, self.cfg.max_frame_bytes
-                )));
-            }
-            self.recv_seq += 1;
+            self.next_frame(want_bytes, during)?;
             match apply {
                 Apply::Copy => {
                     let bytes: &mut [u8] = bytemuck::cast_slice_mut(part);
@@ -884,6 +904,79 @@ impl Comm {
         Ok(())
     }
 
+    /// Receives the frames (of `piece` bytes) the previous rank sends for
+    /// `target`, copying them in.
+    fn receive_bytes(
+        &mut self,
+        target: &mut [u8],
+        piece: usize,
+        during: &str,
+    ) -> Result<(), CommError> {
+        let prev = self.cfg.prev();
+        let total = target.len();
+        for f in 0..frames(total, piece) {
+            let part = &mut target[(f * piece).min(total)..((f + 1) * piece).min(total)];
+            self.next_frame(part.len(), during)?;
+            self.prev
+                .read_exact(part)
+                .map_err(|e| lost(&self.cfg, prev, during, &e))?;
+            self.counters
+                .received
+                .fetch_add((HEADER_LEN + part.len()) as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Reads the next frame header from the previous rank and checks that
+    /// it is the data frame of this job, generation and sequence number,
+    /// of `want_bytes`; an Abort or Goodbye there is the matching error.
+    fn next_frame(&mut self, want_bytes: usize, during: &str) -> Result<(), CommError> {
+        let prev = self.cfg.prev();
+        let header =
+            wire::read_header(&mut self.prev).map_err(|e| lost(&self.cfg, prev, during, &e))?;
+        let h = Header::decode(&header).map_err(|reason| self.protocol(reason))?;
+        match h.kind {
+            Kind::Abort => {
+                let (lost_rank, reason) = read_abort(&mut self.prev, h.len)
+                    .map_err(|e| lost(&self.cfg, prev, during, &e))?;
+                return Err(CommError::Aborted {
+                    lost: lost_rank,
+                    reporter: prev,
+                    reason,
+                });
+            }
+            Kind::Goodbye => {
+                return Err(CommError::PeerLost {
+                    rank: prev,
+                    addr: self.cfg.addr(prev),
+                    during: during.into(),
+                    reason: "the peer closed its ring".into(),
+                })
+            }
+            Kind::Data => {}
+        }
+        if h.job_tag != self.tag || h.generation != self.cfg.generation {
+            return Err(self.protocol(format!(
+                "frame for another job or generation (generation {}, expected {})",
+                h.generation, self.cfg.generation
+            )));
+        }
+        if h.seq != self.recv_seq {
+            return Err(self.protocol(format!(
+                "frame sequence {} , expected {}",
+                h.seq, self.recv_seq
+            )));
+        }
+        if h.len as usize != want_bytes || h.len as usize > self.cfg.max_frame_bytes {
+            return Err(self.protocol(format!(
+                "frame of {} bytes, expected {want_bytes} (limit {})",
+                h.len, self.cfg.max_frame_bytes
+            )));
+        }
+        self.recv_seq += 1;
+        Ok(())
+    }
+
     fn protocol(&self, reason: String) -> CommError {
         let prev = self.cfg.prev();
         CommError::Protocol {
@@ -893,11 +986,46 @@ impl Comm {
         }
     }
 
-    /// Pipelined ring broadcast: the root sends piece by piece; every other
-    /// rank receives each piece and forwards it unless its next is the root.
+    /// Broadcast of f32s: the bytes of the buffer, in frames of `piece()`
+    /// elements.
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        self.broadcast_raw(bytes, self.piece() * 4, root, "broadcast")
+    }
+
+    /// The length (u64, little endian), then the bytes; receivers resize
+    /// `buf` to the length.
+    fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        let piece = self.cfg.max_frame_bytes.max(1);
+        let mut len = (buf.len() as u64).to_le_bytes();
+        self.broadcast_raw(&mut len, piece, root, "broadcast (length)")?;
+        if self.cfg.rank != root {
+            let n = u64::from_le_bytes(len);
+            let n = usize::try_from(n)
+                .ok()
+                .filter(|_| n <= MAX_BROADCAST_BYTES)
+                .ok_or_else(|| {
+                    self.protocol(format!(
+                        "byte broadcast of {n} bytes exceeds the limit of {MAX_BROADCAST_BYTES}"
+                    ))
+                })?;
+            buf.clear();
+            buf.resize(n, 0);
+        }
+        self.broadcast_raw(buf, piece, root, "broadcast (bytes)")
+    }
+
+    /// Pipelined ring broadcast of `buf` in frames of `piece` bytes: the
+    /// root sends frame by frame; every other rank receives each frame and
+    /// forwards it unless its next is the root.
+    fn broadcast_raw(
+        &mut self,
+        buf: &mut [u8],
+        piece: usize,
+        root: usize,
+        during: &str,
+    ) -> Result<(), CommError> {
         let (w, r) = (self.cfg.world, self.cfg.rank);
-        let piece = self.piece();
         let len = buf.len();
         let base = buf.as_mut_ptr();
         let forwards = (r + 1) % w != root;
@@ -905,17 +1033,19 @@ impl Comm {
         let mut result = Ok(());
         for p in chunks::pieces(0..len.max(1), piece) {
             let p = p.start.min(len)..p.end.min(len);
+            // SAFETY (both blocks): `p` lies inside `buf`; piece `p` is not
+            // being sent while it is received (only earlier pieces are).
             if r != root {
-                // SAFETY: piece `p` is not being sent (earlier pieces are).
                 let target = unsafe { std::slice::from_raw_parts_mut(base.add(p.start), p.len()) };
-                if let Err(e) = self.receive(target, Apply::Copy, "broadcast") {
+                if let Err(e) = self.receive_bytes(target, piece, during) {
                     result = Err(e);
                     break;
                 }
             }
             if r == root || forwards {
                 // Piece `p` is complete here and not written again in this call.
-                if let Err(e) = self.post_send(base, p) {
+                let start = unsafe { base.add(p.start) } as *const u8;
+                if let Err(e) = self.post_send_bytes(start, p.len(), piece) {
                     result = Err(e);
                     break;
                 }
@@ -928,7 +1058,7 @@ impl Comm {
                 .recv()
                 .map_err(|_| CommError::Setup("the sender thread has stopped".into()))?;
             if let (Ok(()), Err(e)) = (&result, sent) {
-                result = Err(lost(&self.cfg, self.cfg.next(), "broadcast", &e));
+                result = Err(lost(&self.cfg, self.cfg.next(), during, &e));
             }
         }
         result
@@ -947,6 +1077,9 @@ impl crate::collective::Collective for TcpRing {
     }
     fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> crate::Result<()> {
         TcpRing::broadcast(self, buf, root).map_err(crate::Error::from)
+    }
+    fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> crate::Result<()> {
+        TcpRing::broadcast_bytes(self, buf, root).map_err(crate::Error::from)
     }
     fn barrier(&mut self) -> crate::Result<()> {
         let mut one = vec![0f32];

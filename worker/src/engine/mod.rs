@@ -1,0 +1,546 @@
+//! The training engine of one rank.
+//!
+//! Micro-step: forward, loss, backward; gradients add into the parameters'
+//! `.grad` (the accumulation buffers) and nothing is communicated (`sync =
+//! "boundary"`). Sync step (the k-th micro-step or the epoch's last): one
+//! pipeline, [`Engine::sync_step`]: reduce(grads, counts) -> normalize -> clip
+//! -> optimizer step -> schedule -> zero grads -> commit.
+//!
+//! One concern per module: [`window`] (micro-steps, the sync step and the
+//! window's accounting), [`plan`] (sharding and the window plan for the
+//! current world size and k), [`state_sync`] (bringing every rank to the
+//! newest committed state), [`eval`] (the held-out split) and [`flat`]
+//! (tensors to and from flat host buffers). This file holds the engine, its
+//! set-up and the run loop.
+
+mod eval;
+mod flat;
+mod plan;
+mod state_sync;
+mod window;
+
+pub use flat::{flatten, unflatten};
+
+use crate::checkpoint::{self, TrainerState};
+use crate::collective::Collective;
+use crate::data::{self, Dataset};
+use crate::error::{Error, Result};
+use crate::grads::FlatGrads;
+use crate::model::Model;
+use crate::optim::Optimizer;
+use crate::sampler::{ShardSpec, WindowPlan};
+use crate::schedule::Schedule;
+use crate::spec::JobSpec;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tch::{Device, Tensor};
+use window::Window;
+
+/// How a run is set up beyond the spec.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Where checkpoints go; default: spec.checkpoint.dir, else
+    /// `<state_dir>/checkpoints/<name>`.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Used for the default checkpoint folder (default `runs`).
+    pub state_dir: Option<PathBuf>,
+    /// Continue from the checkpoint LATEST names.
+    pub resume: bool,
+    /// Continue from LATEST when there is one, else start fresh (a rank
+    /// joining a job that is being recovered).
+    pub resume_if_present: bool,
+    /// Append every committed window's global sample indices (all ranks,
+    /// JSON lines) to this file: an audit of the data accounting.
+    pub sample_log: Option<PathBuf>,
+    /// Sleep this long after every micro-step (fault-injection tests and
+    /// demos: it makes a small job last long enough to kill a rank in the
+    /// middle of a window).
+    pub micro_step_delay: Option<Duration>,
+    /// Stop (with a checkpoint) once this many optimizer steps are committed,
+    /// as if preempted; the job can be resumed later.
+    pub stop_after_steps: Option<u64>,
+    /// Requests from another thread (the worker daemon), honoured at window
+    /// boundaries.
+    pub control: Option<std::sync::Arc<Control>>,
+}
+
+/// Flags another thread sets to steer a running engine.
+#[derive(Debug, Default)]
+pub struct Control {
+    /// Stop at the next window boundary (with a checkpoint).
+    pub stop: std::sync::atomic::AtomicBool,
+    /// Write a checkpoint at the next window boundary.
+    pub checkpoint_now: std::sync::atomic::AtomicBool,
+    /// Drop the window in flight at the next micro-step and return
+    /// [`Error::Interrupted`] (the coordinator is re-forming the ring).
+    pub abort: std::sync::atomic::AtomicBool,
+    /// A new generation is waiting: leave at the next window boundary
+    /// with [`Error::Interrupted`] (an elastic job grows).
+    pub reform: std::sync::atomic::AtomicBool,
+}
+
+impl Control {
+    pub fn stopping(&self) -> bool {
+        self.stop.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Wall time of one optimizer step, split by phase.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct Timing {
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub clip_s: f64,
+    pub optimizer_s: f64,
+}
+
+/// What one committed optimizer step did.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct StepReport {
+    pub step: u64,
+    pub total_steps: u64,
+    pub epoch: u64,
+    pub micro_step: u64,
+    /// Mean loss over the window's samples on all ranks.
+    pub loss: f64,
+    /// Total gradient norm after normalization, before clipping.
+    pub grad_norm: f64,
+    /// Factor applied by norm clipping (1 when not clipped).
+    pub clip_coef: f64,
+    pub skipped: bool,
+    /// Samples in this window over all ranks.
+    pub samples: u64,
+    pub samples_seen: u64,
+    pub lr: f64,
+    pub samples_per_sec: f64,
+    pub timing: Timing,
+    /// Data-plane bytes this rank sent and received for this step.
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// The same since this process joined the job.
+    pub job_bytes_sent: u64,
+    pub job_bytes_received: u64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct EvalReport {
+    pub epoch: u64,
+    pub step: u64,
+    pub loss: f64,
+    pub accuracy: f64,
+    pub samples: u64,
+}
+
+pub enum Event<'a> {
+    Step(&'a StepReport),
+    Eval(&'a EvalReport),
+    Checkpoint(&'a Path),
+}
+
+#[derive(Debug)]
+pub struct Summary {
+    pub state: TrainerState,
+    pub eval: Option<EvalReport>,
+    pub checkpoint: PathBuf,
+    /// Whether the run reached the job's last step (false when stopped early).
+    pub finished: bool,
+}
+
+pub struct Engine<C: Collective> {
+    spec: JobSpec,
+    collective: C,
+    device: Device,
+    model: Model,
+    optimizer: Optimizer,
+    schedule: Schedule,
+    train: Dataset,
+    eval: Option<Dataset>,
+    shard: ShardSpec,
+    plan: WindowPlan,
+    total_steps: u64,
+    state: TrainerState,
+    epoch_indices: (u64, Vec<i64>),
+    window: Window,
+    /// sync = every_step: the reduced gradients of the window so far.
+    acc: Option<Vec<Tensor>>,
+    /// The gradient-accumulation buffer every `.grad` is a view of.
+    grads: FlatGrads,
+    checkpoint_dir: PathBuf,
+    opts: RunOptions,
+    last_checkpoint: Option<(u64, PathBuf)>,
+    /// Whether this rank holds the job's committed state (it resumed or
+    /// committed a step), as opposed to fresh initial weights.
+    has_state: bool,
+}
+
+pub fn resolve_device(name: &str) -> Result<Device> {
+    let err = |reason: String| Error::Device {
+        device: name.to_string(),
+        reason,
+    };
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "auto" => Ok(Device::cuda_if_available()),
+        _ => {
+            let n: usize = match name.strip_prefix("cuda:") {
+                Some(n) => n.parse().map_err(|_| err("expected cuda:N".into()))?,
+                None => 0,
+            };
+            if !tch::Cuda::is_available() {
+                return Err(err(
+                    "CUDA is not available on this machine (or this build lacks libtorch_cuda)"
+                        .into(),
+                ));
+            }
+            let count = tch::Cuda::device_count() as usize;
+            if n >= count {
+                return Err(err(format!(
+                    "only {count} CUDA devices are visible (0..{count})"
+                )));
+            }
+            Ok(Device::Cuda(n))
+        }
+    }
+}
+
+impl<C: Collective> Engine<C> {
+    /// Loads data, builds the model, applies `init` or the checkpoint, and
+    /// checks everything before anything is written.
+    pub fn new(spec: JobSpec, collective: C, opts: RunOptions) -> Result<Self> {
+        spec.validate()?;
+        let world = collective.world_size();
+        let rank = collective.rank();
+        let k = spec
+            .accumulation_steps(world as u64)
+            .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
+        let device = resolve_device(&spec.device)?;
+        if let Some(t) = spec.threads {
+            tch::set_num_threads(t as i32);
+        }
+        let splits = data::load(&spec.data, spec.seed)?;
+        let train = splits.train;
+        if train.is_empty() {
+            return Err(Error::Data {
+                path: spec
+                    .data
+                    .path
+                    .clone()
+                    .unwrap_or_else(|| spec.data.kind.as_str().into()),
+                reason: "the training split holds no samples".into(),
+            });
+        }
+        let classes = match spec.model.num_classes {
+            Some(n) => n,
+            None => {
+                let eval_classes = match &splits.eval {
+                    Some(e) => e.classes()?,
+                    None => 0,
+                };
+                train.classes()?.max(eval_classes)
+            }
+        };
+        let mut model = Model::build(
+            &spec.model,
+            &train.sample_shape(),
+            classes,
+            device,
+            spec.seed,
+        )?;
+        if let Some(init) = &spec.model.init {
+            let tensors = Tensor::read_safetensors(init).map_err(|e| Error::Init {
+                path: init.clone(),
+                reason: e.to_string(),
+            })?;
+            model.load_named(init, tensors)?;
+        }
+        let train = train.to_device(device)?;
+        let eval = splits.eval.map(|e| e.to_device(device)).transpose()?;
+        let shard = ShardSpec {
+            len: train.len(),
+            world,
+            seed: spec.seed,
+            shuffle: spec.data.shuffle,
+            drop_last: spec.data.drop_last,
+            pad: spec.data.pad,
+            offset: 0,
+        };
+        let plan = WindowPlan {
+            samples: shard.rank_len(rank),
+            max_samples: shard.rank_len(0),
+            batch: spec.data.batch_size as usize,
+            k,
+        };
+        if plan.samples == 0 {
+            return Err(Error::Data {
+                path: spec
+                    .data
+                    .path
+                    .clone()
+                    .unwrap_or_else(|| spec.data.kind.as_str().into()),
+                reason: format!(
+                    "{} samples cannot feed {world} ranks with drop_last",
+                    train.len()
+                ),
+            });
+        }
+        let total_steps = spec
+            .max_steps
+            .unwrap_or(spec.epochs.unwrap_or(1) * plan.windows() as u64);
+        let schedule = Schedule::from_spec(&spec, total_steps);
+        let optimizer = Optimizer::new(&spec.optimizer, model.params.len());
+        let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
+        let grads = FlatGrads::attach(&model.params, cap_elems)?;
+        let checkpoint_dir = opts
+            .checkpoint_dir
+            .clone()
+            .or_else(|| spec.checkpoint.dir.clone())
+            .unwrap_or_else(|| {
+                // Without a coordinator there is no job id: the name stands
+                // in (the same layout as the coordinator's default).
+                let state_dir = opts.state_dir.clone().unwrap_or_else(|| "runs".into());
+                accrue_proto::layout::default_checkpoint_dir(&state_dir, &spec.name)
+            });
+        let state = TrainerState {
+            job: spec.name.clone(),
+            seed: spec.seed,
+            lr: schedule.lr_at(0),
+            world_size: world as u64,
+            accumulation_steps: k as u64,
+            ..Default::default()
+        };
+        let mut engine = Self {
+            spec,
+            collective,
+            device,
+            model,
+            optimizer,
+            schedule,
+            train,
+            eval,
+            shard,
+            plan,
+            total_steps,
+            state,
+            epoch_indices: (u64::MAX, Vec::new()),
+            window: Window::default(),
+            acc: None,
+            grads,
+            checkpoint_dir,
+            opts,
+            last_checkpoint: None,
+            has_state: false,
+        };
+        let latest_exists = engine.checkpoint_dir.join(checkpoint::LATEST).exists();
+        if engine.opts.resume || (engine.opts.resume_if_present && latest_exists) {
+            engine.resume()?;
+        } else if engine.opts.resume_if_present {
+            // Joining a recovery before any checkpoint: the state comes
+            // from a surviving rank.
+        } else if let Some(n) = checkpoint::list_steps(&engine.checkpoint_dir)?.last() {
+            return Err(Error::Checkpoint {
+                path: engine.checkpoint_dir.clone(),
+                reason: format!(
+                    "already holds checkpoints (newest step-{n}); resume to continue, or choose another checkpoint.dir"
+                ),
+            });
+        }
+        engine.sync_state()?;
+        engine.reshard();
+        tracing::info!(rank, world, k, total_steps = engine.total_steps, step = engine.state.step, device = ?device, "engine ready");
+        Ok(engine)
+    }
+
+    /// Joins a new generation on `collective` (a re-formed ring) with
+    /// `accumulation_steps` as k: the value the coordinator decided for the
+    /// new world size, or (None) k computed from the spec for it. The rank
+    /// holding the newest committed state broadcasts it to every rank, and
+    /// the rest of the epoch is re-sharded when the world size or k changed.
+    pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
+        self.discard_window()?;
+        self.collective = collective;
+        let world = self.collective.world_size();
+        if let Some(k) = accumulation_steps {
+            if k == 0 {
+                return Err(crate::spec::SpecErrors(vec![crate::spec::FieldError {
+                    field: "accumulation.steps".into(),
+                    value: "0".into(),
+                    allowed: "must be an integer >= 1 (k of the new generation)".into(),
+                }])
+                .into());
+            }
+            // The spec the engine keeps says the same k from now on.
+            self.spec.accumulation.steps = Some(k);
+            self.spec.accumulation.global_batch = None;
+        }
+        self.plan.k = self
+            .spec
+            .accumulation_steps(world as u64)
+            .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
+        self.sync_state()?;
+        self.reshard();
+        tracing::info!(
+            rank = self.collective.rank(),
+            world,
+            k = self.plan.k,
+            step = self.state.step,
+            total_steps = self.total_steps,
+            "joined a new generation"
+        );
+        Ok(())
+    }
+
+    /// The collective in use (for replacing it between generations).
+    pub fn collective_mut(&mut self) -> &mut C {
+        &mut self.collective
+    }
+    fn resume(&mut self) -> Result<()> {
+        let loaded =
+            checkpoint::read_latest(&self.checkpoint_dir)?.ok_or_else(|| Error::Checkpoint {
+                path: self.checkpoint_dir.clone(),
+                reason: "no checkpoint to resume from (no LATEST file)".into(),
+            })?;
+        self.model.load_named(
+            &loaded.path.join(checkpoint::MODEL_FILE),
+            checkpoint::to_device(loaded.model, self.device)?,
+        )?;
+        self.optimizer.load_state(
+            &self.model.params,
+            loaded.optimizer,
+            loaded.state.optimizer_steps,
+        )?;
+        self.last_checkpoint = Some((loaded.state.step, loaded.path.clone()));
+        self.state = loaded.state;
+        self.has_state = true;
+        tracing::info!(step = self.state.step, path = %loaded.path.display(), "resumed");
+        Ok(())
+    }
+    pub fn parameters(&self) -> &[(String, Tensor)] {
+        &self.model.params
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn state(&self) -> &TrainerState {
+        &self.state
+    }
+
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
+    pub fn accumulation_steps(&self) -> usize {
+        self.plan.k
+    }
+
+    pub fn checkpoint_dir(&self) -> &Path {
+        &self.checkpoint_dir
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.state.step >= self.total_steps
+    }
+    /// Writes a checkpoint of the committed state (rank 0 writes; the
+    /// others hold identical parameters).
+    pub fn checkpoint(&mut self) -> Result<PathBuf> {
+        if let Some((step, path)) = &self.last_checkpoint {
+            if *step == self.state.step {
+                return Ok(path.clone());
+            }
+        }
+        let path = if self.collective.rank() == 0 {
+            let model: Vec<(String, Tensor)> = self
+                .model
+                .state()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect();
+            let opt = self.optimizer.named_state(&self.model.params);
+            checkpoint::write(
+                &self.checkpoint_dir,
+                &self.state,
+                &model,
+                &opt,
+                self.spec.checkpoint.keep as usize,
+            )?
+        } else {
+            self.checkpoint_dir
+                .join(format!("step-{}", self.state.step))
+        };
+        self.last_checkpoint = Some((self.state.step, path.clone()));
+        Ok(path)
+    }
+
+    /// Trains to the end (or `stop_after_steps`), checkpointing and
+    /// evaluating as the spec says; always leaves a checkpoint of the last step.
+    pub fn run(&mut self, mut on_event: impl FnMut(Event<'_>)) -> Result<Summary> {
+        self.model.set_train(true)?;
+        let every = self.spec.checkpoint.every_steps;
+        let eval_every = self.spec.eval.every_epochs;
+        let mut stopped = false;
+        while !self.is_done() {
+            let Some(report) = self.micro_step()? else {
+                continue;
+            };
+            on_event(Event::Step(&report));
+            let epoch_ended = self.state.cursor == 0;
+            if eval_every > 0
+                && epoch_ended
+                && self.state.epoch % eval_every == 0
+                && !self.is_done()
+            {
+                if let Some(e) = self.evaluate()? {
+                    on_event(Event::Eval(&e));
+                }
+            }
+            if every > 0 && self.state.step % every == 0 && !self.is_done() {
+                let p = self.checkpoint()?;
+                on_event(Event::Checkpoint(&p));
+            }
+            let requested = self.opts.control.clone();
+            if let Some(c) = &requested {
+                if c.checkpoint_now
+                    .swap(false, std::sync::atomic::Ordering::SeqCst)
+                    && !self.is_done()
+                {
+                    let p = self.checkpoint()?;
+                    on_event(Event::Checkpoint(&p));
+                }
+            }
+            if requested
+                .as_ref()
+                .is_some_and(|c| c.reform.load(std::sync::atomic::Ordering::SeqCst))
+                && !self.is_done()
+            {
+                return Err(Error::Interrupted(format!(
+                    "leaving at step {} for a new generation",
+                    self.state.step
+                )));
+            }
+            let stop_requested = requested.as_ref().is_some_and(|c| c.stopping());
+            if (stop_requested
+                || self
+                    .opts
+                    .stop_after_steps
+                    .is_some_and(|s| self.state.step >= s))
+                && !self.is_done()
+            {
+                stopped = true;
+                break;
+            }
+        }
+        let checkpoint = self.checkpoint()?;
+        on_event(Event::Checkpoint(&checkpoint));
+        let eval = if stopped { None } else { self.evaluate()? };
+        if let Some(e) = &eval {
+            on_event(Event::Eval(e));
+        }
+        Ok(Summary {
+            state: self.state.clone(),
+            eval,
+            checkpoint,
+            finished: !stopped,
+        })
+    }
+}

@@ -1,0 +1,312 @@
+//! Bringing every rank to the job's newest committed state when a
+//! generation forms: the ranks agree on who holds the newest step, and that
+//! rank broadcasts its parameters, buffers, optimizer state and counters as
+//! bytes ([`Collective::broadcast_bytes`]).
+//!
+//! The state's bytes: the header's length (u64, little endian), the header
+//! as JSON ([`StateHeader`]: counters, tensor names and shapes), then every
+//! tensor's f32 values, little endian, in the header's order.
+
+use super::flat::{flatten, unflatten};
+use super::Engine;
+use crate::checkpoint::TrainerState;
+use crate::collective::Collective;
+use crate::error::{Error, Result, TorchContext};
+use tch::{Kind, Tensor};
+
+/// What the state's bytes hold before the tensor values.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(super) struct StateHeader {
+    pub state: TrainerState,
+    pub model: Vec<(String, Vec<i64>)>,
+    pub optimizer: Vec<(String, Vec<i64>)>,
+}
+
+fn bad(reason: String) -> Error {
+    Error::Model(format!("synchronised state: {reason}"))
+}
+
+/// The elements of a tensor of `shape`.
+fn numel(shape: &[i64]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| {
+            usize::try_from(d).ok().and_then(|d| n.checked_mul(d))
+        })
+        .ok_or_else(|| bad(format!("impossible tensor shape {shape:?}")))
+}
+
+/// The header, then the values: see the module documentation.
+pub(super) fn encode_state(header: &StateHeader, values: &[f32]) -> Result<Vec<u8>> {
+    let json = serde_json::to_vec(header).map_err(|e| bad(e.to_string()))?;
+    let mut out = Vec::with_capacity(8 + json.len() + values.len() * 4);
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// Reads what [`encode_state`] wrote; the values must be exactly as many as
+/// the header's shapes hold.
+pub(super) fn decode_state(bytes: &[u8]) -> Result<(StateHeader, Vec<f32>)> {
+    let (len, rest) = bytes
+        .split_first_chunk::<8>()
+        .ok_or_else(|| bad(format!("{} bytes, too short for a header", bytes.len())))?;
+    let len = usize::try_from(u64::from_le_bytes(*len))
+        .ok()
+        .filter(|&n| n <= rest.len())
+        .ok_or_else(|| {
+            bad(format!(
+                "header length {} beyond the {} bytes sent",
+                u64::from_le_bytes(*len),
+                rest.len()
+            ))
+        })?;
+    let (json, values) = rest.split_at(len);
+    let header: StateHeader = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
+    let want = header
+        .model
+        .iter()
+        .chain(&header.optimizer)
+        .try_fold(0usize, |n, (_, s)| {
+            Ok::<_, Error>(n.saturating_add(numel(s)?))
+        })?;
+    if values.len() != want.saturating_mul(4) {
+        return Err(bad(format!(
+            "{} bytes of tensor values, the header's shapes hold {want} f32 values",
+            values.len()
+        )));
+    }
+    let values = values
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Ok((header, values))
+}
+
+/// Every rank's `mine`, in rank order: one byte broadcast from each rank.
+fn all_gather_u64(c: &mut impl Collective, mine: u64) -> Result<Vec<u64>> {
+    let rank = c.rank();
+    (0..c.world_size())
+        .map(|root| {
+            let mut b = if root == rank {
+                mine.to_le_bytes().to_vec()
+            } else {
+                Vec::new()
+            };
+            c.broadcast_bytes(&mut b, root)?;
+            let v: [u8; 8] = b.as_slice().try_into().map_err(|_| {
+                bad(format!(
+                    "rank {root} sent {} bytes for its step, not 8",
+                    b.len()
+                ))
+            })?;
+            Ok(u64::from_le_bytes(v))
+        })
+        .collect()
+}
+
+/// The rank holding the newest committed state: the highest value (lowest
+/// rank on ties), and that value.
+fn newest(steps: &[u64]) -> (usize, u64) {
+    steps.iter().enumerate().fold(
+        (0, 0),
+        |(r, b), (i, &s)| if s > b { (i, s) } else { (r, b) },
+    )
+}
+
+impl<C: Collective> Engine<C> {
+    /// Makes every rank hold the newest committed state: the rank with the
+    /// highest committed step (lowest rank on ties) broadcasts parameters,
+    /// buffers, optimizer state and counters. With no committed state
+    /// anywhere (a fresh start) rank 0's initial weights are broadcast.
+    pub(super) fn sync_state(&mut self) -> Result<()> {
+        if self.collective.world_size() == 1 {
+            return Ok(());
+        }
+        let rank = self.collective.rank();
+        // Step + 1 for a rank holding committed state, 0 for fresh weights.
+        let mine = if self.has_state {
+            self.state.step + 1
+        } else {
+            0
+        };
+        let steps = all_gather_u64(&mut self.collective, mine)?;
+        let (source, best) = newest(&steps);
+        if best == 0 {
+            return self.broadcast_state(0);
+        }
+        let mut bytes = if rank == source {
+            self.pack_state()?
+        } else {
+            Vec::new()
+        };
+        self.collective.broadcast_bytes(&mut bytes, source)?;
+        if rank != source {
+            self.unpack_state(&bytes)?;
+        }
+        self.has_state = true;
+        tracing::info!(
+            source,
+            step = self.state.step,
+            bytes = bytes.len(),
+            "state synchronised from rank {source}"
+        );
+        Ok(())
+    }
+
+    /// Parameters, buffers, optimizer state and counters as bytes.
+    fn pack_state(&self) -> Result<Vec<u8>> {
+        let model: Vec<(String, Tensor)> = self
+            .model
+            .state()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let opt = self.optimizer.named_state(&self.model.params);
+        let shapes = |ts: &[(String, Tensor)]| -> Result<Vec<(String, Vec<i64>)>> {
+            ts.iter()
+                .map(|(n, t)| {
+                    if t.kind() != Kind::Float {
+                        return Err(Error::Model(format!(
+                            "{n} is {:?}; only float32 state can be synchronised between ranks",
+                            t.kind()
+                        )));
+                    }
+                    Ok((n.clone(), t.size()))
+                })
+                .collect()
+        };
+        let header = StateHeader {
+            state: self.state.clone(),
+            model: shapes(&model)?,
+            optimizer: shapes(&opt)?,
+        };
+        let tensors: Vec<Tensor> = model
+            .iter()
+            .chain(opt.iter())
+            .map(|(_, t)| t.shallow_clone())
+            .collect();
+        encode_state(&header, &flatten(&tensors)?)
+    }
+
+    fn unpack_state(&mut self, bytes: &[u8]) -> Result<()> {
+        let (header, values) = decode_state(bytes)?;
+        let mut data = &values[..];
+        let mut take = |shape: &[i64]| -> Result<&[f32]> {
+            // decode_state checked that the values are exactly the shapes'.
+            let (a, b) = data.split_at(numel(shape)?.min(data.len()));
+            data = b;
+            Ok(a)
+        };
+        let mine: std::collections::HashMap<String, Tensor> = self
+            .model
+            .state()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let _guard = tch::no_grad_guard();
+        for (name, shape) in &header.model {
+            let t = mine
+                .get(name)
+                .ok_or_else(|| bad(format!("unknown tensor {name}")))?;
+            if t.size() != *shape {
+                return Err(bad(format!(
+                    "{name} has shape {shape:?} at the source, {:?} here",
+                    t.size()
+                )));
+            }
+            unflatten(take(shape)?, std::slice::from_ref(t))?;
+        }
+        let mut opt = Vec::with_capacity(header.optimizer.len());
+        for (name, shape) in &header.optimizer {
+            let t = Tensor::f_from_slice(take(shape)?)
+                .and_then(|t| t.f_view(shape.as_slice()))
+                .ctx("rebuilding optimizer state")?;
+            opt.push((name.clone(), t));
+        }
+        self.optimizer
+            .load_state(&self.model.params, opt, header.state.optimizer_steps)?;
+        self.state = header.state;
+        Ok(())
+    }
+
+    /// Copies parameters and buffers from `root` to every rank (f32
+    /// broadcast: every rank knows their sizes).
+    fn broadcast_state(&mut self, root: usize) -> Result<()> {
+        let tensors: Vec<Tensor> = self.model.state().map(|(_, t)| t.shallow_clone()).collect();
+        let mut buf = flatten(&tensors)?;
+        self.collective.broadcast(&mut buf, root)?;
+        unflatten(&buf, &tensors)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::SingleRank;
+
+    fn header() -> StateHeader {
+        StateHeader {
+            state: TrainerState {
+                job: "j".into(),
+                step: 12,
+                samples_seen: 1 << 50,
+                ..Default::default()
+            },
+            model: vec![("0.weight".into(), vec![2, 3]), ("0.bias".into(), vec![2])],
+            optimizer: vec![("0.weight.momentum_buffer".into(), vec![2, 3])],
+        }
+    }
+
+    #[test]
+    fn state_bytes_round_trip_exactly() {
+        let values: Vec<f32> = (0..12)
+            .map(|i| f32::from_bits(0x3f80_0000 ^ (i * 0x1357)))
+            .chain([f32::from_bits(0x7fc0_1234), -0.0])
+            .collect();
+        let bytes = encode_state(&header(), &values).unwrap();
+        let (h, v) = decode_state(&bytes).unwrap();
+        assert_eq!(h, header());
+        // Bit for bit (NaN payloads and signed zeros included).
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&v), bits(&values));
+        // Counters beyond 2^48 survive (the old f32 header could not).
+        assert_eq!(h.state.samples_seen, 1 << 50);
+    }
+
+    #[test]
+    fn damaged_state_bytes_are_refused() {
+        let bytes = encode_state(&header(), &[0.5; 14]).unwrap();
+        for (cut, what) in [
+            (bytes.len() - 1, "bytes of tensor values"),
+            (20, "header length"),
+            (3, "too short"),
+        ] {
+            let err = decode_state(&bytes[..cut]).unwrap_err().to_string();
+            assert!(err.contains(what), "cut at {cut}: {err}");
+        }
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(&[0; 4]);
+        let err = decode_state(&longer).unwrap_err().to_string();
+        assert!(err.contains("60 bytes"), "{err}");
+        // Too few values for the shapes.
+        assert!(decode_state(&encode_state(&header(), &[0.5; 13]).unwrap()).is_err());
+    }
+
+    #[test]
+    fn the_newest_state_wins_lowest_rank_on_ties() {
+        assert_eq!(newest(&[0, 0, 0]), (0, 0));
+        assert_eq!(newest(&[0, 5, 3]), (1, 5));
+        assert_eq!(newest(&[7, 9, 9]), (1, 9));
+        assert_eq!(newest(&[u64::MAX, 1]), (0, u64::MAX));
+    }
+
+    #[test]
+    fn all_gather_on_one_rank_is_its_own_value() {
+        assert_eq!(
+            all_gather_u64(&mut SingleRank, 1 << 60).unwrap(),
+            vec![1 << 60]
+        );
+    }
+}

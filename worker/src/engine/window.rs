@@ -1,0 +1,335 @@
+//! The window: micro-steps (forward, loss, backward into the accumulation
+//! buffers), the sync step that commits them as one optimizer step, and the
+//! window's accounting (counts, loss, timing, the sample audit log).
+
+use super::{Engine, StepReport, Timing};
+use crate::collective::Collective;
+use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::fused::GradPrep;
+use crate::sampler::WindowPlan;
+use crate::spec::{Normalize, OnNonfinite, SyncMode};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use tch::{Reduction, Tensor};
+
+/// The window in flight (not yet committed).
+#[derive(Debug, Default)]
+pub(super) struct Window {
+    /// Micro-steps run in this window (the cursor advances by this).
+    micro: usize,
+    /// Non-empty micro-batches among them (`mean` divides by their global sum).
+    batches: usize,
+    samples: u64,
+    loss_sum: Option<Tensor>,
+    started: Option<Instant>,
+    compute: Duration,
+    comm: Duration,
+    /// Collective byte counters when the window started.
+    bytes_at_start: (u64, u64),
+}
+
+impl<C: Collective> Engine<C> {
+    /// Forgets the window in flight (its gradients and counts): the
+    /// committed state stays as it is.
+    pub fn discard_window(&mut self) -> Result<()> {
+        let w = std::mem::take(&mut self.window);
+        self.state.micro_step = self.state.micro_step.saturating_sub(w.micro as u64);
+        self.acc = None;
+        self.grads.zero()
+    }
+
+    fn indices_for(&mut self, epoch: u64) -> &[i64] {
+        if self.epoch_indices.0 != epoch {
+            let idx = self.shard.indices(self.collective.rank(), epoch);
+            self.epoch_indices = (epoch, idx.into_iter().map(|i| i as i64).collect());
+        }
+        &self.epoch_indices.1
+    }
+
+    /// Runs the next micro-step; on the window's last one also the sync step,
+    /// whose report it returns.
+    pub fn micro_step(&mut self) -> Result<Option<StepReport>> {
+        if let Some(c) = &self.opts.control {
+            if c.abort.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(Error::Interrupted(
+                    "the coordinator aborted the window".into(),
+                ));
+            }
+        }
+        let started = Instant::now();
+        if self.window.started.is_none() {
+            self.window.started = Some(started);
+            self.window.bytes_at_start = self.collective.bytes();
+        }
+        let m = self.state.cursor as usize + self.window.micro;
+        let (a, b) = self.plan.micro_batch_range(m);
+        let n = (b - a) as u64;
+        if n > 0 {
+            self.forward_backward(a, b)?;
+            self.window.batches += 1;
+        }
+        if let Some(d) = self.opts.micro_step_delay {
+            std::thread::sleep(d);
+        }
+        self.window.samples += n;
+        self.window.micro += 1;
+        self.state.micro_step += 1;
+        self.window.compute += started.elapsed();
+        if self.spec.accumulation.sync == SyncMode::EveryStep {
+            let t = Instant::now();
+            self.reduce_micro_step()?;
+            self.window.comm += t.elapsed();
+        }
+        if self.plan.is_sync(m) {
+            return self.sync_step().map(Some);
+        }
+        Ok(None)
+    }
+
+    /// Forward, loss and backward on samples `a..b` of this rank's epoch;
+    /// gradients add into `.grad`.
+    fn forward_backward(&mut self, a: usize, b: usize) -> Result<()> {
+        let epoch = self.state.epoch;
+        let idx = Tensor::from_slice(&self.indices_for(epoch)[a..b]);
+        let idx = idx.f_to_device(self.device).ctx("moving indices")?;
+        let (x, y) = self.train.batch(&idx)?;
+        let reduction = match self.spec.accumulation.normalize {
+            Normalize::GlobalCount => Reduction::Sum,
+            Normalize::Mean | Normalize::Sum => Reduction::Mean,
+        };
+        let logits = self.model.forward(&x, true)?;
+        let loss = logits
+            .f_cross_entropy_loss::<Tensor>(&y, None, reduction, -100, 0.0)
+            .ctx("computing the loss")?;
+        loss.f_backward().ctx("running backward")?;
+        let loss_sum = match reduction {
+            Reduction::Sum => loss.f_detach(),
+            _ => loss.f_detach().and_then(|l| l.f_mul_scalar((b - a) as f64)),
+        }
+        .ctx("accumulating the loss")?;
+        self.window.loss_sum = Some(match self.window.loss_sum.take() {
+            None => loss_sum,
+            Some(acc) => acc.f_add(&loss_sum).ctx("accumulating the loss")?,
+        });
+        Ok(())
+    }
+
+    /// sync = every_step: all-reduce this micro-step's gradients now and add
+    /// them to the window's accumulation buffers.
+    fn reduce_micro_step(&mut self) -> Result<()> {
+        let grads = self.model.grads();
+        self.grads.all_reduce(&mut self.collective, &mut [])?;
+        let _guard = tch::no_grad_guard();
+        match &mut self.acc {
+            None => {
+                self.acc = Some(
+                    grads
+                        .iter()
+                        .map(|g| g.f_detach_copy())
+                        .collect::<Result<_, _>>()
+                        .ctx("accumulating")?,
+                )
+            }
+            Some(acc) => {
+                for (a, g) in acc.iter_mut().zip(&grads) {
+                    a.f_add_(g).ctx_("accumulating")?;
+                }
+            }
+        }
+        self.grads.zero()
+    }
+
+    /// The sync-step pipeline.
+    pub fn sync_step(&mut self) -> Result<StepReport> {
+        let _guard = tch::no_grad_guard();
+        let grads = self.model.grads();
+        // 1. reduce gradients and the window's counts over all ranks.
+        let t_comm = Instant::now();
+        let loss_sum = match self.window.loss_sum.take() {
+            Some(l) => l.f_double_value(&[]).ctx("reading the loss")?,
+            None => 0.0,
+        };
+        let mut stats = vec![
+            self.window.samples as f32,
+            self.window.batches as f32,
+            loss_sum as f32,
+        ];
+        match self.acc.take() {
+            Some(acc) => {
+                for (g, a) in grads.iter().zip(&acc) {
+                    g.shallow_clone()
+                        .f_copy_(a)
+                        .ctx("restoring accumulated gradients")?;
+                }
+                self.collective.all_reduce_sum(&mut stats)?;
+            }
+            None => self.grads.all_reduce(&mut self.collective, &mut stats)?,
+        }
+        let comm = self.window.comm + t_comm.elapsed();
+        let global_samples = stats[0].round() as u64;
+        let global_micro = stats[1].round() as u64;
+        let world = self.collective.world_size() as f64;
+        // 2.-3. normalize and clip: one reduction over the whole buffer for
+        // the norm of the summed gradients (the norm of the normalized ones
+        // is that divided by the divisor), then one pass that applies
+        // 1/divisor and the clip coefficient together.
+        let t_clip = Instant::now();
+        let divisor = match self.spec.accumulation.normalize {
+            Normalize::GlobalCount => global_samples as f64,
+            Normalize::Mean => global_micro as f64,
+            Normalize::Sum => world,
+        };
+        let norm_type = self.spec.norm_type();
+        let grad_norm = self
+            .grads
+            .norm(norm_type)?
+            .f_double_value(&[])
+            .ctx("reading the gradient norm")?
+            / divisor;
+        let step = self.state.step;
+        let lr = self.schedule.lr_at(step);
+        let mut clip_coef = 1.0;
+        let skipped = !grad_norm.is_finite();
+        // What the gradients go through before the optimizer: 1/divisor and
+        // the clip, as one multiplier where possible.
+        let prep = if skipped {
+            match self.spec.clipping.on_nonfinite {
+                OnNonfinite::Skip => {}
+                OnNonfinite::Error => {
+                    return Err(Error::NonFinite {
+                        step: step + 1,
+                        norm: grad_norm,
+                    })
+                }
+            }
+            tracing::warn!(
+                step = step + 1,
+                grad_norm,
+                "non-finite gradient norm, step skipped"
+            );
+            None
+        } else if let Some(max_norm) = self.spec.clipping.max_norm {
+            // clip_grad_norm_: min(1, max_norm / (total_norm + 1e-6)).
+            clip_coef = (max_norm / (grad_norm + 1e-6)).min(1.0);
+            Some(GradPrep::Mul((clip_coef / divisor) as f32))
+        } else if let Some(v) = self.spec.clipping.clip_value {
+            Some(GradPrep::DivClamp(divisor as f32, v as f32))
+        } else {
+            Some(GradPrep::Div(divisor as f32))
+        };
+        let mut clip_s = t_clip.elapsed();
+        let mut prep_s = Duration::ZERO;
+        // 4. optimizer step, zero grads. On CPU with SGD: one fused pass per
+        // parameter that also applies `prep` and zeroes the gradient
+        // (crate::fused); otherwise the same as tensor ops, pass by pass.
+        let t_opt = Instant::now();
+        let fused = match prep {
+            Some(prep) => match self.grads.cpu_mut() {
+                Some(g) => self.optimizer.step_fused(&self.model.params, g, lr, prep)?,
+                None => false,
+            },
+            None => false,
+        };
+        if fused {
+            self.grads.zero_extra()?;
+        } else {
+            if let Some(prep) = prep {
+                let t = Instant::now();
+                self.grads.prepare(prep)?;
+                prep_s = t.elapsed();
+                clip_s += prep_s;
+                self.optimizer.step(&self.model.params, lr)?;
+            }
+            self.grads.zero()?;
+        }
+        let optimizer_s = t_opt.elapsed().saturating_sub(prep_s);
+        // 5. commit.
+        if let Some(path) = self.opts.sample_log.clone() {
+            self.log_window(&path)?;
+        }
+        self.has_state = true;
+        let s = &mut self.state;
+        s.step += 1;
+        s.samples_seen += global_samples;
+        s.skipped_steps += skipped as u64;
+        s.optimizer_steps = self.optimizer.steps;
+        s.lr = lr;
+        s.cursor += self.window.micro as u64;
+        if s.cursor as usize >= self.plan.micro_batches() {
+            s.epoch += 1;
+            s.cursor = 0;
+            if s.epoch_offset > 0 {
+                // The next epoch is sharded whole again.
+                s.epoch_offset = 0;
+                let (world, rank) = (self.collective.world_size(), self.collective.rank());
+                self.set_plan(world, rank, 0);
+            }
+        }
+        let s = &mut self.state;
+        let wall = self.window.started.map(|t| t.elapsed()).unwrap_or_default();
+        let window = std::mem::take(&mut self.window);
+        let (sent, received) = self.collective.bytes();
+        Ok(StepReport {
+            step: s.step,
+            total_steps: self.total_steps,
+            epoch: s.epoch,
+            micro_step: s.micro_step,
+            loss: loss_sum_global(stats[2] as f64, global_samples),
+            grad_norm,
+            clip_coef,
+            skipped,
+            samples: global_samples,
+            samples_seen: s.samples_seen,
+            lr,
+            samples_per_sec: global_samples as f64 / wall.as_secs_f64().max(1e-9),
+            timing: Timing {
+                compute_s: window.compute.as_secs_f64(),
+                comm_s: comm.as_secs_f64(),
+                clip_s: clip_s.as_secs_f64(),
+                optimizer_s: optimizer_s.as_secs_f64(),
+            },
+            bytes_sent: sent - window.bytes_at_start.0,
+            bytes_received: received - window.bytes_at_start.1,
+            job_bytes_sent: sent,
+            job_bytes_received: received,
+        })
+    }
+
+    /// Appends the global sample indices of the window being committed
+    /// (every rank's share, so any rank's line describes the whole window).
+    fn log_window(&mut self, path: &Path) -> Result<()> {
+        use std::io::Write;
+        let epoch = self.state.epoch;
+        let (first, count) = (self.state.cursor as usize, self.window.micro);
+        let mut indices = Vec::new();
+        for r in 0..self.shard.world {
+            let plan = WindowPlan {
+                samples: self.shard.rank_len(r),
+                ..self.plan
+            };
+            let idx = self.shard.indices(r, epoch);
+            for m in first..first + count {
+                let (a, b) = plan.micro_batch_range(m);
+                indices.extend_from_slice(&idx[a..b]);
+            }
+        }
+        let line = serde_json::json!({
+            "job": self.spec.name,
+            "step": self.state.step + 1,
+            "epoch": epoch,
+            "rank": self.collective.rank(),
+            "world": self.shard.world,
+            "indices": indices,
+        });
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(crate::error::io_err(path))?;
+        writeln!(f, "{line}").map_err(crate::error::io_err(path))
+    }
+}
+
+fn loss_sum_global(sum: f64, samples: u64) -> f64 {
+    sum / samples.max(1) as f64
+}
