@@ -403,16 +403,21 @@ impl TcpRing {
         }
     }
 
-    pub fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> Result<(), CommError> {
-        if self.cfg.world == 1 {
-            return Ok(());
-        }
+    fn check_root(&self, root: usize) -> Result<(), CommError> {
         if root >= self.cfg.world {
             return Err(CommError::Setup(format!(
                 "broadcast root {root} outside world size {}",
                 self.cfg.world
             )));
         }
+        Ok(())
+    }
+
+    pub fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> Result<(), CommError> {
+        if self.cfg.world == 1 {
+            return Ok(());
+        }
+        self.check_root(root)?;
         *buf = self
             .call(Request::Broadcast(std::mem::take(buf), root))?
             .floats;
@@ -427,12 +432,7 @@ impl TcpRing {
         if self.cfg.world == 1 {
             return Ok(());
         }
-        if root >= self.cfg.world {
-            return Err(CommError::Setup(format!(
-                "broadcast root {root} outside world size {}",
-                self.cfg.world
-            )));
-        }
+        self.check_root(root)?;
         *buf = self
             .call(Request::BroadcastBytes(std::mem::take(buf), root))?
             .bytes;

@@ -205,6 +205,14 @@ pub fn resolve_device(name: &str) -> Result<Device> {
 }
 
 impl<C: Collective> Engine<C> {
+    /// The model's parameters and buffers by name (shallow: no copy).
+    fn model_state(&self) -> Vec<(String, Tensor)> {
+        self.model
+            .state()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    }
+
     /// Loads data, builds the model, applies `init` or the checkpoint, and
     /// checks everything before anything is written.
     pub fn new(spec: JobSpec, collective: C, opts: RunOptions) -> Result<Self> {
@@ -221,14 +229,10 @@ impl<C: Collective> Engine<C> {
         let splits = data::load(&spec.data, spec.seed)?;
         let train = splits.train;
         if train.is_empty() {
-            return Err(Error::Data {
-                path: spec
-                    .data
-                    .path
-                    .clone()
-                    .unwrap_or_else(|| spec.data.kind.as_str().into()),
-                reason: "the training split holds no samples".into(),
-            });
+            return Err(data_error(
+                &spec,
+                "the training split holds no samples".into(),
+            ));
         }
         let classes = match spec.model.num_classes {
             Some(n) => n,
@@ -272,17 +276,13 @@ impl<C: Collective> Engine<C> {
             k,
         };
         if plan.samples == 0 {
-            return Err(Error::Data {
-                path: spec
-                    .data
-                    .path
-                    .clone()
-                    .unwrap_or_else(|| spec.data.kind.as_str().into()),
-                reason: format!(
+            return Err(data_error(
+                &spec,
+                format!(
                     "{} samples cannot feed {world} ranks with drop_last",
                     train.len()
                 ),
-            });
+            ));
         }
         let total_steps = spec
             .max_steps
@@ -451,11 +451,7 @@ impl<C: Collective> Engine<C> {
             }
         }
         let path = if self.collective.rank() == 0 {
-            let model: Vec<(String, Tensor)> = self
-                .model
-                .state()
-                .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                .collect();
+            let model = self.model_state();
             let opt = self.optimizer.named_state(&self.model.params);
             checkpoint::write(
                 &self.checkpoint_dir,
@@ -542,5 +538,17 @@ impl<C: Collective> Engine<C> {
             checkpoint,
             finished: !stopped,
         })
+    }
+}
+
+/// A data error naming the spec's data path (or its kind when it has none).
+fn data_error(spec: &JobSpec, reason: String) -> Error {
+    Error::Data {
+        path: spec
+            .data
+            .path
+            .clone()
+            .unwrap_or_else(|| spec.data.kind.as_str().into()),
+        reason,
     }
 }

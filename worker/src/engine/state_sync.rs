@@ -159,11 +159,7 @@ impl<C: Collective> Engine<C> {
 
     /// Parameters, buffers, optimizer state and counters as bytes.
     fn pack_state(&self) -> Result<Vec<u8>> {
-        let model: Vec<(String, Tensor)> = self
-            .model
-            .state()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
+        let model = self.model_state();
         let opt = self.optimizer.named_state(&self.model.params);
         let shapes = |ts: &[(String, Tensor)]| -> Result<Vec<(String, Vec<i64>)>> {
             ts.iter()
