@@ -150,8 +150,15 @@ impl Cluster {
                 continue;
             }
             let spec = entry.job.spec.clone().unwrap_or_default();
-            let Ok(domain) = accrue_proto::spec_from_proto(&spec) else {
-                continue;
+            let domain = match accrue_proto::spec_from_proto(&spec) {
+                Ok(d) => d,
+                // A stored spec this coordinator cannot read (one written
+                // before an incompatible upgrade): it can never re-form.
+                Err(e) if state_now == JobState::Recovering => {
+                    self.fail(&id, format!("cannot re-form: {e}"), now, fx);
+                    continue;
+                }
+                Err(_) => continue,
             };
             let valid = |n: usize| domain.accumulation_steps(n as u64).is_ok();
             let members = entry.job.workers.clone();

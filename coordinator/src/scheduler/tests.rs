@@ -663,3 +663,32 @@ proptest! {
         }
     }
 }
+
+/// A recovering job whose stored spec cannot be read fails (naming the
+/// field) instead of waiting for ever.
+#[test]
+fn a_recovering_job_with_an_unreadable_spec_fails() {
+    let mut c = cluster();
+    let mut bad = spec("old", 1, "");
+    bad.model.as_mut().unwrap().kind = 0;
+    let job = Job {
+        id: "old-1".into(),
+        state: JobState::Recovering as i32,
+        generation: 2,
+        workers: vec!["w0".into()],
+        spec: Some(bad),
+        ..Default::default()
+    };
+    c.restore(vec![job], 0);
+    c.step(
+        Input::Attach {
+            conn: 1,
+            hello: hello("w0"),
+        },
+        1,
+    );
+    c.step(Input::Tick, TTL + 1);
+    let j = c.job("old-1").unwrap();
+    assert_eq!(j.state(), JobState::Failed);
+    assert!(j.error.contains("model.kind"), "{}", j.error);
+}
