@@ -438,6 +438,14 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
         matches!(&e, CoordError::InvalidArgument(m) if m.contains("data.batch_size")),
         "{e}"
     );
+    // Defect 4: a name with markup (it broke the dashboard's HTML).
+    let mut s = spec("a", 1, "");
+    s.name = r#"evil"><script>alert(1)</script>"#.into();
+    let e = reply(&c.step(Input::Submit { spec: s }, 0)).unwrap_err();
+    assert!(
+        matches!(&e, CoordError::InvalidArgument(m) if m.contains("name = ")),
+        "{e}"
+    );
     assert_eq!(c.jobs().count(), 0);
     let e = reply(&c.step(
         Input::Attach {
@@ -691,4 +699,120 @@ fn a_recovering_job_with_an_unreadable_spec_fails() {
     let j = c.job("old-1").unwrap();
     assert_eq!(j.state(), JobState::Failed);
     assert!(j.error.contains("model.kind"), "{}", j.error);
+}
+
+fn attach_all(c: &mut Cluster, ids: &[&str], now: i64) {
+    for (i, w) in ids.iter().enumerate() {
+        c.step(
+            Input::Attach {
+                conn: 100 + i as u64,
+                hello: hello(w),
+            },
+            now,
+        );
+    }
+}
+
+fn assigned_k(fx: &[Effect]) -> Vec<(String, u32)> {
+    sends(fx)
+        .into_iter()
+        .filter_map(|(w, m)| match m {
+            coordinator_message::Msg::Assign(a) => Some((w, a.accumulation_steps)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Shrink: no replacement within the rendezvous timeout, min_workers
+/// allows fewer ranks, and k follows global_batch.
+#[test]
+fn a_job_shrinks_after_the_rendezvous_timeout_with_k_recomputed() {
+    let mut c = cluster();
+    attach_all(&mut c, &["w0", "w1", "w2"], 0);
+    let job = submit(
+        &mut c,
+        spec("s", 3, "min_workers = 1\n[accumulation]\nglobal_batch = 24"),
+        0,
+    );
+    assert_eq!(c.job(&job).unwrap().accumulation_steps, 2);
+    deliver(&mut c, "w0", step_report(&job, 1, 0, 1), 10);
+    c.step(
+        Input::Lost {
+            worker: "w2".into(),
+            conn: None,
+            reason: "gone".into(),
+        },
+        20,
+    );
+    deliver(&mut c, "w0", interrupted(&job, 1, 0), 30);
+    deliver(&mut c, "w1", interrupted(&job, 1, 1), 30);
+    assert_eq!(
+        c.job(&job).unwrap().generation,
+        1,
+        "waits for a replacement"
+    );
+    c.step(Input::Tick, 20 + 29_999);
+    assert_eq!(c.job(&job).unwrap().generation, 1);
+    let fx = c.step(Input::Tick, 20 + 30_000);
+    let j = c.job(&job).unwrap();
+    assert_eq!(
+        (j.generation, j.workers.clone(), j.accumulation_steps),
+        (2, vec!["w0".to_string(), "w1".into()], 3)
+    );
+    assert_eq!(assigned_k(&fx), [("w0".to_string(), 3), ("w1".into(), 3)]);
+    let r = j.recoveries.last().unwrap();
+    assert_eq!(
+        (r.world_size, r.accumulation_steps, r.lost.clone()),
+        (2, 3, vec!["w2".to_string()])
+    );
+}
+
+/// Grow: an elastic job takes a worker that attaches, at once.
+#[test]
+fn an_elastic_job_grows_when_a_worker_attaches() {
+    let mut c = cluster();
+    attach_all(&mut c, &["w0", "w1"], 0);
+    let job = submit(&mut c, spec("g", 2, "max_workers = 3"), 0);
+    deliver(&mut c, "w0", step_report(&job, 1, 0, 1), 10);
+    let fx = c.step(
+        Input::Attach {
+            conn: 9,
+            hello: hello("w2"),
+        },
+        20,
+    );
+    let j = c.job(&job).unwrap();
+    assert_eq!((j.generation, j.workers.len()), (2, 3));
+    assert_eq!(j.state(), JobState::Rendezvous);
+    assert_eq!(assigned_k(&fx).len(), 3, "every rank of the new generation");
+    assert_eq!(j.recoveries.last().unwrap().reason, "growing: w2 joined");
+}
+
+/// Stall: a job that keeps re-forming without committing a step fails.
+#[test]
+fn a_job_that_keeps_re_forming_without_a_step_fails() {
+    let mut c = cluster();
+    let ids = ["w0", "w1", "w2", "w3", "w4", "w5", "w6"];
+    attach_all(&mut c, &ids, 0);
+    let job = submit(&mut c, spec("st", 1, ""), 0);
+    for t in 1..=MAX_STALLED_REFORMS as i64 + 1 {
+        let member = c.job(&job).unwrap().workers[0].clone();
+        c.step(
+            Input::Lost {
+                worker: member,
+                conn: None,
+                reason: "gone".into(),
+            },
+            t * 100,
+        );
+    }
+    let j = c.job(&job).unwrap();
+    assert_eq!(j.state(), JobState::Failed, "{:?}", j.history);
+    assert!(
+        j.error
+            .contains("5 re-formations in a row without a committed step"),
+        "{}",
+        j.error
+    );
+    assert_eq!(j.generation, 1 + MAX_STALLED_REFORMS as u64);
 }
