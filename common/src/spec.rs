@@ -421,6 +421,11 @@ pub fn is_valid_job_name(name: &str) -> bool {
 
 pub const JOB_NAME_RULE: &str = "must be 1 to 63 characters of a-z, 0-9, '.', '_', '-', starting and ending with a letter or digit";
 
+/// The longest accepted timeout of `[comm]`, seconds (one day).
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+/// The largest accepted gradient bucket, MiB.
+pub const MAX_BUCKET_CAP_MB: f64 = 4096.0;
+
 /// One refused value: where it is, what it was, what is allowed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FieldError {
@@ -460,6 +465,17 @@ impl Checker {
     pub fn positive_finite(&mut self, field: &str, value: f64) {
         if !(value.is_finite() && value > 0.0) {
             self.fail(field, value, "must be a finite number > 0");
+        }
+    }
+
+    /// A value in (0, max] (`unit` names what it counts).
+    pub fn positive_at_most(&mut self, field: &str, value: f64, max: f64, unit: &str) {
+        if !(value.is_finite() && value > 0.0 && value <= max) {
+            self.fail(
+                field,
+                value,
+                format!("must be a number > 0 and <= {max} ({unit})"),
+            );
         }
     }
 
@@ -761,10 +777,21 @@ impl JobSpec {
         if self.checkpoint.keep == 0 {
             c.fail("checkpoint.keep", 0, "must be an integer >= 1");
         }
-        c.positive_finite("comm.timeout_s", self.comm.timeout_s);
-        c.positive_finite("comm.connect_timeout_s", self.comm.connect_timeout_s);
-        c.positive_finite("comm.bucket_cap_mb", self.comm.bucket_cap_mb);
-        c.positive_finite("comm.rendezvous_timeout_s", self.comm.rendezvous_timeout_s);
+        // Durations the workers turn into timers, and a size they allocate:
+        // bounded so that every accepted value is usable downstream.
+        for (field, v) in [
+            ("comm.timeout_s", self.comm.timeout_s),
+            ("comm.connect_timeout_s", self.comm.connect_timeout_s),
+            ("comm.rendezvous_timeout_s", self.comm.rendezvous_timeout_s),
+        ] {
+            c.positive_at_most(field, v, MAX_TIMEOUT_S, "seconds, one day");
+        }
+        c.positive_at_most(
+            "comm.bucket_cap_mb",
+            self.comm.bucket_cap_mb,
+            MAX_BUCKET_CAP_MB,
+            "MiB",
+        );
         if self.eval.batch_size == 0 {
             c.fail("eval.batch_size", 0, "must be an integer >= 1");
         }
@@ -1128,6 +1155,34 @@ mod tests {
             }
             other => panic!("expected a parse error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn comm_durations_and_sizes_are_bounded() {
+        let base = "name = \"t\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nsamples = 8\nshape = [2]\nclasses = 2\nbatch_size = 2\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n[comm]\n";
+        for (line, field) in [
+            ("timeout_s = 1e300", "comm.timeout_s"),
+            ("connect_timeout_s = 86401", "comm.connect_timeout_s"),
+            ("rendezvous_timeout_s = 0", "comm.rendezvous_timeout_s"),
+            ("bucket_cap_mb = 1e12", "comm.bucket_cap_mb"),
+        ] {
+            let err = JobSpec::from_toml_str(&format!("{base}{line}\n"), Path::new("t.toml"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!("{field} = "))
+                    && err.contains("must be a number > 0 and <= "),
+                "{line}: {err}"
+            );
+        }
+        // The bounds themselves are accepted, and every accepted timeout is
+        // a usable Duration.
+        let ok = JobSpec::from_toml_str(
+            &format!("{base}timeout_s = 86400\nbucket_cap_mb = 4096\n"),
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert!(std::time::Duration::try_from_secs_f64(ok.comm.timeout_s).is_ok());
     }
 
     #[test]

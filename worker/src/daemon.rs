@@ -302,6 +302,51 @@ impl JobThread<'_> {
     }
 }
 
+/// A JobDone that fails the job with `error`.
+fn job_failed(job: &str, generation: u64, rank: u32, error: String) -> WorkerMessage {
+    wrap(worker_message::Msg::Done(v1::JobDone {
+        job_id: job.to_string(),
+        generation,
+        rank,
+        ok: false,
+        error,
+        ..Default::default()
+    }))
+}
+
+/// Runs `f` (a job's thread); a panic in it becomes a JobDone failure of
+/// the generation the thread was in (`first` before it recorded one), with
+/// the panic's message, so the coordinator fails the job and frees this
+/// worker; the daemon itself never goes down with a job.
+fn guarded(
+    job: &str,
+    first: (u64, u32),
+    current: &Current,
+    out: &mpsc::UnboundedSender<WorkerMessage>,
+    f: impl FnOnce(),
+) {
+    let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) else {
+        return;
+    };
+    let what = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into());
+    let (generation, rank) = current
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+        .map_or(first, |(_, g, r)| (g, r));
+    tracing::error!(job, generation, rank, panic = %what, "the job thread panicked");
+    let _ = out.send(job_failed(
+        job,
+        generation,
+        rank,
+        format!("the job thread panicked: {what}"),
+    ));
+}
+
 /// Runs a job to its end on the calling (dedicated) thread, through as many
 /// generations as the coordinator forms.
 fn run_assignment(
@@ -633,12 +678,25 @@ pub async fn run_until(
                             let (cfg2, out, c2, job, cur) = (cfg.clone(), events_tx.clone(), control.clone(), a.job_id.clone(), current.clone());
                             let (next_tx, next_rx) = std::sync::mpsc::channel();
                             tracing::info!(job = %job, rank = a.rank, world = a.world_size, generation = a.generation, "assignment");
+                            let (generation, rank) = (a.generation, a.rank);
+                            let failed = events_tx.clone();
+                            // A thread name cannot hold NUL: keep only what
+                            // a job id may hold.
+                            let name: String = job.chars().filter(|c| c.is_ascii_alphanumeric() || "-._".contains(*c)).collect();
                             let thread = std::thread::Builder::new()
-                                .name(format!("accrue-job-{job}"))
-                                .spawn(move || run_assignment(a, next_rx, l, &cfg2, c2, &out, cur));
+                                .name(format!("accrue-job-{name}"))
+                                .spawn(move || {
+                                    let (job, out2, cur2) = (a.job_id.clone(), out.clone(), cur.clone());
+                                    guarded(&job, (generation, rank), &cur2, &out2, move || {
+                                        run_assignment(a, next_rx, l, &cfg2, c2, &out, cur)
+                                    })
+                                });
                             match thread {
                                 Ok(thread) => running = Some(Running { job, control, thread, next: next_tx }),
-                                Err(e) => tracing::error!(error = %e, "cannot start the job thread"),
+                                Err(e) => {
+                                    tracing::error!(error = %e, "cannot start the job thread");
+                                    let _ = failed.send(job_failed(&job, generation, rank, format!("the worker cannot start a job thread: {e}")));
+                                }
                             }
                         }
                         Some(coordinator_message::Msg::Stop(s)) => stop(&running, &s.job_id, &s.reason),
@@ -735,6 +793,33 @@ fn stop(running: &Option<Running>, job: &str, reason: &str) {
 
 #[cfg(test)]
 mod tests {
+
+    /// Issue 13 (started): a panic in a job's thread is a failed JobDone
+    /// naming it, for the generation the thread was in; nothing is sent
+    /// when the job ends normally.
+    #[test]
+    fn a_panicking_job_thread_fails_the_job_instead_of_taking_the_daemon_down() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let current: Current = Arc::new(Mutex::new(Some(("j-1".into(), 3, 1))));
+        guarded("j-1", (1, 0), &current, &tx, || {
+            panic!("boom at step {}", 7)
+        });
+        let m = rx.try_recv().expect("a JobDone");
+        match m.msg {
+            Some(worker_message::Msg::Done(d)) => {
+                assert_eq!(
+                    (d.job_id.as_str(), d.generation, d.rank, d.ok),
+                    ("j-1", 3, 1, false)
+                );
+                assert_eq!(d.error, "the job thread panicked: boom at step 7");
+            }
+            other => panic!("expected a JobDone, got {other:?}"),
+        }
+        assert!(current.lock().unwrap().is_none(), "no longer in the job");
+        guarded("j-2", (1, 0), &current, &tx, || {});
+        assert!(rx.try_recv().is_err());
+    }
+
     use super::*;
 
     fn cfg() -> DaemonConfig {
