@@ -237,6 +237,16 @@ async fn submit(grpc: &str, spec: v1::JobSpec) -> Job {
         .into_inner()
 }
 
+async fn list_jobs(grpc: &str) -> Vec<Job> {
+    client(grpc)
+        .await
+        .list_jobs(v1::ListJobsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .jobs
+}
+
 async fn wait_steps(grpc: &str, id: &str, step: u64) {
     let mut c = client(grpc).await;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -383,13 +393,7 @@ async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
         &d.path().join("coord-2.log"),
     );
     assert!(wait_ready(&second.http, true, Duration::from_secs(30)).await);
-    let jobs = client(&second.grpc)
-        .await
-        .list_jobs(v1::ListJobsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .jobs;
+    let jobs = list_jobs(&second.grpc).await;
     let ids: Vec<&str> = jobs.iter().map(|j| j.id.as_str()).collect();
     assert_eq!(ids, [short.id.as_str(), long.id.as_str()]);
     assert_eq!(jobs[0].state(), JobState::Succeeded);
@@ -521,13 +525,7 @@ async fn etcd_outage_loses_nothing() {
         wait_ready(&co.http, true, Duration::from_secs(30)).await,
         "ready again by itself"
     );
-    let jobs = client(&co.grpc)
-        .await
-        .list_jobs(v1::ListJobsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .jobs;
+    let jobs = list_jobs(&co.grpc).await;
     assert!(
         jobs.iter().all(|j| !j.id.starts_with("during")),
         "a refused submission was created: {:?}",

@@ -109,13 +109,7 @@ fn interrupted(job: &str, generation: u64, rank: u32) -> WorkerMessage {
 fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
     let mut c = cluster();
     for (i, w) in ["w0", "w1", "w2", "w3"].iter().enumerate() {
-        c.step(
-            Input::Attach {
-                conn: i as u64 + 1,
-                hello: hello(w),
-            },
-            0,
-        );
+        attach(&mut c, w, i as u64 + 1, 0);
     }
     let job = submit(&mut c, spec("j", 3, ""), 0);
     // Rank 1 saw rank 2 vanish, before the coordinator did.
@@ -154,13 +148,7 @@ fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
         },
         50,
     );
-    c.step(
-        Input::Attach {
-            conn: 9,
-            hello: hello("w4"),
-        },
-        60,
-    );
+    attach(&mut c, "w4", 9, 60);
     deliver(&mut c, "w0", interrupted(&job, 2, 0), 70);
     c.step(Input::Tick, 50 + ACK_GRACE_MS - 1);
     assert_eq!(c.job(&job).unwrap().generation, 2, "w1 has not confirmed");
@@ -192,13 +180,7 @@ fn deliver(c: &mut Cluster, w: &str, msg: WorkerMessage, now: i64) -> Vec<Effect
 /// (generation 2). Returns the job id.
 fn replaced(c: &mut Cluster) -> String {
     for (i, w) in ["w0", "w1", "w2"].iter().enumerate() {
-        c.step(
-            Input::Attach {
-                conn: i as u64 + 1,
-                hello: hello(w),
-            },
-            0,
-        );
+        attach(c, w, i as u64 + 1, 0);
     }
     let job = submit(c, spec("j", 2, ""), 0);
     assert_eq!(c.job(&job).unwrap().workers, ["w0", "w1"]);
@@ -276,13 +258,7 @@ fn a_stale_member_reattaching_is_stopped_and_freed_without_a_recovery() {
 fn reports_from_outside_the_current_generation_are_refused() {
     let mut c = cluster();
     let job = replaced(&mut c);
-    c.step(
-        Input::Attach {
-            conn: 9,
-            hello: hello("w1"),
-        },
-        30,
-    );
+    attach(&mut c, "w1", 9, 30);
     // w1 claims rank 1 of generation 2 (w2's place).
     let fx = deliver(&mut c, "w1", step_report(&job, 2, 0, 5), 40);
     assert!(
@@ -333,13 +309,7 @@ fn a_member_reattaching_in_place_keeps_its_generation() {
 #[test]
 fn a_detach_frees_the_worker_and_closes_its_stream() {
     let mut c = cluster();
-    c.step(
-        Input::Attach {
-            conn: 1,
-            hello: hello("w0"),
-        },
-        0,
-    );
+    attach(&mut c, "w0", 1, 0);
     let fx = deliver(
         &mut c,
         "w0",
@@ -373,13 +343,7 @@ fn a_detach_frees_the_worker_and_closes_its_stream() {
 #[test]
 fn a_submission_waits_for_admission_and_can_be_taken_back() {
     let mut c = cluster();
-    c.step(
-        Input::Attach {
-            conn: 1,
-            hello: hello("w0"),
-        },
-        0,
-    );
+    attach(&mut c, "w0", 1, 0);
     let fx = c.step(
         Input::Submit {
             spec: spec("a", 1, ""),
@@ -462,13 +426,7 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
 #[test]
 fn every_write_carries_a_newer_version_and_only_the_newest_is_kept() {
     let mut c = cluster();
-    c.step(
-        Input::Attach {
-            conn: 1,
-            hello: hello("w0"),
-        },
-        0,
-    );
+    attach(&mut c, "w0", 1, 0);
     let fx = c.step(
         Input::Submit {
             spec: spec("a", 1, ""),
@@ -537,13 +495,7 @@ fn restored_jobs_keep_their_place_and_ids_continue() {
 #[test]
 fn silent_workers_expire_after_the_ttl() {
     let mut c = cluster();
-    c.step(
-        Input::Attach {
-            conn: 1,
-            hello: hello("w0"),
-        },
-        0,
-    );
+    attach(&mut c, "w0", 1, 0);
     c.step(Input::Tick, TTL);
     assert!(c.worker("w0").is_some());
     let fx = c.step(Input::Tick, TTL + 1);
@@ -688,28 +640,27 @@ fn a_recovering_job_with_an_unreadable_spec_fails() {
         ..Default::default()
     };
     c.restore(vec![job], 0);
-    c.step(
-        Input::Attach {
-            conn: 1,
-            hello: hello("w0"),
-        },
-        1,
-    );
+    attach(&mut c, "w0", 1, 1);
     c.step(Input::Tick, TTL + 1);
     let j = c.job("old-1").unwrap();
     assert_eq!(j.state(), JobState::Failed);
     assert!(j.error.contains("model.kind"), "{}", j.error);
 }
 
+/// Attaches worker `w` on connection `conn` (no job claimed).
+fn attach(c: &mut Cluster, w: &str, conn: u64, now: i64) -> Vec<Effect> {
+    c.step(
+        Input::Attach {
+            conn,
+            hello: hello(w),
+        },
+        now,
+    )
+}
+
 fn attach_all(c: &mut Cluster, ids: &[&str], now: i64) {
     for (i, w) in ids.iter().enumerate() {
-        c.step(
-            Input::Attach {
-                conn: 100 + i as u64,
-                hello: hello(w),
-            },
-            now,
-        );
+        attach(c, w, 100 + i as u64, now);
     }
 }
 
@@ -774,13 +725,7 @@ fn an_elastic_job_grows_when_a_worker_attaches() {
     attach_all(&mut c, &["w0", "w1"], 0);
     let job = submit(&mut c, spec("g", 2, "max_workers = 3"), 0);
     deliver(&mut c, "w0", step_report(&job, 1, 0, 1), 10);
-    let fx = c.step(
-        Input::Attach {
-            conn: 9,
-            hello: hello("w2"),
-        },
-        20,
-    );
+    let fx = attach(&mut c, "w2", 9, 20);
     let j = c.job(&job).unwrap();
     assert_eq!((j.generation, j.workers.len()), (2, 3));
     assert_eq!(j.state(), JobState::Rendezvous);

@@ -1,0 +1,201 @@
+use super::*;
+use proptest::prelude::*;
+
+const BASE: &str = "name = \"unit\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+
+fn invalid(text: &str) -> Vec<FieldError> {
+    match JobSpec::fields_from_toml_str(text, Path::new("t.toml")) {
+        Err(LoadError::Invalid { source, .. }) => source.0,
+        other => panic!("expected LoadError::Invalid, got {other:?}"),
+    }
+}
+
+/// The serde name of every value is its `as_str`, and parsing it back
+/// gives the same value (the names in messages are the names TOML takes).
+fn names_agree<E>()
+where
+    E: SpecEnum + Serialize + for<'de> Deserialize<'de> + PartialEq + fmt::Debug,
+{
+    for v in E::ALL {
+        let json = serde_json_like(v);
+        assert_eq!(json, v.as_str());
+        assert_eq!(E::parse(v.as_str()), Some(*v));
+        let back: E = toml::Value::String(v.as_str().into()).try_into().unwrap();
+        assert_eq!(back, *v);
+    }
+    assert_eq!(E::parse("no-such-kind"), None);
+}
+
+/// The string serde writes for a unit variant.
+fn serde_json_like<E: Serialize>(v: &E) -> String {
+    match toml::Value::try_from(v).unwrap() {
+        toml::Value::String(s) => s,
+        other => panic!("not a string: {other:?}"),
+    }
+}
+
+#[test]
+fn every_kind_serializes_as_its_name() {
+    names_agree::<ModelKind>();
+    names_agree::<DataKind>();
+    names_agree::<Normalize>();
+    names_agree::<SyncMode>();
+    names_agree::<OnNonfinite>();
+    names_agree::<OptimizerKind>();
+    names_agree::<ScheduleKind>();
+    assert_eq!(OptimizerKind::Adamw.as_str(), "adamw");
+    assert_eq!(ScheduleKind::LinearWarmup.as_str(), "linear_warmup");
+    assert_eq!(
+        <OnNonfinite as SpecEnum>::allowed(),
+        "must be one of skip, error"
+    );
+}
+
+#[test]
+fn defaults_match_the_design() {
+    let s = JobSpec::fields_from_toml_str(BASE, Path::new("t.toml")).unwrap();
+    assert_eq!(s.accumulation.normalize, Normalize::GlobalCount);
+    assert_eq!(s.accumulation.sync, SyncMode::Boundary);
+    assert_eq!(s.clipping.on_nonfinite, OnNonfinite::Skip);
+    assert_eq!(s.schedule.kind, ScheduleKind::Constant);
+}
+
+#[test]
+fn every_unknown_kind_is_reported_with_the_other_errors() {
+    let text = BASE
+        .replace("kind = \"mlp\"", "kind = \"gpt\"")
+        .replace("kind = \"sgd\"", "kind = \"lion\"")
+        .replace("lr = 0.1", "lr = -1.0\n[schedule]\nkind = 3\n[accumulation]\nsync = \"sometimes\"\nnormalize = \"mean\"\n[clipping]\non_nonfinite = \"ignore\"");
+    let errs = invalid(&text);
+    let shown: Vec<String> = errs.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        shown,
+        vec![
+            "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript",
+            "accumulation.sync = \"sometimes\": must be one of boundary, every_step",
+            "clipping.on_nonfinite = \"ignore\": must be one of skip, error",
+            "optimizer.kind = \"lion\": must be one of sgd, adam, adamw",
+            "schedule.kind = 3: must be one of constant, cosine, step, linear_warmup",
+            "optimizer.lr = -1.0: must be a finite number > 0",
+        ],
+    );
+}
+
+#[test]
+fn a_placeholder_kind_adds_no_errors_of_its_own() {
+    // Refused kinds stand in as mlp, synthetic and sgd: what only
+    // depends on the kind (model.path with mlp, data.path required for
+    // mnist, betas with sgd) is not reported; everything else is.
+    let text = BASE
+        .replace("kind = \"mlp\"", "kind = \"vit\"\npath = \"m.pt\"")
+        .replace(
+            "kind = \"synthetic\"",
+            "kind = \"imagenet\"\npath = \"/no/such/dir\"",
+        )
+        .replace(
+            "kind = \"sgd\"",
+            "kind = \"lion\"\nbetas = [0.9, 0.99]\neps = -1.0",
+        );
+    let errs = invalid(&text);
+    let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        vec!["model.kind", "data.kind", "optimizer.kind", "optimizer.eps"],
+        "{errs:?}"
+    );
+    // With valid kinds the dependent checks do run.
+    let text = BASE
+        .replace("kind = \"mlp\"", "kind = \"lenet5\"\npath = \"m.pt\"")
+        .replace("kind = \"synthetic\"", "kind = \"mnist\"");
+    let fields: Vec<String> = invalid(&text).into_iter().map(|e| e.field).collect();
+    assert_eq!(fields, vec!["model.path", "data.path"]);
+}
+
+#[test]
+fn other_parse_errors_keep_their_located_message() {
+    let text = BASE.replace("lr = 0.1", "lr = 0.1\nlearning_rate = 2");
+    match JobSpec::fields_from_toml_str(&text, Path::new("t.toml")) {
+        Err(LoadError::Parse { message, .. }) => {
+            assert!(message.contains("learning_rate"), "{message}");
+            assert!(message.contains("line"), "{message}");
+        }
+        other => panic!("expected a parse error, got {other:?}"),
+    }
+}
+
+#[test]
+fn comm_durations_and_sizes_are_bounded() {
+    let base = "name = \"t\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nsamples = 8\nshape = [2]\nclasses = 2\nbatch_size = 2\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n[comm]\n";
+    for (line, field) in [
+        ("timeout_s = 1e300", "comm.timeout_s"),
+        ("connect_timeout_s = 86401", "comm.connect_timeout_s"),
+        ("rendezvous_timeout_s = 0", "comm.rendezvous_timeout_s"),
+        ("bucket_cap_mb = 1e12", "comm.bucket_cap_mb"),
+    ] {
+        let err = JobSpec::from_toml_str(&format!("{base}{line}\n"), Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("{field} = ")) && err.contains("must be a number > 0 and <= "),
+            "{line}: {err}"
+        );
+    }
+    // The bounds themselves are accepted, and every accepted timeout is
+    // a usable Duration.
+    let ok = JobSpec::from_toml_str(
+        &format!("{base}timeout_s = 86400\nbucket_cap_mb = 4096\n"),
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    assert!(std::time::Duration::try_from_secs_f64(ok.comm.timeout_s).is_ok());
+}
+
+#[test]
+fn job_names() {
+    for ok in ["a", "0", "digits-mlp", "a.b_c-d", "x1", &"a".repeat(63)] {
+        assert!(is_valid_job_name(ok), "{ok:?}");
+    }
+    for bad in [
+        "",
+        "-a",
+        "a-",
+        ".a",
+        "a_",
+        "A",
+        "job name",
+        "jöb",
+        "a/b",
+        "a\n",
+        &"a".repeat(64),
+    ] {
+        assert!(!is_valid_job_name(bad), "{bad:?}");
+    }
+    let errs = invalid(&BASE.replace("name = \"unit\"", "name = \"My Job\""));
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(
+        errs[0].to_string(),
+        format!("name = \"My Job\": {JOB_NAME_RULE}")
+    );
+}
+
+fn name_regex() -> regex::Regex {
+    regex::Regex::new(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$").unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Accepted exactly when the regex of the rule matches (the regex
+    /// crate is the independent implementation).
+    #[test]
+    fn job_name_rule_is_the_regex(
+        name in prop_oneof![
+            "[a-z0-9._-]{0,66}",
+            "[a-z0-9][a-z0-9._-]{0,63}[a-z0-9]",
+            "[a-zA-Z0-9._ /-]{0,8}",
+            ".{0,70}",
+        ]
+    ) {
+        prop_assert_eq!(is_valid_job_name(&name), name_regex().is_match(&name), "{:?}", name);
+    }
+}

@@ -1,0 +1,218 @@
+use super::*;
+use crate::store::StoreError;
+use accrue_proto::v1::{coordinator_message, worker_message, JobState, WorkerMessage};
+
+/// A store that writes in the background and has not got far: jobs are
+/// kept in memory, durable only as far as the test advances `progress`
+/// (the etcd writer while etcd is slow or away).
+#[derive(Default)]
+struct Behind {
+    jobs: Mutex<BTreeMap<String, Job>>,
+    deleted: Arc<Mutex<Vec<String>>>,
+    progress: Arc<WriteProgress>,
+}
+
+impl JobStore for Behind {
+    fn put(&self, job: &Job) -> Result<u64, StoreError> {
+        lock(&self.jobs).insert(job.id.clone(), job.clone());
+        Ok(self.progress.issue())
+    }
+    fn delete(&self, id: &str) -> Result<u64, StoreError> {
+        lock(&self.jobs).remove(id);
+        lock(&self.deleted).push(id.to_string());
+        Ok(self.progress.issue())
+    }
+    fn list(&self) -> Result<Vec<Job>, StoreError> {
+        Ok(lock(&self.jobs).values().cloned().collect())
+    }
+    fn progress(&self) -> Arc<WriteProgress> {
+        self.progress.clone()
+    }
+}
+
+fn spec() -> v1::JobSpec {
+    let text = r#"
+name = "held"
+workers = 2
+max_steps = 6
+[model]
+kind = "mlp"
+hidden = [8]
+[data]
+kind = "synthetic"
+samples = 64
+shape = [4]
+classes = 2
+batch_size = 4
+[optimizer]
+kind = "sgd"
+lr = 0.1
+"#;
+    let s = accrue_common::JobSpec::from_toml_str(text, std::path::Path::new("t.toml")).unwrap();
+    accrue_proto::spec_to_proto(&s)
+}
+
+type Inbox = mpsc::UnboundedReceiver<Result<CoordinatorMessage, Status>>;
+
+fn attach(c: &Coordinator, id: &str) -> (Inbox, u64) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let hello = v1::WorkerHello {
+        worker_id: id.into(),
+        data_addr: format!("127.0.0.1:{}", 7000 + id.len()),
+        ..Default::default()
+    };
+    let conn = c.attach(hello, tx).unwrap();
+    (rx, conn)
+}
+
+fn assigned(rx: &mut Inbox) -> Option<v1::Assignment> {
+    match rx.try_recv().ok()?.unwrap().msg {
+        Some(coordinator_message::Msg::Assign(a)) => Some(a),
+        other => panic!("expected an assignment, got {other:?}"),
+    }
+}
+
+fn behind(
+    durable_timeout: Duration,
+) -> (
+    Arc<Coordinator>,
+    Arc<WriteProgress>,
+    Arc<Mutex<Vec<String>>>,
+) {
+    let store = Behind::default();
+    let (progress, deleted) = (store.progress.clone(), store.deleted.clone());
+    let cfg = Config {
+        durable_timeout,
+        ..Default::default()
+    };
+    (
+        Coordinator::new(cfg, Box::new(store)).unwrap(),
+        progress,
+        deleted,
+    )
+}
+
+/// Submits in the background; returns once the submission's write is
+/// queued.
+async fn submitting(
+    c: &Arc<Coordinator>,
+    progress: &WriteProgress,
+) -> tokio::task::JoinHandle<Result<Job, CoordError>> {
+    let before = progress.issued();
+    let c2 = c.clone();
+    let t = tokio::spawn(async move { c2.submit(spec()).await });
+    while progress.issued() == before {
+        tokio::task::yield_now().await;
+    }
+    t
+}
+
+#[tokio::test]
+async fn assignments_wait_until_their_generation_is_durable() {
+    let (c, progress, _) = behind(Duration::from_secs(30));
+    let ((mut rx0, _), (mut rx1, _)) = (attach(&c, "w0"), attach(&c, "w1"));
+    let t = submitting(&c, &progress).await;
+    // Only the submission is written; it is not scheduled before it is
+    // durable.
+    assert_eq!(c.jobs()[0].state(), JobState::Pending);
+    progress.advance(1);
+    let job = t.await.unwrap().unwrap();
+    // Formed in memory (generation 1 written as ticket 2), but no
+    // worker hears of it yet.
+    assert_eq!((job.state(), job.generation), (JobState::Rendezvous, 1));
+    assert_eq!(progress.issued(), 2);
+    assert_eq!(c.held_messages(), 2);
+    assert!(assigned(&mut rx0).is_none() && assigned(&mut rx1).is_none());
+    // The generation is durable: both ranks get it, nothing stays held.
+    progress.advance(2);
+    let a0 = assigned(&mut rx0).expect("rank 0 assigned");
+    let a1 = assigned(&mut rx1).expect("rank 1 assigned");
+    assert_eq!((a0.generation, a0.rank, a1.rank), (1, 0, 1));
+    assert_eq!(c.held_messages(), 0);
+}
+
+#[tokio::test]
+async fn a_message_without_a_write_keeps_its_place_behind_held_ones() {
+    let (c, progress, _) = behind(Duration::from_secs(30));
+    let ((mut rx0, conn0), _w1) = (attach(&c, "w0"), attach(&c, "w1"));
+    let t = submitting(&c, &progress).await;
+    progress.advance(1);
+    let job = t.await.unwrap().unwrap();
+    // A report for a job this coordinator does not know: refused, with
+    // no write of its own. It must not overtake the held assignment.
+    c.on_message(
+        "w0",
+        conn0,
+        WorkerMessage {
+            msg: Some(worker_message::Msg::Step(v1::StepReport {
+                job_id: "nope".into(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    );
+    assert!(rx0.try_recv().is_err());
+    progress.advance(progress.issued());
+    assert_eq!(assigned(&mut rx0).unwrap().job_id, job.id);
+    match rx0.try_recv().unwrap().unwrap().msg {
+        Some(coordinator_message::Msg::Refused(r)) => assert_eq!(r.job_id, "nope"),
+        other => panic!("expected the refusal second, got {other:?}"),
+    }
+}
+
+/// Defect 6: a leader whose store does not take the write answers
+/// UNAVAILABLE within the bound, naming why, and the job is gone (taken
+/// back in memory and in the store).
+#[tokio::test]
+async fn a_submission_that_cannot_be_made_durable_is_refused_in_time() {
+    let (c, progress, deleted) = behind(Duration::from_millis(300));
+    let _w = (attach(&c, "w0"), attach(&c, "w1"));
+    let started = std::time::Instant::now();
+    let err = c.submit(spec()).await.unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(err.grpc_code(), tonic::Code::Unavailable);
+    assert!(
+        err.to_string().contains("not durable within 0.3 s"),
+        "{err}"
+    );
+    assert!(c.jobs().is_empty());
+    assert_eq!(lock(&deleted).len(), 1);
+    assert_eq!(c.held_messages(), 0, "nothing was decided for it");
+    // Once the store catches up, submissions are taken again.
+    progress.advance(progress.issued());
+    let t = submitting(&c, &progress).await;
+    progress.advance(progress.issued());
+    assert!(t.await.unwrap().is_ok());
+}
+
+/// A message from a connection that was replaced is not taken.
+#[tokio::test]
+async fn only_the_current_connection_speaks_for_a_worker() {
+    let (c, progress, _) = behind(Duration::from_secs(30));
+    let ((_rx0, old), _w1) = (attach(&c, "w0"), attach(&c, "w1"));
+    let t = submitting(&c, &progress).await;
+    progress.advance(progress.issued());
+    let job = t.await.unwrap().unwrap();
+    progress.advance(progress.issued());
+    let (mut rx_new, new) = attach(&c, "w0");
+    assert_ne!(old, new);
+    // The old stream's late "done" changes nothing.
+    let done = WorkerMessage {
+        msg: Some(worker_message::Msg::Done(v1::JobDone {
+            job_id: job.id.clone(),
+            generation: 1,
+            rank: 0,
+            ok: false,
+            error: "late".into(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    c.on_message("w0", old, done);
+    assert_ne!(c.job(&job.id).unwrap().state(), JobState::Failed);
+    assert!(rx_new.try_recv().is_err());
+}

@@ -1,0 +1,400 @@
+//! JobSpec <-> proto JobSpec. Absent sections take the TOML defaults, so a
+//! spec survives the round trip unchanged (tested below).
+
+use crate::v1;
+use accrue_common::spec::*;
+use std::path::PathBuf;
+
+fn path(p: &Option<PathBuf>) -> Option<String> {
+    p.as_ref().map(|p| p.display().to_string())
+}
+
+/// One spec kind: the domain enum and its proto enum, both ways. `None`
+/// from `from_proto` is the proto's UNSPECIFIED.
+trait KindMap: SpecEnum {
+    type Proto: TryFrom<i32> + Into<i32>;
+    fn to_proto(self) -> Self::Proto;
+    fn from_proto(p: Self::Proto) -> Option<Self>;
+    /// The proto value's name, e.g. MODEL_KIND_MLP.
+    #[cfg(test)]
+    fn proto_name(p: Self::Proto) -> &'static str;
+}
+
+macro_rules! kind_map {
+    ($domain:ident, $proto:ident, { $($d:ident <=> $p:ident),+ $(,)? }) => {
+        impl KindMap for $domain {
+            type Proto = v1::$proto;
+            fn to_proto(self) -> v1::$proto {
+                match self {
+                    $($domain::$d => v1::$proto::$p),+
+                }
+            }
+            #[cfg(test)]
+            fn proto_name(p: v1::$proto) -> &'static str {
+                p.as_str_name()
+            }
+            fn from_proto(p: v1::$proto) -> Option<Self> {
+                match p {
+                    v1::$proto::Unspecified => None,
+                    $(v1::$proto::$p => Some($domain::$d)),+
+                }
+            }
+        }
+    };
+}
+
+kind_map!(ModelKind, ModelKind, {
+    Mlp <=> Mlp,
+    Lenet5 <=> Lenet5,
+    Resnet18 <=> Resnet18,
+    Resnet34 <=> Resnet34,
+    Torchscript <=> Torchscript,
+});
+kind_map!(DataKind, DataKind, {
+    Mnist <=> Mnist,
+    Cifar10 <=> Cifar10,
+    Tensors <=> Tensors,
+    Synthetic <=> Synthetic,
+});
+kind_map!(Normalize, Normalize, {
+    GlobalCount <=> GlobalCount,
+    Mean <=> Mean,
+    Sum <=> Sum,
+});
+kind_map!(SyncMode, SyncMode, {
+    Boundary <=> Boundary,
+    EveryStep <=> EveryStep,
+});
+kind_map!(OnNonfinite, OnNonfinite, {
+    Skip <=> Skip,
+    Error <=> Error,
+});
+kind_map!(OptimizerKind, OptimizerKind, {
+    Sgd <=> Sgd,
+    Adam <=> Adam,
+    Adamw <=> Adamw,
+});
+kind_map!(ScheduleKind, ScheduleKind, {
+    Constant <=> Constant,
+    Cosine <=> Cosine,
+    Step <=> Step,
+    LinearWarmup <=> LinearWarmup,
+});
+
+fn to_proto<K: KindMap>(k: K) -> i32 {
+    k.to_proto().into()
+}
+
+/// What UNSPECIFIED means for a kind.
+enum Unspecified<K> {
+    /// The TOML default.
+    Default(K),
+    /// The kind is required (TOML has no default): a field error.
+    Required,
+}
+
+/// The domain kind of a proto enum value; an unknown value, or UNSPECIFIED
+/// where the kind is required, is a field error naming the allowed names,
+/// and `placeholder` stands in so the rest of the spec is still checked.
+fn from_proto<K: KindMap>(
+    raw: i32,
+    unspecified: Unspecified<K>,
+    placeholder: K,
+    errors: &mut Vec<FieldError>,
+) -> K {
+    let refuse = |value: String, errors: &mut Vec<FieldError>| {
+        errors.push(FieldError {
+            field: K::FIELD.into(),
+            value,
+            allowed: K::allowed(),
+        });
+        placeholder
+    };
+    match K::Proto::try_from(raw) {
+        Err(_) => refuse(raw.to_string(), errors),
+        Ok(p) => match (K::from_proto(p), unspecified) {
+            (Some(k), _) => k,
+            (None, Unspecified::Default(k)) => k,
+            (None, Unspecified::Required) => refuse("(unspecified)".into(), errors),
+        },
+    }
+}
+
+pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
+    v1::JobSpec {
+        name: s.name.clone(),
+        workers: s.workers,
+        min_workers: s.min_workers,
+        max_workers: s.max_workers,
+        seed: s.seed,
+        epochs: s.epochs,
+        max_steps: s.max_steps,
+        device: s.device.clone(),
+        threads: s.threads,
+        model: Some(v1::ModelSpec {
+            kind: to_proto(s.model.kind),
+            hidden: s.model.hidden.clone(),
+            num_classes: s.model.num_classes,
+            path: path(&s.model.path),
+            init: path(&s.model.init),
+        }),
+        data: Some(v1::DataSpec {
+            kind: to_proto(s.data.kind),
+            path: path(&s.data.path),
+            eval_path: path(&s.data.eval_path),
+            batch_size: s.data.batch_size,
+            shuffle: Some(s.data.shuffle),
+            drop_last: s.data.drop_last,
+            pad: Some(s.data.pad),
+            samples: s.data.samples,
+            eval_samples: s.data.eval_samples,
+            shape: s.data.shape.clone().unwrap_or_default(),
+            classes: s.data.classes,
+        }),
+        accumulation: Some(v1::AccumulationSpec {
+            steps: s.accumulation.steps,
+            global_batch: s.accumulation.global_batch,
+            normalize: to_proto(s.accumulation.normalize),
+            sync: to_proto(s.accumulation.sync),
+        }),
+        clipping: Some(v1::ClippingSpec {
+            max_norm: s.clipping.max_norm,
+            norm_type: s.clipping.norm_type,
+            clip_value: s.clipping.clip_value,
+            on_nonfinite: to_proto(s.clipping.on_nonfinite),
+        }),
+        optimizer: Some(v1::OptimizerSpec {
+            kind: to_proto(s.optimizer.kind),
+            lr: s.optimizer.lr,
+            momentum: s.optimizer.momentum,
+            dampening: s.optimizer.dampening,
+            nesterov: s.optimizer.nesterov,
+            weight_decay: s.optimizer.weight_decay,
+            betas: s.optimizer.betas.map(|b| b.to_vec()).unwrap_or_default(),
+            eps: s.optimizer.eps,
+        }),
+        schedule: Some(v1::ScheduleSpec {
+            kind: to_proto(s.schedule.kind),
+            warmup_steps: s.schedule.warmup_steps,
+            step_size: s.schedule.step_size,
+            gamma: s.schedule.gamma,
+            min_lr: s.schedule.min_lr,
+        }),
+        checkpoint: Some(v1::CheckpointSpec {
+            dir: path(&s.checkpoint.dir),
+            every_steps: s.checkpoint.every_steps,
+            keep: s.checkpoint.keep,
+        }),
+        eval: Some(v1::EvalSpec {
+            every_epochs: s.eval.every_epochs,
+            batch_size: s.eval.batch_size,
+        }),
+        comm: Some(v1::CommSpec {
+            timeout_s: s.comm.timeout_s,
+            connect_timeout_s: s.comm.connect_timeout_s,
+            bucket_cap_mb: s.comm.bucket_cap_mb,
+            rendezvous_timeout_s: s.comm.rendezvous_timeout_s,
+        }),
+    }
+}
+
+/// Converts and validates; the error names every bad field.
+pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
+    let mut missing = Vec::new();
+    let model = p.model.clone().unwrap_or_else(|| {
+        missing.push("model");
+        Default::default()
+    });
+    let data = p.data.clone().unwrap_or_else(|| {
+        missing.push("data");
+        Default::default()
+    });
+    let opt = p.optimizer.clone().unwrap_or_else(|| {
+        missing.push("optimizer");
+        Default::default()
+    });
+    if !missing.is_empty() {
+        return Err(SpecErrors(
+            missing
+                .into_iter()
+                .map(|m| FieldError {
+                    field: m.into(),
+                    value: "(missing)".into(),
+                    allowed: "required".into(),
+                })
+                .collect(),
+        ));
+    }
+    let acc = p.accumulation.unwrap_or_default();
+    let clip = p.clipping.unwrap_or_default();
+    let sched = p.schedule.unwrap_or_default();
+    let ck_default = CheckpointSpec::default();
+    let ev_default = EvalSpec::default();
+    let comm_default = CommSpec::default();
+    let non_empty = |s: &str, d: &str| {
+        if s.is_empty() {
+            d.to_string()
+        } else {
+            s.to_string()
+        }
+    };
+    // Kind errors first (as from TOML); other errors come from validation.
+    let mut kind_errors = Vec::new();
+    let e = &mut kind_errors;
+    let model_kind = from_proto(model.kind, Unspecified::Required, ModelKind::Mlp, e);
+    let data_kind = from_proto(data.kind, Unspecified::Required, DataKind::Synthetic, e);
+    let normalize = from_proto(
+        acc.normalize,
+        Unspecified::Default(Normalize::default()),
+        Normalize::default(),
+        e,
+    );
+    let sync = from_proto(
+        acc.sync,
+        Unspecified::Default(SyncMode::default()),
+        SyncMode::default(),
+        e,
+    );
+    let on_nonfinite = from_proto(
+        clip.on_nonfinite,
+        Unspecified::Default(OnNonfinite::default()),
+        OnNonfinite::default(),
+        e,
+    );
+    let optimizer_kind = from_proto(opt.kind, Unspecified::Required, OptimizerKind::Sgd, e);
+    let schedule_kind = from_proto(
+        sched.kind,
+        Unspecified::Default(ScheduleKind::default()),
+        ScheduleKind::default(),
+        e,
+    );
+    let mut errors = Vec::new();
+    let betas = match opt.betas.as_slice() {
+        [] => None,
+        [a, b] => Some([*a, *b]),
+        other => {
+            errors.push(FieldError {
+                field: "optimizer.betas".into(),
+                value: format!("{other:?}"),
+                allowed: "must hold exactly two values".into(),
+            });
+            None
+        }
+    };
+    let spec = JobSpec {
+        name: p.name.clone(),
+        workers: if p.workers == 0 { 1 } else { p.workers },
+        min_workers: p.min_workers,
+        max_workers: p.max_workers,
+        seed: p.seed,
+        epochs: p.epochs,
+        max_steps: p.max_steps,
+        device: non_empty(&p.device, "auto"),
+        threads: p.threads,
+        model: ModelSpec {
+            kind: model_kind,
+            hidden: model.hidden,
+            num_classes: model.num_classes,
+            path: model.path.map(PathBuf::from),
+            init: model.init.map(PathBuf::from),
+        },
+        data: DataSpec {
+            kind: data_kind,
+            path: data.path.map(PathBuf::from),
+            eval_path: data.eval_path.map(PathBuf::from),
+            batch_size: data.batch_size,
+            shuffle: data.shuffle.unwrap_or(true),
+            drop_last: data.drop_last,
+            pad: data.pad.unwrap_or(true),
+            samples: data.samples,
+            eval_samples: data.eval_samples,
+            shape: (!data.shape.is_empty()).then_some(data.shape),
+            classes: data.classes,
+        },
+        accumulation: AccumulationSpec {
+            steps: acc.steps,
+            global_batch: acc.global_batch,
+            normalize,
+            sync,
+        },
+        clipping: ClippingSpec {
+            max_norm: clip.max_norm,
+            norm_type: clip.norm_type,
+            clip_value: clip.clip_value,
+            on_nonfinite,
+        },
+        optimizer: OptimizerSpec {
+            kind: optimizer_kind,
+            lr: opt.lr,
+            momentum: opt.momentum,
+            dampening: opt.dampening,
+            nesterov: opt.nesterov,
+            weight_decay: opt.weight_decay,
+            betas,
+            eps: opt.eps,
+        },
+        schedule: ScheduleSpec {
+            kind: schedule_kind,
+            warmup_steps: sched.warmup_steps,
+            step_size: sched.step_size,
+            gamma: sched.gamma,
+            min_lr: sched.min_lr,
+        },
+        checkpoint: match &p.checkpoint {
+            Some(c) => CheckpointSpec {
+                dir: c.dir.clone().map(PathBuf::from),
+                every_steps: c.every_steps,
+                keep: if c.keep == 0 { ck_default.keep } else { c.keep },
+            },
+            None => ck_default,
+        },
+        eval: match &p.eval {
+            Some(e) => EvalSpec {
+                every_epochs: e.every_epochs,
+                batch_size: if e.batch_size == 0 {
+                    ev_default.batch_size
+                } else {
+                    e.batch_size
+                },
+            },
+            None => ev_default,
+        },
+        comm: match &p.comm {
+            Some(c) => CommSpec {
+                timeout_s: if c.timeout_s == 0.0 {
+                    comm_default.timeout_s
+                } else {
+                    c.timeout_s
+                },
+                connect_timeout_s: if c.connect_timeout_s == 0.0 {
+                    comm_default.connect_timeout_s
+                } else {
+                    c.connect_timeout_s
+                },
+                bucket_cap_mb: if c.bucket_cap_mb == 0.0 {
+                    comm_default.bucket_cap_mb
+                } else {
+                    c.bucket_cap_mb
+                },
+                rendezvous_timeout_s: if c.rendezvous_timeout_s == 0.0 {
+                    comm_default.rendezvous_timeout_s
+                } else {
+                    c.rendezvous_timeout_s
+                },
+            },
+            None => comm_default,
+        },
+    };
+    let checked = merge_kind_errors(kind_errors, spec.validate_fields());
+    if let Err(SpecErrors(e)) = checked {
+        errors.extend(e);
+    }
+    if errors.is_empty() {
+        Ok(spec)
+    } else {
+        Err(SpecErrors(errors))
+    }
+}
+
+#[cfg(test)]
+mod tests;

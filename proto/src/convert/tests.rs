@@ -1,0 +1,379 @@
+use super::*;
+use proptest::prelude::*;
+use proptest::sample::select;
+
+#[test]
+fn round_trip_keeps_every_field() {
+    let text = r#"
+name = "rt"
+workers = 2
+seed = 9
+epochs = 3
+[model]
+kind = "mlp"
+hidden = [8, 4]
+[data]
+kind = "synthetic"
+samples = 64
+shape = [3, 4]
+batch_size = 8
+shuffle = false
+pad = false
+[accumulation]
+steps = 4
+normalize = "mean"
+sync = "every_step"
+[clipping]
+max_norm = 0.5
+norm_type = inf
+on_nonfinite = "error"
+[optimizer]
+kind = "adamw"
+lr = 0.001
+betas = [0.8, 0.9]
+[schedule]
+kind = "cosine"
+warmup_steps = 5
+[checkpoint]
+every_steps = 7
+keep = 2
+[comm]
+timeout_s = 5
+"#;
+    let spec = JobSpec::from_toml_str(text, std::path::Path::new("rt.toml")).unwrap();
+    assert_eq!(spec.accumulation.normalize, Normalize::Mean);
+    assert_eq!(spec.accumulation.sync, SyncMode::EveryStep);
+    assert_eq!(spec.clipping.on_nonfinite, OnNonfinite::Error);
+    assert_eq!(spec.optimizer.kind, OptimizerKind::Adamw);
+    assert_eq!(spec.schedule.kind, ScheduleKind::Cosine);
+    let p = spec_to_proto(&spec);
+    assert_eq!(
+        p.accumulation.as_ref().unwrap().sync,
+        v1::SyncMode::EveryStep as i32
+    );
+    let back = spec_from_proto(&p).unwrap();
+    assert_eq!(back, spec);
+}
+
+fn base() -> v1::JobSpec {
+    spec_to_proto(
+        &JobSpec::from_toml_str(
+            "name = \"x\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n",
+            std::path::Path::new("x"),
+        )
+        .unwrap(),
+    )
+}
+
+#[test]
+fn bad_proto_spec_names_fields() {
+    let mut p = base();
+    p.optimizer.as_mut().unwrap().lr = -1.0;
+    p.optimizer.as_mut().unwrap().betas = vec![0.9];
+    let err = spec_from_proto(&p).unwrap_err().to_string();
+    assert!(
+        err.contains("optimizer.lr = -1.0") && err.contains("optimizer.betas"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_and_unspecified_kinds() {
+    // Unknown values of every kind are field errors naming the allowed
+    // names, reported together with the other errors.
+    let mut p = base();
+    p.name = "Bad Name".into();
+    p.model.as_mut().unwrap().kind = 99;
+    p.data.as_mut().unwrap().kind = -1;
+    p.accumulation = Some(v1::AccumulationSpec {
+        normalize: 7,
+        sync: 8,
+        ..Default::default()
+    });
+    p.clipping = Some(v1::ClippingSpec {
+        on_nonfinite: 9,
+        ..Default::default()
+    });
+    p.optimizer.as_mut().unwrap().kind = 10;
+    p.optimizer.as_mut().unwrap().lr = 0.0;
+    p.schedule = Some(v1::ScheduleSpec {
+        kind: 11,
+        ..Default::default()
+    });
+    let errs = spec_from_proto(&p).unwrap_err().0;
+    let shown: Vec<String> = errs.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        shown,
+        vec![
+            "model.kind = 99: must be one of mlp, lenet5, resnet18, resnet34, torchscript",
+            "data.kind = -1: must be one of mnist, cifar10, tensors, synthetic",
+            "accumulation.normalize = 7: must be one of global_count, mean, sum",
+            "accumulation.sync = 8: must be one of boundary, every_step",
+            "clipping.on_nonfinite = 9: must be one of skip, error",
+            "optimizer.kind = 10: must be one of sgd, adam, adamw",
+            "schedule.kind = 11: must be one of constant, cosine, step, linear_warmup",
+            &format!("name = \"Bad Name\": {JOB_NAME_RULE}"),
+            "optimizer.lr = 0.0: must be a finite number > 0",
+        ]
+    );
+
+    // UNSPECIFIED: the TOML default where TOML has one...
+    let mut p = base();
+    p.accumulation = Some(v1::AccumulationSpec::default());
+    p.clipping = Some(v1::ClippingSpec::default());
+    p.schedule = Some(v1::ScheduleSpec::default());
+    let s = spec_from_proto(&p).unwrap();
+    assert_eq!(s.accumulation.normalize, Normalize::GlobalCount);
+    assert_eq!(s.accumulation.sync, SyncMode::Boundary);
+    assert_eq!(s.clipping.on_nonfinite, OnNonfinite::Skip);
+    assert_eq!(s.schedule.kind, ScheduleKind::Constant);
+    // ... and an error where the kind is required.
+    let mut p = base();
+    p.model.as_mut().unwrap().kind = 0;
+    p.data.as_mut().unwrap().kind = 0;
+    p.optimizer.as_mut().unwrap().kind = 0;
+    let shown: Vec<String> = spec_from_proto(&p)
+        .unwrap_err()
+        .0
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        shown,
+        vec![
+            "model.kind = (unspecified): must be one of mlp, lenet5, resnet18, resnet34, torchscript",
+            "data.kind = (unspecified): must be one of mnist, cifar10, tensors, synthetic",
+            "optimizer.kind = (unspecified): must be one of sgd, adam, adamw",
+        ]
+    );
+}
+
+#[test]
+fn every_kind_maps_both_ways() {
+    fn check<K: KindMap + PartialEq + std::fmt::Debug>() {
+        let mut seen = std::collections::HashSet::new();
+        for &k in K::ALL {
+            let raw = to_proto(k);
+            assert_ne!(raw, 0, "{k:?} maps to UNSPECIFIED");
+            // By name: mlp is MODEL_KIND_MLP, global_count is
+            // NORMALIZE_GLOBAL_COUNT (catches two swapped values).
+            let name = K::proto_name(k.to_proto());
+            let want = format!("_{}", k.as_str().to_uppercase());
+            assert!(name.ends_with(&want), "{k:?} maps to {name}");
+            assert!(seen.insert(raw), "{k:?} shares proto value {raw}");
+            let mut errors = Vec::new();
+            let back = from_proto(raw, Unspecified::Required, K::ALL[0], &mut errors);
+            assert_eq!((back, errors.len()), (k, 0));
+        }
+    }
+    check::<ModelKind>();
+    check::<DataKind>();
+    check::<Normalize>();
+    check::<SyncMode>();
+    check::<OnNonfinite>();
+    check::<OptimizerKind>();
+    check::<ScheduleKind>();
+}
+
+fn kind<K: SpecEnum + std::fmt::Debug>() -> impl Strategy<Value = K> {
+    select(K::ALL)
+}
+
+fn file() -> impl Strategy<Value = PathBuf> {
+    "[a-z]{1,6}(/[a-z0-9_.]{1,8}){0,2}".prop_map(PathBuf::from)
+}
+
+fn model() -> impl Strategy<Value = ModelSpec> {
+    (
+        kind::<ModelKind>(),
+        prop::collection::vec(1i64..512, 0..3),
+        prop::option::of(1i64..1000),
+        file(),
+        prop::option::of(file()),
+    )
+        .prop_map(|(kind, hidden, num_classes, path, init)| ModelSpec {
+            kind,
+            hidden: if kind == ModelKind::Mlp {
+                hidden
+            } else {
+                Vec::new()
+            },
+            num_classes,
+            path: (kind == ModelKind::Torchscript).then_some(path),
+            init,
+        })
+}
+
+fn data() -> impl Strategy<Value = DataSpec> {
+    (
+        kind::<DataKind>(),
+        prop::option::of(file()),
+        prop::option::of(file()),
+        1u64..64,
+        any::<(bool, bool, bool)>(),
+        (
+            prop::option::of(1u64..10_000),
+            prop::option::of(0u64..10_000),
+            prop::option::of(prop::collection::vec(1i64..32, 1..4)),
+            prop::option::of(2i64..100),
+        ),
+    )
+        .prop_map(
+            |(kind, path, eval_path, batch_size, (shuffle, drop_last, pad), synth)| {
+                let synthetic = kind == DataKind::Synthetic;
+                let path = match kind {
+                    DataKind::Synthetic => path,
+                    DataKind::Mnist | DataKind::Cifar10 | DataKind::Tensors => {
+                        Some(path.unwrap_or_else(|| "data".into()))
+                    }
+                };
+                DataSpec {
+                    kind,
+                    path,
+                    eval_path,
+                    batch_size,
+                    shuffle,
+                    drop_last,
+                    pad,
+                    samples: synth.0.filter(|_| synthetic),
+                    eval_samples: synth.1.filter(|_| synthetic),
+                    shape: synth.2.filter(|_| synthetic),
+                    classes: synth.3.filter(|_| synthetic),
+                }
+            },
+        )
+}
+
+/// A valid spec, every field and kind drawn.
+fn spec() -> impl Strategy<Value = JobSpec> {
+    let top = (
+        "[a-z0-9]([a-z0-9._-]{0,20}[a-z0-9])?",
+        1u32..8,
+        any::<(bool, bool)>(),
+        0u32..4,
+        any::<u64>(),
+        prop::option::of(1u64..100),
+        prop::option::of(1u64..10_000),
+        select(vec!["auto", "cpu", "cuda", "cuda:0", "cuda:3"]),
+        prop::option::of(1u32..16),
+    );
+    let acc = (
+        any::<bool>(),
+        1u64..16,
+        kind::<Normalize>(),
+        kind::<SyncMode>(),
+    );
+    let clip = (
+        0u8..3,
+        0.01f64..10.0,
+        prop::option::of(select(vec![2.0, f64::INFINITY])),
+        kind::<OnNonfinite>(),
+    );
+    let opt = (
+        kind::<OptimizerKind>(),
+        1e-6f64..1.0,
+        0.0f64..0.99,
+        any::<(bool, bool)>(),
+        prop::option::of(0.0f64..0.1),
+        prop::option::of((0.0f64..0.999, 0.0f64..0.999)),
+        prop::option::of(1e-12f64..1e-3),
+    );
+    let sched = (
+        kind::<ScheduleKind>(),
+        0u64..20,
+        1u64..100,
+        prop::option::of(0.01f64..1.0),
+        prop::option::of(0.0f64..0.99),
+    );
+    let rest = (
+        prop::option::of(file()),
+        0u64..100,
+        1u64..10,
+        0u64..5,
+        1u64..1024,
+        (0.1f64..100.0, 0.1f64..100.0, 0.1f64..100.0, 0.1f64..100.0),
+    );
+    (top, model(), data(), acc, clip, opt, sched, rest).prop_map(
+        |(top, model, data, acc, clip, opt, sched, rest)| {
+            let (name, workers, (min, max), extra, seed, epochs, max_steps, device, threads) = top;
+            let accumulation = AccumulationSpec {
+                steps: (!acc.0).then_some(acc.1),
+                global_batch: acc.0.then_some(acc.1 * workers as u64 * data.batch_size),
+                normalize: acc.2,
+                sync: acc.3,
+            };
+            let clipping = ClippingSpec {
+                max_norm: (clip.0 == 1).then_some(clip.1),
+                clip_value: (clip.0 == 2).then_some(clip.1),
+                norm_type: clip.2,
+                on_nonfinite: clip.3,
+            };
+            let sgd = opt.0 == OptimizerKind::Sgd;
+            let (momentum_on, nesterov) = opt.3;
+            let momentum = if sgd && momentum_on { opt.2 } else { 0.0 };
+            let optimizer = OptimizerSpec {
+                kind: opt.0,
+                lr: opt.1,
+                momentum,
+                dampening: 0.0,
+                nesterov: sgd && nesterov && momentum > 0.0,
+                weight_decay: opt.4,
+                betas: opt.5.filter(|_| !sgd).map(|(a, b)| [a, b]),
+                eps: opt.6.filter(|_| !sgd),
+            };
+            let schedule = ScheduleSpec {
+                kind: sched.0,
+                warmup_steps: sched.1 + u64::from(sched.0 == ScheduleKind::LinearWarmup),
+                step_size: (sched.0 == ScheduleKind::Step).then_some(sched.2),
+                gamma: sched.3,
+                min_lr: sched.4.map(|f| f * optimizer.lr),
+            };
+            let (dir, every_steps, keep, every_epochs, eval_batch, comm) = rest;
+            JobSpec {
+                name,
+                workers,
+                min_workers: min.then_some(1),
+                max_workers: max.then_some(workers + extra),
+                seed,
+                epochs,
+                max_steps,
+                device: device.to_string(),
+                threads,
+                model,
+                data,
+                accumulation,
+                clipping,
+                optimizer,
+                schedule,
+                checkpoint: CheckpointSpec {
+                    dir,
+                    every_steps,
+                    keep,
+                },
+                eval: EvalSpec {
+                    every_epochs,
+                    batch_size: eval_batch,
+                },
+                comm: CommSpec {
+                    timeout_s: comm.0,
+                    connect_timeout_s: comm.1,
+                    bucket_cap_mb: comm.2,
+                    rendezvous_timeout_s: comm.3,
+                },
+            }
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// spec -> proto -> spec is the identity on valid specs, for every
+    /// field and every value of every kind.
+    #[test]
+    fn random_valid_specs_round_trip(s in spec()) {
+        prop_assert_eq!(s.validate_fields(), Ok(()), "generator made an invalid spec");
+        let back = spec_from_proto(&spec_to_proto(&s));
+        prop_assert_eq!(back, Ok(s));
+    }
+}

@@ -1,0 +1,158 @@
+/// Issue 13 (started): a panic in a job's thread is a failed JobDone
+/// naming it, for the generation the thread was in; nothing is sent
+/// when the job ends normally.
+#[test]
+fn a_panicking_job_thread_fails_the_job_instead_of_taking_the_daemon_down() {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let current: Current = Arc::new(Mutex::new(Some(("j-1".into(), 3, 1))));
+    guarded("j-1", (1, 0), &current, &tx, || {
+        panic!("boom at step {}", 7)
+    });
+    let m = rx.try_recv().expect("a JobDone");
+    match m.msg {
+        Some(worker_message::Msg::Done(d)) => {
+            assert_eq!(
+                (d.job_id.as_str(), d.generation, d.rank, d.ok),
+                ("j-1", 3, 1, false)
+            );
+            assert_eq!(d.error, "the job thread panicked: boom at step 7");
+        }
+        other => panic!("expected a JobDone, got {other:?}"),
+    }
+    assert!(current.lock().unwrap().is_none(), "no longer in the job");
+    guarded("j-2", (1, 0), &current, &tx, || {});
+    assert!(rx.try_recv().is_err());
+}
+
+use super::*;
+
+fn cfg() -> DaemonConfig {
+    DaemonConfig {
+        coordinator: "http://127.0.0.1:1".into(),
+        worker_id: "w".into(),
+        listen_data: "127.0.0.1:0".into(),
+        device: None,
+        threads: None,
+        data_root: None,
+        heartbeat: Duration::from_secs(1),
+        sample_log: None,
+        micro_step_delay: None,
+        etcd: Vec::new(),
+        cluster: "c".into(),
+    }
+}
+
+/// An assignment of a job that fixes global_batch = 96 with b = 8 (so
+/// k = 6 at W = 2, 4 at W = 3), with the coordinator's k.
+fn assignment(world: u32, k: u32) -> v1::Assignment {
+    let text = "name = \"elastic\"\nworkers = 2\n[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n[accumulation]\nglobal_batch = 96\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+    let spec = crate::spec::JobSpec::from_toml_str(text, std::path::Path::new("t")).unwrap();
+    v1::Assignment {
+        job_id: "j1".into(),
+        generation: 2,
+        world_size: world,
+        accumulation_steps: k,
+        spec: Some(accrue_proto::spec_to_proto(&spec)),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn k_comes_from_the_assignment() {
+    // Whatever the spec would derive, the assignment's k is used.
+    for (world, k) in [(2, 6), (3, 4), (2, 5)] {
+        let spec = assigned_spec(&assignment(world, k), &cfg()).unwrap();
+        assert_eq!(spec.accumulation.steps, Some(u64::from(k)));
+        assert_eq!(spec.accumulation.global_batch, None);
+        assert_eq!(spec.accumulation_steps(u64::from(world)), Ok(u64::from(k)));
+    }
+}
+
+fn step(n: u64) -> WorkerMessage {
+    step_msg(
+        "j",
+        1,
+        0,
+        &StepReport {
+            step: n,
+            total_steps: 10,
+            epoch: 0,
+            micro_step: n,
+            loss: 0.0,
+            grad_norm: 0.0,
+            clip_coef: 1.0,
+            skipped: false,
+            samples: 8,
+            samples_seen: 8 * n,
+            lr: 0.1,
+            samples_per_sec: 0.0,
+            timing: Default::default(),
+            bytes_sent: 0,
+            bytes_received: 0,
+            job_bytes_sent: 0,
+            job_bytes_received: 0,
+        },
+    )
+}
+
+fn done(step: u64) -> WorkerMessage {
+    wrap(worker_message::Msg::Done(v1::JobDone {
+        job_id: "j".into(),
+        ok: true,
+        step,
+        ..Default::default()
+    }))
+}
+
+fn drain(rx: &mut mpsc::UnboundedReceiver<WorkerMessage>) -> Vec<WorkerMessage> {
+    std::iter::from_fn(|| rx.try_recv().ok()).collect()
+}
+
+#[test]
+fn a_message_a_dead_stream_refused_goes_first_on_the_next_one() {
+    let mut outbox = Outbox::default();
+    // The stream dies: its receiver is gone.
+    let (dead, rx) = mpsc::unbounded_channel();
+    drop(rx);
+    assert!(!outbox.send(&dead, step(1)));
+    assert!(!outbox.send(&dead, done(1)));
+    assert_eq!(outbox.len(), 2);
+    // The next stream: hello first, then the kept messages in order,
+    // then new ones.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let hello = wrap(worker_message::Msg::Hello(v1::WorkerHello::default()));
+    tx.send(hello.clone()).unwrap();
+    assert!(outbox.flush(&tx));
+    assert!(outbox.send(&tx, step(2)));
+    assert_eq!(outbox.len(), 0);
+    assert_eq!(drain(&mut rx), vec![hello, step(1), done(1), step(2)]);
+}
+
+#[test]
+fn a_full_outbox_drops_step_reports_never_the_job_done() {
+    let mut outbox = Outbox::default();
+    let (dead, rx) = mpsc::unbounded_channel();
+    drop(rx);
+    assert!(!outbox.send(&dead, done(7)));
+    for n in 0..OUTBOX_CAP as u64 + 5 {
+        assert!(!outbox.send(&dead, step(n)));
+    }
+    assert_eq!(outbox.len(), OUTBOX_CAP);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    assert!(outbox.flush(&tx));
+    let got = drain(&mut rx);
+    assert_eq!(got.len(), OUTBOX_CAP);
+    assert_eq!(got[0], done(7));
+    // The oldest reports went: 0..=5 dropped, 6 is the first kept.
+    assert_eq!(got[1], step(6));
+    assert_eq!(got[OUTBOX_CAP - 1], step(OUTBOX_CAP as u64 + 4));
+}
+
+#[test]
+fn an_assignment_with_k_zero_is_refused() {
+    let err = assigned_spec(&assignment(2, 0), &cfg()).unwrap_err();
+    assert_eq!(
+        err,
+        "assignment of job j1 generation 2 has accumulation_steps = 0 (k must be >= 1)"
+    );
+}
