@@ -6,7 +6,7 @@
 //! a job; time passed). Effects say what to do about it, naming worker ids
 //! (with the connection they were decided for) and job versions, never
 //! channels: send a message, write a job, close a connection, publish an
-//! event, answer the caller. The async shell (`service.rs`) maps ids to
+//! event, answer the caller. The async shell (`service/`) maps ids to
 //! streams and the store, and does nothing else. Nothing here reads a clock,
 //! a socket or a file, so every case is a unit or property test.
 //!
