@@ -122,6 +122,11 @@ async fn submit_watch_succeed_and_status_endpoint() {
     h.stop().await;
 }
 
+/// The first gang's length: long enough (about 1.5 s here) that it still
+/// runs while the second submission waits for its record to be durable,
+/// even on a loaded CI machine (40 steps finished first there once).
+const GA_STEPS: u64 = 400;
+
 /// Three workers, two jobs of two workers each: the second waits (gang),
 /// then runs when workers free up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -135,7 +140,7 @@ async fn gang_scheduling_waits_for_a_whole_gang() {
     let mut c = client(&grpc).await;
     let a = c
         .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&job_toml("ga", 2, 40, ""))),
+            spec: Some(spec(&job_toml("ga", 2, GA_STEPS, ""))),
         })
         .await
         .unwrap()
@@ -192,7 +197,7 @@ async fn gang_scheduling_waits_for_a_whole_gang() {
         .unwrap()
         .at_unix_ms;
     let a_steps = a_end.counters.unwrap().step;
-    assert_eq!(a_steps, 40);
+    assert_eq!(a_steps, GA_STEPS);
     assert!(b_assigned > a_assigned);
     h.stop().await;
 }
