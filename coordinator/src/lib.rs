@@ -12,7 +12,7 @@ pub mod state;
 pub mod store;
 
 pub use error::CoordError;
-pub use service::{Config, Coordinator};
+pub use service::{Config, Coordinator, DEFAULT_MAX_JOB_MEMORY_GIB};
 
 use accrue_proto::v1::{
     job_service_server::JobServiceServer, worker_service_server::WorkerServiceServer,

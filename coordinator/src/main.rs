@@ -41,6 +41,10 @@ struct Args {
     /// is taken back and refused with UNAVAILABLE.
     #[arg(long, default_value_t = 5.0)]
     durable_timeout: f64,
+    /// A job whose estimated memory per worker (data, model state, batches)
+    /// is above this many GiB is refused at submit.
+    #[arg(long, default_value_t = accrue_coordinator::DEFAULT_MAX_JOB_MEMORY_GIB)]
+    max_job_memory_gib: u64,
 }
 
 #[tokio::main]
@@ -60,6 +64,9 @@ async fn main() -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("--heartbeat-ttl {}: {e}", a.heartbeat_ttl))?,
         durable_timeout: Duration::try_from_secs_f64(a.durable_timeout)
             .map_err(|e| anyhow::anyhow!("--durable-timeout {}: {e}", a.durable_timeout))?,
+        max_job_memory: a
+            .max_job_memory_gib
+            .saturating_mul(accrue_common::spec::GIB),
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

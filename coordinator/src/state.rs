@@ -165,14 +165,24 @@ pub struct Waiting {
 }
 
 /// Gang scheduling: jobs in submission order take `world` free workers each,
-/// all or nothing; a job that does not fit blocks the ones behind it (no
-/// backfill, so a large job is never starved). Returns (job, workers by rank).
-pub fn gang_schedule(waiting: &[Waiting], free: &[String]) -> Vec<(String, Vec<String>)> {
+/// all or nothing. A job that the attached workers could hold (`world <=
+/// capacity`) but the free ones cannot yet blocks the ones behind it (no
+/// backfill, so a large job is never starved); a job larger than every
+/// attached worker together waits aside, blocking nobody, until enough
+/// workers attach. Returns (job, workers by rank).
+pub fn gang_schedule(
+    waiting: &[Waiting],
+    free: &[String],
+    capacity: usize,
+) -> Vec<(String, Vec<String>)> {
     let mut free: Vec<String> = free.to_vec();
     free.sort();
     let mut out = Vec::new();
     for w in waiting {
-        if w.world == 0 || w.world > free.len() {
+        if w.world == 0 || w.world > capacity {
+            continue;
+        }
+        if w.world > free.len() {
             break;
         }
         let taken: Vec<String> = free.drain(..w.world).collect();
@@ -228,12 +238,11 @@ mod tests {
                 world: 2,
             },
         ];
-        let placed = gang_schedule(&waiting, &free);
+        let placed = gang_schedule(&waiting, &free, 3);
         assert_eq!(
             placed,
             vec![("a".to_string(), vec!["w1".to_string(), "w2".into()])]
         );
-        // A job larger than the cluster blocks the queue (no backfill).
         let waiting = vec![
             Waiting {
                 job: "big".into(),
@@ -244,7 +253,14 @@ mod tests {
                 world: 1,
             },
         ];
-        assert!(gang_schedule(&waiting, &free).is_empty());
+        // A job the attached workers could hold but the free ones cannot
+        // yet blocks the queue (no backfill: it is never starved)...
+        assert!(gang_schedule(&waiting, &free, 5).is_empty());
+        // ...one larger than every attached worker blocks nobody.
+        assert_eq!(
+            gang_schedule(&waiting, &free, 3),
+            vec![("small".to_string(), vec!["w1".to_string()])]
+        );
     }
 
     #[test]
@@ -256,10 +272,11 @@ mod tests {
 
     proptest! {
         #[test]
-        fn placements_never_share_a_worker(worlds in proptest::collection::vec(1usize..4, 0..6), n in 0usize..10) {
+        fn placements_never_share_a_worker(worlds in proptest::collection::vec(1usize..6, 0..6), n in 0usize..10, busy in 0usize..3) {
             let free: Vec<String> = (0..n).map(|i| format!("w{i:02}")).collect();
+            let capacity = n + busy;
             let waiting: Vec<Waiting> = worlds.iter().enumerate().map(|(i, &w)| Waiting { job: format!("j{i}"), world: w }).collect();
-            let placed = gang_schedule(&waiting, &free);
+            let placed = gang_schedule(&waiting, &free, capacity);
             let mut used: Vec<&String> = placed.iter().flat_map(|(_, ws)| ws).collect();
             let total = used.len();
             used.sort();
@@ -269,9 +286,15 @@ mod tests {
                 let w = waiting.iter().find(|x| &x.job == job).unwrap().world;
                 prop_assert_eq!(ws.len(), w);
             }
-            // Placed jobs are a prefix of the queue.
+            // Placed jobs are a prefix of the queue without the jobs no
+            // attached set of workers could hold; those are never placed.
+            let holdable: Vec<&Waiting> = waiting.iter().filter(|w| w.world <= capacity).collect();
             for (i, (job, _)) in placed.iter().enumerate() {
-                prop_assert_eq!(job, &waiting[i].job);
+                prop_assert_eq!(job, &holdable[i].job);
+            }
+            // The first holdable job not placed did not fit in what was left.
+            if let Some(next) = holdable.get(placed.len()) {
+                prop_assert!(next.world > n - total);
             }
         }
 

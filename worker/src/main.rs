@@ -67,6 +67,10 @@ struct DaemonArgs {
     /// Cluster name (etcd keys live under /accrue/<cluster>/).
     #[arg(long, default_value = "default")]
     cluster: String,
+    /// Refuse jobs estimated to need more memory than this many GiB
+    /// (default: the host's physical memory).
+    #[arg(long)]
+    max_job_memory_gib: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -109,6 +113,20 @@ struct TrainArgs {
     /// Ring generation (frames of other generations are refused).
     #[arg(long, default_value_t = 0)]
     generation: u64,
+    /// Refuse a job estimated to need more memory than this many GiB
+    /// (default: the host's physical memory).
+    #[arg(long)]
+    max_job_memory_gib: Option<f64>,
+}
+
+/// `--max-job-memory-gib`, or the host's memory (64 GiB when unknown).
+fn memory_limit(gib: Option<f64>) -> anyhow::Result<u64> {
+    use accrue_worker::spec::{host_memory_bytes, GIB};
+    match gib {
+        Some(g) if g.is_finite() && g > 0.0 => Ok((g * GIB as f64) as u64),
+        Some(g) => bail!("--max-job-memory-gib {g}: must be a number > 0"),
+        None => Ok(host_memory_bytes().unwrap_or(64 * GIB)),
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -125,6 +143,7 @@ fn main() -> anyhow::Result<()> {
         Command::Daemon(d) => return daemon(d),
     };
     let mut spec = JobSpec::load(&args.job)?;
+    spec.check_memory(memory_limit(args.max_job_memory_gib)?)?;
     if let Some(d) = &args.device {
         spec.device = d.clone();
     }
@@ -205,6 +224,7 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
             .then(|| Duration::from_millis(d.micro_step_delay_ms)),
         etcd: d.etcd,
         cluster: d.cluster,
+        max_job_memory: memory_limit(d.max_job_memory_gib)?,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -87,8 +87,8 @@ lr = nan
     let err = String::from_utf8_lossy(&out.stderr);
     for needle in [
         "model.kind = \"transformer\": must be one of mlp, lenet5, resnet18, resnet34, torchscript",
-        "data.batch_size = 0: must be an integer >= 1",
-        "accumulation.steps = 0: must be an integer >= 1",
+        "data.batch_size = 0: must be an integer in 1..=1048576",
+        "accumulation.steps = 0: must be an integer in 1..=65536",
         "clipping.max_norm = -1.0: must be a finite number > 0",
         "clipping.norm_type = 1.0: must be 2.0 or inf",
         "optimizer.lr = NaN: must be a finite number > 0",

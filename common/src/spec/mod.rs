@@ -5,7 +5,9 @@
 use serde::{Deserialize, Serialize};
 
 mod kinds;
+mod memory;
 pub use kinds::*;
+pub use memory::{host_memory_bytes, MemoryEstimate, GIB};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -284,6 +286,29 @@ pub const JOB_NAME_RULE: &str = "must be 1 to 63 characters of a-z, 0-9, '.', '_
 pub const MAX_TIMEOUT_S: f64 = 86_400.0;
 /// The largest accepted gradient bucket, MiB.
 pub const MAX_BUCKET_CAP_MB: f64 = 4096.0;
+/// The most ranks a job may ask for (`workers`, `max_workers`).
+pub const MAX_WORKERS: u32 = 1024;
+/// The most optimizer steps (`max_steps`, and every step count of the
+/// schedule and checkpoints): far beyond any run, small enough that step
+/// arithmetic never overflows.
+pub const MAX_STEPS: u64 = 1_000_000_000_000;
+pub const MAX_EPOCHS: u64 = 1_000_000;
+/// The most samples per batch (`data.batch_size`, `eval.batch_size`).
+pub const MAX_BATCH: u64 = 1 << 20;
+/// The most micro-steps per optimizer step.
+pub const MAX_ACCUMULATION: u64 = 1 << 16;
+/// The most synthetic samples (training or held-out).
+pub const MAX_SAMPLES: u64 = 1 << 31;
+/// The most classes (`model.num_classes`, `data.classes`).
+pub const MAX_CLASSES: i64 = 1 << 20;
+/// Synthetic sample shapes: at most this many dimensions of at most
+/// `MAX_DIM` each (memory is bounded by the estimate, see memory.rs).
+pub const MAX_SHAPE_DIMS: usize = 8;
+pub const MAX_DIM: i64 = 1 << 20;
+pub const MAX_THREADS: u32 = 1024;
+pub const MAX_KEEP: u64 = 1000;
+/// The highest CUDA device index `cuda:N` may name.
+pub const MAX_CUDA_INDEX: u32 = 1023;
 
 /// One refused value: where it is, what it was, what is allowed.
 #[derive(Clone, Debug, PartialEq)]
@@ -335,6 +360,14 @@ impl Checker {
                 value,
                 format!("must be a number > 0 and <= {max} ({unit})"),
             );
+        }
+    }
+
+    /// An integer in `lo..=hi`.
+    pub fn int_in(&mut self, field: &str, value: impl Into<i128>, lo: i128, hi: i128) {
+        let v = value.into();
+        if !(lo..=hi).contains(&v) {
+            self.fail(field, v, format!("must be an integer in {lo}..={hi}"));
         }
     }
 
@@ -504,38 +537,42 @@ impl JobSpec {
         if !is_valid_job_name(&self.name) {
             c.fail("name", &self.name, JOB_NAME_RULE);
         }
-        if self.workers == 0 {
-            c.fail("workers", self.workers, "must be an integer >= 1");
-        }
+        let max_w = i128::from(MAX_WORKERS);
+        c.int_in("workers", self.workers, 1, max_w);
         if let Some(m) = self.min_workers {
             if m == 0 || m > self.workers {
                 c.fail("min_workers", m, format!("must be in 1..={}", self.workers));
             }
         }
         if let Some(m) = self.max_workers {
-            if m < self.workers {
+            if m < self.workers || m > MAX_WORKERS {
                 c.fail(
                     "max_workers",
                     m,
-                    format!("must be >= workers = {}", self.workers),
+                    format!("must be in {}..={MAX_WORKERS}", self.workers),
                 );
             }
         }
-        if self.epochs == Some(0) {
-            c.fail("epochs", 0, "must be an integer >= 1");
+        if let Some(e) = self.epochs {
+            c.int_in("epochs", e, 1, MAX_EPOCHS.into());
         }
-        if self.max_steps == Some(0) {
-            c.fail("max_steps", 0, "must be an integer >= 1");
+        if let Some(m) = self.max_steps {
+            c.int_in("max_steps", m, 1, MAX_STEPS.into());
         }
         let d = self.device.as_str();
-        let cuda_ok = d
-            .strip_prefix("cuda:")
-            .is_some_and(|n| !n.is_empty() && n.chars().all(|ch| ch.is_ascii_digit()));
+        let cuda_ok = d.strip_prefix("cuda:").is_some_and(|n| {
+            n.chars().all(|ch| ch.is_ascii_digit())
+                && n.parse::<u32>().is_ok_and(|i| i <= MAX_CUDA_INDEX)
+        });
         if !(d == "auto" || d == "cpu" || d == "cuda" || cuda_ok) {
-            c.fail("device", d, "must be auto, cpu, cuda or cuda:N");
+            c.fail(
+                "device",
+                d,
+                format!("must be auto, cpu, cuda or cuda:N with N in 0..={MAX_CUDA_INDEX}"),
+            );
         }
-        if self.threads == Some(0) {
-            c.fail("threads", 0, "must be an integer >= 1");
+        if let Some(t) = self.threads {
+            c.int_in("threads", t, 1, MAX_THREADS.into());
         }
         self.validate_model(&mut c);
         self.validate_data(&mut c);
@@ -543,9 +580,13 @@ impl JobSpec {
         self.validate_clipping(&mut c);
         self.validate_optimizer(&mut c);
         self.validate_schedule(&mut c);
-        if self.checkpoint.keep == 0 {
-            c.fail("checkpoint.keep", 0, "must be an integer >= 1");
-        }
+        c.int_in("checkpoint.keep", self.checkpoint.keep, 1, MAX_KEEP.into());
+        c.int_in(
+            "checkpoint.every_steps",
+            self.checkpoint.every_steps,
+            0,
+            MAX_STEPS.into(),
+        );
         // Durations the workers turn into timers, and a size they allocate:
         // bounded so that every accepted value is usable downstream.
         for (field, v) in [
@@ -561,9 +602,7 @@ impl JobSpec {
             MAX_BUCKET_CAP_MB,
             "MiB",
         );
-        if self.eval.batch_size == 0 {
-            c.fail("eval.batch_size", 0, "must be an integer >= 1");
-        }
+        c.int_in("eval.batch_size", self.eval.batch_size, 1, MAX_BATCH.into());
         c.finish()
     }
 
@@ -591,9 +630,7 @@ impl JobSpec {
             );
         }
         if let Some(n) = m.num_classes {
-            if n < 1 {
-                c.fail("model.num_classes", n, "must be an integer >= 1");
-            }
+            c.int_in("model.num_classes", n, 1, MAX_CLASSES.into());
         }
         match (m.kind, &m.path) {
             (ModelKind::Torchscript, None) => c.fail(
@@ -622,9 +659,7 @@ impl JobSpec {
 
     fn validate_data(&self, c: &mut Checker) {
         let d = &self.data;
-        if d.batch_size == 0 {
-            c.fail("data.batch_size", 0, "must be an integer >= 1");
-        }
+        c.int_in("data.batch_size", d.batch_size, 1, MAX_BATCH.into());
         match d.kind {
             DataKind::Mnist => match &d.path {
                 None => c.fail("data.path", "(missing)", "required for data.kind = mnist"),
@@ -644,18 +679,28 @@ impl JobSpec {
                 }
             }
             DataKind::Synthetic => {
-                if d.samples == Some(0) {
-                    c.fail("data.samples", 0, "must be an integer >= 1");
+                if let Some(n) = d.samples {
+                    c.int_in("data.samples", n, 1, MAX_SAMPLES.into());
+                }
+                if let Some(n) = d.eval_samples {
+                    c.int_in("data.eval_samples", n, 0, MAX_SAMPLES.into());
                 }
                 if let Some(s) = &d.shape {
-                    if s.is_empty() || s.iter().any(|&x| x < 1) {
-                        c.fail("data.shape", s, "must be a non-empty list of integers >= 1");
+                    if s.is_empty()
+                        || s.len() > MAX_SHAPE_DIMS
+                        || s.iter().any(|&x| !(1..=MAX_DIM).contains(&x))
+                    {
+                        c.fail(
+                            "data.shape",
+                            s,
+                            format!(
+                                "must be a list of 1 to {MAX_SHAPE_DIMS} integers in 1..={MAX_DIM}"
+                            ),
+                        );
                     }
                 }
                 if let Some(k) = d.classes {
-                    if k < 2 {
-                        c.fail("data.classes", k, "must be an integer >= 2");
-                    }
+                    c.int_in("data.classes", k, 2, MAX_CLASSES.into());
                 }
             }
         }
@@ -681,10 +726,19 @@ impl JobSpec {
                 g,
                 "set either accumulation.steps or accumulation.global_batch, not both",
             ),
-            (Some(0), None) => c.fail("accumulation.steps", 0, "must be an integer >= 1"),
-            (None, Some(_)) if self.data.batch_size > 0 => {
-                if let Err(e) = self.accumulation_steps(self.workers as u64) {
-                    c.errors.push(e);
+            (Some(k), None) => c.int_in("accumulation.steps", k, 1, MAX_ACCUMULATION.into()),
+            (None, Some(g)) if self.data.batch_size > 0 => {
+                match self.accumulation_steps(self.workers as u64) {
+                    Err(e) => c.errors.push(e),
+                    Ok(k) if k > MAX_ACCUMULATION => c.fail(
+                        "accumulation.global_batch",
+                        g,
+                        format!(
+                            "must give 1..={MAX_ACCUMULATION} micro-steps per step \
+                             (global_batch / (workers * data.batch_size) = {k})"
+                        ),
+                    ),
+                    Ok(_) => {}
                 }
             }
             _ => {}
@@ -765,16 +819,16 @@ impl JobSpec {
 
     fn validate_schedule(&self, c: &mut Checker) {
         let s = &self.schedule;
-        if s.kind == ScheduleKind::Step {
-            match s.step_size {
-                None | Some(0) => c.fail(
-                    "schedule.step_size",
-                    s.step_size,
-                    "must be an integer >= 1 for schedule.kind = step",
-                ),
-                _ => {}
-            }
+        match (s.kind, s.step_size) {
+            (ScheduleKind::Step, None) => c.fail(
+                "schedule.step_size",
+                s.step_size,
+                format!("must be an integer in 1..={MAX_STEPS} for schedule.kind = step"),
+            ),
+            (_, Some(n)) => c.int_in("schedule.step_size", n, 1, MAX_STEPS.into()),
+            _ => {}
         }
+        c.int_in("schedule.warmup_steps", s.warmup_steps, 0, MAX_STEPS.into());
         if let Some(g) = s.gamma {
             c.in_range(
                 "schedule.gamma",

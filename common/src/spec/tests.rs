@@ -150,6 +150,111 @@ fn comm_durations_and_sizes_are_bounded() {
     assert!(std::time::Duration::try_from_secs_f64(ok.comm.timeout_s).is_ok());
 }
 
+/// Counts, sizes and indices: the largest accepted value is accepted, one
+/// more is refused with the range, for every bounded integer field.
+#[test]
+fn counts_and_sizes_are_bounded() {
+    let top = "name = \"t\"\n";
+    let tail = "[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 2\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+    let with = |line: &str| {
+        // A line `[table] key = v` goes into its table, others at the top.
+        match line.split_once("] ") {
+            Some((table, kv)) => {
+                let t = &table[1..];
+                if tail.contains(&format!("[{t}]\n")) {
+                    format!(
+                        "{top}{}",
+                        tail.replace(&format!("[{t}]\n"), &format!("[{t}]\n{kv}\n"))
+                    )
+                } else {
+                    format!("{top}{tail}[{t}]\n{kv}\n")
+                }
+            }
+            None => format!("{top}{line}\n{tail}"),
+        }
+    };
+    for (ok, bad, field) in [
+        ("workers = 1024", "workers = 1025", "workers"),
+        ("max_workers = 1024", "max_workers = 1025", "max_workers"),
+        (
+            "max_steps = 1000000000000",
+            "max_steps = 1000000000001",
+            "max_steps",
+        ),
+        ("epochs = 1000000", "epochs = 1000001", "epochs"),
+        ("threads = 1024", "threads = 1025", "threads"),
+        (
+            "device = \"cuda:1023\"",
+            "device = \"cuda:99999999999999999999\"",
+            "device",
+        ),
+        (
+            "[model] num_classes = 1048576",
+            "[model] num_classes = 1048577",
+            "model.num_classes",
+        ),
+        (
+            "[data] samples = 2147483648",
+            "[data] samples = 2147483649",
+            "data.samples",
+        ),
+        (
+            "[data] eval_samples = 0",
+            "[data] eval_samples = 2147483649",
+            "data.eval_samples",
+        ),
+        (
+            "[data] classes = 1048576",
+            "[data] classes = 1048577",
+            "data.classes",
+        ),
+        (
+            "[data] shape = [1, 1, 1, 1, 1, 1, 1, 2]",
+            "[data] shape = [1, 1, 1, 1, 1, 1, 1, 1, 2]",
+            "data.shape",
+        ),
+        (
+            "[data] shape = [1048576]",
+            "[data] shape = [1048577]",
+            "data.shape",
+        ),
+        (
+            "[accumulation] steps = 65536",
+            "[accumulation] steps = 65537",
+            "accumulation.steps",
+        ),
+        (
+            "[accumulation] global_batch = 131072",
+            "[accumulation] global_batch = 131074",
+            "accumulation.global_batch",
+        ),
+        (
+            "[checkpoint] keep = 1000",
+            "[checkpoint] keep = 1001",
+            "checkpoint.keep",
+        ),
+        (
+            "[eval] batch_size = 1048576",
+            "[eval] batch_size = 1048577",
+            "eval.batch_size",
+        ),
+        (
+            "[schedule] warmup_steps = 1000000000000",
+            "[schedule] warmup_steps = 1000000000001",
+            "schedule.warmup_steps",
+        ),
+    ] {
+        let ok_text = with(ok);
+        if let Err(e) = JobSpec::fields_from_toml_str(&ok_text, Path::new("t.toml")) {
+            panic!("{ok} refused: {e}\n{ok_text}");
+        }
+        let errs = invalid(&with(bad));
+        assert_eq!(errs.len(), 1, "{bad}: {errs:?}");
+        assert_eq!(errs[0].field, field, "{bad}");
+        assert!(errs[0].allowed.contains(".."), "{bad}: {}", errs[0]);
+    }
+}
+
 #[test]
 fn job_names() {
     for ok in ["a", "0", "digits-mlp", "a.b_c-d", "x1", &"a".repeat(63)] {

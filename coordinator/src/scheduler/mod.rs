@@ -27,6 +27,8 @@ mod membership;
 mod recovery;
 mod reports;
 #[cfg(test)]
+mod spec_tests;
+#[cfg(test)]
 mod tests;
 
 /// Re-formations in a row without a committed step before a job fails.
@@ -115,6 +117,9 @@ pub struct Config {
     pub heartbeat_ttl_ms: i64,
     /// Checkpoints of jobs whose spec names no folder go under here.
     pub state_dir: PathBuf,
+    /// A job whose estimated memory per worker is above this (bytes) is
+    /// refused at submit (see `JobSpec::memory_estimate`).
+    pub max_job_memory: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -304,7 +309,9 @@ impl Cluster {
     }
 
     fn submit(&mut self, spec: v1::JobSpec, now: i64, fx: &mut Vec<Effect>) {
-        let domain = match accrue_proto::spec_from_proto(&spec) {
+        let domain = match accrue_proto::spec_from_proto(&spec)
+            .and_then(|d| d.check_memory(self.cfg.max_job_memory).map(|()| d))
+        {
             Ok(d) => d,
             Err(e) => {
                 fx.push(Effect::Reply(Err(CoordError::InvalidArgument(

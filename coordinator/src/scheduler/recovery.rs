@@ -117,7 +117,8 @@ impl Cluster {
     }
 
     /// Re-forms and grows running jobs, then places admitted pending jobs
-    /// on free workers (gang, FIFO).
+    /// on free workers (gang, FIFO; a job wider than every attached worker
+    /// waits aside without blocking the queue).
     pub(super) fn schedule(&mut self, now: i64, fx: &mut Vec<Effect>) {
         self.reform_jobs(now, fx);
         let waiting: Vec<Waiting> = self
@@ -127,11 +128,18 @@ impl Cluster {
             .filter(|e| e.admitted && e.job.state() == JobState::Pending)
             .map(|e| Waiting {
                 job: e.job.id.clone(),
-                world: e.job.spec.as_ref().map_or(1, |s| s.workers.max(1)) as usize,
+                world: e
+                    .job
+                    .spec
+                    .as_ref()
+                    .map_or(1, |s| s.workers.unwrap_or(1).max(1)) as usize,
             })
             .collect();
         let free = self.free_workers();
-        for (job_id, workers) in state::gang_schedule(&waiting, &free) {
+        // Every attached worker, busy or draining ones included: the most
+        // any job could ever be given without another attaching.
+        let capacity = self.workers.len();
+        for (job_id, workers) in state::gang_schedule(&waiting, &free, capacity) {
             self.form(&job_id, workers, now, fx);
         }
     }

@@ -6,17 +6,18 @@ use proptest::prelude::*;
 
 const TTL: i64 = 60_000;
 
-fn cluster() -> Cluster {
+pub(super) fn cluster() -> Cluster {
     Cluster::new(
         Config {
             heartbeat_ttl_ms: TTL,
             state_dir: "/state".into(),
+            max_job_memory: 8 << 30,
         },
         Box::new(|| vec![7; 32]),
     )
 }
 
-fn spec(name: &str, workers: u32, extra: &str) -> v1::JobSpec {
+pub(super) fn spec(name: &str, workers: u32, extra: &str) -> v1::JobSpec {
     let text = format!(
         "name = \"{name}\"\nworkers = {workers}\nmax_steps = 6\n{extra}\n[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\nkind = \"synthetic\"\nsamples = 64\nshape = [4]\nclasses = 2\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n"
     );
@@ -24,7 +25,7 @@ fn spec(name: &str, workers: u32, extra: &str) -> v1::JobSpec {
     accrue_proto::spec_to_proto(&s)
 }
 
-fn hello(id: &str) -> v1::WorkerHello {
+pub(super) fn hello(id: &str) -> v1::WorkerHello {
     v1::WorkerHello {
         worker_id: id.into(),
         data_addr: format!("{id}:7000"),
@@ -32,7 +33,7 @@ fn hello(id: &str) -> v1::WorkerHello {
     }
 }
 
-fn sends(fx: &[Effect]) -> Vec<(String, coordinator_message::Msg)> {
+pub(super) fn sends(fx: &[Effect]) -> Vec<(String, coordinator_message::Msg)> {
     fx.iter()
         .filter_map(|e| match e {
             Effect::Send { worker, msg, .. } => Some((worker.clone(), msg.msg.clone()?)),
@@ -48,7 +49,7 @@ fn aborts(fx: &[Effect]) -> usize {
         .count()
 }
 
-fn reply(fx: &[Effect]) -> Result<Job, CoordError> {
+pub(super) fn reply(fx: &[Effect]) -> Result<Job, CoordError> {
     fx.iter()
         .find_map(|e| match e {
             Effect::Reply(r) => Some(r.clone()),
@@ -58,13 +59,13 @@ fn reply(fx: &[Effect]) -> Result<Job, CoordError> {
 }
 
 /// Submits and admits a job; returns its id.
-fn submit(c: &mut Cluster, s: v1::JobSpec, now: i64) -> String {
+pub(super) fn submit(c: &mut Cluster, s: v1::JobSpec, now: i64) -> String {
     let id = reply(&c.step(Input::Submit { spec: s }, now)).unwrap().id;
     c.step(Input::Admit { job: id.clone() }, now);
     id
 }
 
-fn m(msg: worker_message::Msg) -> WorkerMessage {
+pub(super) fn m(msg: worker_message::Msg) -> WorkerMessage {
     WorkerMessage {
         msg: Some(msg),
         ..Default::default()
@@ -82,7 +83,7 @@ fn step_report(job: &str, generation: u64, rank: u32, step: u64) -> WorkerMessag
     }))
 }
 
-fn done(job: &str, generation: u64, rank: u32, ok: bool) -> WorkerMessage {
+pub(super) fn done(job: &str, generation: u64, rank: u32, ok: bool) -> WorkerMessage {
     m(worker_message::Msg::Done(v1::JobDone {
         job_id: job.into(),
         generation,
@@ -160,11 +161,11 @@ fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
     );
 }
 
-fn conn_of(c: &Cluster, w: &str) -> u64 {
+pub(super) fn conn_of(c: &Cluster, w: &str) -> u64 {
     c.worker(w).unwrap().conn
 }
 
-fn deliver(c: &mut Cluster, w: &str, msg: WorkerMessage, now: i64) -> Vec<Effect> {
+pub(super) fn deliver(c: &mut Cluster, w: &str, msg: WorkerMessage, now: i64) -> Vec<Effect> {
     let conn = conn_of(c, w);
     c.step(
         Input::Message {
@@ -648,7 +649,7 @@ fn a_recovering_job_with_an_unreadable_spec_fails() {
 }
 
 /// Attaches worker `w` on connection `conn` (no job claimed).
-fn attach(c: &mut Cluster, w: &str, conn: u64, now: i64) -> Vec<Effect> {
+pub(super) fn attach(c: &mut Cluster, w: &str, conn: u64, now: i64) -> Vec<Effect> {
     c.step(
         Input::Attach {
             conn,
@@ -658,7 +659,7 @@ fn attach(c: &mut Cluster, w: &str, conn: u64, now: i64) -> Vec<Effect> {
     )
 }
 
-fn attach_all(c: &mut Cluster, ids: &[&str], now: i64) {
+pub(super) fn attach_all(c: &mut Cluster, ids: &[&str], now: i64) {
     for (i, w) in ids.iter().enumerate() {
         attach(c, w, 100 + i as u64, now);
     }

@@ -44,6 +44,8 @@ pub struct Config {
     /// How long a submission waits for its record to be durable before it
     /// is taken back and refused with UNAVAILABLE.
     pub durable_timeout: Duration,
+    /// Jobs estimated to need more memory per worker are refused (bytes).
+    pub max_job_memory: u64,
 }
 
 impl Default for Config {
@@ -52,9 +54,13 @@ impl Default for Config {
             state_dir: "runs".into(),
             heartbeat_ttl: Duration::from_secs(10),
             durable_timeout: Duration::from_secs(5),
+            max_job_memory: DEFAULT_MAX_JOB_MEMORY_GIB * accrue_common::spec::GIB,
         }
     }
 }
+
+/// The default of `--max-job-memory-gib`.
+pub const DEFAULT_MAX_JOB_MEMORY_GIB: u64 = 64;
 
 const LATENCY_WINDOW: usize = 65_536;
 
@@ -140,6 +146,7 @@ impl Coordinator {
                 heartbeat_ttl_ms: cfg.heartbeat_ttl.as_millis() as i64,
                 state_dir: std::path::absolute(&cfg.state_dir)
                     .unwrap_or_else(|_| cfg.state_dir.clone()),
+                max_job_memory: cfg.max_job_memory,
             },
             Box::new(|| rand::random::<[u8; 32]>().to_vec()),
         );

@@ -123,7 +123,7 @@ fn from_proto<K: KindMap>(
 pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
     v1::JobSpec {
         name: s.name.clone(),
-        workers: s.workers,
+        workers: Some(s.workers),
         min_workers: s.min_workers,
         max_workers: s.max_workers,
         seed: s.seed,
@@ -183,17 +183,17 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         checkpoint: Some(v1::CheckpointSpec {
             dir: path(&s.checkpoint.dir),
             every_steps: s.checkpoint.every_steps,
-            keep: s.checkpoint.keep,
+            keep: Some(s.checkpoint.keep),
         }),
         eval: Some(v1::EvalSpec {
             every_epochs: s.eval.every_epochs,
-            batch_size: s.eval.batch_size,
+            batch_size: Some(s.eval.batch_size),
         }),
         comm: Some(v1::CommSpec {
-            timeout_s: s.comm.timeout_s,
-            connect_timeout_s: s.comm.connect_timeout_s,
-            bucket_cap_mb: s.comm.bucket_cap_mb,
-            rendezvous_timeout_s: s.comm.rendezvous_timeout_s,
+            timeout_s: Some(s.comm.timeout_s),
+            connect_timeout_s: Some(s.comm.connect_timeout_s),
+            bucket_cap_mb: Some(s.comm.bucket_cap_mb),
+            rendezvous_timeout_s: Some(s.comm.rendezvous_timeout_s),
         }),
     }
 }
@@ -283,7 +283,9 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
     };
     let spec = JobSpec {
         name: p.name.clone(),
-        workers: if p.workers == 0 { 1 } else { p.workers },
+        // Absent fields take the TOML defaults; present ones are kept as
+        // given (a 0 is refused by validation, never reinterpreted).
+        workers: p.workers.unwrap_or(1),
         min_workers: p.min_workers,
         max_workers: p.max_workers,
         seed: p.seed,
@@ -344,43 +346,27 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             Some(c) => CheckpointSpec {
                 dir: c.dir.clone().map(PathBuf::from),
                 every_steps: c.every_steps,
-                keep: if c.keep == 0 { ck_default.keep } else { c.keep },
+                keep: c.keep.unwrap_or(ck_default.keep),
             },
             None => ck_default,
         },
         eval: match &p.eval {
             Some(e) => EvalSpec {
                 every_epochs: e.every_epochs,
-                batch_size: if e.batch_size == 0 {
-                    ev_default.batch_size
-                } else {
-                    e.batch_size
-                },
+                batch_size: e.batch_size.unwrap_or(ev_default.batch_size),
             },
             None => ev_default,
         },
         comm: match &p.comm {
             Some(c) => CommSpec {
-                timeout_s: if c.timeout_s == 0.0 {
-                    comm_default.timeout_s
-                } else {
-                    c.timeout_s
-                },
-                connect_timeout_s: if c.connect_timeout_s == 0.0 {
-                    comm_default.connect_timeout_s
-                } else {
-                    c.connect_timeout_s
-                },
-                bucket_cap_mb: if c.bucket_cap_mb == 0.0 {
-                    comm_default.bucket_cap_mb
-                } else {
-                    c.bucket_cap_mb
-                },
-                rendezvous_timeout_s: if c.rendezvous_timeout_s == 0.0 {
-                    comm_default.rendezvous_timeout_s
-                } else {
-                    c.rendezvous_timeout_s
-                },
+                timeout_s: c.timeout_s.unwrap_or(comm_default.timeout_s),
+                connect_timeout_s: c
+                    .connect_timeout_s
+                    .unwrap_or(comm_default.connect_timeout_s),
+                bucket_cap_mb: c.bucket_cap_mb.unwrap_or(comm_default.bucket_cap_mb),
+                rendezvous_timeout_s: c
+                    .rendezvous_timeout_s
+                    .unwrap_or(comm_default.rendezvous_timeout_s),
             },
             None => comm_default,
         },

@@ -377,3 +377,53 @@ proptest! {
         prop_assert_eq!(back, Ok(s));
     }
 }
+
+#[test]
+fn zeros_on_the_wire_are_refused_and_absent_fields_take_defaults() {
+    // A client that sends 0 asked for 0: refused by name, never read as
+    // "the default".
+    let mut p = base();
+    p.workers = Some(0);
+    p.checkpoint = Some(v1::CheckpointSpec {
+        keep: Some(0),
+        ..Default::default()
+    });
+    p.eval = Some(v1::EvalSpec {
+        batch_size: Some(0),
+        ..Default::default()
+    });
+    p.comm = Some(v1::CommSpec {
+        timeout_s: Some(0.0),
+        connect_timeout_s: Some(0.0),
+        bucket_cap_mb: Some(0.0),
+        rendezvous_timeout_s: Some(0.0),
+    });
+    let errs = spec_from_proto(&p).unwrap_err().0;
+    let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        [
+            "workers",
+            "checkpoint.keep",
+            "comm.timeout_s",
+            "comm.connect_timeout_s",
+            "comm.rendezvous_timeout_s",
+            "comm.bucket_cap_mb",
+            "eval.batch_size",
+        ],
+        "{errs:?}"
+    );
+    // Absent: the same defaults as an absent TOML key.
+    let mut p = base();
+    p.workers = None;
+    p.checkpoint = Some(v1::CheckpointSpec::default());
+    p.eval = Some(v1::EvalSpec::default());
+    p.comm = Some(v1::CommSpec::default());
+    let s = spec_from_proto(&p).unwrap();
+    let toml_defaults = spec_from_proto(&base()).unwrap();
+    assert_eq!(s, toml_defaults);
+    assert_eq!(
+        (s.workers, s.checkpoint.keep, s.eval.batch_size),
+        (1, 3, 256)
+    );
+}

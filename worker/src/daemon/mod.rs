@@ -42,6 +42,9 @@ pub struct DaemonConfig {
     /// coordinator through it (then `coordinator` is only a fallback).
     pub etcd: Vec<String>,
     pub cluster: String,
+    /// Assignments whose estimated memory is above this (bytes) fail at
+    /// once, before anything allocates.
+    pub max_job_memory: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -181,6 +184,8 @@ fn assigned_spec(a: &v1::Assignment, cfg: &DaemonConfig) -> Result<crate::spec::
     }
     spec.accumulation.steps = Some(u64::from(a.accumulation_steps));
     spec.accumulation.global_batch = None;
+    spec.check_memory(cfg.max_job_memory)
+        .map_err(|e| format!("{e} (this worker's limit)"))?;
     if let Some(d) = &cfg.device {
         spec.device = d.clone();
     }

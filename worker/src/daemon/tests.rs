@@ -39,6 +39,7 @@ fn cfg() -> DaemonConfig {
         micro_step_delay: None,
         etcd: Vec::new(),
         cluster: "c".into(),
+        max_job_memory: 1 << 30,
     }
 }
 
@@ -154,5 +155,22 @@ fn an_assignment_with_k_zero_is_refused() {
     assert_eq!(
         err,
         "assignment of job j1 generation 2 has accumulation_steps = 0 (k must be >= 1)"
+    );
+}
+
+#[test]
+fn an_assignment_above_this_workers_memory_limit_is_refused_before_it_allocates() {
+    let ok = assigned_spec(&assignment(2, 6), &cfg());
+    assert!(ok.is_ok(), "{ok:?}");
+    let small = DaemonConfig {
+        max_job_memory: 1024,
+        ..cfg()
+    };
+    let err = assigned_spec(&assignment(2, 6), &small).unwrap_err();
+    assert!(
+        err.contains("data.samples = an estimated")
+            && err.contains("at most 0.00 GiB")
+            && err.ends_with("(this worker's limit)"),
+        "{err}"
     );
 }

@@ -1,0 +1,248 @@
+//! What a spec asks of a worker's memory, estimated from the spec alone so
+//! that a job too big for its workers is refused before anything allocates.
+//!
+//! The estimate counts the data a worker holds (synthetic samples as built,
+//! MNIST and CIFAR-10 at their known sizes), the model state (parameters,
+//! gradients, the flat accumulation buffer and the optimizer's per-parameter
+//! state) and one training plus one evaluation input batch (for an MLP also
+//! its activations). It does not count convolution activations, libtorch's
+//! allocator slack or files whose size the spec does not say (`tensors`
+//! data, TorchScript models): those are checked by their loaders.
+
+use super::{DataKind, FieldError, JobSpec, ModelKind, OptimizerKind, SpecErrors};
+
+/// Bytes per GiB.
+pub const GIB: u64 = 1 << 30;
+
+/// The parts of a job's estimated memory on one worker, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// Training and held-out samples as the worker holds them.
+    pub data: u64,
+    /// Parameters, gradients, the accumulation buffer, optimizer state.
+    pub model: u64,
+    /// One training and one evaluation input batch (and MLP activations).
+    pub batch: u64,
+}
+
+impl MemoryEstimate {
+    pub fn total(&self) -> u64 {
+        self.data
+            .saturating_add(self.model)
+            .saturating_add(self.batch)
+    }
+}
+
+/// Parameters of ResNet-18/34 without the final fully connected layer
+/// (torchvision's counts, 11,689,512 and 21,797,672, less 512 * 1000 + 1000).
+const RESNET18_BODY: u64 = 11_176_512;
+const RESNET34_BODY: u64 = 21_284_672;
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / GIB as f64)
+}
+
+impl JobSpec {
+    /// Per-sample shape and class count of the data as the spec says them
+    /// (`None` for `tensors`, whose shape is in the file).
+    fn sample_dims(&self) -> Option<(Vec<u64>, u64, u64)> {
+        let d = &self.data;
+        let pos = |v: i64| v.max(0) as u64;
+        match d.kind {
+            DataKind::Synthetic => Some((
+                d.shape
+                    .clone()
+                    .unwrap_or_else(|| vec![32])
+                    .into_iter()
+                    .map(pos)
+                    .collect(),
+                pos(d.classes.unwrap_or(10)),
+                d.samples
+                    .unwrap_or(1024)
+                    .saturating_add(d.eval_samples.unwrap_or(256)),
+            )),
+            DataKind::Mnist => Some((vec![1, 28, 28], 10, 70_000)),
+            DataKind::Cifar10 => Some((vec![3, 32, 32], 10, 60_000)),
+            DataKind::Tensors => None,
+        }
+    }
+
+    /// The estimate of what this job needs on each worker.
+    pub fn memory_estimate(&self) -> MemoryEstimate {
+        let Some((shape, data_classes, samples)) = self.sample_dims() else {
+            return MemoryEstimate::default();
+        };
+        let numel = shape.iter().fold(1u64, |a, &x| a.saturating_mul(x));
+        let classes = self
+            .model
+            .num_classes
+            .map_or(data_classes, |n| n.max(0) as u64);
+        let f32s = |n: u64| n.saturating_mul(4);
+        // Synthetic samples are drawn into a vector, then copied into a
+        // tensor: twice the bytes at the peak. Files are decoded once.
+        let copies = if self.data.kind == DataKind::Synthetic {
+            2
+        } else {
+            1
+        };
+        let data = samples
+            .saturating_mul(f32s(numel).saturating_add(8))
+            .saturating_mul(copies);
+        let layer = |i: u64, o: u64| i.saturating_mul(o).saturating_add(o);
+        let mut activations = 0u64;
+        let params = match self.model.kind {
+            ModelKind::Mlp => {
+                let mut widths = vec![numel];
+                widths.extend(self.model.hidden.iter().map(|&h| h.max(0) as u64));
+                widths.push(classes);
+                activations = widths[1..].iter().fold(0u64, |a, &w| a.saturating_add(w));
+                widths
+                    .windows(2)
+                    .fold(0u64, |a, w| a.saturating_add(layer(w[0], w[1])))
+            }
+            ModelKind::Lenet5 => {
+                let (c, h, w) = match shape.as_slice() {
+                    [c, h, w] => (*c, *h, *w),
+                    _ => (1, 28, 28),
+                };
+                let side = |s: u64| ((s / 2).saturating_sub(4)) / 2;
+                let feat = 16u64.saturating_mul(side(h)).saturating_mul(side(w));
+                layer(c.saturating_mul(25), 6)
+                    .saturating_add(layer(150, 16))
+                    .saturating_add(layer(feat, 120))
+                    .saturating_add(layer(120, 84))
+                    .saturating_add(layer(84, classes))
+            }
+            ModelKind::Resnet18 => RESNET18_BODY.saturating_add(layer(512, classes)),
+            ModelKind::Resnet34 => RESNET34_BODY.saturating_add(layer(512, classes)),
+            ModelKind::Torchscript => 0,
+        };
+        let o = &self.optimizer;
+        let states = match o.kind {
+            OptimizerKind::Sgd => u64::from(o.momentum > 0.0),
+            OptimizerKind::Adam | OptimizerKind::Adamw => 2,
+        };
+        // Parameter, gradient, accumulation buffer, optimizer state.
+        let model = f32s(params).saturating_mul(3 + states);
+        let b = self.data.batch_size;
+        let batch = f32s(numel)
+            .saturating_mul(b.saturating_add(self.eval.batch_size))
+            .saturating_add(f32s(activations).saturating_mul(b).saturating_mul(2));
+        MemoryEstimate { data, model, batch }
+    }
+
+    /// Refuses a job whose estimate is above `limit` bytes, naming the field
+    /// that asks for the most.
+    pub fn check_memory(&self, limit: u64) -> Result<(), SpecErrors> {
+        let e = self.memory_estimate();
+        if e.total() <= limit {
+            return Ok(());
+        }
+        let field = if e.data >= e.model && e.data >= e.batch {
+            if self.data.kind == DataKind::Synthetic {
+                "data.samples"
+            } else {
+                "data.kind"
+            }
+        } else if e.model >= e.batch {
+            "model"
+        } else {
+            "data.batch_size"
+        };
+        Err(SpecErrors(vec![FieldError {
+            field: field.into(),
+            value: format!(
+                "an estimated {} per worker (data {}, model state {}, batches {})",
+                gib(e.total()),
+                gib(e.data),
+                gib(e.model),
+                gib(e.batch)
+            ),
+            allowed: format!(
+                "a job may ask for at most {} per worker (--max-job-memory-gib)",
+                gib(limit)
+            ),
+        }]))
+    }
+}
+
+/// The host's physical memory (Linux `/proc/meminfo` MemTotal), bytes.
+pub fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(extra: &str) -> JobSpec {
+        JobSpec::fields_from_toml_str(
+            &format!(
+                "name = \"m\"\n[model]\nkind = \"mlp\"\nhidden = [64]\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n{extra}"
+            ),
+            std::path::Path::new("m.toml"),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_estimate_counts_data_model_and_batches() {
+        let s = spec("[data]\nkind = \"synthetic\"\nbatch_size = 8\nsamples = 100\neval_samples = 20\nshape = [16]\nclasses = 4\n");
+        let e = s.memory_estimate();
+        // 120 samples of 16 floats and a label, built twice.
+        assert_eq!(e.data, 120 * (16 * 4 + 8) * 2);
+        // 16*64+64 + 64*4+4 parameters; param, grad, buffer, momentum.
+        let params = 16 * 64 + 64 + 64 * 4 + 4;
+        assert_eq!(e.model, params * 4 * 4);
+        // (8 + 256) inputs of 16 floats; activations 8 * (64 + 4) twice.
+        assert_eq!(e.batch, (8 + 256) * 16 * 4 + 8 * (64 + 4) * 4 * 2);
+    }
+
+    #[test]
+    fn resnet_counts_match_torchvision() {
+        let s = spec("[data]\nkind = \"cifar10\"\npath = \"c\"\nbatch_size = 1\n")
+            .with_model(ModelKind::Resnet18, 1000);
+        let params = s.memory_estimate().model / 4 / 4;
+        assert_eq!(params, 11_689_512);
+        let s = s.with_model(ModelKind::Resnet34, 1000);
+        assert_eq!(s.memory_estimate().model / 4 / 4, 21_797_672);
+    }
+
+    impl JobSpec {
+        fn with_model(mut self, kind: ModelKind, classes: i64) -> Self {
+            self.model.kind = kind;
+            self.model.hidden.clear();
+            self.model.num_classes = Some(classes);
+            self
+        }
+    }
+
+    #[test]
+    fn above_the_limit_names_the_biggest_part() {
+        let s = spec(
+            "[data]\nkind = \"synthetic\"\nbatch_size = 8\nsamples = 100000000\nshape = [1000]\n",
+        );
+        let err = s.check_memory(64 * GIB).unwrap_err();
+        let e = &err.0[0];
+        assert_eq!(e.field, "data.samples");
+        assert!(e.value.contains("746.55 GiB"), "{}", e.value);
+        assert!(e.allowed.contains("at most 64.00 GiB"), "{}", e.allowed);
+        assert!(s.check_memory(u64::MAX).is_ok());
+        let small = spec("[data]\nkind = \"synthetic\"\nbatch_size = 8\n");
+        assert!(small.check_memory(GIB).is_ok());
+        // Saturating, never overflowing, whatever the numbers.
+        let mut huge = small.clone();
+        huge.data.samples = Some(u64::MAX);
+        huge.data.shape = Some(vec![i64::MAX, i64::MAX]);
+        assert_eq!(huge.memory_estimate().total(), u64::MAX);
+    }
+
+    #[test]
+    fn host_memory_is_read() {
+        let m = host_memory_bytes().expect("/proc/meminfo");
+        assert!(m > 256 << 20, "{m}");
+    }
+}
