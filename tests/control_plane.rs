@@ -551,3 +551,104 @@ async fn restart_on_the_same_state_dir_lists_every_job() {
     assert_ne!(next.id, waiting.id);
     h2.stop().await;
 }
+
+/// Bad input never takes a worker out of service (issue 13): specs that
+/// once panicked a worker, blocked the queue or exhausted memory are
+/// refused by field at submit; a job wider than the cluster waits aside
+/// while a small one runs; a job that fails on the worker frees it; and
+/// after all of it the one worker still runs a next job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_specs_never_take_a_worker_out_of_service() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let _w = start_workers(&grpc, 1, d.path(), "bad");
+    let mut c = client(&grpc).await;
+    let base = || spec(&job_toml("b", 1, 4, ""));
+    let mut refused = Vec::new();
+    let mut timeout = base();
+    timeout.comm.get_or_insert_with(Default::default).timeout_s = Some(1e300);
+    refused.push((timeout, "comm.timeout_s = 1e300"));
+    let mut wide = base();
+    wide.workers = Some(1_000_000_000);
+    refused.push((wide, "workers = 1000000000: must be an integer in 1..=1024"));
+    let mut huge = base();
+    let data = huge.data.as_mut().unwrap();
+    data.samples = Some(1 << 31);
+    data.shape = vec![1024];
+    refused.push((huge, "data.samples = an estimated 1641"));
+    let mut zero = base();
+    zero.workers = Some(0);
+    refused.push((zero, "workers = 0"));
+    for (s, needle) in refused {
+        let err = c
+            .submit_job(v1::SubmitJobRequest { spec: Some(s) })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{needle}");
+        assert!(
+            err.message().contains(needle),
+            "{needle}: {}",
+            err.message()
+        );
+    }
+    // Two ranks with one worker attached: it waits aside; the small job
+    // behind it runs.
+    let two = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("two", 2, 4, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // A job that fails on the worker (its data folder does not exist
+    // there): it fails with the reason and frees the worker.
+    let mut missing = base();
+    missing.name = "missing".into();
+    let data = missing.data.as_mut().unwrap();
+    data.kind = v1::DataKind::Mnist as i32;
+    (data.samples, data.eval_samples, data.classes) = (None, None, None);
+    data.shape = Vec::new();
+    data.path = Some(d.path().join("no-such-folder").display().to_string());
+    let missing = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(missing),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let failed = wait_state(
+        &mut c,
+        &missing.id,
+        &[JobState::Failed, JobState::Succeeded],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(failed.state(), JobState::Failed, "{failed:?}");
+    assert!(failed.error.contains("no-such-folder"), "{}", failed.error);
+    let small = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("small", 1, 4, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let end = wait_state(
+        &mut c,
+        &small.id,
+        &[JobState::Succeeded, JobState::Failed],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    let two_now = c
+        .get_job(v1::GetJobRequest { id: two.id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(two_now.state(), JobState::Pending);
+    c.cancel_job(v1::CancelJobRequest { id: two.id.clone() })
+        .await
+        .unwrap();
+    h.stop().await;
+}
