@@ -18,6 +18,9 @@ with the project's virtual environment).
       accrue's initial weights from FILE strictly, runs the same training
       forward, backward and eval forward, and prints the differences from
       accrue's outputs, gradients and BatchNorm statistics as JSON
+  torch_reference.py schedules CONFIGS_JSON
+      the learning rate of every optimizer step under torch.optim.lr_scheduler
+      for each config (kind, lr, warmup, total, step_size, gamma, min_lr)
 """
 import json
 import os
@@ -246,6 +249,42 @@ def model_check(kind, c, h, w, classes, path):
     }))
 
 
+def schedules(cfgs):
+    """docs/SEMANTICS.md's schedules as torch.optim.lr_scheduler objects:
+    warm-up w is LinearLR(1/w -> 1 over w - 1 steps) (LambdaLR of (s+1)/w
+    when w = 1: LinearLR cannot span 0 steps), followed at milestone w by
+    StepLR, CosineAnnealingLR(T_max = total - w, eta_min = min_lr) or nothing
+    (constant, linear_warmup) through SequentialLR. The rate of optimizer
+    step s is the group's lr after s scheduler.step() calls."""
+    from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LinearLR, SequentialLR, StepLR
+
+    out = []
+    for c in json.loads(cfgs):
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=c["lr"])
+        w, total, kind = c["warmup"], c["total"], c["kind"]
+        if kind == "cosine":
+            main = CosineAnnealingLR(opt, T_max=total - w, eta_min=c.get("min_lr", 0.0))
+        elif kind == "step":
+            main = StepLR(opt, step_size=c["step_size"], gamma=c.get("gamma", 0.1))
+        else:
+            main = LambdaLR(opt, lambda s: 1.0)
+        if w == 0:
+            sched = main
+        else:
+            if w == 1:
+                warm = LambdaLR(opt, lambda s: (s + 1) / w)
+            else:
+                warm = LinearLR(opt, start_factor=1 / w, end_factor=1.0, total_iters=w - 1)
+            sched = SequentialLR(opt, [warm, main], milestones=[w])
+        lrs = []
+        for _ in range(total):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        out.append(lrs)
+    print(json.dumps(out))
+
+
 def script_export(d):
     """A TorchScript twin of the e2e MLP and its weights as safetensors."""
     torch.manual_seed(4)
@@ -266,6 +305,8 @@ if __name__ == "__main__":
         e2e_compare(sys.argv[2], sys.argv[3], sys.argv[4])
     elif cmd == "model-check":
         model_check(sys.argv[2], *map(int, sys.argv[3:7]), sys.argv[7])
+    elif cmd == "schedules":
+        schedules(sys.argv[2])
     elif cmd == "script-export":
         script_export(sys.argv[2])
     else:
