@@ -18,6 +18,13 @@ with the project's virtual environment).
       accrue's initial weights from FILE strictly, runs the same training
       forward, backward and eval forward, and prints the differences from
       accrue's outputs, gradients and BatchNorm statistics as JSON
+  torch_reference.py cifar-train DIR CFG_JSON
+      decodes DIR's CIFAR-10 binary batches by the format's definition
+      (records of a label byte and 3x32x32 channel-major pixels), compares
+      with accrue's decoding (DIR/accrue_decoded.safetensors), trains LeNet-5
+      from DIR/init.safetensors with one large batch per step in
+      DistributedSampler order, evaluates on test_batch.bin and compares
+      with the engine's final DIR/model.safetensors; prints JSON
   torch_reference.py schedules CONFIGS_JSON
       the learning rate of every optimizer step under torch.optim.lr_scheduler
       for each config (kind, lr, warmup, total, step_size, gamma, min_lr)
@@ -249,6 +256,65 @@ def model_check(kind, c, h, w, classes, path):
     }))
 
 
+CIFAR_TRAIN = [f"data_batch_{i}.bin" for i in range(1, 6)]
+
+
+def cifar_decode(d, files):
+    """The CIFAR-10 binary format: 3,073-byte records, the label byte then
+    1,024 red, 1,024 green and 1,024 blue bytes, each plane row-major."""
+    xs, ys = [], []
+    for f in files:
+        with open(f"{d}/{f}", "rb") as fh:
+            raw = fh.read()
+        assert len(raw) % 3073 == 0, f"{f}: {len(raw)} bytes"
+        rec = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(-1, 3073)
+        ys.append(rec[:, 0].long())
+        xs.append(rec[:, 1:].reshape(-1, 3, 32, 32).float() / 255.0)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def cifar_train(d, cfg):
+    cfg = json.loads(cfg)
+    torch.set_num_threads(1)
+    x, y = cifar_decode(d, CIFAR_TRAIN)
+    tx, ty = cifar_decode(d, ["test_batch.bin"])
+    ours = load_file(f"{d}/accrue_decoded.safetensors")
+    decoded = {
+        "train_x_max_abs_diff": (ours["train.x"] - x).abs().max().item(),
+        "test_x_max_abs_diff": (ours["test.x"] - tx).abs().max().item(),
+        "train_y_equal": torch.equal(ours["train.y"], y),
+        "test_y_equal": torch.equal(ours["test.y"], ty),
+        "train_len": len(y),
+        "test_len": len(ty),
+    }
+    model = LeNet5(3, 32, 32, 10)
+    model.load_state_dict(load_file(f"{d}/init.safetensors"), strict=True)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    sampler = DistributedSampler(range(len(y)), num_replicas=1, rank=0, shuffle=True, seed=cfg["seed"])
+    big_batch = cfg["batch"] * cfg["k"]
+    losses = []
+    for epoch in range(cfg["epochs"]):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, len(order), big_batch):
+            idx = torch.tensor(order[start:start + big_batch])
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
+            opt.step()
+    with torch.no_grad():
+        logits = model(tx)
+        eval_loss = F.cross_entropy(logits, ty).item()
+        eval_accuracy = (logits.argmax(1) == ty).float().mean().item()
+    engine = LeNet5(3, 32, 32, 10)
+    engine.load_state_dict(load_file(f"{d}/model.safetensors"), strict=True)
+    ref, got = model.state_dict(), engine.state_dict()
+    worst = max(((got[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
+    print(json.dumps({"decoded": decoded, "losses": losses, "eval_loss": eval_loss, "eval_accuracy": eval_accuracy, "max_rel_diff": worst}))
+
+
 def schedules(cfgs):
     """docs/SEMANTICS.md's schedules as torch.optim.lr_scheduler objects:
     warm-up w is LinearLR(1/w -> 1 over w - 1 steps) (LambdaLR of (s+1)/w
@@ -305,6 +371,8 @@ if __name__ == "__main__":
         e2e_compare(sys.argv[2], sys.argv[3], sys.argv[4])
     elif cmd == "model-check":
         model_check(sys.argv[2], *map(int, sys.argv[3:7]), sys.argv[7])
+    elif cmd == "cifar-train":
+        cifar_train(sys.argv[2], sys.argv[3])
     elif cmd == "schedules":
         schedules(sys.argv[2])
     elif cmd == "script-export":
