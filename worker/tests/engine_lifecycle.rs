@@ -326,13 +326,23 @@ fn model_that_cannot_take_the_data_is_refused() {
     );
 }
 
+/// A CUDA index past the visible devices (cuda:0 where there is no GPU) is
+/// refused before anything runs, naming the device.
 #[test]
 fn unavailable_device_is_refused() {
-    let job =
-        mlp_job(32, 8, 2, "global_count", "").replace("device = \"cpu\"", "device = \"cuda:7\"");
+    let device = format!("cuda:{}", tch::Cuda::device_count());
+    let job = mlp_job(32, 8, 2, "global_count", "")
+        .replace("device = \"cpu\"", &format!("device = \"{device}\""));
+    assert!(job.contains(&device));
     let err = Engine::new(spec(&job), SingleRank, RunOptions::default())
         .err()
         .unwrap()
         .to_string();
-    assert!(err.contains("cuda:7"), "{err}");
+    assert!(err.contains(&device), "{err}");
+    let why = if tch::Cuda::is_available() {
+        "CUDA devices are visible"
+    } else {
+        "CUDA is not available"
+    };
+    assert!(err.contains(why), "{err}");
 }

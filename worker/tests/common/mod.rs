@@ -39,6 +39,22 @@ pub fn torch_reference(args: &[&str]) -> String {
     String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
+/// Whether a CUDA test can run. Without CUDA it says so on the terminal
+/// (written to stderr directly, past libtest's capture, so a passing run
+/// shows it) and the caller returns: the test passes by skipping.
+pub fn cuda_or_skip(test: &str) -> bool {
+    if tch::Cuda::is_available() {
+        return true;
+    }
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED {test}: CUDA is not available (tch::Cuda::is_available() is false; \
+         a GPU build needs ACCRUE_CUDA=1 and a CUDA libtorch)"
+    );
+    false
+}
+
 pub fn spec(toml: &str) -> JobSpec {
     JobSpec::from_toml_str(toml, Path::new("test.toml")).unwrap_or_else(|e| panic!("{e}"))
 }
