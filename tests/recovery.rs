@@ -1,7 +1,9 @@
 //! Fault tolerance end to end (DESIGN section 9): real worker daemons are
 //! killed with SIGKILL in the middle of a window; the job re-forms and
-//! finishes. Every daemon writes an audit log of the sample indices of each
-//! committed window, which proves that no sample is skipped or read twice.
+//! finishes. Every daemon writes an audit log: for each committed window,
+//! the sample indices its rank read (recorded where the data reader fetched
+//! them); joined over ranks, the logs prove that no sample is skipped or
+//! read twice.
 
 mod common;
 
@@ -98,11 +100,23 @@ async fn wait_step(
     }
 }
 
-/// The committed windows of job `name` from every daemon's sample log:
-/// step -> (epoch, sorted indices). Lines of the same step written by
-/// different ranks (or by a rank that died after committing) must agree.
-fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, (u64, Vec<u64>)> {
-    let mut out: BTreeMap<u64, (u64, Vec<u64>)> = BTreeMap::new();
+/// One committed window as the sample logs record it: every rank's line
+/// holds the indices that rank itself read (recorded where its data reader
+/// fetched them).
+#[derive(Debug, Default, PartialEq)]
+struct Window {
+    epoch: u64,
+    world: u64,
+    /// rank -> the indices it read in this window, in reading order.
+    reads: BTreeMap<u64, Vec<u64>>,
+}
+
+/// The committed windows of job `name` from every daemon's sample log, by
+/// step. The ranks of a step must agree on its epoch and world size; a
+/// (step, rank) logged twice (by a rank that died after committing and
+/// another) must hold the same reads.
+fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, Window> {
+    let mut out: BTreeMap<u64, Window> = BTreeMap::new();
     for entry in std::fs::read_dir(dir).unwrap() {
         let p: PathBuf = entry.unwrap().path();
         if !p
@@ -119,24 +133,38 @@ fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, (u64, Vec<u64>)> {
             if v["job"] != name {
                 continue;
             }
-            let step = v["step"].as_u64().unwrap();
-            let epoch = v["epoch"].as_u64().unwrap();
-            let mut idx: Vec<u64> = v["indices"]
+            let field = |k: &str| {
+                v[k].as_u64()
+                    .unwrap_or_else(|| panic!("{k} missing in {line}"))
+            };
+            let (step, epoch, world, rank) =
+                (field("step"), field("epoch"), field("world"), field("rank"));
+            let idx: Vec<u64> = v["indices"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .map(|x| x.as_u64().unwrap())
                 .collect();
-            idx.sort_unstable();
-            match out.get(&step) {
+            let w = out.entry(step).or_insert_with(|| Window {
+                epoch,
+                world,
+                reads: BTreeMap::new(),
+            });
+            assert_eq!(
+                (w.epoch, w.world),
+                (epoch, world),
+                "ranks disagree on epoch and world size of step {step} ({})",
+                p.display()
+            );
+            match w.reads.get(&rank) {
                 Some(prev) => assert_eq!(
                     prev,
-                    &(epoch, idx),
-                    "ranks disagree on the samples of step {step} ({})",
+                    &idx,
+                    "rank {rank}'s reads of step {step} logged twice, differently ({})",
                     p.display()
                 ),
                 None => {
-                    out.insert(step, (epoch, idx));
+                    w.reads.insert(rank, idx);
                 }
             }
         }
@@ -144,7 +172,9 @@ fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, (u64, Vec<u64>)> {
     out
 }
 
-/// Every step 1..=steps committed once, and every epoch read each of the
+/// From the ranks' own records: every step 1..=steps committed once, with
+/// a record from each of its W ranks; no sample read twice in a window
+/// (within a rank or across ranks); and every epoch read each of the
 /// `samples` indices exactly once.
 fn assert_exact_accounting(dir: &Path, name: &str, steps: u64, epochs: u64, samples: u64) {
     let windows = committed_windows(dir, name);
@@ -153,17 +183,29 @@ fn assert_exact_accounting(dir: &Path, name: &str, steps: u64, epochs: u64, samp
         (1..=steps).collect::<Vec<_>>(),
         "committed steps"
     );
+    for (step, w) in &windows {
+        assert_eq!(
+            w.reads.keys().copied().collect::<Vec<_>>(),
+            (0..w.world).collect::<Vec<_>>(),
+            "step {step}: a record from every rank of the window"
+        );
+        let mut all: Vec<u64> = w.reads.values().flatten().copied().collect();
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), n, "step {step}: ranks' reads overlap: {w:?}");
+    }
     for e in 0..epochs {
         let mut seen: Vec<u64> = windows
             .values()
-            .filter(|(epoch, _)| *epoch == e)
-            .flat_map(|(_, idx)| idx.iter().copied())
+            .filter(|w| w.epoch == e)
+            .flat_map(|w| w.reads.values().flatten().copied())
             .collect();
         seen.sort_unstable();
         assert_eq!(
             seen,
             (0..samples).collect::<Vec<_>>(),
-            "epoch {e}: every sample exactly once"
+            "epoch {e}: every sample exactly once over all ranks' reads"
         );
     }
 }
@@ -400,9 +442,15 @@ async fn elastic_job_grows_when_a_worker_joins() {
     let steps = end.counters.unwrap().step;
     assert_eq!(end.counters.unwrap().samples_seen, 2 * 480);
     assert_exact_accounting(d.path(), "grow", steps, 2, 480);
-    // The newcomer really trained: its sample log has committed windows.
+    // The newcomer really trained: its own log records samples it read.
     let g2 = std::fs::read_to_string(d.path().join("samples-g2.jsonl")).unwrap();
-    assert!(g2.lines().count() >= 1);
+    assert!(
+        g2.lines().any(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["world"] == 3 && !v["indices"].as_array().unwrap().is_empty()
+        }),
+        "{g2}"
+    );
     h.stop().await;
 }
 

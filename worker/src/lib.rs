@@ -4,7 +4,6 @@
 //! contract and docs/ARCHITECTURE.md for where this crate sits.
 
 pub mod checkpoint;
-pub mod clip;
 pub mod collective;
 pub mod comm;
 pub mod daemon;

@@ -52,8 +52,10 @@ struct DaemonArgs {
     /// Seconds between heartbeats.
     #[arg(long, default_value_t = 1.0)]
     heartbeat: f64,
-    /// Append every committed window's global sample indices (JSON lines)
-    /// to this file: an audit of the data accounting across recoveries.
+    /// Append, for every committed window, the sample indices this worker's
+    /// rank read in it (JSON lines, recorded where the data reader fetched
+    /// them) to this file: joined over the workers, an audit of the data
+    /// accounting across recoveries.
     #[arg(long)]
     sample_log: Option<PathBuf>,
     /// Sleep this many milliseconds after every micro-step (fault-injection

@@ -63,19 +63,7 @@ fn run_ranks(
     world: usize,
     before_rank0: impl FnOnce(&[String]),
 ) -> (Vec<(String, Tensor)>, Vec<Vec<serde_json::Value>>) {
-    let job = write_job(dir, text);
-    let peers = free_addrs(world);
-    let mut ranks: Vec<Rank> = (1..world)
-        .map(|r| spawn_rank(&job, r, &peers, dir))
-        .collect();
-    before_rank0(&peers);
-    ranks.insert(0, spawn_rank(&job, 0, &peers, dir));
-    for r in &mut ranks {
-        let status = r
-            .wait(Duration::from_secs(120))
-            .unwrap_or_else(|| panic!("rank {} did not finish", r.rank));
-        assert!(status.success(), "rank {} failed:\n{}", r.rank, r.stderr());
-    }
+    let ranks = common::procs::run_ranks(dir, text, world, before_rank0);
     let model = Tensor::read_safetensors(dir.join("ckpt/step-10/model.safetensors")).unwrap();
     (model, ranks.iter().map(|r| r.steps()).collect())
 }

@@ -34,7 +34,8 @@ pub struct DaemonConfig {
     /// Relative data paths in job specs are resolved under this folder.
     pub data_root: Option<PathBuf>,
     pub heartbeat: Duration,
-    /// Audit log of every committed window's sample indices (JSON lines).
+    /// Audit log: for every committed window, the sample indices this
+    /// worker's rank read in it (JSON lines).
     pub sample_log: Option<PathBuf>,
     /// Sleep after every micro-step (fault-injection tests).
     pub micro_step_delay: Option<Duration>,

@@ -50,8 +50,10 @@ pub struct RunOptions {
     /// Continue from LATEST when there is one, else start fresh (a rank
     /// joining a job that is being recovered).
     pub resume_if_present: bool,
-    /// Append every committed window's global sample indices (all ranks,
-    /// JSON lines) to this file: an audit of the data accounting.
+    /// Append, for every committed window, the sample indices this rank
+    /// read in it (recorded where the data reader fetched them; one JSON
+    /// line with job, step, epoch, rank, world and indices) to this file:
+    /// joined over all ranks' files, an audit of the data accounting.
     pub sample_log: Option<PathBuf>,
     /// Sleep this long after every micro-step (fault-injection tests and
     /// demos: it makes a small job last long enough to kill a rank in the

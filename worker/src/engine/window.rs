@@ -6,7 +6,6 @@ use super::{Engine, StepReport, Timing};
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::fused::GradPrep;
-use crate::sampler::WindowPlan;
 use crate::spec::{Normalize, OnNonfinite, SyncMode};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -26,6 +25,9 @@ pub(super) struct Window {
     comm: Duration,
     /// Collective byte counters when the window started.
     bytes_at_start: (u64, u64),
+    /// With a sample log: the data set indices this rank's reads fetched in
+    /// this window, recorded where the reader is called, in reading order.
+    read: Vec<i64>,
 }
 
 impl<C: Collective> Engine<C> {
@@ -38,12 +40,12 @@ impl<C: Collective> Engine<C> {
         self.grads.zero()
     }
 
-    fn indices_for(&mut self, epoch: u64) -> &[i64] {
+    /// Makes `epoch_indices` hold this rank's indices of `epoch`.
+    fn load_indices(&mut self, epoch: u64) {
         if self.epoch_indices.0 != epoch {
             let idx = self.shard.indices(self.collective.rank(), epoch);
             self.epoch_indices = (epoch, idx.into_iter().map(|i| i as i64).collect());
         }
-        &self.epoch_indices.1
     }
 
     /// Runs the next micro-step; on the window's last one also the sync step,
@@ -90,9 +92,16 @@ impl<C: Collective> Engine<C> {
     /// gradients add into `.grad`.
     fn forward_backward(&mut self, a: usize, b: usize) -> Result<()> {
         let epoch = self.state.epoch;
-        let idx = Tensor::from_slice(&self.indices_for(epoch)[a..b]);
-        let idx = idx.f_to_device(self.device).ctx("moving indices")?;
+        self.load_indices(epoch);
+        let read = &self.epoch_indices.1[a..b];
+        let idx = Tensor::from_slice(read)
+            .f_to_device(self.device)
+            .ctx("moving indices")?;
         let (x, y) = self.train.batch(&idx)?;
+        if self.opts.sample_log.is_some() {
+            // The audit's record: the indices the reader has just fetched.
+            self.window.read.extend_from_slice(read);
+        }
         let reduction = match self.spec.accumulation.normalize {
             Normalize::GlobalCount => Reduction::Sum,
             Normalize::Mean | Normalize::Sum => Reduction::Mean,
@@ -295,38 +304,29 @@ impl<C: Collective> Engine<C> {
         })
     }
 
-    /// Appends the global sample indices of the window being committed
-    /// (every rank's share, so any rank's line describes the whole window).
+    /// Appends one line for the window being committed: the sample
+    /// indices this rank read in it (recorded at each read, so a rank's
+    /// line is what it actually fetched, not a plan). The audit joins the
+    /// lines of every rank of a step.
     fn log_window(&mut self, path: &Path) -> Result<()> {
         use std::io::Write;
-        let epoch = self.state.epoch;
-        let (first, count) = (self.state.cursor as usize, self.window.micro);
-        let mut indices = Vec::new();
-        for r in 0..self.shard.world {
-            let plan = WindowPlan {
-                samples: self.shard.rank_len(r),
-                ..self.plan
-            };
-            let idx = self.shard.indices(r, epoch);
-            for m in first..first + count {
-                let (a, b) = plan.micro_batch_range(m);
-                indices.extend_from_slice(&idx[a..b]);
-            }
-        }
         let line = serde_json::json!({
             "job": self.spec.name,
             "step": self.state.step + 1,
-            "epoch": epoch,
+            "epoch": self.state.epoch,
             "rank": self.collective.rank(),
-            "world": self.shard.world,
-            "indices": indices,
+            "world": self.collective.world_size(),
+            "indices": self.window.read,
         });
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)
             .map_err(crate::error::io_err(path))?;
-        writeln!(f, "{line}").map_err(crate::error::io_err(path))
+        // One write of the whole line: a process killed meanwhile leaves
+        // whole lines only.
+        f.write_all(format!("{line}\n").as_bytes())
+            .map_err(crate::error::io_err(path))
     }
 }
 

@@ -99,6 +99,133 @@ pub fn spawn_rank(job: &Path, rank: usize, peers: &[String], dir: &Path) -> Rank
     }
 }
 
+/// Writes `text` to `dir/job.toml` and runs `world` ranks of it to the
+/// end: ranks 1.. first, then `before_rank0` (given the peers), then rank
+/// 0. Panics, with the rank's log, when a rank fails or runs past 120 s.
+pub fn run_ranks(
+    dir: &Path,
+    text: &str,
+    world: usize,
+    before_rank0: impl FnOnce(&[String]),
+) -> Vec<Rank> {
+    let job = dir.join("job.toml");
+    std::fs::write(&job, text).unwrap();
+    let peers = free_addrs(world);
+    let mut ranks: Vec<Rank> = (1..world)
+        .map(|r| spawn_rank(&job, r, &peers, dir))
+        .collect();
+    before_rank0(&peers);
+    ranks.insert(0, spawn_rank(&job, 0, &peers, dir));
+    for r in &mut ranks {
+        let status = r
+            .wait(Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("rank {} did not finish", r.rank));
+        assert!(status.success(), "rank {} failed:\n{}", r.rank, r.stderr());
+    }
+    ranks
+}
+
+/// `python -m torch.distributed.run` (torchrun) running `script` on
+/// `nproc` local ranks, its rendezvous on a loopback port that was free a
+/// moment ago; its own output goes to `dir/torchrun.log`. The script writes
+/// its pid to `dir/*.pid` files. Dropping it stops torchrun and its
+/// workers.
+pub struct Torchrun {
+    pub child: Child,
+    pub dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Torchrun {
+    pub fn start(python: &Path, script: &Path, nproc: usize, dir: &Path, args: &[&str]) -> Self {
+        let port = free_addrs(1)[0].rsplit(':').next().unwrap().to_string();
+        let log = dir.join("torchrun.log");
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new(python)
+            .args(["-m", "torch.distributed.run", "--nproc-per-node"])
+            .arg(nproc.to_string())
+            .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+            .arg(script)
+            .args(args)
+            .env("GLOO_SOCKET_IFNAME", "lo")
+            .env("OMP_NUM_THREADS", "1")
+            .stdout(Stdio::from(out.try_clone().unwrap()))
+            .stderr(Stdio::from(out))
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            dir: dir.to_path_buf(),
+            log,
+        }
+    }
+
+    /// Polls until torchrun exits or `limit` passes.
+    pub fn wait(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// torchrun's log and every rank's log (`*.log` in the folder).
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        for e in std::fs::read_dir(&self.dir).unwrap().flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "log") {
+                out += &format!(
+                    "--- {}\n{}\n",
+                    p.display(),
+                    std::fs::read_to_string(&p).unwrap_or_default()
+                );
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Torchrun {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // SIGTERM: torchrun stops its workers (each in a session of its
+            // own, so not reached by a signal to torchrun's group) itself.
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            if self.wait(Duration::from_secs(10)).is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        }
+        // Workers torchrun could not stop: their pid files, checked
+        // against /proc so that a reused pid is left alone.
+        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.extension().is_none_or(|x| x != "pid") {
+                continue;
+            }
+            let Some(pid) = std::fs::read_to_string(&p)
+                .ok()
+                .and_then(|s| s.trim().parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let ours = self.dir.display().to_string();
+            if String::from_utf8_lossy(&cmdline).contains(&ours) {
+                // SAFETY: kill(2) on a process running our script.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
 /// Polls `cond` until it holds or `limit` passes.
 pub fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;

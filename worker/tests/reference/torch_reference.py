@@ -1,9 +1,13 @@
 """PyTorch reference values for accrue's engine tests (run by the Rust tests
 with the project's virtual environment).
 
-  torch_reference.py clip OUT.safetensors
-      random gradients and what clip_grad_norm_ (2, inf) and clip_grad_value_
-      make of them
+  torch_reference.py clip-train DIR CONFIGS_JSON OUT_PREFIX
+      for each config: trains the e2e MLP from DIR/init.safetensors on
+      DIR/data.safetensors with one batch per
+      window (the union of what the W ranks read in it, in DistributedSampler
+      order), clip_grad_norm_ (norm_type 2 or inf) or clip_grad_value_, SGD
+      or Adam; writes OUT_PREFIX<i>.safetensors and prints, as JSON, each
+      step's total norm and how often clipping acted
   torch_reference.py sampler
       DistributedSampler index lists for several settings, as JSON
   torch_reference.py e2e-prepare DIR
@@ -44,31 +48,6 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DistributedSampler
 
 torch.use_deterministic_algorithms(True)
-
-
-def clip(out):
-    g = torch.Generator().manual_seed(7)
-    shapes = [(16, 8), (16,), (4, 16), (4,)]
-    tensors = {}
-    for case, scale in [("big", 3.0), ("small", 0.01)]:
-        grads = [torch.randn(s, generator=g) * scale for s in shapes]
-        for i, t in enumerate(grads):
-            tensors[f"{case}.grad.{i}"] = t.clone()
-        for norm_type, tag in [(2.0, "l2"), (float("inf"), "inf")]:
-            params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
-            for p, t in zip(params, grads):
-                p.grad = t.clone()
-            total = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0, norm_type=norm_type)
-            tensors[f"{case}.{tag}.total"] = total.reshape(1)
-            for i, p in enumerate(params):
-                tensors[f"{case}.{tag}.clipped.{i}"] = p.grad.clone()
-        params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
-        for p, t in zip(params, grads):
-            p.grad = t.clone()
-        torch.nn.utils.clip_grad_value_(params, clip_value=0.5)
-        for i, p in enumerate(params):
-            tensors[f"{case}.value.clipped.{i}"] = p.grad.clone()
-    save_file(tensors, out)
 
 
 def sampler():
@@ -351,6 +330,55 @@ def schedules(cfgs):
     print(json.dumps(out))
 
 
+def windows(n, world, k, b, seed, epoch):
+    """The samples of each window of `epoch`, as the engine's W ranks read
+    them: rank r takes DistributedSampler(rank=r)'s list in micro-batches of
+    b consecutive indices; a window is k micro-batches of every rank (the
+    epoch's last may be shorter)."""
+    lists = []
+    for r in range(world):
+        s = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=seed)
+        s.set_epoch(epoch)
+        lists.append(list(s))
+    micro = -(-max(len(l) for l in lists) // b)
+    for m in range(0, micro, k):
+        yield [i for l in lists for i in l[m * b:(m + k) * b]]
+
+
+def clip_train(d, cfgs, out_prefix):
+    data = load_file(f"{d}/data.safetensors")
+    x, y = data["x"], data["y"]
+    results = []
+    for i, cfg in enumerate(json.loads(cfgs)):
+        model = mlp()
+        model.load_state_dict(load_file(f"{d}/init.safetensors"))
+        params = list(model.parameters())
+        if cfg["optimizer"] == "sgd":
+            opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=0.9, weight_decay=0.01, foreach=False)
+        else:
+            opt = torch.optim.Adam(params, lr=cfg["lr"], weight_decay=0.01, foreach=False)
+        norms, clipped, clamped = [], 0, 0
+        for epoch in range(cfg["epochs"]):
+            for idx in windows(len(y), cfg["world"], cfg["k"], cfg["batch"], cfg["seed"], epoch):
+                idx = torch.tensor(idx)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                if "max_norm" in cfg:
+                    norm_type = float(cfg["norm_type"])
+                    total = torch.nn.utils.clip_grad_norm_(params, max_norm=cfg["max_norm"], norm_type=norm_type)
+                    clipped += int(total.item() > cfg["max_norm"])
+                else:
+                    # The engine reports the 2-norm before clip_grad_value_.
+                    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+                    clamped += sum(int((p.grad.abs() > cfg["clip_value"]).sum()) for p in params)
+                    torch.nn.utils.clip_grad_value_(params, clip_value=cfg["clip_value"])
+                norms.append(total.item())
+                opt.step()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{out_prefix}{i}.safetensors")
+        results.append({"norms": norms, "clipped_steps": clipped, "clamped_elements": clamped})
+    print(json.dumps(results))
+
+
 def script_export(d):
     """A TorchScript twin of the e2e MLP and its weights as safetensors."""
     torch.manual_seed(4)
@@ -361,8 +389,8 @@ def script_export(d):
 
 if __name__ == "__main__":
     cmd = sys.argv[1]
-    if cmd == "clip":
-        clip(sys.argv[2])
+    if cmd == "clip-train":
+        clip_train(sys.argv[2], sys.argv[3], sys.argv[4])
     elif cmd == "sampler":
         sampler()
     elif cmd == "e2e-prepare":
