@@ -39,16 +39,7 @@ impl Rank {
     }
     /// Polls until the process exits or `limit` passes.
     pub fn wait(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return Some(s);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_child(&mut self.child, limit)
     }
     /// The JSON step reports printed so far (with --json).
     pub fn steps(&self) -> Vec<serde_json::Value> {
@@ -162,16 +153,7 @@ impl Torchrun {
 
     /// Polls until torchrun exits or `limit` passes.
     pub fn wait(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return Some(s);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_child(&mut self.child, limit)
     }
 
     /// torchrun's log and every rank's log (`*.log` in the folder).
@@ -236,4 +218,18 @@ pub fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     cond()
+}
+
+/// Polls until `child` exits or `limit` passes.
+fn wait_child(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
