@@ -627,30 +627,39 @@ async fn a_rendezvous_that_cannot_complete_ends_within_connect_timeout() {
         total < generations as i64 * bound_ms,
         "{generations} rendezvous took {total} ms: {h:?}"
     );
-    // Both workers are free again: two W = 1 jobs run, one on each.
-    let mut ids = Vec::new();
-    for name in ["after-a", "after-b"] {
-        let j = c
-            .submit_job(v1::SubmitJobRequest {
-                spec: Some(spec(&job_toml(name, 1, 3, ""))),
+    // Both workers are free again (the one still connecting to the black
+    // hole when the job failed within connect_timeout of it): a long W = 1
+    // job runs on one, and meanwhile a short one on the other.
+    let submitter = c.clone();
+    let submit = |name: &str, steps: u64| {
+        let mut c = submitter.clone();
+        let text = job_toml(name, 1, steps, "");
+        async move {
+            c.submit_job(v1::SubmitJobRequest {
+                spec: Some(spec(&text)),
             })
             .await
             .unwrap()
-            .into_inner();
-        ids.push(j.id);
-    }
-    let mut ran_on = Vec::new();
-    for id in &ids {
-        let j = wait_state(
-            &mut c,
-            id,
-            &[JobState::Failed, JobState::Succeeded, JobState::Cancelled],
-            Duration::from_secs(60),
-        )
-        .await;
-        assert_eq!(j.state(), JobState::Succeeded, "{j:?}");
-        ran_on.extend(j.workers);
-    }
+            .into_inner()
+            .id
+        }
+    };
+    let long = submit("after-long", 1_000_000).await;
+    let running = wait_state(&mut c, &long, &[JobState::Running], Duration::from_secs(60)).await;
+    assert_eq!(running.state(), JobState::Running, "{running:?}");
+    let short = submit("after-short", 3).await;
+    let done = wait_state(
+        &mut c,
+        &short,
+        &[JobState::Failed, JobState::Succeeded, JobState::Cancelled],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(done.state(), JobState::Succeeded, "{done:?}");
+    let mut ran_on = [running.workers, done.workers].concat();
     ran_on.sort();
     assert_eq!(ran_on, ["rv0", "rv1"]);
+    c.cancel_job(v1::CancelJobRequest { id: long })
+        .await
+        .unwrap();
 }

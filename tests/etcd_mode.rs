@@ -608,7 +608,7 @@ async fn etcd_outage_loses_nothing() {
     );
     assert_eq!(
         listed,
-        [during.id.clone()],
+        [during.id.as_str()],
         "a refused submission was created"
     );
     let stored = named(
@@ -620,7 +620,7 @@ async fn etcd_outage_loses_nothing() {
     );
     assert_eq!(
         stored,
-        [during.id.clone()],
+        [during.id.as_str()],
         "a refused submission reached etcd"
     );
     let end = finish(&co.grpc, &job.id).await;

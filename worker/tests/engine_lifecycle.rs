@@ -209,7 +209,8 @@ fn a_writer_killed_mid_checkpoint_leaves_latest_complete() {
             .last()
             .copied()
             .unwrap_or(0);
-        while !(written(start + 3) && !temporaries(&ckpt).is_empty()) {
+        let writing = || written(start + 3) && !temporaries(&ckpt).is_empty();
+        while !writing() {
             assert!(
                 Instant::now() < deadline && writer.try_wait().unwrap().is_none(),
                 "no checkpoint being written within 60 s; see {}",
