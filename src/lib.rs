@@ -376,7 +376,18 @@ pub async fn watch(
                     None => println!("{text}"),
                 }
             }
-            None => {}
+            // The snapshot the stream opens with: where the job stands now
+            // (the only event for a job that has already ended).
+            None => {
+                if let Some(j) = &ev.job {
+                    let why = j.history.last().map_or("", |h| h.reason.as_str());
+                    let text = format!("{} {}: {why}", j.id, state_name(j.state()));
+                    match &bar {
+                        Some(b) => b.println(text),
+                        None => println!("{text}"),
+                    }
+                }
+            }
         }
     }
     if let Some(b) = bar {

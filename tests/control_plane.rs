@@ -652,3 +652,115 @@ async fn bad_specs_never_take_a_worker_out_of_service() {
         .unwrap();
     h.stop().await;
 }
+
+/// A rendezvous that cannot complete ends within `comm.connect_timeout_s`
+/// on every rank, never hangs: one member advertises a data address that
+/// accepts connections and never answers (a hung or misconfigured host),
+/// so neither rank can form the ring. Each generation is left within the
+/// bound, the job re-forms, fails after MAX_STALLED_REFORMS re-formations
+/// without a step, and both workers are free again and run the next jobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rendezvous_that_cannot_complete_ends_within_connect_timeout() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hole_addr = hole.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        // Accept and hold every connection, never saying a word.
+        let held: Vec<_> = hole.incoming().collect();
+        drop(held);
+    });
+    let _w = Workers(vec![
+        spawn_worker(&grpc, "rv0", d.path(), &[]),
+        spawn_worker(&grpc, "rv1", d.path(), &["--advertise-data", &hole_addr]),
+    ]);
+    let mut c = client(&grpc).await;
+    let comm = "[comm]\nconnect_timeout_s = 1\nrendezvous_timeout_s = 1";
+    let job = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("rv", 2, 5, comm))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let end = wait_state(
+        &mut c,
+        &job.id,
+        &[JobState::Failed, JobState::Succeeded, JobState::Cancelled],
+        Duration::from_secs(90),
+    )
+    .await;
+    assert_eq!(end.state(), JobState::Failed, "{end:?}");
+    assert!(
+        end.error
+            .contains("re-formations in a row without a committed step"),
+        "{}",
+        end.error
+    );
+    // Every generation left the rendezvous within the bound: connect_timeout
+    // (1 s) plus a margin for a loaded machine (before, the handshake's own
+    // 10 s read limit came on top).
+    let bound_ms = 4_000;
+    let h = &end.history;
+    let mut generations = 0;
+    for (i, t) in h.iter().enumerate() {
+        if t.to() != JobState::Rendezvous {
+            continue;
+        }
+        generations += 1;
+        let left = h.get(i + 1).expect("every rendezvous ends");
+        let took = left.at_unix_ms - t.at_unix_ms;
+        eprintln!(
+            "generation {generations}: left the rendezvous after {took} ms ({:?}: {})",
+            left.to(),
+            left.reason
+        );
+        assert!(took < bound_ms, "a rendezvous lasted {took} ms: {h:?}");
+    }
+    let reforms = accrue_coordinator::scheduler::MAX_STALLED_REFORMS as usize;
+    assert_eq!(generations, 1 + reforms, "{h:?}");
+    let first = h.iter().find(|t| t.to() == JobState::Rendezvous).unwrap();
+    let total = h.last().unwrap().at_unix_ms - first.at_unix_ms;
+    eprintln!("from the first rendezvous to failed: {total} ms");
+    // Nor did any re-formation wait on a rank stuck in the old rendezvous.
+    assert!(
+        total < generations as i64 * bound_ms,
+        "{generations} rendezvous took {total} ms: {h:?}"
+    );
+    // Both workers are free again (the one still connecting to the black
+    // hole when the job failed within connect_timeout of it): a long W = 1
+    // job runs on one, and meanwhile a short one on the other.
+    let submitter = c.clone();
+    let submit = |name: &str, steps: u64| {
+        let mut c = submitter.clone();
+        let text = job_toml(name, 1, steps, "");
+        async move {
+            c.submit_job(v1::SubmitJobRequest {
+                spec: Some(spec(&text)),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .id
+        }
+    };
+    let long = submit("after-long", 1_000_000).await;
+    let running = wait_state(&mut c, &long, &[JobState::Running], Duration::from_secs(60)).await;
+    assert_eq!(running.state(), JobState::Running, "{running:?}");
+    let short = submit("after-short", 3).await;
+    let done = wait_state(
+        &mut c,
+        &short,
+        &[JobState::Failed, JobState::Succeeded, JobState::Cancelled],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(done.state(), JobState::Succeeded, "{done:?}");
+    let mut ran_on = [running.workers, done.workers].concat();
+    ran_on.sort();
+    assert_eq!(ran_on, ["rv0", "rv1"]);
+    c.cancel_job(v1::CancelJobRequest { id: long })
+        .await
+        .unwrap();
+}

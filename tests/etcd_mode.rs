@@ -287,6 +287,24 @@ async fn job_in_etcd(etcd: &Etcd, cluster: &str, id: &str) -> Job {
     Job::decode(r.kvs()[0].value()).unwrap()
 }
 
+/// Every job etcd holds for `cluster`.
+async fn jobs_in_etcd(etcd: &Etcd, cluster: &str) -> Vec<Job> {
+    let mut c = etcd_client::Client::connect([etcd.url.as_str()], None)
+        .await
+        .unwrap();
+    let r = c
+        .get(
+            accrue_proto::layout::etcd::jobs_prefix(cluster),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    r.kvs()
+        .iter()
+        .map(|kv| Job::decode(kv.value()).unwrap())
+        .collect()
+}
+
 /// The job as etcd holds it once it is in `want` (the store writes to etcd
 /// from a thread of its own); fails after 10 s naming what etcd holds.
 async fn job_in_etcd_when(etcd: &Etcd, cluster: &str, id: &str, want: JobState) -> Job {
@@ -324,16 +342,28 @@ async fn follower_takes_over_when_the_leader_dies() {
         &coordinator_args(&etcd, "ha", d.path(), 2),
         &d.path().join("coord-b.log"),
     );
-    // The follower is not ready and answers with the leader's address.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The follower answers with the leader's address once it has lost its
+    // campaign (it read the leader key, naming A): from then on it could
+    // have been elected and was not, so it is not ready.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let err = client(&b.grpc)
+            .await
+            .list_jobs(v1::ListJobsRequest {})
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+        if err.message().contains(&a.grpc) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the follower never named the leader: {}",
+            err.message()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert!(!ready(&b.http).await);
-    let err = client(&b.grpc)
-        .await
-        .list_jobs(v1::ListJobsRequest {})
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), tonic::Code::Unavailable);
-    assert!(err.message().contains(&a.grpc), "{}", err.message());
     let mut w = Workers(vec![
         spawn_etcd_worker(&etcd, "ha", "h0", d.path()),
         spawn_etcd_worker(&etcd, "ha", "h1", d.path()),
@@ -443,24 +473,49 @@ async fn no_worker_trains_under_a_generation_etcd_has_not_recorded() {
     .await;
     assert_eq!(formed.state(), JobState::Rendezvous, "{formed:?}");
     assert!(metric_reads(&first.http, "accrue_held_messages 2").await);
-    // The whole job takes about a second once it runs: for two seconds
-    // nothing may commit.
-    let until = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < until {
-        match c.get_job(v1::GetJobRequest { id: job.id.clone() }).await {
-            Ok(j) => {
-                let j = j.into_inner();
-                assert_eq!(
-                    (j.state(), j.counters.unwrap_or_default().step),
-                    (JobState::Rendezvous, 0),
-                    "trained under a generation etcd does not hold"
-                );
-            }
-            // The replica could not renew its lease within the TTL and
-            // stepped down: it decides and commits nothing more.
-            Err(e) => assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}"),
-        }
+    // Evidence instead of a clock: with etcd away the replica cannot renew
+    // its lease (TTL 2 s), steps down and closes its worker streams. A
+    // stream delivers in order, so a worker that saw its stream end after
+    // the assignments were held would have logged an assignment first had
+    // one been sent: neither did, and neither formed a ring.
+    let logs = [d.path().join("g0.log"), d.path().join("g1.log")];
+    let read = |p: &PathBuf| std::fs::read_to_string(p).unwrap_or_default();
+    let held_at: Vec<usize> = logs.iter().map(|p| read(p).len()).collect();
+    let ended = |text: &str| {
+        text.contains("the coordinator closed the stream") || text.contains("attach stream failed")
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !logs
+        .iter()
+        .zip(&held_at)
+        .all(|(p, &at)| ended(&read(p)[at..]))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the replica did not close the worker streams after losing etcd; see {}",
+            d.path().display()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for p in &logs {
+        let text = read(p);
+        assert!(
+            !text.contains("assignment job=") && !text.contains("ring formed"),
+            "a worker was assigned a generation etcd does not hold:\n{text}"
+        );
+    }
+    // The replica decides nothing more (stepped down), or still reports
+    // the job unformed.
+    match c.get_job(v1::GetJobRequest { id: job.id.clone() }).await {
+        Ok(j) => {
+            let j = j.into_inner();
+            assert_eq!(
+                (j.state(), j.counters.unwrap_or_default().step),
+                (JobState::Rendezvous, 0),
+                "trained under a generation etcd does not hold"
+            );
+        }
+        Err(e) => assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}"),
     }
     drop(first); // SIGKILL
     etcd.spawn().await;
@@ -476,6 +531,14 @@ async fn no_worker_trains_under_a_generation_etcd_has_not_recorded() {
     assert!(cnt.total_steps > 0);
     assert_eq!((cnt.step, cnt.samples_seen), (cnt.total_steps, 2 * 384));
     job_in_etcd_when(&etcd, "gen", &job.id, JobState::Succeeded).await;
+    // The log lines looked for above are the ones a real assignment writes.
+    for p in &logs {
+        let text = read(p);
+        assert!(
+            text.contains("assignment job=") && text.contains("ring formed"),
+            "{text}"
+        );
+    }
 }
 
 /// etcd stopped for a few seconds and started again: the coordinator says
@@ -525,14 +588,41 @@ async fn etcd_outage_loses_nothing() {
         wait_ready(&co.http, true, Duration::from_secs(30)).await,
         "ready again by itself"
     );
-    let jobs = list_jobs(&co.grpc).await;
-    assert!(
-        jobs.iter().all(|j| !j.id.starts_with("during")),
-        "a refused submission was created: {:?}",
-        jobs.iter().map(|j| &j.id).collect::<Vec<_>>()
-    );
-    // Once etcd is back a submission is taken.
+    // Once etcd is back a submission is taken. It is acknowledged only
+    // once every write queued before it is in etcd (the store writes in
+    // order), so whatever the refused submission left queued (its record,
+    // its removal) has landed by now: neither etcd nor the coordinator
+    // holds any other job of that name.
     let during = submit(&co.grpc, spec("during", 1)).await;
+    let named = |ids: Vec<String>| -> Vec<String> {
+        ids.into_iter()
+            .filter(|id| id.starts_with("during"))
+            .collect()
+    };
+    let listed = named(
+        list_jobs(&co.grpc)
+            .await
+            .into_iter()
+            .map(|j| j.id)
+            .collect(),
+    );
+    assert_eq!(
+        listed,
+        [during.id.as_str()],
+        "a refused submission was created"
+    );
+    let stored = named(
+        jobs_in_etcd(&etcd, "out")
+            .await
+            .into_iter()
+            .map(|j| j.id)
+            .collect(),
+    );
+    assert_eq!(
+        stored,
+        [during.id.as_str()],
+        "a refused submission reached etcd"
+    );
     let end = finish(&co.grpc, &job.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     let cnt = end.counters.unwrap();

@@ -18,18 +18,14 @@ use tempfile::TempDir;
 /// One worker daemon with a sample log, slowed so a window lasts long
 /// enough to be interrupted.
 fn spawn_worker(grpc: &str, id: &str, dir: &Path) -> Child {
-    let log = std::fs::File::create(dir.join(format!("{id}.log"))).unwrap();
-    Command::new(worker_bin())
-        .args(["daemon", "--coordinator", &format!("http://{grpc}")])
-        .args(["--id", id, "--heartbeat", "0.2"])
-        .args(["--micro-step-delay-ms", "12"])
-        .arg("--sample-log")
-        .arg(dir.join(format!("samples-{id}.jsonl")))
-        .env("RUST_LOG", "info")
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap()
+    let samples = dir.join(format!("samples-{id}.jsonl"));
+    let samples = samples.to_str().unwrap();
+    common::spawn_worker(
+        grpc,
+        id,
+        dir,
+        &["--micro-step-delay-ms", "12", "--sample-log", samples],
+    )
 }
 
 fn spawn_all(grpc: &str, ids: &[&str], dir: &Path) -> Workers {

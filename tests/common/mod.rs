@@ -36,27 +36,26 @@ impl Drop for Workers {
 
 /// Starts `n` worker daemons attached to `grpc`, logging into `dir`.
 pub fn start_workers(grpc: &str, n: usize, dir: &Path, prefix: &str) -> Workers {
-    let mut out = Vec::new();
-    for i in 0..n {
-        let log = std::fs::File::create(dir.join(format!("{prefix}{i}.log"))).unwrap();
-        out.push(
-            Command::new(worker_bin())
-                .args([
-                    "daemon",
-                    "--coordinator",
-                    &format!("http://{grpc}"),
-                    "--id",
-                    &format!("{prefix}{i}"),
-                ])
-                .args(["--heartbeat", "0.2"])
-                .env("RUST_LOG", "info")
-                .stdout(log.try_clone().unwrap())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
-        );
-    }
-    Workers(out)
+    Workers(
+        (0..n)
+            .map(|i| spawn_worker(grpc, &format!("{prefix}{i}"), dir, &[]))
+            .collect(),
+    )
+}
+
+/// One worker daemon `id` attached to `grpc` (heartbeat 0.2 s, `extra`
+/// flags after the others), logging into `dir/<id>.log`.
+pub fn spawn_worker(grpc: &str, id: &str, dir: &Path, extra: &[&str]) -> Child {
+    let log = std::fs::File::create(dir.join(format!("{id}.log"))).unwrap();
+    Command::new(worker_bin())
+        .args(["daemon", "--coordinator", &format!("http://{grpc}")])
+        .args(["--id", id, "--heartbeat", "0.2"])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap()
 }
 
 pub async fn client(grpc: &str) -> JobServiceClient<Channel> {

@@ -38,6 +38,10 @@ struct DaemonArgs {
     /// Data-plane listener (port 0: any free port).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen_data: String,
+    /// The data-plane address other workers connect to (default: the
+    /// listener's address; needed when --listen-data is 0.0.0.0:PORT).
+    #[arg(long)]
+    advertise_data: Option<String>,
     /// Device for every job (auto, cpu, cuda:N); default: the job's own.
     #[arg(long)]
     device: Option<String>,
@@ -217,6 +221,7 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
             .id
             .unwrap_or_else(|| format!("worker-{}-{}", host.trim(), std::process::id())),
         listen_data: d.listen_data,
+        advertise_data: d.advertise_data,
         device: d.device,
         threads: d.threads,
         data_root: d.data_root,

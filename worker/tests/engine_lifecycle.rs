@@ -62,8 +62,10 @@ fn resume_continues_exactly() {
     );
 }
 
+/// Layout, keep and LATEST of a run that ends normally (atomicity under a
+/// kill: `a_writer_killed_mid_checkpoint_leaves_latest_complete`).
 #[test]
-fn checkpoint_layout_atomic_keep_and_latest() {
+fn checkpoint_layout_keep_and_latest() {
     let dir = TempDir::new().unwrap();
     let mut e = engine(spec(&adam_job(80)), dir.path());
     let mut written = Vec::new();
@@ -121,6 +123,178 @@ fn checkpoint_layout_atomic_keep_and_latest() {
         "parameters in module order"
     );
     assert!(w.equal(&e.parameters()[0].1.detach()));
+}
+
+/// A job whose checkpoints are large next to its steps (1.1 M parameters
+/// with AdamW state, 13 MB per checkpoint; b = 2): the writer spends most
+/// of its time in `checkpoint::write`, so a kill lands there.
+const BIG_CHECKPOINTS: &str = r#"
+name = "atomic"
+seed = 1
+max_steps = 1000000
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [1024, 1024]
+[data]
+kind = "synthetic"
+samples = 4096
+eval_samples = 16
+shape = [64]
+classes = 4
+batch_size = 2
+[accumulation]
+steps = 1
+[optimizer]
+kind = "adamw"
+lr = 0.001
+[checkpoint]
+every_steps = 1
+keep = 2
+"#;
+
+/// The temporary folders of checkpoints being written in `dir`.
+fn temporaries(dir: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    let n = p.file_name().unwrap().to_string_lossy();
+                    n.starts_with(".step-") && n.contains(".tmp-")
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Atomicity under a real crash: an `accrue-worker train` process writing
+/// a checkpoint every step is killed with SIGKILL while one is being
+/// written (its temporary folder is there, and still is after the kill).
+/// LATEST names a complete checkpoint that loads, every `step-N` folder is
+/// complete, the half-written folder is not taken for a checkpoint, and a
+/// resumed engine starts from LATEST's step.
+#[test]
+fn a_writer_killed_mid_checkpoint_leaves_latest_complete() {
+    use accrue_worker::checkpoint;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let d = TempDir::new().unwrap();
+    let job = d.path().join("job.toml");
+    std::fs::write(&job, BIG_CHECKPOINTS).unwrap();
+    let ckpt = d.path().join("ckpt");
+    let mut hit = None;
+    for attempt in 0..5 {
+        let log = std::fs::File::create(d.path().join(format!("writer{attempt}.log"))).unwrap();
+        let mut writer = Command::new(env!("CARGO_BIN_EXE_accrue-worker"))
+            .arg("train")
+            .arg(&job)
+            .arg("--checkpoint-dir")
+            .arg(&ckpt)
+            .args(if attempt > 0 { &["--resume"][..] } else { &[] })
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        // Some complete checkpoints first, then the next write in progress.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let written = |min: u64| {
+            checkpoint::list_steps(&ckpt)
+                .unwrap()
+                .last()
+                .is_some_and(|&s| s >= min)
+        };
+        let start = checkpoint::list_steps(&ckpt)
+            .unwrap()
+            .last()
+            .copied()
+            .unwrap_or(0);
+        let writing = || written(start + 3) && !temporaries(&ckpt).is_empty();
+        while !writing() {
+            assert!(
+                Instant::now() < deadline && writer.try_wait().unwrap().is_none(),
+                "no checkpoint being written within 60 s; see {}",
+                d.path().display()
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        writer.kill().unwrap(); // SIGKILL
+        writer.wait().unwrap();
+        let tmp = temporaries(&ckpt);
+        if !tmp.is_empty() {
+            hit = Some(tmp);
+            break;
+        }
+        eprintln!("attempt {attempt}: the write had ended before the kill; again");
+    }
+    let tmp = hit.expect("no kill landed while a checkpoint was written in 5 attempts");
+    let partial: Vec<(String, u64)> = std::fs::read_dir(&tmp[0])
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                e.metadata().unwrap().len(),
+            )
+        })
+        .collect();
+    eprintln!("killed while writing {}: {partial:?}", tmp[0].display());
+    // LATEST names a complete checkpoint, and it loads.
+    let latest = std::fs::read_to_string(ckpt.join(checkpoint::LATEST)).unwrap();
+    let loaded = checkpoint::read_latest(&ckpt)
+        .unwrap_or_else(|e| panic!("LATEST ({}) does not load: {e}", latest.trim()))
+        .expect("LATEST exists");
+    assert_eq!(
+        loaded.path.file_name().unwrap().to_string_lossy(),
+        latest.trim()
+    );
+    assert_eq!(format!("step-{}", loaded.state.step), latest.trim());
+    let shapes: Vec<(String, Vec<i64>)> = loaded
+        .model
+        .iter()
+        .map(|(n, t)| (n.clone(), t.size()))
+        .collect();
+    for (name, shape) in [
+        ("0.weight", vec![1024, 64]),
+        ("2.weight", vec![1024, 1024]),
+        ("4.weight", vec![4, 1024]),
+        ("4.bias", vec![4]),
+    ] {
+        assert!(
+            shapes.contains(&(name.to_string(), shape.clone())),
+            "{name} {shape:?} missing from {shapes:?}"
+        );
+    }
+    assert_eq!(loaded.model.len(), 6);
+    assert_eq!(
+        loaded.optimizer.len(),
+        2 * 6,
+        "AdamW keeps two tensors per parameter"
+    );
+    // Every checkpoint by name is complete; the half-written one has none.
+    let steps = checkpoint::list_steps(&ckpt).unwrap();
+    assert!(steps.contains(&loaded.state.step), "{steps:?}");
+    for s in &steps {
+        let c = checkpoint::read(&ckpt.join(format!("step-{s}"))).unwrap();
+        assert_eq!(c.state.step, *s);
+    }
+    let tmp_name = tmp[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        !latest.contains(&tmp_name) && !latest.contains("tmp"),
+        "LATEST names the temporary folder: {latest}"
+    );
+    // The real resume path takes LATEST's step.
+    let resumed = Engine::new(
+        spec(BIG_CHECKPOINTS),
+        SingleRank,
+        RunOptions {
+            checkpoint_dir: Some(ckpt.clone()),
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(resumed.state().step, loaded.state.step);
 }
 
 #[test]

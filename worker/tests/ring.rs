@@ -376,3 +376,196 @@ fn a_job_id_too_long_for_the_hello_is_refused_before_connecting() {
         })
     );
 }
+
+/// A listener that accepts connections and never says a word (a peer whose
+/// data port is open but whose process hangs, or a port something else
+/// holds): the connections are kept open until the returned flag is set.
+fn black_hole() -> (String, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.set_nonblocking(true).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let stop = done.clone();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        while !stop.load(Ordering::SeqCst) {
+            match l.accept() {
+                Ok((s, _)) => held.push(s),
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    (addr, done)
+}
+
+/// A port nothing listens on (connections are refused).
+fn closed_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// The rendezvous is bounded by connect_timeout whatever the other rank
+/// does: a peer that accepts and never answers the hello, or a port that
+/// refuses, is a setup error once the timeout has passed, not a hang (the
+/// handshake's own 10 s read limit used to come on top of it).
+#[test]
+fn a_rendezvous_with_an_unanswering_peer_fails_within_connect_timeout() {
+    let (hole, stop) = black_hole();
+    for (what, peer) in [("a silent peer", hole), ("a closed port", closed_port())] {
+        let l = bind("127.0.0.1:0").unwrap();
+        let me = l.local_addr().unwrap().to_string();
+        let mut cfg = config(0, 2, &[me, peer], 64);
+        cfg.connect_timeout = Duration::from_secs(1);
+        let started = Instant::now();
+        let err = TcpRing::start(Some(l), cfg).err().expect("cannot form");
+        let took = started.elapsed();
+        eprintln!("{what}: failed after {took:?}: {err}");
+        assert!(matches!(err, CommError::Setup(_)), "{what}: {err:?}");
+        assert!(err.to_string().contains("rank 1"), "{what}: {err}");
+        assert!(
+            took >= Duration::from_millis(900) && took < Duration::from_secs(4),
+            "{what}: the rendezvous ended after {took:?} (connect_timeout 1 s)"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Threads of this process whose name starts with `prefix` (Linux names
+/// are cut at 15 bytes).
+fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|n| n.starts_with(prefix))
+        .count()
+}
+
+/// Whether the other end has closed `s` (non-blocking; data is drained).
+fn closed_by_peer(s: &mut TcpStream) -> bool {
+    use std::io::Read;
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Many idle connections on a rank's data port (no hello ever sent): at
+/// most `max_pending_handshakes` of them get a handshake thread, the rest
+/// are closed at once, the ones in progress are cut at the handshake
+/// deadline, and the real ring forms meanwhile with all of them still open
+/// on the client side.
+#[test]
+fn idle_connections_are_bounded_and_the_ring_still_forms() {
+    const IDLE: usize = 200;
+    let (mut ls, addrs) = listeners(2);
+    let (l1, l0) = (ls.pop().unwrap(), ls.pop().unwrap());
+    let ring_cfg = |rank| {
+        let mut c = config(rank, 2, &addrs, 1 << 20);
+        c.connect_timeout = Duration::from_secs(30);
+        c.handshake_timeout = Duration::from_secs(1);
+        c
+    };
+    let cfg0 = ring_cfg(0);
+    let limit = cfg0.max_pending_handshakes;
+    assert_eq!(limit, accrue_worker::comm::ring::MAX_PENDING_HANDSHAKES);
+    let rank0 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l0), cfg0).unwrap();
+        let mut buf = vec![2.0f32; 5];
+        ring.all_reduce(&mut buf).unwrap();
+        buf
+    });
+    let mut idle: Vec<TcpStream> = (0..IDLE)
+        .map(|_| {
+            let s = TcpStream::connect(&addrs[0]).unwrap();
+            s.set_nonblocking(true).unwrap();
+            s
+        })
+        .collect();
+    // Rank 1 joins while the idle connections hold every place.
+    let cfg1 = ring_cfg(1);
+    let formed = Instant::now();
+    let rank1 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l1), cfg1).unwrap();
+        let took = formed.elapsed();
+        let mut buf = vec![1.0f32; 5];
+        ring.all_reduce(&mut buf).unwrap();
+        (buf, took)
+    });
+    // Until the server has closed every idle connection (refused at once,
+    // or cut at the deadline), count the handshake threads.
+    let mut most = 0;
+    let mut refused_at_once = None;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        most = most.max(threads_named("accrue-ring-han"));
+        let closed = idle.iter_mut().map(closed_by_peer).filter(|&c| c).count();
+        if closed >= IDLE - limit && refused_at_once.is_none() {
+            refused_at_once = Some(formed.elapsed());
+        }
+        if closed == IDLE {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{closed} of {IDLE} idle connections closed after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (sum1, took) = rank1.join().unwrap();
+    assert_eq!(sum1, vec![3.0; 5]);
+    assert_eq!(rank0.join().unwrap(), vec![3.0; 5]);
+    eprintln!(
+        "at most {most} handshake threads for {IDLE} idle connections; {} refused after {:?}; the ring formed after {took:?}",
+        IDLE - limit,
+        refused_at_once.unwrap()
+    );
+    // Other tests of this binary run meanwhile and may hold a few.
+    assert!(
+        most > 0 && most <= limit + 8,
+        "{most} handshake threads at once (limit {limit})"
+    );
+    assert!(took < Duration::from_secs(15), "the ring took {took:?}");
+}
+
+/// A client that sends its hello a byte at a time (each read well within
+/// any per-read timeout) is cut when the handshake's deadline passes.
+#[test]
+fn a_slow_handshake_is_cut_at_its_deadline() {
+    use std::io::Write as _;
+    let l = bind("127.0.0.1:0").unwrap();
+    let me = l.local_addr().unwrap().to_string();
+    let mut cfg = config(1, 2, &[closed_port(), me.clone()], 64);
+    cfg.connect_timeout = Duration::from_secs(3);
+    cfg.handshake_timeout = Duration::from_secs(1);
+    let rank1 = std::thread::spawn(move || TcpRing::start(Some(l), cfg).err());
+    let mut s = TcpStream::connect(&me).unwrap();
+    s.set_nonblocking(true).unwrap();
+    let hello = Hello {
+        rank: 0,
+        generation: 0,
+        job: "job-a".into(),
+    }
+    .encode()
+    .unwrap();
+    // The hello, then a proof, a byte every 100 ms: about 6 s in all.
+    let bytes: Vec<u8> = hello.into_iter().chain([0u8; 32]).collect();
+    let started = Instant::now();
+    let mut cut = None;
+    for b in bytes {
+        if closed_by_peer(&mut s) || s.write_all(&[b]).is_err() {
+            cut = Some(started.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let cut = cut.expect("the slow handshake was never cut");
+    eprintln!("a byte-at-a-time handshake was cut after {cut:?}");
+    assert!(cut < Duration::from_secs(4), "cut after {cut:?}");
+    assert!(rank1.join().unwrap().is_some());
+}

@@ -14,7 +14,7 @@ use super::chunks::{self, chunk_range};
 use super::wire::{self, Header, Hello, Kind, HEADER_LEN};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -32,11 +32,25 @@ pub struct RingConfig {
     pub secret: Vec<u8>,
     /// A peer silent for this long during an operation is lost.
     pub timeout: Duration,
-    /// How long to wait for the ring to form.
+    /// How long to wait for the ring to form: one deadline for connecting
+    /// to the next rank (handshake included) and being joined by the
+    /// previous one.
     pub connect_timeout: Duration,
     /// Largest frame payload accepted (and sent), in bytes.
     pub max_frame_bytes: usize,
+    /// Incoming data-plane connections that have not completed the
+    /// handshake, at most; more are closed at once (and logged).
+    pub max_pending_handshakes: usize,
+    /// The whole handshake of an incoming connection must end within this
+    /// (a slow or silent client is dropped, freeing its place).
+    pub handshake_timeout: Duration,
 }
+
+/// Default of [`RingConfig::max_pending_handshakes`].
+pub const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// Default of [`RingConfig::handshake_timeout`].
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl RingConfig {
     pub fn new(
@@ -56,6 +70,8 @@ impl RingConfig {
             timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(60),
             max_frame_bytes: 1 << 20,
+            max_pending_handshakes: MAX_PENDING_HANDSHAKES,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
         }
     }
 
@@ -216,6 +232,9 @@ impl TcpRing {
                 cfg.world
             )));
         }
+        // Forming the ring (both links) ends by this deadline, whatever the
+        // peers do: a peer that never answers is an error, never a hang.
+        let deadline = Instant::now() + cfg.connect_timeout;
         let cfg = Arc::new(cfg);
         let counters = Arc::new(Counters::default());
         let closing = Arc::new(AtomicBool::new(false));
@@ -247,8 +266,9 @@ impl TcpRing {
             prev_tx,
             closing.clone(),
         )?);
-        let next = connect_next(&cfg)?;
-        let prev = prev_rx.recv_timeout(cfg.connect_timeout).map_err(|_| {
+        let next = connect_next(&cfg, deadline)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let prev = prev_rx.recv_timeout(left).map_err(|_| {
             CommError::Setup(format!(
                 "rank {} ({}) did not connect within {:?}",
                 cfg.prev(),
@@ -481,7 +501,11 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 
 /// Accepts connections for the whole life of the ring: the first one that
 /// proves it is the previous rank of this job and generation becomes the
-/// ring's input; everything else is refused and logged.
+/// ring's input; everything else is refused and logged. Each handshake runs
+/// on a thread of its own, at most `max_pending_handshakes` at once (more
+/// connections are closed at once) and each within `handshake_timeout`, so
+/// idle or slow clients can neither exhaust threads nor hold a place for
+/// long.
 fn spawn_acceptor(
     listener: TcpListener,
     cfg: Arc<RingConfig>,
@@ -490,18 +514,41 @@ fn spawn_acceptor(
 ) -> Result<JoinHandle<()>, CommError> {
     spawn("accrue-ring-accept", move || {
         let taken = Arc::new(AtomicBool::new(false));
+        let pending = Arc::new(AtomicUsize::new(0));
+        let mut refused: u64 = 0;
         for conn in listener.incoming() {
             if closing.load(Ordering::SeqCst) {
                 break;
             }
-            let Ok(mut s) = conn else { continue };
+            let mut s = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    // E.g. out of file descriptors: do not spin on it.
+                    tracing::warn!(error = %e, "data-plane accept failed");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            let Some(slot) = Slot::take(&pending, cfg.max_pending_handshakes) else {
+                refused += 1;
+                // Logged once per burst size, not once per connection.
+                if refused.is_power_of_two() {
+                    let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                    tracing::warn!(%peer, refused, limit = cfg.max_pending_handshakes, "refused data-plane connection: too many handshakes in progress");
+                }
+                let _ = s.shutdown(Shutdown::Both);
+                continue;
+            };
             let (cfg, tx, taken) = (cfg.clone(), prev_tx.clone(), taken.clone());
+            // If the thread cannot start, the closure (and the slot and
+            // socket in it) is dropped: the connection closes, the place frees.
             let _ = std::thread::Builder::new().name("accrue-ring-handshake".into()).spawn(move || {
+                let _slot = slot;
                 let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                let limit = cfg.timeout.min(Duration::from_secs(10));
-                s.set_read_timeout(Some(limit)).ok();
-                s.set_write_timeout(Some(limit)).ok();
-                match wire::handshake_accept(&mut s, &cfg.secret, &cfg.job, cfg.generation, cfg.prev() as u32) {
+                let limit = cfg.handshake_timeout.min(cfg.timeout);
+                let mut d = Deadline::new(&mut s, limit);
+                let r = wire::handshake_accept(&mut d, &cfg.secret, &cfg.job, cfg.generation, cfg.prev() as u32);
+                match r {
                     Ok(_) if !taken.swap(true, Ordering::SeqCst) => {
                         let _ = tx.send(s);
                     }
@@ -513,38 +560,116 @@ fn spawn_acceptor(
     })
 }
 
-fn connect_next(cfg: &RingConfig) -> Result<TcpStream, CommError> {
+/// A place among the handshakes in progress; freed on drop.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(pending: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        pending
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(pending.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A stream whose every read and write ends by one deadline (a per-call
+/// timeout alone would let a peer that sends a byte at a time hold it
+/// forever).
+struct Deadline<'a> {
+    s: &'a mut TcpStream,
+    end: Instant,
+}
+
+impl<'a> Deadline<'a> {
+    fn new(s: &'a mut TcpStream, limit: Duration) -> Self {
+        Self {
+            s,
+            end: Instant::now() + limit,
+        }
+    }
+
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the handshake's deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_read_timeout(Some(left))?;
+        self.s.read(buf).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no answer before the handshake's deadline",
+            ),
+            _ => e,
+        })
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_write_timeout(Some(left))?;
+        self.s.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.s.flush()
+    }
+}
+
+/// Connects to the next rank and completes the handshake, retrying (a
+/// peer may not listen yet, or still be on the previous generation) until
+/// `deadline`; every attempt, connect and handshake included, ends by it.
+fn connect_next(cfg: &RingConfig, deadline: Instant) -> Result<TcpStream, CommError> {
     let next = cfg.next();
     let addr_s = cfg.addr(next);
-    let deadline = Instant::now() + cfg.connect_timeout;
     let mut backoff = Duration::from_millis(10);
-    let last_err = loop {
-        let attempt = resolve(&addr_s).and_then(|addr| {
-            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| {
-                CommError::Setup(format!("connecting to rank {next} at {addr_s}: {e}"))
-            })?;
-            s.set_read_timeout(Some(Duration::from_secs(10))).ok();
-            s.set_write_timeout(Some(Duration::from_secs(10))).ok();
+    let mut last_err = String::from("no attempt was made");
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let attempt = (|| {
+            let addr = resolve(&addr_s).map_err(|e| e.to_string())?;
+            let mut s = TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(2)))
+                .map_err(|e| format!("connecting to rank {next} at {addr_s}: {e}"))?;
             let hello = Hello {
                 rank: cfg.rank as u32,
                 generation: cfg.generation,
                 job: cfg.job.clone(),
             };
-            wire::handshake_connect(&mut s, &cfg.secret, &hello).map_err(|e| {
-                CommError::Setup(format!("handshake with rank {next} at {addr_s}: {e}"))
-            })?;
-            Ok(s)
-        });
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut d = Deadline::new(&mut s, left.min(HANDSHAKE_TIMEOUT));
+            wire::handshake_connect(&mut d, &cfg.secret, &hello)
+                .map_err(|e| format!("handshake with rank {next} at {addr_s}: {e}"))?;
+            Ok::<_, String>(s)
+        })();
         match attempt {
             Ok(s) => return Ok(s),
-            Err(e) if Instant::now() >= deadline => break e,
             // A refusal is retried too: while a ring re-forms, the peer may
             // still be on the previous generation for a moment.
-            Err(_) => {}
+            Err(e) => last_err = e,
         }
-        std::thread::sleep(backoff);
+        std::thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
         backoff = (backoff * 2).min(Duration::from_millis(200));
-    };
+    }
     Err(CommError::Setup(format!(
         "no connection to rank {next} within {:?}: {last_err}",
         cfg.connect_timeout

@@ -26,6 +26,10 @@ pub struct DaemonConfig {
     pub worker_id: String,
     /// Data-plane listener, host:port (port 0: any free port).
     pub listen_data: String,
+    /// The data-plane address peers are told to connect to (default: the
+    /// listener's own address; set it when listening on 0.0.0.0, or behind
+    /// NAT, to an address the other workers can reach).
+    pub advertise_data: Option<String>,
     /// Overrides the jobs' device (cpu, cuda:N, auto).
     pub device: Option<String>,
     /// libtorch intra-op threads for jobs whose spec sets none (None:
@@ -547,13 +551,21 @@ pub async fn run_until(
         addr: cfg.listen_data.clone(),
         source,
     })?;
-    let data_addr = listener
+    let local = listener
         .local_addr()
         .map_err(|source| DaemonError::Listen {
             addr: cfg.listen_data.clone(),
             source,
-        })?
-        .to_string();
+        })?;
+    let data_addr = match &cfg.advertise_data {
+        Some(a) => a.clone(),
+        None => {
+            if local.ip().is_unspecified() {
+                tracing::warn!(%local, "the data plane listens on every interface and advertises {local}, which workers on other hosts cannot reach: pass --advertise-data HOST:PORT");
+            }
+            local.to_string()
+        }
+    };
     if !cfg.etcd.is_empty() {
         let info = serde_json::json!({
             "data_addr": data_addr,

@@ -31,6 +31,7 @@ fn cfg() -> DaemonConfig {
         coordinator: "http://127.0.0.1:1".into(),
         worker_id: "w".into(),
         listen_data: "127.0.0.1:0".into(),
+        advertise_data: None,
         device: None,
         threads: None,
         data_root: None,
