@@ -244,23 +244,13 @@ fn two_processes_on_cuda_equal_pytorch_on_cuda() {
     let d = TempDir::new().unwrap();
     let dp = d.path();
     torch_reference(&["e2e-prepare", dp.to_str().unwrap()]);
-    let text = format!(
-        r#"
-name = "dist-cuda"
-seed = 11
-epochs = 3
-device = "cuda:0"
-threads = 1
-[model]
-kind = "mlp"
-hidden = [16, 12]
-init = "{d}/init.safetensors"
-[data]
-kind = "tensors"
-path = "{d}/data.safetensors"
-batch_size = 8
-shuffle = true
-[accumulation]
+    let text = tensors_mlp_job(
+        "dist-cuda",
+        dp,
+        "cuda:0",
+        3,
+        8,
+        r#"[accumulation]
 steps = 2
 [clipping]
 max_norm = 0.5
@@ -274,7 +264,6 @@ nesterov = true
 timeout_s = 30
 connect_timeout_s = 60
 "#,
-        d = dp.display()
     );
     let job = write_job(dp, &text);
     let peers = free_addrs(2);

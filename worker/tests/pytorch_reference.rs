@@ -117,23 +117,14 @@ impl ClipCase {
         } else {
             "weight_decay = 0.01"
         };
-        format!(
-            r#"
-name = "clip"
-seed = 11
-epochs = 2
-device = "cpu"
-threads = 1
-[model]
-kind = "mlp"
-hidden = [16, 12]
-init = "{d}/init.safetensors"
-[data]
-kind = "tensors"
-path = "{d}/data.safetensors"
-batch_size = {b}
-shuffle = true
-[accumulation]
+        tensors_mlp_job(
+            "clip",
+            d,
+            "cpu",
+            2,
+            self.batch() as u64,
+            &format!(
+                r#"[accumulation]
 steps = 4
 [clipping]
 {clip}
@@ -145,10 +136,9 @@ lr = {lr}
 timeout_s = 20
 connect_timeout_s = 30
 "#,
-            d = d.display(),
-            b = self.batch(),
-            opt = self.optimizer,
-            lr = self.lr(),
+                opt = self.optimizer,
+                lr = self.lr()
+            ),
         )
     }
 
@@ -355,23 +345,14 @@ fn two_workers_equal_pytorch_ddp_no_sync() {
     let runs: Vec<_> = ["mean", "global_count"]
         .iter()
         .map(|normalize| {
-            let text = format!(
-                r#"
-name = "ddp"
-seed = 11
-epochs = 2
-device = "cpu"
-threads = 1
-[model]
-kind = "mlp"
-hidden = [16, 12]
-init = "{d}/init.safetensors"
-[data]
-kind = "tensors"
-path = "{d}/data.safetensors"
-batch_size = 4
-shuffle = true
-[accumulation]
+            let text = tensors_mlp_job(
+                "ddp",
+                d,
+                "cpu",
+                2,
+                4,
+                &format!(
+                    r#"[accumulation]
 steps = 4
 normalize = "{normalize}"
 [clipping]
@@ -384,8 +365,8 @@ weight_decay = {weight_decay}
 [comm]
 timeout_s = 20
 connect_timeout_s = 30
-"#,
-                d = d.display()
+"#
+                ),
             );
             let out = d.join(format!("accrue-{normalize}"));
             std::fs::create_dir_all(&out).unwrap();
@@ -551,23 +532,14 @@ fn e2e(kind: &str, optimizer: &str, lr: f64, cfg_extra: &str, device: &str) -> f
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     torch_reference(&["e2e-prepare", d.to_str().unwrap()]);
-    let job = format!(
-        r#"
-name = "e2e"
-seed = 11
-epochs = 3
-device = "{device}"
-threads = 1
-[model]
-kind = "mlp"
-hidden = [16, 12]
-init = "{d}/init.safetensors"
-[data]
-kind = "tensors"
-path = "{d}/data.safetensors"
-batch_size = 8
-shuffle = true
-[accumulation]
+    let job = tensors_mlp_job(
+        "e2e",
+        d,
+        device,
+        3,
+        8,
+        &format!(
+            r#"[accumulation]
 steps = 4
 [clipping]
 max_norm = 0.5
@@ -575,8 +547,8 @@ max_norm = 0.5
 kind = "{kind}"
 lr = {lr}
 {optimizer}
-"#,
-        d = d.display()
+"#
+        ),
     );
     let ckpt = d.join("ckpt");
     let mut e = engine(spec(&job), &ckpt);

@@ -125,3 +125,36 @@ weight_decay = 0.001
 "#
     )
 }
+
+/// The head of a job training the reference MLP ([16, 12], weights from
+/// `d`/init.safetensors) on `d`/data.safetensors, shuffled, one thread:
+/// the tables that follow ([accumulation], [clipping], [optimizer], ...)
+/// come from `rest`.
+pub fn tensors_mlp_job(
+    name: &str,
+    d: &Path,
+    device: &str,
+    epochs: u64,
+    batch: u64,
+    rest: &str,
+) -> String {
+    format!(
+        r#"
+name = "{name}"
+seed = 11
+epochs = {epochs}
+device = "{device}"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [16, 12]
+init = "{d}/init.safetensors"
+[data]
+kind = "tensors"
+path = "{d}/data.safetensors"
+batch_size = {batch}
+shuffle = true
+{rest}"#,
+        d = d.display()
+    )
+}
