@@ -64,7 +64,10 @@ momentum = 0.9
 weight_decay = 0.0001
 [comm]
 timeout_s = 10
-connect_timeout_s = 10
+# Reached only if a ring cannot form; generous, since on a loaded 2-core
+# machine a re-forming peer can take seconds to open its side (once, a
+# 10 s bound failed the elastic test's growth there).
+connect_timeout_s = 30
 rendezvous_timeout_s = 1.5
 "#
     )
