@@ -29,6 +29,12 @@ pub enum CoordError {
     Attach(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// No credentials, or credentials that name no one.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// A known caller asking for what it may not do.
+    #[error("{0}")]
+    PermissionDenied(String),
 }
 
 impl CoordError {
@@ -39,6 +45,8 @@ impl CoordError {
             Self::AlreadyEnded { .. } => Code::FailedPrecondition,
             Self::NotLeader { .. } | Self::StoreUnavailable(_) => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
+            Self::Unauthenticated(_) => Code::Unauthenticated,
+            Self::PermissionDenied(_) => Code::PermissionDenied,
         }
     }
 
@@ -49,6 +57,8 @@ impl CoordError {
             Self::AlreadyEnded { .. } => StatusCode::CONFLICT,
             Self::NotLeader { .. } | Self::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            Self::PermissionDenied(_) => StatusCode::FORBIDDEN,
         }
     }
 }
@@ -111,6 +121,16 @@ mod tests {
                 503,
             ),
             (CoordError::Internal("x".into()), Code::Internal, 500),
+            (
+                CoordError::Unauthenticated("x".into()),
+                Code::Unauthenticated,
+                401,
+            ),
+            (
+                CoordError::PermissionDenied("x".into()),
+                Code::PermissionDenied,
+                403,
+            ),
         ];
         for (e, code, http) in cases {
             let s: tonic::Status = e.clone().into();

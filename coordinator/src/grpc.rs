@@ -1,8 +1,11 @@
 //! The gRPC adapters: JobService and WorkerService, through the gate (the
 //! leader serves; a follower answers UNAVAILABLE naming the leader). They
 //! turn requests into coordinator calls and [`CoordError`]s into statuses,
-//! and hold no state of their own.
+//! and hold no state of their own. Who calls was decided before they run
+//! (the [`auth::GrpcAuthLayer`]); they read the principal it left in the
+//! request's extensions.
 
+use crate::auth::{self, Principal};
 use crate::error::CoordError;
 use crate::gate::Gate;
 use accrue_proto::v1::{self, worker_message, CoordinatorMessage, Job, JobEvent, WorkerMessage};
@@ -24,12 +27,17 @@ impl v1::job_service_server::JobService for JobApi {
         &self,
         req: Request<v1::SubmitJobRequest>,
     ) -> Result<Response<Job>, Status> {
+        let owner = req
+            .extensions()
+            .get::<Principal>()
+            .map(|p| p.name.clone())
+            .unwrap_or_default();
         let spec = req
             .into_inner()
             .spec
             .ok_or_else(|| CoordError::InvalidArgument("spec: (missing): required".into()))?;
         // Answers once the job is durable (bounded; UNAVAILABLE otherwise).
-        Ok(Response::new(self.0.get()?.submit(spec).await?))
+        Ok(Response::new(self.0.get()?.submit_as(spec, owner).await?))
     }
     async fn get_job(&self, req: Request<v1::GetJobRequest>) -> Result<Response<Job>, Status> {
         Ok(Response::new(self.0.get()?.job(&req.into_inner().id)?))
@@ -46,7 +54,11 @@ impl v1::job_service_server::JobService for JobApi {
         &self,
         req: Request<v1::CancelJobRequest>,
     ) -> Result<Response<Job>, Status> {
-        Ok(Response::new(self.0.get()?.cancel(&req.into_inner().id)?))
+        // The layer checked the token's scope; ownership is the scheduler's.
+        let by = auth::caller(req.extensions().get::<Principal>());
+        Ok(Response::new(
+            self.0.get()?.cancel_as(&req.into_inner().id, by)?,
+        ))
     }
     type WatchJobStream = BoxStream<JobEvent>;
     async fn watch_job(

@@ -1,27 +1,136 @@
 //! The status endpoint: /healthz, /readyz, /v1/jobs, /v1/jobs/{id},
-//! /metrics (Prometheus text) and / (a small dashboard).
+//! POST /v1/jobs/{id}/cancel, /metrics (Prometheus text) and / (a small
+//! dashboard).
+//!
+//! With a tokens file every request but the probes needs `authorization:
+//! Bearer <token>` (401 without, 403 with a token lacking the scope; see
+//! [`auth::http_rule`]); the guard decides before any handler runs and
+//! leaves the principal in the request's extensions. Every response carries
+//! [`SECURITY_HEADERS`]; no CORS headers are ever sent, and a state change
+//! (the cancel POST) from another site is refused whatever the credentials.
 
+use crate::auth::{self, Principal, Tokens};
+use crate::error::CoordError;
 use crate::gate::Gate;
 use crate::service::Coordinator;
 use accrue_proto::v1::{Job, JobState};
-use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use std::fmt::Write;
 use std::sync::Arc;
 
-pub fn router(g: Arc<Gate>) -> Router {
+/// Headers on every response: scripts, styles and frames only from this
+/// origin (the dashboard has none), no content-type sniffing, not framed,
+/// no referrer, not cached.
+pub const SECURITY_HEADERS: [(&str, &str); 5] = [
+    ("content-security-policy", "default-src 'self'"),
+    ("x-content-type-options", "nosniff"),
+    ("x-frame-options", "DENY"),
+    ("referrer-policy", "no-referrer"),
+    ("cache-control", "no-store"),
+];
+
+/// The router; `tokens` None: no authentication (every route open).
+pub fn router(g: Arc<Gate>, tokens: Option<Arc<Tokens>>) -> Router {
     Router::new()
         .route("/", get(dashboard))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/v1/jobs", get(list))
         .route("/v1/jobs/{id}", get(one))
+        .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/metrics", get(metrics))
         .with_state(g)
+        .layer(middleware::from_fn_with_state(tokens, guard))
+}
+
+/// Why a state-changing request looks cross-site (a form or script of
+/// another origin riding on the browser's credentials), if it does: its
+/// `Sec-Fetch-Site` is neither `same-origin` nor `none`, or its `Origin`
+/// names another host than `Host`. Safe methods are never refused here.
+pub fn cross_site(method: &Method, headers: &HeaderMap) -> Option<String> {
+    if matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS) {
+        return None;
+    }
+    let text = |n: header::HeaderName| headers.get(n).and_then(|v| v.to_str().ok());
+    if let Some(site) = text(header::HeaderName::from_static("sec-fetch-site")) {
+        if site != "same-origin" && site != "none" {
+            return Some(format!("Sec-Fetch-Site is {site:?}"));
+        }
+    }
+    if let Some(origin) = text(header::ORIGIN) {
+        let authority = origin.split_once("://").map_or(origin, |(_, a)| a);
+        if Some(authority) != text(header::HOST) {
+            return Some(format!(
+                "Origin {origin:?} is not this host ({:?})",
+                text(header::HOST).unwrap_or("")
+            ));
+        }
+    }
+    None
+}
+
+/// Authentication and authorization of every request (see the module
+/// documentation), then the security headers on whatever the answer is.
+async fn guard(
+    State(tokens): State<Option<Arc<Tokens>>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let mut resp = match admit(tokens.as_deref(), &req) {
+        Ok(p) => {
+            if let Some(p) = p {
+                req.extensions_mut().insert(p);
+            }
+            next.run(req).await
+        }
+        Err(r) => r,
+    };
+    let h = resp.headers_mut();
+    for (name, value) in SECURITY_HEADERS {
+        h.insert(name, HeaderValue::from_static(value));
+    }
+    resp
+}
+
+/// The principal a request runs as (None: it needs none, or auth is off),
+/// or the refusal to answer with.
+#[allow(clippy::result_large_err)]
+fn admit(tokens: Option<&Tokens>, req: &Request) -> Result<Option<Principal>, Response> {
+    let (method, path) = (req.method(), req.uri().path());
+    if let Some(why) = cross_site(method, req.headers()) {
+        return Err(CoordError::PermissionDenied(format!(
+            "cross-site {method} {path} refused: {why}"
+        ))
+        .into_response());
+    }
+    let table = tokens.map(|t| t.current());
+    let header = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    let what = format!("{method} {path}");
+    auth::decide(table.as_deref(), auth::http_rule(method, path), header, &what).map_err(|e| {
+        tracing::info!(request = %what, error = %e, "http request refused");
+        if e.unauthenticated() {
+            let challenge = if matches!(e, auth::AuthError::Missing) {
+                "Bearer realm=\"accrue\""
+            } else {
+                "Bearer realm=\"accrue\", error=\"invalid_token\""
+            };
+            let mut r = CoordError::Unauthenticated(e.to_string()).into_response();
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+            r
+        } else {
+            CoordError::PermissionDenied(e.to_string()).into_response()
+        }
+    })
 }
 
 async fn readyz(State(g): State<Arc<Gate>>) -> Response {
@@ -80,6 +189,7 @@ pub fn job_json(j: &Job) -> Value {
         "checkpoint": j.checkpoint,
         "error": j.error,
         "created_unix_ms": j.created_unix_ms,
+        "owner": j.owner,
         "history": j.history.iter().map(|h| json!({
             "from": state_of(h.from), "to": state_of(h.to), "reason": h.reason, "at_unix_ms": h.at_unix_ms,
         })).collect::<Vec<_>>(),
@@ -112,20 +222,21 @@ async fn one(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response {
     }
 }
 
-/// Text made safe inside HTML (element content and quoted attributes).
-pub fn html_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for ch in s.chars() {
-        match ch {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
+/// `POST /v1/jobs/{id}/cancel`: the guard checked the `submit` scope; the
+/// scheduler checks ownership (or `admin`).
+async fn cancel(
+    State(g): State<Arc<Gate>>,
+    Path(id): Path<String>,
+    p: Option<Extension<Principal>>,
+) -> Response {
+    let c = match leader(&g) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    match c.cancel_as(&id, auth::caller(p.as_ref().map(|e| &e.0))) {
+        Ok(j) => Json(job_json(&j)).into_response(),
+        Err(e) => e.into_response(),
     }
-    out
 }
 
 fn escape(s: &str) -> String {
@@ -267,44 +378,106 @@ async fn dashboard(State(g): State<Arc<Gate>>) -> Response {
         Ok(c) => c,
         Err(r) => return r,
     };
-    let mut rows = String::new();
-    for j in c.jobs() {
-        let k = j.counters.unwrap_or_default();
-        let _ = write!(
-            rows,
-            "<tr><td><a href=\"/v1/jobs/{id}\">{id}</a></td><td>{}</td><td>{}/{}</td><td>{:.4}</td><td>{:.3}</td><td>{:.0}</td></tr>",
-            state_name(j.state()),
-            k.step,
-            k.total_steps,
-            k.loss,
-            k.grad_norm,
-            k.samples_per_sec,
-            id = html_escape(&j.id)
-        );
+    Html(dashboard_html(&c.jobs(), c.worker_count()).into_string()).into_response()
+}
+
+/// The dashboard page. Built with maud, which escapes every value it
+/// inserts: whatever a job holds (its owner, its error) is text, never
+/// markup. No scripts or styles (the CSP allows none inline).
+pub fn dashboard_html(jobs: &[Job], workers: usize) -> maud::Markup {
+    use maud::{html, DOCTYPE};
+    html! {
+        (DOCTYPE)
+        html {
+            head {
+                meta charset="utf-8";
+                meta http-equiv="refresh" content="2";
+                title { "accrue" }
+            }
+            body {
+                h1 { "accrue" }
+                p { (workers) " workers attached" }
+                table border="1" cellpadding="4" {
+                    tr {
+                        th { "job" } th { "owner" } th { "state" } th { "step" } th { "loss" }
+                        th { "grad norm" } th { "samples/s" } th { "error" }
+                    }
+                    @for j in jobs {
+                        @let k = j.counters.unwrap_or_default();
+                        tr {
+                            td { a href=(format!("/v1/jobs/{}", j.id)) { (j.id) } }
+                            td { @if j.owner.is_empty() { "-" } @else { (j.owner) } }
+                            td { (state_name(j.state())) }
+                            td { (k.step) "/" (k.total_steps) }
+                            td { (format!("{:.4}", k.loss)) }
+                            td { (format!("{:.3}", k.grad_norm)) }
+                            td { (format!("{:.0}", k.samples_per_sec)) }
+                            td { (j.error) }
+                        }
+                    }
+                }
+                p { a href="/metrics" { "/metrics" } " · " a href="/v1/jobs" { "/v1/jobs" } }
+            }
+        }
     }
-    Html(format!(
-        "<!doctype html><html><head><meta http-equiv=\"refresh\" content=\"2\"><title>accrue</title></head><body>\
-         <h1>accrue</h1><p>{} workers attached</p><table border=\"1\" cellpadding=\"4\">\
-         <tr><th>job</th><th>state</th><th>step</th><th>loss</th><th>grad norm</th><th>samples/s</th></tr>{rows}</table>\
-         <p><a href=\"/metrics\">/metrics</a> · <a href=\"/v1/jobs\">/v1/jobs</a></p></body></html>",
-        c.worker_count()
-    ))
-    .into_response()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::html_escape;
+    use super::*;
 
     #[test]
-    fn nothing_a_name_holds_escapes_its_attribute() {
+    fn stored_text_is_rendered_as_text() {
         let evil = r#"evil"><script>alert(1)</script>'&"#;
-        let safe = html_escape(evil);
-        assert_eq!(
-            safe,
-            "evil&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;&#39;&amp;"
+        let job = Job {
+            id: "digits-mlp-1".into(),
+            owner: evil.into(),
+            error: format!("<img src=x onerror=alert(2)> {evil}"),
+            ..Default::default()
+        };
+        let page = dashboard_html(&[job], 2).into_string();
+        assert!(!page.contains("<script>"), "{page}");
+        assert!(!page.contains("<img"), "{page}");
+        assert!(
+            page.contains("evil&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;'&amp;"),
+            "{page}"
         );
-        assert!(!safe.contains(['<', '>', '"', '\'']));
-        assert_eq!(html_escape("digits-mlp-1"), "digits-mlp-1");
+        assert!(page.contains("&lt;img src=x onerror=alert(2)&gt;"), "{page}");
+        assert!(page.contains(r#"<a href="/v1/jobs/digits-mlp-1">digits-mlp-1</a>"#));
+    }
+
+    #[test]
+    fn state_changes_from_another_site_are_refused() {
+        let h = |pairs: &[(&'static str, &'static str)]| {
+            let mut m = HeaderMap::new();
+            for (k, v) in pairs {
+                m.insert(*k, HeaderValue::from_static(v));
+            }
+            m
+        };
+        let post = Method::POST;
+        // curl and the CLI send neither header.
+        assert_eq!(cross_site(&post, &h(&[("host", "127.0.0.1:8080")])), None);
+        assert_eq!(
+            cross_site(
+                &post,
+                &h(&[("host", "127.0.0.1:8080"), ("origin", "http://127.0.0.1:8080")])
+            ),
+            None
+        );
+        assert_eq!(cross_site(&post, &h(&[("sec-fetch-site", "same-origin")])), None);
+        let e = cross_site(
+            &post,
+            &h(&[("host", "127.0.0.1:8080"), ("origin", "https://evil.example")]),
+        )
+        .unwrap();
+        assert!(e.contains("evil.example"), "{e}");
+        assert!(cross_site(&post, &h(&[("sec-fetch-site", "cross-site")])).is_some());
+        assert!(cross_site(&post, &h(&[("sec-fetch-site", "same-site")])).is_some());
+        // Reads are never refused for it.
+        assert_eq!(
+            cross_site(&Method::GET, &h(&[("sec-fetch-site", "cross-site")])),
+            None
+        );
     }
 }

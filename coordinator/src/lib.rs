@@ -1,6 +1,7 @@
 //! accrue-coordinator: schedules jobs onto worker daemons and owns their
 //! counters (DESIGN sections 6, 7 and 10). No libtorch.
 
+pub mod auth;
 pub mod error;
 pub mod etcd;
 pub mod gate;
@@ -59,6 +60,8 @@ pub enum StartError {
     },
     #[error(transparent)]
     Store(#[from] store::StoreError),
+    #[error(transparent)]
+    Tokens(#[from] auth::TokensError),
 }
 
 /// Binds both listeners (port 0 allowed), opens the store under
@@ -107,6 +110,10 @@ async fn serve(
         addr: http.into(),
         source,
     })?;
+    let tokens = match &cfg.tokens {
+        Some(path) => Some(Arc::new(auth::Tokens::load(path)?)),
+        None => None,
+    };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     use accrue_proto::layout::{MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES};
     let jobs = JobServiceServer::new(grpc::JobApi(gate.clone()))
@@ -115,7 +122,7 @@ async fn serve(
     let workers = WorkerServiceServer::new(grpc::WorkerApi(gate.clone()))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
-    let router = http::router(gate.clone());
+    let router = http::router(gate.clone(), tokens.clone());
     let ticker = gate.clone();
     let ttl = cfg.heartbeat_ttl;
     let task = tokio::spawn(async move {
@@ -123,6 +130,7 @@ async fn serve(
         let mut stop_grpc = stop_tx.subscribe();
         let mut stop_http = stop_tx.subscribe();
         let grpc = tonic::transport::Server::builder()
+            .layer(auth::GrpcAuthLayer::new(tokens))
             .add_service(jobs)
             .add_service(workers)
             .serve_with_incoming_shutdown(

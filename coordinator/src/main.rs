@@ -45,6 +45,12 @@ struct Args {
     /// is above this many GiB is refused at submit.
     #[arg(long, default_value_t = accrue_coordinator::DEFAULT_MAX_JOB_MEMORY_GIB)]
     max_job_memory_gib: u64,
+    /// Tokens file (TOML: [[token]] name, sha256, scopes): JobService and
+    /// every HTTP path but /healthz and /readyz then need `authorization:
+    /// Bearer <token>` with the right scope. Re-read when it changes.
+    /// Without it, no authentication.
+    #[arg(long, value_name = "FILE")]
+    tokens: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -67,6 +73,7 @@ async fn main() -> anyhow::Result<()> {
         max_job_memory: a
             .max_job_memory_gib
             .saturating_mul(accrue_common::spec::GIB),
+        tokens: a.tokens,
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

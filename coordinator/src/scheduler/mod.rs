@@ -70,6 +70,9 @@ pub enum Input {
     /// shell says its record is durable ([`Input::Admit`]).
     Submit {
         spec: v1::JobSpec,
+        /// The principal submitting (empty with authentication off): the
+        /// job's owner.
+        owner: String,
     },
     /// The submitted job's record is durable: schedule it.
     Admit {
@@ -82,6 +85,7 @@ pub enum Input {
     },
     Cancel {
         job: String,
+        by: Caller,
     },
     /// Time passed: expire silent workers, move recoveries on.
     Tick,
@@ -175,6 +179,31 @@ impl JobEntry {
             reattach_by: None,
             admitted,
         }
+    }
+}
+
+/// Who asks for a change to a job.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Caller {
+    /// Authentication is off (no tokens file): anyone may change any job.
+    Anyone,
+    /// An authenticated principal; `admin` when its token holds that scope.
+    Principal { name: String, admin: bool },
+}
+
+/// Whether `by` may cancel `job`, owned by `owner` (empty: submitted with
+/// authentication off). **Decision:** a principal cancels the jobs it owns;
+/// `admin` cancels any; an ownerless job only `admin` (or anyone, with
+/// authentication off).
+pub fn may_cancel(job: &str, owner: &str, by: &Caller) -> Result<(), CoordError> {
+    match by {
+        Caller::Anyone => Ok(()),
+        Caller::Principal { admin: true, .. } => Ok(()),
+        Caller::Principal { name, .. } if !owner.is_empty() && name == owner => Ok(()),
+        Caller::Principal { name, .. } => Err(CoordError::PermissionDenied(format!(
+            "{name} may not cancel job {job}: it is owned by {}; a principal cancels only its own jobs, the admin scope any",
+            if owner.is_empty() { "no one (submitted without authentication)" } else { owner }
+        ))),
     }
 }
 
@@ -282,7 +311,7 @@ impl Cluster {
                 conn,
                 reason,
             } => self.lost(&worker, conn, &reason, now, &mut fx),
-            Input::Submit { spec } => self.submit(spec, now, &mut fx),
+            Input::Submit { spec, owner } => self.submit(spec, owner, now, &mut fx),
             Input::Admit { job } => {
                 if let Some(e) = self.jobs.get_mut(&job) {
                     e.admitted = true;
@@ -290,7 +319,7 @@ impl Cluster {
                 self.schedule(now, &mut fx);
             }
             Input::Withdraw { job } => self.withdraw(&job, &mut fx),
-            Input::Cancel { job } => self.cancel(&job, now, &mut fx),
+            Input::Cancel { job, by } => self.cancel(&job, &by, now, &mut fx),
             Input::Tick => self.tick(now, &mut fx),
         }
         // Only the newest version of each job needs writing.
@@ -308,7 +337,7 @@ impl Cluster {
         fx
     }
 
-    fn submit(&mut self, spec: v1::JobSpec, now: i64, fx: &mut Vec<Effect>) {
+    fn submit(&mut self, spec: v1::JobSpec, owner: String, now: i64, fx: &mut Vec<Effect>) {
         let domain = match accrue_proto::spec_from_proto(&spec)
             .and_then(|d| d.check_memory(self.cfg.max_job_memory).map(|()| d))
         {
@@ -327,6 +356,7 @@ impl Cluster {
             spec: Some(accrue_proto::spec_to_proto(&domain)),
             created_unix_ms: now,
             counters: Some(Counters::default()),
+            owner,
             ..Default::default()
         };
         match state::transition(&mut job, JobState::Pending, "submitted", now) {
@@ -351,11 +381,15 @@ impl Cluster {
         }
     }
 
-    fn cancel(&mut self, id: &str, now: i64, fx: &mut Vec<Effect>) {
+    fn cancel(&mut self, id: &str, by: &Caller, now: i64, fx: &mut Vec<Effect>) {
         let Some(entry) = self.jobs.get_mut(id) else {
             fx.push(Effect::Reply(Err(CoordError::JobNotFound(id.into()))));
             return;
         };
+        if let Err(e) = may_cancel(id, &entry.job.owner, by) {
+            fx.push(Effect::Reply(Err(e)));
+            return;
+        }
         let from = entry.job.state();
         if state::is_final(from) {
             fx.push(Effect::Reply(Err(CoordError::AlreadyEnded {

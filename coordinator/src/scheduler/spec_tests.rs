@@ -254,7 +254,7 @@ proptest! {
             apply(&mut p, ch);
         }
         let now = 10;
-        let job = match reply(&c.step(Input::Submit { spec: p }, now)) {
+        let job = match reply(&c.step(Input::Submit { spec: p, owner: String::new() }, now)) {
             Err(CoordError::InvalidArgument(msg)) => return assert_field_errors(&msg),
             Err(other) => return Err(TestCaseError::fail(format!("refused without a field: {other}"))),
             Ok(job) => job.id,
@@ -273,7 +273,7 @@ proptest! {
             JobState::Pending => {
                 let wanted = j.spec.as_ref().and_then(|s| s.workers).unwrap_or(1) as usize;
                 prop_assert!(wanted > WORKERS.len(), "a job of {} ranks waits with {} free workers", wanted, WORKERS.len());
-                c.step(Input::Cancel { job: job.clone() }, now + 1);
+                c.step(Input::Cancel { job: job.clone(), by: Caller::Anyone }, now + 1);
             }
             other => prop_assert!(false, "job in {:?} after submit", other),
         }

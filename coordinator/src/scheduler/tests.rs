@@ -60,7 +60,7 @@ pub(super) fn reply(fx: &[Effect]) -> Result<Job, CoordError> {
 
 /// Submits and admits a job; returns its id.
 pub(super) fn submit(c: &mut Cluster, s: v1::JobSpec, now: i64) -> String {
-    let id = reply(&c.step(Input::Submit { spec: s }, now)).unwrap().id;
+    let id = reply(&c.step(Input::Submit { spec: s, owner: String::new() }, now)).unwrap().id;
     c.step(Input::Admit { job: id.clone() }, now);
     id
 }
@@ -348,6 +348,7 @@ fn a_submission_waits_for_admission_and_can_be_taken_back() {
     let fx = c.step(
         Input::Submit {
             spec: spec("a", 1, ""),
+            owner: String::new(),
         },
         1,
     );
@@ -368,6 +369,7 @@ fn a_submission_waits_for_admission_and_can_be_taken_back() {
     let again = reply(&c.step(
         Input::Submit {
             spec: spec("a", 1, ""),
+            owner: String::new(),
         },
         4,
     ))
@@ -398,7 +400,7 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
     let mut c = cluster();
     let mut s = spec("a", 1, "");
     s.data.as_mut().unwrap().batch_size = 0;
-    let e = reply(&c.step(Input::Submit { spec: s }, 0)).unwrap_err();
+    let e = reply(&c.step(Input::Submit { spec: s, owner: String::new() }, 0)).unwrap_err();
     assert!(
         matches!(&e, CoordError::InvalidArgument(m) if m.contains("data.batch_size")),
         "{e}"
@@ -406,7 +408,7 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
     // Defect 4: a name with markup (it broke the dashboard's HTML).
     let mut s = spec("a", 1, "");
     s.name = r#"evil"><script>alert(1)</script>"#.into();
-    let e = reply(&c.step(Input::Submit { spec: s }, 0)).unwrap_err();
+    let e = reply(&c.step(Input::Submit { spec: s, owner: String::new() }, 0)).unwrap_err();
     assert!(
         matches!(&e, CoordError::InvalidArgument(m) if m.contains("name = ")),
         "{e}"
@@ -431,6 +433,7 @@ fn every_write_carries_a_newer_version_and_only_the_newest_is_kept() {
     let fx = c.step(
         Input::Submit {
             spec: spec("a", 1, ""),
+            owner: String::new(),
         },
         0,
     );
@@ -445,12 +448,12 @@ fn every_write_carries_a_newer_version_and_only_the_newest_is_kept() {
         })
         .collect();
     assert_eq!(saves, [2]);
-    let fx = c.step(Input::Cancel { job: id.clone() }, 2);
+    let fx = c.step(Input::Cancel { job: id.clone(), by: Caller::Anyone }, 2);
     assert!(fx
         .iter()
         .any(|e| matches!(e, Effect::Save(j) if j.version == 3)));
     assert_eq!(reply(&fx).unwrap().state(), JobState::Cancelled);
-    let e = reply(&c.step(Input::Cancel { job: id.clone() }, 3)).unwrap_err();
+    let e = reply(&c.step(Input::Cancel { job: id.clone(), by: Caller::Anyone }, 3)).unwrap_err();
     assert_eq!(e.grpc_code(), tonic::Code::FailedPrecondition);
 }
 
@@ -486,6 +489,7 @@ fn restored_jobs_keep_their_place_and_ids_continue() {
     let next = reply(&c.step(
         Input::Submit {
             spec: spec("new", 1, ""),
+            owner: String::new(),
         },
         20,
     ))
@@ -566,9 +570,9 @@ proptest! {
                 Op::Lost(i) => Input::Lost { worker: w(i), conn: None, reason: "gone".into() },
                 Op::Detach(i) | Op::Step(i) | Op::Done(i, _) | Op::Interrupt(i) if c.worker(&w(i)).is_none() => Input::Tick,
                 Op::Detach(i) => Input::Message { worker: w(i), conn: conn_of(&c, &w(i)), msg: m(worker_message::Msg::Detach(v1::Detach { reason: "bye".into() })) },
-                Op::Submit(n) => Input::Submit { spec: spec("p", n, "") },
+                Op::Submit(n) => Input::Submit { spec: spec("p", n, ""), owner: String::new() },
                 Op::Admit => Input::Admit { job: pick(jobs.len().saturating_sub(1)) },
-                Op::Cancel(i) => Input::Cancel { job: pick(i) },
+                Op::Cancel(i) => Input::Cancel { job: pick(i), by: Caller::Anyone },
                 Op::Step(i) | Op::Done(i, _) | Op::Interrupt(i) => {
                     let x = c.worker(&w(i)).unwrap();
                     let Some((j, rank)) = x.job.clone() else { continue };
@@ -761,4 +765,69 @@ fn a_job_that_keeps_re_forming_without_a_step_fails() {
         j.error
     );
     assert_eq!(j.generation, 1 + MAX_STALLED_REFORMS as u64);
+}
+
+#[test]
+fn the_owner_cancels_its_job_admin_any_other_principals_none() {
+    let who = |name: &str, admin| Caller::Principal {
+        name: name.into(),
+        admin,
+    };
+    let mut c = cluster();
+    let job = |c: &mut Cluster, owner: &str| {
+        let fx = c.step(
+            Input::Submit {
+                spec: spec("a", 1, ""),
+                owner: owner.into(),
+            },
+            0,
+        );
+        let j = reply(&fx).unwrap();
+        assert_eq!(j.owner, owner);
+        j.id
+    };
+    let alices = job(&mut c, "alice");
+    let cancel = |c: &mut Cluster, id: &str, by: Caller| {
+        reply(&c.step(
+            Input::Cancel {
+                job: id.into(),
+                by,
+            },
+            1,
+        ))
+    };
+    // Another principal is refused and nothing changes.
+    let e = cancel(&mut c, &alices, who("bob", false)).unwrap_err();
+    assert_eq!(e.grpc_code(), tonic::Code::PermissionDenied);
+    assert_eq!(
+        e.to_string(),
+        format!("bob may not cancel job {alices}: it is owned by alice; a principal cancels only its own jobs, the admin scope any")
+    );
+    assert_eq!(c.job(&alices).unwrap().state(), JobState::Pending);
+    // An unknown job is NOT_FOUND whoever asks.
+    let e = cancel(&mut c, "nope-9", who("bob", false)).unwrap_err();
+    assert_eq!(e.grpc_code(), tonic::Code::NotFound);
+    // The owner may.
+    let j = cancel(&mut c, &alices, who("alice", false)).unwrap();
+    assert_eq!(j.state(), JobState::Cancelled);
+    // admin may cancel anyone's; an ownerless job only admin (or anyone
+    // with authentication off).
+    let alices = job(&mut c, "alice");
+    assert!(cancel(&mut c, &alices, who("ops", true)).is_ok());
+    let nobodys = job(&mut c, "");
+    let e = cancel(&mut c, &nobodys, who("alice", false)).unwrap_err();
+    assert!(e.to_string().contains("owned by no one"), "{e}");
+    let e = cancel(&mut c, &nobodys, who("", false)).unwrap_err();
+    assert_eq!(e.grpc_code(), tonic::Code::PermissionDenied);
+    assert!(cancel(&mut c, &nobodys, Caller::Anyone).is_ok());
+}
+
+proptest! {
+    #[test]
+    fn may_cancel_is_owner_or_admin(owner in "[a-c]{0,2}", name in "[a-c]{0,2}", admin in any::<bool>()) {
+        let by = Caller::Principal { name: name.clone(), admin };
+        let ok = may_cancel("j-1", &owner, &by).is_ok();
+        prop_assert_eq!(ok, admin || (!owner.is_empty() && owner == name));
+        prop_assert!(may_cancel("j-1", &owner, &Caller::Anyone).is_ok());
+    }
 }

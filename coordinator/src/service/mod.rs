@@ -46,6 +46,10 @@ pub struct Config {
     pub durable_timeout: Duration,
     /// Jobs estimated to need more memory per worker are refused (bytes).
     pub max_job_memory: u64,
+    /// The tokens file (`--tokens`): bearer tokens with scopes for
+    /// JobService and HTTP. None: authentication off (every request is
+    /// allowed and jobs have no owner).
+    pub tokens: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -55,6 +59,7 @@ impl Default for Config {
             heartbeat_ttl: Duration::from_secs(10),
             durable_timeout: Duration::from_secs(5),
             max_job_memory: DEFAULT_MAX_JOB_MEMORY_GIB * accrue_common::spec::GIB,
+            tokens: None,
         }
     }
 }
@@ -348,11 +353,17 @@ impl Coordinator {
     /// submission taken back and UNAVAILABLE naming why: a job is either
     /// acknowledged and durable, or refused and gone.
     pub async fn submit(&self, spec: v1::JobSpec) -> Result<Job, CoordError> {
+        self.submit_as(spec, String::new()).await
+    }
+
+    /// [`Coordinator::submit`] for `owner` (the principal), recorded on
+    /// the job.
+    pub async fn submit_as(&self, spec: v1::JobSpec, owner: String) -> Result<Job, CoordError> {
         if let Err(why) = self.store_health() {
             return Err(CoordError::StoreUnavailable(why));
         }
         let job = self
-            .handle(Input::Submit { spec })
+            .handle(Input::Submit { spec, owner })
             .unwrap_or_else(|| Err(CoordError::Internal("submit decided nothing".into())))?;
         let limit = self.cfg.durable_timeout;
         if !self.durable_within(limit).await {
@@ -377,8 +388,17 @@ impl Coordinator {
     }
 
     pub fn cancel(&self, id: &str) -> Result<Job, CoordError> {
+        self.cancel_as(id, scheduler::Caller::Anyone)
+    }
+
+    /// Cancels `id` if `by` may (its owner, or admin; see
+    /// [`scheduler::may_cancel`]).
+    pub fn cancel_as(&self, id: &str, by: scheduler::Caller) -> Result<Job, CoordError> {
         let r = self
-            .handle(Input::Cancel { job: id.into() })
+            .handle(Input::Cancel {
+                job: id.into(),
+                by,
+            })
             .unwrap_or_else(|| Err(CoordError::Internal("cancel decided nothing".into())));
         if r.is_ok() {
             tracing::info!(job = %id, "cancelled");
