@@ -8,6 +8,8 @@ use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 #[derive(Parser)]
@@ -20,6 +22,14 @@ pub struct Cli {
     /// The coordinator's gRPC address.
     #[arg(long, global = true, default_value = "http://127.0.0.1:50051")]
     pub coordinator: String,
+    /// Bearer token sent with every call (its scopes decide what is
+    /// allowed). Prefer the environment variable or --token-file: a flag is
+    /// visible to other users in the process list.
+    #[arg(long, global = true, env = "ACCRUE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// A file holding the bearer token (surrounding whitespace ignored).
+    #[arg(long, global = true, env = "ACCRUE_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -64,10 +74,65 @@ pub enum Command {
     },
 }
 
+impl Cli {
+    /// The token to send, from --token / ACCRUE_TOKEN or --token-file /
+    /// ACCRUE_TOKEN_FILE (both set is an error: which one was meant?).
+    pub fn bearer(&self) -> anyhow::Result<BearerToken> {
+        match (&self.token, &self.token_file) {
+            (Some(_), Some(_)) => bail!(
+                "both --token (or ACCRUE_TOKEN) and --token-file (or ACCRUE_TOKEN_FILE) are set; give one"
+            ),
+            (Some(t), None) => BearerToken::new(t).context("--token (or ACCRUE_TOKEN)"),
+            (None, Some(f)) => {
+                let text = std::fs::read_to_string(f)
+                    .with_context(|| format!("cannot read the token file {}", f.display()))?;
+                BearerToken::new(text.trim())
+                    .with_context(|| format!("token file {}", f.display()))
+            }
+            (None, None) => Ok(BearerToken::default()),
+        }
+    }
+}
+
+/// Sends `authorization: Bearer <token>` with every call (nothing when
+/// there is no token).
+#[derive(Clone, Default)]
+pub struct BearerToken(Option<MetadataValue<Ascii>>);
+
+impl BearerToken {
+    pub fn new(token: &str) -> anyhow::Result<Self> {
+        if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            bail!("the token must be non-empty visible ASCII without spaces");
+        }
+        let mut v: MetadataValue<Ascii> = format!("Bearer {token}")
+            .parse()
+            .context("the token is not a valid header value")?;
+        v.set_sensitive(true);
+        Ok(Self(Some(v)))
+    }
+}
+
+impl tonic::service::Interceptor for BearerToken {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// A JobService client that sends the token with every call.
+pub type Client = JobServiceClient<InterceptedService<Channel, BearerToken>>;
+
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let token = match &cli.command {
+        Command::Local { .. } => BearerToken::default(),
+        _ => cli.bearer()?,
+    };
+    let url = cli.coordinator.as_str();
     match cli.command {
         Command::Submit { job, wait } => {
-            let mut client = connect(&cli.coordinator).await?;
+            let mut client = connect_as(url, &token).await?;
             let j = submit(&mut client, &job, None).await?;
             println!("{}", j.id);
             if wait {
@@ -77,7 +142,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { job: Some(id) } => {
-            let mut client = connect(&cli.coordinator).await?;
+            let mut client = connect_as(url, &token).await?;
             let j = client
                 .get_job(v1::GetJobRequest { id })
                 .await
@@ -87,7 +152,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { job: None } | Command::List => {
-            let mut client = connect(&cli.coordinator).await?;
+            let mut client = connect_as(url, &token).await?;
             let jobs = client
                 .list_jobs(v1::ListJobsRequest {})
                 .await
@@ -95,14 +160,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .into_inner()
                 .jobs;
             println!(
-                "{:<28} {:<11} {:>12} {:>10} {:>10}",
-                "JOB", "STATE", "STEP", "LOSS", "SAMPLES/S"
+                "{:<28} {:<16} {:<11} {:>12} {:>10} {:>10}",
+                "JOB", "OWNER", "STATE", "STEP", "LOSS", "SAMPLES/S"
             );
             for j in jobs {
                 let c = j.counters.unwrap_or_default();
                 println!(
-                    "{:<28} {:<11} {:>12} {:>10.4} {:>10.0}",
+                    "{:<28} {:<16} {:<11} {:>12} {:>10.4} {:>10.0}",
                     j.id,
+                    if j.owner.is_empty() { "-" } else { &j.owner },
                     state_name(j.state()),
                     format!("{}/{}", c.step, c.total_steps),
                     c.loss,
@@ -112,7 +178,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Cancel { job } => {
-            let mut client = connect(&cli.coordinator).await?;
+            let mut client = connect_as(url, &token).await?;
             let j = client
                 .cancel_job(v1::CancelJobRequest { id: job })
                 .await
@@ -122,7 +188,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Watch { job } => {
-            let mut client = connect(&cli.coordinator).await?;
+            let mut client = connect_as(url, &token).await?;
             let end = watch(&mut client, &job, false).await?;
             Ok(exit_for(&end))
         }
@@ -163,23 +229,34 @@ pub fn state_name(s: JobState) -> &'static str {
 }
 
 pub async fn connect(url: &str) -> anyhow::Result<JobServiceClient<Channel>> {
-    let channel = Channel::from_shared(url.to_string())
+    // Requests above the coordinator's limit are refused there, with
+    // OUT_OF_RANGE naming the size.
+    Ok(JobServiceClient::new(channel(url).await?)
+        .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES))
+}
+
+/// A client of the coordinator at `url` sending `token` with every call.
+pub async fn connect_as(url: &str, token: &BearerToken) -> anyhow::Result<Client> {
+    Ok(
+        JobServiceClient::with_interceptor(channel(url).await?, token.clone())
+            .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES),
+    )
+}
+
+async fn channel(url: &str) -> anyhow::Result<Channel> {
+    Channel::from_shared(url.to_string())
         .with_context(|| format!("bad coordinator address {url:?}"))?
         .connect_timeout(Duration::from_secs(5))
         .http2_keep_alive_interval(Duration::from_secs(20))
         .connect()
         .await
-        .with_context(|| format!("cannot reach the coordinator at {url}"))?;
-    // Requests above the coordinator's limit are refused there, with
-    // OUT_OF_RANGE naming the size.
-    Ok(JobServiceClient::new(channel)
-        .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES))
+        .with_context(|| format!("cannot reach the coordinator at {url}"))
 }
 
 /// Reads a spec (fields checked here; files are the workers' to check) and
 /// submits it, with `workers` overriding W when given.
 pub async fn submit(
-    client: &mut JobServiceClient<Channel>,
+    client: &mut Client,
     path: &Path,
     workers: Option<u32>,
 ) -> anyhow::Result<Job> {
@@ -201,6 +278,10 @@ fn print_job(j: &Job) {
     let c = j.counters.unwrap_or_default();
     println!("job        {}", j.id);
     println!("state      {}", state_name(j.state()));
+    println!(
+        "owner      {}",
+        if j.owner.is_empty() { "-" } else { &j.owner }
+    );
     println!(
         "workers    {} (generation {}, k = {})",
         j.workers.join(", "),
@@ -314,7 +395,7 @@ pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
 /// Follows a job until it ends; returns the final job. With `json` every
 /// event is printed as one JSON line (see [`event_json`]).
 pub async fn watch(
-    client: &mut JobServiceClient<Channel>,
+    client: &mut Client,
     id: &str,
     json: bool,
 ) -> anyhow::Result<Job> {
@@ -499,7 +580,7 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot start {}", bin.display()))?;
         children.0.push(child);
     }
-    let mut client = connect(&url).await?;
+    let mut client = connect_as(&url, &BearerToken::default()).await?;
     let submitted = submit(&mut client, job, Some(workers)).await?;
     println!("job {}", submitted.id);
     let end = tokio::select! {
