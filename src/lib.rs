@@ -255,11 +255,7 @@ async fn channel(url: &str) -> anyhow::Result<Channel> {
 
 /// Reads a spec (fields checked here; files are the workers' to check) and
 /// submits it, with `workers` overriding W when given.
-pub async fn submit(
-    client: &mut Client,
-    path: &Path,
-    workers: Option<u32>,
-) -> anyhow::Result<Job> {
+pub async fn submit(client: &mut Client, path: &Path, workers: Option<u32>) -> anyhow::Result<Job> {
     let mut spec = JobSpec::load_fields(path)?;
     if let Some(w) = workers {
         spec.workers = w;
@@ -394,11 +390,7 @@ pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
 
 /// Follows a job until it ends; returns the final job. With `json` every
 /// event is printed as one JSON line (see [`event_json`]).
-pub async fn watch(
-    client: &mut Client,
-    id: &str,
-    json: bool,
-) -> anyhow::Result<Job> {
+pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<Job> {
     let mut stream = client
         .watch_job(v1::WatchJobRequest { id: id.to_string() })
         .await

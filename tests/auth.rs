@@ -147,7 +147,11 @@ async fn job_service_refuses_by_kind_and_records_the_owner() {
         assert!(m.contains("malformed"), "{bad:?}: {m}");
     }
     let (c, m) = code(list(&mut as_(g, Some("not-a-token")).await).await);
-    assert_eq!((c, m.contains("unknown token")), (Code::Unauthenticated, true), "{m}");
+    assert_eq!(
+        (c, m.contains("unknown token")),
+        (Code::Unauthenticated, true),
+        "{m}"
+    );
 
     // A read token cannot submit; a metrics token cannot read.
     let (c, m) = code(submit(&mut as_(g, Some(READER)).await, "r").await);
@@ -155,7 +159,10 @@ async fn job_service_refuses_by_kind_and_records_the_owner() {
     assert!(m.contains("reader lacks the submit scope"), "{m}");
     let (c, _) = code(list(&mut as_(g, Some(SCRAPER)).await).await);
     assert_eq!(c, Code::PermissionDenied);
-    assert!(list(&mut as_(g, Some(READER)).await).await.unwrap().is_empty());
+    assert!(list(&mut as_(g, Some(READER)).await)
+        .await
+        .unwrap()
+        .is_empty());
 
     // The submitter is the owner.
     let mut alice = as_(g, Some(ALICE)).await;
@@ -192,9 +199,15 @@ async fn job_service_refuses_by_kind_and_records_the_owner() {
     assert_eq!(now.state(), JobState::Pending);
     let (c, _) = code(cancel(&mut as_(g, Some(READER)).await, &a1.id).await);
     assert_eq!(c, Code::PermissionDenied);
-    assert_eq!(cancel(&mut alice, &a1.id).await.unwrap().state(), JobState::Cancelled);
     assert_eq!(
-        cancel(&mut as_(g, Some(OPS)).await, &b1.id).await.unwrap().state(),
+        cancel(&mut alice, &a1.id).await.unwrap().state(),
+        JobState::Cancelled
+    );
+    assert_eq!(
+        cancel(&mut as_(g, Some(OPS)).await, &b1.id)
+            .await
+            .unwrap()
+            .state(),
         JobState::Cancelled
     );
 
@@ -214,7 +227,12 @@ async fn job_service_refuses_by_kind_and_records_the_owner() {
     let a2 = submit(&mut alice, "a").await.unwrap();
     let o = accrue(g, &[("ACCRUE_TOKEN", READER)], &["status", &a2.id]);
     let out = String::from_utf8_lossy(&o.stdout);
-    assert_eq!(o.status.code(), Some(0), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(out.contains("owner      alice"), "{out}");
     let o = accrue(g, &[], &["--token", READER, "list"]);
     let out = String::from_utf8_lossy(&o.stdout);
@@ -231,7 +249,10 @@ async fn job_service_refuses_by_kind_and_records_the_owner() {
     );
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("PermissionDenied") && err.contains("owned by alice"), "{err}");
+    assert!(
+        err.contains("PermissionDenied") && err.contains("owned by alice"),
+        "{err}"
+    );
     let o = accrue(g, &[("ACCRUE_TOKEN", ALICE)], &["cancel", &a2.id]);
     assert_eq!(o.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&o.stdout).contains("cancelled"));
@@ -319,7 +340,8 @@ fn http(base: &str, path: &str, token: Option<&str>) -> reqwest::RequestBuilder 
 fn assert_hardened(r: &reqwest::Response, what: &str) {
     let h = r.headers();
     assert_eq!(
-        h.get("content-security-policy").map(|v| v.to_str().unwrap()),
+        h.get("content-security-policy")
+            .map(|v| v.to_str().unwrap()),
         Some("default-src 'self'"),
         "{what}"
     );
@@ -352,7 +374,10 @@ async fn http_probes_are_open_the_rest_needs_scopes_and_text_stays_text() {
         let r = http(h, p, None).send().await.unwrap();
         assert_eq!(r.status(), 401, "{p} without a token");
         assert_hardened(&r, p);
-        let challenge = r.headers()["www-authenticate"].to_str().unwrap().to_string();
+        let challenge = r.headers()["www-authenticate"]
+            .to_str()
+            .unwrap()
+            .to_string();
         assert!(challenge.starts_with("Bearer"), "{p}: {challenge}");
         let r = http(h, p, Some("not-a-token")).send().await.unwrap();
         assert_eq!(r.status(), 401, "{p} with an unknown token");

@@ -289,9 +289,7 @@ impl From<AuthError> for tonic::Status {
 pub fn bearer(header: Option<&[u8]>) -> Result<&str, AuthError> {
     let h = header.ok_or(AuthError::Missing)?;
     let h = std::str::from_utf8(h).map_err(|_| AuthError::Malformed("not UTF-8"))?;
-    let (scheme, token) = h
-        .split_once(' ')
-        .ok_or(AuthError::Malformed("no scheme"))?;
+    let (scheme, token) = h.split_once(' ').ok_or(AuthError::Malformed("no scheme"))?;
     if !scheme.eq_ignore_ascii_case("bearer") {
         return Err(AuthError::Malformed("the scheme is not Bearer"));
     }
@@ -725,8 +723,8 @@ mod tests {
 
     #[test]
     fn decide_refuses_with_the_right_kind() {
-        let t = TokenTable::parse(&file(&[("r", "rt", &["read"]), ("m", "mt", &["metrics"])]))
-            .unwrap();
+        let t =
+            TokenTable::parse(&file(&[("r", "rt", &["read"]), ("m", "mt", &["metrics"])])).unwrap();
         let need = Rule::Need(Scope::Submit);
         // Auth off, or an open rule: nothing needed.
         assert_eq!(decide(None, need, None, "x"), Ok(None));
@@ -757,7 +755,11 @@ mod tests {
     fn the_file_reloads_when_it_changes_and_a_bad_version_keeps_the_old() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokens.toml");
-        std::fs::write(&path, file(&[("a", "ta", &["read"]), ("b", "tb", &["read"])])).unwrap();
+        std::fs::write(
+            &path,
+            file(&[("a", "ta", &["read"]), ("b", "tb", &["read"])]),
+        )
+        .unwrap();
         let tokens = Tokens::load(&path).unwrap();
         let t0 = Instant::now();
         assert!(tokens.current_at(t0).lookup("tb").is_some());
@@ -777,10 +779,7 @@ mod tests {
         assert!(tokens.current_at(t2).lookup("ta").is_some());
         // So does a missing file.
         std::fs::remove_file(&path).unwrap();
-        assert!(tokens
-            .current_at(t2 + RELOAD_EVERY)
-            .lookup("ta")
-            .is_some());
+        assert!(tokens.current_at(t2 + RELOAD_EVERY).lookup("ta").is_some());
         // And it comes back.
         std::fs::write(&path, file(&[("c", "tc", &["admin"])])).unwrap();
         let t = tokens.current_at(t2 + 2 * RELOAD_EVERY);

@@ -115,7 +115,13 @@ fn admit(tokens: Option<&Tokens>, req: &Request) -> Result<Option<Principal>, Re
         .get(header::AUTHORIZATION)
         .map(|v| v.as_bytes());
     let what = format!("{method} {path}");
-    auth::decide(table.as_deref(), auth::http_rule(method, path), header, &what).map_err(|e| {
+    auth::decide(
+        table.as_deref(),
+        auth::http_rule(method, path),
+        header,
+        &what,
+    )
+    .map_err(|e| {
         tracing::info!(request = %what, error = %e, "http request refused");
         if e.unauthenticated() {
             let challenge = if matches!(e, auth::AuthError::Missing) {
@@ -124,8 +130,10 @@ fn admit(tokens: Option<&Tokens>, req: &Request) -> Result<Option<Principal>, Re
                 "Bearer realm=\"accrue\", error=\"invalid_token\""
             };
             let mut r = CoordError::Unauthenticated(e.to_string()).into_response();
-            r.headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static(challenge),
+            );
             r
         } else {
             CoordError::PermissionDenied(e.to_string()).into_response()
@@ -442,7 +450,10 @@ mod tests {
             page.contains("evil&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;'&amp;"),
             "{page}"
         );
-        assert!(page.contains("&lt;img src=x onerror=alert(2)&gt;"), "{page}");
+        assert!(
+            page.contains("&lt;img src=x onerror=alert(2)&gt;"),
+            "{page}"
+        );
         assert!(page.contains(r#"<a href="/v1/jobs/digits-mlp-1">digits-mlp-1</a>"#));
     }
 
@@ -461,14 +472,23 @@ mod tests {
         assert_eq!(
             cross_site(
                 &post,
-                &h(&[("host", "127.0.0.1:8080"), ("origin", "http://127.0.0.1:8080")])
+                &h(&[
+                    ("host", "127.0.0.1:8080"),
+                    ("origin", "http://127.0.0.1:8080")
+                ])
             ),
             None
         );
-        assert_eq!(cross_site(&post, &h(&[("sec-fetch-site", "same-origin")])), None);
+        assert_eq!(
+            cross_site(&post, &h(&[("sec-fetch-site", "same-origin")])),
+            None
+        );
         let e = cross_site(
             &post,
-            &h(&[("host", "127.0.0.1:8080"), ("origin", "https://evil.example")]),
+            &h(&[
+                ("host", "127.0.0.1:8080"),
+                ("origin", "https://evil.example"),
+            ]),
         )
         .unwrap();
         assert!(e.contains("evil.example"), "{e}");

@@ -60,7 +60,15 @@ pub(super) fn reply(fx: &[Effect]) -> Result<Job, CoordError> {
 
 /// Submits and admits a job; returns its id.
 pub(super) fn submit(c: &mut Cluster, s: v1::JobSpec, now: i64) -> String {
-    let id = reply(&c.step(Input::Submit { spec: s, owner: String::new() }, now)).unwrap().id;
+    let id = reply(&c.step(
+        Input::Submit {
+            spec: s,
+            owner: String::new(),
+        },
+        now,
+    ))
+    .unwrap()
+    .id;
     c.step(Input::Admit { job: id.clone() }, now);
     id
 }
@@ -400,7 +408,14 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
     let mut c = cluster();
     let mut s = spec("a", 1, "");
     s.data.as_mut().unwrap().batch_size = 0;
-    let e = reply(&c.step(Input::Submit { spec: s, owner: String::new() }, 0)).unwrap_err();
+    let e = reply(&c.step(
+        Input::Submit {
+            spec: s,
+            owner: String::new(),
+        },
+        0,
+    ))
+    .unwrap_err();
     assert!(
         matches!(&e, CoordError::InvalidArgument(m) if m.contains("data.batch_size")),
         "{e}"
@@ -408,7 +423,14 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
     // Defect 4: a name with markup (it broke the dashboard's HTML).
     let mut s = spec("a", 1, "");
     s.name = r#"evil"><script>alert(1)</script>"#.into();
-    let e = reply(&c.step(Input::Submit { spec: s, owner: String::new() }, 0)).unwrap_err();
+    let e = reply(&c.step(
+        Input::Submit {
+            spec: s,
+            owner: String::new(),
+        },
+        0,
+    ))
+    .unwrap_err();
     assert!(
         matches!(&e, CoordError::InvalidArgument(m) if m.contains("name = ")),
         "{e}"
@@ -448,12 +470,25 @@ fn every_write_carries_a_newer_version_and_only_the_newest_is_kept() {
         })
         .collect();
     assert_eq!(saves, [2]);
-    let fx = c.step(Input::Cancel { job: id.clone(), by: Caller::Anyone }, 2);
+    let fx = c.step(
+        Input::Cancel {
+            job: id.clone(),
+            by: Caller::Anyone,
+        },
+        2,
+    );
     assert!(fx
         .iter()
         .any(|e| matches!(e, Effect::Save(j) if j.version == 3)));
     assert_eq!(reply(&fx).unwrap().state(), JobState::Cancelled);
-    let e = reply(&c.step(Input::Cancel { job: id.clone(), by: Caller::Anyone }, 3)).unwrap_err();
+    let e = reply(&c.step(
+        Input::Cancel {
+            job: id.clone(),
+            by: Caller::Anyone,
+        },
+        3,
+    ))
+    .unwrap_err();
     assert_eq!(e.grpc_code(), tonic::Code::FailedPrecondition);
 }
 
@@ -788,13 +823,7 @@ fn the_owner_cancels_its_job_admin_any_other_principals_none() {
     };
     let alices = job(&mut c, "alice");
     let cancel = |c: &mut Cluster, id: &str, by: Caller| {
-        reply(&c.step(
-            Input::Cancel {
-                job: id.into(),
-                by,
-            },
-            1,
-        ))
+        reply(&c.step(Input::Cancel { job: id.into(), by }, 1))
     };
     // Another principal is refused and nothing changes.
     let e = cancel(&mut c, &alices, who("bob", false)).unwrap_err();

@@ -395,10 +395,7 @@ impl Coordinator {
     /// [`scheduler::may_cancel`]).
     pub fn cancel_as(&self, id: &str, by: scheduler::Caller) -> Result<Job, CoordError> {
         let r = self
-            .handle(Input::Cancel {
-                job: id.into(),
-                by,
-            })
+            .handle(Input::Cancel { job: id.into(), by })
             .unwrap_or_else(|| Err(CoordError::Internal("cancel decided nothing".into())));
         if r.is_ok() {
             tracing::info!(job = %id, "cancelled");
