@@ -45,6 +45,17 @@ struct Args {
     /// is above this many GiB is refused at submit.
     #[arg(long, default_value_t = accrue_coordinator::DEFAULT_MAX_JOB_MEMORY_GIB)]
     max_job_memory_gib: u64,
+    /// Confine data.path and data.eval_path of every spec under this folder
+    /// (after '..' and symlinks; relative paths resolve under it).
+    #[arg(long)]
+    data_root: Option<PathBuf>,
+    /// Confine model.path and model.init under this folder.
+    #[arg(long)]
+    model_root: Option<PathBuf>,
+    /// Confine checkpoint.dir under this folder; <state-dir>/checkpoints
+    /// (the default checkpoint folder) must lie under it.
+    #[arg(long)]
+    checkpoint_root: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -67,6 +78,11 @@ async fn main() -> anyhow::Result<()> {
         max_job_memory: a
             .max_job_memory_gib
             .saturating_mul(accrue_common::spec::GIB),
+        roots: accrue_common::spec::Roots {
+            data: a.data_root,
+            model: a.model_root,
+            checkpoint: a.checkpoint_root,
+        },
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?
