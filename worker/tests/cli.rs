@@ -140,17 +140,36 @@ fn train_confines_paths_under_the_roots_given() {
         err.contains("data.path = \"../outside/t.safetensors\": must lie under the data root"),
         "{err}"
     );
-    let (ok, err) = run("ckpt.toml", &synthetic("[checkpoint]\ndir = \"../outside/c\""), &ckpt);
+    let (ok, err) = run(
+        "ckpt.toml",
+        &synthetic("[checkpoint]\ndir = \"../outside/c\""),
+        &ckpt,
+    );
     assert!(!ok);
-    assert!(err.contains("checkpoint.dir = \"../outside/c\": must lie under"), "{err}");
+    assert!(
+        err.contains("checkpoint.dir = \"../outside/c\": must lie under"),
+        "{err}"
+    );
     // The default folder, <state-dir>/checkpoints/<name>, out of the root.
     let (ok, err) = run("default.toml", &synthetic(""), &outside);
     assert!(!ok);
     assert!(err.contains("--state-dir = "), "{err}");
-    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0, "nothing written outside");
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "nothing written outside"
+    );
     // Inside: trains, the relative checkpoint.dir under the root.
-    let (ok, err) = run("fine.toml", &synthetic("[checkpoint]\ndir = \"fine\""), &outside);
+    let (ok, err) = run(
+        "fine.toml",
+        &synthetic("[checkpoint]\ndir = \"fine\""),
+        &outside,
+    );
     assert!(ok, "{err}");
     assert!(ckpt.join("fine/step-2/model.safetensors").exists());
-    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0, "nothing written outside");
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "nothing written outside"
+    );
 }

@@ -333,7 +333,11 @@ mod tests {
         assert_eq!(e.field, "checkpoint.dir");
         assert_eq!(e.value, "\"/tmp/probe/outside/../escaped\"");
         let text = e.to_string();
-        for part in ["/srv/ckpt", "--checkpoint-root", "resolves to /tmp/probe/escaped"] {
+        for part in [
+            "/srv/ckpt",
+            "--checkpoint-root",
+            "resolves to /tmp/probe/escaped",
+        ] {
             assert!(text.contains(part), "{text:?} lacks {part:?}");
         }
         // No root for the area: not confined.
@@ -429,7 +433,10 @@ dir = "/tmp/probe/outside/../escaped"
             )
         };
         // A link inside the root that stays inside: the real path is used.
-        assert_eq!(check("in/new/deeper"), Ok(Some(root.join("inner/new/deeper"))));
+        assert_eq!(
+            check("in/new/deeper"),
+            Ok(Some(root.join("inner/new/deeper")))
+        );
         // Not yet existing, under a parent that leads out.
         let e = check("out/new").unwrap_err();
         assert!(e.allowed.contains(&outside.display().to_string()), "{e}");
@@ -439,7 +446,13 @@ dir = "/tmp/probe/outside/../escaped"
         assert_eq!(check("out/../fine"), Ok(Some(root.join("fine"))));
         // The lexical view cannot see the links.
         assert_eq!(
-            confine_field(&roots, Area::Checkpoint, "checkpoint.dir", Path::new("out/new"), &Lexical),
+            confine_field(
+                &roots,
+                Area::Checkpoint,
+                "checkpoint.dir",
+                Path::new("out/new"),
+                &Lexical
+            ),
             Ok(Some(root.join("out/new")))
         );
         // A root that is itself a link is followed, and paths through it
@@ -451,7 +464,13 @@ dir = "/tmp/probe/outside/../escaped"
             ..Default::default()
         };
         assert_eq!(
-            confine_field(&via, Area::Checkpoint, "checkpoint.dir", Path::new("x"), &LocalFs),
+            confine_field(
+                &via,
+                Area::Checkpoint,
+                "checkpoint.dir",
+                Path::new("x"),
+                &LocalFs
+            ),
             Ok(Some(root.join("x")))
         );
     }

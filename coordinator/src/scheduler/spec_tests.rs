@@ -313,8 +313,8 @@ fn paths_outside_their_roots_are_refused_at_submit() {
         let text = format!(
             "name = \"p\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"tensors\"\npath = {data:?}\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n[checkpoint]\ndir = {ckpt:?}\n"
         );
-        let s = accrue_common::JobSpec::fields_from_toml_str(&text, std::path::Path::new("t"))
-            .unwrap();
+        let s =
+            accrue_common::JobSpec::fields_from_toml_str(&text, std::path::Path::new("t")).unwrap();
         accrue_proto::spec_to_proto(&s)
     };
     for (s, field, value) in [
@@ -325,7 +325,11 @@ fn paths_outside_their_roots_are_refused_at_submit() {
         ),
         (with("train.safetensors", "../x"), "checkpoint.dir", "../x"),
         (with("/etc/passwd", "run"), "data.path", "/etc/passwd"),
-        (with("a/../../data2/t", "run"), "data.path", "a/../../data2/t"),
+        (
+            with("a/../../data2/t", "run"),
+            "data.path",
+            "a/../../data2/t",
+        ),
     ] {
         let fx = c.step(Input::Submit { spec: s }, 1);
         let Err(CoordError::InvalidArgument(msg)) = reply(&fx) else {

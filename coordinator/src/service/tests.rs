@@ -237,10 +237,17 @@ fn the_default_checkpoint_folder_must_lie_under_the_checkpoint_root() {
     assert!(text.starts_with("--checkpoint-root "), "{text}");
     assert!(text.contains("state/checkpoints"), "{text}");
     // The state dir itself as the root, or its checkpoints folder: fine.
-    for root in ["state", "state/checkpoints", "state/./checkpoints/../checkpoints"] {
+    for root in [
+        "state",
+        "state/checkpoints",
+        "state/./checkpoints/../checkpoints",
+    ] {
         let ok = cfg("state", root).with_checked_roots().unwrap();
         let got = ok.roots.checkpoint.unwrap();
-        assert!(got.is_absolute() && !got.to_string_lossy().contains(".."), "{got:?}");
+        assert!(
+            got.is_absolute() && !got.to_string_lossy().contains(".."),
+            "{got:?}"
+        );
     }
     // A symlinked checkpoints folder that leads out is refused too.
     std::fs::create_dir_all(t.path().join("state")).unwrap();

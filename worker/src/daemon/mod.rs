@@ -303,11 +303,12 @@ impl JobThread<'_> {
     /// that survived onto the new ring) and trains.
     fn generation(&mut self, a: &v1::Assignment) -> Outcome {
         let (job, generation, rank) = (a.job_id.clone(), a.generation, a.rank);
-        let (spec, checkpoint_dir) =
-            match assigned_spec(a, self.cfg).and_then(|s| Ok((s, assigned_checkpoint_dir(a, self.cfg)?))) {
-                Ok(s) => s,
-                Err(e) => return Outcome::Failed(e),
-            };
+        let (spec, checkpoint_dir) = match assigned_spec(a, self.cfg)
+            .and_then(|s| Ok((s, assigned_checkpoint_dir(a, self.cfg)?)))
+        {
+            Ok(s) => s,
+            Err(e) => return Outcome::Failed(e),
+        };
         let mut ring_cfg = RingConfig::new(
             job.clone(),
             rank as usize,

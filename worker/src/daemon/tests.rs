@@ -197,8 +197,8 @@ fn assignments_are_confined_under_the_daemons_roots() {
         let text = format!(
             "name = \"p\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"tensors\"\npath = {path:?}\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n"
         );
-        let spec = crate::spec::JobSpec::fields_from_toml_str(&text, std::path::Path::new("t"))
-            .unwrap();
+        let spec =
+            crate::spec::JobSpec::fields_from_toml_str(&text, std::path::Path::new("t")).unwrap();
         v1::Assignment {
             job_id: "p-1".into(),
             generation: 1,
@@ -217,11 +217,17 @@ fn assignments_are_confined_under_the_daemons_roots() {
         Some(base.join("ckpt/run"))
     );
     let e = assigned_spec(&tensors("../outside/x", "run"), &c).unwrap_err();
-    assert!(e.contains("data.path = \"../outside/x\": must lie under"), "{e}");
+    assert!(
+        e.contains("data.path = \"../outside/x\": must lie under"),
+        "{e}"
+    );
     assert!(e.contains("refused by worker w"), "{e}");
     let e = assigned_checkpoint_dir(&tensors("t", "sneaky/new"), &c).unwrap_err();
     assert!(e.contains("checkpoint.dir = \"sneaky/new\""), "{e}");
-    assert!(e.contains(&base.join("outside").display().to_string()), "{e}");
+    assert!(
+        e.contains(&base.join("outside").display().to_string()),
+        "{e}"
+    );
     // Without roots: as before (relative paths kept, nothing refused).
     let plain = cfg();
     let any = tensors("../outside/x", "sneaky/new");
