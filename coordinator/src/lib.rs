@@ -62,11 +62,14 @@ pub enum StartError {
     Store(#[from] store::StoreError),
     #[error(transparent)]
     Tokens(#[from] auth::TokensError),
+    #[error(transparent)]
+    Roots(#[from] accrue_common::spec::RootError),
 }
 
 /// Binds both listeners (port 0 allowed), opens the store under
 /// `cfg.state_dir` and serves until stopped.
 pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartError> {
+    let cfg = cfg.with_checked_roots()?;
     let store = store::RedbStore::open(&cfg.state_dir)?;
     let coordinator = Coordinator::new(cfg.clone(), Box::new(store))?;
     serve(cfg, grpc, http, gate::Gate::leading(coordinator)).await
@@ -82,6 +85,7 @@ pub async fn start_etcd(
     etcd: etcd::EtcdConfig,
     advertise: Option<String>,
 ) -> Result<Handle, StartError> {
+    let cfg = cfg.with_checked_roots()?;
     let g = gate::Gate::follower();
     let handle = serve(cfg.clone(), grpc, http, g.clone()).await?;
     let advertise = advertise.unwrap_or_else(|| handle.grpc_addr.to_string());

@@ -51,6 +51,17 @@ struct Args {
     /// Without it, no authentication.
     #[arg(long, value_name = "FILE")]
     tokens: Option<PathBuf>,
+    /// Confine data.path and data.eval_path of every spec under this folder
+    /// (after '..' and symlinks; relative paths resolve under it).
+    #[arg(long)]
+    data_root: Option<PathBuf>,
+    /// Confine model.path and model.init under this folder.
+    #[arg(long)]
+    model_root: Option<PathBuf>,
+    /// Confine checkpoint.dir under this folder; <state-dir>/checkpoints
+    /// (the default checkpoint folder) must lie under it.
+    #[arg(long)]
+    checkpoint_root: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -74,6 +85,11 @@ async fn main() -> anyhow::Result<()> {
             .max_job_memory_gib
             .saturating_mul(accrue_common::spec::GIB),
         tokens: a.tokens,
+        roots: accrue_common::spec::Roots {
+            data: a.data_root,
+            model: a.model_root,
+            checkpoint: a.checkpoint_root,
+        },
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

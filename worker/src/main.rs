@@ -50,9 +50,16 @@ struct DaemonArgs {
     /// daemons on one host give each cores / daemons, as `accrue local` does.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
-    /// Relative data paths in job specs are resolved under this folder.
+    /// data.path and data.eval_path must lie under this folder, after '..'
+    /// and symlinks (relative paths resolve under it).
     #[arg(long)]
     data_root: Option<PathBuf>,
+    /// model.path and model.init must lie under this folder.
+    #[arg(long)]
+    model_root: Option<PathBuf>,
+    /// Checkpoint folders must lie under this folder.
+    #[arg(long)]
+    checkpoint_root: Option<PathBuf>,
     /// Seconds between heartbeats.
     #[arg(long, default_value_t = 1.0)]
     heartbeat: f64,
@@ -123,6 +130,55 @@ struct TrainArgs {
     /// (default: the host's physical memory).
     #[arg(long)]
     max_job_memory_gib: Option<f64>,
+    /// data.path and data.eval_path must lie under this folder, after '..'
+    /// and symlinks (relative paths resolve under it).
+    #[arg(long)]
+    data_root: Option<PathBuf>,
+    /// model.path and model.init must lie under this folder.
+    #[arg(long)]
+    model_root: Option<PathBuf>,
+    /// The checkpoint folder (--checkpoint-dir, checkpoint.dir or the
+    /// default under --state-dir) must lie under this folder.
+    #[arg(long)]
+    checkpoint_root: Option<PathBuf>,
+}
+
+/// The spec at `args.job` with its paths confined under the roots given
+/// (relative ones resolved under them), then checked against the files;
+/// and the checkpoint folder to use, confined too.
+fn load_confined(args: &TrainArgs) -> anyhow::Result<(JobSpec, Option<PathBuf>)> {
+    use accrue_worker::spec::{confine_field, Area, LocalFs, Roots};
+    let roots = Roots {
+        data: args.data_root.clone(),
+        model: args.model_root.clone(),
+        checkpoint: args.checkpoint_root.clone(),
+    }
+    .absolute()?;
+    if roots.is_empty() {
+        return Ok((JobSpec::load(&args.job)?, args.checkpoint_dir.clone()));
+    }
+    let spec = JobSpec::load_fields(&args.job)?
+        .confined(&roots, &LocalFs)
+        .with_context(|| format!("job spec {}", args.job.display()))?;
+    spec.validate()
+        .with_context(|| format!("job spec {}", args.job.display()))?;
+    let (field, dir) = match (&args.checkpoint_dir, &spec.checkpoint.dir) {
+        (Some(d), _) => ("--checkpoint-dir", d.clone()),
+        (None, Some(d)) => ("checkpoint.dir", d.clone()),
+        (None, None) => (
+            "--state-dir",
+            accrue_proto::layout::default_checkpoint_dir(&args.state_dir, &spec.name),
+        ),
+    };
+    // Flags name paths from the current folder, not from the root.
+    let dir = if field == "checkpoint.dir" {
+        dir
+    } else {
+        std::path::absolute(&dir).with_context(|| format!("{field} {}", dir.display()))?
+    };
+    let confined = confine_field(&roots, Area::Checkpoint, field, &dir, &LocalFs)
+        .map_err(|e| anyhow::anyhow!("invalid checkpoint folder: {e}"))?;
+    Ok((spec, Some(confined.unwrap_or(dir))))
 }
 
 /// `--max-job-memory-gib`, or the host's memory (64 GiB when unknown).
@@ -148,7 +204,7 @@ fn main() -> anyhow::Result<()> {
         Command::Train(args) => args,
         Command::Daemon(d) => return daemon(d),
     };
-    let mut spec = JobSpec::load(&args.job)?;
+    let (mut spec, checkpoint_dir) = load_confined(&args)?;
     spec.check_memory(memory_limit(args.max_job_memory_gib)?)?;
     if let Some(d) = &args.device {
         spec.device = d.clone();
@@ -157,7 +213,7 @@ fn main() -> anyhow::Result<()> {
         spec.threads = args.threads;
     }
     let opts = RunOptions {
-        checkpoint_dir: args.checkpoint_dir.clone(),
+        checkpoint_dir,
         state_dir: Some(args.state_dir.clone()),
         resume: args.resume,
         stop_after_steps: args.stop_after_steps,
@@ -225,6 +281,8 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
         device: d.device,
         threads: d.threads,
         data_root: d.data_root,
+        model_root: d.model_root,
+        checkpoint_root: d.checkpoint_root,
         heartbeat: Duration::from_secs_f64(d.heartbeat),
         sample_log: d.sample_log,
         micro_step_delay: (d.micro_step_delay_ms > 0)

@@ -97,3 +97,79 @@ lr = nan
     }
     assert!(!state.exists(), "a refused job must write nothing");
 }
+
+/// Issue 14, confined paths: `accrue-worker train` with roots refuses a
+/// data path out of `--data-root` and a checkpoint folder out of
+/// `--checkpoint-root` (the default one under `--state-dir` included),
+/// naming the field and writing nothing; inside them it trains, relative
+/// paths resolved under the roots.
+#[test]
+fn train_confines_paths_under_the_roots_given() {
+    let dir = TempDir::new().unwrap();
+    let base = std::fs::canonicalize(dir.path()).unwrap();
+    let (data, ckpt, outside) = (base.join("data"), base.join("ckpt"), base.join("outside"));
+    for d in [&data, &ckpt, &outside] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let synthetic = |extra: &str| {
+        format!(
+            "name = \"conf\"\nmax_steps = 2\ndevice = \"cpu\"\nthreads = 1\n[model]\nkind = \"mlp\"\nhidden = [4]\n[data]\nkind = \"synthetic\"\nsamples = 32\nshape = [4]\nclasses = 2\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n{extra}"
+        )
+    };
+    let run = |name: &str, text: &str, state: &Path| {
+        let job = base.join(name);
+        std::fs::write(&job, text).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_accrue-worker"))
+            .arg("train")
+            .arg(&job)
+            .arg("--state-dir")
+            .arg(state)
+            .arg("--data-root")
+            .arg(&data)
+            .arg("--checkpoint-root")
+            .arg(&ckpt)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), err)
+    };
+    let tensors = "name = \"conf\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"tensors\"\npath = \"../outside/t.safetensors\"\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+    let (ok, err) = run("escape.toml", tensors, &ckpt);
+    assert!(!ok);
+    assert!(
+        err.contains("data.path = \"../outside/t.safetensors\": must lie under the data root"),
+        "{err}"
+    );
+    let (ok, err) = run(
+        "ckpt.toml",
+        &synthetic("[checkpoint]\ndir = \"../outside/c\""),
+        &ckpt,
+    );
+    assert!(!ok);
+    assert!(
+        err.contains("checkpoint.dir = \"../outside/c\": must lie under"),
+        "{err}"
+    );
+    // The default folder, <state-dir>/checkpoints/<name>, out of the root.
+    let (ok, err) = run("default.toml", &synthetic(""), &outside);
+    assert!(!ok);
+    assert!(err.contains("--state-dir = "), "{err}");
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "nothing written outside"
+    );
+    // Inside: trains, the relative checkpoint.dir under the root.
+    let (ok, err) = run(
+        "fine.toml",
+        &synthetic("[checkpoint]\ndir = \"fine\""),
+        &outside,
+    );
+    assert!(ok, "{err}");
+    assert!(ckpt.join("fine/step-2/model.safetensors").exists());
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "nothing written outside"
+    );
+}

@@ -7,9 +7,13 @@ use serde::{Deserialize, Serialize};
 mod check;
 mod kinds;
 mod memory;
+mod paths;
 pub use check::Checker;
 pub use kinds::*;
 pub use memory::{host_memory_bytes, MemoryEstimate, GIB};
+pub use paths::{
+    confine_field, confine_lexically, normalize, Area, Lexical, LocalFs, RootError, Roots, View,
+};
 use std::fmt;
 use std::path::{Path, PathBuf};
 

@@ -124,6 +124,9 @@ pub struct Config {
     /// A job whose estimated memory per worker is above this (bytes) is
     /// refused at submit (see `JobSpec::memory_estimate`).
     pub max_job_memory: u64,
+    /// Spec paths must lie under these (absolute) roots; judged here
+    /// lexically, the shell adds what this host's file system shows.
+    pub roots: accrue_common::spec::Roots,
 }
 
 #[derive(Clone, Debug)]
@@ -339,6 +342,10 @@ impl Cluster {
 
     fn submit(&mut self, spec: v1::JobSpec, owner: String, now: i64, fx: &mut Vec<Effect>) {
         let domain = match accrue_proto::spec_from_proto(&spec)
+            .and_then(|d| {
+                d.confined(&self.cfg.roots, &accrue_common::spec::Lexical)
+                    .map(|_| d)
+            })
             .and_then(|d| d.check_memory(self.cfg.max_job_memory).map(|()| d))
         {
             Ok(d) => d,

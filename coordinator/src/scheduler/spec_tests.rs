@@ -287,3 +287,78 @@ proptest! {
         prop_assert_eq!(c.job(&next).unwrap().state(), JobState::Rendezvous);
     }
 }
+
+/// Issue 14, confined paths: with roots configured, a path field that
+/// leaves its root (`..`, an absolute path elsewhere) is refused at submit
+/// with INVALID_ARGUMENT naming the field, the value and the root; nothing
+/// is recorded. An accepted spec keeps its paths as submitted (each daemon
+/// resolves relative ones under its own roots).
+#[test]
+fn paths_outside_their_roots_are_refused_at_submit() {
+    let roots = accrue_common::spec::Roots {
+        data: Some("/data".into()),
+        model: Some("/models".into()),
+        checkpoint: Some("/state/checkpoints".into()),
+    };
+    let mut c = Cluster::new(
+        Config {
+            heartbeat_ttl_ms: 60_000,
+            state_dir: "/state".into(),
+            max_job_memory: 8 << 30,
+            roots,
+        },
+        Box::new(|| vec![7; 32]),
+    );
+    let with = |data: &str, ckpt: &str| {
+        let text = format!(
+            "name = \"p\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"tensors\"\npath = {data:?}\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n[checkpoint]\ndir = {ckpt:?}\n"
+        );
+        let s =
+            accrue_common::JobSpec::fields_from_toml_str(&text, std::path::Path::new("t")).unwrap();
+        accrue_proto::spec_to_proto(&s)
+    };
+    for (s, field, value) in [
+        (
+            with("train.safetensors", "/tmp/probe/outside/../escaped"),
+            "checkpoint.dir",
+            "/tmp/probe/outside/../escaped",
+        ),
+        (with("train.safetensors", "../x"), "checkpoint.dir", "../x"),
+        (with("/etc/passwd", "run"), "data.path", "/etc/passwd"),
+        (
+            with("a/../../data2/t", "run"),
+            "data.path",
+            "a/../../data2/t",
+        ),
+    ] {
+        let fx = c.step(
+            Input::Submit {
+                spec: s,
+                owner: String::new(),
+            },
+            1,
+        );
+        let Err(CoordError::InvalidArgument(msg)) = reply(&fx) else {
+            panic!("{field} = {value}: expected INVALID_ARGUMENT, got {fx:?}");
+        };
+        assert!(
+            msg.contains(&format!("{field} = \"{value}\": must lie under")),
+            "{msg}"
+        );
+        assert!(msg.contains("root"), "{msg}");
+        assert!(!fx.iter().any(|e| matches!(e, Effect::Save(_))), "{fx:?}");
+    }
+    assert!(c.jobs().next().is_none(), "nothing recorded");
+    // Inside: accepted, the paths kept as submitted.
+    let id = submit(&mut c, with("train.safetensors", "run/../run2"), 2);
+    let job = c.job(&id).unwrap();
+    let s = job.spec.as_ref().unwrap();
+    assert_eq!(
+        s.data.as_ref().unwrap().path.as_deref(),
+        Some("train.safetensors")
+    );
+    assert_eq!(
+        s.checkpoint.as_ref().unwrap().dir.as_deref(),
+        Some("run/../run2")
+    );
+}

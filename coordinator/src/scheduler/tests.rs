@@ -12,6 +12,7 @@ pub(super) fn cluster() -> Cluster {
             heartbeat_ttl_ms: TTL,
             state_dir: "/state".into(),
             max_job_memory: 8 << 30,
+            roots: Default::default(),
         },
         Box::new(|| vec![7; 32]),
     )

@@ -19,6 +19,7 @@
 use crate::error::CoordError;
 use crate::scheduler::{self, Cluster, Effect, Input};
 use crate::store::{JobStore, WriteProgress};
+use accrue_common::spec::{confine_field, Area, LocalFs, RootError, Roots};
 use accrue_proto::v1::{self, CoordinatorMessage, Job, JobEvent};
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -50,6 +51,40 @@ pub struct Config {
     /// JobService and HTTP. None: authentication off (every request is
     /// allowed and jobs have no owner).
     pub tokens: Option<PathBuf>,
+    /// Spec paths must lie under these roots (none: not confined). Made
+    /// absolute by [`Config::with_checked_roots`], which `start` calls.
+    pub roots: Roots,
+}
+
+impl Config {
+    /// This config with its roots absolute and lexically normal, once the
+    /// default checkpoint folder (`<state-dir>/checkpoints`) is known to
+    /// lie under the checkpoint root: jobs whose spec names no folder
+    /// checkpoint there.
+    pub fn with_checked_roots(mut self) -> Result<Self, RootError> {
+        self.roots = self.roots.absolute()?;
+        if let Some(root) = &self.roots.checkpoint {
+            let default = accrue_proto::layout::default_checkpoint_dir(&self.state_dir, "");
+            let default = std::path::absolute(&default).unwrap_or(default);
+            confine_field(
+                &self.roots,
+                Area::Checkpoint,
+                "--state-dir",
+                &default,
+                &LocalFs,
+            )
+            .map_err(|e| RootError {
+                flag: Area::Checkpoint.flag(),
+                root: root.clone(),
+                reason: format!(
+                    "the default checkpoint folder {} (under --state-dir) must lie under it: {}",
+                    default.display(),
+                    e.allowed
+                ),
+            })?;
+        }
+        Ok(self)
+    }
 }
 
 impl Default for Config {
@@ -60,6 +95,7 @@ impl Default for Config {
             durable_timeout: Duration::from_secs(5),
             max_job_memory: DEFAULT_MAX_JOB_MEMORY_GIB * accrue_common::spec::GIB,
             tokens: None,
+            roots: Roots::default(),
         }
     }
 }
@@ -152,6 +188,7 @@ impl Coordinator {
                 state_dir: std::path::absolute(&cfg.state_dir)
                     .unwrap_or_else(|_| cfg.state_dir.clone()),
                 max_job_memory: cfg.max_job_memory,
+                roots: cfg.roots.clone(),
             },
             Box::new(|| rand::random::<[u8; 32]>().to_vec()),
         );
@@ -362,6 +399,7 @@ impl Coordinator {
         if let Err(why) = self.store_health() {
             return Err(CoordError::StoreUnavailable(why));
         }
+        self.check_local_paths(&spec).await?;
         let job = self
             .handle(Input::Submit { spec, owner })
             .unwrap_or_else(|| Err(CoordError::Internal("submit decided nothing".into())))?;
@@ -385,6 +423,24 @@ impl Coordinator {
         });
         tracing::info!(job = %job.id, "submitted");
         self.job(&job.id)
+    }
+
+    /// What the scheduler cannot see: where the spec's paths land on this
+    /// host's file system (symlinks followed), off the runtime (the roots
+    /// may be network mounts). A spec that does not convert is left to the
+    /// scheduler, which names every bad field.
+    async fn check_local_paths(&self, spec: &v1::JobSpec) -> Result<(), CoordError> {
+        if self.cfg.roots.is_empty() {
+            return Ok(());
+        }
+        let Ok(domain) = accrue_proto::spec_from_proto(spec) else {
+            return Ok(());
+        };
+        let roots = self.cfg.roots.clone();
+        tokio::task::spawn_blocking(move || domain.confined(&roots, &LocalFs).map(|_| ()))
+            .await
+            .map_err(|e| CoordError::Internal(format!("the path check did not finish: {e}")))?
+            .map_err(|e| CoordError::InvalidArgument(e.to_string()))
     }
 
     pub fn cancel(&self, id: &str) -> Result<Job, CoordError> {

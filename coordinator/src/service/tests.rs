@@ -216,3 +216,44 @@ async fn only_the_current_connection_speaks_for_a_worker() {
     assert_ne!(c.job(&job.id).unwrap().state(), JobState::Failed);
     assert!(rx_new.try_recv().is_err());
 }
+
+/// Issue 14, confined paths: the coordinator does not start when its
+/// default checkpoint folder (`<state-dir>/checkpoints`) lies outside
+/// `--checkpoint-root`, and names both; inside it, the roots come back
+/// absolute.
+#[test]
+fn the_default_checkpoint_folder_must_lie_under_the_checkpoint_root() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = |state: &str, root: &str| Config {
+        state_dir: t.path().join(state),
+        roots: accrue_common::spec::Roots {
+            checkpoint: Some(t.path().join(root)),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let e = cfg("state", "elsewhere").with_checked_roots().unwrap_err();
+    let text = e.to_string();
+    assert!(text.starts_with("--checkpoint-root "), "{text}");
+    assert!(text.contains("state/checkpoints"), "{text}");
+    // The state dir itself as the root, or its checkpoints folder: fine.
+    for root in [
+        "state",
+        "state/checkpoints",
+        "state/./checkpoints/../checkpoints",
+    ] {
+        let ok = cfg("state", root).with_checked_roots().unwrap();
+        let got = ok.roots.checkpoint.unwrap();
+        assert!(
+            got.is_absolute() && !got.to_string_lossy().contains(".."),
+            "{got:?}"
+        );
+    }
+    // A symlinked checkpoints folder that leads out is refused too.
+    std::fs::create_dir_all(t.path().join("state")).unwrap();
+    std::fs::create_dir_all(t.path().join("out")).unwrap();
+    std::os::unix::fs::symlink(t.path().join("out"), t.path().join("state/checkpoints")).unwrap();
+    assert!(cfg("state", "state").with_checked_roots().is_err());
+    // No checkpoint root: nothing to check.
+    assert!(Config::default().with_checked_roots().is_ok());
+}

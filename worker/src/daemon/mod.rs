@@ -35,8 +35,15 @@ pub struct DaemonConfig {
     /// libtorch intra-op threads for jobs whose spec sets none (None:
     /// libtorch's default, which honours OMP_NUM_THREADS).
     pub threads: Option<u32>,
-    /// Relative data paths in job specs are resolved under this folder.
+    /// data.path and data.eval_path must lie under this folder (relative
+    /// ones resolve under it). Without `model_root`, relative model paths
+    /// resolve under it too (not confined), as before roots existed.
     pub data_root: Option<PathBuf>,
+    /// model.path and model.init must lie under this folder.
+    pub model_root: Option<PathBuf>,
+    /// Checkpoint folders (checkpoint.dir, or the coordinator's default)
+    /// must lie under this folder.
+    pub checkpoint_root: Option<PathBuf>,
     pub heartbeat: Duration,
     /// Audit log: for every committed window, the sample indices this
     /// worker's rank read in it (JSON lines).
@@ -61,6 +68,38 @@ pub enum DaemonError {
     },
     #[error("coordinator {url}: {reason}")]
     Coordinator { url: String, reason: String },
+    #[error(transparent)]
+    Roots(#[from] crate::spec::RootError),
+}
+
+impl DaemonConfig {
+    /// This config with its roots absolute and lexically normal; a root
+    /// that does not exist is only warned about (every path under it will
+    /// be refused or fail to open).
+    pub fn with_absolute_roots(mut self) -> Result<Self, crate::spec::RootError> {
+        let roots = self.roots().absolute()?;
+        for (flag, root) in [
+            ("--data-root", &roots.data),
+            ("--model-root", &roots.model),
+            ("--checkpoint-root", &roots.checkpoint),
+        ] {
+            if let Some(r) = root.as_ref().filter(|r| !r.is_dir()) {
+                tracing::warn!(flag, root = %r.display(), "the root is not an existing folder here");
+            }
+        }
+        (self.data_root, self.model_root, self.checkpoint_root) =
+            (roots.data, roots.model, roots.checkpoint);
+        Ok(self)
+    }
+
+    /// The roots of `--data-root`, `--model-root`, `--checkpoint-root`.
+    pub fn roots(&self) -> crate::spec::Roots {
+        crate::spec::Roots {
+            data: self.data_root.clone(),
+            model: self.model_root.clone(),
+            checkpoint: self.checkpoint_root.clone(),
+        }
+    }
 }
 
 fn wrap(msg: worker_message::Msg) -> WorkerMessage {
@@ -197,15 +236,16 @@ fn assigned_spec(a: &v1::Assignment, cfg: &DaemonConfig) -> Result<crate::spec::
     if spec.threads.is_none() {
         spec.threads = cfg.threads;
     }
-    if let Some(root) = &cfg.data_root {
-        for p in [
-            &mut spec.data.path,
-            &mut spec.data.eval_path,
-            &mut spec.model.init,
-            &mut spec.model.path,
-        ]
-        .into_iter()
-        .flatten()
+    // Checked again here, before anything is opened: the coordinator may
+    // not see what this host sees (a symlink, another mount).
+    let roots = cfg.roots();
+    let mut spec = spec
+        .confined(&roots, &crate::spec::LocalFs)
+        .map_err(|e| format!("refused by worker {}: {e}", cfg.worker_id))?;
+    if let (Some(root), None) = (&cfg.data_root, &cfg.model_root) {
+        for p in [&mut spec.model.init, &mut spec.model.path]
+            .into_iter()
+            .flatten()
         {
             if p.is_relative() {
                 *p = root.join(&*p);
@@ -213,6 +253,32 @@ fn assigned_spec(a: &v1::Assignment, cfg: &DaemonConfig) -> Result<crate::spec::
         }
     }
     Ok(spec)
+}
+
+/// Where this generation checkpoints: the assignment's folder (the spec's
+/// `checkpoint.dir` or the coordinator's default), confined under
+/// `--checkpoint-root` when one is set.
+fn assigned_checkpoint_dir(
+    a: &v1::Assignment,
+    cfg: &DaemonConfig,
+) -> Result<Option<PathBuf>, String> {
+    if a.checkpoint_dir.is_empty() {
+        return Ok(None);
+    }
+    let dir = PathBuf::from(&a.checkpoint_dir);
+    match crate::spec::confine_field(
+        &cfg.roots(),
+        crate::spec::Area::Checkpoint,
+        "checkpoint.dir",
+        &dir,
+        &crate::spec::LocalFs,
+    ) {
+        Ok(confined) => Ok(Some(confined.unwrap_or(dir))),
+        Err(e) => Err(format!(
+            "refused by worker {}: invalid job spec:\n  {e}",
+            cfg.worker_id
+        )),
+    }
 }
 
 /// What one generation of a job ended with.
@@ -237,7 +303,9 @@ impl JobThread<'_> {
     /// that survived onto the new ring) and trains.
     fn generation(&mut self, a: &v1::Assignment) -> Outcome {
         let (job, generation, rank) = (a.job_id.clone(), a.generation, a.rank);
-        let spec = match assigned_spec(a, self.cfg) {
+        let (spec, checkpoint_dir) = match assigned_spec(a, self.cfg)
+            .and_then(|s| Ok((s, assigned_checkpoint_dir(a, self.cfg)?)))
+        {
             Ok(s) => s,
             Err(e) => return Outcome::Failed(e),
         };
@@ -265,8 +333,7 @@ impl JobThread<'_> {
             Some(engine) => engine.reconfigure(slot, spec.accumulation.steps),
             None => {
                 let opts = RunOptions {
-                    checkpoint_dir: (!a.checkpoint_dir.is_empty())
-                        .then(|| PathBuf::from(&a.checkpoint_dir)),
+                    checkpoint_dir,
                     resume_if_present: a.resume_step > 0 || a.generation > 1,
                     sample_log: self.cfg.sample_log.clone(),
                     micro_step_delay: self.cfg.micro_step_delay,
@@ -547,6 +614,7 @@ pub async fn run_until(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), DaemonError> {
     let mut shutdown = std::pin::pin!(shutdown);
+    let cfg = cfg.with_absolute_roots()?;
     let listener = TcpListener::bind(&cfg.listen_data).map_err(|source| DaemonError::Listen {
         addr: cfg.listen_data.clone(),
         source,

@@ -35,6 +35,8 @@ fn cfg() -> DaemonConfig {
         device: None,
         threads: None,
         data_root: None,
+        model_root: None,
+        checkpoint_root: None,
         heartbeat: Duration::from_secs(1),
         sample_log: None,
         micro_step_delay: None,
@@ -173,5 +175,68 @@ fn an_assignment_above_this_workers_memory_limit_is_refused_before_it_allocates(
             && err.contains("at most 0.00 GiB")
             && err.ends_with("(this worker's limit)"),
         "{err}"
+    );
+}
+
+/// Issue 14, confined paths: the daemon checks every path of an
+/// assignment against its own roots before opening anything, following
+/// the symlinks it sees (which the coordinator may not); relative paths
+/// resolve under its roots.
+#[test]
+fn assignments_are_confined_under_the_daemons_roots() {
+    let t = tempfile::tempdir().unwrap();
+    let base = std::fs::canonicalize(t.path()).unwrap();
+    for d in ["data", "ckpt", "outside"] {
+        std::fs::create_dir_all(base.join(d)).unwrap();
+    }
+    std::os::unix::fs::symlink(base.join("outside"), base.join("ckpt/sneaky")).unwrap();
+    let mut c = cfg();
+    c.data_root = Some(base.join("data"));
+    c.checkpoint_root = Some(base.join("ckpt"));
+    let tensors = |path: &str, ckpt: &str| {
+        let text = format!(
+            "name = \"p\"\n[model]\nkind = \"mlp\"\n[data]\nkind = \"tensors\"\npath = {path:?}\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n"
+        );
+        let spec =
+            crate::spec::JobSpec::fields_from_toml_str(&text, std::path::Path::new("t")).unwrap();
+        v1::Assignment {
+            job_id: "p-1".into(),
+            generation: 1,
+            world_size: 1,
+            accumulation_steps: 1,
+            checkpoint_dir: ckpt.into(),
+            spec: Some(accrue_proto::spec_to_proto(&spec)),
+            ..Default::default()
+        }
+    };
+    let ok = tensors("train.safetensors", "run");
+    let spec = assigned_spec(&ok, &c).unwrap();
+    assert_eq!(spec.data.path, Some(base.join("data/train.safetensors")));
+    assert_eq!(
+        assigned_checkpoint_dir(&ok, &c).unwrap(),
+        Some(base.join("ckpt/run"))
+    );
+    let e = assigned_spec(&tensors("../outside/x", "run"), &c).unwrap_err();
+    assert!(
+        e.contains("data.path = \"../outside/x\": must lie under"),
+        "{e}"
+    );
+    assert!(e.contains("refused by worker w"), "{e}");
+    let e = assigned_checkpoint_dir(&tensors("t", "sneaky/new"), &c).unwrap_err();
+    assert!(e.contains("checkpoint.dir = \"sneaky/new\""), "{e}");
+    assert!(
+        e.contains(&base.join("outside").display().to_string()),
+        "{e}"
+    );
+    // Without roots: as before (relative paths kept, nothing refused).
+    let plain = cfg();
+    let any = tensors("../outside/x", "sneaky/new");
+    assert_eq!(
+        assigned_spec(&any, &plain).unwrap().data.path,
+        Some("../outside/x".into())
+    );
+    assert_eq!(
+        assigned_checkpoint_dir(&any, &plain).unwrap(),
+        Some("sneaky/new".into())
     );
 }
