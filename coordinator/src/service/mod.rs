@@ -46,6 +46,9 @@ pub struct Config {
     pub durable_timeout: Duration,
     /// Jobs estimated to need more memory per worker are refused (bytes).
     pub max_job_memory: u64,
+    /// TLS on both ports and mutual TLS for WorkerService (None: plaintext,
+    /// as before issue 14).
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 impl Default for Config {
@@ -55,6 +58,7 @@ impl Default for Config {
             heartbeat_ttl: Duration::from_secs(10),
             durable_timeout: Duration::from_secs(5),
             max_job_memory: DEFAULT_MAX_JOB_MEMORY_GIB * accrue_common::spec::GIB,
+            tls: None,
         }
     }
 }
