@@ -3,8 +3,8 @@
 //! building blocks tests use to make rogue, expired or mismatched ones.
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-    KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -81,7 +81,8 @@ pub struct Ca {
 fn named(cn: &str) -> CertificateParams {
     let mut p = CertificateParams::default();
     p.distinguished_name = rcgen::DistinguishedName::new();
-    p.distinguished_name.push(DnType::OrganizationName, "accrue");
+    p.distinguished_name
+        .push(DnType::OrganizationName, "accrue");
     p.distinguished_name.push(DnType::CommonName, cn);
     p
 }
@@ -167,10 +168,7 @@ impl Ca {
             }
         }
         let mut p = named("accrue coordinator");
-        p.subject_alt_names = names
-            .iter()
-            .map(|n| san(n))
-            .collect::<Result<_, _>>()?;
+        p.subject_alt_names = names.iter().map(|n| san(n)).collect::<Result<_, _>>()?;
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         self.sign(p, validity)
     }
@@ -213,9 +211,11 @@ fn san(name: &str) -> Result<SanType, CertError> {
     }
     let ok = !name.is_empty()
         && name.len() <= 253
-        && name
-            .split('.')
-            .all(|l| !l.is_empty() && l.len() <= 63 && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'));
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        });
     if !ok {
         return Err(CertError::BadSan {
             name: name.to_string(),
@@ -330,7 +330,10 @@ pub fn dev_certs(dir: &Path, opts: &DevCerts) -> Result<Written, CertError> {
         ca
     };
     let mut pair = |name: &str, pem: Pem| -> Result<(), CertError> {
-        let (c, k) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
+        let (c, k) = (
+            dir.join(format!("{name}.pem")),
+            dir.join(format!("{name}.key")),
+        );
         write_file(&k, &pem.key, true)?;
         write_file(&c, &pem.cert, false)?;
         files.extend([c, k]);
@@ -394,7 +397,9 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(ha.len(), 64);
         assert_eq!(ha, hex(&sha2::Sha256::digest(a.as_bytes())));
-        assert!(ha.chars().all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c)));
+        assert!(ha
+            .chars()
+            .all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c)));
     }
 
     #[test]

@@ -529,7 +529,10 @@ struct LocalOptions {
 
 /// Throw-away certificates for `accrue local` under `state_dir/tls`: a
 /// fresh CA each run, the coordinator's certificate, one per worker.
-fn local_certs(state_dir: &Path, ids: &[String]) -> anyhow::Result<(accrue_coordinator::tls::ServerTls, ClientTls)> {
+fn local_certs(
+    state_dir: &Path,
+    ids: &[String],
+) -> anyhow::Result<(accrue_coordinator::tls::ServerTls, ClientTls)> {
     let dir = state_dir.join("tls");
     // A fresh CA every run: nothing issued for an earlier run is trusted.
     for f in ["ca.pem", "ca.key"] {
@@ -602,7 +605,10 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
     let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let url = format!("{scheme}://{}", handle.grpc_addr);
-    println!("coordinator {url} (status {scheme}://{}/)", handle.http_addr);
+    println!(
+        "coordinator {url} (status {scheme}://{}/)",
+        handle.http_addr
+    );
     let logs = state_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
     let mut children = Children(Vec::new());

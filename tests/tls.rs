@@ -69,7 +69,13 @@ fn dev_certs_writes_a_ca_certificates_and_tokens_that_verify() {
         "w-0,w_1",
     ]);
     assert!(o.status.success(), "{}", text(&o));
-    for f in ["ca.key", "coordinator.key", "worker-w-0.key", "worker-w_1.key", "tokens.toml"] {
+    for f in [
+        "ca.key",
+        "coordinator.key",
+        "worker-w-0.key",
+        "worker-w_1.key",
+        "tokens.toml",
+    ] {
         assert_eq!(mode(&dir.join(f)), 0o600, "{f}");
     }
     for t in ["admin", "submit", "read", "metrics"] {
@@ -103,16 +109,17 @@ fn dev_certs_writes_a_ca_certificates_and_tokens_that_verify() {
     let client = rustls::server::WebPkiClientVerifier::builder(roots(&dir.join("ca.pem")))
         .build()
         .unwrap();
-    let verify_client = |c: &CertificateDer<'_>| {
-        client.verify_client_cert(c, &[], UnixTime::now())
-    };
+    let verify_client = |c: &CertificateDer<'_>| client.verify_client_cert(c, &[], UnixTime::now());
     for (id, names) in [("w-0", vec!["w-0", "w-0"]), ("w_1", vec!["w_1"])] {
         let w = certs(&dir.join(format!("worker-{id}.pem")));
         verify_client(&w[0]).unwrap_or_else(|e| panic!("{id}: {e}"));
         assert_eq!(accrue_coordinator::tls::worker_names(&w[0]).unwrap(), names);
         assert!(verify_server(&w[0], "w-0").is_err(), "{id} as a server");
     }
-    assert!(verify_client(&coord[0]).is_err(), "the coordinator as a worker");
+    assert!(
+        verify_client(&coord[0]).is_err(),
+        "the coordinator as a worker"
+    );
     assert!(accrue_coordinator::tls::authorize_worker(
         Some(&certs(&dir.join("worker-w-0.pem"))),
         "w_1"
@@ -158,15 +165,26 @@ fn dev_certs_writes_a_ca_certificates_and_tokens_that_verify() {
     );
     let o = accrue(&["dev-certs", s, "--workers", "w-2"]);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("existing CA"), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("existing CA"),
+        "{}",
+        text(&o)
+    );
     assert_eq!(std::fs::read(dir.join("ca.pem")).unwrap(), ca_before);
-    assert_eq!(std::fs::read(dir.join("tokens.toml")).unwrap(), tokens_before);
+    assert_eq!(
+        std::fs::read(dir.join("tokens.toml")).unwrap(),
+        tokens_before
+    );
     verify_client(&certs(&dir.join("worker-w-2.pem"))[0]).unwrap();
 
     // Bad input names what is wrong.
     let o = accrue(&["dev-certs", s, "--workers", "a/b"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("worker id \"a/b\""), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("worker id \"a/b\""),
+        "{}",
+        text(&o)
+    );
 }
 
 /// A cluster's files (dev-certs for workers w-0 and w-1) and a coordinator
@@ -354,7 +372,9 @@ async fn worker_service_refuses_every_client_but_the_worker_itself() {
     // runs (the log below counts the handler's refusals).
     for (what, id) in [("rogue CA", rogue), ("expired", expired)] {
         match attach(&grpc, Some(&c.client(Some(id))), "w-0").await {
-            Attach::Refused { why, .. } => assert!(why.contains("transport error"), "{what}: {why}"),
+            Attach::Refused { why, .. } => {
+                assert!(why.contains("transport error"), "{what}: {why}")
+            }
             a => panic!("{what}: {a:?}"),
         }
     }
@@ -363,7 +383,10 @@ async fn worker_service_refuses_every_client_but_the_worker_itself() {
     match attach(&grpc, Some(&c.client(other)), "w-0").await {
         Attach::Refused { code, why } => {
             assert_eq!(code, tonic::Code::PermissionDenied, "{why}");
-            assert!(why.contains("may only act as itself") && why.contains("w-1"), "{why}");
+            assert!(
+                why.contains("may only act as itself") && why.contains("w-1"),
+                "{why}"
+            );
         }
         a => panic!("another worker's certificate: {a:?}"),
     }
@@ -406,8 +429,10 @@ async fn https_get(addr: &str, ca: &Path, path: &str) -> std::io::Result<(u16, S
     let mut s = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
         .await?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").as_bytes())
-        .await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
     let mut buf = Vec::new();
     // A server closing without close_notify still gave its whole answer.
     if let Err(e) = s.read_to_end(&mut buf).await {
@@ -421,7 +446,10 @@ async fn https_get(addr: &str, ca: &Path, path: &str) -> std::io::Result<(u16, S
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
     Ok((code, body))
 }
 
@@ -471,7 +499,11 @@ async fn a_worker_with_its_certificate_runs_a_job_submitted_over_tls() {
         "--wait",
     ]);
     assert!(o.status.success(), "{}", text(&o));
-    let id = String::from_utf8_lossy(&o.stdout).lines().next().unwrap().to_string();
+    let id = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .next()
+        .unwrap()
+        .to_string();
     let o = Command::new(env!("CARGO_BIN_EXE_accrue"))
         .args(["--coordinator", &c.coord.grpc, "status", &id])
         .env("ACCRUE_CA", &ca)
@@ -486,6 +518,16 @@ async fn a_worker_with_its_certificate_runs_a_job_submitted_over_tls() {
     // Plaintext to the TLS port fails, and says so.
     let o = accrue(&["--coordinator", &c.coord.grpc, "--insecure", "status", &id]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    let o = accrue(&["--coordinator", &format!("http://{}", c.coord.grpc), "--ca", ca_s, "list"]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("plaintext"), "{}", text(&o));
+    let o = accrue(&[
+        "--coordinator",
+        &format!("http://{}", c.coord.grpc),
+        "--ca",
+        ca_s,
+        "list",
+    ]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("plaintext"),
+        "{}",
+        text(&o)
+    );
 }

@@ -168,7 +168,9 @@ pub fn authorize_worker(
     peer: Option<&[CertificateDer<'_>]>,
     claimed: &str,
 ) -> Result<(), PeerError> {
-    let leaf = peer.and_then(|c| c.first()).ok_or(PeerError::NoClientCert)?;
+    let leaf = peer
+        .and_then(|c| c.first())
+        .ok_or(PeerError::NoClientCert)?;
     let names = worker_names(leaf)?;
     if names.iter().any(|n| n == claimed) {
         Ok(())
@@ -211,7 +213,9 @@ impl TlsListener {
                         Ok(Ok(tls)) => {
                             let _ = tx.send((tls, peer)).await;
                         }
-                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "http TLS handshake failed"),
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "http TLS handshake failed")
+                        }
                         Err(_) => tracing::debug!(%peer, "http TLS handshake timed out"),
                     }
                 });
@@ -279,8 +283,14 @@ mod tests {
             SanType::IpAddress("127.0.0.1".parse().unwrap()),
         ]);
         assert_eq!(worker_names(&c).unwrap(), vec!["w-0", "w_1"]);
-        assert_eq!(worker_names(&cert_with(vec![])).unwrap(), Vec::<String>::new());
-        assert!(matches!(worker_names(b"junk"), Err(PeerError::Unreadable(_))));
+        assert_eq!(
+            worker_names(&cert_with(vec![])).unwrap(),
+            Vec::<String>::new()
+        );
+        assert!(matches!(
+            worker_names(b"junk"),
+            Err(PeerError::Unreadable(_))
+        ));
     }
 
     #[test]
@@ -297,17 +307,20 @@ mod tests {
                 names: vec!["w-0".into(), "w_1".into()]
             }
         );
-        assert_eq!(
-            tonic::Status::from(e).code(),
-            tonic::Code::PermissionDenied
-        );
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::PermissionDenied);
         // A prefix or a URI of another form is not the worker's name.
         assert!(authorize_worker(Some(&chain), "w").is_err());
         assert!(authorize_worker(Some(&chain), "urn:accrue:worker:w_1").is_err());
         let none = authorize_worker(None, "w-0").unwrap_err();
         assert_eq!(none, PeerError::NoClientCert);
-        assert_eq!(tonic::Status::from(none).code(), tonic::Code::Unauthenticated);
-        assert_eq!(authorize_worker(Some(&[]), "w-0"), Err(PeerError::NoClientCert));
+        assert_eq!(
+            tonic::Status::from(none).code(),
+            tonic::Code::Unauthenticated
+        );
+        assert_eq!(
+            authorize_worker(Some(&[]), "w-0"),
+            Err(PeerError::NoClientCert)
+        );
     }
 
     #[test]

@@ -74,10 +74,14 @@ pub fn client_transport(
     identity_required: bool,
     insecure: bool,
 ) -> Result<Transport<ClientTls>, TlsError> {
-    let given: Vec<&str> = [("--ca", ca.is_some()), ("--cert", cert.is_some()), ("--key", key.is_some())]
-        .into_iter()
-        .filter_map(|(n, g)| g.then_some(n))
-        .collect();
+    let given: Vec<&str> = [
+        ("--ca", ca.is_some()),
+        ("--cert", cert.is_some()),
+        ("--key", key.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(n, g)| g.then_some(n))
+    .collect();
     if insecure {
         if !given.is_empty() {
             return Err(TlsError::Flags(format!(
@@ -94,10 +98,14 @@ pub fn client_transport(
         (Some(cert), Some(key)) => Some(KeyPairFiles { cert, key }),
         (None, None) if !identity_required => None,
         (c, k) => {
-            let missing: Vec<&str> = [("--ca", ca.is_none()), ("--cert", c.is_none()), ("--key", k.is_none())]
-                .into_iter()
-                .filter_map(|(n, m)| m.then_some(n))
-                .collect();
+            let missing: Vec<&str> = [
+                ("--ca", ca.is_none()),
+                ("--cert", c.is_none()),
+                ("--key", k.is_none()),
+            ]
+            .into_iter()
+            .filter_map(|(n, m)| m.then_some(n))
+            .collect();
             return Err(TlsError::Flags(format!(
                 "TLS needs {} as well (given: {})",
                 missing.join(" and "),
@@ -142,7 +150,10 @@ pub fn coordinator_url(addr: &str, tls: bool) -> Result<String, TlsError> {
             )))
         }
     };
-    if url.split_once("://").is_some_and(|(_, rest)| rest.is_empty()) {
+    if url
+        .split_once("://")
+        .is_some_and(|(_, rest)| rest.is_empty())
+    {
         return Err(bad("no host: use HOST:PORT"));
     }
     Ok(url)
@@ -157,7 +168,10 @@ fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
 }
 
 /// Reads a PEM file of certificates (at least one).
-pub fn read_certs(what: &'static str, path: &Path) -> Result<(Vec<u8>, Vec<CertificateDer<'static>>), TlsError> {
+pub fn read_certs(
+    what: &'static str,
+    path: &Path,
+) -> Result<(Vec<u8>, Vec<CertificateDer<'static>>), TlsError> {
     let pem = read(what, path)?;
     let bad = |reason: String| TlsError::BadPem {
         what,
@@ -175,7 +189,10 @@ pub fn read_certs(what: &'static str, path: &Path) -> Result<(Vec<u8>, Vec<Certi
 }
 
 /// Reads a PEM private key (PKCS#8, PKCS#1 or SEC1).
-pub fn read_key(what: &'static str, path: &Path) -> Result<(Vec<u8>, PrivateKeyDer<'static>), TlsError> {
+pub fn read_key(
+    what: &'static str,
+    path: &Path,
+) -> Result<(Vec<u8>, PrivateKeyDer<'static>), TlsError> {
     let pem = read(what, path)?;
     let key = PrivateKeyDer::from_pem_slice(&pem).map_err(|e| TlsError::BadPem {
         what,
@@ -239,40 +256,64 @@ mod tests {
         );
         assert_eq!(
             client_transport(p("ca.pem"), None, None, false, false).unwrap(),
-            Transport::Tls(ClientTls { ca: "ca.pem".into(), identity: None })
+            Transport::Tls(ClientTls {
+                ca: "ca.pem".into(),
+                identity: None
+            })
         );
         assert_eq!(
             client_transport(p("ca.pem"), p("w.pem"), p("w.key"), true, false).unwrap(),
             Transport::Tls(ClientTls {
                 ca: "ca.pem".into(),
-                identity: Some(KeyPairFiles { cert: "w.pem".into(), key: "w.key".into() })
+                identity: Some(KeyPairFiles {
+                    cert: "w.pem".into(),
+                    key: "w.key".into()
+                })
             })
         );
     }
 
     #[test]
     fn contradicting_or_partial_flags_are_refused_by_name() {
-        let e = client_transport(p("ca.pem"), None, None, false, true).unwrap_err().to_string();
+        let e = client_transport(p("ca.pem"), None, None, false, true)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--insecure") && e.contains("--ca"), "{e}");
-        let e = client_transport(p("ca.pem"), None, None, true, false).unwrap_err().to_string();
+        let e = client_transport(p("ca.pem"), None, None, true, false)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--cert and --key"), "{e}");
-        let e = client_transport(p("ca.pem"), p("w.pem"), None, false, false).unwrap_err().to_string();
+        let e = client_transport(p("ca.pem"), p("w.pem"), None, false, false)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("needs --key"), "{e}");
-        let e = client_transport(None, p("w.pem"), p("w.key"), true, false).unwrap_err().to_string();
+        let e = client_transport(None, p("w.pem"), p("w.key"), true, false)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--ca"), "{e}");
     }
 
     #[test]
     fn the_scheme_follows_the_transport() {
-        assert_eq!(coordinator_url("127.0.0.1:1", true).unwrap(), "https://127.0.0.1:1");
-        assert_eq!(coordinator_url("127.0.0.1:1", false).unwrap(), "http://127.0.0.1:1");
+        assert_eq!(
+            coordinator_url("127.0.0.1:1", true).unwrap(),
+            "https://127.0.0.1:1"
+        );
+        assert_eq!(
+            coordinator_url("127.0.0.1:1", false).unwrap(),
+            "http://127.0.0.1:1"
+        );
         assert_eq!(coordinator_url("https://h:1", true).unwrap(), "https://h:1");
         assert_eq!(coordinator_url("http://h:1", false).unwrap(), "http://h:1");
         let e = coordinator_url("http://h:1", true).unwrap_err().to_string();
         assert!(e.contains("plaintext") && e.contains("https://"), "{e}");
-        let e = coordinator_url("https://h:1", false).unwrap_err().to_string();
+        let e = coordinator_url("https://h:1", false)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--ca"), "{e}");
-        let e = coordinator_url("grpc://h:1", false).unwrap_err().to_string();
+        let e = coordinator_url("grpc://h:1", false)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("\"grpc\""), "{e}");
         assert!(coordinator_url("https://", true).is_err());
     }
@@ -283,10 +324,19 @@ mod tests {
         std::fs::create_dir_all(&d).unwrap();
         let junk = d.join("junk.pem");
         std::fs::write(&junk, "not a certificate").unwrap();
-        let t = ClientTls { ca: junk.clone(), identity: None };
+        let t = ClientTls {
+            ca: junk.clone(),
+            identity: None,
+        };
         let e = t.config().unwrap_err().to_string();
-        assert!(e.contains("CA certificate") && e.contains("junk.pem"), "{e}");
-        let t = ClientTls { ca: d.join("absent.pem"), identity: None };
+        assert!(
+            e.contains("CA certificate") && e.contains("junk.pem"),
+            "{e}"
+        );
+        let t = ClientTls {
+            ca: d.join("absent.pem"),
+            identity: None,
+        };
         let e = t.config().unwrap_err().to_string();
         assert!(e.contains("cannot read") && e.contains("absent.pem"), "{e}");
         let e = read_key("client key", &junk).unwrap_err().to_string();
