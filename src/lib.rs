@@ -1,7 +1,11 @@
 //! The `accrue` command-line client: submit, status, list, cancel, watch and
-//! local (an embedded coordinator plus N worker processes on loopback).
+//! local (an embedded coordinator plus N worker processes on loopback),
+//! dev-certs (a CA, certificates and tokens for a cluster).
+
+pub mod certs;
 
 use accrue_common::JobSpec;
+use accrue_proto::tls::{ClientTls, Transport};
 use accrue_proto::v1::{self, job_event, job_service_client::JobServiceClient, Job, JobState};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
@@ -19,8 +23,9 @@ use tonic::transport::Channel;
     about = "accrue: distributed training with exact gradient accumulation"
 )]
 pub struct Cli {
-    /// The coordinator's gRPC address.
-    #[arg(long, global = true, default_value = "http://127.0.0.1:50051")]
+    /// The coordinator's gRPC address: HOST:PORT (https:// with --ca,
+    /// http:// without), or a URL whose scheme agrees.
+    #[arg(long, global = true, default_value = "127.0.0.1:50051")]
     pub coordinator: String,
     /// Bearer token sent with every call (its scopes decide what is
     /// allowed). Prefer the environment variable or --token-file: a flag is
@@ -30,6 +35,14 @@ pub struct Cli {
     /// A file holding the bearer token (surrounding whitespace ignored).
     #[arg(long, global = true, env = "ACCRUE_TOKEN_FILE", value_name = "FILE")]
     pub token_file: Option<PathBuf>,
+    /// The cluster CA (PEM) that signed the coordinator's certificate:
+    /// connect over TLS.
+    #[arg(long, global = true, env = "ACCRUE_CA")]
+    pub ca: Option<PathBuf>,
+    /// Connect in plaintext (no TLS): anyone on the path can read and
+    /// change what is sent. Contradicts --ca.
+    #[arg(long, global = true)]
+    pub insecure: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -72,6 +85,38 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write a cluster CA, the coordinator's certificate, worker client
+    /// certificates and a tokens file into DIR (for development and small
+    /// clusters; keys and tokens mode 0600).
+    DevCerts {
+        dir: PathBuf,
+        /// Extra names (DNS or IP) of the coordinator's certificate, besides
+        /// localhost and 127.0.0.1; repeat or separate with commas.
+        #[arg(long, value_delimiter = ',')]
+        san: Vec<String>,
+        /// Worker ids to write client certificates for (worker-<id>.pem).
+        #[arg(long, value_delimiter = ',')]
+        workers: Vec<String>,
+        /// Days the coordinator and worker certificates are valid (the CA:
+        /// ten times as long).
+        #[arg(long, default_value_t = 365)]
+        days: u32,
+    },
+}
+
+/// The CLI's transport from `--ca` / `--insecure`; plaintext warns.
+pub fn transport(ca: Option<PathBuf>, insecure: bool) -> anyhow::Result<Option<ClientTls>> {
+    Ok(
+        match accrue_proto::tls::client_transport(ca, None, None, false, insecure)? {
+            Transport::Tls(t) => Some(t),
+            Transport::Plaintext { explicit } => {
+                if explicit {
+                    tracing::warn!("--insecure: talking to the coordinator in plaintext");
+                }
+                None
+            }
+        },
+    )
 }
 
 impl Cli {
@@ -129,7 +174,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Local { .. } => BearerToken::default(),
         _ => cli.bearer()?,
     };
+    let tls = transport(cli.ca.clone(), cli.insecure)?;
     let url = cli.coordinator.as_str();
+    let connect_as = |url: &str, token: &BearerToken| {
+        let (url, token, tls) = (url.to_string(), token.clone(), tls.clone());
+        async move { connect_client(&url, tls.as_ref(), &token).await }
+    };
     match cli.command {
         Command::Submit { job, wait } => {
             let mut client = connect_as(url, &token).await?;
@@ -206,8 +256,34 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 worker_bin,
                 threads,
                 json,
+                insecure: cli.insecure,
             };
             local(&job, opts).await
+        }
+        Command::DevCerts {
+            dir,
+            san,
+            workers,
+            days,
+        } => {
+            let w = certs::dev_certs(
+                &dir,
+                &certs::DevCerts {
+                    sans: san,
+                    workers,
+                    days,
+                },
+            )?;
+            if w.reused_ca {
+                println!("signed with the existing CA in {}", dir.display());
+            }
+            if !w.tokens {
+                println!("kept the existing tokens.toml");
+            }
+            for f in &w.files {
+                println!("wrote {}", f.display());
+            }
+            Ok(ExitCode::SUCCESS)
         }
     }
 }
@@ -228,24 +304,44 @@ pub fn state_name(s: JobState) -> &'static str {
     accrue_coordinator::http::state_name(s)
 }
 
+/// A JobService client for the coordinator at `url`, in plaintext.
 pub async fn connect(url: &str) -> anyhow::Result<JobServiceClient<Channel>> {
+    connect_with(url, None).await
+}
+
+/// A JobService client for the coordinator at `url` (HOST:PORT or a URL),
+/// over TLS when `tls` is given.
+pub async fn connect_with(
+    url: &str,
+    tls: Option<&ClientTls>,
+) -> anyhow::Result<JobServiceClient<Channel>> {
     // Requests above the coordinator's limit are refused there, with
     // OUT_OF_RANGE naming the size.
-    Ok(JobServiceClient::new(channel(url).await?)
+    Ok(JobServiceClient::new(channel(url, tls).await?)
         .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES))
 }
 
-/// A client of the coordinator at `url` sending `token` with every call.
+/// A plaintext client of the coordinator at `url` sending `token` with
+/// every call.
 pub async fn connect_as(url: &str, token: &BearerToken) -> anyhow::Result<Client> {
+    connect_client(url, None, token).await
+}
+
+/// A client of the coordinator at `url`, over TLS when `tls` is given,
+/// sending `token` with every call.
+pub async fn connect_client(
+    url: &str,
+    tls: Option<&ClientTls>,
+    token: &BearerToken,
+) -> anyhow::Result<Client> {
     Ok(
-        JobServiceClient::with_interceptor(channel(url).await?, token.clone())
+        JobServiceClient::with_interceptor(channel(url, tls).await?, token.clone())
             .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES),
     )
 }
 
-async fn channel(url: &str) -> anyhow::Result<Channel> {
-    Channel::from_shared(url.to_string())
-        .with_context(|| format!("bad coordinator address {url:?}"))?
+async fn channel(url: &str, tls: Option<&ClientTls>) -> anyhow::Result<Channel> {
+    accrue_proto::tls::endpoint(url, tls)?
         .connect_timeout(Duration::from_secs(5))
         .http2_keep_alive_interval(Duration::from_secs(20))
         .connect()
@@ -510,6 +606,44 @@ struct LocalOptions {
     worker_bin: Option<PathBuf>,
     threads: Option<u32>,
     json: bool,
+    /// Plaintext instead of throw-away certificates.
+    insecure: bool,
+}
+
+/// Throw-away certificates for `accrue local` under `state_dir/tls`: a
+/// fresh CA each run, the coordinator's certificate, one per worker.
+fn local_certs(
+    state_dir: &Path,
+    ids: &[String],
+) -> anyhow::Result<(accrue_coordinator::tls::ServerTls, ClientTls)> {
+    let dir = state_dir.join("tls");
+    // A fresh CA every run: nothing issued for an earlier run is trusted.
+    for f in ["ca.pem", "ca.key"] {
+        match std::fs::remove_file(dir.join(f)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("cannot remove {}", dir.join(f).display()))
+            }
+            _ => {}
+        }
+    }
+    certs::dev_certs(
+        &dir,
+        &certs::DevCerts {
+            sans: Vec::new(),
+            workers: ids.to_vec(),
+            days: 2,
+        },
+    )?;
+    let server = accrue_coordinator::tls::ServerTls {
+        cert: dir.join("coordinator.pem"),
+        key: dir.join("coordinator.key"),
+        client_ca: dir.join("ca.pem"),
+    };
+    let client = ClientTls {
+        ca: dir.join("ca.pem"),
+        identity: None,
+    };
+    Ok((server, client))
 }
 
 /// Intra-op threads per local worker: the host's cores shared evenly.
@@ -538,30 +672,58 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
             bin.display()
         );
     }
+    let ids: Vec<String> = (0..workers).map(|i| format!("local-{i}")).collect();
+    // TLS and mutual TLS with throw-away certificates unless --insecure.
+    let tls = if opts.insecure {
+        tracing::warn!("--insecure: the coordinator and workers talk in plaintext");
+        None
+    } else {
+        Some(local_certs(state_dir, &ids)?)
+    };
     let cfg = accrue_coordinator::Config {
         state_dir: state_dir.to_path_buf(),
+        tls: tls.as_ref().map(|(s, _)| s.clone()),
         ..Default::default()
     };
     let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;
-    let url = format!("http://{}", handle.grpc_addr);
-    println!("coordinator {url} (status http://{}/)", handle.http_addr);
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let url = format!("{scheme}://{}", handle.grpc_addr);
+    println!(
+        "coordinator {url} (status {scheme}://{}/)",
+        handle.http_addr
+    );
     let logs = state_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
     let mut children = Children(Vec::new());
-    for i in 0..workers {
+    for (i, id) in ids.iter().enumerate() {
         let log = std::fs::File::create(logs.join(format!("worker-{i}.log")))?;
-        let child = std::process::Command::new(&bin)
-            .args([
-                "daemon",
-                "--coordinator",
-                &url,
-                "--listen-data",
-                "127.0.0.1:0",
-                "--id",
-                &format!("local-{i}"),
-                "--threads",
-                &threads.to_string(),
-            ])
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args([
+            "daemon",
+            "--coordinator",
+            &url,
+            "--listen-data",
+            "127.0.0.1:0",
+            "--id",
+            id,
+            "--threads",
+            &threads.to_string(),
+        ]);
+        match &tls {
+            Some((server, _)) => {
+                let dir = server.client_ca.parent().unwrap_or(state_dir);
+                cmd.arg("--ca")
+                    .arg(&server.client_ca)
+                    .arg("--cert")
+                    .arg(dir.join(format!("worker-{id}.pem")))
+                    .arg("--key")
+                    .arg(dir.join(format!("worker-{id}.key")));
+            }
+            None => {
+                cmd.arg("--insecure");
+            }
+        }
+        let child = cmd
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
@@ -572,7 +734,12 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot start {}", bin.display()))?;
         children.0.push(child);
     }
-    let mut client = connect_as(&url, &BearerToken::default()).await?;
+    let mut client = connect_client(
+        &url,
+        tls.as_ref().map(|(_, c)| c),
+        &BearerToken::default(),
+    )
+    .await?;
     let submitted = submit(&mut client, job, Some(workers)).await?;
     println!("job {}", submitted.id);
     let end = tokio::select! {

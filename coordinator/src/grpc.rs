@@ -70,9 +70,19 @@ impl v1::job_service_server::JobService for JobApi {
     }
 }
 
+/// Who may attach to WorkerService.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerAuth {
+    /// Anyone who can reach the port (plaintext, `--insecure`).
+    Open,
+    /// Only a client certificate from the cluster CA naming the worker id
+    /// of the hello ([`crate::tls::authorize_worker`]).
+    ClientCert,
+}
+
 /// gRPC WorkerService.
 #[derive(Clone)]
-pub struct WorkerApi(pub Arc<Gate>);
+pub struct WorkerApi(pub Arc<Gate>, pub WorkerAuth);
 
 #[tonic::async_trait]
 impl v1::worker_service_server::WorkerService for WorkerApi {
@@ -81,6 +91,15 @@ impl v1::worker_service_server::WorkerService for WorkerApi {
         &self,
         req: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::AttachStream>, Status> {
+        let peer = req.peer_certs();
+        let remote = req.remote_addr();
+        let refuse = |e: crate::tls::PeerError| {
+            tracing::warn!(?remote, error = %e, "attach refused");
+            Status::from(e)
+        };
+        if self.1 == WorkerAuth::ClientCert && peer.is_none() {
+            return Err(refuse(crate::tls::PeerError::NoClientCert));
+        }
         let coord = self.0.get()?;
         let mut inbound = req.into_inner();
         let first = inbound
@@ -90,6 +109,10 @@ impl v1::worker_service_server::WorkerService for WorkerApi {
         let Some(worker_message::Msg::Hello(hello)) = first.msg else {
             return Err(CoordError::Attach("the first message must be a hello".into()).into());
         };
+        if self.1 == WorkerAuth::ClientCert {
+            crate::tls::authorize_worker(peer.as_deref().map(Vec::as_slice), &hello.worker_id)
+                .map_err(refuse)?;
+        }
         let id = hello.worker_id.clone();
         let (tx, rx) = mpsc::unbounded_channel();
         let conn = coord.attach(hello, tx)?;

@@ -11,6 +11,7 @@ pub mod scheduler;
 pub mod service;
 pub mod state;
 pub mod store;
+pub mod tls;
 
 pub use error::CoordError;
 pub use service::{Config, Coordinator, DEFAULT_MAX_JOB_MEMORY_GIB};
@@ -64,6 +65,10 @@ pub enum StartError {
     Tokens(#[from] auth::TokensError),
     #[error(transparent)]
     Roots(#[from] accrue_common::spec::RootError),
+    #[error(transparent)]
+    Tls(#[from] accrue_proto::tls::TlsError),
+    #[error("TLS set-up: {0}")]
+    TlsSetup(String),
 }
 
 /// Binds both listeners (port 0 allowed), opens the store under
@@ -118,12 +123,35 @@ async fn serve(
         Some(path) => Some(Arc::new(auth::Tokens::load(path)?)),
         None => None,
     };
+    // TLS files are read and checked before anything serves.
+    let tls = match &cfg.tls {
+        Some(t) => {
+            accrue_proto::tls::install_crypto_provider();
+            Some(t.load()?)
+        }
+        None => None,
+    };
+    let mut builder = tonic::transport::Server::builder();
+    let mut http_tls = None;
+    let worker_auth = match &tls {
+        Some(t) => {
+            builder = builder
+                .tls_config(t.grpc())
+                .map_err(|e| StartError::TlsSetup(format!("gRPC: {e}")))?;
+            http_tls = Some(
+                t.http()
+                    .map_err(|e| StartError::TlsSetup(format!("HTTP: {e}")))?,
+            );
+            grpc::WorkerAuth::ClientCert
+        }
+        None => grpc::WorkerAuth::Open,
+    };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     use accrue_proto::layout::{MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES};
     let jobs = JobServiceServer::new(grpc::JobApi(gate.clone()))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
-    let workers = WorkerServiceServer::new(grpc::WorkerApi(gate.clone()))
+    let workers = WorkerServiceServer::new(grpc::WorkerApi(gate.clone(), worker_auth))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
     let router = http::router(gate.clone(), tokens.clone());
@@ -133,7 +161,7 @@ async fn serve(
         let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
         let mut stop_grpc = stop_tx.subscribe();
         let mut stop_http = stop_tx.subscribe();
-        let grpc = tonic::transport::Server::builder()
+        let grpc = builder
             .layer(auth::GrpcAuthLayer::new(tokens))
             .add_service(jobs)
             .add_service(workers)
@@ -143,13 +171,24 @@ async fn serve(
                     let _ = stop_grpc.recv().await;
                 },
             );
-        let http = tokio::spawn(
-            axum::serve(http_l, router)
-                .with_graceful_shutdown(async move {
-                    let _ = stop_http.recv().await;
-                })
-                .into_future(),
-        );
+        let stopped = async move {
+            let _ = stop_http.recv().await;
+        };
+        let http = match http_tls {
+            None => tokio::spawn(
+                axum::serve(http_l, router)
+                    .with_graceful_shutdown(stopped)
+                    .into_future(),
+            ),
+            Some(config) => match tls::TlsListener::new(http_l, config) {
+                Ok(l) => tokio::spawn(
+                    axum::serve(l, router)
+                        .with_graceful_shutdown(stopped)
+                        .into_future(),
+                ),
+                Err(e) => tokio::spawn(async move { Err(e) }),
+            },
+        };
         let tick = async move {
             let mut every = tokio::time::interval(ttl / 4);
             loop {
@@ -167,7 +206,7 @@ async fn serve(
         let _ = stop_tx.send(());
         let _ = http.await;
     });
-    tracing::info!(%grpc_addr, %http_addr, "coordinator serving");
+    tracing::info!(%grpc_addr, %http_addr, tls = cfg.tls.is_some(), "coordinator serving");
     Ok(Handle {
         grpc_addr,
         http_addr,

@@ -62,6 +62,21 @@ struct Args {
     /// (the default checkpoint folder) must lie under it.
     #[arg(long)]
     checkpoint_root: Option<PathBuf>,
+    /// This coordinator's TLS certificate (PEM; its SANs must name the
+    /// addresses clients use). Both ports then speak TLS.
+    #[arg(long)]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long)]
+    tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM) worker client certificates must chain to:
+    /// WorkerService then takes only workers whose certificate names them.
+    #[arg(long)]
+    client_ca: Option<PathBuf>,
+    /// Serve plaintext (no TLS): anyone who can reach the ports can attach
+    /// as a worker and read every job's spec and ring key.
+    #[arg(long)]
+    insecure: bool,
 }
 
 #[tokio::main]
@@ -75,6 +90,21 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = Args::parse();
+    let tls = match accrue_coordinator::tls::server_transport(
+        a.tls_cert,
+        a.tls_key,
+        a.client_ca,
+        a.insecure,
+    )? {
+        accrue_proto::tls::Transport::Tls(t) => Some(t),
+        accrue_proto::tls::Transport::Plaintext { explicit } => {
+            tracing::warn!(
+                explicit,
+                "serving plaintext gRPC and HTTP: anyone who can reach these ports can attach as a worker (give --tls-cert, --tls-key and --client-ca)"
+            );
+            None
+        }
+    };
     let cfg = accrue_coordinator::Config {
         state_dir: a.state_dir,
         heartbeat_ttl: Duration::try_from_secs_f64(a.heartbeat_ttl)
@@ -90,6 +120,7 @@ async fn main() -> anyhow::Result<()> {
             model: a.model_root,
             checkpoint: a.checkpoint_root,
         },
+        tls,
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

@@ -8,5 +8,6 @@ pub mod v1 {
 
 mod convert;
 pub mod layout;
+pub mod tls;
 
 pub use convert::{spec_from_proto, spec_to_proto};

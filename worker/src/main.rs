@@ -29,9 +29,25 @@ enum Command {
 
 #[derive(clap::Args)]
 struct DaemonArgs {
-    /// The coordinator's gRPC address.
-    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    /// The coordinator's gRPC address: HOST:PORT (https:// with --ca,
+    /// http:// without), or a URL whose scheme agrees.
+    #[arg(long, default_value = "127.0.0.1:50051")]
     coordinator: String,
+    /// The cluster CA (PEM) that signed the coordinator's certificate.
+    /// With --cert and --key: connect over mutual TLS.
+    #[arg(long)]
+    ca: Option<PathBuf>,
+    /// This worker's client certificate (PEM, signed by the cluster CA; its
+    /// SAN must name --id).
+    #[arg(long)]
+    cert: Option<PathBuf>,
+    /// The private key of --cert (PEM).
+    #[arg(long)]
+    key: Option<PathBuf>,
+    /// Talk to the coordinator in plaintext (no TLS): anyone on the path
+    /// can read job specs and ring keys. Contradicts --ca/--cert/--key.
+    #[arg(long)]
+    insecure: bool,
     /// This worker's id (default: worker-<host>-<pid>).
     #[arg(long)]
     id: Option<String>,
@@ -270,6 +286,17 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
+    use accrue_proto::tls::Transport;
+    let tls = match accrue_proto::tls::client_transport(d.ca, d.cert, d.key, true, d.insecure)? {
+        Transport::Tls(t) => Some(t),
+        Transport::Plaintext { explicit } => {
+            tracing::warn!(
+                explicit,
+                "talking to the coordinator in plaintext: anyone on the network path can read job specs and ring keys (give --ca, --cert and --key for mutual TLS)"
+            );
+            None
+        }
+    };
     let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
     let cfg = accrue_worker::daemon::DaemonConfig {
         coordinator: d.coordinator,
@@ -290,6 +317,7 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
         etcd: d.etcd,
         cluster: d.cluster,
         max_job_memory: memory_limit(d.max_job_memory_gib)?,
+        tls,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

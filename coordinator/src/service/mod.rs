@@ -54,6 +54,9 @@ pub struct Config {
     /// Spec paths must lie under these roots (none: not confined). Made
     /// absolute by [`Config::with_checked_roots`], which `start` calls.
     pub roots: Roots,
+    /// TLS on both ports and mutual TLS for WorkerService (None: plaintext,
+    /// as before issue 14).
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 impl Config {
@@ -96,6 +99,7 @@ impl Default for Config {
             max_job_memory: DEFAULT_MAX_JOB_MEMORY_GIB * accrue_common::spec::GIB,
             tokens: None,
             roots: Roots::default(),
+            tls: None,
         }
     }
 }

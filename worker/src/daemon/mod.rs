@@ -57,6 +57,10 @@ pub struct DaemonConfig {
     /// Assignments whose estimated memory is above this (bytes) fail at
     /// once, before anything allocates.
     pub max_job_memory: u64,
+    /// TLS to the coordinator with this worker's client certificate (its
+    /// SAN must name `worker_id`); None: plaintext, as before issue 14.
+    /// The files are read again on every (re)connection.
+    pub tls: Option<accrue_proto::tls::ClientTls>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +74,8 @@ pub enum DaemonError {
     Coordinator { url: String, reason: String },
     #[error(transparent)]
     Roots(#[from] crate::spec::RootError),
+    #[error(transparent)]
+    Tls(#[from] accrue_proto::tls::TlsError),
 }
 
 impl DaemonConfig {
@@ -615,6 +621,9 @@ pub async fn run_until(
 ) -> Result<(), DaemonError> {
     let mut shutdown = std::pin::pin!(shutdown);
     let cfg = cfg.with_absolute_roots()?;
+    // A coordinator address whose scheme contradicts the TLS settings is
+    // refused now, not retried forever.
+    accrue_proto::tls::coordinator_url(&cfg.coordinator, cfg.tls.is_some())?;
     let listener = TcpListener::bind(&cfg.listen_data).map_err(|source| DaemonError::Listen {
         addr: cfg.listen_data.clone(),
         source,
@@ -652,7 +661,20 @@ pub async fn run_until(
     let mut outbox = Outbox::default();
     loop {
         let url = coordinator_url(&cfg).await;
-        let client = match WorkerServiceClient::connect(url.clone()).await {
+        let endpoint = match accrue_proto::tls::endpoint(&url, cfg.tls.as_ref()) {
+            Ok(e) => e,
+            Err(e) => {
+                // Unreadable certificate files may be being rotated: retry.
+                tracing::warn!(coordinator = %url, error = %e, "cannot set up the connection; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = &mut shutdown => return Ok(()),
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        let client = match endpoint.connect().await.map(WorkerServiceClient::new) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(coordinator = %url, error = %e, "cannot reach the coordinator; retrying");
@@ -827,7 +849,8 @@ async fn coordinator_url(cfg: &DaemonConfig) -> String {
         let mut c = etcd_client::Client::connect(&cfg.etcd, None).await.ok()?;
         let r = c.get(key, None).await.ok()?;
         let kv = r.kvs().first()?;
-        Some(format!("http://{}", String::from_utf8_lossy(kv.value())))
+        // HOST:PORT: the scheme follows this daemon's TLS settings.
+        Some(String::from_utf8_lossy(kv.value()).into_owned())
     };
     match tokio::time::timeout(Duration::from_secs(3), found).await {
         Ok(Some(url)) => url,

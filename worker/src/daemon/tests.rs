@@ -43,6 +43,7 @@ fn cfg() -> DaemonConfig {
         etcd: Vec::new(),
         cluster: "c".into(),
         max_job_memory: 1 << 30,
+        tls: None,
     }
 }
 

@@ -1,0 +1,346 @@
+//! TLS for accrue's gRPC clients (the CLI and the worker daemon): the one
+//! crypto provider, the cluster CA plus an optional client identity read
+//! from PEM files, the choice between TLS and plaintext made from flags,
+//! and the coordinator address with the scheme that choice implies.
+
+use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
+use std::path::{Path, PathBuf};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+/// Installs rustls' `ring` provider as the process default. Idempotent: a
+/// second call (or a provider the host program installed first) leaves the
+/// installed one in place, so every TLS config in the process uses one.
+pub fn install_crypto_provider() {
+    // Err only means a provider is installed already: what we want.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read the {what} {}: {source}", path.display())]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the {what} {} holds no usable {expected} ({reason})", path.display())]
+    BadPem {
+        what: &'static str,
+        path: PathBuf,
+        expected: &'static str,
+        reason: String,
+    },
+    #[error("coordinator address {addr:?}: {reason}")]
+    Address { addr: String, reason: String },
+    #[error("{0}")]
+    Flags(String),
+    #[error("TLS set-up for {addr}: {source}")]
+    Transport {
+        addr: String,
+        source: tonic::transport::Error,
+    },
+}
+
+/// The files a client connects with: the cluster CA that signed the
+/// coordinator's certificate and, for workers, their own identity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientTls {
+    pub ca: PathBuf,
+    pub identity: Option<KeyPairFiles>,
+}
+
+/// A certificate (chain) and its private key, both PEM files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyPairFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// TLS with its settings, or plaintext; `explicit` says whether plaintext
+/// was asked for with `--insecure` (rather than by giving no TLS flag).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transport<T> {
+    Tls(T),
+    Plaintext { explicit: bool },
+}
+
+/// Decides a client's transport from its flags: `--ca`, and for a worker
+/// (`identity_required`) `--cert` and `--key`, which go together;
+/// `--insecure` contradicts all of them.
+pub fn client_transport(
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    identity_required: bool,
+    insecure: bool,
+) -> Result<Transport<ClientTls>, TlsError> {
+    let given: Vec<&str> = [
+        ("--ca", ca.is_some()),
+        ("--cert", cert.is_some()),
+        ("--key", key.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(n, g)| g.then_some(n))
+    .collect();
+    if insecure {
+        if !given.is_empty() {
+            return Err(TlsError::Flags(format!(
+                "--insecure (plaintext) contradicts {}: give either the TLS files or --insecure",
+                given.join(", ")
+            )));
+        }
+        return Ok(Transport::Plaintext { explicit: true });
+    }
+    if given.is_empty() {
+        return Ok(Transport::Plaintext { explicit: false });
+    }
+    let identity = match (cert, key) {
+        (Some(cert), Some(key)) => Some(KeyPairFiles { cert, key }),
+        (None, None) if !identity_required => None,
+        (c, k) => {
+            let missing: Vec<&str> = [
+                ("--ca", ca.is_none()),
+                ("--cert", c.is_none()),
+                ("--key", k.is_none()),
+            ]
+            .into_iter()
+            .filter_map(|(n, m)| m.then_some(n))
+            .collect();
+            return Err(TlsError::Flags(format!(
+                "TLS needs {} as well (given: {})",
+                missing.join(" and "),
+                given.join(", ")
+            )));
+        }
+    };
+    let Some(ca) = ca else {
+        return Err(TlsError::Flags(format!(
+            "TLS needs --ca FILE, the cluster CA that signed the coordinator's certificate (given: {})",
+            given.join(", ")
+        )));
+    };
+    Ok(Transport::Tls(ClientTls { ca, identity }))
+}
+
+/// The coordinator address with its scheme: `https://` with TLS, `http://`
+/// without; a bare `HOST:PORT` gets the scheme the transport implies, and a
+/// scheme that contradicts it is refused.
+pub fn coordinator_url(addr: &str, tls: bool) -> Result<String, TlsError> {
+    let bad = |reason: &str| TlsError::Address {
+        addr: addr.to_string(),
+        reason: reason.to_string(),
+    };
+    let url = match addr.split_once("://") {
+        None => format!("{}://{addr}", if tls { "https" } else { "http" }),
+        Some(("https", _)) if tls => addr.to_string(),
+        Some(("http", _)) if !tls => addr.to_string(),
+        Some(("https", _)) => {
+            return Err(bad(
+                "https:// needs the cluster CA: pass --ca FILE (or set ACCRUE_CA for the CLI)",
+            ))
+        }
+        Some(("http", _)) => {
+            return Err(bad(
+                "http:// is plaintext but TLS is configured: use https://HOST:PORT or HOST:PORT",
+            ))
+        }
+        Some((scheme, _)) => {
+            return Err(bad(&format!(
+                "unknown scheme {scheme:?}: use HOST:PORT, https://HOST:PORT or (with --insecure) http://HOST:PORT"
+            )))
+        }
+    };
+    if url
+        .split_once("://")
+        .is_some_and(|(_, rest)| rest.is_empty())
+    {
+        return Err(bad("no host: use HOST:PORT"));
+    }
+    Ok(url)
+}
+
+fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Reads a PEM file of certificates (at least one).
+pub fn read_certs(
+    what: &'static str,
+    path: &Path,
+) -> Result<(Vec<u8>, Vec<CertificateDer<'static>>), TlsError> {
+    let pem = read(what, path)?;
+    let bad = |reason: String| TlsError::BadPem {
+        what,
+        path: path.to_path_buf(),
+        expected: "PEM certificate",
+        reason,
+    };
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(bad("no BEGIN CERTIFICATE block".into()));
+    }
+    Ok((pem, certs))
+}
+
+/// Reads a PEM private key (PKCS#8, PKCS#1 or SEC1).
+pub fn read_key(
+    what: &'static str,
+    path: &Path,
+) -> Result<(Vec<u8>, PrivateKeyDer<'static>), TlsError> {
+    let pem = read(what, path)?;
+    let key = PrivateKeyDer::from_pem_slice(&pem).map_err(|e| TlsError::BadPem {
+        what,
+        path: path.to_path_buf(),
+        expected: "PEM private key",
+        reason: e.to_string(),
+    })?;
+    Ok((pem, key))
+}
+
+impl ClientTls {
+    /// The tonic client config, files read (and checked) now: a client
+    /// re-reading them on every connection picks up rotated files.
+    pub fn config(&self) -> Result<ClientTlsConfig, TlsError> {
+        let (ca, _) = read_certs("CA certificate", &self.ca)?;
+        let mut c = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+        if let Some(id) = &self.identity {
+            let (cert, _) = read_certs("client certificate", &id.cert)?;
+            let (key, _) = read_key("client key", &id.key)?;
+            c = c.identity(Identity::from_pem(cert, key));
+        }
+        Ok(c)
+    }
+}
+
+/// An endpoint for the coordinator at `addr` (see [`coordinator_url`]),
+/// over TLS when `tls` is given.
+pub fn endpoint(addr: &str, tls: Option<&ClientTls>) -> Result<Endpoint, TlsError> {
+    let url = coordinator_url(addr, tls.is_some())?;
+    let e = Endpoint::from_shared(url.clone()).map_err(|source| TlsError::Transport {
+        addr: url.clone(),
+        source,
+    })?;
+    match tls {
+        None => Ok(e),
+        Some(t) => {
+            install_crypto_provider();
+            e.tls_config(t.config()?)
+                .map_err(|source| TlsError::Transport { addr: url, source })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str) -> Option<PathBuf> {
+        Some(PathBuf::from(s))
+    }
+
+    #[test]
+    fn the_flags_choose_the_transport() {
+        assert_eq!(
+            client_transport(None, None, None, true, false).unwrap(),
+            Transport::Plaintext { explicit: false }
+        );
+        assert_eq!(
+            client_transport(None, None, None, false, true).unwrap(),
+            Transport::Plaintext { explicit: true }
+        );
+        assert_eq!(
+            client_transport(p("ca.pem"), None, None, false, false).unwrap(),
+            Transport::Tls(ClientTls {
+                ca: "ca.pem".into(),
+                identity: None
+            })
+        );
+        assert_eq!(
+            client_transport(p("ca.pem"), p("w.pem"), p("w.key"), true, false).unwrap(),
+            Transport::Tls(ClientTls {
+                ca: "ca.pem".into(),
+                identity: Some(KeyPairFiles {
+                    cert: "w.pem".into(),
+                    key: "w.key".into()
+                })
+            })
+        );
+    }
+
+    #[test]
+    fn contradicting_or_partial_flags_are_refused_by_name() {
+        let e = client_transport(p("ca.pem"), None, None, false, true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--insecure") && e.contains("--ca"), "{e}");
+        let e = client_transport(p("ca.pem"), None, None, true, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--cert and --key"), "{e}");
+        let e = client_transport(p("ca.pem"), p("w.pem"), None, false, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("needs --key"), "{e}");
+        let e = client_transport(None, p("w.pem"), p("w.key"), true, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--ca"), "{e}");
+    }
+
+    #[test]
+    fn the_scheme_follows_the_transport() {
+        assert_eq!(
+            coordinator_url("127.0.0.1:1", true).unwrap(),
+            "https://127.0.0.1:1"
+        );
+        assert_eq!(
+            coordinator_url("127.0.0.1:1", false).unwrap(),
+            "http://127.0.0.1:1"
+        );
+        assert_eq!(coordinator_url("https://h:1", true).unwrap(), "https://h:1");
+        assert_eq!(coordinator_url("http://h:1", false).unwrap(), "http://h:1");
+        let e = coordinator_url("http://h:1", true).unwrap_err().to_string();
+        assert!(e.contains("plaintext") && e.contains("https://"), "{e}");
+        let e = coordinator_url("https://h:1", false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--ca"), "{e}");
+        let e = coordinator_url("grpc://h:1", false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"grpc\""), "{e}");
+        assert!(coordinator_url("https://", true).is_err());
+    }
+
+    #[test]
+    fn unreadable_or_wrong_files_name_themselves() {
+        let d = std::env::temp_dir().join(format!("accrue-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let junk = d.join("junk.pem");
+        std::fs::write(&junk, "not a certificate").unwrap();
+        let t = ClientTls {
+            ca: junk.clone(),
+            identity: None,
+        };
+        let e = t.config().unwrap_err().to_string();
+        assert!(
+            e.contains("CA certificate") && e.contains("junk.pem"),
+            "{e}"
+        );
+        let t = ClientTls {
+            ca: d.join("absent.pem"),
+            identity: None,
+        };
+        let e = t.config().unwrap_err().to_string();
+        assert!(e.contains("cannot read") && e.contains("absent.pem"), "{e}");
+        let e = read_key("client key", &junk).unwrap_err().to_string();
+        assert!(e.contains("private key"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
