@@ -45,6 +45,12 @@ struct Args {
     /// is above this many GiB is refused at submit.
     #[arg(long, default_value_t = accrue_coordinator::DEFAULT_MAX_JOB_MEMORY_GIB)]
     max_job_memory_gib: u64,
+    /// The ring master secret (32 or more random bytes, used as they are):
+    /// every job generation's data-plane key is derived from it. Default:
+    /// <state-dir>/ring-master.key, created (mode 0600) on first start;
+    /// in etcd mode, a random in-memory secret per replica.
+    #[arg(long, value_name = "FILE")]
+    ring_secret_file: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -67,6 +73,7 @@ async fn main() -> anyhow::Result<()> {
         max_job_memory: a
             .max_job_memory_gib
             .saturating_mul(accrue_common::spec::GIB),
+        ring_secret_file: a.ring_secret_file,
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

@@ -17,6 +17,7 @@
 //! order.
 
 use crate::error::CoordError;
+use crate::ringkey::RingMaster;
 use crate::scheduler::{self, Cluster, Effect, Input};
 use crate::store::{JobStore, WriteProgress};
 use accrue_proto::v1::{self, CoordinatorMessage, Job, JobEvent};
@@ -46,6 +47,11 @@ pub struct Config {
     pub durable_timeout: Duration,
     /// Jobs estimated to need more memory per worker are refused (bytes).
     pub max_job_memory: u64,
+    /// The ring master secret (`--ring-secret-file`): every data-plane key
+    /// is derived from it. None: `<state_dir>/ring-master.key` in embedded
+    /// mode (created on first start), a random in-memory one per replica
+    /// in etcd mode (see `crate::ringkey`).
+    pub ring_secret_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -55,6 +61,7 @@ impl Default for Config {
             heartbeat_ttl: Duration::from_secs(10),
             durable_timeout: Duration::from_secs(5),
             max_job_memory: DEFAULT_MAX_JOB_MEMORY_GIB * accrue_common::spec::GIB,
+            ring_secret_file: None,
         }
     }
 }
@@ -136,10 +143,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Coordinator {
-    /// Takes back every job the store holds (see [`Cluster::restore`]).
+    /// Takes back every job the store holds (see [`Cluster::restore`]),
+    /// with a random in-memory ring master secret (see
+    /// [`Coordinator::with_ring_master`]).
     pub fn new(
         cfg: Config,
         store: Box<dyn JobStore>,
+    ) -> Result<Arc<Self>, crate::store::StoreError> {
+        Self::with_ring_master(cfg, store, RingMaster::random())
+    }
+
+    /// Takes back every job the store holds; every generation's ring key
+    /// is derived from `master`.
+    pub fn with_ring_master(
+        cfg: Config,
+        store: Box<dyn JobStore>,
+        master: RingMaster,
     ) -> Result<Arc<Self>, crate::store::StoreError> {
         let mut cluster = Cluster::new(
             scheduler::Config {
@@ -148,7 +167,7 @@ impl Coordinator {
                     .unwrap_or_else(|_| cfg.state_dir.clone()),
                 max_job_memory: cfg.max_job_memory,
             },
-            Box::new(|| rand::random::<[u8; 32]>().to_vec()),
+            master.keys(),
         );
         cluster.restore(store.list()?, now_ms());
         let (events, _) = broadcast::channel(16384);
