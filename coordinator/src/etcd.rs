@@ -347,15 +347,16 @@ pub async fn lead(
                 continue;
             }
         };
-        let coordinator = match Coordinator::with_ring_master(cfg.clone(), Box::new(store), master.clone()) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot start the coordinator");
-                let _ = client.lease_revoke(lease).await;
-                gate.set_leader_addr("");
-                continue;
-            }
-        };
+        let coordinator =
+            match Coordinator::with_ring_master(cfg.clone(), Box::new(store), master.clone()) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start the coordinator");
+                    let _ = client.lease_revoke(lease).await;
+                    gate.set_leader_addr("");
+                    continue;
+                }
+            };
         gate.lead(coordinator.clone());
         let watcher = tokio::spawn(watch_workers(client.clone(), etcd.clone(), coordinator));
         let why = tokio::select! {

@@ -185,9 +185,19 @@ mod tests {
 
         std::fs::write(&f, b"short\n").unwrap();
         let e = RingMaster::resolve(Some(&f), dir.path()).unwrap_err();
-        assert!(matches!(e, RingKeyError::TooShort { len: 6, min: 32, .. }));
+        assert!(matches!(
+            e,
+            RingKeyError::TooShort {
+                len: 6,
+                min: 32,
+                ..
+            }
+        ));
         let text = e.to_string();
-        assert!(text.contains(&f.display().to_string()) && text.contains("6 bytes"), "{text}");
+        assert!(
+            text.contains(&f.display().to_string()) && text.contains("6 bytes"),
+            "{text}"
+        );
 
         let missing = dir.path().join("nope");
         let e = RingMaster::resolve(Some(&missing), dir.path()).unwrap_err();
@@ -201,6 +211,9 @@ mod tests {
         std::fs::write(dir.path().join(STATE_DIR_FILE), b"x").unwrap();
         let e = RingMaster::resolve(None, dir.path()).unwrap_err();
         assert!(matches!(e, RingKeyError::TooShort { len: 1, .. }), "{e}");
-        assert_eq!(std::fs::read(dir.path().join(STATE_DIR_FILE)).unwrap(), b"x");
+        assert_eq!(
+            std::fs::read(dir.path().join(STATE_DIR_FILE)).unwrap(),
+            b"x"
+        );
     }
 }

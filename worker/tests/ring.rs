@@ -621,7 +621,9 @@ fn forged(addr: &str, key: &[u8], hello: &Hello) -> (String, Option<Vec<u8>>) {
         seq: 0,
         len: 8,
     };
-    let _ = s.write_all(&frame.encode()).and_then(|_| s.write_all(&[1; 8]));
+    let _ = s
+        .write_all(&frame.encode())
+        .and_then(|_| s.write_all(&[1; 8]));
     (err, read_until_closed(&mut s))
 }
 
@@ -650,7 +652,12 @@ fn forged_handshakes_are_refused_and_the_ring_still_forms() {
     let previous = derive_ring_key(&MASTER, JOB, GENERATION - 1);
     let other_job = derive_ring_key(&MASTER, "job-t", GENERATION);
     let cases: [(&str, &[u8], Hello, &str); 4] = [
-        ("a wrong key", b"wrong-key", hello(JOB, GENERATION), "refused"),
+        (
+            "a wrong key",
+            b"wrong-key",
+            hello(JOB, GENERATION),
+            "refused",
+        ),
         (
             "the previous generation's key",
             &previous,
@@ -685,7 +692,9 @@ fn forged_handshakes_are_refused_and_the_ring_still_forms() {
         len: 1 << 40,
     };
     // A hello announcing a job id longer than any allowed.
-    let mut long = hello(JOB, GENERATION).encode(&[1; wire::NONCE_LEN]).unwrap();
+    let mut long = hello(JOB, GENERATION)
+        .encode(&[1; wire::NONCE_LEN])
+        .unwrap();
     long.truncate(wire::HELLO_FIXED_LEN);
     long[wire::HELLO_FIXED_LEN - 2..].copy_from_slice(&u16::MAX.to_le_bytes());
     for (what, bytes) in [
@@ -719,8 +728,12 @@ fn recording_proxy(to: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u
     let seen = Arc::new(Mutex::new(Vec::new()));
     let rec = seen.clone();
     std::thread::spawn(move || {
-        let Ok((mut client, _)) = l.accept() else { return };
-        let Ok(mut server) = TcpStream::connect(&to) else { return };
+        let Ok((mut client, _)) = l.accept() else {
+            return;
+        };
+        let Ok(mut server) = TcpStream::connect(&to) else {
+            return;
+        };
         let (mut c2, mut s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
         std::thread::spawn(move || {
             let _ = std::io::copy(&mut s2, &mut c2);
@@ -782,7 +795,10 @@ fn a_replayed_handshake_is_refused_while_the_ring_runs() {
     let handshake_len = wire::HELLO_FIXED_LEN + JOB.len() + wire::PROOF_LEN;
     let limit = Instant::now() + Duration::from_secs(20);
     while seen.lock().unwrap().len() < handshake_len {
-        assert!(Instant::now() < limit, "rank 0's handshake never crossed the proxy");
+        assert!(
+            Instant::now() < limit,
+            "rank 0's handshake never crossed the proxy"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let captured = seen.lock().unwrap()[..handshake_len].to_vec();
@@ -850,13 +866,23 @@ fn an_oversized_frame_fails_the_link_before_its_payload() {
     };
     to0.write_all(&huge.encode()).unwrap();
     let (err, took, ring) = rank0.join().unwrap();
-    assert!(matches!(err, CommError::Protocol { rank: 1, .. }), "{err:?}");
     assert!(
-        err.to_string().contains(&format!("exceeds the limit of {max} bytes")),
+        matches!(err, CommError::Protocol { rank: 1, .. }),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string()
+            .contains(&format!("exceeds the limit of {max} bytes")),
         "{err}"
     );
-    assert!(took < Duration::from_secs(5), "took {took:?}: it waited for a payload");
+    assert!(
+        took < Duration::from_secs(5),
+        "took {took:?}: it waited for a payload"
+    );
     drop(ring);
     // Rank 0 answers with an abort naming us and closes.
-    assert!(read_until_closed(&mut to0).is_some(), "the link stayed open");
+    assert!(
+        read_until_closed(&mut to0).is_some(),
+        "the link stayed open"
+    );
 }

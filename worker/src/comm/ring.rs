@@ -1047,11 +1047,12 @@ impl Comm {
     fn next_frame(&mut self, want_bytes: usize, during: &str) -> Result<(), CommError> {
         let prev = self.cfg.prev();
         // An oversized header is refused here, before any payload byte.
-        let h = wire::read_frame_header(&mut self.prev, self.cfg.max_frame_bytes as u64)
-            .map_err(|e| match e {
+        let h = wire::read_frame_header(&mut self.prev, self.cfg.max_frame_bytes as u64).map_err(
+            |e| match e {
                 wire::FrameError::Io(e) => lost(&self.cfg, prev, during, &e),
                 e => self.protocol(e.to_string()),
-            })?;
+            },
+        )?;
         match h.kind {
             Kind::Abort => {
                 let (lost_rank, reason) = wire::read_abort(&mut self.prev, h.len)

@@ -407,9 +407,8 @@ pub fn handshake_accept(
     s.write_all(&nonce_a).map_err(io_err("sending challenge"))?;
     let mut got = [0u8; PROOF_LEN];
     s.read_exact(&mut got).map_err(io_err("reading proof"))?;
-    let unexpected = |what, got: String, want: String| {
-        Some(HandshakeError::Unexpected { what, got, want })
-    };
+    let unexpected =
+        |what, got: String, want: String| Some(HandshakeError::Unexpected { what, got, want });
     let problem = if hello.job != job {
         unexpected("job", format!("{:?}", hello.job), format!("{job:?}"))
     } else if hello.generation != generation {
@@ -563,7 +562,14 @@ mod tests {
         assert!(!verify(b"other", Role::Connector, &a, &c, &hello, &p));
         assert!(!verify(b"secret", Role::Connector, &c, &c, &hello, &p));
         assert!(!verify(b"secret", Role::Connector, &a, &a, &hello, &p));
-        assert!(!verify(b"secret", Role::Connector, &a, &c, &hello, &p[..31]));
+        assert!(!verify(
+            b"secret",
+            Role::Connector,
+            &a,
+            &c,
+            &hello,
+            &p[..31]
+        ));
         for other in [
             Hello {
                 rank: 2,
