@@ -283,7 +283,13 @@ impl JobStore for EtcdStore {
 /// loads the jobs from etcd, watches worker leases, and keeps its own lease
 /// alive. It steps down when the lease is lost, cannot be renewed within
 /// the TTL, or a job write is fenced, then campaigns again.
-pub async fn lead(cfg: Config, etcd: EtcdConfig, advertise: String, gate: Arc<Gate>) {
+pub async fn lead(
+    cfg: Config,
+    etcd: EtcdConfig,
+    advertise: String,
+    gate: Arc<Gate>,
+    master: crate::ringkey::RingMaster,
+) {
     let leader = leader_key(&etcd.cluster);
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -341,15 +347,16 @@ pub async fn lead(cfg: Config, etcd: EtcdConfig, advertise: String, gate: Arc<Ga
                 continue;
             }
         };
-        let coordinator = match Coordinator::new(cfg.clone(), Box::new(store)) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot start the coordinator");
-                let _ = client.lease_revoke(lease).await;
-                gate.set_leader_addr("");
-                continue;
-            }
-        };
+        let coordinator =
+            match Coordinator::with_ring_master(cfg.clone(), Box::new(store), master.clone()) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start the coordinator");
+                    let _ = client.lease_revoke(lease).await;
+                    gate.set_leader_addr("");
+                    continue;
+                }
+            };
         gate.lead(coordinator.clone());
         let watcher = tokio::spawn(watch_workers(client.clone(), etcd.clone(), coordinator));
         let why = tokio::select! {

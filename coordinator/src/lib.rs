@@ -7,6 +7,7 @@ pub mod etcd;
 pub mod gate;
 pub mod grpc;
 pub mod http;
+pub mod ringkey;
 pub mod scheduler;
 pub mod service;
 pub mod state;
@@ -69,14 +70,17 @@ pub enum StartError {
     Tls(#[from] accrue_proto::tls::TlsError),
     #[error("TLS set-up: {0}")]
     TlsSetup(String),
+    #[error(transparent)]
+    RingKey(#[from] ringkey::RingKeyError),
 }
 
 /// Binds both listeners (port 0 allowed), opens the store under
 /// `cfg.state_dir` and serves until stopped.
 pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartError> {
     let cfg = cfg.with_checked_roots()?;
+    let master = ringkey::RingMaster::resolve(cfg.ring_secret_file.as_deref(), &cfg.state_dir)?;
     let store = store::RedbStore::open(&cfg.state_dir)?;
-    let coordinator = Coordinator::new(cfg.clone(), Box::new(store))?;
+    let coordinator = Coordinator::with_ring_master(cfg.clone(), Box::new(store), master)?;
     serve(cfg, grpc, http, gate::Gate::leading(coordinator)).await
 }
 
@@ -91,10 +95,19 @@ pub async fn start_etcd(
     advertise: Option<String>,
 ) -> Result<Handle, StartError> {
     let cfg = cfg.with_checked_roots()?;
+    // Replicas need not share a master: a generation's key is derived and
+    // sent by the one leader that forms it (docs/SECURITY.md, Data plane).
+    let master = match &cfg.ring_secret_file {
+        Some(f) => ringkey::RingMaster::from_file(f)?,
+        None => {
+            tracing::warn!("no --ring-secret-file: this replica derives ring keys from a random in-memory master secret");
+            ringkey::RingMaster::random()
+        }
+    };
     let g = gate::Gate::follower();
     let handle = serve(cfg.clone(), grpc, http, g.clone()).await?;
     let advertise = advertise.unwrap_or_else(|| handle.grpc_addr.to_string());
-    tokio::spawn(etcd::lead(cfg, etcd, advertise, g));
+    tokio::spawn(etcd::lead(cfg, etcd, advertise, g, master));
     Ok(handle)
 }
 

@@ -77,6 +77,12 @@ struct Args {
     /// as a worker and read every job's spec and ring key.
     #[arg(long)]
     insecure: bool,
+    /// The ring master secret (32 or more random bytes, used as they are):
+    /// every job generation's data-plane key is derived from it. Default:
+    /// <state-dir>/ring-master.key, created (mode 0600) on first start;
+    /// in etcd mode, a random in-memory secret per replica.
+    #[arg(long, value_name = "FILE")]
+    ring_secret_file: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -121,6 +127,7 @@ async fn main() -> anyhow::Result<()> {
             checkpoint: a.checkpoint_root,
         },
         tls,
+        ring_secret_file: a.ring_secret_file,
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

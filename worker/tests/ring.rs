@@ -158,7 +158,7 @@ fn wrong_secret_and_garbage_are_refused() {
         job: "job-a".into(),
     };
     let err = wire::handshake_connect(&mut wrong, b"wrong-secret", &hello).unwrap_err();
-    assert!(err.contains("refused"), "{err}");
+    assert!(err.to_string().contains("refused"), "{err}");
     let mut stale = TcpStream::connect(&addrs[1]).unwrap();
     let old = Hello {
         rank: 0,
@@ -551,7 +551,7 @@ fn a_slow_handshake_is_cut_at_its_deadline() {
         generation: 0,
         job: "job-a".into(),
     }
-    .encode()
+    .encode(&[0; wire::NONCE_LEN])
     .unwrap();
     // The hello, then a proof, a byte every 100 ms: about 6 s in all.
     let bytes: Vec<u8> = hello.into_iter().chain([0u8; 32]).collect();
@@ -568,4 +568,321 @@ fn a_slow_handshake_is_cut_at_its_deadline() {
     eprintln!("a byte-at-a-time handshake was cut after {cut:?}");
     assert!(cut < Duration::from_secs(4), "cut after {cut:?}");
     assert!(rank1.join().unwrap().is_some());
+}
+
+// ---- Data-plane security: per-generation keys, nonces both ways --------
+
+use accrue_common::ringkey::derive_ring_key;
+use std::io::Read;
+
+const MASTER: [u8; 32] = [0x5a; 32];
+const JOB: &str = "job-s";
+const GENERATION: u64 = 5;
+
+/// A rank of generation 5 of JOB, keyed as the coordinator would key it.
+fn keyed(rank: usize, peers: &[String]) -> RingConfig {
+    let key = derive_ring_key(&MASTER, JOB, GENERATION).to_vec();
+    let mut c = RingConfig::new(JOB, rank, 2, peers.to_vec(), key);
+    c.generation = GENERATION;
+    c.timeout = Duration::from_secs(10);
+    c.connect_timeout = Duration::from_secs(20);
+    c.handshake_timeout = Duration::from_secs(5);
+    c
+}
+
+/// Reads what the peer sends until it closes (or 5 s pass: then None).
+fn read_until_closed(s: &mut TcpStream) -> Option<Vec<u8>> {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(got),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Some(got),
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Connects to `addr` and runs a client handshake with `key` and `hello`;
+/// returns its error and what the acceptor sent after it (the connection
+/// must then be closed).
+fn forged(addr: &str, key: &[u8], hello: &Hello) -> (String, Option<Vec<u8>>) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let err = wire::handshake_connect(&mut s, key, hello)
+        .expect_err("a forged handshake must be refused")
+        .to_string();
+    // Whatever we send now is never read as a frame: the acceptor closed.
+    let frame = wire::Header {
+        kind: wire::Kind::Data,
+        job_tag: wire::job_tag(JOB),
+        generation: GENERATION,
+        seq: 0,
+        len: 8,
+    };
+    let _ = s
+        .write_all(&frame.encode())
+        .and_then(|_| s.write_all(&[1; 8]));
+    (err, read_until_closed(&mut s))
+}
+
+/// Outsiders on rank 1's data port: a wrong key, the previous
+/// generation's key (with this generation's hello and with its own), a
+/// hello for another job, a frame header announcing 1 TiB instead of a
+/// hello, and a hello announcing a 65 535-byte job id. Each is refused and
+/// its connection closed before anything past the handshake is read; the
+/// real ranks then form the ring and all-reduce correctly.
+#[test]
+fn forged_handshakes_are_refused_and_the_ring_still_forms() {
+    let (mut ls, addrs) = listeners(2);
+    let (l1, l0) = (ls.pop().unwrap(), ls.pop().unwrap());
+    let peers = addrs.clone();
+    let rank1 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l1), keyed(1, &peers)).unwrap();
+        let mut buf = vec![1.0f32; 5];
+        ring.all_reduce(&mut buf).unwrap();
+        buf
+    });
+    let hello = |job: &str, generation| Hello {
+        rank: 0,
+        generation,
+        job: job.into(),
+    };
+    let previous = derive_ring_key(&MASTER, JOB, GENERATION - 1);
+    let other_job = derive_ring_key(&MASTER, "job-t", GENERATION);
+    let cases: [(&str, &[u8], Hello, &str); 4] = [
+        (
+            "a wrong key",
+            b"wrong-key",
+            hello(JOB, GENERATION),
+            "refused",
+        ),
+        (
+            "the previous generation's key",
+            &previous,
+            hello(JOB, GENERATION),
+            "refused",
+        ),
+        (
+            "the previous generation's key and hello",
+            &previous,
+            hello(JOB, GENERATION - 1),
+            "refused",
+        ),
+        (
+            "another job's hello and key",
+            &other_job,
+            hello("job-t", GENERATION),
+            "refused",
+        ),
+    ];
+    for (what, key, hello, want) in cases {
+        let (err, after) = forged(&addrs[1], key, &hello);
+        assert!(err.contains(want), "{what}: {err}");
+        // The verdict was the last byte: closed, nothing more sent.
+        assert_eq!(after, Some(vec![]), "{what}: not closed after the refusal");
+    }
+    // A frame header where the hello belongs.
+    let huge = wire::Header {
+        kind: wire::Kind::Data,
+        job_tag: wire::job_tag(JOB),
+        generation: GENERATION,
+        seq: 0,
+        len: 1 << 40,
+    };
+    // A hello announcing a job id longer than any allowed.
+    let mut long = hello(JOB, GENERATION)
+        .encode(&[1; wire::NONCE_LEN])
+        .unwrap();
+    long.truncate(wire::HELLO_FIXED_LEN);
+    long[wire::HELLO_FIXED_LEN - 2..].copy_from_slice(&u16::MAX.to_le_bytes());
+    for (what, bytes) in [
+        ("a 1 TiB frame header", huge.encode().to_vec()),
+        ("a 65 535-byte job id", long),
+    ] {
+        let mut s = TcpStream::connect(&addrs[1]).unwrap();
+        s.write_all(&bytes).unwrap();
+        let _ = s.write_all(&[0u8; 4096]);
+        // Closed without a challenge: nothing past the hello's head was
+        // taken for anything.
+        assert_eq!(read_until_closed(&mut s), Some(vec![]), "{what}");
+    }
+    let peers = addrs.clone();
+    let rank0 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l0), keyed(0, &peers)).unwrap();
+        let mut buf = vec![2.0f32; 5];
+        ring.all_reduce(&mut buf).unwrap();
+        buf
+    });
+    assert_eq!(rank0.join().unwrap(), vec![3.0; 5]);
+    assert_eq!(rank1.join().unwrap(), vec![3.0; 5]);
+}
+
+/// A TCP proxy from a port of its own to `to`, recording the bytes the
+/// client sends (the wire an eavesdropper sees).
+fn recording_proxy(to: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    use std::sync::{Arc, Mutex};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let rec = seen.clone();
+    std::thread::spawn(move || {
+        let Ok((mut client, _)) = l.accept() else {
+            return;
+        };
+        let Ok(mut server) = TcpStream::connect(&to) else {
+            return;
+        };
+        let (mut c2, mut s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut s2, &mut c2);
+            let _ = c2.shutdown(std::net::Shutdown::Write);
+        });
+        let mut buf = [0u8; 4096];
+        loop {
+            match client.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    rec.lock().unwrap().extend_from_slice(&buf[..n]);
+                    if server.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = server.shutdown(std::net::Shutdown::Write);
+    });
+    (addr, seen)
+}
+
+/// Rank 0 reaches rank 1 through a proxy that records the wire. The
+/// recorded handshake (hello and proof), replayed to rank 1 while the
+/// ring runs, is refused (verdict 0, closed) because rank 1's challenge
+/// is fresh; the ring goes on reducing.
+#[test]
+fn a_replayed_handshake_is_refused_while_the_ring_runs() {
+    let (mut ls, addrs) = listeners(2);
+    let (l1, l0) = (ls.pop().unwrap(), ls.pop().unwrap());
+    let (proxy, seen) = recording_proxy(addrs[1].clone());
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let peers = addrs.clone();
+    let rank1 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l1), keyed(1, &peers)).unwrap();
+        let mut sums = Vec::new();
+        for round in 0..2 {
+            let mut buf = vec![1.0f32 + round as f32; 5];
+            ring.all_reduce(&mut buf).unwrap();
+            sums.push(buf);
+        }
+        sums
+    });
+    let via_proxy = vec![addrs[0].clone(), proxy];
+    let rank0 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l0), keyed(0, &via_proxy)).unwrap();
+        let mut sums = Vec::new();
+        for round in 0..2 {
+            if round == 1 {
+                // The replay happens between the two all-reduces.
+                go_rx.recv().unwrap();
+            }
+            let mut buf = vec![2.0f32 + round as f32; 5];
+            ring.all_reduce(&mut buf).unwrap();
+            sums.push(buf);
+        }
+        sums
+    });
+    let handshake_len = wire::HELLO_FIXED_LEN + JOB.len() + wire::PROOF_LEN;
+    let limit = Instant::now() + Duration::from_secs(20);
+    while seen.lock().unwrap().len() < handshake_len {
+        assert!(
+            Instant::now() < limit,
+            "rank 0's handshake never crossed the proxy"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let captured = seen.lock().unwrap()[..handshake_len].to_vec();
+    let (hello, proof) = captured.split_at(handshake_len - wire::PROOF_LEN);
+    let mut s = TcpStream::connect(&addrs[1]).unwrap();
+    s.write_all(hello).unwrap();
+    let mut challenge = [0u8; wire::NONCE_LEN];
+    s.read_exact(&mut challenge).unwrap();
+    s.write_all(proof).unwrap();
+    let _ = s.write_all(&[0u8; 64]);
+    assert_eq!(
+        read_until_closed(&mut s),
+        Some(vec![0]),
+        "the replay must get verdict 0 and a closed connection"
+    );
+    go_tx.send(()).unwrap();
+    let want = vec![vec![3.0f32; 5], vec![5.0f32; 5]];
+    assert_eq!(rank0.join().unwrap(), want);
+    assert_eq!(rank1.join().unwrap(), want);
+}
+
+/// A peer that holds the key but sends a data frame announcing more than
+/// `max_frame_bytes`: the receiving rank fails at the header, a protocol
+/// error naming the limit, without waiting for the payload (none is sent:
+/// waiting would be a 10 s timeout), and the link is closed when the ring
+/// is dropped.
+#[test]
+fn an_oversized_frame_fails_the_link_before_its_payload() {
+    let l0 = bind("127.0.0.1:0").unwrap();
+    let fake_l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let peers = vec![
+        l0.local_addr().unwrap().to_string(),
+        fake_l.local_addr().unwrap().to_string(),
+    ];
+    let key = derive_ring_key(&MASTER, JOB, GENERATION);
+    // The fake rank 1: accepts rank 0 (its previous rank) ...
+    let accepted = std::thread::spawn(move || {
+        let (mut s, _) = fake_l.accept().unwrap();
+        wire::handshake_accept(&mut s, &key, JOB, GENERATION, 0).unwrap();
+        s
+    });
+    let cfg = keyed(0, &peers);
+    let max = cfg.max_frame_bytes as u64;
+    let rank0 = std::thread::spawn(move || {
+        let mut ring = TcpRing::start(Some(l0), cfg).unwrap();
+        let started = Instant::now();
+        let err = ring.all_reduce(&mut vec![1.0f32; 8]).unwrap_err();
+        (err, started.elapsed(), ring)
+    });
+    // ... and connects to rank 0 (its next), as rank 1 of generation 5.
+    let mut to0 = TcpStream::connect(&peers[0]).unwrap();
+    let hello = Hello {
+        rank: 1,
+        generation: GENERATION,
+        job: JOB.into(),
+    };
+    wire::handshake_connect(&mut to0, &key, &hello).unwrap();
+    let _from0 = accepted.join().unwrap();
+    let huge = wire::Header {
+        kind: wire::Kind::Data,
+        job_tag: wire::job_tag(JOB),
+        generation: GENERATION,
+        seq: 0,
+        len: max + 1,
+    };
+    to0.write_all(&huge.encode()).unwrap();
+    let (err, took, ring) = rank0.join().unwrap();
+    assert!(
+        matches!(err, CommError::Protocol { rank: 1, .. }),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string()
+            .contains(&format!("exceeds the limit of {max} bytes")),
+        "{err}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "took {took:?}: it waited for a payload"
+    );
+    drop(ring);
+    // Rank 0 answers with an abort naming us and closes.
+    assert!(
+        read_until_closed(&mut to0).is_some(),
+        "the link stayed open"
+    );
 }

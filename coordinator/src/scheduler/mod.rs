@@ -153,8 +153,6 @@ impl WorkerEntry {
 #[derive(Clone, Debug)]
 pub struct JobEntry {
     pub job: Job,
-    /// Data-plane secret of the current generation.
-    pub secret: Vec<u8>,
     saved_ms: i64,
     /// Since when the job waits for workers to re-form (Recovering).
     recovering_since: Option<i64>,
@@ -174,7 +172,6 @@ impl JobEntry {
     fn new(job: Job, now: i64, admitted: bool) -> Self {
         Self {
             job,
-            secret: Vec::new(),
             saved_ms: now,
             recovering_since: None,
             stalled: 0,
@@ -210,9 +207,11 @@ pub fn may_cancel(job: &str, owner: &str, by: &Caller) -> Result<(), CoordError>
     }
 }
 
-/// Source of per-generation data-plane secrets (random in the service,
-/// fixed in tests).
-pub type Secrets = Box<dyn FnMut() -> Vec<u8> + Send>;
+/// The ring key of a job's generation: HKDF from the coordinator's master
+/// secret in the service (`crate::ringkey::RingMaster::keys`), any pure
+/// function in tests. The scheduler only calls it when it forms a
+/// generation and puts the key in that generation's Assignments.
+pub type RingKeys = Box<dyn Fn(&str, u64) -> Vec<u8> + Send>;
 
 /// The coordinator's whole state.
 pub struct Cluster {
@@ -223,7 +222,7 @@ pub struct Cluster {
     workers: BTreeMap<String, WorkerEntry>,
     /// The next job id's sequence number.
     next_seq: u64,
-    secrets: Secrets,
+    ring_keys: RingKeys,
 }
 
 fn msg(m: coordinator_message::Msg) -> CoordinatorMessage {
@@ -250,14 +249,14 @@ fn seq_of(id: &str) -> Option<u64> {
 }
 
 impl Cluster {
-    pub fn new(cfg: Config, secrets: Secrets) -> Self {
+    pub fn new(cfg: Config, ring_keys: RingKeys) -> Self {
         Self {
             cfg,
             jobs: BTreeMap::new(),
             order: Vec::new(),
             workers: BTreeMap::new(),
             next_seq: 1,
-            secrets,
+            ring_keys,
         }
     }
 

@@ -289,7 +289,6 @@ impl Cluster {
         entry.job.generation += 1;
         entry.job.workers = workers.clone();
         entry.job.accumulation_steps = k;
-        entry.secret = (self.secrets)();
         entry.recovering_since = None;
         entry.acked.clear();
         let generation = entry.job.generation;
@@ -348,7 +347,7 @@ impl Cluster {
                     .unwrap_or_default()
             })
             .collect();
-        let secret = entry.secret.clone();
+        let secret = (self.ring_keys)(job_id, generation);
         save(entry, fx);
         // Members of the previous generation left out of this one (a
         // shrink to a world that keeps k whole) stop the job and are free

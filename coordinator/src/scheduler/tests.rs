@@ -14,8 +14,66 @@ pub(super) fn cluster() -> Cluster {
             max_job_memory: 8 << 30,
             roots: Default::default(),
         },
-        Box::new(|| vec![7; 32]),
+        Box::new(test_key),
     )
+}
+
+/// The tests' ring key derivation: names its inputs, so a test can see
+/// which job and generation a key was made for.
+fn test_key(job: &str, generation: u64) -> Vec<u8> {
+    format!("key of {job} generation {generation}").into_bytes()
+}
+
+/// The (worker, generation, key) of every Assignment among `fx`.
+fn assigned_keys(fx: &[Effect]) -> Vec<(String, u64, Vec<u8>)> {
+    sends(fx)
+        .into_iter()
+        .filter_map(|(w, m)| match m {
+            coordinator_message::Msg::Assign(a) => Some((w, a.generation, a.secret)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every rank of a generation gets the key derived for that job and
+/// generation; a re-formation gets the next generation's key.
+#[test]
+fn each_generation_gets_its_own_derived_key() {
+    let mut c = cluster();
+    for (i, w) in ["w0", "w1", "w2"].iter().enumerate() {
+        attach(&mut c, w, i as u64 + 1, 0);
+    }
+    let spec = spec("j", 2, "");
+    let fx = c.step(Input::Submit { spec }, 0);
+    let job = reply(&fx).unwrap().id;
+    let mut fx2 = c.step(Input::Admit { job: job.clone() }, 0);
+    fx2.extend(fx);
+    let k1 = test_key(&job, 1);
+    assert_eq!(
+        assigned_keys(&fx2),
+        vec![
+            ("w0".to_string(), 1, k1.clone()),
+            ("w1".to_string(), 1, k1.clone())
+        ]
+    );
+    c.step(
+        Input::Lost {
+            worker: "w1".into(),
+            conn: Some(2),
+            reason: "gone".into(),
+        },
+        20,
+    );
+    let fx = deliver(&mut c, "w0", interrupted(&job, 1, 0), 25);
+    let k2 = test_key(&job, 2);
+    assert_ne!(k1, k2);
+    assert_eq!(
+        assigned_keys(&fx),
+        vec![
+            ("w0".to_string(), 2, k2.clone()),
+            ("w2".to_string(), 2, k2.clone())
+        ]
+    );
 }
 
 pub(super) fn spec(name: &str, workers: u32, extra: &str) -> v1::JobSpec {
@@ -630,10 +688,14 @@ proptest! {
                         prop_assert!(j.version > *v, "job {} went from version {} to {}", j.id, v, j.version);
                         *v = j.version;
                     }
-                    Effect::Send { worker, conn, .. } => {
+                    Effect::Send { worker, conn, msg } => {
                         // To the worker's current connection (or to one
                         // removed later in the same step: dropped).
                         prop_assert!(c.worker(worker).is_none_or(|x| x.conn == *conn));
+                        // An assignment carries its generation's key.
+                        if let Some(coordinator_message::Msg::Assign(a)) = &msg.msg {
+                            prop_assert_eq!(&a.secret, &test_key(&a.job_id, a.generation));
+                        }
                     }
                     _ => {}
                 }

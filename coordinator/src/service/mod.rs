@@ -17,6 +17,7 @@
 //! order.
 
 use crate::error::CoordError;
+use crate::ringkey::RingMaster;
 use crate::scheduler::{self, Cluster, Effect, Input};
 use crate::store::{JobStore, WriteProgress};
 use accrue_common::spec::{confine_field, Area, LocalFs, RootError, Roots};
@@ -57,6 +58,11 @@ pub struct Config {
     /// TLS on both ports and mutual TLS for WorkerService (None: plaintext,
     /// as before issue 14).
     pub tls: Option<crate::tls::ServerTls>,
+    /// The ring master secret (`--ring-secret-file`): every data-plane key
+    /// is derived from it. None: `<state_dir>/ring-master.key` in embedded
+    /// mode (created on first start), a random in-memory one per replica
+    /// in etcd mode (see `crate::ringkey`).
+    pub ring_secret_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -100,6 +106,7 @@ impl Default for Config {
             tokens: None,
             roots: Roots::default(),
             tls: None,
+            ring_secret_file: None,
         }
     }
 }
@@ -181,10 +188,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Coordinator {
-    /// Takes back every job the store holds (see [`Cluster::restore`]).
+    /// Takes back every job the store holds (see [`Cluster::restore`]),
+    /// with a random in-memory ring master secret (see
+    /// [`Coordinator::with_ring_master`]).
     pub fn new(
         cfg: Config,
         store: Box<dyn JobStore>,
+    ) -> Result<Arc<Self>, crate::store::StoreError> {
+        Self::with_ring_master(cfg, store, RingMaster::random())
+    }
+
+    /// Takes back every job the store holds; every generation's ring key
+    /// is derived from `master`.
+    pub fn with_ring_master(
+        cfg: Config,
+        store: Box<dyn JobStore>,
+        master: RingMaster,
     ) -> Result<Arc<Self>, crate::store::StoreError> {
         let mut cluster = Cluster::new(
             scheduler::Config {
@@ -194,7 +213,7 @@ impl Coordinator {
                 max_job_memory: cfg.max_job_memory,
                 roots: cfg.roots.clone(),
             },
-            Box::new(|| rand::random::<[u8; 32]>().to_vec()),
+            master.keys(),
         );
         cluster.restore(store.list()?, now_ms());
         let (events, _) = broadcast::channel(16384);

@@ -225,6 +225,11 @@ impl TcpRing {
             )));
         }
         wire::job_id_len(&cfg.job)?;
+        if cfg.world > 1 && cfg.secret.is_empty() {
+            return Err(CommError::Setup(
+                "no ring key: a ring of more than one rank needs its generation's key (the coordinator's Assignment, or --secret-file)".into(),
+            ));
+        }
         if cfg.world > 1 && cfg.peers.len() != cfg.world {
             return Err(CommError::Setup(format!(
                 "{} peer addresses for world size {}: need one per rank, in rank order",
@@ -553,7 +558,7 @@ fn spawn_acceptor(
                         let _ = tx.send(s);
                     }
                     Ok(_) => tracing::warn!(%peer, "refused data-plane connection: the ring is already formed"),
-                    Err(reason) => tracing::warn!(%peer, %reason, "refused data-plane connection"),
+                    Err(e) => tracing::warn!(%peer, reason = %e, "refused data-plane connection"),
                 }
             });
         }
@@ -657,6 +662,8 @@ fn connect_next(cfg: &RingConfig, deadline: Instant) -> Result<TcpStream, CommEr
             };
             let left = deadline.saturating_duration_since(Instant::now());
             let mut d = Deadline::new(&mut s, left.min(HANDSHAKE_TIMEOUT));
+            // Nothing is sent on `s` unless the next rank proved it holds
+            // this generation's key.
             wire::handshake_connect(&mut d, &cfg.secret, &hello)
                 .map_err(|e| format!("handshake with rank {next} at {addr_s}: {e}"))?;
             Ok::<_, String>(s)
@@ -748,29 +755,24 @@ impl BackReader {
     fn run(mut self) {
         self.next.set_read_timeout(None).ok();
         let next = self.cfg.next();
-        let err = match wire::read_header(&mut self.next) {
-            Ok(b) => match Header::decode(&b) {
-                Ok(h) if h.kind == Kind::Abort => match read_abort(&mut self.next, h.len) {
-                    Ok((lost, reason)) => CommError::Aborted {
-                        lost,
-                        reporter: next,
-                        reason,
-                    },
-                    Err(e) => lost(&self.cfg, next, "an abort", &e),
-                },
-                Ok(h) if h.kind == Kind::Goodbye => return,
-                Ok(h) => CommError::Protocol {
-                    rank: next,
-                    addr: self.cfg.addr(next),
-                    reason: format!("unexpected {:?} frame on the return path", h.kind),
-                },
-                Err(reason) => CommError::Protocol {
-                    rank: next,
-                    addr: self.cfg.addr(next),
+        let protocol = |reason| CommError::Protocol {
+            rank: next,
+            addr: self.cfg.addr(next),
+            reason,
+        };
+        let err = match wire::read_frame_header(&mut self.next, 0) {
+            Ok(h) if h.kind == Kind::Abort => match wire::read_abort(&mut self.next, h.len) {
+                Ok((lost, reason)) => CommError::Aborted {
+                    lost,
+                    reporter: next,
                     reason,
                 },
+                Err(e) => lost(&self.cfg, next, "an abort", &e),
             },
-            Err(e) => lost(&self.cfg, next, "the job", &e),
+            Ok(h) if h.kind == Kind::Goodbye => return,
+            Ok(h) => protocol(format!("unexpected {:?} frame on the return path", h.kind)),
+            Err(wire::FrameError::Io(e)) => lost(&self.cfg, next, "the job", &e),
+            Err(e) => protocol(e.to_string()),
         };
         if self.closing.load(Ordering::SeqCst) {
             return;
@@ -809,19 +811,6 @@ fn lost(cfg: &RingConfig, rank: usize, during: &str, e: &io::Error) -> CommError
             reason: e.to_string(),
         },
     }
-}
-
-fn read_abort(s: &mut TcpStream, len: u64) -> io::Result<(usize, String)> {
-    if !(4..=4096).contains(&len) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("abort frame of {len} bytes"),
-        ));
-    }
-    let mut b = vec![0u8; len as usize];
-    s.read_exact(&mut b)?;
-    let lost = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
-    Ok((lost, String::from_utf8_lossy(&b[4..]).into_owned()))
 }
 
 fn send_abort(s: &mut TcpStream, cfg: &RingConfig, err: &CommError) {
@@ -1057,12 +1046,16 @@ impl Comm {
     /// of `want_bytes`; an Abort or Goodbye there is the matching error.
     fn next_frame(&mut self, want_bytes: usize, during: &str) -> Result<(), CommError> {
         let prev = self.cfg.prev();
-        let header =
-            wire::read_header(&mut self.prev).map_err(|e| lost(&self.cfg, prev, during, &e))?;
-        let h = Header::decode(&header).map_err(|reason| self.protocol(reason))?;
+        // An oversized header is refused here, before any payload byte.
+        let h = wire::read_frame_header(&mut self.prev, self.cfg.max_frame_bytes as u64).map_err(
+            |e| match e {
+                wire::FrameError::Io(e) => lost(&self.cfg, prev, during, &e),
+                e => self.protocol(e.to_string()),
+            },
+        )?;
         match h.kind {
             Kind::Abort => {
-                let (lost_rank, reason) = read_abort(&mut self.prev, h.len)
+                let (lost_rank, reason) = wire::read_abort(&mut self.prev, h.len)
                     .map_err(|e| lost(&self.cfg, prev, during, &e))?;
                 return Err(CommError::Aborted {
                     lost: lost_rank,
