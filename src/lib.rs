@@ -734,12 +734,8 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot start {}", bin.display()))?;
         children.0.push(child);
     }
-    let mut client = connect_client(
-        &url,
-        tls.as_ref().map(|(_, c)| c),
-        &BearerToken::default(),
-    )
-    .await?;
+    let mut client =
+        connect_client(&url, tls.as_ref().map(|(_, c)| c), &BearerToken::default()).await?;
     let submitted = submit(&mut client, job, Some(workers)).await?;
     println!("job {}", submitted.id);
     let end = tokio::select! {

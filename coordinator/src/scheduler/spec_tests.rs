@@ -307,7 +307,7 @@ fn paths_outside_their_roots_are_refused_at_submit() {
             max_job_memory: 8 << 30,
             roots,
         },
-        Box::new(|| vec![7; 32]),
+        Box::new(|_: &str, _: u64| vec![7; 32]),
     );
     let with = |data: &str, ckpt: &str| {
         let text = format!(

@@ -44,7 +44,13 @@ fn each_generation_gets_its_own_derived_key() {
         attach(&mut c, w, i as u64 + 1, 0);
     }
     let spec = spec("j", 2, "");
-    let fx = c.step(Input::Submit { spec }, 0);
+    let fx = c.step(
+        Input::Submit {
+            spec,
+            owner: String::new(),
+        },
+        0,
+    );
     let job = reply(&fx).unwrap().id;
     let mut fx2 = c.step(Input::Admit { job: job.clone() }, 0);
     fx2.extend(fx);
