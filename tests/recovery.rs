@@ -111,11 +111,15 @@ struct Window {
 }
 
 /// The committed windows of job `name` from every daemon's sample log, by
-/// step. The ranks of a step must agree on its epoch and world size; a
-/// (step, rank) logged twice (by a rank that died after committing and
-/// another) must hold the same reads.
+/// step. Ranks write their line before the step's reduction, so a step
+/// whose window aborted (a lost rank) and was redone has lines of several
+/// attempts: of the attempts (told apart by world size) the newest one
+/// counts. Within an attempt the ranks must agree on the epoch, and a
+/// (step, rank) logged twice (the same window read again by a replacement
+/// after an abort) must hold the same reads.
 fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, Window> {
-    let mut out: BTreeMap<u64, Window> = BTreeMap::new();
+    // (step, world) -> (the attempt's newest line, its window).
+    let mut attempts: BTreeMap<(u64, u64), (u64, Window)> = BTreeMap::new();
     for entry in std::fs::read_dir(dir).unwrap() {
         let p: PathBuf = entry.unwrap().path();
         if !p
@@ -136,19 +140,30 @@ fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, Window> {
                 v[k].as_u64()
                     .unwrap_or_else(|| panic!("{k} missing in {line}"))
             };
-            let (step, epoch, world, rank) =
-                (field("step"), field("epoch"), field("world"), field("rank"));
+            let (step, epoch, world, rank, t) = (
+                field("step"),
+                field("epoch"),
+                field("world"),
+                field("rank"),
+                field("t"),
+            );
             let idx: Vec<u64> = v["indices"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .map(|x| x.as_u64().unwrap())
                 .collect();
-            let w = out.entry(step).or_insert_with(|| Window {
-                epoch,
-                world,
-                reads: BTreeMap::new(),
+            let (newest, w) = attempts.entry((step, world)).or_insert_with(|| {
+                (
+                    0,
+                    Window {
+                        epoch,
+                        world,
+                        reads: BTreeMap::new(),
+                    },
+                )
             });
+            *newest = (*newest).max(t);
             assert_eq!(
                 (w.epoch, w.world),
                 (epoch, world),
@@ -168,7 +183,13 @@ fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, Window> {
             }
         }
     }
-    out
+    let mut out: BTreeMap<u64, (u64, Window)> = BTreeMap::new();
+    for ((step, _), (t, w)) in attempts {
+        if out.get(&step).is_none_or(|(newest, _)| t > *newest) {
+            out.insert(step, (t, w));
+        }
+    }
+    out.into_iter().map(|(step, (_, w))| (step, w)).collect()
 }
 
 /// From the ranks' own records: every step 1..=steps committed once, with

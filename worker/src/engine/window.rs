@@ -151,6 +151,13 @@ impl<C: Collective> Engine<C> {
     /// The sync-step pipeline.
     pub fn sync_step(&mut self) -> Result<StepReport> {
         let _guard = tch::no_grad_guard();
+        // The window's reads are on disk before this rank contributes to
+        // the reduction: a window that commits has every rank's line, even
+        // a rank killed right after it (a window that aborts leaves lines
+        // too; its step is redone and the audit keeps the newest attempt).
+        if let Some(path) = self.opts.sample_log.clone() {
+            self.log_window(&path)?;
+        }
         let grads = self.model.grads();
         // 1. reduce gradients and the window's counts over all ranks.
         let t_comm = Instant::now();
@@ -253,9 +260,6 @@ impl<C: Collective> Engine<C> {
         }
         let optimizer_s = t_opt.elapsed().saturating_sub(prep_s);
         // 5. commit.
-        if let Some(path) = self.opts.sample_log.clone() {
-            self.log_window(&path)?;
-        }
         self.has_state = true;
         let s = &mut self.state;
         s.step += 1;
@@ -304,10 +308,11 @@ impl<C: Collective> Engine<C> {
         })
     }
 
-    /// Appends one line for the window being committed: the sample
+    /// Appends one line for the window about to be reduced: the sample
     /// indices this rank read in it (recorded at each read, so a rank's
-    /// line is what it actually fetched, not a plan). The audit joins the
-    /// lines of every rank of a step.
+    /// line is what it actually fetched, not a plan) and when (`t`, unix
+    /// ms: a step written by several attempts is judged by the newest).
+    /// The audit joins the lines of every rank of a step.
     fn log_window(&mut self, path: &Path) -> Result<()> {
         use std::io::Write;
         let line = serde_json::json!({
@@ -317,6 +322,9 @@ impl<C: Collective> Engine<C> {
             "rank": self.collective.rank(),
             "world": self.collective.world_size(),
             "indices": self.window.read,
+            "t": std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
         });
         let mut f = std::fs::OpenOptions::new()
             .create(true)
