@@ -187,8 +187,9 @@ fn dev_certs_writes_a_ca_certificates_and_tokens_that_verify() {
     );
 }
 
-/// A cluster's files (dev-certs for workers w-0 and w-1) and a coordinator
-/// process serving with them.
+/// A cluster's files (dev-certs for workers w-0 and w-1, and its tokens)
+/// and a coordinator process serving with them: TLS, mutual TLS for
+/// workers and bearer tokens, all on.
 struct Cluster {
     dir: TempDir,
     coord: common::CoordinatorProc,
@@ -227,6 +228,8 @@ impl Cluster {
             arg(pki.join("coordinator.key")),
             "--client-ca".into(),
             arg(pki.join("ca.pem")),
+            "--tokens".into(),
+            arg(pki.join("tokens.toml")),
         ])
         .collect();
         let coord = common::spawn_coordinator(&args, &dir.path().join("coordinator.log"));
@@ -489,15 +492,13 @@ async fn a_worker_with_its_certificate_runs_a_job_submitted_over_tls() {
         &common::job_toml("tls-e2e", 1, 6, ""),
     );
     let ca_s = ca.to_str().unwrap();
-    let o = accrue(&[
-        "--coordinator",
-        &c.coord.grpc,
-        "--ca",
-        ca_s,
-        "submit",
-        job.to_str().unwrap(),
-        "--wait",
-    ]);
+    let o = Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .args(["--coordinator", &c.coord.grpc, "--ca", ca_s, "submit"])
+        .arg(&job)
+        .arg("--wait")
+        .env("ACCRUE_TOKEN_FILE", c.pki("submit.token"))
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let id = String::from_utf8_lossy(&o.stdout)
         .lines()
@@ -507,6 +508,7 @@ async fn a_worker_with_its_certificate_runs_a_job_submitted_over_tls() {
     let o = Command::new(env!("CARGO_BIN_EXE_accrue"))
         .args(["--coordinator", &c.coord.grpc, "status", &id])
         .env("ACCRUE_CA", &ca)
+        .env("ACCRUE_TOKEN_FILE", c.pki("read.token"))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
@@ -514,6 +516,7 @@ async fn a_worker_with_its_certificate_runs_a_job_submitted_over_tls() {
     assert!(status.contains("state      succeeded"), "{status}");
     assert!(status.contains("workers    w-0"), "{status}");
     assert!(status.contains("step 6/6"), "{status}");
+    assert!(status.contains("owner      submit"), "{status}");
 
     // Plaintext to the TLS port fails, and says so.
     let o = accrue(&["--coordinator", &c.coord.grpc, "--insecure", "status", &id]);
@@ -530,4 +533,60 @@ async fn a_worker_with_its_certificate_runs_a_job_submitted_over_tls() {
         "{}",
         text(&o)
     );
+}
+
+/// A worker's certificate is no credential for JobService: over mutual TLS
+/// with w-0's certificate, a call without a token is UNAUTHENTICATED, and
+/// with the `read` token a cancel is PERMISSION_DENIED; the same channel
+/// with the `admin` token may cancel.
+#[tokio::test]
+async fn a_worker_certificate_is_no_credential_for_job_service() {
+    use accrue_proto::v1::job_service_client::JobServiceClient;
+    accrue_proto::tls::install_crypto_provider();
+    let c = Cluster::start();
+    let id = Some((c.pki("worker-w-0.pem"), c.pki("worker-w-0.key")));
+    let channel = accrue_proto::tls::endpoint(&c.coord.grpc, Some(&c.client(id)))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap();
+    let token = |name: &str| {
+        let t = std::fs::read_to_string(c.pki(&format!("{name}.token"))).unwrap();
+        accrue::BearerToken::new(t.trim()).unwrap()
+    };
+    let mut admin = JobServiceClient::with_interceptor(channel.clone(), token("admin"));
+    let job = admin
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(common::spec(&common::job_toml("held", 1, 5, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let cancel = || v1::CancelJobRequest { id: job.id.clone() };
+    let mut bare = JobServiceClient::new(channel.clone());
+    let err = bare.cancel_job(cancel()).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        tonic::Code::Unauthenticated,
+        "{}",
+        err.message()
+    );
+    let err = bare.list_jobs(v1::ListJobsRequest {}).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        tonic::Code::Unauthenticated,
+        "{}",
+        err.message()
+    );
+    let mut reader = JobServiceClient::with_interceptor(channel.clone(), token("read"));
+    let err = reader.cancel_job(cancel()).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        tonic::Code::PermissionDenied,
+        "{}",
+        err.message()
+    );
+    let done = admin.cancel_job(cancel()).await.unwrap().into_inner();
+    assert_eq!(done.state(), v1::JobState::Cancelled);
 }
