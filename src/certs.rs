@@ -173,6 +173,15 @@ impl Ca {
         self.sign(p, validity)
     }
 
+    /// A client certificate for etcd (no worker name, so WorkerService
+    /// takes it for nobody): what coordinators show an etcd that requires
+    /// client certificates.
+    pub fn etcd_client(&self, validity: Validity) -> Result<Pem, CertError> {
+        let mut p = named("accrue etcd client");
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        self.sign(p, validity)
+    }
+
     /// A worker's client certificate: DNS SAN `id` and URI SAN
     /// `urn:accrue:worker:<id>`; client use only, so it cannot pass for the
     /// coordinator.
@@ -285,7 +294,8 @@ pub struct Written {
 
 /// Writes into `dir`: `ca.pem` and `ca.key` (kept when both exist, so new
 /// certificates chain to the CA already distributed), `coordinator.pem` and
-/// `.key`, `worker-<id>.pem` and `.key` per worker, and, unless present,
+/// `.key`, `etcd-server` and `etcd-client` pairs (for an etcd that requires
+/// client certificates), `worker-<id>.pem` and `.key` per worker, and, unless present,
 /// `tokens.toml` with a `<name>.token` file per token. Keys and tokens are
 /// mode 0600.
 pub fn dev_certs(dir: &Path, opts: &DevCerts) -> Result<Written, CertError> {
@@ -340,6 +350,10 @@ pub fn dev_certs(dir: &Path, opts: &DevCerts) -> Result<Written, CertError> {
         Ok(())
     };
     pair("coordinator", ca.server(&opts.sans, leaf)?)?;
+    // etcd's own server certificate (the same names) and the client
+    // certificate coordinators show it (workers show their own).
+    pair("etcd-server", ca.server(&opts.sans, leaf)?)?;
+    pair("etcd-client", ca.etcd_client(leaf)?)?;
     for w in &opts.workers {
         pair(&format!("worker-{w}"), ca.worker(w, leaf)?)?;
     }

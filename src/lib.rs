@@ -86,11 +86,13 @@ pub enum Command {
         json: bool,
     },
     /// Write a cluster CA, the coordinator's certificate, worker client
-    /// certificates and a tokens file into DIR (for development and small
-    /// clusters; keys and tokens mode 0600).
+    /// certificates, etcd server and client certificates and a tokens file
+    /// into DIR (for development and small clusters; keys and tokens mode
+    /// 0600).
     DevCerts {
         dir: PathBuf,
-        /// Extra names (DNS or IP) of the coordinator's certificate, besides
+        /// Extra names (DNS or IP) of the coordinator's (and etcd's)
+        /// certificate, besides
         /// localhost and 127.0.0.1; repeat or separate with commas.
         #[arg(long, value_delimiter = ',')]
         san: Vec<String>,
@@ -104,19 +106,16 @@ pub enum Command {
     },
 }
 
-/// The CLI's transport from `--ca` / `--insecure`; plaintext warns.
+/// The CLI's transport from `--ca` / `--insecure` (one of them is needed);
+/// plaintext warns.
 pub fn transport(ca: Option<PathBuf>, insecure: bool) -> anyhow::Result<Option<ClientTls>> {
-    Ok(
-        match accrue_proto::tls::client_transport(ca, None, None, false, insecure)? {
-            Transport::Tls(t) => Some(t),
-            Transport::Plaintext { explicit } => {
-                if explicit {
-                    tracing::warn!("--insecure: talking to the coordinator in plaintext");
-                }
-                None
-            }
-        },
-    )
+    Ok(match accrue_proto::tls::cli_transport(ca, insecure)? {
+        Transport::Tls(t) => Some(t),
+        Transport::Plaintext => {
+            tracing::warn!("--insecure: talking to the coordinator in plaintext");
+            None
+        }
+    })
 }
 
 impl Cli {
@@ -170,11 +169,17 @@ impl tonic::service::Interceptor for BearerToken {
 pub type Client = JobServiceClient<InterceptedService<Channel, BearerToken>>;
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let token = match &cli.command {
-        Command::Local { .. } => BearerToken::default(),
-        _ => cli.bearer()?,
+    // Only the verbs that talk to a coordinator need its CA (or --insecure)
+    // and a token; `local` brings its own, `dev-certs` makes them.
+    let remote = !matches!(
+        cli.command,
+        Command::Local { .. } | Command::DevCerts { .. }
+    );
+    let (token, tls) = if remote {
+        (cli.bearer()?, transport(cli.ca.clone(), cli.insecure)?)
+    } else {
+        (BearerToken::default(), None)
     };
-    let tls = transport(cli.ca.clone(), cli.insecure)?;
     let url = cli.coordinator.as_str();
     let connect_as = |url: &str, token: &BearerToken| {
         let (url, token, tls) = (url.to_string(), token.clone(), tls.clone());
@@ -304,11 +309,6 @@ pub fn state_name(s: JobState) -> &'static str {
     accrue_coordinator::http::state_name(s)
 }
 
-/// A JobService client for the coordinator at `url`, in plaintext.
-pub async fn connect(url: &str) -> anyhow::Result<JobServiceClient<Channel>> {
-    connect_with(url, None).await
-}
-
 /// A JobService client for the coordinator at `url` (HOST:PORT or a URL),
 /// over TLS when `tls` is given.
 pub async fn connect_with(
@@ -319,12 +319,6 @@ pub async fn connect_with(
     // OUT_OF_RANGE naming the size.
     Ok(JobServiceClient::new(channel(url, tls).await?)
         .max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES))
-}
-
-/// A plaintext client of the coordinator at `url` sending `token` with
-/// every call.
-pub async fn connect_as(url: &str, token: &BearerToken) -> anyhow::Result<Client> {
-    connect_client(url, None, token).await
 }
 
 /// A client of the coordinator at `url`, over TLS when `tls` is given,
@@ -610,15 +604,21 @@ struct LocalOptions {
     insecure: bool,
 }
 
-/// Throw-away certificates for `accrue local` under `state_dir/tls`: a
-/// fresh CA each run, the coordinator's certificate, one per worker.
-fn local_certs(
-    state_dir: &Path,
-    ids: &[String],
-) -> anyhow::Result<(accrue_coordinator::tls::ServerTls, ClientTls)> {
+/// `accrue local`'s throw-away credentials under `state_dir/tls`.
+struct LocalCreds {
+    server: accrue_coordinator::tls::ServerTls,
+    client: ClientTls,
+    tokens: PathBuf,
+    /// The `submit` token the CLI side submits (and may cancel) with.
+    submit: BearerToken,
+}
+
+/// Throw-away credentials for `accrue local` under `state_dir/tls`: a
+/// fresh CA, the coordinator's certificate, one per worker, and fresh
+/// tokens, every run, so nothing issued for an earlier run is trusted.
+fn local_creds(state_dir: &Path, ids: &[String]) -> anyhow::Result<LocalCreds> {
     let dir = state_dir.join("tls");
-    // A fresh CA every run: nothing issued for an earlier run is trusted.
-    for f in ["ca.pem", "ca.key"] {
+    for f in ["ca.pem", "ca.key", "tokens.toml"] {
         match std::fs::remove_file(dir.join(f)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 return Err(e).with_context(|| format!("cannot remove {}", dir.join(f).display()))
@@ -634,16 +634,21 @@ fn local_certs(
             days: 2,
         },
     )?;
-    let server = accrue_coordinator::tls::ServerTls {
-        cert: dir.join("coordinator.pem"),
-        key: dir.join("coordinator.key"),
-        client_ca: dir.join("ca.pem"),
-    };
-    let client = ClientTls {
-        ca: dir.join("ca.pem"),
-        identity: None,
-    };
-    Ok((server, client))
+    let submit = std::fs::read_to_string(dir.join("submit.token"))
+        .with_context(|| format!("cannot read {}", dir.join("submit.token").display()))?;
+    Ok(LocalCreds {
+        server: accrue_coordinator::tls::ServerTls {
+            cert: dir.join("coordinator.pem"),
+            key: dir.join("coordinator.key"),
+            client_ca: dir.join("ca.pem"),
+        },
+        client: ClientTls {
+            ca: dir.join("ca.pem"),
+            identity: None,
+        },
+        tokens: dir.join("tokens.toml"),
+        submit: BearerToken::new(submit.trim())?,
+    })
 }
 
 /// Intra-op threads per local worker: the host's cores shared evenly.
@@ -673,25 +678,35 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
         );
     }
     let ids: Vec<String> = (0..workers).map(|i| format!("local-{i}")).collect();
-    // TLS and mutual TLS with throw-away certificates unless --insecure.
-    let tls = if opts.insecure {
-        tracing::warn!("--insecure: the coordinator and workers talk in plaintext");
+    // TLS, mutual TLS and tokens with throw-away credentials unless
+    // --insecure.
+    let creds = if opts.insecure {
         None
     } else {
-        Some(local_certs(state_dir, &ids)?)
+        Some(local_creds(state_dir, &ids)?)
     };
     let cfg = accrue_coordinator::Config {
         state_dir: state_dir.to_path_buf(),
-        tls: tls.as_ref().map(|(s, _)| s.clone()),
+        tls: creds.as_ref().map(|c| c.server.clone()),
+        tokens: creds.as_ref().map(|c| c.tokens.clone()),
+        insecure: opts.insecure,
         ..Default::default()
     };
     let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;
-    let scheme = if tls.is_some() { "https" } else { "http" };
+    let scheme = if creds.is_some() { "https" } else { "http" };
     let url = format!("{scheme}://{}", handle.grpc_addr);
-    println!(
-        "coordinator {url} (status {scheme}://{}/)",
-        handle.http_addr
-    );
+    match &creds {
+        Some(c) => println!(
+            "coordinator {url} (status {scheme}://{}/ with the token in {}; CA {})",
+            handle.http_addr,
+            c.tokens.with_file_name("read.token").display(),
+            c.client.ca.display()
+        ),
+        None => println!(
+            "coordinator {url} (status {scheme}://{}/)",
+            handle.http_addr
+        ),
+    }
     let logs = state_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
     let mut children = Children(Vec::new());
@@ -709,11 +724,11 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
             "--threads",
             &threads.to_string(),
         ]);
-        match &tls {
-            Some((server, _)) => {
-                let dir = server.client_ca.parent().unwrap_or(state_dir);
+        match &creds {
+            Some(c) => {
+                let dir = c.server.client_ca.parent().unwrap_or(state_dir);
                 cmd.arg("--ca")
-                    .arg(&server.client_ca)
+                    .arg(&c.server.client_ca)
                     .arg("--cert")
                     .arg(dir.join(format!("worker-{id}.pem")))
                     .arg("--key")
@@ -734,8 +749,10 @@ async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot start {}", bin.display()))?;
         children.0.push(child);
     }
-    let mut client =
-        connect_client(&url, tls.as_ref().map(|(_, c)| c), &BearerToken::default()).await?;
+    let mut client = match &creds {
+        Some(c) => connect_client(&url, Some(&c.client), &c.submit).await?,
+        None => connect_client(&url, None, &BearerToken::default()).await?,
+    };
     let submitted = submit(&mut client, job, Some(workers)).await?;
     println!("job {}", submitted.id);
     let end = tokio::select! {

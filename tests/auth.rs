@@ -7,7 +7,7 @@
 
 mod common;
 
-use accrue::{connect_as, BearerToken, Client};
+use accrue::{connect_client, BearerToken, Client};
 use accrue_proto::v1::{self, JobState};
 use common::*;
 use std::path::{Path, PathBuf};
@@ -64,7 +64,7 @@ struct Setup {
 fn start() -> Setup {
     let dir = TempDir::new().unwrap();
     let tokens = write(dir.path(), "tokens.toml", &everyone());
-    let args: Vec<String> = [
+    let mut args: Vec<String> = [
         "--listen",
         "127.0.0.1:0",
         "--http",
@@ -77,13 +77,16 @@ fn start() -> Setup {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    args.extend(creds().tls_args());
     let coord = spawn_coordinator(&args, &dir.path().join("coordinator.log"));
     Setup { dir, tokens, coord }
 }
 
 async fn as_(grpc: &str, token: Option<&str>) -> Client {
     let t = token.map_or_else(BearerToken::default, |t| BearerToken::new(t).unwrap());
-    connect_as(&format!("http://{grpc}"), &t).await.unwrap()
+    connect_client(grpc, Some(&creds().client_tls()), &t)
+        .await
+        .unwrap()
 }
 
 fn job_spec(name: &str) -> v1::JobSpec {
@@ -116,16 +119,14 @@ fn code<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> (Code, String) {
     (s.code(), s.message().to_string())
 }
 
-/// `accrue --coordinator http://<grpc> <args>` with `env` (and no token
+/// `accrue --coordinator <grpc> <args>` over TLS with `env` (and no token
 /// from the test's own environment).
 fn accrue(grpc: &str, env: &[(&str, &str)], args: &[&str]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_accrue"));
     c.env_remove("ACCRUE_TOKEN").env_remove("ACCRUE_TOKEN_FILE");
+    c.env("ACCRUE_CA", creds().ca());
     c.envs(env.iter().copied());
-    c.args(["--coordinator", &format!("http://{grpc}")])
-        .args(args)
-        .output()
-        .unwrap()
+    c.args(["--coordinator", grpc]).args(args).output().unwrap()
 }
 
 #[tokio::test]
@@ -137,7 +138,9 @@ async fn job_service_refuses_by_kind_and_records_the_owner() {
     let (c, m) = code(list(&mut as_(g, None).await).await);
     assert_eq!(c, Code::Unauthenticated, "{m}");
     assert!(m.contains("Bearer"), "{m}");
-    let mut raw = accrue::connect(&format!("http://{g}")).await.unwrap();
+    let mut raw = accrue::connect_with(g, Some(&creds().client_tls()))
+        .await
+        .unwrap();
     for bad in ["Basic YWxpY2U6eA==", "Bearer", "Token x", ALICE] {
         let mut req = tonic::Request::new(v1::ListJobsRequest {});
         req.metadata_mut()
@@ -271,25 +274,13 @@ async fn worker_service_needs_no_token_and_a_removed_token_stops_working() {
 
     // WorkerService is not token-checked (mutual TLS guards it): a worker
     // attaches without any token and gets alice's job.
-    let mut w = v1::worker_service_client::WorkerServiceClient::connect(format!("http://{g}"))
-        .await
-        .unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tx.send(v1::WorkerMessage {
-        msg: Some(v1::worker_message::Msg::Hello(v1::WorkerHello {
-            worker_id: "w0".into(),
-            data_addr: "127.0.0.1:9".into(),
-            capacity: 1,
-            ..Default::default()
-        })),
+    let hello = v1::WorkerHello {
+        worker_id: "w0".into(),
+        data_addr: "127.0.0.1:9".into(),
+        capacity: 1,
         ..Default::default()
-    })
-    .unwrap();
-    let mut down = w
-        .attach(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    };
+    let (tx, mut down) = fake_worker(g, hello).await;
     let mut alice = as_(g, Some(ALICE)).await;
     let job = submit(&mut alice, "a").await.unwrap();
     let m = tokio::time::timeout(Duration::from_secs(20), down.message())
@@ -329,8 +320,7 @@ async fn worker_service_needs_no_token_and_a_removed_token_stops_working() {
 }
 
 fn http(base: &str, path: &str, token: Option<&str>) -> reqwest::RequestBuilder {
-    let c = reqwest::Client::new();
-    let r = c.get(format!("http://{base}{path}"));
+    let r = creds().http().get(format!("https://{base}{path}"));
     match token {
         Some(t) => r.bearer_auth(t),
         None => r,
@@ -424,8 +414,9 @@ async fn http_probes_are_open_the_rest_needs_scopes_and_text_stays_text() {
     // Cancel is a POST with the token: read is not enough, another owner is
     // refused, a cross-site request is refused whoever sends it, admin may.
     let post = |token: &str| {
-        reqwest::Client::new()
-            .post(format!("http://{h}{one}/cancel"))
+        creds()
+            .http()
+            .post(format!("https://{h}{one}/cancel"))
             .bearer_auth(token)
     };
     assert_eq!(post(READER).send().await.unwrap().status(), 403);

@@ -34,9 +34,12 @@ fn local_runs_the_demo_with_two_workers() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("job digits-mlp-1"), "{stdout}");
-    // TLS and mutual TLS by default, with throw-away certificates.
+    // TLS, mutual TLS and tokens by default, with throw-away credentials
+    // (and no --insecure warning: see below).
     assert!(stdout.contains("coordinator https://"), "{stdout}");
     assert!(state.path().join("tls/worker-local-1.pem").exists());
+    assert!(state.path().join("tls/tokens.toml").exists());
+    assert!(stdout.contains("read.token"), "{stdout}");
     // 1,437 samples over 2 ranks (719 each, padded), b = 8, k = 4: 23 steps per epoch, 30 epochs.
     assert!(
         stdout.contains("digits-mlp-1 succeeded: step 690/690"),

@@ -7,14 +7,15 @@ mod common;
 
 use common::*;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
-/// `accrue --coordinator http://<grpc> <args>`, run to its end.
+/// `accrue --coordinator <grpc> <args>` over TLS with the submit token,
+/// run to its end.
 fn accrue(grpc: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_accrue"))
-        .args(["--coordinator", &format!("http://{grpc}")])
+    cli("submit")
+        .args(["--coordinator", grpc])
         .args(args)
         .output()
         .unwrap()
@@ -50,8 +51,8 @@ struct Watch {
 impl Watch {
     fn start(grpc: &str, id: &str, dir: &Path, name: &str) -> Watch {
         let out = dir.join(format!("{name}.out"));
-        let child = Command::new(env!("CARGO_BIN_EXE_accrue"))
-            .args(["--coordinator", &format!("http://{grpc}"), "watch", id])
+        let child = cli("read")
+            .args(["--coordinator", grpc, "watch", id])
             .stdout(Stdio::from(std::fs::File::create(&out).unwrap()))
             .stderr(Stdio::from(
                 std::fs::File::create(dir.join(format!("{name}.err"))).unwrap(),
@@ -115,19 +116,7 @@ fn list_line(grpc: &str, id: &str) -> String {
 #[test]
 fn submit_list_status_cancel_and_watch_as_processes() {
     let d = TempDir::new().unwrap();
-    let args: Vec<String> = [
-        "--listen",
-        "127.0.0.1:0",
-        "--http",
-        "127.0.0.1:0",
-        "--heartbeat-ttl",
-        "3",
-        "--state-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([d.path().join("state").display().to_string()])
-    .collect();
+    let args = coordinator_args(&d.path().join("state"), &[]);
     let co = spawn_coordinator(&args, &d.path().join("coordinator.log"));
     let g = co.grpc.as_str();
 
@@ -162,7 +151,10 @@ fn submit_list_status_cancel_and_watch_as_processes() {
     let id = expect(g, &["submit", pending.to_str().unwrap()], 0);
     let id = id.trim().to_string();
     assert!(id.starts_with("wait-"), "{id}");
-    assert!(list_line(g, &id).contains("pending"));
+    let line = list_line(g, &id);
+    assert!(line.contains("pending"), "{line}");
+    // The submit token's name is the job's owner.
+    assert_eq!(line.split_whitespace().nth(1), Some("submit"), "{line}");
     let status = expect(g, &["status", &id], 0);
     assert!(status.contains(&format!("job        {id}")), "{status}");
     assert!(status.contains("state      pending"), "{status}");
@@ -230,7 +222,7 @@ fn submit_list_status_cancel_and_watch_as_processes() {
     let o = accrue("127.0.0.1:1", &["list"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(
-        stderr(&o).contains("cannot reach the coordinator at http://127.0.0.1:1"),
+        stderr(&o).contains("cannot reach the coordinator at 127.0.0.1:1"),
         "{}",
         stderr(&o)
     );

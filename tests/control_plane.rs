@@ -69,29 +69,26 @@ async fn submit_watch_succeed_and_status_endpoint() {
     );
     assert!(end.eval.is_some());
 
-    let base = format!("http://{}", h.http_addr);
-    let jobs: serde_json::Value = reqwest::get(format!("{base}/v1/jobs"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let http = h.http_addr.to_string();
+    let get = |path: String, scope: &'static str| {
+        let http = http.clone();
+        async move { creds().get(&http, &path, scope).await.unwrap() }
+    };
+    let jobs: serde_json::Value = get("/v1/jobs".into(), "read").await.json().await.unwrap();
     assert_eq!(jobs["jobs"][0]["id"], job.id);
     assert_eq!(jobs["jobs"][0]["state"], "succeeded");
     assert_eq!(jobs["jobs"][0]["counters"]["step"], 12);
     assert_eq!(jobs["jobs"][0]["counters"]["samples_seen"], 384);
-    let one: serde_json::Value = reqwest::get(format!("{base}/v1/jobs/{}", job.id))
+    let one: serde_json::Value = get(format!("/v1/jobs/{}", job.id), "read")
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
     assert_eq!(one["history"][1]["to"], "rendezvous");
-    let missing = reqwest::get(format!("{base}/v1/jobs/nope")).await.unwrap();
+    let missing = get("/v1/jobs/nope".into(), "read").await;
     assert_eq!(missing.status(), 404);
-    let metrics = reqwest::get(format!("{base}/metrics"))
+    let metrics = get("/metrics".into(), "metrics")
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -109,14 +106,7 @@ async fn submit_watch_succeed_and_status_endpoint() {
     );
     assert!(metrics.contains("accrue_job_samples_seen{"), "{metrics}");
     for path in ["/healthz", "/readyz", "/"] {
-        assert_eq!(
-            reqwest::get(format!("{base}{path}"))
-                .await
-                .unwrap()
-                .status(),
-            200,
-            "{path}"
-        );
+        assert_eq!(get(path.into(), "read").await.status(), 200, "{path}");
     }
     eprintln!("http checked");
     h.stop().await;
@@ -394,28 +384,12 @@ async fn stale_generation_reports_are_refused() {
         .await
         .unwrap()
         .into_inner();
-    let channel = tonic::transport::Channel::from_shared(format!("http://{grpc}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut w = v1::worker_service_client::WorkerServiceClient::new(channel);
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let hello = v1::WorkerHello {
         worker_id: "fake".into(),
         data_addr: "127.0.0.1:9".into(),
         ..Default::default()
     };
-    tx.send(v1::WorkerMessage {
-        msg: Some(v1::worker_message::Msg::Hello(hello)),
-        ..Default::default()
-    })
-    .unwrap();
-    let mut inbound = w
-        .attach(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (tx, mut inbound) = fake_worker(&grpc, hello).await;
     let first = inbound.next().await.unwrap().unwrap();
     let Some(v1::coordinator_message::Msg::Assign(a)) = first.msg else {
         panic!("expected an assignment: {first:?}")

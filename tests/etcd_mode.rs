@@ -1,6 +1,8 @@
 //! etcd mode end to end (DESIGN sections 7 and 9): a real etcd process on
 //! free ports, coordinator replicas and worker daemons as real processes.
 //! Coordinators are killed with SIGKILL; etcd is stopped and restarted.
+//! Secure as by default (DESIGN section 11): etcd serves TLS and requires
+//! client certificates from the test CA, which every process shows.
 
 mod common;
 
@@ -33,7 +35,7 @@ impl Etcd {
     async fn start(dir: &Path) -> Etcd {
         let mut e = Etcd {
             child: None,
-            url: format!("http://127.0.0.1:{}", free_port()),
+            url: format!("https://127.0.0.1:{}", free_port()),
             peer: free_port(),
             data: dir.join("etcd-data"),
             log: dir.join("etcd.log"),
@@ -67,6 +69,7 @@ impl Etcd {
             &peer,
         ])
         .args(["--initial-cluster", &format!("t={peer}"), "--logger=zap"])
+        .args(etcd_server_tls())
         .stdout(log.try_clone().unwrap())
         .stderr(log)
         .spawn()
@@ -74,7 +77,7 @@ impl Etcd {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
-            let ok = match etcd_client::Client::connect([self.url.as_str()], None).await {
+            let ok = match connect(self).await {
                 Ok(mut c) => c.get("/health-probe", None).await.is_ok(),
                 Err(_) => false,
             };
@@ -100,6 +103,51 @@ impl Drop for Etcd {
     }
 }
 
+/// etcd's TLS flags: its server certificate, and client certificates
+/// required and checked against the test CA.
+fn etcd_server_tls() -> Vec<String> {
+    let c = creds();
+    [
+        ("--cert-file", c.path("etcd-server.pem")),
+        ("--key-file", c.path("etcd-server.key")),
+        ("--trusted-ca-file", c.ca()),
+    ]
+    .into_iter()
+    .flat_map(|(f, p)| [f.to_string(), p.display().to_string()])
+    .chain(["--client-cert-auth".to_string()])
+    .collect()
+}
+
+/// `--etcd-ca`, `--etcd-cert`, `--etcd-key` with `cert`'s pair.
+fn etcd_client_args(cert: &Path, key: &Path) -> Vec<String> {
+    [
+        ("--etcd-ca", creds().ca()),
+        ("--etcd-cert", cert.to_path_buf()),
+        ("--etcd-key", key.to_path_buf()),
+    ]
+    .into_iter()
+    .flat_map(|(f, p)| [f.to_string(), p.display().to_string()])
+    .collect()
+}
+
+/// The coordinators' etcd client TLS.
+fn etcd_tls() -> accrue_proto::tls::ClientTls {
+    accrue_proto::tls::ClientTls {
+        ca: creds().ca(),
+        identity: Some(accrue_proto::tls::KeyPairFiles {
+            cert: creds().path("etcd-client.pem"),
+            key: creds().path("etcd-client.key"),
+        }),
+    }
+}
+
+/// A client of `etcd` over TLS with the coordinators' certificate.
+async fn connect(etcd: &Etcd) -> Result<etcd_client::Client, etcd_client::Error> {
+    accrue_proto::tls::install_crypto_provider();
+    let opts = etcd_client::ConnectOptions::new().with_tls(etcd_tls().config().unwrap());
+    etcd_client::Client::connect([etcd.url.as_str()], Some(opts)).await
+}
+
 fn which(bin: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|p| {
         std::env::split_paths(&p)
@@ -108,26 +156,26 @@ fn which(bin: &str) -> Option<PathBuf> {
     })
 }
 
-fn coordinator_args(etcd: &Etcd, cluster: &str, dir: &Path, ttl: u32) -> Vec<String> {
-    [
-        "--listen",
-        "127.0.0.1:0",
-        "--http",
-        "127.0.0.1:0",
-        "--heartbeat-ttl",
-        "3",
-        "--etcd",
-        &etcd.url,
-        "--cluster",
-        cluster,
-        "--lease-ttl",
-        &ttl.to_string(),
-        "--state-dir",
-        &dir.join("state").display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+/// A coordinator replica's flags: the test credentials, etcd at `etcd`
+/// over TLS with the coordinators' etcd certificate.
+fn etcd_coordinator_args(etcd: &Etcd, cluster: &str, dir: &Path, ttl: u32) -> Vec<String> {
+    let ttl = ttl.to_string();
+    let mut a = coordinator_args(
+        &dir.join("state"),
+        &[
+            "--etcd",
+            &etcd.url,
+            "--cluster",
+            cluster,
+            "--lease-ttl",
+            &ttl,
+        ],
+    );
+    a.extend(etcd_client_args(
+        &creds().path("etcd-client.pem"),
+        &creds().path("etcd-client.key"),
+    ));
+    a
 }
 
 fn spawn_etcd_worker(etcd: &Etcd, cluster: &str, id: &str, dir: &Path) -> Child {
@@ -144,9 +192,12 @@ fn spawn_etcd_worker_at(
     coordinator: &str,
 ) -> Child {
     let log = std::fs::File::create(dir.join(format!("{id}.log"))).unwrap();
+    let (cert, key) = creds().worker_files(id);
     Command::new(worker_bin())
-        .args(["daemon", "--coordinator", &format!("http://{coordinator}")])
+        .args(["daemon", "--coordinator", coordinator])
         .args(["--etcd", &etcd.url, "--cluster", cluster])
+        .args(creds().worker_args(id))
+        .args(etcd_client_args(&cert, &key))
         .args([
             "--id",
             id,
@@ -163,7 +214,12 @@ fn spawn_etcd_worker_at(
 }
 
 async fn ready(http: &str) -> bool {
-    match reqwest::get(format!("http://{http}/readyz")).await {
+    match creds()
+        .http()
+        .get(format!("https://{http}/readyz"))
+        .send()
+        .await
+    {
         Ok(r) => r.status().is_success(),
         Err(_) => false,
     }
@@ -173,7 +229,7 @@ async fn ready(http: &str) -> bool {
 async fn metric_reads(http: &str, line: &str) -> bool {
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
-        if let Ok(r) = reqwest::get(format!("http://{http}/metrics")).await {
+        if let Ok(r) = creds().get(http, "/metrics", "metrics").await {
             if r.text().await.is_ok_and(|t| t.lines().any(|l| l == line)) {
                 return true;
             }
@@ -277,9 +333,7 @@ async fn finish(grpc: &str, id: &str) -> Job {
 
 /// The job as etcd holds it.
 async fn job_in_etcd(etcd: &Etcd, cluster: &str, id: &str) -> Job {
-    let mut c = etcd_client::Client::connect([etcd.url.as_str()], None)
-        .await
-        .unwrap();
+    let mut c = connect(etcd).await.unwrap();
     let r = c
         .get(accrue_proto::layout::etcd::job_key(cluster, id), None)
         .await
@@ -289,9 +343,7 @@ async fn job_in_etcd(etcd: &Etcd, cluster: &str, id: &str) -> Job {
 
 /// Every job etcd holds for `cluster`.
 async fn jobs_in_etcd(etcd: &Etcd, cluster: &str) -> Vec<Job> {
-    let mut c = etcd_client::Client::connect([etcd.url.as_str()], None)
-        .await
-        .unwrap();
+    let mut c = connect(etcd).await.unwrap();
     let r = c
         .get(
             accrue_proto::layout::etcd::jobs_prefix(cluster),
@@ -331,7 +383,7 @@ async fn follower_takes_over_when_the_leader_dies() {
     let d = TempDir::new().unwrap();
     let etcd = Etcd::start(d.path()).await;
     let a = spawn_coordinator(
-        &coordinator_args(&etcd, "ha", d.path(), 2),
+        &etcd_coordinator_args(&etcd, "ha", d.path(), 2),
         &d.path().join("coord-a.log"),
     );
     assert!(
@@ -339,7 +391,7 @@ async fn follower_takes_over_when_the_leader_dies() {
         "the first replica leads"
     );
     let b = spawn_coordinator(
-        &coordinator_args(&etcd, "ha", d.path(), 2),
+        &etcd_coordinator_args(&etcd, "ha", d.path(), 2),
         &d.path().join("coord-b.log"),
     );
     // The follower answers with the leader's address once it has lost its
@@ -402,7 +454,7 @@ async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
     let d = TempDir::new().unwrap();
     let etcd = Etcd::start(d.path()).await;
     let first = spawn_coordinator(
-        &coordinator_args(&etcd, "rs", d.path(), 2),
+        &etcd_coordinator_args(&etcd, "rs", d.path(), 2),
         &d.path().join("coord-1.log"),
     );
     assert!(wait_ready(&first.http, true, Duration::from_secs(20)).await);
@@ -419,7 +471,7 @@ async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
     wait_steps(&first.grpc, &long.id, 3).await;
     drop(first);
     let second = spawn_coordinator(
-        &coordinator_args(&etcd, "rs", d.path(), 2),
+        &etcd_coordinator_args(&etcd, "rs", d.path(), 2),
         &d.path().join("coord-2.log"),
     );
     assert!(wait_ready(&second.http, true, Duration::from_secs(30)).await);
@@ -445,7 +497,7 @@ async fn no_worker_trains_under_a_generation_etcd_has_not_recorded() {
     let d = TempDir::new().unwrap();
     let mut etcd = Etcd::start(d.path()).await;
     let first = spawn_coordinator(
-        &coordinator_args(&etcd, "gen", d.path(), 2),
+        &etcd_coordinator_args(&etcd, "gen", d.path(), 2),
         &d.path().join("coord-1.log"),
     );
     assert!(wait_ready(&first.http, true, Duration::from_secs(20)).await);
@@ -520,7 +572,7 @@ async fn no_worker_trains_under_a_generation_etcd_has_not_recorded() {
     drop(first); // SIGKILL
     etcd.spawn().await;
     let second = spawn_coordinator(
-        &coordinator_args(&etcd, "gen", d.path(), 2),
+        &etcd_coordinator_args(&etcd, "gen", d.path(), 2),
         &d.path().join("coord-2.log"),
     );
     assert!(wait_ready(&second.http, true, Duration::from_secs(30)).await);
@@ -548,7 +600,7 @@ async fn etcd_outage_loses_nothing() {
     let d = TempDir::new().unwrap();
     let mut etcd = Etcd::start(d.path()).await;
     let co = spawn_coordinator(
-        &coordinator_args(&etcd, "out", d.path(), 5),
+        &etcd_coordinator_args(&etcd, "out", d.path(), 5),
         &d.path().join("coord.log"),
     );
     assert!(wait_ready(&co.http, true, Duration::from_secs(20)).await);
@@ -641,9 +693,7 @@ async fn etcd_outage_loses_nothing() {
 /// the replica that wrote it, the job's version, its id).
 async fn job_history(etcd: &Etcd, cluster: &str) -> Vec<(i64, String, u64, String)> {
     use etcd_client::GetOptions;
-    let mut c = etcd_client::Client::connect([etcd.url.as_str()], None)
-        .await
-        .unwrap();
+    let mut c = connect(etcd).await.unwrap();
     let prefix = accrue_proto::layout::etcd::jobs_prefix(cluster);
     let now = c
         .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
@@ -701,10 +751,26 @@ async fn a_fenced_store_writes_nothing_after_the_new_leader() {
         endpoints: vec![etcd.url.clone()],
         cluster: "fs".into(),
         lease_ttl_s: 2,
+        tls: Some(etcd_tls()),
     };
-    let mut c = etcd_client::Client::connect([etcd.url.as_str()], None)
-        .await
-        .unwrap();
+    // etcd takes only clients showing a certificate from the test CA.
+    let anonymous = async {
+        let tls = accrue_proto::tls::ClientTls {
+            ca: creds().ca(),
+            identity: None,
+        };
+        let opts = etcd_client::ConnectOptions::new().with_tls(tls.config().unwrap());
+        etcd_client::Client::connect([etcd.url.as_str()], Some(opts))
+            .await?
+            .get("/probe", None)
+            .await
+    };
+    let r = tokio::time::timeout(Duration::from_secs(20), anonymous).await;
+    assert!(
+        matches!(r, Ok(Err(_))),
+        "etcd answered a client without a certificate: {r:?}"
+    );
+    let mut c = connect(&etcd).await.unwrap();
     let leader = accrue_proto::layout::etcd::leader_key("fs");
     let job = |v: u64| Job {
         id: "fenced-1".into(),
@@ -789,12 +855,12 @@ async fn a_deposed_leader_steps_down_and_never_writes_after_the_new_leader() {
     let d = TempDir::new().unwrap();
     let etcd = Etcd::start(d.path()).await;
     let mut a = spawn_coordinator(
-        &coordinator_args(&etcd, "part", d.path(), 2),
+        &etcd_coordinator_args(&etcd, "part", d.path(), 2),
         &d.path().join("coord-a.log"),
     );
     assert!(wait_ready(&a.http, true, Duration::from_secs(20)).await);
     let b = spawn_coordinator(
-        &coordinator_args(&etcd, "part", d.path(), 2),
+        &etcd_coordinator_args(&etcd, "part", d.path(), 2),
         &d.path().join("coord-b.log"),
     );
     // Needs two workers, none attached: it stays pending, written by A.

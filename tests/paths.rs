@@ -59,10 +59,6 @@ fn entries(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-fn arg_strings(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paths_outside_their_roots_are_refused_and_nothing_is_written_outside() {
     let t = TempDir::new().unwrap();
@@ -84,22 +80,17 @@ async fn paths_outside_their_roots_are_refused_and_nothing_is_written_outside() 
     std::fs::create_dir_all(&logs).unwrap();
 
     let co = spawn_coordinator(
-        &arg_strings(&[
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "127.0.0.1:0",
-            "--heartbeat-ttl",
-            "3",
-            "--state-dir",
-            &state,
-            "--data-root",
-            &c_data,
-            "--model-root",
-            &c_models,
-            "--checkpoint-root",
-            &state,
-        ]),
+        &coordinator_args(
+            Path::new(&state),
+            &[
+                "--data-root",
+                &c_data,
+                "--model-root",
+                &c_models,
+                "--checkpoint-root",
+                &state,
+            ],
+        ),
         &logs.join("coordinator.log"),
     );
     let mut c = client(&co.grpc).await;
@@ -216,12 +207,12 @@ async fn paths_outside_their_roots_are_refused_and_nothing_is_written_outside() 
 #[test]
 fn a_default_checkpoint_folder_outside_the_root_stops_the_coordinator() {
     let t = TempDir::new().unwrap();
+    let ckpt = t.path().join("ckpt").display().to_string();
     let out = Command::new(coordinator_bin())
-        .args(["--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
-        .arg("--state-dir")
-        .arg(t.path().join("state"))
-        .arg("--checkpoint-root")
-        .arg(t.path().join("ckpt"))
+        .args(coordinator_args(
+            &t.path().join("state"),
+            &["--checkpoint-root", &ckpt],
+        ))
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -235,10 +226,7 @@ fn a_default_checkpoint_folder_outside_the_root_stops_the_coordinator() {
 
 const LIMIT: Duration = Duration::from_secs(120);
 
-async fn submit_ok(
-    c: &mut accrue_proto::v1::job_service_client::JobServiceClient<tonic::transport::Channel>,
-    text: &str,
-) -> String {
+async fn submit_ok(c: &mut accrue::Client, text: &str) -> String {
     c.submit_job(v1::SubmitJobRequest {
         spec: Some(spec(text)),
     })

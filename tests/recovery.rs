@@ -73,10 +73,7 @@ rendezvous_timeout_s = 1.5
     )
 }
 
-async fn get(
-    c: &mut v1::job_service_client::JobServiceClient<tonic::transport::Channel>,
-    id: &str,
-) -> Job {
+async fn get(c: &mut accrue::Client, id: &str) -> Job {
     c.get_job(v1::GetJobRequest { id: id.into() })
         .await
         .unwrap()
@@ -84,11 +81,7 @@ async fn get(
 }
 
 /// Polls until the job has committed at least `step` steps.
-async fn wait_step(
-    c: &mut v1::job_service_client::JobServiceClient<tonic::transport::Channel>,
-    id: &str,
-    step: u64,
-) -> Job {
+async fn wait_step(c: &mut accrue::Client, id: &str, step: u64) -> Job {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let j = get(c, id).await;
@@ -399,7 +392,12 @@ async fn lost_worker_without_spare_shrinks_and_recomputes_k() {
     assert_eq!(end.counters.unwrap().samples_seen, 2 * 480);
     assert_exact_accounting(d.path(), "shrink", steps, 2, 480);
     // The status endpoint shows the same recovery history.
-    let v: serde_json::Value = reqwest::get(format!("http://{}/v1/jobs/{}", h.http_addr, j.id))
+    let v: serde_json::Value = common::creds()
+        .get(
+            &h.http_addr.to_string(),
+            &format!("/v1/jobs/{}", j.id),
+            "read",
+        )
         .await
         .unwrap()
         .json()
@@ -481,22 +479,8 @@ async fn elastic_job_grows_when_a_worker_joins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coordinator_restart_keeps_the_running_job() {
     let d = TempDir::new().unwrap();
-    let state = d.path().join("state").display().to_string();
-    let args = |listen: &str| -> Vec<String> {
-        [
-            "--listen",
-            listen,
-            "--http",
-            "127.0.0.1:0",
-            "--state-dir",
-            &state,
-            "--heartbeat-ttl",
-            "3",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
+    let state = d.path().join("state");
+    let args = |listen: &str| common::coordinator_args_on(listen, &state, &[]);
     let first = spawn_coordinator(&args("127.0.0.1:0"), &d.path().join("coordinator-1.log"));
     let grpc = first.grpc.clone();
     let _w = spawn_all(&grpc, &["r0", "r1"], d.path());

@@ -9,22 +9,10 @@ mod common;
 use accrue_common::ringkey::derive_ring_key;
 use accrue_proto::v1;
 use common::*;
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tempfile::TempDir;
 use tokio_stream::StreamExt;
-
-fn args(state: &Path, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = ["--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    a.push("--state-dir".into());
-    a.push(state.display().to_string());
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a
-}
 
 /// Submits a one-worker job, attaches a fake worker and returns the job
 /// id and the Assignment it receives.
@@ -37,27 +25,12 @@ async fn assignment(grpc: &str, name: &str) -> (String, v1::Assignment) {
         .await
         .unwrap()
         .into_inner();
-    let channel = tonic::transport::Channel::from_shared(format!("http://{grpc}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut w = v1::worker_service_client::WorkerServiceClient::new(channel);
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tx.send(v1::WorkerMessage {
-        msg: Some(v1::worker_message::Msg::Hello(v1::WorkerHello {
-            worker_id: format!("fake-{name}"),
-            data_addr: "127.0.0.1:9".into(),
-            ..Default::default()
-        })),
+    let hello = v1::WorkerHello {
+        worker_id: format!("fake-{name}"),
+        data_addr: "127.0.0.1:9".into(),
         ..Default::default()
-    })
-    .unwrap();
-    let mut inbound = w
-        .attach(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    };
+    let (_tx, mut inbound) = fake_worker(grpc, hello).await;
     let first = tokio::time::timeout(std::time::Duration::from_secs(20), inbound.next())
         .await
         .expect("no assignment within 20 s")
@@ -78,7 +51,7 @@ async fn assignments_carry_the_key_derived_from_the_ring_secret_file() {
     std::fs::write(&file, &master).unwrap();
     let state = d.path().join("state");
     let co = spawn_coordinator(
-        &args(&state, &["--ring-secret-file", &file.display().to_string()]),
+        &coordinator_args(&state, &["--ring-secret-file", &file.display().to_string()]),
         &d.path().join("coordinator.log"),
     );
     let (job, a) = assignment(&co.grpc, "keyed").await;
@@ -97,7 +70,7 @@ async fn the_state_dir_master_is_created_private_and_kept_across_restarts() {
     let state = d.path().join("state");
     let key_file = state.join("ring-master.key");
     let first = {
-        let co = spawn_coordinator(&args(&state, &[]), &d.path().join("first.log"));
+        let co = spawn_coordinator(&coordinator_args(&state, &[]), &d.path().join("first.log"));
         let (job, a) = assignment(&co.grpc, "first").await;
         let master = std::fs::read(&key_file).unwrap();
         assert_eq!(master.len(), 32);
@@ -108,7 +81,7 @@ async fn the_state_dir_master_is_created_private_and_kept_across_restarts() {
         master
     };
     // The first process is gone (killed on drop); a restart reuses it.
-    let co = spawn_coordinator(&args(&state, &[]), &d.path().join("second.log"));
+    let co = spawn_coordinator(&coordinator_args(&state, &[]), &d.path().join("second.log"));
     let (job, a) = assignment(&co.grpc, "second").await;
     assert_eq!(std::fs::read(&key_file).unwrap(), first);
     assert_eq!(a.secret, derive_ring_key(&first, &job, 1).to_vec());
@@ -126,7 +99,7 @@ fn a_short_or_missing_secret_file_stops_the_coordinator_naming_it() {
     ] {
         let log = d.path().join("refused.log");
         let mut child = Command::new(coordinator_bin())
-            .args(args(
+            .args(coordinator_args(
                 &d.path().join("state"),
                 &["--ring-secret-file", &file.display().to_string()],
             ))

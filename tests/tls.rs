@@ -590,3 +590,131 @@ async fn a_worker_certificate_is_no_credential_for_job_service() {
     let done = admin.cancel_job(cancel()).await.unwrap().into_inner();
     assert_eq!(done.state(), v1::JobState::Cancelled);
 }
+
+/// Runs `cmd` with stderr to `log` and waits at most 30 s: its exit status
+/// (None: still running, then killed) and what it logged.
+fn bounded(mut cmd: Command, log: &Path) -> (Option<std::process::ExitStatus>, String) {
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    let limit = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if std::time::Instant::now() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(log).unwrap())
+}
+
+/// Secure by default: each binary that talks over the network refuses to
+/// start without its TLS, tokens and TLS to etcd unless `--insecure` says
+/// so, naming what is missing and the flags; `--insecure` with nothing to
+/// waive is refused too; with `--insecure` plaintext works and warns.
+#[tokio::test]
+async fn plaintext_needs_insecure_on_every_binary() {
+    let d = TempDir::new().unwrap();
+    let creds = common::creds();
+    let state = d.path().join("state");
+    let base = |extra: &[String]| {
+        let mut c = Command::new(common::coordinator_bin());
+        c.args([
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--state-dir",
+        ])
+        .arg(&state)
+        .args(extra);
+        c
+    };
+    let refused = |cmd: Command, name: &str, wants: &[&str]| {
+        let (status, err) = bounded(cmd, &d.path().join(format!("{name}.log")));
+        assert!(
+            status.is_some_and(|s| !s.success()),
+            "{name} started: {err}"
+        );
+        for w in wants {
+            assert!(err.contains(w), "{name}: no {w:?} in\n{err}");
+        }
+    };
+    refused(
+        base(&[]),
+        "coordinator-bare",
+        &[
+            "lacks TLS, tokens:",
+            "--tls-cert",
+            "--tokens FILE",
+            "--insecure",
+        ],
+    );
+    let mut etcd_plain = creds.coordinator_args();
+    etcd_plain.extend(["--etcd".into(), "http://127.0.0.1:1".into()]);
+    refused(
+        base(&etcd_plain),
+        "coordinator-etcd",
+        &["lacks TLS to etcd:", "--etcd-ca"],
+    );
+    let mut all = creds.coordinator_args();
+    all.push("--insecure".into());
+    refused(
+        base(&all),
+        "coordinator-all",
+        &["--insecure waives nothing"],
+    );
+    let mut w = Command::new(common::worker_bin());
+    w.args(["daemon", "--coordinator", "127.0.0.1:1", "--id", "w"]);
+    refused(
+        w,
+        "worker",
+        &[
+            "lacks mutual TLS to the coordinator:",
+            "--cert",
+            "--insecure",
+        ],
+    );
+    let mut cli = Command::new(env!("CARGO_BIN_EXE_accrue"));
+    cli.env_remove("ACCRUE_CA")
+        .args(["--coordinator", "127.0.0.1:1", "list"]);
+    refused(
+        cli,
+        "cli",
+        &["no cluster CA given", "ACCRUE_CA", "--insecure"],
+    );
+    assert!(!state.exists(), "a refused coordinator created nothing");
+
+    // --insecure: it serves plaintext, says what is open, and the CLI
+    // reaches it only with --insecure too.
+    let log = d.path().join("insecure.log");
+    let co = common::spawn_coordinator(
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--insecure",
+        ]
+        .map(String::from),
+        &log,
+    );
+    let warned = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        warned.contains("--insecure: plaintext gRPC and HTTP")
+            && warned.contains("--insecure: no authentication"),
+        "{warned}"
+    );
+    let o = accrue(&["--coordinator", &co.grpc, "--insecure", "list"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = accrue(&["--coordinator", &co.grpc, "list"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}

@@ -19,7 +19,8 @@ use crate::store::{supersedes, JobStore, StoreError, Write, WriteProgress, Write
 use accrue_proto::layout::etcd::{job_key, jobs_prefix, leader_key, workers_prefix};
 use accrue_proto::v1::Job;
 use etcd_client::{
-    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    WatchOptions,
 };
 use prost::Message;
 use std::collections::BTreeMap;
@@ -34,6 +35,31 @@ pub struct EtcdConfig {
     pub cluster: String,
     /// Leader lease TTL, seconds.
     pub lease_ttl_s: i64,
+    /// TLS to etcd with this client certificate (None: plaintext etcd,
+    /// only with `--insecure`).
+    pub tls: Option<accrue_proto::tls::ClientTls>,
+}
+
+impl EtcdConfig {
+    /// Whether etcd is reached over TLS with a client certificate.
+    pub fn tls_configured(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// The connect options: TLS with the client certificate when given
+    /// (its files were checked at start; read again on every connection).
+    fn options(&self) -> Result<Option<ConnectOptions>, etcd_client::Error> {
+        match &self.tls {
+            Some(t) => {
+                accrue_proto::tls::install_crypto_provider();
+                let tls = t
+                    .config()
+                    .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
+                Ok(Some(ConnectOptions::new().with_tls(tls)))
+            }
+            None => Ok(None),
+        }
+    }
 }
 
 fn backend(endpoints: &[String], reason: impl std::fmt::Display) -> StoreError {
@@ -294,7 +320,7 @@ pub async fn lead(
     let mut backoff = Duration::from_millis(100);
     loop {
         let attempt = async {
-            let mut client = Client::connect(&etcd.endpoints, None).await?;
+            let mut client = Client::connect(&etcd.endpoints, etcd.options()?).await?;
             let lease = client.lease_grant(etcd.lease_ttl_s, None).await?.id();
             let txn = Txn::new()
                 .when([Compare::create_revision(

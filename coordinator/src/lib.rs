@@ -72,11 +72,14 @@ pub enum StartError {
     TlsSetup(String),
     #[error(transparent)]
     RingKey(#[from] ringkey::RingKeyError),
+    #[error(transparent)]
+    Security(#[from] accrue_proto::secure::SecurityError),
 }
 
 /// Binds both listeners (port 0 allowed), opens the store under
 /// `cfg.state_dir` and serves until stopped.
 pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartError> {
+    cfg.check_security(None)?;
     let cfg = cfg.with_checked_roots()?;
     let master = ringkey::RingMaster::resolve(cfg.ring_secret_file.as_deref(), &cfg.state_dir)?;
     let store = store::RedbStore::open(&cfg.state_dir)?;
@@ -94,6 +97,10 @@ pub async fn start_etcd(
     etcd: etcd::EtcdConfig,
     advertise: Option<String>,
 ) -> Result<Handle, StartError> {
+    cfg.check_security(Some(etcd.tls_configured()))?;
+    if let Some(t) = &etcd.tls {
+        t.config()?; // the etcd TLS files are readable, or no start
+    }
     let cfg = cfg.with_checked_roots()?;
     // Replicas need not share a master: a generation's key is derived and
     // sent by the one leader that forms it (docs/SECURITY.md, Data plane).

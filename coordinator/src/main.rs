@@ -29,6 +29,16 @@ struct Args {
     /// Cluster name: keys live under /accrue/<cluster>/.
     #[arg(long, default_value = "default")]
     cluster: String,
+    /// The CA (PEM) that signed etcd's server certificate: reach etcd over
+    /// TLS (with --etcd-cert and --etcd-key).
+    #[arg(long)]
+    etcd_ca: Option<PathBuf>,
+    /// The client certificate (PEM) this coordinator shows etcd.
+    #[arg(long)]
+    etcd_cert: Option<PathBuf>,
+    /// The private key of --etcd-cert (PEM).
+    #[arg(long)]
+    etcd_key: Option<PathBuf>,
     /// gRPC address other processes reach this replica at (etcd mode;
     /// default: the address it listens on).
     #[arg(long)]
@@ -73,8 +83,10 @@ struct Args {
     /// WorkerService then takes only workers whose certificate names them.
     #[arg(long)]
     client_ca: Option<PathBuf>,
-    /// Serve plaintext (no TLS): anyone who can reach the ports can attach
-    /// as a worker and read every job's spec and ring key.
+    /// Run without what is not configured (TLS, --tokens, TLS to etcd),
+    /// with a warning for each. Without it the coordinator refuses to start
+    /// unless all of them are given: plaintext lets anyone who can reach
+    /// the ports attach as a worker and read every job's spec and ring key.
     #[arg(long)]
     insecure: bool,
     /// The ring master secret (32 or more random bytes, used as they are):
@@ -96,21 +108,11 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = Args::parse();
-    let tls = match accrue_coordinator::tls::server_transport(
-        a.tls_cert,
-        a.tls_key,
-        a.client_ca,
-        a.insecure,
-    )? {
-        accrue_proto::tls::Transport::Tls(t) => Some(t),
-        accrue_proto::tls::Transport::Plaintext { explicit } => {
-            tracing::warn!(
-                explicit,
-                "serving plaintext gRPC and HTTP: anyone who can reach these ports can attach as a worker (give --tls-cert, --tls-key and --client-ca)"
-            );
-            None
-        }
-    };
+    let tls = accrue_coordinator::tls::server_transport(a.tls_cert, a.tls_key, a.client_ca)?;
+    let etcd_tls = accrue_proto::tls::etcd_tls(&a.etcd, a.etcd_ca, a.etcd_cert, a.etcd_key)?;
+    if a.etcd.is_empty() && etcd_tls.is_some() {
+        anyhow::bail!("--etcd-ca, --etcd-cert and --etcd-key need --etcd ENDPOINTS");
+    }
     let cfg = accrue_coordinator::Config {
         state_dir: a.state_dir,
         heartbeat_ttl: Duration::try_from_secs_f64(a.heartbeat_ttl)
@@ -128,6 +130,7 @@ async fn main() -> anyhow::Result<()> {
         },
         tls,
         ring_secret_file: a.ring_secret_file,
+        insecure: a.insecure,
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?
@@ -136,6 +139,7 @@ async fn main() -> anyhow::Result<()> {
             endpoints: a.etcd,
             cluster: a.cluster,
             lease_ttl_s: a.lease_ttl.max(1),
+            tls: etcd_tls,
         };
         accrue_coordinator::start_etcd(cfg, &a.listen, &a.http, etcd, a.advertise).await?
     };

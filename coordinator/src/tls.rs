@@ -34,42 +34,33 @@ pub struct ServerTls {
     pub client_ca: PathBuf,
 }
 
-/// The coordinator's transport from its flags: all three TLS files, or
-/// none; `--insecure` contradicts them.
+/// The coordinator's TLS files from its flags: all three, or none (then
+/// the coordinator needs `--insecure`, see `accrue_proto::secure`).
 pub fn server_transport(
     cert: Option<PathBuf>,
     key: Option<PathBuf>,
     client_ca: Option<PathBuf>,
-    insecure: bool,
-) -> Result<accrue_proto::tls::Transport<ServerTls>, TlsError> {
-    use accrue_proto::tls::Transport;
+) -> Result<Option<ServerTls>, TlsError> {
     let flags = [
         ("--tls-cert", cert.is_some()),
         ("--tls-key", key.is_some()),
         ("--client-ca", client_ca.is_some()),
     ];
-    let named = |want: bool| {
-        flags
-            .iter()
-            .filter(|(_, g)| *g == want)
-            .map(|(n, _)| *n)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let given = named(true);
     match (cert, key, client_ca) {
-        (None, None, None) => Ok(Transport::Plaintext { explicit: insecure }),
-        _ if insecure => Err(TlsError::Flags(format!(
-            "--insecure (plaintext) contradicts {given}: give either the TLS files or --insecure"
-        ))),
-        (Some(cert), Some(key), Some(client_ca)) => Ok(Transport::Tls(ServerTls {
+        (None, None, None) => Ok(None),
+        (Some(cert), Some(key), Some(client_ca)) => Ok(Some(ServerTls {
             cert,
             key,
             client_ca,
         })),
         _ => Err(TlsError::Flags(format!(
             "TLS needs --tls-cert, --tls-key and --client-ca together (the coordinator's certificate and key, and the CA worker certificates chain to); missing: {}",
-            named(false)
+            flags
+                .iter()
+                .filter(|(_, g)| !*g)
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ")
         ))),
     }
 }
@@ -256,7 +247,6 @@ impl axum::serve::Listener for TlsListener {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use accrue_proto::tls::Transport;
     use rcgen::{CertificateParams, KeyPair, SanType};
 
     fn cert_with(sans: Vec<SanType>) -> CertificateDer<'static> {
@@ -326,29 +316,22 @@ mod tests {
     #[test]
     fn the_flags_choose_the_servers_transport() {
         let p = |s: &str| Some(PathBuf::from(s));
+        assert_eq!(server_transport(None, None, None).unwrap(), None);
         assert_eq!(
-            server_transport(None, None, None, false).unwrap(),
-            Transport::Plaintext { explicit: false }
-        );
-        assert_eq!(
-            server_transport(None, None, None, true).unwrap(),
-            Transport::Plaintext { explicit: true }
-        );
-        assert_eq!(
-            server_transport(p("c.pem"), p("c.key"), p("ca.pem"), false).unwrap(),
-            Transport::Tls(ServerTls {
+            server_transport(p("c.pem"), p("c.key"), p("ca.pem")).unwrap(),
+            Some(ServerTls {
                 cert: "c.pem".into(),
                 key: "c.key".into(),
                 client_ca: "ca.pem".into()
             })
         );
-        let e = server_transport(p("c.pem"), p("c.key"), None, false)
+        let e = server_transport(p("c.pem"), p("c.key"), None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("missing: --client-ca"), "{e}");
-        let e = server_transport(p("c.pem"), None, None, true)
+        let e = server_transport(None, None, p("ca.pem"))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("--insecure") && e.contains("--tls-cert"), "{e}");
+        assert!(e.contains("missing: --tls-cert, --tls-key"), "{e}");
     }
 }

@@ -8,6 +8,7 @@ pub mod v1 {
 
 mod convert;
 pub mod layout;
+pub mod secure;
 pub mod tls;
 
 pub use convert::{spec_from_proto, spec_to_proto};

@@ -56,52 +56,44 @@ pub struct KeyPairFiles {
     pub key: PathBuf,
 }
 
-/// TLS with its settings, or plaintext; `explicit` says whether plaintext
-/// was asked for with `--insecure` (rather than by giving no TLS flag).
+/// TLS with its settings, or plaintext (asked for with `--insecure`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Transport<T> {
     Tls(T),
-    Plaintext { explicit: bool },
+    Plaintext,
 }
 
-/// Decides a client's transport from its flags: `--ca`, and for a worker
-/// (`identity_required`) `--cert` and `--key`, which go together;
-/// `--insecure` contradicts all of them.
-pub fn client_transport(
+/// A client's TLS files from its flags (`names`: the CA, certificate and
+/// key flags, e.g. `--ca`, `--cert`, `--key`): the CA alone or with a
+/// certificate and key (`identity_required`: all three), or none of them
+/// (None: whether plaintext is allowed is [`crate::secure`]'s decision).
+pub fn client_files(
+    names: [&'static str; 3],
     ca: Option<PathBuf>,
     cert: Option<PathBuf>,
     key: Option<PathBuf>,
     identity_required: bool,
-    insecure: bool,
-) -> Result<Transport<ClientTls>, TlsError> {
+) -> Result<Option<ClientTls>, TlsError> {
+    let [ca_flag, cert_flag, key_flag] = names;
     let given: Vec<&str> = [
-        ("--ca", ca.is_some()),
-        ("--cert", cert.is_some()),
-        ("--key", key.is_some()),
+        (ca_flag, ca.is_some()),
+        (cert_flag, cert.is_some()),
+        (key_flag, key.is_some()),
     ]
     .into_iter()
     .filter_map(|(n, g)| g.then_some(n))
     .collect();
-    if insecure {
-        if !given.is_empty() {
-            return Err(TlsError::Flags(format!(
-                "--insecure (plaintext) contradicts {}: give either the TLS files or --insecure",
-                given.join(", ")
-            )));
-        }
-        return Ok(Transport::Plaintext { explicit: true });
-    }
     if given.is_empty() {
-        return Ok(Transport::Plaintext { explicit: false });
+        return Ok(None);
     }
     let identity = match (cert, key) {
         (Some(cert), Some(key)) => Some(KeyPairFiles { cert, key }),
         (None, None) if !identity_required => None,
         (c, k) => {
             let missing: Vec<&str> = [
-                ("--ca", ca.is_none()),
-                ("--cert", c.is_none()),
-                ("--key", k.is_none()),
+                (ca_flag, ca.is_none()),
+                (cert_flag, c.is_none()),
+                (key_flag, k.is_none()),
             ]
             .into_iter()
             .filter_map(|(n, m)| m.then_some(n))
@@ -115,11 +107,60 @@ pub fn client_transport(
     };
     let Some(ca) = ca else {
         return Err(TlsError::Flags(format!(
-            "TLS needs --ca FILE, the cluster CA that signed the coordinator's certificate (given: {})",
+            "TLS needs {ca_flag} FILE, the CA that signed the server's certificate (given: {})",
             given.join(", ")
         )));
     };
-    Ok(Transport::Tls(ClientTls { ca, identity }))
+    Ok(Some(ClientTls { ca, identity }))
+}
+
+/// The CLI's transport from `--ca` (or ACCRUE_CA) and `--insecure`: one of
+/// them, never both.
+pub fn cli_transport(
+    ca: Option<PathBuf>,
+    insecure: bool,
+) -> Result<Transport<ClientTls>, TlsError> {
+    match (client_files(["--ca", "--cert", "--key"], ca, None, None, false)?, insecure) {
+        (Some(t), false) => Ok(Transport::Tls(t)),
+        (None, true) => Ok(Transport::Plaintext),
+        (Some(_), true) => Err(TlsError::Flags(
+            "--insecure (plaintext) contradicts --ca (or ACCRUE_CA): give either the CA or --insecure".into(),
+        )),
+        (None, false) => Err(TlsError::Flags(
+            "no cluster CA given: the CLI talks to the coordinator over TLS, so give --ca FILE or set ACCRUE_CA (the CA that signed the coordinator's certificate; `accrue dev-certs` writes ca.pem), or pass --insecure for a plaintext coordinator".into(),
+        )),
+    }
+}
+
+/// etcd client TLS from `--etcd-ca`, `--etcd-cert` and `--etcd-key` (all
+/// three or none), checked against the endpoints' schemes: with TLS no
+/// `http://` endpoint, without it no `https://` one (bare `HOST:PORT`
+/// takes the scheme TLS implies).
+pub fn etcd_tls(
+    endpoints: &[String],
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> Result<Option<ClientTls>, TlsError> {
+    let tls = client_files(
+        ["--etcd-ca", "--etcd-cert", "--etcd-key"],
+        ca,
+        cert,
+        key,
+        true,
+    )?;
+    let (bad, why) = if tls.is_some() {
+        ("http://", "is plaintext but etcd TLS is configured (--etcd-ca): use https://HOST:PORT or HOST:PORT")
+    } else {
+        (
+            "https://",
+            "needs etcd TLS: give --etcd-ca, --etcd-cert and --etcd-key",
+        )
+    };
+    if let Some(e) = endpoints.iter().find(|e| e.starts_with(bad)) {
+        return Err(TlsError::Flags(format!("etcd endpoint {e} {why}")));
+    }
+    Ok(tls)
 }
 
 /// The coordinator address with its scheme: `https://` with TLS, `http://`
@@ -244,26 +285,22 @@ mod tests {
         Some(PathBuf::from(s))
     }
 
+    const NAMES: [&str; 3] = ["--ca", "--cert", "--key"];
+
     #[test]
     fn the_flags_choose_the_transport() {
+        assert_eq!(client_files(NAMES, None, None, None, true).unwrap(), None);
+        assert_eq!(cli_transport(None, true).unwrap(), Transport::Plaintext);
         assert_eq!(
-            client_transport(None, None, None, true, false).unwrap(),
-            Transport::Plaintext { explicit: false }
-        );
-        assert_eq!(
-            client_transport(None, None, None, false, true).unwrap(),
-            Transport::Plaintext { explicit: true }
-        );
-        assert_eq!(
-            client_transport(p("ca.pem"), None, None, false, false).unwrap(),
+            cli_transport(p("ca.pem"), false).unwrap(),
             Transport::Tls(ClientTls {
                 ca: "ca.pem".into(),
                 identity: None
             })
         );
         assert_eq!(
-            client_transport(p("ca.pem"), p("w.pem"), p("w.key"), true, false).unwrap(),
-            Transport::Tls(ClientTls {
+            client_files(NAMES, p("ca.pem"), p("w.pem"), p("w.key"), true).unwrap(),
+            Some(ClientTls {
                 ca: "ca.pem".into(),
                 identity: Some(KeyPairFiles {
                     cert: "w.pem".into(),
@@ -273,24 +310,63 @@ mod tests {
         );
     }
 
+    /// Secure by default: the CLI without a CA and without --insecure is an
+    /// error that names both ways out; both is a contradiction.
     #[test]
-    fn contradicting_or_partial_flags_are_refused_by_name() {
-        let e = client_transport(p("ca.pem"), None, None, false, true)
-            .unwrap_err()
-            .to_string();
+    fn the_cli_needs_a_ca_or_insecure() {
+        let e = cli_transport(None, false).unwrap_err().to_string();
+        for want in ["--ca", "ACCRUE_CA", "--insecure"] {
+            assert!(e.contains(want), "{want} missing from {e}");
+        }
+        let e = cli_transport(p("ca.pem"), true).unwrap_err().to_string();
         assert!(e.contains("--insecure") && e.contains("--ca"), "{e}");
-        let e = client_transport(p("ca.pem"), None, None, true, false)
+    }
+
+    #[test]
+    fn partial_flags_are_refused_by_name() {
+        let e = client_files(NAMES, p("ca.pem"), None, None, true)
             .unwrap_err()
             .to_string();
         assert!(e.contains("--cert and --key"), "{e}");
-        let e = client_transport(p("ca.pem"), p("w.pem"), None, false, false)
+        let e = client_files(NAMES, p("ca.pem"), p("w.pem"), None, false)
             .unwrap_err()
             .to_string();
         assert!(e.contains("needs --key"), "{e}");
-        let e = client_transport(None, p("w.pem"), p("w.key"), true, false)
+        let e = client_files(NAMES, None, p("w.pem"), p("w.key"), true)
             .unwrap_err()
             .to_string();
         assert!(e.contains("--ca"), "{e}");
+    }
+
+    #[test]
+    fn etcd_tls_agrees_with_the_endpoints() {
+        let eps = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let t = etcd_tls(&eps(&["https://a:2379", "b:2379"]), p("ca"), p("c"), p("k"))
+            .unwrap()
+            .unwrap();
+        assert!(t.identity.is_some());
+        assert_eq!(
+            etcd_tls(&eps(&["http://a:2379"]), None, None, None).unwrap(),
+            None
+        );
+        let e = etcd_tls(&eps(&["b:2379", "http://a:2379"]), p("ca"), p("c"), p("k"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("http://a:2379") && e.contains("plaintext"),
+            "{e}"
+        );
+        let e = etcd_tls(&eps(&["https://a:2379"]), None, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("https://a:2379") && e.contains("--etcd-ca"),
+            "{e}"
+        );
+        let e = etcd_tls(&eps(&["a:2379"]), p("ca"), None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--etcd-cert and --etcd-key"), "{e}");
     }
 
     #[test]

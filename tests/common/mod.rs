@@ -1,13 +1,17 @@
 //! Helpers for process-level tests: an in-process coordinator on port 0,
 //! worker daemons as real processes (logs to files, killed on drop), and
-//! waits that poll a condition.
+//! waits that poll a condition. Everything runs secure, as by default:
+//! TLS, mutual TLS for workers and tokens from [`creds`].
 #![allow(dead_code)]
 
-use accrue_proto::v1::{self, job_service_client::JobServiceClient, Job, JobState};
+mod creds;
+pub use creds::creds;
+
+use accrue::Client;
+use accrue_proto::v1::{self, Job, JobState};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
-use tonic::transport::Channel;
 
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -43,13 +47,14 @@ pub fn start_workers(grpc: &str, n: usize, dir: &Path, prefix: &str) -> Workers 
     )
 }
 
-/// One worker daemon `id` attached to `grpc` (heartbeat 0.2 s, `extra`
-/// flags after the others), logging into `dir/<id>.log`.
+/// One worker daemon `id` attached to `grpc` over mutual TLS (heartbeat
+/// 0.2 s, `extra` flags after the others), logging into `dir/<id>.log`.
 pub fn spawn_worker(grpc: &str, id: &str, dir: &Path, extra: &[&str]) -> Child {
     let log = std::fs::File::create(dir.join(format!("{id}.log"))).unwrap();
     Command::new(worker_bin())
-        .args(["daemon", "--coordinator", &format!("http://{grpc}")])
+        .args(["daemon", "--coordinator", grpc])
         .args(["--id", id, "--heartbeat", "0.2"])
+        .args(creds().worker_args(id))
         .args(extra)
         .env("RUST_LOG", "info")
         .stdout(log.try_clone().unwrap())
@@ -58,8 +63,29 @@ pub fn spawn_worker(grpc: &str, id: &str, dir: &Path, extra: &[&str]) -> Child {
         .unwrap()
 }
 
-pub async fn client(grpc: &str) -> JobServiceClient<Channel> {
-    accrue::connect(&format!("http://{grpc}")).await.unwrap()
+/// A JobService client over TLS with the token of `scope`.
+pub async fn client_as(grpc: &str, scope: &str) -> Client {
+    let token = accrue::BearerToken::new(&creds().token(scope)).unwrap();
+    accrue::connect_client(
+        &format!("https://{grpc}"),
+        Some(&creds().client_tls()),
+        &token,
+    )
+    .await
+    .unwrap()
+}
+
+/// A JobService client over TLS with the admin token.
+pub async fn client(grpc: &str) -> Client {
+    client_as(grpc, "admin").await
+}
+
+/// The `accrue` CLI with the test credentials in its environment (the CA
+/// and the token of `scope`).
+pub fn cli(scope: &str) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_accrue"));
+    c.env_remove("ACCRUE_TOKEN").envs(creds().cli_env(scope));
+    c
 }
 
 /// Polls until `cond` holds or `limit` passes.
@@ -74,12 +100,7 @@ pub async fn wait_until<F: FnMut() -> bool>(limit: Duration, mut cond: F) -> boo
     cond()
 }
 
-pub async fn wait_state(
-    c: &mut JobServiceClient<Channel>,
-    id: &str,
-    want: &[JobState],
-    limit: Duration,
-) -> Job {
+pub async fn wait_state(c: &mut Client, id: &str, want: &[JobState], limit: Duration) -> Job {
     let deadline = Instant::now() + limit;
     loop {
         let j = c
@@ -157,6 +178,26 @@ impl Drop for CoordinatorProc {
     }
 }
 
+/// `accrue-coordinator` flags for a test: both ports on 127.0.0.1:0, state
+/// under `state`, heartbeat TTL 3 s, the test credentials (TLS, mutual
+/// TLS, tokens), then `extra`.
+pub fn coordinator_args(state: &Path, extra: &[&str]) -> Vec<String> {
+    coordinator_args_on("127.0.0.1:0", state, extra)
+}
+
+/// [`coordinator_args`] with gRPC on `listen`.
+pub fn coordinator_args_on(listen: &str, state: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = ["--listen", listen, "--http", "127.0.0.1:0"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    a.extend(["--state-dir".into(), state.display().to_string()]);
+    a.extend(["--heartbeat-ttl".into(), "3".into()]);
+    a.extend(creds().coordinator_args());
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
 /// Starts `accrue-coordinator` with `args`, logging to `log`; returns once
 /// it printed its addresses.
 pub fn spawn_coordinator(args: &[String], log: &Path) -> CoordinatorProc {
@@ -195,11 +236,13 @@ pub fn spawn_coordinator(args: &[String], log: &Path) -> CoordinatorProc {
 }
 
 /// An in-process embedded coordinator on port 0 (state under `dir/state`,
-/// heartbeat TTL 3 s).
+/// heartbeat TTL 3 s, TLS, mutual TLS and tokens from [`creds`]).
 pub async fn coordinator(dir: &Path) -> accrue_coordinator::Handle {
     let cfg = accrue_coordinator::Config {
         state_dir: dir.join("state"),
         heartbeat_ttl: Duration::from_secs(3),
+        tls: Some(creds().server_tls()),
+        tokens: Some(creds().tokens_file()),
         ..Default::default()
     };
     accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0")
@@ -211,4 +254,47 @@ pub async fn coordinator(dir: &Path) -> accrue_coordinator::Handle {
 pub fn spec(text: &str) -> v1::JobSpec {
     let s = accrue_common::JobSpec::from_toml_str(text, Path::new("t.toml")).unwrap();
     accrue_proto::spec_to_proto(&s)
+}
+
+/// A WorkerService client over mutual TLS with worker `id`'s certificate.
+pub async fn worker_client(
+    grpc: &str,
+    id: &str,
+) -> v1::worker_service_client::WorkerServiceClient<tonic::transport::Channel> {
+    let (cert, key) = creds().worker_files(id);
+    let tls = accrue_proto::tls::ClientTls {
+        ca: creds().ca(),
+        identity: Some(accrue_proto::tls::KeyPairFiles { cert, key }),
+    };
+    let channel = accrue_proto::tls::endpoint(grpc, Some(&tls))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    v1::worker_service_client::WorkerServiceClient::new(channel)
+}
+
+/// A fake worker: attaches as `hello.worker_id` (with its certificate)
+/// and sends `hello`; returns the sender of its further messages and the
+/// coordinator's stream.
+pub async fn fake_worker(
+    grpc: &str,
+    hello: v1::WorkerHello,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<v1::WorkerMessage>,
+    tonic::Streaming<v1::CoordinatorMessage>,
+) {
+    let mut w = worker_client(grpc, &hello.worker_id).await;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(v1::WorkerMessage {
+        msg: Some(v1::worker_message::Msg::Hello(hello)),
+        ..Default::default()
+    })
+    .unwrap();
+    let inbound = w
+        .attach(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, inbound)
 }

@@ -44,8 +44,10 @@ struct DaemonArgs {
     /// The private key of --cert (PEM).
     #[arg(long)]
     key: Option<PathBuf>,
-    /// Talk to the coordinator in plaintext (no TLS): anyone on the path
-    /// can read job specs and ring keys. Contradicts --ca/--cert/--key.
+    /// Run without what is not configured (mutual TLS to the coordinator,
+    /// TLS to etcd), with a warning for each. Without it the daemon refuses
+    /// to start unless all of them are given: in plaintext anyone on the
+    /// network path can read job specs and ring keys.
     #[arg(long)]
     insecure: bool,
     /// This worker's id (default: worker-<host>-<pid>).
@@ -96,6 +98,16 @@ struct DaemonArgs {
     /// Cluster name (etcd keys live under /accrue/<cluster>/).
     #[arg(long, default_value = "default")]
     cluster: String,
+    /// The CA (PEM) that signed etcd's server certificate: reach etcd over
+    /// TLS (with --etcd-cert and --etcd-key).
+    #[arg(long)]
+    etcd_ca: Option<PathBuf>,
+    /// The client certificate (PEM) this worker shows etcd.
+    #[arg(long)]
+    etcd_cert: Option<PathBuf>,
+    /// The private key of --etcd-cert (PEM).
+    #[arg(long)]
+    etcd_key: Option<PathBuf>,
     /// Refuse jobs estimated to need more memory than this many GiB
     /// (default: the host's physical memory).
     #[arg(long)]
@@ -286,17 +298,20 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
-    use accrue_proto::tls::Transport;
-    let tls = match accrue_proto::tls::client_transport(d.ca, d.cert, d.key, true, d.insecure)? {
-        Transport::Tls(t) => Some(t),
-        Transport::Plaintext { explicit } => {
-            tracing::warn!(
-                explicit,
-                "talking to the coordinator in plaintext: anyone on the network path can read job specs and ring keys (give --ca, --cert and --key for mutual TLS)"
-            );
-            None
-        }
-    };
+    use accrue_proto::secure::{decide, Waiver};
+    let tls =
+        accrue_proto::tls::client_files(["--ca", "--cert", "--key"], d.ca, d.cert, d.key, true)?;
+    let etcd_tls = accrue_proto::tls::etcd_tls(&d.etcd, d.etcd_ca, d.etcd_cert, d.etcd_key)?;
+    if d.etcd.is_empty() && etcd_tls.is_some() {
+        anyhow::bail!("--etcd-ca, --etcd-cert and --etcd-key need --etcd ENDPOINTS");
+    }
+    let mut pieces = vec![(Waiver::WorkerTls, tls.is_some())];
+    if !d.etcd.is_empty() {
+        pieces.push((Waiver::EtcdTls, etcd_tls.is_some()));
+    }
+    for w in decide("the worker daemon", &pieces, d.insecure)? {
+        tracing::warn!(waived = ?w, "--insecure: {}; give {} to close it", w.risk(), w.flags());
+    }
     let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
     let cfg = accrue_worker::daemon::DaemonConfig {
         coordinator: d.coordinator,
@@ -318,6 +333,7 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
         cluster: d.cluster,
         max_job_memory: memory_limit(d.max_job_memory_gib)?,
         tls,
+        etcd_tls,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -63,9 +63,33 @@ pub struct Config {
     /// mode (created on first start), a random in-memory one per replica
     /// in etcd mode (see `crate::ringkey`).
     pub ring_secret_file: Option<PathBuf>,
+    /// Run without what is not configured (TLS, tokens, TLS to etcd);
+    /// without it, `start` refuses an incomplete set-up (see
+    /// `accrue_proto::secure`).
+    pub insecure: bool,
 }
 
 impl Config {
+    /// Checks the security set-up (`etcd_tls`: in etcd mode, whether etcd
+    /// is reached over TLS) and logs a warning per waiver in force.
+    pub fn check_security(
+        &self,
+        etcd_tls: Option<bool>,
+    ) -> Result<(), accrue_proto::secure::SecurityError> {
+        use accrue_proto::secure::{decide, Waiver};
+        let mut pieces = vec![
+            (Waiver::ServerTls, self.tls.is_some()),
+            (Waiver::Tokens, self.tokens.is_some()),
+        ];
+        if let Some(e) = etcd_tls {
+            pieces.push((Waiver::EtcdTls, e));
+        }
+        for w in decide("the coordinator", &pieces, self.insecure)? {
+            tracing::warn!(waived = ?w, "--insecure: {}; give {} to close it", w.risk(), w.flags());
+        }
+        Ok(())
+    }
+
     /// This config with its roots absolute and lexically normal, once the
     /// default checkpoint folder (`<state-dir>/checkpoints`) is known to
     /// lie under the checkpoint root: jobs whose spec names no folder
@@ -107,6 +131,7 @@ impl Default for Config {
             roots: Roots::default(),
             tls: None,
             ring_secret_file: None,
+            insecure: false,
         }
     }
 }

@@ -61,6 +61,8 @@ pub struct DaemonConfig {
     /// SAN must name `worker_id`); None: plaintext, as before issue 14.
     /// The files are read again on every (re)connection.
     pub tls: Option<accrue_proto::tls::ClientTls>,
+    /// TLS to etcd with a client certificate (None: plaintext etcd).
+    pub etcd_tls: Option<accrue_proto::tls::ClientTls>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -839,6 +841,22 @@ pub async fn run_until(
     }
 }
 
+/// An etcd client, over TLS with this worker's etcd certificate when one is
+/// configured.
+async fn etcd(cfg: &DaemonConfig) -> Result<etcd_client::Client, etcd_client::Error> {
+    let options = match &cfg.etcd_tls {
+        Some(t) => {
+            accrue_proto::tls::install_crypto_provider();
+            let tls = t
+                .config()
+                .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
+            Some(etcd_client::ConnectOptions::new().with_tls(tls))
+        }
+        None => None,
+    };
+    etcd_client::Client::connect(&cfg.etcd, options).await
+}
+
 /// Where the coordinator is: the leader etcd names, else `--coordinator`.
 async fn coordinator_url(cfg: &DaemonConfig) -> String {
     if cfg.etcd.is_empty() {
@@ -846,7 +864,7 @@ async fn coordinator_url(cfg: &DaemonConfig) -> String {
     }
     let key = accrue_proto::layout::etcd::leader_key(&cfg.cluster);
     let found = async {
-        let mut c = etcd_client::Client::connect(&cfg.etcd, None).await.ok()?;
+        let mut c = etcd(cfg).await.ok()?;
         let r = c.get(key, None).await.ok()?;
         let kv = r.kvs().first()?;
         // HOST:PORT: the scheme follows this daemon's TLS settings.
@@ -865,7 +883,7 @@ async fn register(cfg: DaemonConfig, info: String, ttl: i64) {
     let every = Duration::from_millis((ttl * 1000 / 3) as u64);
     loop {
         let round = async {
-            let mut c = etcd_client::Client::connect(&cfg.etcd, None).await?;
+            let mut c = etcd(&cfg).await?;
             let lease = c.lease_grant(ttl, None).await?.id();
             c.put(
                 key.clone(),

@@ -44,6 +44,7 @@ fn cfg() -> DaemonConfig {
         cluster: "c".into(),
         max_job_memory: 1 << 30,
         tls: None,
+        etcd_tls: None,
     }
 }
 
