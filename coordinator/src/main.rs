@@ -29,16 +29,8 @@ struct Args {
     /// Cluster name: keys live under /accrue/<cluster>/.
     #[arg(long, default_value = "default")]
     cluster: String,
-    /// The CA (PEM) that signed etcd's server certificate: reach etcd over
-    /// TLS (with --etcd-cert and --etcd-key).
-    #[arg(long)]
-    etcd_ca: Option<PathBuf>,
-    /// The client certificate (PEM) this coordinator shows etcd.
-    #[arg(long)]
-    etcd_cert: Option<PathBuf>,
-    /// The private key of --etcd-cert (PEM).
-    #[arg(long)]
-    etcd_key: Option<PathBuf>,
+    #[command(flatten)]
+    etcd_tls: accrue_proto::tls::EtcdTlsFlags,
     /// gRPC address other processes reach this replica at (etcd mode;
     /// default: the address it listens on).
     #[arg(long)]
@@ -109,10 +101,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let a = Args::parse();
     let tls = accrue_coordinator::tls::server_transport(a.tls_cert, a.tls_key, a.client_ca)?;
-    let etcd_tls = accrue_proto::tls::etcd_tls(&a.etcd, a.etcd_ca, a.etcd_cert, a.etcd_key)?;
-    if a.etcd.is_empty() && etcd_tls.is_some() {
-        anyhow::bail!("--etcd-ca, --etcd-cert and --etcd-key need --etcd ENDPOINTS");
-    }
+    let etcd_tls = a.etcd_tls.for_endpoints(&a.etcd)?;
     let cfg = accrue_coordinator::Config {
         state_dir: a.state_dir,
         heartbeat_ttl: Duration::try_from_secs_f64(a.heartbeat_ttl)

@@ -12,3 +12,56 @@ pub mod secure;
 pub mod tls;
 
 pub use convert::{spec_from_proto, spec_to_proto};
+
+/// A gRPC status as one line: its message, then each underlying error's
+/// text that the line does not hold yet (transport errors repeat their
+/// source's text, and a bare "transport error" says nothing about a
+/// refused certificate).
+pub fn status_chain(s: &tonic::Status) -> String {
+    let mut out = s.message().to_string();
+    let mut next = std::error::Error::source(s);
+    while let Some(e) = next {
+        let t = e.to_string();
+        if !out.contains(&t) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&t);
+        }
+        next = e.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod chain_tests {
+    #[derive(Debug)]
+    struct E(&'static str, Option<Box<E>>);
+    impl std::fmt::Display for E {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl std::error::Error for E {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    #[test]
+    fn the_chain_names_the_cause_once() {
+        let cause = E(
+            "invalid peer certificate: UnknownIssuer",
+            Some(Box::new(E("UnknownIssuer", None))),
+        );
+        let s = tonic::Status::from_error(Box::new(E("transport error", Some(Box::new(cause)))));
+        let line = super::status_chain(&s);
+        assert!(
+            line.ends_with("invalid peer certificate: UnknownIssuer"),
+            "{line}"
+        );
+        assert_eq!(line.matches("UnknownIssuer").count(), 1, "{line}");
+        let plain = tonic::Status::unavailable("not the leader");
+        assert_eq!(super::status_chain(&plain), "not the leader");
+    }
+}

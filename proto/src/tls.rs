@@ -132,6 +132,35 @@ pub fn cli_transport(
     }
 }
 
+/// The etcd TLS flags of the coordinator and the worker daemon.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct EtcdTlsFlags {
+    /// The CA (PEM) that signed etcd's server certificate: reach etcd over
+    /// TLS (with --etcd-cert and --etcd-key).
+    #[arg(long)]
+    pub etcd_ca: Option<PathBuf>,
+    /// The client certificate (PEM) shown to etcd.
+    #[arg(long)]
+    pub etcd_cert: Option<PathBuf>,
+    /// The private key of --etcd-cert (PEM).
+    #[arg(long)]
+    pub etcd_key: Option<PathBuf>,
+}
+
+impl EtcdTlsFlags {
+    /// The client TLS these flags give for `endpoints` (see [`etcd_tls`]);
+    /// the flags without endpoints are refused.
+    pub fn for_endpoints(self, endpoints: &[String]) -> Result<Option<ClientTls>, TlsError> {
+        let tls = etcd_tls(endpoints, self.etcd_ca, self.etcd_cert, self.etcd_key)?;
+        if endpoints.is_empty() && tls.is_some() {
+            return Err(TlsError::Flags(
+                "--etcd-ca, --etcd-cert and --etcd-key need --etcd ENDPOINTS".into(),
+            ));
+        }
+        Ok(tls)
+    }
+}
+
 /// etcd client TLS from `--etcd-ca`, `--etcd-cert` and `--etcd-key` (all
 /// three or none), checked against the endpoints' schemes: with TLS no
 /// `http://` endpoint, without it no `https://` one (bare `HOST:PORT`
@@ -367,6 +396,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--etcd-cert and --etcd-key"), "{e}");
+        let flags = EtcdTlsFlags {
+            etcd_ca: p("ca"),
+            etcd_cert: p("c"),
+            etcd_key: p("k"),
+        };
+        let e = flags.clone().for_endpoints(&[]).unwrap_err().to_string();
+        assert!(e.contains("need --etcd ENDPOINTS"), "{e}");
+        assert!(flags.for_endpoints(&eps(&["a:2379"])).unwrap().is_some());
+        assert_eq!(EtcdTlsFlags::default().for_endpoints(&[]).unwrap(), None);
     }
 
     #[test]

@@ -98,16 +98,8 @@ struct DaemonArgs {
     /// Cluster name (etcd keys live under /accrue/<cluster>/).
     #[arg(long, default_value = "default")]
     cluster: String,
-    /// The CA (PEM) that signed etcd's server certificate: reach etcd over
-    /// TLS (with --etcd-cert and --etcd-key).
-    #[arg(long)]
-    etcd_ca: Option<PathBuf>,
-    /// The client certificate (PEM) this worker shows etcd.
-    #[arg(long)]
-    etcd_cert: Option<PathBuf>,
-    /// The private key of --etcd-cert (PEM).
-    #[arg(long)]
-    etcd_key: Option<PathBuf>,
+    #[command(flatten)]
+    etcd_tls: accrue_proto::tls::EtcdTlsFlags,
     /// Refuse jobs estimated to need more memory than this many GiB
     /// (default: the host's physical memory).
     #[arg(long)]
@@ -301,10 +293,7 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
     use accrue_proto::secure::{decide, Waiver};
     let tls =
         accrue_proto::tls::client_files(["--ca", "--cert", "--key"], d.ca, d.cert, d.key, true)?;
-    let etcd_tls = accrue_proto::tls::etcd_tls(&d.etcd, d.etcd_ca, d.etcd_cert, d.etcd_key)?;
-    if d.etcd.is_empty() && etcd_tls.is_some() {
-        anyhow::bail!("--etcd-ca, --etcd-cert and --etcd-key need --etcd ENDPOINTS");
-    }
+    let etcd_tls = d.etcd_tls.for_endpoints(&d.etcd)?;
     let mut pieces = vec![(Waiver::WorkerTls, tls.is_some())];
     if !d.etcd.is_empty() {
         pieces.push((Waiver::EtcdTls, etcd_tls.is_some()));

@@ -714,7 +714,7 @@ pub async fn run_until(
         {
             Ok(r) => r.into_inner(),
             Err(e) => {
-                tracing::warn!(error = %e.message(), "attach refused; retrying");
+                tracing::warn!(error = %accrue_proto::status_chain(&e), "attach refused; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = &mut shutdown => return Ok(()),
