@@ -1,10 +1,14 @@
-//! The worker daemon's probe endpoint (`--health-listen`, plain HTTP, for
-//! the kubelet): /healthz 200 while the daemon runs; /readyz 200 only while
-//! attached to a coordinator, 503 naming why otherwise, and 200 again once
-//! a coordinator is back on the address.
+//! What the kubelet sees of a worker daemon (deploy/base/worker.yaml):
+//! - the probe endpoint (`--health-listen`, plain HTTP): /healthz 200 while
+//!   the daemon runs; /readyz 200 only while attached to a coordinator, 503
+//!   naming why otherwise, and 200 again once a coordinator is back;
+//! - SIGTERM (a pod deleted): the daemon detaches and waits, up to
+//!   `--stop-timeout`, for its job's thread, so the checkpoint the stopping
+//!   rank writes is complete before the process exits.
 
 mod common;
 
+use accrue_proto::v1::{self, JobState};
 use common::*;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -124,4 +128,83 @@ fn without_the_flag_nothing_listens_and_a_busy_port_stops_the_daemon() {
         err.contains(&format!("--health-listen {addr}: cannot listen")),
         "{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_detaches_and_waits_for_the_job_thread_to_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let coord = coordinator(dir.path()).await;
+    let grpc = coord.grpc_addr.to_string();
+    // Slow micro-steps: the job is mid-window when SIGTERM comes.
+    let mut w = Workers(vec![spawn_worker(
+        &grpc,
+        "term-0",
+        dir.path(),
+        &["--micro-step-delay-ms", "150", "--stop-timeout", "20"],
+    )]);
+    let mut c = client(&grpc).await;
+    let ckpt = dir.path().join("ckpt");
+    let job = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml(
+                "term",
+                1,
+                10_000,
+                &format!("[checkpoint]\ndir = {:?}\nevery_steps = 100000\n", ckpt),
+            ))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Running, with a few steps done (none checkpointed: every 100000).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let j = wait_state(
+            &mut c,
+            &job.id,
+            &[JobState::Running],
+            Duration::from_secs(60),
+        )
+        .await;
+        if j.counters.is_some_and(|n| n.step >= 3) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no progress: {j:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !ckpt.join("LATEST").exists(),
+        "no checkpoint before the signal"
+    );
+    let child = &mut w.0[0];
+    let t0 = std::time::Instant::now();
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) },
+        0
+    );
+    let mut status = None;
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            status = child.try_wait().unwrap();
+            status.is_some()
+        })
+        .await,
+        "the daemon did not exit after SIGTERM"
+    );
+    let took = t0.elapsed();
+    assert!(status.unwrap().success(), "{status:?}");
+    let log = std::fs::read_to_string(dir.path().join("term-0.log")).unwrap();
+    assert!(log.contains("detaching from the coordinator"), "{log}");
+    assert!(
+        log.contains("the job's thread ended"),
+        "the daemon waited for its job's thread: {log}"
+    );
+    // The stopping rank finished its window and wrote its checkpoint before
+    // the process exited.
+    assert!(
+        ckpt.join("LATEST").exists(),
+        "a checkpoint at the stop: {log}"
+    );
+    eprintln!("SIGTERM to exit: {took:?}");
+    coord.stop().await;
 }

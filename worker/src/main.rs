@@ -111,6 +111,12 @@ struct DaemonArgs {
     /// Default: no probe endpoint.
     #[arg(long, value_name = "ADDR")]
     health_listen: Option<String>,
+    /// On SIGTERM or Ctrl-C the daemon detaches, then waits up to this
+    /// many seconds for its job's thread to end, so a checkpoint being
+    /// written is finished (give Kubernetes' terminationGracePeriodSeconds
+    /// more than this).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    stop_timeout: f64,
 }
 
 #[derive(clap::Args)]
@@ -330,6 +336,8 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
         max_job_memory: memory_limit(d.max_job_memory_gib)?,
         tls,
         etcd_tls,
+        stop_timeout: Duration::try_from_secs_f64(d.stop_timeout)
+            .map_err(|e| anyhow::anyhow!("--stop-timeout {}: {e}", d.stop_timeout))?,
     };
     // Bound before anything else, so a busy port stops the daemon at once
     // and port 0 is known (printed) before the first attach.

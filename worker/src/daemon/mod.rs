@@ -73,6 +73,9 @@ pub struct DaemonConfig {
     pub tls: Option<accrue_proto::tls::ClientTls>,
     /// TLS to etcd with a client certificate (None: plaintext etcd).
     pub etcd_tls: Option<accrue_proto::tls::ClientTls>,
+    /// On shutdown, how long to wait for the job's thread to end after
+    /// detaching (a checkpoint being written is finished, never cut off).
+    pub stop_timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -809,6 +812,9 @@ pub async fn run_with(
                         while let Ok(Some(_)) = inbound.message().await {}
                     })
                     .await;
+                    if let Some(r) = running.take() {
+                        wait_for_job_thread(&r, cfg.stop_timeout).await;
+                    }
                     return Ok(());
                 }
                 _ = beat.tick() => {
@@ -904,6 +910,26 @@ pub async fn run_with(
             _ = &mut shutdown => return Ok(()),
         }
     }
+}
+
+/// Waits (polling, so no blocking task outlives the runtime) until the
+/// job's thread has ended, at most `limit`: the window in flight is lost
+/// anyway once the daemon detached, but a checkpoint being written is
+/// finished rather than cut off at exit.
+async fn wait_for_job_thread(r: &Running, limit: Duration) {
+    if r.thread.is_finished() {
+        return;
+    }
+    tracing::info!(job = %r.job, limit = ?limit, "waiting for the job's thread to end");
+    let started = std::time::Instant::now();
+    while !r.thread.is_finished() {
+        if started.elapsed() >= limit {
+            tracing::warn!(job = %r.job, limit = ?limit, "the job's thread is still running; exiting anyway (--stop-timeout)");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tracing::info!(job = %r.job, waited = ?started.elapsed(), "the job's thread ended");
 }
 
 /// `e` and its sources, `: `-separated (tonic's transport error alone

@@ -45,6 +45,7 @@ fn cfg() -> DaemonConfig {
         max_job_memory: 1 << 30,
         tls: None,
         etcd_tls: None,
+        stop_timeout: Duration::from_secs(30),
     }
 }
 
