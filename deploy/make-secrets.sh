@@ -45,7 +45,7 @@ while [ "$i" -lt "$workers" ]; do
   ids="$ids${ids:+,}worker-$i"
   i=$((i + 1))
 done
-# etcd's certificate: the client Service and every member's peer name.
+# etcd's certificate: the client Service and every member's name.
 etcd_sans="etcd-client,etcd-client.$ns,etcd-client.$ns.svc,etcd-client.$ns.svc.cluster.local"
 i=0
 while [ "$i" -lt "$members" ]; do
@@ -98,7 +98,7 @@ secretGenerator:
 - name: accrue-etcd-client
   files: [ca.pem, etcd-client.pem, etcd-client.key]
 - name: etcd-tls
-  files: [ca.pem, etcd-server.pem, etcd-server.key, etcd-client.pem, etcd-client.key]
+  files: [ca.pem, etcd-server.pem, etcd-server.key]
 - name: accrue-worker-certs
   files:
   - ca.pem$worker_files

@@ -45,6 +45,16 @@ fn bin_dir() -> PathBuf {
     dir
 }
 
+/// The etcd on PATH (`make setup` installs Debian's etcd-server, 3.4; the
+/// etcd tests use it too): the etcd container's flags must suit it as well
+/// as the pinned 3.5 image.
+fn etcd_bin() -> PathBuf {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("etcd"))
+        .find(|p| p.is_file())
+        .expect("etcd is not on PATH: run `make setup` (it installs etcd-server)")
+}
+
 /// A tool of the project's virtual environment (`make setup` installs
 /// kubectl and kubernetes-validate there, next to ACCRUE_PYTHON).
 fn venv_tool(name: &str) -> PathBuf {
@@ -118,7 +128,8 @@ impl Fixture {
         self.deploy.join("tests/etcd-v3.5.21-flags.txt")
     }
 
-    /// check_manifests.py with the binaries and etcd's flag list.
+    /// check_manifests.py with the binaries, etcd's flag list and the
+    /// local etcd.
     fn checker(&self, expect: &str) -> Command {
         let mut c = Command::new(env!("ACCRUE_PYTHON"));
         c.arg(self.deploy.join("tests/check_manifests.py"))
@@ -126,6 +137,8 @@ impl Fixture {
             .arg(bin_dir())
             .arg("--etcd-flags")
             .arg(self.etcd_flags())
+            .arg("--etcd-bin")
+            .arg(etcd_bin())
             .args(["--expect", expect]);
         c
     }
@@ -498,11 +511,26 @@ const BROKEN: &[(&str, &str, &str)] = &[
         "cpu",
         "etcd has no flag --peer-client-cert",
     ),
+    (
+        "etcd-3.5-only-flag",
+        "cpu",
+        "etcd refuses its arguments: flag provided but not defined: -peer-client-cert-file",
+    ),
+    (
+        "etcd-bad-url",
+        "cpu",
+        "etcd refuses its arguments: invalid value \"0.0.0.0:2379\" for flag -listen-client-urls",
+    ),
     ("etcd-other-version", "cpu", "is not etcd 3.5.21"),
     (
         "etcd-initial-cluster",
         "cpu",
         "--initial-cluster names ['etcd-0', 'etcd-1']",
+    ),
+    (
+        "etcd-peer-open",
+        "cpu",
+        "peers speak plain HTTP, but NetworkPolicy/etcd admits the peer port from others than the members",
     ),
     (
         "etcd-not-published",

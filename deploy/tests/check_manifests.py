@@ -19,7 +19,8 @@ StatefulSet, Job, Pod) and the objects around it:
   Secret or ConfigMap mount is a key of it (for every pod of a StatefulSet);
 - probes are what the binaries serve: the coordinator's /healthz and
   /readyz on its --http port over HTTPS, the worker daemon's on its
-  --health-listen port, etcd's /livez and /readyz on its metrics port;
+  --health-listen port, etcd's /health (local for liveness, quorum for
+  readiness) on its metrics port;
 - `--expect gpu`: workers limit nvidia.com/gpu, tolerate its taint, run
   --device cuda:N on the CUDA image; `--expect cpu`: nothing asks for a GPU;
 - PDBs never exceed the replicas; images are pinned (a tag that is not
@@ -32,7 +33,9 @@ StatefulSet, Job, Pod) and the objects around it:
   values filled in), are run through the accrue binaries in --bin-dir with
   `--help` appended (clap parses every flag and value before it and refuses
   an unknown one); etcd's flags are checked against --etcd-flags, the flag
-  list of the pinned etcd version (no etcd 3.5 binary runs here).
+  list of the pinned etcd version (no etcd 3.5 binary runs here) and, with
+  --etcd-bin, through that etcd binary too (Debian's 3.4 on the test
+  machines: the flags must suit both).
 
 --facts writes what the Rust side checks with an X.509 parser: which
 certificate (Secret, key, PEM) must name which host, and the job specs the
@@ -62,6 +65,12 @@ FIELD_PLACEHOLDERS = {
     "metadata.uid": "00000000-0000-0000-0000-000000000000",
 }
 PART_OF = ("app.kubernetes.io/part-of", "accrue")
+# What etcd's metrics listener serves that a probe may ask for, in both
+# 3.4 (the test machines' etcd) and 3.5: member-local health for liveness
+# (serializable: without quorum it still answers; 3.5.3 and later), quorum
+# for readiness.
+ETCD_ALIVE = {"/health?exclude=NOSPACE&serializable=true", "/health?serializable=true"}
+ETCD_READY = {"/health", "/health?exclude=NOSPACE"}
 # Labels for clients that live outside the rendered manifests (users' Jobs,
 # the example): a NetworkPolicy may admit them though no pod here has them.
 CLIENT_LABEL_PREFIX = "accrue.dev/"
@@ -513,6 +522,8 @@ def check_container(m, ct, probs, bin_dir, etcd_flags, expect, facts, first_pod)
             run_help(ct, where, bin_dir, binary, words, probs)
         elif binary == "etcd":
             check_etcd_flags(ct, where, words, etcd_flags, probs)
+            if etcd_flags.get("_bin"):
+                run_help(ct, where, None, etcd_flags["_bin"], words, probs)
         elif binary is not None:
             probs.add(where, f"command {binary}: no way to check its flags")
     # Files named by flags under Secret/ConfigMap mounts are keys there.
@@ -563,7 +574,11 @@ _HELP_RUNS = {}
 
 
 def run_help(ct, where, bin_dir, binary, words, probs):
-    path = os.path.join(bin_dir, binary)
+    """Runs the binary with the container's args and `--help` appended: clap
+    (accrue) and Go's flag package (etcd) parse every flag and value before
+    it, refuse an unknown one, and exit 0 with the usage otherwise."""
+    path = os.path.join(bin_dir, binary) if bin_dir else binary
+    binary = os.path.basename(binary)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     env.update(ct.env)
     key = (path, tuple(words), tuple(sorted(env.items())))
@@ -575,7 +590,7 @@ def run_help(ct, where, bin_dir, binary, words, probs):
         except OSError as e:
             _HELP_RUNS[key] = (None, "", f"cannot run {path}: {e}")
     code, out, err = _HELP_RUNS[key]
-    if code != 0 or "Usage:" not in out:
+    if code != 0 or "Usage:" not in out + err:
         lines = (err.strip() or out.strip()).splitlines()
         probs.add(where, f"{binary} refuses its arguments: {lines[0] if lines else code}")
 
@@ -791,10 +806,10 @@ def check_etcd(ct, where, words, probs, facts):
     else:
         declared_port(ct, where, metrics, "metrics", probs)
         scheme = "HTTPS" if flag_value(words, "--listen-metrics-urls").startswith("https") else "HTTP"
-        check_probe(ct, where, "livenessProbe", c.get("livenessProbe"), {"/livez", "/health?serializable=true"}, metrics, scheme, probs)
-        check_probe(ct, where, "readinessProbe", c.get("readinessProbe"), {"/readyz", "/health"}, metrics, scheme, probs)
+        check_probe(ct, where, "livenessProbe", c.get("livenessProbe"), ETCD_ALIVE, metrics, scheme, probs)
+        check_probe(ct, where, "readinessProbe", c.get("readinessProbe"), ETCD_READY, metrics, scheme, probs)
         if c.get("startupProbe"):
-            check_probe(ct, where, "startupProbe", c.get("startupProbe"), {"/livez", "/health?serializable=true"}, metrics, scheme, probs)
+            check_probe(ct, where, "startupProbe", c.get("startupProbe"), ETCD_ALIVE, metrics, scheme, probs)
     name = flag_value(words, "--name")
     if name != ct.pod:
         probs.add(where, f"--name is {name!r}, not the pod name {ct.pod!r}")
@@ -808,6 +823,9 @@ def check_etcd(ct, where, words, probs, facts):
     if ct.w.kind == "StatefulSet":
         if sorted(members) != sorted(ct.w.pod_names):
             probs.add(where, f"--initial-cluster names {sorted(members)}, but the pods are {ct.w.pod_names}")
+        peer_scheme = (flag_value(words, "--listen-peer-urls") or "http://").split("://")[0]
+        if peer_scheme == "http":
+            check_peer_port_closed(ct, where, peer, probs)
         for n, url in members.items():
             host, port = host_port(url)
             w, pod = ct.m.pod_for_host(ct.w.ns, host)
@@ -830,6 +848,31 @@ def check_etcd(ct, where, words, probs, facts):
                 _, pod = ct.m.pod_for_host(ct.w.ns, host)
                 if pod != ct.pod:
                     probs.add(where, f"{flag} {url} does not name this pod")
+
+
+def check_peer_port_closed(ct, where, peer, probs):
+    """Plaintext peers: the port must be admitted from the members alone, by
+    every NetworkPolicy that selects them (and there must be one)."""
+    m, w = ct.m, ct.w
+    policies = [np for (ns, _), np in m.by_kind.get("NetworkPolicy", {}).items()
+                if ns == w.ns and "Ingress" in np["spec"].get("policyTypes", ["Ingress"])
+                and selector_matches(np["spec"].get("podSelector") or {}, w.labels)]
+    if not policies:
+        probs.add(where, "peers speak plain HTTP and no NetworkPolicy selects the members")
+        return
+    peer_names = {p.get("name") for p in ct.c.get("ports") or [] if p.get("containerPort") == peer}
+    for np in policies:
+        for rule in np["spec"].get("ingress") or []:
+            ports = [p.get("port") for p in rule.get("ports") or []]
+            if ports and not any(p == peer or p in peer_names for p in ports):
+                continue
+            froms = rule.get("from")
+            if not froms or any("podSelector" not in f or "namespaceSelector" in f or "ipBlock" in f
+                                or not selector_matches(f["podSelector"], w.labels)
+                                or any(selector_matches(f["podSelector"], o.labels)
+                                       for o in m.workloads if o is not w and o.ns == w.ns)
+                                for f in froms):
+                probs.add(where, f"peers speak plain HTTP, but NetworkPolicy/{np['metadata']['name']} admits the peer port from others than the members")
 
 
 def check_cli(ct, where, words, probs, facts):
@@ -1043,6 +1086,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin-dir", required=True, help="folder of accrue, accrue-coordinator, accrue-worker")
     ap.add_argument("--etcd-flags", required=True, help="the pinned etcd version's flag list")
+    ap.add_argument("--etcd-bin", help="an etcd binary to run the etcd container's flags through too")
     ap.add_argument("--expect", choices=("cpu", "gpu"), required=True)
     ap.add_argument("--namespace", default="accrue")
     ap.add_argument("--facts", help="write the certificate and job-spec facts here (JSON)")
@@ -1052,6 +1096,7 @@ def main():
     a = ap.parse_args()
     etcd_flags = load_etcd_flags(a.etcd_flags)
     etcd_flags["_file"] = a.etcd_flags
+    etcd_flags["_bin"] = a.etcd_bin
     if a.each:
         bad = False
         for f in a.files:

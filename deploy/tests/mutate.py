@@ -71,8 +71,12 @@ MUTATIONS = {
     "bad-flag-value": lambda d: find(d, "ConfigMap", "accrue-settings")["data"].update(ACCRUE_LEASE_TTL="three"),
     "unresolved-var": lambda d: replace_arg(container(d, "StatefulSet", "worker"), "--heartbeat=", "--heartbeat=$(ACCRUE_HEARTBEATS)"),
     "etcd-unknown-flag": lambda d: container(d, "StatefulSet", "etcd")["args"].append("--peer-client-cert=/etc/etcd/tls/etcd-client.pem"),
+    "etcd-3.5-only-flag": lambda d: container(d, "StatefulSet", "etcd")["args"].append("--peer-client-cert-file=/etc/etcd/tls/etcd-client.pem"),
+    "etcd-bad-url": lambda d: replace_arg(container(d, "StatefulSet", "etcd"), "--listen-client-urls=", "--listen-client-urls=0.0.0.0:2379"),
     "etcd-other-version": lambda d: container(d, "StatefulSet", "etcd").update(image="quay.io/coreos/etcd:v3.4.23"),
-    "etcd-initial-cluster": lambda d: replace_arg(container(d, "StatefulSet", "etcd"), "--initial-cluster=", "--initial-cluster=etcd-0=https://etcd-0.etcd:2380,etcd-1=https://etcd-1.etcd:2380"),
+    "etcd-initial-cluster": lambda d: replace_arg(container(d, "StatefulSet", "etcd"), "--initial-cluster=", "--initial-cluster=etcd-0=http://etcd-0.etcd:2380,etcd-1=http://etcd-1.etcd:2380"),
+    "etcd-peer-open": lambda d: find(d, "NetworkPolicy", "etcd")["spec"]["ingress"][1]["from"].append(
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "worker"}}}),
     "etcd-not-published": lambda d: find(d, "Service", "etcd")["spec"].update(publishNotReadyAddresses=False),
     # probes
     "probe-path": lambda d: probe(container(d, "StatefulSet", "worker"), "readinessProbe").update(path="/ready"),
