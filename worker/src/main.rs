@@ -104,6 +104,19 @@ struct DaemonArgs {
     /// (default: the host's physical memory).
     #[arg(long)]
     max_job_memory_gib: Option<f64>,
+    /// Serve probes over plain HTTP on this address (e.g. 0.0.0.0:8081;
+    /// port 0: any free port, printed as `health ADDR`): GET /healthz is
+    /// 200 while the daemon's loop runs, GET /readyz 200 while attached to
+    /// a coordinator, else 503 with the reason. Answers hold no secrets.
+    /// Default: no probe endpoint.
+    #[arg(long, value_name = "ADDR")]
+    health_listen: Option<String>,
+    /// On SIGTERM or Ctrl-C the daemon detaches, then waits up to this
+    /// many seconds for its job's thread to end, so a checkpoint being
+    /// written is finished (give Kubernetes' terminationGracePeriodSeconds
+    /// more than this).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    stop_timeout: f64,
 }
 
 #[derive(clap::Args)]
@@ -323,12 +336,42 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
         max_job_memory: memory_limit(d.max_job_memory_gib)?,
         tls,
         etcd_tls,
+        stop_timeout: Duration::try_from_secs_f64(d.stop_timeout)
+            .map_err(|e| anyhow::anyhow!("--stop-timeout {}: {e}", d.stop_timeout))?,
     };
+    // Bound before anything else, so a busy port stops the daemon at once
+    // and port 0 is known (printed) before the first attach.
+    let health_listener = match &d.health_listen {
+        Some(addr) => {
+            let l = std::net::TcpListener::bind(addr)
+                .with_context(|| format!("--health-listen {addr}: cannot listen"))?;
+            l.set_nonblocking(true)?;
+            let bound = l.local_addr()?;
+            println!("health {bound}");
+            tracing::info!(addr = %bound, "probe endpoint: GET /healthz, /readyz (plain HTTP)");
+            Some(l)
+        }
+        None => None,
+    };
+    let health = accrue_worker::daemon::health::HealthState::default();
+    let stale_after = accrue_worker::daemon::health::stale_after(cfg.heartbeat);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async {
+        if let Some(l) = health_listener {
+            let server = accrue_worker::daemon::health::serve(
+                tokio::net::TcpListener::from_std(l)?,
+                health.clone(),
+                stale_after,
+            );
+            tokio::spawn(async move {
+                if let Err(e) = server.await {
+                    tracing::error!(error = %e, "the probe endpoint stopped");
+                }
+            });
+        }
         // SIGTERM (Kubernetes, `accrue local`) or Ctrl-C: a planned exit.
         let stop = async {
             let mut term =
@@ -339,13 +382,14 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
             }
             Ok::<(), std::io::Error>(())
         };
-        accrue_worker::daemon::run_until(cfg, async {
+        accrue_worker::daemon::run_with(cfg, health, async {
             if let Err(e) = stop.await {
                 tracing::error!(error = %e, "cannot listen for signals; running until killed");
                 std::future::pending::<()>().await;
             }
         })
-        .await
+        .await?;
+        Ok::<(), anyhow::Error>(())
     })?;
     Ok(())
 }

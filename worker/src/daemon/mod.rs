@@ -19,6 +19,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
+pub mod health;
+use health::{HealthState, Link};
+
+/// How long one connection attempt to the coordinator (TCP, TLS, HTTP/2)
+/// may take before it counts as failed and is retried.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the coordinator may take to answer an Attach before the
+/// attempt is retried.
+pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
     /// e.g. http://127.0.0.1:50051
@@ -63,6 +73,9 @@ pub struct DaemonConfig {
     pub tls: Option<accrue_proto::tls::ClientTls>,
     /// TLS to etcd with a client certificate (None: plaintext etcd).
     pub etcd_tls: Option<accrue_proto::tls::ClientTls>,
+    /// On shutdown, how long to wait for the job's thread to end after
+    /// detaching (a checkpoint being written is finished, never cut off).
+    pub stop_timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -621,6 +634,17 @@ pub async fn run_until(
     cfg: DaemonConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), DaemonError> {
+    run_with(cfg, HealthState::default(), shutdown).await
+}
+
+/// [`run_until`], keeping `health` up to date: every turn of the loop, and
+/// where the daemon stands with its coordinator (the probe endpoint,
+/// [`health::serve`], answers from it).
+pub async fn run_with(
+    cfg: DaemonConfig,
+    health: HealthState,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), DaemonError> {
     let mut shutdown = std::pin::pin!(shutdown);
     let cfg = cfg.with_absolute_roots()?;
     // A coordinator address whose scheme contradicts the TLS settings is
@@ -662,12 +686,17 @@ pub async fn run_until(
     let mut backoff = Duration::from_millis(50);
     let mut outbox = Outbox::default();
     loop {
+        health.turn();
         let url = coordinator_url(&cfg).await;
         let endpoint = match accrue_proto::tls::endpoint(&url, cfg.tls.as_ref()) {
             Ok(e) => e,
             Err(e) => {
                 // Unreadable certificate files may be being rotated: retry.
                 tracing::warn!(coordinator = %url, error = %e, "cannot set up the connection; retrying");
+                health.set(Link::Connecting {
+                    coordinator: url.clone(),
+                    error: e.to_string(),
+                });
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = &mut shutdown => return Ok(()),
@@ -676,10 +705,18 @@ pub async fn run_until(
                 continue;
             }
         };
-        let client = match endpoint.connect().await.map(WorkerServiceClient::new) {
+        let connected = match tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect()).await {
+            Ok(r) => r.map_err(|e| error_chain(&e)),
+            Err(_) => Err(format!("no connection within {CONNECT_TIMEOUT:?}")),
+        };
+        let client = match connected.map(WorkerServiceClient::new) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(coordinator = %url, error = %e, "cannot reach the coordinator; retrying");
+                health.set(Link::Connecting {
+                    coordinator: url.clone(),
+                    error: e,
+                });
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = &mut shutdown => return Ok(()),
@@ -708,13 +745,31 @@ pub async fn run_until(
             None => hello,
         };
         let _ = tx.send(wrap(worker_message::Msg::Hello(hello)));
-        let mut inbound = match client
-            .attach(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-        {
-            Ok(r) => r.into_inner(),
-            Err(e) => {
+        let attached = tokio::time::timeout(
+            ATTACH_TIMEOUT,
+            client.attach(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)),
+        )
+        .await;
+        let mut inbound = match attached {
+            Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(e)) => {
                 tracing::warn!(error = %accrue_proto::status_chain(&e), "attach refused; retrying");
+                health.set(Link::Refused {
+                    coordinator: url.clone(),
+                    reason: accrue_proto::status_chain(&e),
+                });
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = &mut shutdown => return Ok(()),
+                }
+                continue;
+            }
+            Err(_) => {
+                tracing::warn!(coordinator = %url, "no answer to the attach within {ATTACH_TIMEOUT:?}; retrying");
+                health.set(Link::Connecting {
+                    coordinator: url.clone(),
+                    error: format!("no answer to the attach within {ATTACH_TIMEOUT:?}"),
+                });
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = &mut shutdown => return Ok(()),
@@ -724,18 +779,26 @@ pub async fn run_until(
         };
         backoff = Duration::from_millis(50);
         tracing::info!(worker = %cfg.worker_id, data = %data_addr, unsent = outbox.len(), "attached");
+        health.set(Link::Attached {
+            coordinator: url.clone(),
+        });
         // What the previous stream could not take goes first, right after
         // the hello (queued above).
         if !outbox.flush(&tx) {
             tracing::warn!("the attach stream closed at once; retrying");
+            health.set(Link::Lost {
+                coordinator: url.clone(),
+                reason: "it closed at once".into(),
+            });
             tokio::time::sleep(backoff).await;
             continue;
         }
         let mut beat = tokio::time::interval(cfg.heartbeat);
-        loop {
+        let ended = loop {
             tokio::select! {
                 _ = &mut shutdown => {
                     tracing::info!(worker = %cfg.worker_id, "shutting down: detaching from the coordinator");
+                    health.set(Link::Stopping);
                     if let Some(r) = &running {
                         r.control.stop.store(true, Ordering::SeqCst);
                     }
@@ -749,10 +812,14 @@ pub async fn run_until(
                         while let Ok(Some(_)) = inbound.message().await {}
                     })
                     .await;
+                    if let Some(r) = running.take() {
+                        wait_for_job_thread(&r, cfg.stop_timeout).await;
+                    }
                     return Ok(());
                 }
                 _ = beat.tick() => {
-                    if tx.send(wrap(worker_message::Msg::Heartbeat(v1::Heartbeat {}))).is_err() { break; }
+                    health.turn();
+                    if tx.send(wrap(worker_message::Msg::Heartbeat(v1::Heartbeat {}))).is_err() { break "the stream refused a heartbeat".to_string(); }
                     if running.as_ref().is_some_and(|r| r.thread.is_finished()) {
                         running = None;
                     }
@@ -763,13 +830,13 @@ pub async fn run_until(
                             let _ = tokio::task::spawn_blocking(move || r.thread.join()).await;
                         }
                     }
-                    if !outbox.send(&tx, m) { break; }
+                    if !outbox.send(&tx, m) { break "the stream refused a report".to_string(); }
                 }
                 msg = inbound.message() => {
                     let m = match msg {
                         Ok(Some(m)) => m,
-                        Ok(None) => { tracing::warn!("the coordinator closed the stream"); break; }
-                        Err(e) => { tracing::warn!(error = %e.message(), "attach stream failed"); break; }
+                        Ok(None) => { tracing::warn!("the coordinator closed the stream"); break "the coordinator closed the stream".to_string(); }
+                        Err(e) => { tracing::warn!(error = %e.message(), "attach stream failed"); break format!("attach stream failed: {}", e.message()); }
                     };
                     match m.msg {
                         Some(coordinator_message::Msg::Assign(a)) => {
@@ -833,12 +900,51 @@ pub async fn run_until(
                     }
                 }
             }
-        }
+        };
+        health.set(Link::Lost {
+            coordinator: url.clone(),
+            reason: ended,
+        });
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
             _ = &mut shutdown => return Ok(()),
         }
     }
+}
+
+/// Waits (polling, so no blocking task outlives the runtime) until the
+/// job's thread has ended, at most `limit`: the window in flight is lost
+/// anyway once the daemon detached, but a checkpoint being written is
+/// finished rather than cut off at exit.
+async fn wait_for_job_thread(r: &Running, limit: Duration) {
+    if r.thread.is_finished() {
+        return;
+    }
+    tracing::info!(job = %r.job, limit = ?limit, "waiting for the job's thread to end");
+    let started = std::time::Instant::now();
+    while !r.thread.is_finished() {
+        if started.elapsed() >= limit {
+            tracing::warn!(job = %r.job, limit = ?limit, "the job's thread is still running; exiting anyway (--stop-timeout)");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tracing::info!(job = %r.job, waited = ?started.elapsed(), "the job's thread ended");
+}
+
+/// `e` and its sources, `: `-separated (tonic's transport error alone
+/// says only "transport error").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let t = s.to_string();
+        if !out.contains(&t) {
+            out = format!("{out}: {t}");
+        }
+        next = s.source();
+    }
+    out
 }
 
 /// An etcd client, over TLS with this worker's etcd certificate when one is

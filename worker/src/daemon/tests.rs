@@ -45,6 +45,7 @@ fn cfg() -> DaemonConfig {
         max_job_memory: 1 << 30,
         tls: None,
         etcd_tls: None,
+        stop_timeout: Duration::from_secs(30),
     }
 }
 
@@ -241,4 +242,30 @@ fn assignments_are_confined_under_the_daemons_roots() {
         assigned_checkpoint_dir(&any, &plain).unwrap(),
         Some("sneaky/new".into())
     );
+}
+
+#[test]
+fn error_chain_names_the_sources_once() {
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+    impl std::fmt::Display for Outer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("transport error")
+        }
+    }
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+    let e = Outer(std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "tcp connect error: Connection refused",
+    ));
+    assert_eq!(
+        error_chain(&e),
+        "transport error: tcp connect error: Connection refused"
+    );
+    let plain = std::io::Error::other("transport error");
+    assert_eq!(error_chain(&plain), "transport error");
 }
