@@ -345,7 +345,7 @@ mod tests {
             survivors in 0usize..6, free in 0usize..6, want in 1usize..6, min in 1usize..6,
             waited in 0i64..10_000, timeout in 0i64..10_000, step in 1usize..4,
         ) {
-            let valid = |n: usize| n % step == 0;
+            let valid = |n: usize| n.is_multiple_of(step);
             match reform_decision(survivors, free, want, min, waited, timeout, valid) {
                 Reform::Form(n) => {
                     prop_assert!(n <= survivors + free && n <= want && n >= min.min(want) && valid(n));

@@ -231,7 +231,7 @@ pub fn load_mnist(dir: &Path) -> Result<Splits> {
 
 /// Parses one CIFAR-10 binary batch: records of 1 label byte + 3072 pixels.
 pub fn parse_cifar(bytes: &[u8], path: &Path) -> Result<(Vec<u8>, Vec<u8>)> {
-    if bytes.is_empty() || bytes.len() % CIFAR_RECORD != 0 {
+    if bytes.is_empty() || !bytes.len().is_multiple_of(CIFAR_RECORD) {
         return Err(data_err(
             path,
             format!(

@@ -42,7 +42,7 @@ impl ShardSpec {
         if self.world == 0 {
             return 0;
         }
-        if self.drop_last && len % self.world != 0 {
+        if self.drop_last && !len.is_multiple_of(self.world) {
             // ceil((len - W) / W) as torch computes it; len < W gives 0.
             len.saturating_sub(self.world).div_ceil(self.world)
         } else {
@@ -140,7 +140,7 @@ impl WindowPlan {
 
     /// Whether micro-batch `m` closes its window (the k-th, or the epoch's last).
     pub fn is_sync(&self, m: usize) -> bool {
-        (m + 1) % self.k.max(1) == 0 || m + 1 == self.micro_batches()
+        (m + 1).is_multiple_of(self.k.max(1)) || m + 1 == self.micro_batches()
     }
 }
 

@@ -485,14 +485,14 @@ impl<C: Collective> Engine<C> {
             let epoch_ended = self.state.cursor == 0;
             if eval_every > 0
                 && epoch_ended
-                && self.state.epoch % eval_every == 0
+                && self.state.epoch.is_multiple_of(eval_every)
                 && !self.is_done()
             {
                 if let Some(e) = self.evaluate()? {
                     on_event(Event::Eval(&e));
                 }
             }
-            if every > 0 && self.state.step % every == 0 && !self.is_done() {
+            if every > 0 && self.state.step.is_multiple_of(every) && !self.is_done() {
                 let p = self.checkpoint()?;
                 on_event(Event::Checkpoint(&p));
             }
