@@ -3,6 +3,7 @@
 //! dev-certs (a CA, certificates and tokens for a cluster).
 
 pub mod certs;
+mod local;
 
 use accrue_common::JobSpec;
 use accrue_proto::tls::{ClientTls, Transport};
@@ -255,7 +256,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             threads,
             json,
         } => {
-            let opts = LocalOptions {
+            let opts = local::LocalOptions {
                 workers,
                 state_dir,
                 worker_bin,
@@ -263,7 +264,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 json,
                 insecure: cli.insecure,
             };
-            local(&job, opts).await
+            local::local(&job, opts).await
         }
         Command::DevCerts {
             dir,
@@ -557,254 +558,4 @@ pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<
         b.finish_and_clear();
     }
     last.ok_or_else(|| anyhow::anyhow!("the watch stream ended without any event"))
-}
-
-/// Worker processes: [`Children::shutdown`] asks them to stop (SIGTERM:
-/// each daemon detaches from the coordinator, a planned exit) and kills
-/// any that has not exited within 5 s; dropping kills what is left.
-struct Children(Vec<std::process::Child>);
-
-impl Children {
-    async fn shutdown(&mut self) {
-        for c in &self.0 {
-            if let Ok(pid) = libc::pid_t::try_from(c.id()) {
-                // SAFETY: kill(2) on our own child, not yet waited for (so
-                // its pid cannot have been reused), only sends a signal.
-                unsafe {
-                    libc::kill(pid, libc::SIGTERM);
-                }
-            }
-        }
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-        for c in &mut self.0 {
-            while tokio::time::Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            }
-        }
-    }
-}
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// `accrue local`'s flags.
-struct LocalOptions {
-    workers: u32,
-    state_dir: PathBuf,
-    worker_bin: Option<PathBuf>,
-    threads: Option<u32>,
-    json: bool,
-    /// Plaintext instead of throw-away certificates.
-    insecure: bool,
-}
-
-/// `accrue local`'s throw-away credentials under `state_dir/tls`.
-struct LocalCreds {
-    server: accrue_coordinator::tls::ServerTls,
-    client: ClientTls,
-    tokens: PathBuf,
-    /// The `submit` token the CLI side submits (and may cancel) with.
-    submit: BearerToken,
-}
-
-/// Throw-away credentials for `accrue local` under `state_dir/tls`: a
-/// fresh CA, the coordinator's certificate, one per worker, and fresh
-/// tokens, every run, so nothing issued for an earlier run is trusted.
-fn local_creds(state_dir: &Path, ids: &[String]) -> anyhow::Result<LocalCreds> {
-    let dir = state_dir.join("tls");
-    for f in ["ca.pem", "ca.key", "tokens.toml"] {
-        match std::fs::remove_file(dir.join(f)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).with_context(|| format!("cannot remove {}", dir.join(f).display()))
-            }
-            _ => {}
-        }
-    }
-    certs::dev_certs(
-        &dir,
-        &certs::DevCerts {
-            sans: Vec::new(),
-            workers: ids.to_vec(),
-            days: 2,
-        },
-    )?;
-    let submit = std::fs::read_to_string(dir.join("submit.token"))
-        .with_context(|| format!("cannot read {}", dir.join("submit.token").display()))?;
-    Ok(LocalCreds {
-        server: accrue_coordinator::tls::ServerTls {
-            cert: dir.join("coordinator.pem"),
-            key: dir.join("coordinator.key"),
-            client_ca: dir.join("ca.pem"),
-        },
-        client: ClientTls {
-            ca: dir.join("ca.pem"),
-            identity: None,
-        },
-        tokens: dir.join("tokens.toml"),
-        submit: BearerToken::new(submit.trim())?,
-    })
-}
-
-/// Intra-op threads per local worker: the host's cores shared evenly.
-fn threads_per_worker(cores: usize, workers: u32) -> u32 {
-    (cores as u32 / workers.max(1)).max(1)
-}
-
-async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
-    let (workers, state_dir) = (opts.workers, opts.state_dir.as_path());
-    if workers == 0 {
-        bail!("--workers must be at least 1");
-    }
-    // Refuse a bad spec before starting anything.
-    JobSpec::load(job)?;
-    let threads = opts.threads.unwrap_or_else(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        threads_per_worker(cores, workers)
-    });
-    let bin = match opts.worker_bin {
-        Some(b) => b,
-        None => std::env::current_exe()?.with_file_name("accrue-worker"),
-    };
-    if !bin.exists() {
-        bail!(
-            "worker binary {} not found (build it with `cargo build -p accrue-worker`)",
-            bin.display()
-        );
-    }
-    let ids: Vec<String> = (0..workers).map(|i| format!("local-{i}")).collect();
-    // TLS, mutual TLS and tokens with throw-away credentials unless
-    // --insecure.
-    let creds = if opts.insecure {
-        None
-    } else {
-        Some(local_creds(state_dir, &ids)?)
-    };
-    let cfg = accrue_coordinator::Config {
-        state_dir: state_dir.to_path_buf(),
-        tls: creds.as_ref().map(|c| c.server.clone()),
-        tokens: creds.as_ref().map(|c| c.tokens.clone()),
-        insecure: opts.insecure,
-        ..Default::default()
-    };
-    let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;
-    let scheme = if creds.is_some() { "https" } else { "http" };
-    let url = format!("{scheme}://{}", handle.grpc_addr);
-    match &creds {
-        Some(c) => println!(
-            "coordinator {url} (status {scheme}://{}/ with the token in {}; CA {})",
-            handle.http_addr,
-            c.tokens.with_file_name("read.token").display(),
-            c.client.ca.display()
-        ),
-        None => println!(
-            "coordinator {url} (status {scheme}://{}/)",
-            handle.http_addr
-        ),
-    }
-    let logs = state_dir.join("logs");
-    std::fs::create_dir_all(&logs)?;
-    let mut children = Children(Vec::new());
-    for (i, id) in ids.iter().enumerate() {
-        let log = std::fs::File::create(logs.join(format!("worker-{i}.log")))?;
-        let mut cmd = std::process::Command::new(&bin);
-        cmd.args([
-            "daemon",
-            "--coordinator",
-            &url,
-            "--listen-data",
-            "127.0.0.1:0",
-            "--id",
-            id,
-            "--threads",
-            &threads.to_string(),
-        ]);
-        match &creds {
-            Some(c) => {
-                let dir = c.server.client_ca.parent().unwrap_or(state_dir);
-                cmd.arg("--ca")
-                    .arg(&c.server.client_ca)
-                    .arg("--cert")
-                    .arg(dir.join(format!("worker-{id}.pem")))
-                    .arg("--key")
-                    .arg(dir.join(format!("worker-{id}.key")));
-            }
-            None => {
-                cmd.arg("--insecure");
-            }
-        }
-        let child = cmd
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("cannot start {}", bin.display()))?;
-        children.0.push(child);
-    }
-    let mut client = match &creds {
-        Some(c) => connect_client(&url, Some(&c.client), &c.submit).await?,
-        None => connect_client(&url, None, &BearerToken::default()).await?,
-    };
-    let submitted = submit(&mut client, job, Some(workers)).await?;
-    println!("job {}", submitted.id);
-    let end = tokio::select! {
-        r = watch(&mut client, &submitted.id, opts.json) => r?,
-        _ = tokio::signal::ctrl_c() => {
-            let _ = client.cancel_job(v1::CancelJobRequest { id: submitted.id.clone() }).await;
-            children.shutdown().await;
-            drop(children);
-            handle.stop().await;
-            bail!("interrupted; job {} cancelled", submitted.id);
-        }
-    };
-    let c = end.counters.unwrap_or_default();
-    println!(
-        "{} {}: step {}/{}, {} samples, loss {:.4}",
-        end.id,
-        state_name(end.state()),
-        c.step,
-        c.total_steps,
-        c.samples_seen,
-        c.loss
-    );
-    if let Some(e) = &end.eval {
-        println!(
-            "final accuracy {:.2}% (loss {:.4})",
-            100.0 * e.accuracy,
-            e.loss
-        );
-    }
-    if !end.checkpoint.is_empty() {
-        println!("checkpoint {}", end.checkpoint);
-    }
-    if !end.error.is_empty() {
-        println!("error {}", end.error);
-    }
-    children.shutdown().await;
-    drop(children);
-    handle.stop().await;
-    Ok(exit_for(&end))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::threads_per_worker;
-
-    #[test]
-    fn local_workers_share_the_cores() {
-        assert_eq!(threads_per_worker(2, 2), 1);
-        assert_eq!(threads_per_worker(16, 2), 8);
-        assert_eq!(threads_per_worker(16, 3), 5);
-        // More workers than cores: one thread each, never zero.
-        assert_eq!(threads_per_worker(2, 4), 1);
-        assert_eq!(threads_per_worker(1, 1), 1);
-    }
 }

@@ -18,8 +18,15 @@ pub use convert::{spec_from_proto, spec_to_proto};
 /// source's text, and a bare "transport error" says nothing about a
 /// refused certificate).
 pub fn status_chain(s: &tonic::Status) -> String {
-    let mut out = s.message().to_string();
-    let mut next = std::error::Error::source(s);
+    with_sources(s.message().to_string(), std::error::Error::source(s))
+}
+
+/// `e` and its sources as one line, `: `-separated, each text once.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    with_sources(e.to_string(), e.source())
+}
+
+fn with_sources(mut out: String, mut next: Option<&dyn std::error::Error>) -> String {
     while let Some(e) = next {
         let t = e.to_string();
         if !out.contains(&t) {
@@ -61,6 +68,8 @@ mod chain_tests {
             "{line}"
         );
         assert_eq!(line.matches("UnknownIssuer").count(), 1, "{line}");
+        let outer = E("cannot connect", Some(Box::new(E("refused", None))));
+        assert_eq!(super::error_chain(&outer), "cannot connect: refused");
         let plain = tonic::Status::unavailable("not the leader");
         assert_eq!(super::status_chain(&plain), "not the leader");
     }

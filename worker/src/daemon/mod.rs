@@ -19,7 +19,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
+mod assign;
+mod etcd;
 pub mod health;
+
+use assign::{assigned_checkpoint_dir, assigned_spec};
 use health::{HealthState, Link};
 
 /// How long one connection attempt to the coordinator (TCP, TLS, HTTP/2)
@@ -232,73 +236,6 @@ impl Collective for RingSlot {
     }
     fn bytes(&self) -> (u64, u64) {
         self.ring.as_ref().map_or((0, 0), Collective::bytes)
-    }
-}
-
-/// The job spec of an assignment with this daemon's overrides applied, and
-/// k fixed to the assignment's: the coordinator decides k (from the spec and
-/// the world size of this generation), so the worker never recomputes it.
-fn assigned_spec(a: &v1::Assignment, cfg: &DaemonConfig) -> Result<crate::spec::JobSpec, String> {
-    let proto = a.spec.clone().ok_or("the assignment has no spec")?;
-    let mut spec = accrue_proto::spec_from_proto(&proto).map_err(|e| e.to_string())?;
-    if a.accumulation_steps == 0 {
-        return Err(format!(
-            "assignment of job {} generation {} has accumulation_steps = 0 (k must be >= 1)",
-            a.job_id, a.generation
-        ));
-    }
-    spec.accumulation.steps = Some(u64::from(a.accumulation_steps));
-    spec.accumulation.global_batch = None;
-    spec.check_memory(cfg.max_job_memory)
-        .map_err(|e| format!("{e} (this worker's limit)"))?;
-    if let Some(d) = &cfg.device {
-        spec.device = d.clone();
-    }
-    if spec.threads.is_none() {
-        spec.threads = cfg.threads;
-    }
-    // Checked again here, before anything is opened: the coordinator may
-    // not see what this host sees (a symlink, another mount).
-    let roots = cfg.roots();
-    let mut spec = spec
-        .confined(&roots, &crate::spec::LocalFs)
-        .map_err(|e| format!("refused by worker {}: {e}", cfg.worker_id))?;
-    if let (Some(root), None) = (&cfg.data_root, &cfg.model_root) {
-        for p in [&mut spec.model.init, &mut spec.model.path]
-            .into_iter()
-            .flatten()
-        {
-            if p.is_relative() {
-                *p = root.join(&*p);
-            }
-        }
-    }
-    Ok(spec)
-}
-
-/// Where this generation checkpoints: the assignment's folder (the spec's
-/// `checkpoint.dir` or the coordinator's default), confined under
-/// `--checkpoint-root` when one is set.
-fn assigned_checkpoint_dir(
-    a: &v1::Assignment,
-    cfg: &DaemonConfig,
-) -> Result<Option<PathBuf>, String> {
-    if a.checkpoint_dir.is_empty() {
-        return Ok(None);
-    }
-    let dir = PathBuf::from(&a.checkpoint_dir);
-    match crate::spec::confine_field(
-        &cfg.roots(),
-        crate::spec::Area::Checkpoint,
-        "checkpoint.dir",
-        &dir,
-        &crate::spec::LocalFs,
-    ) {
-        Ok(confined) => Ok(Some(confined.unwrap_or(dir))),
-        Err(e) => Err(format!(
-            "refused by worker {}: invalid job spec:\n  {e}",
-            cfg.worker_id
-        )),
     }
 }
 
@@ -678,7 +615,7 @@ pub async fn run_with(
         })
         .to_string();
         let ttl = (cfg.heartbeat.as_secs_f64() * 5.0).ceil().max(2.0) as i64;
-        tokio::spawn(register(cfg.clone(), info, ttl));
+        tokio::spawn(etcd::register(cfg.clone(), info, ttl));
     }
     let (events_tx, mut events_rx) = mpsc::unbounded_channel::<WorkerMessage>();
     let mut running: Option<Running> = None;
@@ -687,7 +624,7 @@ pub async fn run_with(
     let mut outbox = Outbox::default();
     loop {
         health.turn();
-        let url = coordinator_url(&cfg).await;
+        let url = etcd::coordinator_url(&cfg).await;
         let endpoint = match accrue_proto::tls::endpoint(&url, cfg.tls.as_ref()) {
             Ok(e) => e,
             Err(e) => {
@@ -706,7 +643,7 @@ pub async fn run_with(
             }
         };
         let connected = match tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect()).await {
-            Ok(r) => r.map_err(|e| error_chain(&e)),
+            Ok(r) => r.map_err(|e| accrue_proto::error_chain(&e)),
             Err(_) => Err(format!("no connection within {CONNECT_TIMEOUT:?}")),
         };
         let client = match connected.map(WorkerServiceClient::new) {
@@ -930,91 +867,6 @@ async fn wait_for_job_thread(r: &Running, limit: Duration) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tracing::info!(job = %r.job, waited = ?started.elapsed(), "the job's thread ended");
-}
-
-/// `e` and its sources, `: `-separated (tonic's transport error alone
-/// says only "transport error").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        let t = s.to_string();
-        if !out.contains(&t) {
-            out = format!("{out}: {t}");
-        }
-        next = s.source();
-    }
-    out
-}
-
-/// An etcd client, over TLS with this worker's etcd certificate when one is
-/// configured.
-async fn etcd(cfg: &DaemonConfig) -> Result<etcd_client::Client, etcd_client::Error> {
-    let options = match &cfg.etcd_tls {
-        Some(t) => {
-            accrue_proto::tls::install_crypto_provider();
-            let tls = t
-                .config()
-                .map_err(|e| etcd_client::Error::InvalidArgs(e.to_string()))?;
-            Some(etcd_client::ConnectOptions::new().with_tls(tls))
-        }
-        None => None,
-    };
-    etcd_client::Client::connect(&cfg.etcd, options).await
-}
-
-/// Where the coordinator is: the leader etcd names, else `--coordinator`.
-async fn coordinator_url(cfg: &DaemonConfig) -> String {
-    if cfg.etcd.is_empty() {
-        return cfg.coordinator.clone();
-    }
-    let key = accrue_proto::layout::etcd::leader_key(&cfg.cluster);
-    let found = async {
-        let mut c = etcd(cfg).await.ok()?;
-        let r = c.get(key, None).await.ok()?;
-        let kv = r.kvs().first()?;
-        // HOST:PORT: the scheme follows this daemon's TLS settings.
-        Some(String::from_utf8_lossy(kv.value()).into_owned())
-    };
-    match tokio::time::timeout(Duration::from_secs(3), found).await {
-        Ok(Some(url)) => url,
-        _ => cfg.coordinator.clone(),
-    }
-}
-
-/// Keeps `/accrue/<cluster>/workers/<id>` alive under a lease; re-registers
-/// after etcd lost the lease (e.g. it was down longer than the TTL).
-async fn register(cfg: DaemonConfig, info: String, ttl: i64) {
-    let key = accrue_proto::layout::etcd::worker_key(&cfg.cluster, &cfg.worker_id);
-    let every = Duration::from_millis((ttl * 1000 / 3) as u64);
-    loop {
-        let round = async {
-            let mut c = etcd(&cfg).await?;
-            let lease = c.lease_grant(ttl, None).await?.id();
-            c.put(
-                key.clone(),
-                info.clone(),
-                Some(etcd_client::PutOptions::new().with_lease(lease)),
-            )
-            .await?;
-            tracing::info!(%key, lease, "registered in etcd");
-            let (mut keeper, mut stream) = c.lease_keep_alive(lease).await?;
-            loop {
-                keeper.keep_alive().await?;
-                match tokio::time::timeout(Duration::from_secs(2), stream.message()).await {
-                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
-                    Ok(Ok(Some(_))) => return Ok::<(), etcd_client::Error>(()),
-                    Ok(Ok(None)) | Err(_) => return Ok(()),
-                    Ok(Err(e)) => return Err(e),
-                }
-                tokio::time::sleep(every).await;
-            }
-        };
-        if let Err(e) = round.await {
-            tracing::warn!(error = %e, "etcd registration interrupted; retrying");
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
 }
 
 fn stop(running: &Option<Running>, job: &str, reason: &str) {

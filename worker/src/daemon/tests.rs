@@ -243,29 +243,3 @@ fn assignments_are_confined_under_the_daemons_roots() {
         Some("sneaky/new".into())
     );
 }
-
-#[test]
-fn error_chain_names_the_sources_once() {
-    #[derive(Debug)]
-    struct Outer(std::io::Error);
-    impl std::fmt::Display for Outer {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("transport error")
-        }
-    }
-    impl std::error::Error for Outer {
-        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-            Some(&self.0)
-        }
-    }
-    let e = Outer(std::io::Error::new(
-        std::io::ErrorKind::ConnectionRefused,
-        "tcp connect error: Connection refused",
-    ));
-    assert_eq!(
-        error_chain(&e),
-        "transport error: tcp connect error: Connection refused"
-    );
-    let plain = std::io::Error::other("transport error");
-    assert_eq!(error_chain(&plain), "transport error");
-}

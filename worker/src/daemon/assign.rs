@@ -1,0 +1,77 @@
+//! What a daemon makes of an assignment: the spec with this worker's
+//! overrides and k fixed to the coordinator's, and the checkpoint folder,
+//! both confined under this worker's roots.
+
+use super::DaemonConfig;
+use accrue_proto::v1;
+use std::path::PathBuf;
+
+/// The job spec of an assignment with this daemon's overrides applied, and
+/// k fixed to the assignment's: the coordinator decides k (from the spec and
+/// the world size of this generation), so the worker never recomputes it.
+pub(super) fn assigned_spec(
+    a: &v1::Assignment,
+    cfg: &DaemonConfig,
+) -> Result<crate::spec::JobSpec, String> {
+    let proto = a.spec.clone().ok_or("the assignment has no spec")?;
+    let mut spec = accrue_proto::spec_from_proto(&proto).map_err(|e| e.to_string())?;
+    if a.accumulation_steps == 0 {
+        return Err(format!(
+            "assignment of job {} generation {} has accumulation_steps = 0 (k must be >= 1)",
+            a.job_id, a.generation
+        ));
+    }
+    spec.accumulation.steps = Some(u64::from(a.accumulation_steps));
+    spec.accumulation.global_batch = None;
+    spec.check_memory(cfg.max_job_memory)
+        .map_err(|e| format!("{e} (this worker's limit)"))?;
+    if let Some(d) = &cfg.device {
+        spec.device = d.clone();
+    }
+    if spec.threads.is_none() {
+        spec.threads = cfg.threads;
+    }
+    // Checked again here, before anything is opened: the coordinator may
+    // not see what this host sees (a symlink, another mount).
+    let roots = cfg.roots();
+    let mut spec = spec
+        .confined(&roots, &crate::spec::LocalFs)
+        .map_err(|e| format!("refused by worker {}: {e}", cfg.worker_id))?;
+    if let (Some(root), None) = (&cfg.data_root, &cfg.model_root) {
+        for p in [&mut spec.model.init, &mut spec.model.path]
+            .into_iter()
+            .flatten()
+        {
+            if p.is_relative() {
+                *p = root.join(&*p);
+            }
+        }
+    }
+    Ok(spec)
+}
+
+/// Where this generation checkpoints: the assignment's folder (the spec's
+/// `checkpoint.dir` or the coordinator's default), confined under
+/// `--checkpoint-root` when one is set.
+pub(super) fn assigned_checkpoint_dir(
+    a: &v1::Assignment,
+    cfg: &DaemonConfig,
+) -> Result<Option<PathBuf>, String> {
+    if a.checkpoint_dir.is_empty() {
+        return Ok(None);
+    }
+    let dir = PathBuf::from(&a.checkpoint_dir);
+    match crate::spec::confine_field(
+        &cfg.roots(),
+        crate::spec::Area::Checkpoint,
+        "checkpoint.dir",
+        &dir,
+        &crate::spec::LocalFs,
+    ) {
+        Ok(confined) => Ok(Some(confined.unwrap_or(dir))),
+        Err(e) => Err(format!(
+            "refused by worker {}: invalid job spec:\n  {e}",
+            cfg.worker_id
+        )),
+    }
+}
