@@ -116,6 +116,18 @@ fn dev_certs_writes_a_ca_certificates_and_tokens_that_verify() {
         assert_eq!(accrue_coordinator::tls::worker_names(&w[0]).unwrap(), names);
         assert!(verify_server(&w[0], "w-0").is_err(), "{id} as a server");
     }
+    // etcd's certificate serves its names and is server-only: its DNS
+    // names could otherwise pass for worker ids at WorkerService (etcd then
+    // logs a refused self-connection of its JSON gateway, which accrue does
+    // not use; see docs/SECURITY.md, etcd).
+    let etcd = certs(&dir.join("etcd-server.pem"));
+    for name in ["coord.example.com", "localhost", "127.0.0.1"] {
+        verify_server(&etcd[0], name).unwrap_or_else(|e| panic!("etcd {name}: {e}"));
+    }
+    assert!(
+        verify_client(&etcd[0]).is_err(),
+        "etcd's certificate as a client"
+    );
     assert!(
         verify_client(&coord[0]).is_err(),
         "the coordinator as a worker"
