@@ -479,14 +479,38 @@ pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
     })
 }
 
+/// How long `watch` keeps trying to watch again after losing the
+/// coordinator: enough for a leader's lease to expire, a follower to take
+/// over and a Kubernetes controller to restart a pod.
+pub const REWATCH_LIMIT: Duration = Duration::from_secs(120);
+
+/// Whether `watch` opens the job's stream again: the stream failed with
+/// `code` (None: it ended cleanly) while the job was last seen in `last`,
+/// `lost_for` after the first failure in a row. A coordinator that dies or
+/// steps down ends the stream before the job ends; an answer about the
+/// request itself (not found, not allowed) is final.
+pub fn rewatch(code: Option<tonic::Code>, last: Option<JobState>, lost_for: Duration) -> bool {
+    use tonic::Code;
+    if lost_for > REWATCH_LIMIT {
+        return false;
+    }
+    match code {
+        None => !last.is_some_and(accrue_coordinator::state::is_final),
+        Some(c) => matches!(
+            c,
+            Code::Unavailable
+                | Code::Unknown
+                | Code::Internal
+                | Code::Cancelled
+                | Code::Aborted
+                | Code::DeadlineExceeded
+        ),
+    }
+}
+
 /// Follows a job until it ends; returns the final job. With `json` every
 /// event is printed as one JSON line (see [`event_json`]).
 pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<Job> {
-    let mut stream = client
-        .watch_job(v1::WatchJobRequest { id: id.to_string() })
-        .await
-        .map_err(status_err)?
-        .into_inner();
     let tty = !json && std::io::IsTerminal::is_terminal(&std::io::stdout());
     let bar = tty.then(|| {
         let b = indicatif::ProgressBar::new(0);
@@ -497,65 +521,160 @@ pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<
         b
     });
     let mut last: Option<Job> = None;
-    while let Some(ev) = stream.message().await.map_err(status_err)? {
-        if let Some(j) = &ev.job {
-            last = Some(j.clone());
+    // Since when the coordinator has been lost (None: watching).
+    let mut lost: Option<std::time::Instant> = None;
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let opened = client
+            .watch_job(v1::WatchJobRequest { id: id.to_string() })
+            .await;
+        let mut stream = match opened {
+            Ok(s) => s.into_inner(),
+            Err(e) => {
+                let since = *lost.get_or_insert_with(std::time::Instant::now);
+                if !rewatch(
+                    Some(e.code()),
+                    last.as_ref().map(|j| j.state()),
+                    since.elapsed(),
+                ) {
+                    return Err(status_err(e));
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        let ended = loop {
+            match stream.message().await {
+                Ok(Some(ev)) => {
+                    lost = None;
+                    backoff = Duration::from_millis(200);
+                    show_event(&ev, &mut last, json, bar.as_ref());
+                }
+                Ok(None) => break None,
+                Err(e) => break Some(e),
+            }
+        };
+        let state = last.as_ref().map(|j| j.state());
+        let since = *lost.get_or_insert_with(std::time::Instant::now);
+        if !rewatch(ended.as_ref().map(|e| e.code()), state, since.elapsed()) {
+            if let Some(e) = ended {
+                return Err(status_err(e));
+            }
+            break;
         }
-        if json {
-            if let Some(v) = event_json(&ev) {
-                println!("{v}");
-            }
-            continue;
-        }
-        match ev.event {
-            Some(job_event::Event::Step(r)) => {
-                let line = format!(
-                    "loss {:.4} grad_norm {:.4} clip {:.3} samples/s {:.0}",
-                    r.loss, r.grad_norm, r.clip_coef, r.samples_per_sec
-                );
-                match &bar {
-                    Some(b) => {
-                        b.set_length(r.total_steps);
-                        b.set_position(r.step);
-                        b.set_message(line);
-                    }
-                    None => println!("step {}/{} epoch {} {line}", r.step, r.total_steps, r.epoch),
-                }
-            }
-            Some(job_event::Event::Transition(t)) => {
-                let to = JobState::try_from(t.to).unwrap_or(JobState::Unspecified);
-                let text = format!("{}: {}", state_name(to), t.reason);
-                match &bar {
-                    Some(b) => b.println(text),
-                    None => println!("{text}"),
-                }
-            }
-            Some(job_event::Event::Eval(e)) => {
-                let text = format!(
-                    "eval step {} accuracy {:.4} loss {:.4}",
-                    e.step, e.accuracy, e.loss
-                );
-                match &bar {
-                    Some(b) => b.println(text),
-                    None => println!("{text}"),
-                }
-            }
-            // The snapshot the stream opens with: where the job stands now
-            // (the only event for a job that has already ended).
-            None => {
-                if let Some(j) = &ev.job {
-                    let why = j.history.last().map_or("", |h| h.reason.as_str());
-                    let text = format!("{} {}: {why}", j.id, state_name(j.state()));
-                    match &bar {
-                        Some(b) => b.println(text),
-                        None => println!("{text}"),
-                    }
-                }
-            }
+        let why = ended.map_or_else(
+            || "the stream ended before the job".to_string(),
+            |e| accrue_proto::status_chain(&e),
+        );
+        let text = format!("lost the coordinator ({why}); watching {id} again");
+        match &bar {
+            Some(b) => b.println(text),
+            None => eprintln!("{text}"),
         }
     }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     last.ok_or_else(|| anyhow::anyhow!("the watch stream ended without any event"))
+}
+
+/// Prints one event of a watched job (a progress bar on a terminal, lines
+/// otherwise, JSON with `json`) and keeps the job it carries in `last`.
+fn show_event(
+    ev: &v1::JobEvent,
+    last: &mut Option<Job>,
+    json: bool,
+    bar: Option<&indicatif::ProgressBar>,
+) {
+    if let Some(j) = &ev.job {
+        *last = Some(j.clone());
+    }
+    if json {
+        if let Some(v) = event_json(ev) {
+            println!("{v}");
+        }
+        return;
+    }
+    match &ev.event {
+        Some(job_event::Event::Step(r)) => {
+            let line = format!(
+                "loss {:.4} grad_norm {:.4} clip {:.3} samples/s {:.0}",
+                r.loss, r.grad_norm, r.clip_coef, r.samples_per_sec
+            );
+            match bar {
+                Some(b) => {
+                    b.set_length(r.total_steps);
+                    b.set_position(r.step);
+                    b.set_message(line);
+                }
+                None => println!("step {}/{} epoch {} {line}", r.step, r.total_steps, r.epoch),
+            }
+        }
+        Some(job_event::Event::Transition(t)) => {
+            let to = JobState::try_from(t.to).unwrap_or(JobState::Unspecified);
+            let text = format!("{}: {}", state_name(to), t.reason);
+            match bar {
+                Some(b) => b.println(text),
+                None => println!("{text}"),
+            }
+        }
+        Some(job_event::Event::Eval(e)) => {
+            let text = format!(
+                "eval step {} accuracy {:.4} loss {:.4}",
+                e.step, e.accuracy, e.loss
+            );
+            match bar {
+                Some(b) => b.println(text),
+                None => println!("{text}"),
+            }
+        }
+        // The snapshot the stream opens with: where the job stands now
+        // (the only event for a job that has already ended).
+        None => {
+            if let Some(j) = &ev.job {
+                let why = j.history.last().map_or("", |h| h.reason.as_str());
+                let text = format!("{} {}: {why}", j.id, state_name(j.state()));
+                match bar {
+                    Some(b) => b.println(text),
+                    None => println!("{text}"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{rewatch, REWATCH_LIMIT};
+    use accrue_proto::v1::JobState;
+    use std::time::Duration;
+    use tonic::Code;
+
+    /// `accrue watch` and `submit --wait` outlive a coordinator failover:
+    /// a lost connection or a stream that ends before the job does is
+    /// watched again, for a bounded time; answers about the request are
+    /// final, and so is a stream that ends with the job.
+    #[test]
+    fn a_lost_coordinator_is_watched_again_within_the_limit() {
+        let running = Some(JobState::Running);
+        let soon = Duration::from_secs(1);
+        for c in [Code::Unavailable, Code::Unknown, Code::Internal, Code::Cancelled] {
+            assert!(rewatch(Some(c), running, soon), "{c:?}");
+            assert!(!rewatch(Some(c), running, REWATCH_LIMIT + soon), "{c:?} after the limit");
+        }
+        for c in [
+            Code::NotFound,
+            Code::PermissionDenied,
+            Code::Unauthenticated,
+            Code::InvalidArgument,
+        ] {
+            assert!(!rewatch(Some(c), running, soon), "{c:?}");
+        }
+        assert!(rewatch(None, running, soon), "ended before the job");
+        assert!(rewatch(None, None, soon), "ended before any event");
+        for s in [JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
+            assert!(!rewatch(None, Some(s), soon), "{s:?}");
+        }
+    }
 }
