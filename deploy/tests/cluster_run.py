@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A cluster run driven by the rendered manifests (issue 15, WORK IN PROGRESS).
+"""A cluster run driven by the rendered manifests (issue 15).
 
 Reads a rendered overlay (kubectl kustomize output) and runs every pod of its
 workloads as local processes, as a kubelet and the controllers would:
@@ -23,10 +23,23 @@ workloads as local processes, as a kubelet and the controllers would:
 Needs root (network namespaces, mounts, chroot). Nothing in a command line is
 written here: it all comes from the rendered YAML.
 
-Status: the namespace/bridge/hosts/volume/probe/proxy machinery and the
-etcd StatefulSet run (`cluster_run.py etcd RENDERED.yaml`); the coordinator
-and worker pods, the submit Job, the kills and the parameter comparison are
-not written yet (see the closing note of the stop that started it).
+`run REPO BIN_DIR WORKDIR` (what tests/cluster_run.rs calls): deploy/ is
+copied, its Secrets made with this build's CLI (deploy/make-secrets.sh), the
+cpu overlay rendered with the venv's kubectl; the pods of every workload
+start; once etcd, the workers and one leading coordinator are ready, the
+example Job (deploy/examples/submit-job.yaml, `accrue submit --wait` through
+the coordinator Service) runs; at a sixth of the job the leader coordinator
+pod and worker-1 are killed with SIGKILL and replaced as their controllers
+would (a new Deployment pod; the StatefulSet pod under its name and
+address). It passes when the submit Job exits 0 and the final parameters
+equal, bit for bit, an undisturbed `accrue local` run of the same spec with
+the same world size and intra-op threads (the worker's CPU limit).
+
+What it does not do: a real kubelet, CNI, kube-proxy or DNS; NetworkPolicies
+are not enforced; images are the runtime tree (etcd: the host's etcd 3.4 in
+a tree of its own), not pulled images; PVCs are host folders.
+
+`etcd RENDERED.yaml WORKDIR`: only the etcd StatefulSet, to ready.
 """
 
 import base64
@@ -95,6 +108,7 @@ class Net:
         self.next_pod = 1
         self.next_svc = 1
         self.pods = {}
+        self.next_veth = 0
 
     def up(self):
         sh("ip", "netns", "add", self.cluster)
@@ -116,7 +130,8 @@ class Net:
         if ip is None:
             ip = f"10.213.1.{self.next_pod}"
             self.next_pod += 1
-        veth = f"v{self.tag}{len(self.pods)}"[:15]
+        veth = f"v{self.tag}x{self.next_veth}"[:15]
+        self.next_veth += 1
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "set", "lo", "up", netns=ns)
         sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns,
@@ -330,7 +345,7 @@ class Runner:
                 os.makedirs(os.path.join(root, d))
         shutil.copytree(os.path.join(tree, "etc"), os.path.join(root, "etc"), dirs_exist_ok=True)
         with open(os.path.join(root, "etc", "hosts"), "w") as f:
-            f.write(hosts_text)
+            f.write(f"{pod.ip} {pod.name}\n" + hosts_text)
         for d in ("proc", "dev", "tmp"):
             os.makedirs(os.path.join(root, d), exist_ok=True)
         mounts = []
@@ -461,9 +476,257 @@ class Proxy:
         copy(u, c)
 
 
+class Cluster:
+    """The controllers and the kubelet: desired pods kept running, probes
+    polled, Service endpoints = ready pods."""
+
+    def __init__(self, objs, net, runner, ns="accrue"):
+        self.objs = objs
+        self.net = net
+        self.runner = runner
+        self.ns = ns
+        self.pods = {}  # name -> PodSpec
+        self.ready = {}
+        self.lock = threading.Lock()
+        self.services = {}  # ClusterIP Service name -> VIP
+        self.next_ip = 10
+        self.stopped = False
+
+    def ip(self):
+        ip = f"10.213.1.{self.next_ip}"
+        self.next_ip += 1
+        return ip
+
+    def desired(self):
+        """Every pod the workloads ask for (StatefulSet names are stable;
+        Deployment pods get a fresh suffix)."""
+        out = []
+        for sts in self.objs.of("StatefulSet"):
+            for i in range(sts["spec"].get("replicas", 1)):
+                out.append((sts, f"{sts['metadata']['name']}-{i}"))
+        for dep in self.objs.of("Deployment"):
+            for i in range(dep["spec"].get("replicas", 1)):
+                out.append((dep, f"{dep['metadata']['name']}-{os.urandom(3).hex()}"))
+        return out
+
+    def hosts(self):
+        ns = self.ns
+        lines = ["127.0.0.1 localhost"]
+        for name, ip in self.services.items():
+            lines.append(f"{ip} {name} {name}.{ns} {name}.{ns}.svc {name}.{ns}.svc.cluster.local")
+        for svc in self.objs.of("Service"):
+            if svc["spec"].get("clusterIP") != "None":
+                continue
+            sname = svc["metadata"]["name"]
+            for p in self.pods.values():
+                if matches(svc["spec"]["selector"], p.labels):
+                    lines.append(
+                        f"{p.ip} {p.name}.{sname} {p.name}.{sname}.{ns} "
+                        f"{p.name}.{sname}.{ns}.svc {p.name}.{sname}.{ns}.svc.cluster.local")
+        return "\n".join(lines) + "\n"
+
+    def start_services(self):
+        for svc in self.objs.of("Service"):
+            if svc["spec"].get("clusterIP") == "None":
+                continue
+            name = svc["metadata"]["name"]
+            vip = self.net.service_ip()
+            self.services[name] = vip
+            for port in svc["spec"]["ports"]:
+                Proxy(vip, port["port"], port.get("targetPort", port["port"]),
+                      self.endpoints(svc["spec"]["selector"], port.get("targetPort", port["port"])))
+
+    def endpoints(self, selector, target):
+        def eps():
+            with self.lock:
+                return [(p.ip, p.port(target)) for p in self.pods.values()
+                        if matches(selector, p.labels) and self.ready.get(p.name)]
+        return eps
+
+    def plan(self):
+        for wl, name in self.desired():
+            self.pods[name] = PodSpec(self.objs, wl, name, self.ip())
+
+    def start_all(self):
+        hosts = self.hosts()
+        for p in self.pods.values():
+            self.runner.start(p, hosts)
+
+    def probe_loop(self):
+        while not self.stopped:
+            for p in list(self.pods.values()):
+                pr = p.container.get("readinessProbe")
+                ok = probe(p, pr) if pr else True
+                with self.lock:
+                    self.ready[p.name] = ok
+            time.sleep(0.5)
+
+    def kill(self, name, replace):
+        """kill -9 of pod `name`; the controller starts its replacement:
+        the same name and address (StatefulSet) or a new pod (Deployment)."""
+        old = self.pods.pop(name)
+        with self.lock:
+            self.ready.pop(name, None)
+        self.runner.kill(name)
+        if not replace:
+            return None
+        if old.workload["kind"] == "StatefulSet":
+            new = PodSpec(self.objs, old.workload, name, old.ip)
+        else:
+            base = old.workload["metadata"]["name"]
+            new = PodSpec(self.objs, old.workload, f"{base}-{os.urandom(3).hex()}", self.ip())
+        self.pods[new.name] = new
+        self.runner.start(new, self.hosts())
+        return new.name
+
+
+def https_json(url, token, timeout=3):
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=timeout, context=ssl._create_unverified_context()) as r:
+        return json.load(r)
+
+
+def render(repo, work, bin_dir):
+    """deploy/ copied into `work`, its Secrets made with this build's CLI,
+    the cpu overlay rendered with the venv's kubectl: (rendered YAML path,
+    secrets folder)."""
+    deploy = os.path.join(work, "deploy")
+    shutil.copytree(os.path.join(repo, "deploy"), deploy, ignore=shutil.ignore_patterns("secrets"))
+    env = dict(os.environ, ACCRUE_BIN=os.path.join(bin_dir, "accrue"), ACCRUE_WORKERS="4")
+    subprocess.run(["sh", os.path.join(deploy, "make-secrets.sh")], check=True, env=env,
+                   stdout=subprocess.DEVNULL)
+    kubectl = os.path.join(repo, ".venv", "bin", "kubectl")
+    out = sh(kubectl, "kustomize", os.path.join(deploy, "overlays", "cpu"), capture=True)
+    rendered = os.path.join(work, "cpu.yaml")
+    with open(rendered, "w") as f:
+        f.write(out)
+    return rendered, os.path.join(deploy, "secrets")
+
+
+def compare(a, b):
+    """The largest absolute difference between two model.safetensors files
+    (None: different tensor names or shapes)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+    x, y = load_file(a), load_file(b)
+    if sorted(x) != sorted(y) or any(x[k].shape != y[k].shape for k in x):
+        return None
+    return max(float(np.abs(x[k].astype(np.float64) - y[k]).max()) for k in x)
+
+
+def run(repo, bin_dir, work):
+    """The cpu overlay end to end: a job submitted through the coordinator
+    Service by the example Job; the leader coordinator pod and worker-1
+    killed mid-job and replaced as their controllers would; the submit Job
+    must succeed and the final parameters equal an undisturbed run's
+    (`accrue local` with the same spec, world size and threads)."""
+    os.makedirs(work, exist_ok=True)
+    bins = [os.path.join(bin_dir, b) for b in ("accrue", "accrue-coordinator", "accrue-worker")]
+    rendered, secrets = render(repo, work, bin_dir)
+    example = os.path.join(repo, "deploy", "examples", "submit-job.yaml")
+    objs = Objects(load(rendered) + load(example))
+    tree = os.path.join(work, "accrue-tree")
+    sh(os.path.join(repo, "deploy/images/assemble-runtime.sh"), "--link", tree, *bins)
+    etcd_tree = os.path.join(work, "etcd-tree")
+    host_tree(shutil.which("etcd"), etcd_tree)
+    trees = {}
+    for d in objs.docs:
+        if d["kind"] in ("StatefulSet", "Deployment", "Job"):
+            img = d["spec"]["template"]["spec"]["containers"][0]["image"]
+            trees[img] = etcd_tree if "/etcd:" in img else tree
+    tag = str(os.getpid() % 10000)
+    net = Net(tag)
+    net.up()
+    runner = Runner(objs, net, work, trees)
+    # The data volume holds the digits (the spec's relative path).
+    shutil.copytree(os.path.join(repo, "data", "digits"),
+                    os.path.join(runner.shared, "accrue-data", "digits"))
+    cluster = Cluster(objs, net, runner)
+    result = {"killed": [], "submit_exit": None}
+    try:
+        enter(net.cluster)
+        cluster.start_services()
+        cluster.plan()
+        cluster.start_all()
+        threading.Thread(target=cluster.probe_loop, daemon=True).start()
+        coord = f"https://{cluster.services['coordinator']}:8080"
+        read = open(os.path.join(secrets, "read.token")).read().strip()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            with cluster.lock:
+                ready = dict(cluster.ready)
+            leaders = [n for n in cluster.pods if n.startswith("coordinator") and ready.get(n)]
+            others = [n for n in cluster.pods if not n.startswith("coordinator")]
+            if len(leaders) == 1 and all(ready.get(n) for n in others):
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"the cluster did not become ready: {ready}")
+        print("ready:", json.dumps(ready), flush=True)
+        job = objs.get("Job", "accrue-submit-digits")
+        submit = PodSpec(objs, job, "accrue-submit-digits-x1", cluster.ip())
+        cluster.pods[submit.name] = submit
+        p = runner.start(submit, cluster.hosts())
+        deadline = time.time() + 600
+        while p.poll() is None and time.time() < deadline:
+            try:
+                jobs = https_json(f"{coord}/v1/jobs", read)["jobs"]
+            except Exception:
+                jobs = []
+            step = jobs[0]["counters"].get("step", 0) if jobs else 0
+            total = jobs[0]["counters"].get("total_steps", 0) if jobs else 0
+            if not result["killed"] and total and step >= total // 6:
+                with cluster.lock:
+                    leader = next(n for n in cluster.pods
+                                  if n.startswith("coordinator") and cluster.ready.get(n))
+                print(f"step {step}/{total}: kill -9 {leader} and worker-1", flush=True)
+                new = cluster.kill(leader, replace=True)
+                cluster.kill("worker-1", replace=True)
+                result["killed"] = [leader, "worker-1"]
+                result["replacement"] = new
+            time.sleep(0.5)
+        if p.poll() is None:
+            raise RuntimeError("the submit Job did not end within 600 s")
+        result["submit_exit"] = p.returncode
+    finally:
+        cluster.stopped = True
+        for name in list(net.pods):
+            try:
+                runner.kill(name)
+            except Exception:
+                pass
+        net.down()
+    # The undisturbed run: the same spec, world size and intra-op threads.
+    ref = os.path.join(work, "reference")
+    os.makedirs(ref)
+    with open(os.path.join(ref, "job.toml"), "w") as f:
+        f.write(objs.get("ConfigMap", "accrue-job-digits")["data"]["job.toml"])
+    os.symlink(os.path.join(runner.shared, "accrue-data", "digits"), os.path.join(ref, "digits"))
+    worker = objs.get("StatefulSet", "worker")
+    threads = quantity(worker["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"], "1")
+    with open(os.path.join(work, "reference.log"), "wb") as log:
+        subprocess.run([bins[0], "local", "job.toml", "--workers", str(worker["spec"]["replicas"]),
+                        "--threads", threads, "--state-dir", "state"],
+                       cwd=ref, check=True, stdout=log, stderr=log)
+    ckpt = "checkpoints/digits-mlp-1"
+    last = open(os.path.join(ref, "state", ckpt, "LATEST")).read().strip()
+    cluster_ckpt = os.path.join(runner.shared, "accrue-checkpoints", ckpt)
+    result["cluster_latest"] = open(os.path.join(cluster_ckpt, "LATEST")).read().strip()
+    result["reference_latest"] = last
+    result["max_abs_diff"] = compare(
+        os.path.join(ref, "state", ckpt, last, "model.safetensors"),
+        os.path.join(cluster_ckpt, result["cluster_latest"], "model.safetensors"))
+    print("result:", json.dumps(result), flush=True)
+    ok = (result["submit_exit"] == 0 and len(result["killed"]) == 2
+          and result["cluster_latest"] == last and result["max_abs_diff"] == 0.0)
+    return 0 if ok else 1
+
+
 def main():
+    if len(sys.argv) == 5 and sys.argv[1] == "run":
+        sys.exit(run(sys.argv[2], sys.argv[3], sys.argv[4]))
     if len(sys.argv) != 4 or sys.argv[1] != "etcd":
-        sys.exit("usage: cluster_run.py etcd RENDERED.yaml WORKDIR  (work in progress)")
+        sys.exit("usage: cluster_run.py run REPO BIN_DIR WORKDIR | etcd RENDERED.yaml WORKDIR")
     objs = Objects(load(sys.argv[2]))
     work = sys.argv[3]
     os.makedirs(work, exist_ok=True)
