@@ -659,9 +659,17 @@ mod tests {
     fn a_lost_coordinator_is_watched_again_within_the_limit() {
         let running = Some(JobState::Running);
         let soon = Duration::from_secs(1);
-        for c in [Code::Unavailable, Code::Unknown, Code::Internal, Code::Cancelled] {
+        for c in [
+            Code::Unavailable,
+            Code::Unknown,
+            Code::Internal,
+            Code::Cancelled,
+        ] {
             assert!(rewatch(Some(c), running, soon), "{c:?}");
-            assert!(!rewatch(Some(c), running, REWATCH_LIMIT + soon), "{c:?} after the limit");
+            assert!(
+                !rewatch(Some(c), running, REWATCH_LIMIT + soon),
+                "{c:?} after the limit"
+            );
         }
         for c in [
             Code::NotFound,
