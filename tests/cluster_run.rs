@@ -5,7 +5,8 @@
 //! per pod, Service names resolving, probes polled, Services routing to
 //! ready pods only); the example submit Job trains the digits job through
 //! the coordinator Service while the leader coordinator pod and a worker
-//! pod are killed and replaced. It needs root (namespaces, mounts, chroot):
+//! pod are killed and replaced; then the CLI on this host submits a small
+//! job from outside through a forwarded port (as `kubectl port-forward`). It needs root (namespaces, mounts, chroot):
 //! without it the test says so and checks nothing.
 
 use std::path::PathBuf;
@@ -80,4 +81,13 @@ fn the_cpu_overlay_trains_through_a_leader_and_worker_kill() {
         "{result}"
     );
     assert_eq!(result["max_abs_diff"], 0.0, "{result}");
+    // From outside: the CLI on this host through a forwarded port (as
+    // `kubectl port-forward svc/coordinator`), CA and submit token.
+    assert_eq!(result["outside_exit"], 0, "{result}");
+    assert!(
+        result["outside_last"]
+            .as_str()
+            .is_some_and(|l| l.ends_with("succeeded: finished 4 optimizer steps")),
+        "{result}"
+    );
 }

@@ -31,9 +31,12 @@ example Job (deploy/examples/submit-job.yaml, `accrue submit --wait` through
 the coordinator Service) runs; at a sixth of the job the leader coordinator
 pod and worker-1 are killed with SIGKILL and replaced as their controllers
 would (a new Deployment pod; the StatefulSet pod under its name and
-address). It passes when the submit Job exits 0 and the final parameters
+address). It passes when the submit Job exits 0, the final parameters
 equal, bit for bit, an undisturbed `accrue local` run of the same spec with
-the same world size and intra-op threads (the worker's CPU limit).
+the same world size and intra-op threads (the worker's CPU limit), and the
+CLI on this host submits a small job from outside and it succeeds, through
+a loopback port forwarded to the coordinator Service (`kubectl
+port-forward`; the coordinator's certificate names localhost).
 
 What it does not do: a real kubelet, CNI, kube-proxy or DNS; NetworkPolicies
 are not enforced; images are the runtime tree (etcd: the host's etcd 3.4 in
@@ -156,14 +159,19 @@ class Net:
         sh("ip", "netns", "del", self.cluster, check=False)
 
 
-def enter(netns):
-    """Moves the calling thread (and the threads it starts) into `netns`."""
+def setns_fd(fd):
+    """Moves the calling thread into the network namespace `fd` names."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+        raise OSError(ctypes.get_errno(), "setns")
+
+
+def enter(netns):
+    """Moves the calling thread (and the threads it starts) into `netns`."""
     fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
     try:
-        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-            raise OSError(ctypes.get_errno(), f"setns {netns}")
+        setns_fd(fd)
     finally:
         os.close(fd)
 
@@ -580,6 +588,38 @@ class Cluster:
         return new.name
 
 
+OUTSIDE_JOB = """
+name = "outside"
+workers = 2
+seed = 5
+max_steps = 4
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [16]
+[data]
+kind = "synthetic"
+samples = 256
+shape = [8]
+classes = 3
+batch_size = 8
+[accumulation]
+steps = 2
+[optimizer]
+kind = "sgd"
+lr = 0.1
+"""
+
+
+def forward_loop(listener, target):
+    """Accepts on `listener` (this host's loopback) and pipes each
+    connection to `target` (inside the cluster namespace)."""
+    while True:
+        c, _ = listener.accept()
+        threading.Thread(target=Proxy.pipe, args=(c, target), daemon=True).start()
+
+
 def https_json(url, token, timeout=3):
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=timeout, context=ssl._create_unverified_context()) as r:
@@ -643,6 +683,13 @@ def run(repo, bin_dir, work):
                     os.path.join(runner.shared, "accrue-data", "digits"))
     cluster = Cluster(objs, net, runner)
     result = {"killed": [], "submit_exit": None}
+    # `kubectl port-forward svc/coordinator`: a port on this host's
+    # loopback (bound before this thread moves into the cluster namespace)
+    # forwarded to the Service.
+    forward = socket.socket()
+    forward.bind(("127.0.0.1", 0))
+    forward.listen(16)
+    host_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
     try:
         enter(net.cluster)
         cluster.start_services()
@@ -688,6 +735,25 @@ def run(repo, bin_dir, work):
         if p.poll() is None:
             raise RuntimeError("the submit Job did not end within 600 s")
         result["submit_exit"] = p.returncode
+        # From outside: the CLI on this host, through the forwarded port,
+        # with the cluster CA (the coordinator's certificate names
+        # localhost) and the submit token, submits a small job and waits.
+        vip = cluster.services["coordinator"]
+        threading.Thread(target=forward_loop, args=(forward, (vip, 50051)), daemon=True).start()
+        small = os.path.join(work, "outside.toml")
+        with open(small, "w") as f:
+            f.write(OUTSIDE_JOB)
+        port = forward.getsockname()[1]
+        o = subprocess.run(
+            [bins[0], "--coordinator", f"127.0.0.1:{port}",
+             "--ca", os.path.join(secrets, "ca.pem"),
+             "--token-file", os.path.join(secrets, "submit.token"), "submit", small, "--wait"],
+            capture_output=True, text=True, timeout=300, pass_fds=(host_ns,),
+            preexec_fn=lambda: setns_fd(host_ns))
+        with open(os.path.join(work, "outside.log"), "w") as f:
+            f.write(o.stdout + o.stderr)
+        result["outside_exit"] = o.returncode
+        result["outside_last"] = (o.stdout.strip().splitlines() or [""])[-1]
     finally:
         cluster.stopped = True
         for name in list(net.pods):
@@ -718,6 +784,7 @@ def run(repo, bin_dir, work):
         os.path.join(cluster_ckpt, result["cluster_latest"], "model.safetensors"))
     print("result:", json.dumps(result), flush=True)
     ok = (result["submit_exit"] == 0 and len(result["killed"]) == 2
+          and result["outside_exit"] == 0
           and result["cluster_latest"] == last and result["max_abs_diff"] == 0.0)
     return 0 if ok else 1
 
