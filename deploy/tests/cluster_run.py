@@ -42,7 +42,6 @@ What it does not do: a real kubelet, CNI, kube-proxy or DNS; NetworkPolicies
 are not enforced; images are the runtime tree (etcd: the host's etcd 3.4 in
 a tree of its own), not pulled images; PVCs are host folders.
 
-`etcd RENDERED.yaml WORKDIR`: only the etcd StatefulSet, to ready.
 """
 
 import base64
@@ -329,13 +328,6 @@ class Runner:
         if pod.fs_group is not None:
             os.chown(d, pod.uid, pod.fs_group)
         return d
-
-    def hosts(self, pod, services):
-        ns = pod.workload["metadata"].get("namespace", "default")
-        lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}"]
-        for name, ip in services.items():
-            lines.append(f"{ip} {name} {name}.{ns} {name}.{ns}.svc {name}.{ns}.svc.cluster.local")
-        return "\n".join(lines) + "\n"
 
     def start(self, pod, hosts_text):
         ns, _ = self.net.pod(pod.name, pod.ip)
@@ -792,54 +784,7 @@ def run(repo, bin_dir, work):
 def main():
     if len(sys.argv) == 5 and sys.argv[1] == "run":
         sys.exit(run(sys.argv[2], sys.argv[3], sys.argv[4]))
-    if len(sys.argv) != 4 or sys.argv[1] != "etcd":
-        sys.exit("usage: cluster_run.py run REPO BIN_DIR WORKDIR | etcd RENDERED.yaml WORKDIR")
-    objs = Objects(load(sys.argv[2]))
-    work = sys.argv[3]
-    os.makedirs(work, exist_ok=True)
-    etcd_bin = shutil.which("etcd")
-    tag = str(os.getpid() % 10000)
-    net = Net(tag)
-    net.up()
-    try:
-        enter(net.cluster)
-        sts = objs.get("StatefulSet", "etcd")
-        image = sts["spec"]["template"]["spec"]["containers"][0]["image"]
-        # etcd's image: the host's etcd binary in a tree of its own.
-        tree = os.path.join(work, "etcd-tree")
-        host_tree(etcd_bin, tree)
-        runner = Runner(objs, net, work, {image: tree})
-        pods = []
-        for i in range(sts["spec"]["replicas"]):
-            name = f"etcd-{i}"
-            pods.append(PodSpec(objs, sts, name, f"10.213.1.{10 + i}"))
-        services = {}
-        headless = sts["spec"]["serviceName"]
-        hosts_extra = "".join(
-            f"{p.ip} {p.name}.{headless} {p.name}.{headless}.accrue.svc {p.name}.{headless}.accrue.svc.cluster.local\n"
-            for p in pods)
-        for svc in objs.of("Service"):
-            if svc["spec"].get("clusterIP") != "None":
-                services[svc["metadata"]["name"]] = net.service_ip()
-        for p in pods:
-            runner.start(p, runner.hosts(p, services) + hosts_extra)
-        ready = {}
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            for p in pods:
-                ready[p.name] = probe(p, p.container["readinessProbe"])
-            if all(ready.values()):
-                break
-            time.sleep(1)
-        print(json.dumps(ready))
-        sys.exit(0 if all(ready.values()) else 1)
-    finally:
-        for name in list(net.pods):
-            try:
-                runner.kill(name)
-            except Exception:
-                pass
-        net.down()
+    sys.exit("usage: cluster_run.py run REPO BIN_DIR WORKDIR")
 
 
 if __name__ == "__main__":
