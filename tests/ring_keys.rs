@@ -9,8 +9,7 @@ mod common;
 use accrue_common::ringkey::derive_ring_key;
 use accrue_proto::v1;
 use common::*;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 use tempfile::TempDir;
 use tokio_stream::StreamExt;
 
@@ -98,29 +97,13 @@ fn a_short_or_missing_secret_file_stops_the_coordinator_naming_it() {
         (&missing, "cannot read the ring secret file"),
     ] {
         let log = d.path().join("refused.log");
-        let mut child = Command::new(coordinator_bin())
-            .args(coordinator_args(
-                &d.path().join("state"),
-                &["--ring-secret-file", &file.display().to_string()],
-            ))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
+        let mut cmd = Command::new(coordinator_bin());
+        cmd.args(coordinator_args(
+            &d.path().join("state"),
+            &["--ring-secret-file", &file.display().to_string()],
+        ));
         // Bounded: a coordinator that starts anyway is killed, not awaited.
-        let limit = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break Some(s);
-            }
-            if Instant::now() > limit {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let err = std::fs::read_to_string(&log).unwrap();
+        let (status, err) = bounded(cmd, &log);
         assert!(
             status.is_some_and(|s| !s.success()),
             "started with {}: {status:?}\n{err}",

@@ -433,41 +433,6 @@ fn daemon(c: &Cluster, name: &str, id: &str, cert_of: &str) -> Child {
         .unwrap()
 }
 
-/// GET `path` from the status endpoint over TLS trusting `ca`: the status
-/// code and body.
-async fn https_get(addr: &str, ca: &Path, path: &str) -> std::io::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let config = rustls::ClientConfig::builder()
-        .with_root_certificates(roots(ca))
-        .with_no_client_auth();
-    let tcp = tokio::net::TcpStream::connect(addr).await?;
-    let mut s = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
-        .await?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await?;
-    let mut buf = Vec::new();
-    // A server closing without close_notify still gave its whole answer.
-    if let Err(e) = s.read_to_end(&mut buf).await {
-        if buf.is_empty() {
-            return Err(e);
-        }
-    }
-    let resp = String::from_utf8_lossy(&buf).into_owned();
-    let code = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    Ok((code, body))
-}
-
 #[tokio::test]
 async fn a_worker_with_its_certificate_runs_a_job_submitted_over_tls() {
     accrue_proto::tls::install_crypto_provider();
@@ -475,7 +440,13 @@ async fn a_worker_with_its_certificate_runs_a_job_submitted_over_tls() {
     let ca = c.pki("ca.pem");
 
     // The status endpoint speaks TLS with the same certificate.
-    let (code, body) = https_get(&c.coord.http, &ca, "/healthz").await.unwrap();
+    let r = common::https_client(&ca)
+        .get(format!("https://{}/healthz", c.coord.http))
+        .send()
+        .await
+        .unwrap();
+    let code = r.status().as_u16();
+    let body = r.text().await.unwrap();
     assert_eq!((code, body.as_str()), (200, "ok\n"));
     let plain = reqwest::get(format!("http://{}/healthz", c.coord.http)).await;
     assert!(plain.is_err(), "plaintext HTTP answered: {plain:?}");
@@ -603,29 +574,6 @@ async fn a_worker_certificate_is_no_credential_for_job_service() {
     assert_eq!(done.state(), v1::JobState::Cancelled);
 }
 
-/// Runs `cmd` with stderr to `log` and waits at most 30 s: its exit status
-/// (None: still running, then killed) and what it logged.
-fn bounded(mut cmd: Command, log: &Path) -> (Option<std::process::ExitStatus>, String) {
-    let mut child = cmd
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap();
-    let limit = std::time::Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if std::time::Instant::now() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (status, std::fs::read_to_string(log).unwrap())
-}
-
 /// Secure by default: each binary that talks over the network refuses to
 /// start without its TLS, tokens and TLS to etcd unless `--insecure` says
 /// so, naming what is missing and the flags; `--insecure` with nothing to
@@ -649,7 +597,7 @@ async fn plaintext_needs_insecure_on_every_binary() {
         c
     };
     let refused = |cmd: Command, name: &str, wants: &[&str]| {
-        let (status, err) = bounded(cmd, &d.path().join(format!("{name}.log")));
+        let (status, err) = common::bounded(cmd, &d.path().join(format!("{name}.log")));
         assert!(
             status.is_some_and(|s| !s.success()),
             "{name} started: {err}"

@@ -438,26 +438,21 @@ def check_workload(m, w, probs, args_env):
     volume_names = set(vcts)
     for v in ps.get("volumes") or []:
         volume_names.add(v["name"])
-        if "secret" in v:
-            name = v["secret"].get("secretName")
-            data = m.secret_data(w.ns, name)
+        for field, kind, name_key, lookup in (
+            ("secret", "Secret", "secretName", m.secret_data),
+            ("configMap", "ConfigMap", "name", m.configmap_data),
+        ):
+            if field not in v:
+                continue
+            name = v[field].get(name_key)
+            data = lookup(w.ns, name)
             if data is None:
-                if not v["secret"].get("optional"):
-                    probs.add(where, f"volume {v['name']}: Secret {name} is not defined")
-            else:
-                for it in v["secret"].get("items") or []:
-                    if it["key"] not in data:
-                        probs.add(where, f"volume {v['name']}: Secret {name} has no key {it['key']}")
-        if "configMap" in v:
-            name = v["configMap"].get("name")
-            data = m.configmap_data(w.ns, name)
-            if data is None:
-                if not v["configMap"].get("optional"):
-                    probs.add(where, f"volume {v['name']}: ConfigMap {name} is not defined")
-            else:
-                for it in v["configMap"].get("items") or []:
-                    if it["key"] not in data:
-                        probs.add(where, f"volume {v['name']}: ConfigMap {name} has no key {it['key']}")
+                if not v[field].get("optional"):
+                    probs.add(where, f"volume {v['name']}: {kind} {name} is not defined")
+                continue
+            for it in v[field].get("items") or []:
+                if it["key"] not in data:
+                    probs.add(where, f"volume {v['name']}: {kind} {name} has no key {it['key']}")
         if "persistentVolumeClaim" in v:
             claim = v["persistentVolumeClaim"]["claimName"]
             if m.get("PersistentVolumeClaim", w.ns, claim) is None and claim not in vcts:

@@ -45,10 +45,8 @@ a tree of its own), not pulled images; PVCs are host folders.
 """
 
 import base64
-import ipaddress
 import json
 import os
-import re
 import shutil
 import socket
 import ssl
@@ -58,11 +56,11 @@ import threading
 import time
 import urllib.request
 
-import yaml
+
+from check_manifests import expand as expand_vars, labels_match, load_docs, parse_quantity
 
 NS_PREFIX = "acc"
 CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
-NET = ipaddress.ip_network("10.213.0.0/16")
 BRIDGE_IP = "10.213.0.1"
 
 
@@ -74,11 +72,6 @@ def sh(*args, check=True, netns=None, capture=False):
     if check and r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr.strip()}")
     return r.stdout if capture else r
-
-
-def load(path):
-    with open(path) as f:
-        return [d for d in yaml.safe_load_all(f) if d]
 
 
 class Objects:
@@ -95,10 +88,6 @@ class Objects:
             if d["metadata"]["name"] == name:
                 return d
         raise KeyError(f"no {kind} {name} in the rendered manifests")
-
-
-def matches(selector, labels):
-    return all(labels.get(k) == v for k, v in selector.items())
 
 
 class Net:
@@ -196,27 +185,13 @@ def host_tree(binary, tree):
 def quantity(q, divisor):
     """A resource quantity divided by `divisor`, rounded up (as the
     downward API's resourceFieldRef does)."""
-    units = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-             "Ki": 1024, "Mi": 1024 ** 2, "Gi": 1024 ** 3, "Ti": 1024 ** 4}
-
-    def value(s):
-        m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(s))
-        if not m or m.group(2) not in units:
-            raise ValueError(f"quantity {s!r}")
-        return float(m.group(1)) * units[m.group(2)]
-
-    v = value(q) / value(divisor)
+    v = parse_quantity(q) / parse_quantity(divisor)
     return str(int(v) if v == int(v) else int(v) + 1)
 
 
 def expand(text, env):
-    """$(VAR) expansion as the kubelet does: known names replaced, $$( kept
-    as $(, unknown references left as they are."""
-    def sub(m):
-        if m.group(0).startswith("$$"):
-            return m.group(0)[1:]
-        return env.get(m.group(1), m.group(0))
-    return re.sub(r"\$\$\(|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, text)
+    """$(VAR) expansion as the kubelet does (check_manifests.expand)."""
+    return expand_vars(text, env)[0]
 
 
 class PodSpec:
@@ -519,7 +494,7 @@ class Cluster:
                 continue
             sname = svc["metadata"]["name"]
             for p in self.pods.values():
-                if matches(svc["spec"]["selector"], p.labels):
+                if labels_match(svc["spec"]["selector"], p.labels):
                     lines.append(
                         f"{p.ip} {p.name}.{sname} {p.name}.{sname}.{ns} "
                         f"{p.name}.{sname}.{ns}.svc {p.name}.{sname}.{ns}.svc.cluster.local")
@@ -540,7 +515,7 @@ class Cluster:
         def eps():
             with self.lock:
                 return [(p.ip, p.port(target)) for p in self.pods.values()
-                        if matches(selector, p.labels) and self.ready.get(p.name)]
+                        if labels_match(selector, p.labels) and self.ready.get(p.name)]
         return eps
 
     def plan(self):
@@ -656,7 +631,7 @@ def run(repo, bin_dir, work):
     bins = [os.path.join(bin_dir, b) for b in ("accrue", "accrue-coordinator", "accrue-worker")]
     rendered, secrets = render(repo, work, bin_dir)
     example = os.path.join(repo, "deploy", "examples", "submit-job.yaml")
-    objs = Objects(load(rendered) + load(example))
+    objs = Objects(load_docs(rendered) + load_docs(example))
     tree = os.path.join(work, "accrue-tree")
     sh(os.path.join(repo, "deploy/images/assemble-runtime.sh"), "--link", tree, *bins)
     etcd_tree = os.path.join(work, "etcd-tree")
@@ -690,14 +665,23 @@ def run(repo, bin_dir, work):
         threading.Thread(target=cluster.probe_loop, daemon=True).start()
         coord = f"https://{cluster.services['coordinator']}:8080"
         read = open(os.path.join(secrets, "read.token")).read().strip()
+        # Ready: every etcd member and worker, and one leading coordinator
+        # that has kept the lead for 5 s (etcd's first elections can depose
+        # the first leader; a user would wait for a settled rollout too).
         deadline = time.time() + 120
+        settled = (None, 0.0)
         while time.time() < deadline:
             with cluster.lock:
                 ready = dict(cluster.ready)
             leaders = [n for n in cluster.pods if n.startswith("coordinator") and ready.get(n)]
             others = [n for n in cluster.pods if not n.startswith("coordinator")]
             if len(leaders) == 1 and all(ready.get(n) for n in others):
-                break
+                if settled[0] != leaders[0]:
+                    settled = (leaders[0], time.time())
+                elif time.time() - settled[1] >= 5:
+                    break
+            else:
+                settled = (None, 0.0)
             time.sleep(0.5)
         else:
             raise RuntimeError(f"the cluster did not become ready: {ready}")

@@ -75,32 +75,29 @@ pub fn client_files(
     identity_required: bool,
 ) -> Result<Option<ClientTls>, TlsError> {
     let [ca_flag, cert_flag, key_flag] = names;
-    let given: Vec<&str> = [
+    let flags = [
         (ca_flag, ca.is_some()),
         (cert_flag, cert.is_some()),
         (key_flag, key.is_some()),
-    ]
-    .into_iter()
-    .filter_map(|(n, g)| g.then_some(n))
-    .collect();
+    ];
+    let named = |given: bool| -> Vec<&str> {
+        flags
+            .iter()
+            .filter(|(_, g)| *g == given)
+            .map(|(n, _)| *n)
+            .collect()
+    };
+    let given = named(true);
     if given.is_empty() {
         return Ok(None);
     }
     let identity = match (cert, key) {
         (Some(cert), Some(key)) => Some(KeyPairFiles { cert, key }),
         (None, None) if !identity_required => None,
-        (c, k) => {
-            let missing: Vec<&str> = [
-                (ca_flag, ca.is_none()),
-                (cert_flag, c.is_none()),
-                (key_flag, k.is_none()),
-            ]
-            .into_iter()
-            .filter_map(|(n, m)| m.then_some(n))
-            .collect();
+        _ => {
             return Err(TlsError::Flags(format!(
                 "TLS needs {} as well (given: {})",
-                missing.join(" and "),
+                named(false).join(" and "),
                 given.join(", ")
             )));
         }

@@ -8,7 +8,7 @@
 use accrue::certs::{self, Ca, Validity};
 use accrue_proto::tls::ClientTls;
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
 pub struct Creds {
@@ -78,14 +78,11 @@ impl Creds {
     /// workers.
     pub fn tls_args(&self) -> Vec<String> {
         let t = self.server_tls();
-        [
+        flags([
             ("--tls-cert", t.cert),
             ("--tls-key", t.key),
             ("--client-ca", t.client_ca),
-        ]
-        .into_iter()
-        .flat_map(|(f, p)| [f.to_string(), p.display().to_string()])
-        .collect()
+        ])
     }
 
     /// `accrue-coordinator` security flags: [`Creds::tls_args`] and the
@@ -119,10 +116,7 @@ impl Creds {
     /// `accrue-worker daemon` flags for worker `id`: mutual TLS.
     pub fn worker_args(&self, id: &str) -> Vec<String> {
         let (cert, key) = self.worker_files(id);
-        [("--ca", self.ca()), ("--cert", cert), ("--key", key)]
-            .into_iter()
-            .flat_map(|(f, p)| [f.to_string(), p.display().to_string()])
-            .collect()
+        flags([("--ca", self.ca()), ("--cert", cert), ("--key", key)])
     }
 
     /// What the CLI needs in its environment: the CA and a token.
@@ -142,12 +136,7 @@ impl Creds {
 
     /// An HTTPS client trusting the cluster CA.
     pub fn http(&self) -> reqwest::Client {
-        let ca = reqwest::Certificate::from_pem(&std::fs::read(self.ca()).unwrap()).unwrap();
-        reqwest::Client::builder()
-            .add_root_certificate(ca)
-            .tls_built_in_root_certs(false)
-            .build()
-            .unwrap()
+        https_client(&self.ca())
     }
 
     /// GET `https://{http}{path}` with the token of `scope`.
@@ -165,7 +154,20 @@ impl Creds {
     }
 }
 
-/// `dir`, made absolute (the coordinator process may run elsewhere).
-pub fn absolute(dir: &Path) -> PathBuf {
-    std::path::absolute(dir).unwrap()
+/// An HTTPS client trusting only the CA in `ca` (PEM).
+pub fn https_client(ca: &std::path::Path) -> reqwest::Client {
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(ca).unwrap()).unwrap();
+    reqwest::Client::builder()
+        .add_root_certificate(ca)
+        .tls_built_in_root_certs(false)
+        .build()
+        .unwrap()
+}
+
+/// `--flag PATH` pairs as arguments.
+pub fn flags<const N: usize>(pairs: [(&str, PathBuf); N]) -> Vec<String> {
+    pairs
+        .into_iter()
+        .flat_map(|(f, p)| [f.to_string(), p.display().to_string()])
+        .collect()
 }

@@ -5,7 +5,9 @@
 #![allow(dead_code)]
 
 mod creds;
-pub use creds::creds;
+pub mod etcd;
+#[allow(unused_imports)] // not every test binary uses every helper
+pub use creds::{creds, https_client};
 
 use accrue::Client;
 use accrue_proto::v1::{self, Job, JobState};
@@ -297,4 +299,27 @@ pub async fn fake_worker(
         .unwrap()
         .into_inner();
     (tx, inbound)
+}
+
+/// Runs `cmd` with stderr to `log` and waits at most 30 s: its exit status
+/// (None: still running, then killed) and what it logged.
+pub fn bounded(mut cmd: Command, log: &Path) -> (Option<std::process::ExitStatus>, String) {
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    let limit = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if std::time::Instant::now() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(log).unwrap())
 }
