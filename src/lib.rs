@@ -515,12 +515,13 @@ pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<
     let bar = tty.then(|| {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}")
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b
     });
     let mut last: Option<Job> = None;
+    let mut recent = Recent::default();
     // Since when the coordinator has been lost (None: watching).
     let mut lost: Option<std::time::Instant> = None;
     let mut backoff = Duration::from_millis(200);
@@ -549,7 +550,7 @@ pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<
                 Ok(Some(ev)) => {
                     lost = None;
                     backoff = Duration::from_millis(200);
-                    show_event(&ev, &mut last, json, bar.as_ref());
+                    show_event(&ev, &mut last, &mut recent, json, bar.as_ref());
                 }
                 Ok(None) => break None,
                 Err(e) => break Some(e),
@@ -579,11 +580,64 @@ pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<
     last.ok_or_else(|| anyhow::anyhow!("the watch stream ended without any event"))
 }
 
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The last step reports `watch` saw, (step, unix ms), for the ETA.
+#[derive(Default)]
+struct Recent(std::collections::VecDeque<(u64, i64)>);
+
+impl Recent {
+    /// Takes a report of `step` at `now_ms`; the ETA of `total` steps
+    /// (the coordinator's rule: [`accrue_coordinator::series::eta_s`]).
+    fn eta_s(&mut self, step: u64, total: u64, now_ms: i64) -> Option<f64> {
+        self.0.push_back((step, now_ms));
+        while self.0.len() > 512 || self.0.front().is_some_and(|(_, t)| now_ms - t > 60_000) {
+            self.0.pop_front();
+        }
+        let recent: Vec<_> = self.0.iter().copied().collect();
+        accrue_coordinator::series::eta_s(&recent, total)
+    }
+}
+
+/// A duration for people: `1h02m`, `3m05s`, `12s`, `-` when unknown.
+pub fn fmt_eta(s: Option<f64>) -> String {
+    let Some(s) = s.filter(|s| s.is_finite() && *s >= 0.0) else {
+        return "-".into();
+    };
+    let s = s.round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, m, sec) => format!("{m}m{sec:02}s"),
+        (h, m, _) => format!("{h}h{m:02}m"),
+    }
+}
+
+/// The numbers of a step `watch` shows (the status page's): loss, grad
+/// norm, clip coefficient, learning rate, samples/s, samples seen, skipped
+/// steps so far and the ETA.
+pub fn step_line(r: &v1::StepReport, skipped: u64, eta_s: Option<f64>) -> String {
+    format!(
+        "loss {:.4} grad_norm {:.4} clip {:.3} lr {:.3e} samples/s {:.0} seen {} skipped {skipped} ETA {}",
+        r.loss,
+        r.grad_norm,
+        r.clip_coef,
+        r.lr,
+        r.samples_per_sec,
+        r.samples_seen,
+        fmt_eta(eta_s)
+    )
+}
+
 /// Prints one event of a watched job (a progress bar on a terminal, lines
 /// otherwise, JSON with `json`) and keeps the job it carries in `last`.
 fn show_event(
     ev: &v1::JobEvent,
     last: &mut Option<Job>,
+    recent: &mut Recent,
     json: bool,
     bar: Option<&indicatif::ProgressBar>,
 ) {
@@ -598,10 +652,12 @@ fn show_event(
     }
     match &ev.event {
         Some(job_event::Event::Step(r)) => {
-            let line = format!(
-                "loss {:.4} grad_norm {:.4} clip {:.3} samples/s {:.0}",
-                r.loss, r.grad_norm, r.clip_coef, r.samples_per_sec
-            );
+            let eta = recent.eta_s(r.step, r.total_steps, now_ms());
+            let skipped = last
+                .as_ref()
+                .and_then(|j| j.counters)
+                .map_or(0, |c| c.skipped_steps);
+            let line = step_line(r, skipped, eta);
             match bar {
                 Some(b) => {
                     b.set_length(r.total_steps);
@@ -646,7 +702,39 @@ fn show_event(
 
 #[cfg(test)]
 mod tests {
-    use super::{rewatch, REWATCH_LIMIT};
+    use super::{fmt_eta, rewatch, step_line, Recent, REWATCH_LIMIT};
+
+    #[test]
+    fn watch_shows_the_numbers_and_an_eta() {
+        assert_eq!(fmt_eta(None), "-");
+        assert_eq!(fmt_eta(Some(f64::NAN)), "-");
+        assert_eq!(fmt_eta(Some(12.4)), "12s");
+        assert_eq!(fmt_eta(Some(185.0)), "3m05s");
+        assert_eq!(fmt_eta(Some(3720.0)), "1h02m");
+        let mut recent = Recent::default();
+        // Two steps a second, 100 steps to go after step 20: 50 s.
+        let mut eta = None;
+        for step in 0..=20u64 {
+            eta = recent.eta_s(step, 120, 1_000 + 500 * step as i64);
+        }
+        let eta = eta.unwrap();
+        assert!((eta - 50.0).abs() < 1e-9, "{eta}");
+        let r = accrue_proto::v1::StepReport {
+            step: 20,
+            total_steps: 120,
+            loss: 0.53219,
+            grad_norm: 1.25,
+            clip_coef: 0.8,
+            lr: 0.05,
+            samples_per_sec: 5100.4,
+            samples_seen: 7680,
+            ..Default::default()
+        };
+        assert_eq!(
+            step_line(&r, 1, Some(eta)),
+            "loss 0.5322 grad_norm 1.2500 clip 0.800 lr 5.000e-2 samples/s 5100 seen 7680 skipped 1 ETA 50s"
+        );
+    }
     use accrue_proto::v1::JobState;
     use std::time::Duration;
     use tonic::Code;

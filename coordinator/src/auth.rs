@@ -341,7 +341,9 @@ pub fn grpc_rule(path: &str) -> Rule {
 /// everything else (dashboard, JSON, unknown paths) needs `read`.
 pub fn http_rule(method: &axum::http::Method, path: &str) -> Rule {
     match path {
-        "/healthz" | "/readyz" => Rule::Open,
+        // The page shell and its assets hold no data.
+        "/healthz" | "/readyz" | "/" => Rule::Open,
+        _ if path.starts_with("/assets/") && method == axum::http::Method::GET => Rule::Open,
         "/metrics" => Rule::Need(Scope::Metrics),
         _ if method == axum::http::Method::POST => Rule::Need(Scope::Submit),
         _ => Rule::Need(Scope::Read),

@@ -16,8 +16,10 @@
 use crate::gate::Gate;
 use crate::service::{Config, Coordinator};
 use crate::store::{supersedes, JobStore, StoreError, Write, WriteProgress, WriteQueue};
-use accrue_proto::layout::etcd::{job_key, jobs_prefix, leader_key, workers_prefix};
-use accrue_proto::v1::Job;
+use accrue_proto::layout::etcd::{
+    job_key, jobs_prefix, leader_key, series_key, series_prefix, workers_prefix,
+};
+use accrue_proto::v1::{Job, JobSeries};
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
     WatchOptions,
@@ -85,6 +87,7 @@ pub struct EtcdStore {
     queue: WriteQueue,
     ok: Arc<AtomicBool>,
     at_open: Vec<Job>,
+    series_at_open: Vec<JobSeries>,
 }
 
 /// Who writes: the leader key and lease that fence the writes, and the
@@ -123,11 +126,34 @@ impl EtcdStore {
                 .and_then(|n| n.parse::<u64>().ok())
                 .unwrap_or(u64::MAX)
         });
+        let resp = c
+            .get(
+                series_prefix(&cfg.cluster),
+                Some(GetOptions::new().with_prefix()),
+            )
+            .await
+            .map_err(|e| backend(&cfg.endpoints, e))?;
+        let mut series_at_open = Vec::new();
+        for kv in resp.kvs() {
+            series_at_open.push(JobSeries::decode(kv.value()).map_err(|e| {
+                backend(
+                    &cfg.endpoints,
+                    format!("{}: {e}", String::from_utf8_lossy(kv.key())),
+                )
+            })?);
+        }
         let (queue, rx) = WriteQueue::new(format!("etcd {}", cfg.endpoints.join(",")).into());
         let ok = Arc::new(AtomicBool::new(true));
         let (ok2, progress) = (ok.clone(), queue.progress());
-        let written: BTreeMap<String, u64> =
-            at_open.iter().map(|j| (j.id.clone(), j.version)).collect();
+        let written: BTreeMap<String, u64> = at_open
+            .iter()
+            .map(|j| (format!("job/{}", j.id), j.version))
+            .chain(
+                series_at_open
+                    .iter()
+                    .map(|s| (format!("series/{}", s.job_id), s.version)),
+            )
+            .collect();
         let cluster = cfg.cluster.clone();
         let thread = std::thread::Builder::new()
             .name("accrue-etcd-writer".into())
@@ -143,7 +169,12 @@ impl EtcdStore {
             })
             .map_err(|e| backend(&cfg.endpoints, e))?;
         queue.set_writer(thread);
-        Ok(Self { queue, ok, at_open })
+        Ok(Self {
+            queue,
+            ok,
+            at_open,
+            series_at_open,
+        })
     }
 }
 
@@ -152,7 +183,8 @@ struct Writer {
     cluster: String,
     fence: Fence,
     ok: Arc<AtomicBool>,
-    /// The newest version written of each job.
+    /// The newest version written of each job and series (by
+    /// [`Write::key`]).
     written: BTreeMap<String, u64>,
 }
 
@@ -168,16 +200,36 @@ enum Attempt {
 impl Writer {
     fn attempt(&mut self, rt: &tokio::runtime::Runtime, w: &Write) -> Attempt {
         let key = job_key(&self.cluster, w.id());
-        let op = match w {
+        let wkey = w.key();
+        let (ops, version) = match w {
             Write::Put(job) => {
-                if !supersedes(self.written.get(&job.id).copied(), job.version) {
+                if !supersedes(self.written.get(&wkey).copied(), job.version) {
                     return Attempt::Done;
                 }
                 let mut job = (**job).clone();
                 job.written_by = self.fence.writer.clone();
-                TxnOp::put(key, job.encode_to_vec(), None)
+                (
+                    vec![TxnOp::put(key, job.encode_to_vec(), None)],
+                    Some(job.version),
+                )
             }
-            Write::Delete(_) => TxnOp::delete(key, None),
+            Write::Series(s) => {
+                if !supersedes(self.written.get(&wkey).copied(), s.version) {
+                    return Attempt::Done;
+                }
+                let key = series_key(&self.cluster, &s.job_id);
+                (
+                    vec![TxnOp::put(key, s.encode_to_vec(), None)],
+                    Some(s.version),
+                )
+            }
+            Write::Delete(id) => (
+                vec![
+                    TxnOp::delete(key, None),
+                    TxnOp::delete(series_key(&self.cluster, id), None),
+                ],
+                None,
+            ),
         };
         let txn = Txn::new()
             .when([Compare::lease(
@@ -185,14 +237,14 @@ impl Writer {
                 CompareOp::Equal,
                 self.fence.lease,
             )])
-            .and_then([op]);
+            .and_then(ops);
         let mut c = self.client.clone();
         let r =
             rt.block_on(async { tokio::time::timeout(Duration::from_secs(2), c.txn(txn)).await });
         match r {
             Ok(Ok(resp)) if resp.succeeded() => {
-                if let Write::Put(job) = w {
-                    self.written.insert(job.id.clone(), job.version);
+                if let Some(v) = version {
+                    self.written.insert(wkey, v);
                 }
                 Attempt::Done
             }
@@ -228,7 +280,7 @@ impl Writer {
                     Ok(first) => {
                         for (ticket, w) in std::iter::once(first).chain(rx.try_iter()) {
                             received = received.max(ticket);
-                            let id = w.id().to_string();
+                            let id = w.key();
                             if !pending.contains_key(&id) {
                                 order.push(id.clone());
                             }
@@ -289,6 +341,12 @@ impl JobStore for EtcdStore {
     }
     fn list(&self) -> Result<Vec<Job>, StoreError> {
         Ok(self.at_open.clone())
+    }
+    fn put_series(&self, series: &JobSeries) -> Result<u64, StoreError> {
+        self.queue.push(Write::Series(Box::new(series.clone())))
+    }
+    fn list_series(&self) -> Result<Vec<JobSeries>, StoreError> {
+        Ok(self.series_at_open.clone())
     }
     fn health(&self) -> Result<(), String> {
         if self.ok.load(Ordering::SeqCst) {

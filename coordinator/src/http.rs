@@ -1,6 +1,7 @@
-//! The status endpoint: /healthz, /readyz, /v1/jobs, /v1/jobs/{id},
-//! POST /v1/jobs/{id}/cancel, /metrics (Prometheus text) and / (a small
-//! dashboard).
+//! The status endpoint: /healthz, /readyz, /v1/whoami, /v1/jobs,
+//! /v1/jobs/{id}, /v1/jobs/{id}/series, /v1/jobs/{id}/events (SSE),
+//! /v1/workers, POST /v1/jobs/{id}/cancel, /metrics (Prometheus text) and
+//! / (the status page: `coordinator/assets/`, embedded).
 //!
 //! With a tokens file every request but the probes needs `authorization:
 //! Bearer <token>` (401 without, 403 with a token lacking the scope; see
@@ -12,12 +13,13 @@
 use crate::auth::{self, Principal, Tokens};
 use crate::error::CoordError;
 use crate::gate::Gate;
+use crate::series;
 use crate::service::Coordinator;
 use accrue_proto::v1::{Job, JobState};
-use axum::extract::{Path, Request, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
@@ -25,8 +27,8 @@ use std::fmt::Write;
 use std::sync::Arc;
 
 /// Headers on every response: scripts, styles and frames only from this
-/// origin (the dashboard has none), no content-type sniffing, not framed,
-/// no referrer, not cached.
+/// origin (the page's own assets; nothing inline), no content-type
+/// sniffing, not framed, no referrer, not cached.
 pub const SECURITY_HEADERS: [(&str, &str); 5] = [
     ("content-security-policy", "default-src 'self'"),
     ("x-content-type-options", "nosniff"),
@@ -38,7 +40,22 @@ pub const SECURITY_HEADERS: [(&str, &str); 5] = [
 /// The router; `tokens` None: no authentication (every route open).
 pub fn router(g: Arc<Gate>, tokens: Option<Arc<Tokens>>) -> Router {
     Router::new()
-        .route("/", get(dashboard))
+        .route(
+            "/",
+            get(|| async { asset("text/html; charset=utf-8", INDEX_HTML) }),
+        )
+        .route(
+            "/assets/app.js",
+            get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }),
+        )
+        .route(
+            "/assets/app.css",
+            get(|| async { asset("text/css; charset=utf-8", APP_CSS) }),
+        )
+        .route("/v1/whoami", get(whoami))
+        .route("/v1/workers", get(workers))
+        .route("/v1/jobs/{id}/series", get(series_of))
+        .route("/v1/jobs/{id}/events", get(events))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/v1/jobs", get(list))
@@ -216,7 +233,12 @@ async fn list(State(g): State<Arc<Gate>>) -> Response {
         Ok(c) => c,
         Err(r) => return r,
     };
-    Json(json!({ "jobs": c.jobs().iter().map(job_json).collect::<Vec<_>>() })).into_response()
+    let jobs = c.with_cluster(|cl| {
+        cl.jobs()
+            .map(|j| job_view(j, cl.series(&j.id)))
+            .collect::<Vec<_>>()
+    });
+    Json(json!({ "jobs": jobs })).into_response()
 }
 
 async fn one(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response {
@@ -224,9 +246,9 @@ async fn one(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response {
         Ok(c) => c,
         Err(r) => return r,
     };
-    match c.job(&id) {
-        Ok(j) => Json(job_json(&j)).into_response(),
-        Err(e) => e.into_response(),
+    match c.with_cluster(|cl| cl.job(&id).map(|j| job_view(j, cl.series(&id)))) {
+        Some(v) => Json(v).into_response(),
+        None => CoordError::JobNotFound(id).into_response(),
     }
 }
 
@@ -381,81 +403,190 @@ async fn metrics(State(g): State<Arc<Gate>>) -> Response {
         .into_response()
 }
 
-async fn dashboard(State(g): State<Arc<Gate>>) -> Response {
+/// The page shell and its assets (`coordinator/assets/`, embedded in the
+/// binary): open to all, they hold no data; the page asks for a token and
+/// reads everything through the `/v1` API with it.
+const INDEX_HTML: &str = include_str!("../assets/index.html");
+const APP_JS: &str = include_str!("../assets/app.js");
+const APP_CSS: &str = include_str!("../assets/app.css");
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    ([(header::CONTENT_TYPE, content_type)], body).into_response()
+}
+
+/// `GET /v1/whoami`: who the token is and what it may do (the page shows
+/// the cancel button from it).
+async fn whoami(p: Option<Extension<Principal>>) -> Response {
+    let v = match p {
+        Some(Extension(p)) => json!({
+            "auth": true,
+            "principal": p.name,
+            "scopes": p.scopes.iter().map(|s| s.name()).collect::<Vec<_>>(),
+        }),
+        None => json!({
+            "auth": false,
+            "principal": null,
+            "scopes": auth::Scope::ALL.iter().map(|s| s.name()).collect::<Vec<_>>(),
+        }),
+    };
+    Json(v).into_response()
+}
+
+/// A job as the API shows it: [`job_json`], its ETA and its clipping.
+pub fn job_view(j: &Job, series: Option<&accrue_proto::v1::JobSeries>) -> Value {
+    let mut v = job_json(j);
+    let total = j.counters.map_or(0, |c| c.total_steps);
+    let live = !crate::state::is_final(j.state());
+    v["eta_s"] = json!(series
+        .filter(|_| live && total > 0)
+        .and_then(|s| series::series_eta_s(s, total)));
+    let clip = j.spec.as_ref().and_then(|s| s.clipping.as_ref()).map(
+        |c| json!({"max_norm": c.max_norm, "norm_type": c.norm_type, "clip_value": c.clip_value}),
+    );
+    v["clip"] =
+        clip.unwrap_or_else(|| json!({"max_norm": null, "norm_type": null, "clip_value": null}));
+    v
+}
+
+#[derive(serde::Deserialize)]
+struct SeriesQuery {
+    from_step: Option<u64>,
+    max_points: Option<usize>,
+}
+
+/// `GET /v1/jobs/{id}/series`: see [`series::query_json`]; the job's
+/// recoveries come along (the chart markers).
+async fn series_of(
+    State(g): State<Arc<Gate>>,
+    Path(id): Path<String>,
+    Query(q): Query<SeriesQuery>,
+) -> Response {
     let c = match leader(&g) {
         Ok(c) => c,
         Err(r) => return r,
     };
-    Html(dashboard_html(&c.jobs(), c.worker_count()).into_string()).into_response()
+    let max_points = q.max_points.unwrap_or(series::DEFAULT_POINTS);
+    if let Some(why) = series::check_points(max_points) {
+        return CoordError::InvalidArgument(why).into_response();
+    }
+    let v = c.with_cluster(|cl| {
+        let (Some(job), Some(s)) = (cl.job(&id), cl.series(&id)) else {
+            return None;
+        };
+        let mut v = series::query_json(s, q.from_step.unwrap_or(0), max_points);
+        v["recoveries"] = job_json(job)["recoveries"].take();
+        Some(v)
+    });
+    match v {
+        Some(v) => Json(v).into_response(),
+        None => CoordError::JobNotFound(id).into_response(),
+    }
 }
 
-/// The dashboard page. Built with maud, which escapes every value it
-/// inserts: whatever a job holds (its owner, its error) is text, never
-/// markup. No scripts or styles (the CSP allows none inline).
-pub fn dashboard_html(jobs: &[Job], workers: usize) -> maud::Markup {
-    use maud::{html, DOCTYPE};
-    html! {
-        (DOCTYPE)
-        html {
-            head {
-                meta charset="utf-8";
-                meta http-equiv="refresh" content="2";
-                title { "accrue" }
-            }
-            body {
-                h1 { "accrue" }
-                p { (workers) " workers attached" }
-                table border="1" cellpadding="4" {
-                    tr {
-                        th { "job" } th { "owner" } th { "state" } th { "step" } th { "loss" }
-                        th { "grad norm" } th { "samples/s" } th { "error" }
-                    }
-                    @for j in jobs {
-                        @let k = j.counters.unwrap_or_default();
-                        tr {
-                            td { a href=(format!("/v1/jobs/{}", j.id)) { (j.id) } }
-                            td { @if j.owner.is_empty() { "-" } @else { (j.owner) } }
-                            td { (state_name(j.state())) }
-                            td { (k.step) "/" (k.total_steps) }
-                            td { (format!("{:.4}", k.loss)) }
-                            td { (format!("{:.3}", k.grad_norm)) }
-                            td { (format!("{:.0}", k.samples_per_sec)) }
-                            td { (j.error) }
+/// `GET /v1/workers`: every attached worker, what it runs and how lately
+/// it was heard from.
+async fn workers(State(g): State<Arc<Gate>>) -> Response {
+    let c = match leader(&g) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let now = crate::service::now_ms();
+    let list = c.with_cluster(|cl| {
+        cl.workers()
+            .map(|(id, w)| {
+                let job = w.job.as_ref().map(|(j, _)| j.as_str());
+                json!({
+                    "id": id,
+                    "device": w.device,
+                    "data_addr": w.data_addr,
+                    "job": job,
+                    "rank": w.job.as_ref().map(|(_, r)| r),
+                    "generation": job.and_then(|j| cl.job(j)).map(|j| j.generation),
+                    "last_seen_age_s": (now - w.last_seen_ms).max(0) as f64 / 1000.0,
+                    "step": w.step.map(|(s, _)| s),
+                    "samples_per_sec": w.step.map(|(_, r)| r),
+                })
+            })
+            .collect::<Vec<_>>()
+    });
+    Json(json!({ "workers": list })).into_response()
+}
+
+/// How often the event stream of a job sends an update, at most.
+const UPDATE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// `GET /v1/jobs/{id}/events`: Server-Sent Events, `event: update` with
+/// `{"job": <job>, "points": <the new steps as one-step buckets, columns
+/// like the series'> | null, "resync": bool}`, at most every 250 ms while
+/// something happens; `resync` says updates were lost (refetch the
+/// series). It ends once the job has ended.
+async fn events(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    use tokio::sync::broadcast::error::RecvError;
+    let c = match leader(&g) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let mut rx = c.subscribe();
+    let first = c.with_cluster(|cl| cl.job(&id).map(|j| job_view(j, cl.series(&id))));
+    let Some(first) = first else {
+        return CoordError::JobNotFound(id).into_response();
+    };
+    let (tx, out) = tokio::sync::mpsc::channel::<Result<Event, std::convert::Infallible>>(8);
+    let update = |job: &Value, points: &[accrue_proto::v1::SeriesBucket], resync: bool| {
+        let points = (!points.is_empty())
+            .then(|| series::columns_json(&series::downsample(points, series::DEFAULT_POINTS)));
+        Ok(Event::default()
+            .event("update")
+            .data(json!({"job": job, "points": points, "resync": resync}).to_string()))
+    };
+    tokio::spawn(async move {
+        let ended = |v: &Value| {
+            matches!(
+                v["state"].as_str(),
+                Some("succeeded" | "failed" | "cancelled")
+            )
+        };
+        if tx.send(update(&first, &[], false)).await.is_err() || ended(&first) {
+            return;
+        }
+        let (mut job, mut points, mut resync, mut dirty) = (first, Vec::new(), false, false);
+        let mut tick = tokio::time::interval(UPDATE_EVERY);
+        loop {
+            tokio::select! {
+                r = rx.recv() => match r {
+                    Ok(ev) => {
+                        let Some(j) = ev.job.as_ref().filter(|j| j.id == id) else { continue };
+                        if let Some(accrue_proto::v1::job_event::Event::Step(r)) = &ev.event {
+                            points.push(series::bucket_of(r, crate::service::now_ms()));
                         }
+                        job = c.with_cluster(|cl| job_view(j, cl.series(&id)));
+                        dirty = true;
                     }
+                    Err(RecvError::Lagged(_)) => {
+                        points.clear();
+                        (resync, dirty) = (true, true);
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+                _ = tick.tick(), if dirty => {
+                    if tx.send(update(&job, &points, resync)).await.is_err() || ended(&job) {
+                        return;
+                    }
+                    points.clear();
+                    (resync, dirty) = (false, false);
                 }
-                p { a href="/metrics" { "/metrics" } " · " a href="/v1/jobs" { "/v1/jobs" } }
             }
         }
-    }
+    });
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(out))
+        .keep_alive(KeepAlive::default())
+        .into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stored_text_is_rendered_as_text() {
-        let evil = r#"evil"><script>alert(1)</script>'&"#;
-        let job = Job {
-            id: "digits-mlp-1".into(),
-            owner: evil.into(),
-            error: format!("<img src=x onerror=alert(2)> {evil}"),
-            ..Default::default()
-        };
-        let page = dashboard_html(&[job], 2).into_string();
-        assert!(!page.contains("<script>"), "{page}");
-        assert!(!page.contains("<img"), "{page}");
-        assert!(
-            page.contains("evil&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;'&amp;"),
-            "{page}"
-        );
-        assert!(
-            page.contains("&lt;img src=x onerror=alert(2)&gt;"),
-            "{page}"
-        );
-        assert!(page.contains(r#"<a href="/v1/jobs/digits-mlp-1">digits-mlp-1</a>"#));
-    }
 
     #[test]
     fn state_changes_from_another_site_are_refused() {

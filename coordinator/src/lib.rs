@@ -9,6 +9,7 @@ pub mod grpc;
 pub mod http;
 pub mod ringkey;
 pub mod scheduler;
+pub mod series;
 pub mod service;
 pub mod state;
 pub mod store;

@@ -8,7 +8,7 @@
 //! handler (and no async runtime thread) waits on a disk or on etcd;
 //! [`WriteProgress`] tells how far the writes are durable.
 
-use accrue_proto::v1::Job;
+use accrue_proto::v1::{Job, JobSeries};
 use prost::Message;
 use redb::{Database, ReadableTable, TableDefinition};
 use std::path::{Path, PathBuf};
@@ -17,6 +17,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
+/// Each job's training curve (`JobSeries`), by job id.
+const SERIES: TableDefinition<&str, &[u8]> = TableDefinition::new("series");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -40,6 +42,12 @@ pub trait JobStore: Send + Sync {
     fn delete(&self, id: &str) -> Result<u64, StoreError>;
     /// The jobs stored when the store was opened, in submission order.
     fn list(&self) -> Result<Vec<Job>, StoreError>;
+    /// Queues a job's training curve for writing (kept beside the job; a
+    /// newer `version` replaces an older, never the reverse; removed with
+    /// the job).
+    fn put_series(&self, series: &JobSeries) -> Result<u64, StoreError>;
+    /// The training curves stored when the store was opened.
+    fn list_series(&self) -> Result<Vec<JobSeries>, StoreError>;
     /// Err (in words) while writes cannot reach the backend.
     fn health(&self) -> Result<(), String> {
         Ok(())
@@ -123,14 +131,25 @@ impl WriteProgress {
 /// One queued write: the newest version of a job, or its removal.
 pub enum Write {
     Put(Box<Job>),
+    Series(Box<JobSeries>),
+    /// The job's record and its series.
     Delete(String),
 }
 
 impl Write {
+    /// The job it is about.
     pub fn id(&self) -> &str {
         match self {
             Write::Put(j) => &j.id,
+            Write::Series(s) => &s.job_id,
             Write::Delete(id) => id,
+        }
+    }
+    /// What it replaces: a newer write of the same key makes it moot.
+    pub fn key(&self) -> String {
+        match self {
+            Write::Series(s) => format!("series/{}", s.job_id),
+            w => format!("job/{}", w.id()),
         }
     }
 }
@@ -193,6 +212,7 @@ impl WriteQueue {
 pub struct RedbStore {
     queue: WriteQueue,
     at_open: Vec<Job>,
+    series_at_open: Vec<JobSeries>,
     health: Arc<Mutex<Option<String>>>,
 }
 
@@ -207,8 +227,10 @@ impl RedbStore {
         let db = Database::create(&path).map_err(|e| err(e.to_string()))?;
         let txn = db.begin_write().map_err(|e| err(e.to_string()))?;
         txn.open_table(JOBS).map_err(|e| err(e.to_string()))?;
+        txn.open_table(SERIES).map_err(|e| err(e.to_string()))?;
         txn.commit().map_err(|e| err(e.to_string()))?;
-        let at_open = read_all(&db).map_err(err)?;
+        let at_open = read_all(&db).map_err(&err)?;
+        let series_at_open = read_series(&db).map_err(err)?;
         let (queue, rx) = WriteQueue::new(path.clone());
         let health = Arc::new(Mutex::new(None));
         let (progress, h2) = (queue.progress(), health.clone());
@@ -220,6 +242,7 @@ impl RedbStore {
         Ok(Self {
             queue,
             at_open,
+            series_at_open,
             health,
         })
     }
@@ -239,10 +262,22 @@ fn read_all(db: &Database) -> Result<Vec<Job>, String> {
 
 /// Applies a batch in one transaction, each write only if it supersedes
 /// what is stored.
+fn read_series(db: &Database) -> Result<Vec<JobSeries>, String> {
+    let txn = db.begin_read().map_err(|e| e.to_string())?;
+    let t = txn.open_table(SERIES).map_err(|e| e.to_string())?;
+    let mut all = Vec::new();
+    for row in t.iter().map_err(|e| e.to_string())? {
+        let (k, v) = row.map_err(|e| e.to_string())?;
+        all.push(JobSeries::decode(v.value()).map_err(|e| format!("series {}: {e}", k.value()))?);
+    }
+    Ok(all)
+}
+
 fn redb_apply(db: &Database, batch: &[(u64, Write)]) -> Result<(), String> {
     let txn = db.begin_write().map_err(|e| e.to_string())?;
     {
         let mut t = txn.open_table(JOBS).map_err(|e| e.to_string())?;
+        let mut series = txn.open_table(SERIES).map_err(|e| e.to_string())?;
         for (_, w) in batch {
             match w {
                 Write::Put(job) => {
@@ -256,8 +291,21 @@ fn redb_apply(db: &Database, batch: &[(u64, Write)]) -> Result<(), String> {
                             .map_err(|e| e.to_string())?;
                     }
                 }
+                Write::Series(s) => {
+                    let stored = series
+                        .get(s.job_id.as_str())
+                        .map_err(|e| e.to_string())?
+                        .and_then(|v| JobSeries::decode(v.value()).ok())
+                        .map(|s| s.version);
+                    if supersedes(stored, s.version) {
+                        series
+                            .insert(s.job_id.as_str(), s.encode_to_vec().as_slice())
+                            .map_err(|e| e.to_string())?;
+                    }
+                }
                 Write::Delete(id) => {
                     t.remove(id.as_str()).map_err(|e| e.to_string())?;
+                    series.remove(id.as_str()).map_err(|e| e.to_string())?;
                 }
             }
         }
@@ -303,6 +351,12 @@ impl JobStore for RedbStore {
     fn list(&self) -> Result<Vec<Job>, StoreError> {
         Ok(self.at_open.clone())
     }
+    fn put_series(&self, series: &JobSeries) -> Result<u64, StoreError> {
+        self.queue.push(Write::Series(Box::new(series.clone())))
+    }
+    fn list_series(&self) -> Result<Vec<JobSeries>, StoreError> {
+        Ok(self.series_at_open.clone())
+    }
     fn health(&self) -> Result<(), String> {
         match self
             .health
@@ -346,6 +400,32 @@ mod tests {
     fn flushed(s: &RedbStore) {
         let p = s.progress();
         assert_eq!(p.durable(), p.issued(), "close drains the queue");
+    }
+
+    #[test]
+    fn series_survive_reopening_newest_first_and_go_with_their_job() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let series = |id: &str, version: u64| JobSeries {
+            job_id: id.into(),
+            version,
+            width: version,
+            ..Default::default()
+        };
+        {
+            let s = RedbStore::open(dir.path()).unwrap();
+            s.put(&job("a", 1, 1)).unwrap();
+            s.put(&job("b", 2, 1)).unwrap();
+            s.put_series(&series("a", 7)).unwrap();
+            s.put_series(&series("a", 5)).unwrap();
+            s.put_series(&series("b", 3)).unwrap();
+            s.delete("b").unwrap();
+            s.close();
+            flushed(&s);
+        }
+        let s = RedbStore::open(dir.path()).unwrap();
+        let all = s.list_series().unwrap();
+        assert_eq!(all.len(), 1, "{all:?}");
+        assert_eq!((all[0].job_id.as_str(), all[0].version), ("a", 7));
     }
 
     #[test]

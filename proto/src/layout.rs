@@ -22,6 +22,15 @@ pub mod etcd {
     pub fn job_key(cluster: &str, job_id: &str) -> String {
         format!("{}{job_id}", jobs_prefix(cluster))
     }
+    /// `/accrue/<cluster>/series/`: each job's training curve
+    /// (`JobSeries`), beside its record rather than inside it, so the
+    /// frequent job writes stay small.
+    pub fn series_prefix(cluster: &str) -> String {
+        format!("/accrue/{cluster}/series/")
+    }
+    pub fn series_key(cluster: &str, job_id: &str) -> String {
+        format!("{}{job_id}", series_prefix(cluster))
+    }
     /// `/accrue/<cluster>/workers/`: one key per worker daemon, under the
     /// daemon's lease.
     pub fn workers_prefix(cluster: &str) -> String {

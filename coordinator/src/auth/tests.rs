@@ -143,7 +143,21 @@ fn grpc_methods_and_http_routes_need_their_scopes() {
     assert_eq!(http_rule(&Method::GET, "/healthz"), Open);
     assert_eq!(http_rule(&Method::GET, "/readyz"), Open);
     assert_eq!(http_rule(&Method::GET, "/metrics"), Need(Scope::Metrics));
-    for p in ["/", "/v1/jobs", "/v1/jobs/a-1", "/nothing"] {
+    assert_eq!(http_rule(&Method::GET, "/"), Open);
+    assert_eq!(http_rule(&Method::GET, "/assets/app.js"), Open);
+    assert_eq!(
+        http_rule(&Method::POST, "/assets/app.js"),
+        Need(Scope::Submit)
+    );
+    for p in [
+        "/v1/jobs",
+        "/v1/jobs/a-1",
+        "/v1/jobs/a-1/series",
+        "/v1/jobs/a-1/events",
+        "/v1/workers",
+        "/v1/whoami",
+        "/nothing",
+    ] {
         assert_eq!(http_rule(&Method::GET, p), Need(Scope::Read), "{p}");
     }
     assert_eq!(

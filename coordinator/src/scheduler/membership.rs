@@ -47,6 +47,8 @@ impl Cluster {
                 last_seen_ms: now,
                 job: None,
                 draining: None,
+                device: hello.device.clone(),
+                step: None,
             },
         );
         if let Some((job, generation, rank)) = claimed {
@@ -119,6 +121,7 @@ impl Cluster {
         };
         if let Some(w) = self.workers.get_mut(worker) {
             w.job = Some((job.to_string(), place));
+            w.step = None;
         }
         if generation != current {
             // It is in no ring of the current generation.

@@ -103,6 +103,9 @@ pub enum Effect {
     },
     /// Write this version of the job.
     Save(Job),
+    /// Write the job's training curve (beside the job, at most every
+    /// [`SERIES_SAVE_MS`] while it runs, and once it ends).
+    SaveSeries(v1::JobSeries),
     /// Remove the job's record.
     Delete(String),
     /// Close connection `conn` of `worker` (the worker is gone or replaced).
@@ -139,6 +142,11 @@ pub struct WorkerEntry {
     /// A job it was told to stop while not a member of it: busy until its
     /// JobDone for that job arrives.
     pub draining: Option<String>,
+    /// The device it trains on (its hello's).
+    pub device: String,
+    /// Its last step report in its current job: the step and its own
+    /// share of the throughput (the window's samples/s over the world size).
+    pub step: Option<(u64, f64)>,
 }
 
 impl WorkerEntry {
@@ -166,18 +174,26 @@ pub struct JobEntry {
     reattach_by: Option<i64>,
     /// Its record is durable: it may be scheduled.
     admitted: bool,
+    /// Its training curve, and when and at which version it was last
+    /// written.
+    series: v1::JobSeries,
+    series_saved_ms: i64,
+    series_saved: u64,
 }
 
 impl JobEntry {
     fn new(job: Job, now: i64, admitted: bool) -> Self {
         Self {
-            job,
             saved_ms: now,
             recovering_since: None,
             stalled: 0,
             acked: Default::default(),
             reattach_by: None,
             admitted,
+            series: crate::series::new(&job.id),
+            series_saved_ms: now,
+            series_saved: 0,
+            job,
         }
     }
 }
@@ -237,10 +253,27 @@ fn transition_event(job: &Job, t: v1::Transition) -> Effect {
     })
 }
 
-/// Records a new version of the job to be written.
+/// How often a running job's training curve is written, at most (ms): a
+/// coordinator that takes over loses at most this much of it.
+pub const SERIES_SAVE_MS: i64 = 5000;
+
+/// Records a new version of the job to be written (and its training curve,
+/// once it has ended).
 fn save(entry: &mut JobEntry, fx: &mut Vec<Effect>) {
     entry.job.version += 1;
     fx.push(Effect::Save(entry.job.clone()));
+    if state::is_final(entry.job.state()) {
+        save_series(entry, entry.saved_ms, fx);
+    }
+}
+
+/// Writes the job's training curve if it changed since it was last written.
+fn save_series(entry: &mut JobEntry, now: i64, fx: &mut Vec<Effect>) {
+    if entry.series.version != entry.series_saved {
+        entry.series_saved = entry.series.version;
+        entry.series_saved_ms = now;
+        fx.push(Effect::SaveSeries(entry.series.clone()));
+    }
 }
 
 /// The sequence number a job id ends with (`<name>-<n>`).
@@ -291,6 +324,26 @@ impl Cluster {
 
     pub fn job(&self, id: &str) -> Option<&Job> {
         self.jobs.get(id).map(|e| &e.job)
+    }
+
+    /// A job's training curve.
+    pub fn series(&self, id: &str) -> Option<&v1::JobSeries> {
+        self.jobs.get(id).map(|e| &e.series)
+    }
+
+    /// Takes back the training curves a store holds (after [`Cluster::restore`]).
+    pub fn restore_series(&mut self, series: Vec<v1::JobSeries>) {
+        for s in series {
+            if let Some(e) = self.jobs.get_mut(&s.job_id) {
+                e.series_saved = s.version;
+                e.series = s;
+            }
+        }
+    }
+
+    /// Every attached worker, by id.
+    pub fn workers(&self) -> impl Iterator<Item = (&String, &WorkerEntry)> {
+        self.workers.iter()
     }
 
     pub fn worker(&self, id: &str) -> Option<&WorkerEntry> {

@@ -355,6 +355,7 @@ impl Cluster {
         for w in previous.iter().filter(|w| !workers.contains(w)) {
             if let Some(we) = self.workers.get_mut(w).filter(|x| x.serves(job_id)) {
                 we.job = None;
+                we.step = None;
                 we.draining = Some(job_id.to_string());
                 fx.push(Effect::Send {
                     worker: w.clone(),
@@ -381,6 +382,7 @@ impl Cluster {
             };
             if let Some(we) = self.workers.get_mut(w) {
                 we.job = Some((job_id.to_string(), rank as u32));
+                we.step = None;
                 fx.push(Effect::Send {
                     worker: w.clone(),
                     conn: we.conn,

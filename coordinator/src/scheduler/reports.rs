@@ -83,6 +83,7 @@ impl Cluster {
                 let rank0 = self.member(&m.job_id, m.generation, 0, worker);
                 if let Some(entry) = self.jobs.get_mut(&m.job_id).filter(|_| rank0) {
                     entry.job.eval = Some(e);
+                    crate::series::push_eval(&mut entry.series, e, now);
                     fx.push(Effect::Event(JobEvent {
                         job: Some(entry.job.clone()),
                         event: Some(v1::job_event::Event::Eval(e)),
@@ -131,12 +132,20 @@ impl Cluster {
         if let Some(reason) = self.refusal(worker, &r.job_id, r.generation, r.rank) {
             return self.refuse(worker, conn, &r.job_id, r.generation, reason, fx);
         }
+        let world = self
+            .jobs
+            .get(&r.job_id)
+            .map_or(1, |e| e.job.workers.len().max(1));
+        if let Some(w) = self.workers.get_mut(worker) {
+            w.step = Some((r.step, r.samples_per_sec / world as f64));
+        }
         if r.rank != 0 {
             return;
         }
         let Some(entry) = self.jobs.get_mut(&r.job_id) else {
             return;
         };
+        crate::series::push_step(&mut entry.series, &r, now);
         let c = entry.job.counters.get_or_insert_with(Default::default);
         c.step = r.step;
         c.total_steps = r.total_steps;
@@ -181,6 +190,9 @@ impl Cluster {
             entry.saved_ms = now;
             save(entry, fx);
         }
+        if now - entry.series_saved_ms >= SERIES_SAVE_MS {
+            save_series(entry, now, fx);
+        }
     }
 
     pub(super) fn on_done(
@@ -196,6 +208,7 @@ impl Cluster {
         if let Some(w) = self.workers.get_mut(worker) {
             if w.serves(&d.job_id) {
                 w.job = None;
+                w.step = None;
             }
             if w.draining.as_deref() == Some(d.job_id.as_str()) {
                 w.draining = None;

@@ -241,6 +241,7 @@ impl Coordinator {
             master.keys(),
         );
         cluster.restore(store.list()?, now_ms());
+        cluster.restore_series(store.list_series()?);
         let (events, _) = broadcast::channel(16384);
         let progress = store.progress();
         let c = Arc::new(Self {
@@ -333,6 +334,11 @@ impl Coordinator {
                         tracing::error!(job = %job.id, error = %e, "cannot queue the job write");
                     }
                 }
+                Effect::SaveSeries(series) => {
+                    if let Err(e) = self.store.put_series(&series) {
+                        tracing::error!(job = %series.job_id, error = %e, "cannot queue the series write");
+                    }
+                }
                 Effect::Delete(id) => {
                     if let Err(e) = self.store.delete(&id) {
                         tracing::error!(job = %id, error = %e, "cannot queue the job removal");
@@ -399,6 +405,17 @@ impl Coordinator {
     /// Messages to workers still waiting for their writes to be durable.
     pub fn held_messages(&self) -> usize {
         lock(&self.held).len()
+    }
+
+    /// `f` of the scheduler's state, under the decision lock (keep it
+    /// short: reports wait meanwhile).
+    pub fn with_cluster<R>(&self, f: impl FnOnce(&scheduler::Cluster) -> R) -> R {
+        f(&lock(&self.inner).cluster)
+    }
+
+    /// Every job event from now on (all jobs).
+    pub fn subscribe(&self) -> broadcast::Receiver<JobEvent> {
+        self.events.subscribe()
     }
 
     pub fn jobs(&self) -> Vec<Job> {

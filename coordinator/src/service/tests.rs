@@ -5,9 +5,10 @@ use accrue_proto::v1::{coordinator_message, worker_message, JobState, WorkerMess
 /// A store that writes in the background and has not got far: jobs are
 /// kept in memory, durable only as far as the test advances `progress`
 /// (the etcd writer while etcd is slow or away).
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Behind {
-    jobs: Mutex<BTreeMap<String, Job>>,
+    jobs: Arc<Mutex<BTreeMap<String, Job>>>,
+    series: Arc<Mutex<BTreeMap<String, v1::JobSeries>>>,
     deleted: Arc<Mutex<Vec<String>>>,
     progress: Arc<WriteProgress>,
 }
@@ -24,6 +25,13 @@ impl JobStore for Behind {
     }
     fn list(&self) -> Result<Vec<Job>, StoreError> {
         Ok(lock(&self.jobs).values().cloned().collect())
+    }
+    fn put_series(&self, s: &v1::JobSeries) -> Result<u64, StoreError> {
+        lock(&self.series).insert(s.job_id.clone(), s.clone());
+        Ok(self.progress.issue())
+    }
+    fn list_series(&self) -> Result<Vec<v1::JobSeries>, StoreError> {
+        Ok(lock(&self.series).values().cloned().collect())
     }
     fn progress(&self) -> Arc<WriteProgress> {
         self.progress.clone()
@@ -187,6 +195,91 @@ async fn a_submission_that_cannot_be_made_durable_is_refused_in_time() {
     let t = submitting(&c, &progress).await;
     progress.advance(progress.issued());
     assert!(t.await.unwrap().is_ok());
+}
+
+fn msg_of(m: worker_message::Msg) -> WorkerMessage {
+    WorkerMessage {
+        msg: Some(m),
+        ..Default::default()
+    }
+}
+
+/// Issue 16: the training curve is kept per step, written beside the job
+/// (not on every step: when it ends, or every few seconds), and a
+/// coordinator that takes the store over shows it again; every rank's
+/// report gives its worker's share of the throughput.
+#[tokio::test]
+async fn a_jobs_series_is_stored_with_it_and_taken_back() {
+    let store = Behind::default();
+    let cfg = Config {
+        durable_timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let c = Coordinator::new(cfg.clone(), Box::new(store.clone())).unwrap();
+    let progress = store.progress.clone();
+    let ((_rx0, conn0), (_rx1, conn1)) = (attach(&c, "w0"), attach(&c, "w1"));
+    let t = submitting(&c, &progress).await;
+    progress.advance(progress.issued());
+    let job = t.await.unwrap().unwrap();
+    progress.advance(progress.issued());
+    for step in 1..=6u64 {
+        for (w, conn, rank) in [("w0", conn0, 0), ("w1", conn1, 1)] {
+            let r = v1::StepReport {
+                job_id: job.id.clone(),
+                generation: 1,
+                rank,
+                step,
+                total_steps: 6,
+                loss: if step == 3 {
+                    f64::NAN
+                } else {
+                    1.0 / step as f64
+                },
+                skipped: step == 3,
+                grad_norm: 2.0,
+                samples_per_sec: 800.0,
+                ..Default::default()
+            };
+            c.on_message(w, conn, msg_of(worker_message::Msg::Step(r)));
+        }
+    }
+    let (buckets, skipped, w1) = c.with_cluster(|cl| {
+        let s = cl.series(&job.id).unwrap();
+        (
+            s.buckets.len(),
+            s.skipped.clone(),
+            cl.worker("w1").unwrap().step,
+        )
+    });
+    assert_eq!(buckets, 6);
+    assert_eq!(skipped, [v1::StepRange { first: 3, last: 3 }]);
+    assert_eq!(
+        w1,
+        Some((6, 400.0)),
+        "rank 1's share of 800 samples/s over 2 ranks"
+    );
+    assert!(lock(&store.series).is_empty(), "not written on every step");
+    let done = v1::JobDone {
+        job_id: job.id.clone(),
+        generation: 1,
+        rank: 0,
+        ok: true,
+        step: 6,
+        total_steps: 6,
+        ..Default::default()
+    };
+    c.on_message("w0", conn0, msg_of(worker_message::Msg::Done(done)));
+    assert_eq!(c.job(&job.id).unwrap().state(), JobState::Succeeded);
+    let stored = lock(&store.series)
+        .get(&job.id)
+        .cloned()
+        .expect("written when the job ended");
+    assert_eq!((stored.version, stored.buckets.len()), (6, 6));
+    c.close();
+    // Another coordinator over the same store.
+    let c2 = Coordinator::new(cfg, Box::new(store.clone())).unwrap();
+    let again = c2.with_cluster(|cl| cl.series(&job.id).cloned()).unwrap();
+    assert_eq!(again, stored);
 }
 
 /// A message from a connection that was replaced is not taken.
