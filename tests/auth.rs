@@ -25,18 +25,6 @@ const MARKUP: &str = "markup-99887766";
 /// A principal whose name is markup: it must show as text.
 const MARKUP_NAME: &str = r#"<b id="x">mal</b>&'"#;
 
-fn tokens_toml(entries: &[(&str, &str, &[&str])]) -> String {
-    entries
-        .iter()
-        .map(|(name, token, scopes)| {
-            format!(
-                "[[token]]\nname = {name:?}\nsha256 = \"{}\"\nscopes = {scopes:?}\n\n",
-                accrue_coordinator::auth::sha256_hex(token)
-            )
-        })
-        .collect()
-}
-
 fn everyone() -> String {
     tokens_toml(&[
         ("alice", ALICE, &["read", "submit"]),

@@ -236,6 +236,25 @@ async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
     let ids: Vec<&str> = jobs.iter().map(|j| j.id.as_str()).collect();
     assert_eq!(ids, [short.id.as_str(), long.id.as_str()]);
     assert_eq!(jobs[0].state(), JobState::Succeeded);
+    // The finished job's training curve came back from etcd with it
+    // (issue 16): a point per step.
+    let series: serde_json::Value = creds()
+        .http()
+        .get(format!("https://{}/v1/jobs/{}/series", second.http, short.id))
+        .bearer_auth(creds().token("read"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let steps = jobs[0].counters.unwrap().step;
+    assert!(steps > 0);
+    assert_eq!(
+        series["points"]["last_step"],
+        serde_json::json!((1..=steps).collect::<Vec<_>>()),
+        "{series}"
+    );
     let end = finish(&second.grpc, &long.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     let cnt = end.counters.unwrap();

@@ -342,7 +342,7 @@ pub fn grpc_rule(path: &str) -> Rule {
 pub fn http_rule(method: &axum::http::Method, path: &str) -> Rule {
     match path {
         // The page shell and its assets hold no data.
-        "/healthz" | "/readyz" | "/" => Rule::Open,
+        "/healthz" | "/readyz" | "/" | "/favicon.ico" => Rule::Open,
         _ if path.starts_with("/assets/") && method == axum::http::Method::GET => Rule::Open,
         "/metrics" => Rule::Need(Scope::Metrics),
         _ if method == axum::http::Method::POST => Rule::Need(Scope::Submit),

@@ -52,6 +52,8 @@ pub fn router(g: Arc<Gate>, tokens: Option<Arc<Tokens>>) -> Router {
             "/assets/app.css",
             get(|| async { asset("text/css; charset=utf-8", APP_CSS) }),
         )
+        // Browsers ask for it; there is none (204, not a 401 in the console).
+        .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
         .route("/v1/whoami", get(whoami))
         .route("/v1/workers", get(workers))
         .route("/v1/jobs/{id}/series", get(series_of))

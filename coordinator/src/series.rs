@@ -102,7 +102,7 @@ fn halve(buckets: &[SeriesBucket]) -> Vec<SeriesBucket> {
         .chunks(2)
         .map(|c| match c {
             [a, b] => merge(a, b),
-            [a] => a.clone(),
+            [a] => *a,
             _ => unreachable!("chunks(2) yields one or two"),
         })
         .collect()

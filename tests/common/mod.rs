@@ -67,7 +67,12 @@ pub fn spawn_worker(grpc: &str, id: &str, dir: &Path, extra: &[&str]) -> Child {
 
 /// A JobService client over TLS with the token of `scope`.
 pub async fn client_as(grpc: &str, scope: &str) -> Client {
-    let token = accrue::BearerToken::new(&creds().token(scope)).unwrap();
+    client_with(grpc, &creds().token(scope)).await
+}
+
+/// A JobService client over TLS with `token`.
+pub async fn client_with(grpc: &str, token: &str) -> Client {
+    let token = accrue::BearerToken::new(token).unwrap();
     accrue::connect_client(
         &format!("https://{grpc}"),
         Some(&creds().client_tls()),
@@ -75,6 +80,19 @@ pub async fn client_as(grpc: &str, scope: &str) -> Client {
     )
     .await
     .unwrap()
+}
+
+/// A tokens file (`--tokens`) of (principal, token, scopes).
+pub fn tokens_toml(entries: &[(&str, &str, &[&str])]) -> String {
+    entries
+        .iter()
+        .map(|(name, token, scopes)| {
+            format!(
+                "[[token]]\nname = {name:?}\nsha256 = \"{}\"\nscopes = {scopes:?}\n\n",
+                accrue_coordinator::auth::sha256_hex(token)
+            )
+        })
+        .collect()
 }
 
 /// A JobService client over TLS with the admin token.
