@@ -240,7 +240,10 @@ async fn coordinator_restart_in_etcd_mode_keeps_every_job() {
     // (issue 16): a point per step.
     let series: serde_json::Value = creds()
         .http()
-        .get(format!("https://{}/v1/jobs/{}/series", second.http, short.id))
+        .get(format!(
+            "https://{}/v1/jobs/{}/series",
+            second.http, short.id
+        ))
         .bearer_auth(creds().token("read"))
         .send()
         .await

@@ -39,18 +39,14 @@ pub const SECURITY_HEADERS: [(&str, &str); 5] = [
 
 /// The router; `tokens` None: no authentication (every route open).
 pub fn router(g: Arc<Gate>, tokens: Option<Arc<Tokens>>) -> Router {
-    Router::new()
+    ASSETS
+        .iter()
+        .fold(Router::new(), |r, &(path, content_type, body)| {
+            r.route(path, get(move || async move { asset(content_type, body) }))
+        })
         .route(
             "/",
             get(|| async { asset("text/html; charset=utf-8", INDEX_HTML) }),
-        )
-        .route(
-            "/assets/app.js",
-            get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }),
-        )
-        .route(
-            "/assets/app.css",
-            get(|| async { asset("text/css; charset=utf-8", APP_CSS) }),
         )
         // Browsers ask for it; there is none (204, not a 401 in the console).
         .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
@@ -409,8 +405,21 @@ async fn metrics(State(g): State<Arc<Gate>>) -> Response {
 /// binary): open to all, they hold no data; the page asks for a token and
 /// reads everything through the `/v1` API with it.
 const INDEX_HTML: &str = include_str!("../assets/index.html");
-const APP_JS: &str = include_str!("../assets/app.js");
-const APP_CSS: &str = include_str!("../assets/app.css");
+const JS: &str = "text/javascript; charset=utf-8";
+/// (path, content type, body): app.js, the modules it imports, the style.
+const ASSETS: [(&str, &str, &str); 7] = [
+    ("/assets/app.js", JS, include_str!("../assets/app.js")),
+    ("/assets/util.js", JS, include_str!("../assets/util.js")),
+    ("/assets/api.js", JS, include_str!("../assets/api.js")),
+    ("/assets/series.js", JS, include_str!("../assets/series.js")),
+    ("/assets/charts.js", JS, include_str!("../assets/charts.js")),
+    ("/assets/job.js", JS, include_str!("../assets/job.js")),
+    (
+        "/assets/app.css",
+        "text/css; charset=utf-8",
+        include_str!("../assets/app.css"),
+    ),
+];
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
     ([(header::CONTENT_TYPE, content_type)], body).into_response()

@@ -1,0 +1,73 @@
+// accrue status page: the coordinator's /v1 API, the bearer token (kept in
+// this tab's session storage only) and who it is, polling.
+import { note } from './util.js';
+
+const TOKEN_KEY = 'accrue-token';
+export const POLL_MS = 2000;
+
+// token: the bearer token or null; who: GET /v1/whoami, null until known.
+export const session = { token: null, who: null };
+try { session.token = sessionStorage.getItem(TOKEN_KEY); } catch (_) { /* storage disabled */ }
+
+export function saveToken(t) {
+  session.token = t;
+  try { sessionStorage.setItem(TOKEN_KEY, t); } catch (_) { /* tab-only */ }
+}
+export function forgetToken() {
+  session.token = null;
+  session.who = null;
+  try { sessionStorage.removeItem(TOKEN_KEY); } catch (_) { /* ignore */ }
+}
+
+// Called with the error text when a request is answered 401 (app.js signs out).
+let unauthorized = () => {};
+export function onUnauthorized(fn) { unauthorized = fn; }
+
+class HttpError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+async function errorText(r) {
+  let t = '';
+  try { t = await r.text(); } catch (_) { /* no body */ }
+  try {
+    const j = JSON.parse(t);
+    if (j && typeof j.error === 'string') t = j.error;
+  } catch (_) { /* plain text */ }
+  t = t.trim();
+  return r.status + (r.statusText ? ' ' + r.statusText : '') + (t ? ': ' + t : '');
+}
+export async function api(path, opts = {}) {
+  const headers = new Headers(opts.headers || {});
+  if (session.token) headers.set('Authorization', 'Bearer ' + session.token);
+  const r = await fetch(path, { ...opts, headers, cache: 'no-store', credentials: 'same-origin' });
+  if (r.status === 401) {
+    const msg = await errorText(r);
+    unauthorized(msg);
+    throw new HttpError(401, msg);
+  }
+  if (!r.ok) throw new HttpError(r.status, await errorText(r));
+  return r;
+}
+export const getJSON = async (path, opts) => (await api(path, opts)).json();
+export const quiet = (e) => e && (e.name === 'AbortError' || e.status === 401);
+
+export function canCancel(job) {
+  const who = session.who;
+  if (!who || !job) return false;
+  if (who.auth === false) return true;
+  const s = Array.isArray(who.scopes) ? who.scopes : [];
+  return s.includes('admin') || (s.includes('submit') && !!who.principal && who.principal === job.owner);
+}
+
+// fn every ms until the returned stop is called; its errors go to the status line.
+export function poller(fn, ms) {
+  let timer = null;
+  let stopped = false;
+  const tick = async () => {
+    if (stopped) return;
+    try { await fn(); } catch (e) { if (!stopped && !quiet(e)) note(fn.name || 'poll', e.message); }
+    if (!stopped) timer = setTimeout(tick, ms);
+  };
+  tick();
+  return () => { stopped = true; clearTimeout(timer); };
+}

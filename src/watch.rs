@@ -1,0 +1,302 @@
+//! `accrue watch` and `submit --wait`: follow a job's events, print its
+//! numbers and ETA, and watch again after losing the coordinator.
+
+use crate::{event_json, state_name, status_err, Client};
+use accrue_proto::v1::{self, job_event, Job, JobState};
+use std::time::Duration;
+
+/// How long `watch` keeps trying to watch again after losing the
+/// coordinator: enough for a leader's lease to expire, a follower to take
+/// over and a Kubernetes controller to restart a pod.
+pub const REWATCH_LIMIT: Duration = Duration::from_secs(120);
+
+/// Whether `watch` opens the job's stream again: the stream failed with
+/// `code` (None: it ended cleanly) while the job was last seen in `last`,
+/// `lost_for` after the first failure in a row. A coordinator that dies or
+/// steps down ends the stream before the job ends; an answer about the
+/// request itself (not found, not allowed) is final.
+pub fn rewatch(code: Option<tonic::Code>, last: Option<JobState>, lost_for: Duration) -> bool {
+    use tonic::Code;
+    if lost_for > REWATCH_LIMIT {
+        return false;
+    }
+    match code {
+        None => !last.is_some_and(accrue_coordinator::state::is_final),
+        Some(c) => matches!(
+            c,
+            Code::Unavailable
+                | Code::Unknown
+                | Code::Internal
+                | Code::Cancelled
+                | Code::Aborted
+                | Code::DeadlineExceeded
+        ),
+    }
+}
+
+/// Follows a job until it ends; returns the final job. With `json` every
+/// event is printed as one JSON line (see [`event_json`]).
+pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<Job> {
+    let tty = !json && std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let bar = tty.then(|| {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let mut last: Option<Job> = None;
+    let mut recent = Recent::default();
+    // Since when the coordinator has been lost (None: watching).
+    let mut lost: Option<std::time::Instant> = None;
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let opened = client
+            .watch_job(v1::WatchJobRequest { id: id.to_string() })
+            .await;
+        let mut stream = match opened {
+            Ok(s) => s.into_inner(),
+            Err(e) => {
+                let since = *lost.get_or_insert_with(std::time::Instant::now);
+                if !rewatch(
+                    Some(e.code()),
+                    last.as_ref().map(|j| j.state()),
+                    since.elapsed(),
+                ) {
+                    return Err(status_err(e));
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        let ended = loop {
+            match stream.message().await {
+                Ok(Some(ev)) => {
+                    lost = None;
+                    backoff = Duration::from_millis(200);
+                    show_event(&ev, &mut last, &mut recent, json, bar.as_ref());
+                }
+                Ok(None) => break None,
+                Err(e) => break Some(e),
+            }
+        };
+        let state = last.as_ref().map(|j| j.state());
+        let since = *lost.get_or_insert_with(std::time::Instant::now);
+        if !rewatch(ended.as_ref().map(|e| e.code()), state, since.elapsed()) {
+            if let Some(e) = ended {
+                return Err(status_err(e));
+            }
+            break;
+        }
+        let why = ended.map_or_else(
+            || "the stream ended before the job".to_string(),
+            |e| accrue_proto::status_chain(&e),
+        );
+        let text = format!("lost the coordinator ({why}); watching {id} again");
+        match &bar {
+            Some(b) => b.println(text),
+            None => eprintln!("{text}"),
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    last.ok_or_else(|| anyhow::anyhow!("the watch stream ended without any event"))
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The last step reports `watch` saw, (step, unix ms), for the ETA.
+#[derive(Default)]
+struct Recent(std::collections::VecDeque<(u64, i64)>);
+
+impl Recent {
+    /// Takes a report of `step` at `now_ms`; the ETA of `total` steps
+    /// (the coordinator's rule: [`accrue_coordinator::series::eta_s`]).
+    fn eta_s(&mut self, step: u64, total: u64, now_ms: i64) -> Option<f64> {
+        self.0.push_back((step, now_ms));
+        while self.0.len() > 512 || self.0.front().is_some_and(|(_, t)| now_ms - t > 60_000) {
+            self.0.pop_front();
+        }
+        let recent: Vec<_> = self.0.iter().copied().collect();
+        accrue_coordinator::series::eta_s(&recent, total)
+    }
+}
+
+/// A duration for people: `1h02m`, `3m05s`, `12s`, `-` when unknown.
+pub fn fmt_eta(s: Option<f64>) -> String {
+    let Some(s) = s.filter(|s| s.is_finite() && *s >= 0.0) else {
+        return "-".into();
+    };
+    let s = s.round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, m, sec) => format!("{m}m{sec:02}s"),
+        (h, m, _) => format!("{h}h{m:02}m"),
+    }
+}
+
+/// The numbers of a step `watch` shows (the status page's): loss, grad
+/// norm, clip coefficient, learning rate, samples/s, samples seen, skipped
+/// steps so far and the ETA.
+pub fn step_line(r: &v1::StepReport, skipped: u64, eta_s: Option<f64>) -> String {
+    format!(
+        "loss {:.4} grad_norm {:.4} clip {:.3} lr {:.3e} samples/s {:.0} seen {} skipped {skipped} ETA {}",
+        r.loss,
+        r.grad_norm,
+        r.clip_coef,
+        r.lr,
+        r.samples_per_sec,
+        r.samples_seen,
+        fmt_eta(eta_s)
+    )
+}
+
+/// Prints one event of a watched job (a progress bar on a terminal, lines
+/// otherwise, JSON with `json`) and keeps the job it carries in `last`.
+fn show_event(
+    ev: &v1::JobEvent,
+    last: &mut Option<Job>,
+    recent: &mut Recent,
+    json: bool,
+    bar: Option<&indicatif::ProgressBar>,
+) {
+    if let Some(j) = &ev.job {
+        *last = Some(j.clone());
+    }
+    if json {
+        if let Some(v) = event_json(ev) {
+            println!("{v}");
+        }
+        return;
+    }
+    match &ev.event {
+        Some(job_event::Event::Step(r)) => {
+            let eta = recent.eta_s(r.step, r.total_steps, now_ms());
+            let skipped = last
+                .as_ref()
+                .and_then(|j| j.counters)
+                .map_or(0, |c| c.skipped_steps);
+            let line = step_line(r, skipped, eta);
+            match bar {
+                Some(b) => {
+                    b.set_length(r.total_steps);
+                    b.set_position(r.step);
+                    b.set_message(line);
+                }
+                None => println!("step {}/{} epoch {} {line}", r.step, r.total_steps, r.epoch),
+            }
+        }
+        Some(job_event::Event::Transition(t)) => {
+            let to = JobState::try_from(t.to).unwrap_or(JobState::Unspecified);
+            let text = format!("{}: {}", state_name(to), t.reason);
+            match bar {
+                Some(b) => b.println(text),
+                None => println!("{text}"),
+            }
+        }
+        Some(job_event::Event::Eval(e)) => {
+            let text = format!(
+                "eval step {} accuracy {:.4} loss {:.4}",
+                e.step, e.accuracy, e.loss
+            );
+            match bar {
+                Some(b) => b.println(text),
+                None => println!("{text}"),
+            }
+        }
+        // The snapshot the stream opens with: where the job stands now
+        // (the only event for a job that has already ended).
+        None => {
+            if let Some(j) = &ev.job {
+                let why = j.history.last().map_or("", |h| h.reason.as_str());
+                let text = format!("{} {}: {why}", j.id, state_name(j.state()));
+                match bar {
+                    Some(b) => b.println(text),
+                    None => println!("{text}"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fmt_eta, rewatch, step_line, Recent, REWATCH_LIMIT};
+
+    #[test]
+    fn watch_shows_the_numbers_and_an_eta() {
+        assert_eq!(fmt_eta(None), "-");
+        assert_eq!(fmt_eta(Some(f64::NAN)), "-");
+        assert_eq!(fmt_eta(Some(12.4)), "12s");
+        assert_eq!(fmt_eta(Some(185.0)), "3m05s");
+        assert_eq!(fmt_eta(Some(3720.0)), "1h02m");
+        let mut recent = Recent::default();
+        // Two steps a second, 100 steps to go after step 20: 50 s.
+        let mut eta = None;
+        for step in 0..=20u64 {
+            eta = recent.eta_s(step, 120, 1_000 + 500 * step as i64);
+        }
+        let eta = eta.unwrap();
+        assert!((eta - 50.0).abs() < 1e-9, "{eta}");
+        let r = accrue_proto::v1::StepReport {
+            step: 20,
+            total_steps: 120,
+            loss: 0.53219,
+            grad_norm: 1.25,
+            clip_coef: 0.8,
+            lr: 0.05,
+            samples_per_sec: 5100.4,
+            samples_seen: 7680,
+            ..Default::default()
+        };
+        assert_eq!(
+            step_line(&r, 1, Some(eta)),
+            "loss 0.5322 grad_norm 1.2500 clip 0.800 lr 5.000e-2 samples/s 5100 seen 7680 skipped 1 ETA 50s"
+        );
+    }
+    use accrue_proto::v1::JobState;
+    use std::time::Duration;
+    use tonic::Code;
+
+    /// `accrue watch` and `submit --wait` outlive a coordinator failover:
+    /// a lost connection or a stream that ends before the job does is
+    /// watched again, for a bounded time; answers about the request are
+    /// final, and so is a stream that ends with the job.
+    #[test]
+    fn a_lost_coordinator_is_watched_again_within_the_limit() {
+        let running = Some(JobState::Running);
+        let soon = Duration::from_secs(1);
+        for c in [
+            Code::Unavailable,
+            Code::Unknown,
+            Code::Internal,
+            Code::Cancelled,
+        ] {
+            assert!(rewatch(Some(c), running, soon), "{c:?}");
+            assert!(
+                !rewatch(Some(c), running, REWATCH_LIMIT + soon),
+                "{c:?} after the limit"
+            );
+        }
+        for c in [
+            Code::NotFound,
+            Code::PermissionDenied,
+            Code::Unauthenticated,
+            Code::InvalidArgument,
+        ] {
+            assert!(!rewatch(Some(c), running, soon), "{c:?}");
+        }
+        assert!(rewatch(None, running, soon), "ended before the job");
+        assert!(rewatch(None, None, soon), "ended before any event");
+        for s in [JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
+            assert!(!rewatch(None, Some(s), soon), "{s:?}");
+        }
+    }
+}
