@@ -48,6 +48,32 @@ pub trait Collective: Send {
         }
         Ok(())
     }
+    /// ZeRO's reduce-scatter: afterwards slice `rank` of `buf`
+    /// ([`crate::shard::slice`]) holds the sum over all ranks; the rest is
+    /// scratch. The default goes through [`Collective::all_reduce_sum`]
+    /// (right, but all-reduce traffic); the TCP ring sends (W-1)/W.
+    fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        if self.world_size() > 1 {
+            let mut v = buf.to_vec();
+            self.all_reduce_sum(&mut v)?;
+            buf.copy_from_slice(&v);
+        }
+        Ok(())
+    }
+    /// ZeRO's all-gather: every rank's slice `rank` of `buf` copied into
+    /// every rank's `buf`. The default sums buffers zeroed outside each
+    /// rank's slice.
+    fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
+        let w = self.world_size();
+        if w > 1 {
+            let own = crate::shard::slice(buf.len(), w, self.rank());
+            let mut v = vec![0f32; buf.len()];
+            v[own.clone()].copy_from_slice(&buf[own]);
+            self.all_reduce_sum(&mut v)?;
+            buf.copy_from_slice(&v);
+        }
+        Ok(())
+    }
     /// Bytes (sent, received) on the wire so far, framing included.
     fn bytes(&self) -> (u64, u64) {
         (0, 0)

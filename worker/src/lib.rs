@@ -17,6 +17,7 @@ pub mod optim;
 pub mod rng;
 pub mod sampler;
 pub mod schedule;
+pub mod shard;
 pub use accrue_common::spec;
 
 pub use collective::{Collective, SingleRank};

@@ -886,3 +886,57 @@ fn an_oversized_frame_fails_the_link_before_its_payload() {
         "the link stayed open"
     );
 }
+
+/// ZeRO (issue 17): reduce-scatter leaves rank r with slice r summed;
+/// after each rank changes its slice, all-gather gives every rank every
+/// slice; together they put on the wire what one all-reduce does
+/// (2(W-1)/W of the buffer), as the byte counters show.
+#[test]
+fn reduce_scatter_then_all_gather_shard_and_cost_one_all_reduce() {
+    use accrue_worker::shard::{shard_send_elems, slice};
+    use accrue_worker::Collective;
+    const LENS: [usize; 6] = [0, 1, 2, 7, 1001, 10_000];
+    for world in [2, 3, 4] {
+        // One ring per W (few handshakes: another test counts them).
+        let results = with_ring(world, 1 << 20, move |rank, ring| {
+            LENS.map(|len| {
+                let before = ring.bytes().0;
+                let mut buf = input(rank, len);
+                ring.reduce_scatter(&mut buf).unwrap();
+                let reduced = buf[slice(len, world, rank)].to_vec();
+                for v in &mut buf[slice(len, world, rank)] {
+                    *v = *v * 2.0 + rank as f32;
+                }
+                ring.all_gather(&mut buf).unwrap();
+                (reduced, buf, ring.bytes().0 - before)
+            })
+        });
+        for (i, len) in LENS.into_iter().enumerate() {
+            let sum: Vec<f32> = (0..len)
+                .map(|i| (0..world).map(|r| input(r, len)[i]).sum())
+                .collect();
+            let mut want = sum.clone();
+            for r in 0..world {
+                for v in &mut want[slice(len, world, r)] {
+                    *v = *v * 2.0 + r as f32;
+                }
+            }
+            // One frame per chunk.
+            let frames = 2 * (world - 1) as u64;
+            for (rank, per_len) in results.iter().enumerate() {
+                let (reduced, gathered, sent) = &per_len[i];
+                let s = slice(len, world, rank);
+                assert_eq!(reduced, &sum[s], "W={world} len={len} rank {rank}");
+                assert_eq!(gathered, &want, "W={world} len={len} rank {rank}");
+                let want_sent =
+                    4 * shard_send_elems(len, world, rank) as u64 + frames * HEADER_LEN as u64;
+                assert_eq!(*sent, want_sent, "W={world} len={len} rank {rank}");
+                if len == 10_000 {
+                    let ideal = 2.0 * (world as f64 - 1.0) / world as f64 * (4 * len) as f64;
+                    let off = (*sent as f64 - ideal).abs() / ideal;
+                    assert!(off < 0.02, "W={world}: {sent} bytes vs the optimum {ideal}");
+                }
+            }
+        }
+    }
+}

@@ -12,6 +12,7 @@
 
 use super::chunks::{self, chunk_range};
 use super::wire::{self, Header, Hello, Kind, HEADER_LEN};
+use crate::shard;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -146,6 +147,10 @@ enum Request {
     AllReduce(Vec<f32>),
     /// A caller's buffer, reduced in place (see [`Lent`]).
     AllReduceLent(Lent),
+    /// A caller's buffer: slice `rank` summed over all ranks, in place.
+    ReduceScatterLent(Lent),
+    /// A caller's buffer: every rank's slice copied to every rank.
+    AllGatherLent(Lent),
     Broadcast(Vec<f32>, usize),
     /// Length first, then the bytes (see [`TcpRing::broadcast_bytes`]).
     BroadcastBytes(Vec<u8>, usize),
@@ -361,6 +366,32 @@ impl TcpRing {
         }
         *buf = self.call(Request::AllReduce(std::mem::take(buf)))?.floats;
         Ok(())
+    }
+
+    /// ZeRO's reduce-scatter (issue 17), in place: afterwards slice `rank`
+    /// of `buf` ([`crate::shard::slice`]) holds the sum over all ranks;
+    /// the rest of `buf` is scratch. Sends (W-1)/W of the buffer.
+    pub fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        self.lend(buf, Request::ReduceScatterLent)
+    }
+
+    /// ZeRO's all-gather, in place: every rank's slice `rank` of `buf` is
+    /// copied into every rank's `buf`. Sends (W-1)/W of the buffer.
+    pub fn all_gather(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        self.lend(buf, Request::AllGatherLent)
+    }
+
+    /// Lends `buf` to the communication thread for `op` and waits for it.
+    fn lend(&mut self, buf: &mut [f32], op: fn(Lent) -> Request) -> Result<(), CommError> {
+        if self.cfg.world == 1 {
+            return Ok(());
+        }
+        let lent = Lent {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        };
+        // `buf` stays borrowed until the reply: the thread owns it meanwhile.
+        self.call(op(lent)).map(|_| ())
     }
 
     /// Reduces `buckets` in place, in order, on the communication thread,
@@ -872,6 +903,16 @@ impl Comm {
                 let buf = unsafe { std::slice::from_raw_parts_mut(lent.ptr, lent.len) };
                 self.all_reduce(buf).map(|_| Returned::default())
             }
+            Request::ReduceScatterLent(lent) => {
+                // SAFETY: see `Lent`: the memory is valid and ours until we reply.
+                let buf = unsafe { std::slice::from_raw_parts_mut(lent.ptr, lent.len) };
+                self.reduce_scatter(buf).map(|_| Returned::default())
+            }
+            Request::AllGatherLent(lent) => {
+                // SAFETY: as above.
+                let buf = unsafe { std::slice::from_raw_parts_mut(lent.ptr, lent.len) };
+                self.all_gather(buf).map(|_| Returned::default())
+            }
             Request::Broadcast(mut buf, root) => {
                 self.broadcast(&mut buf, root).map(|_| floats(buf))
             }
@@ -914,6 +955,31 @@ impl Comm {
             let send = chunk_range(len, w, chunks::ag_send(r, w, s));
             let recv = chunk_range(len, w, chunks::ag_recv(r, w, s));
             self.exchange(base, send, recv, Apply::Copy, "all-reduce (all-gather)")?;
+        }
+        Ok(())
+    }
+
+    /// The reduce-scatter half of [`Self::all_reduce`] on the relabelled
+    /// schedule of [`crate::shard`]: rank r ends owning chunk r.
+    fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let (w, r, len) = (self.cfg.world, self.cfg.rank, buf.len());
+        let base = buf.as_mut_ptr();
+        for s in 0..w - 1 {
+            let send = chunk_range(len, w, shard::rs_send(r, w, s));
+            let recv = chunk_range(len, w, shard::rs_recv(r, w, s));
+            self.exchange(base, send, recv, Apply::Add, "reduce-scatter")?;
+        }
+        Ok(())
+    }
+
+    /// The all-gather half, from every rank owning chunk r.
+    fn all_gather(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let (w, r, len) = (self.cfg.world, self.cfg.rank, buf.len());
+        let base = buf.as_mut_ptr();
+        for s in 0..w - 1 {
+            let send = chunk_range(len, w, shard::ag_send(r, w, s));
+            let recv = chunk_range(len, w, shard::ag_recv(r, w, s));
+            self.exchange(base, send, recv, Apply::Copy, "all-gather")?;
         }
         Ok(())
     }
@@ -1210,6 +1276,12 @@ impl crate::collective::Collective for TcpRing {
         stage_out: crate::collective::Stage<'_>,
     ) -> crate::Result<()> {
         TcpRing::all_reduce_buckets(self, buckets, stage_in, stage_out)
+    }
+    fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> crate::Result<()> {
+        TcpRing::reduce_scatter(self, buf).map_err(crate::Error::from)
+    }
+    fn all_gather(&mut self, buf: &mut [f32]) -> crate::Result<()> {
+        TcpRing::all_gather(self, buf).map_err(crate::Error::from)
     }
     fn bytes(&self) -> (u64, u64) {
         (
