@@ -31,6 +31,8 @@ pub enum Error {
     Comm(#[from] crate::comm::CommError),
     #[error("device {device}: {reason}")]
     Device { device: String, reason: String },
+    #[error("sharding: {0}")]
+    Sharding(String),
     #[error("window interrupted: {0}")]
     Interrupted(String),
     #[error("libtorch error while {context}: {source}")]

@@ -83,19 +83,30 @@ impl Optimizer {
     /// the first step (and into the gradient itself, which the engine zeroes
     /// right after), so a step allocates nothing.
     pub fn step(&mut self, params: &[(String, Tensor)], lr: f64) -> Result<()> {
+        let pairs: Vec<(Tensor, Tensor)> = params
+            .iter()
+            .map(|(_, p)| (p.shallow_clone(), p.grad()))
+            .collect();
+        self.step_pairs(&pairs, lr)
+    }
+
+    /// [`Optimizer::step`] of (parameter, gradient) pairs: the parameter
+    /// tensors may be views (a ZeRO slice of the flat parameters), updated
+    /// in place; state i belongs to pair i.
+    pub fn step_pairs(&mut self, pairs: &[(Tensor, Tensor)], lr: f64) -> Result<()> {
         let _guard = tch::no_grad_guard();
         self.steps += 1;
         let step = self.steps as i32;
-        if self.scratch.len() != params.len() {
-            self.scratch = (0..params.len()).map(|_| None).collect();
+        if self.scratch.len() != pairs.len() {
+            self.scratch = (0..pairs.len()).map(|_| None).collect();
         }
         let adam = matches!(self.rule, Rule::Adam { .. });
-        for (((_, p), state), scratch) in params
+        for (((p, grad), state), scratch) in pairs
             .iter()
             .zip(self.state.iter_mut())
             .zip(self.scratch.iter_mut())
         {
-            let mut grad = p.grad();
+            let mut grad = grad.shallow_clone();
             if !grad.defined() {
                 continue;
             }
@@ -330,6 +341,26 @@ impl Optimizer {
             }
         });
         Ok(true)
+    }
+
+    /// The first parameter's state by kind, sorted (under ZeRO the one
+    /// "parameter" is the rank's flat slice).
+    pub fn first_state(&self) -> Vec<(&'static str, Tensor)> {
+        let Some(state) = self.state.first() else {
+            return Vec::new();
+        };
+        let mut out: Vec<_> = state.iter().map(|(k, t)| (*k, t.shallow_clone())).collect();
+        out.sort_unstable_by_key(|(k, _)| *k);
+        out
+    }
+
+    /// Replaces the first parameter's state (see [`Optimizer::first_state`])
+    /// and the step count.
+    pub fn set_first_state(&mut self, state: Vec<(&'static str, Tensor)>, steps: u64) {
+        if let Some(first) = self.state.first_mut() {
+            *first = state.into_iter().collect();
+        }
+        self.steps = steps;
     }
 
     /// State tensors named `<param>.<state>` (for optimizer.safetensors).

@@ -135,6 +135,13 @@ impl JobSpec {
         if let Some(t) = self.threads {
             c.int_in("threads", t, 1, MAX_THREADS.into());
         }
+        if self.sharding.stage > 1 {
+            c.fail(
+                "sharding.stage",
+                self.sharding.stage,
+                format!("must be {SHARDING_STAGES}"),
+            );
+        }
         self.validate_model(&mut c);
         self.validate_data(&mut c);
         self.validate_accumulation(&mut c);

@@ -52,7 +52,24 @@ pub struct JobSpec {
     pub eval: EvalSpec,
     #[serde(default)]
     pub comm: CommSpec,
+    #[serde(default)]
+    pub sharding: ShardingSpec,
 }
+
+/// ZeRO sharding of the optimizer state (issue 17).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ShardingSpec {
+    /// 0: every rank keeps the whole optimizer state (the default); 1: each
+    /// rank keeps and steps the state of its slice of the flat parameters,
+    /// then the parameters are all-gathered.
+    #[serde(default)]
+    pub stage: u32,
+}
+
+/// The sharding stages built so far.
+pub const SHARDING_STAGES: &str =
+    "0 (none) or 1 (optimizer state sharded; stage 2 is not built yet)";
 
 /// Data-plane settings.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]

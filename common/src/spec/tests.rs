@@ -304,3 +304,26 @@ proptest! {
         prop_assert_eq!(is_valid_job_name(&name), name_regex().is_match(&name), "{:?}", name);
     }
 }
+
+#[test]
+fn sharding_stage_is_0_or_1_and_defaults_to_0() {
+    let ok = |stage: u32| {
+        JobSpec::fields_from_toml_str(
+            &format!("{BASE}[sharding]\nstage = {stage}\n"),
+            Path::new("t.toml"),
+        )
+        .unwrap()
+        .sharding
+        .stage
+    };
+    assert_eq!((ok(0), ok(1)), (0, 1));
+    let plain = JobSpec::fields_from_toml_str(BASE, Path::new("t.toml")).unwrap();
+    assert_eq!(plain.sharding.stage, 0);
+    let e = invalid(&format!("{BASE}[sharding]\nstage = 2\n"));
+    assert_eq!(e.len(), 1, "{e:?}");
+    let text = e[0].to_string();
+    assert!(
+        text.starts_with("sharding.stage = 2: must be 0 (none) or 1"),
+        "{text}"
+    );
+}

@@ -195,6 +195,9 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             bucket_cap_mb: Some(s.comm.bucket_cap_mb),
             rendezvous_timeout_s: Some(s.comm.rendezvous_timeout_s),
         }),
+        sharding: Some(v1::ShardingSpec {
+            stage: s.sharding.stage,
+        }),
     }
 }
 
@@ -369,6 +372,9 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
                     .unwrap_or(comm_default.rendezvous_timeout_s),
             },
             None => comm_default,
+        },
+        sharding: ShardingSpec {
+            stage: p.sharding.map_or(0, |s| s.stage),
         },
     };
     let checked = merge_kind_errors(kind_errors, spec.validate_fields());

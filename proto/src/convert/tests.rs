@@ -353,6 +353,9 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 clipping,
                 optimizer,
                 schedule,
+                sharding: ShardingSpec {
+                    stage: (seed % 2) as u32,
+                },
                 checkpoint: CheckpointSpec {
                     dir,
                     every_steps,

@@ -18,6 +18,7 @@ mod flat;
 mod plan;
 mod state_sync;
 mod window;
+mod zero;
 
 pub use flat::{flatten, unflatten};
 
@@ -290,7 +291,13 @@ impl<C: Collective> Engine<C> {
             .max_steps
             .unwrap_or(spec.epochs.unwrap_or(1) * plan.windows() as u64);
         let schedule = Schedule::from_spec(&spec, total_steps);
-        let optimizer = Optimizer::new(&spec.optimizer, model.params.len());
+        // ZeRO stage 1 steps one flat slice: one parameter's worth of state.
+        let stepped = if spec.sharding.stage >= 1 {
+            1
+        } else {
+            model.params.len()
+        };
+        let optimizer = Optimizer::new(&spec.optimizer, stepped);
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
         let grads = FlatGrads::attach(&model.params, cap_elems)?;
         let checkpoint_dir = opts
@@ -333,6 +340,7 @@ impl<C: Collective> Engine<C> {
             last_checkpoint: None,
             has_state: false,
         };
+        engine.check_sharding()?;
         let latest_exists = engine.checkpoint_dir.join(checkpoint::LATEST).exists();
         if engine.opts.resume || (engine.opts.resume_if_present && latest_exists) {
             engine.resume()?;
@@ -406,11 +414,7 @@ impl<C: Collective> Engine<C> {
             &loaded.path.join(checkpoint::MODEL_FILE),
             checkpoint::to_device(loaded.model, self.device)?,
         )?;
-        self.optimizer.load_state(
-            &self.model.params,
-            loaded.optimizer,
-            loaded.state.optimizer_steps,
-        )?;
+        self.load_optimizer_state(loaded.optimizer, loaded.state.optimizer_steps)?;
         self.last_checkpoint = Some((loaded.state.step, loaded.path.clone()));
         self.state = loaded.state;
         self.has_state = true;
@@ -452,9 +456,10 @@ impl<C: Collective> Engine<C> {
                 return Ok(path.clone());
             }
         }
+        // Under sharding every rank takes part in gathering the state.
+        let opt = self.optimizer_state()?;
         let path = if self.collective.rank() == 0 {
             let model = self.model_state();
-            let opt = self.optimizer.named_state(&self.model.params);
             checkpoint::write(
                 &self.checkpoint_dir,
                 &self.state,

@@ -138,6 +138,18 @@ impl<C: Collective> Engine<C> {
         if best == 0 {
             return self.broadcast_state(0);
         }
+        if self.sharded() {
+            // Every rank holds the same committed step (a resume): the
+            // parameters are the same and each rank holds its shard.
+            if steps.iter().all(|&s| s == best) {
+                self.has_state = true;
+                return Ok(());
+            }
+            return Err(Error::Sharding(format!(
+                "a re-formed ring of a job with sharding.stage = {} needs every rank's optimizer shard, and ranks hold committed steps {steps:?} (a rank's shard was lost with it; shard replicas are not built yet): resume the job from its last checkpoint",
+                self.spec.sharding.stage
+            )));
+        }
         let mut bytes = if rank == source {
             self.pack_state()?
         } else {

@@ -179,6 +179,10 @@ impl<C: Collective> Engine<C> {
                 }
                 self.collective.all_reduce_sum(&mut stats)?;
             }
+            None if self.sharded() => {
+                self.collective.all_reduce_sum(&mut stats)?;
+                self.zero_reduce()?;
+            }
             None => self.grads.all_reduce(&mut self.collective, &mut stats)?,
         }
         let comm = self.window.comm + t_comm.elapsed();
@@ -196,12 +200,15 @@ impl<C: Collective> Engine<C> {
             Normalize::Sum => world,
         };
         let norm_type = self.spec.norm_type();
-        let grad_norm = self
-            .grads
-            .norm(norm_type)?
-            .f_double_value(&[])
-            .ctx("reading the gradient norm")?
-            / divisor;
+        let norm = if self.sharded() {
+            self.zero_norm(norm_type)?
+        } else {
+            self.grads
+                .norm(norm_type)?
+                .f_double_value(&[])
+                .ctx("reading the gradient norm")?
+        };
+        let grad_norm = norm / divisor;
         let step = self.state.step;
         let lr = self.schedule.lr_at(step);
         let mut clip_coef = 1.0;
@@ -240,6 +247,12 @@ impl<C: Collective> Engine<C> {
         // (crate::fused); otherwise the same as tensor ops, pass by pass.
         let t_opt = Instant::now();
         let fused = match prep {
+            // Under sharding: this rank's slice only (engine/zero.rs).
+            Some(prep) if self.sharded() => {
+                self.zero_step(prep, lr)?;
+                self.grads.zero()?;
+                true
+            }
             Some(prep) => match self.grads.cpu_mut() {
                 Some(g) => self.optimizer.step_fused(&self.model.params, g, lr, prep)?,
                 None => false,
