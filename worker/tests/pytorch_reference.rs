@@ -325,14 +325,30 @@ fn clipping_equals_pytorch() {
 /// micro-batch, then ring vs gloo all-reduce), so only rounding differs.
 #[test]
 fn two_workers_equal_pytorch_ddp_no_sync() {
+    against_ddp(false, &["mean", "global_count"]);
+}
+
+/// ZeRO stage 1 (issue 17): accrue with `[sharding] stage = 1` against DDP
+/// + no_sync with torch.distributed.optim.ZeroRedundancyOptimizer (SGD
+/// sharded over the two ranks), clip_grad_norm_ on the full gradients;
+/// the same 1e-5 tolerance.
+#[test]
+fn two_workers_stage_1_equal_pytorch_zero_redundancy_optimizer() {
+    against_ddp(true, &["mean"]);
+}
+
+/// The DDP comparison above, optionally with sharded optimizer state on
+/// both sides (`zero`).
+fn against_ddp(zero: bool, normalizes: &[&str]) {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     prepare(d, 96);
     let (lr, momentum, weight_decay, max_norm) = (0.2, 0.9, 0.01, 0.2);
     let cfg = serde_json::json!({
         "lr": lr, "momentum": momentum, "weight_decay": weight_decay,
-        "seed": 11, "batch": 4, "k": 4, "epochs": 2, "max_norm": max_norm,
+        "seed": 11, "batch": 4, "k": 4, "epochs": 2, "max_norm": max_norm, "zero": zero,
     });
+    let stage = u32::from(zero);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/ddp_reference.py");
     let mut ddp = Torchrun::start(
         &python(),
@@ -342,7 +358,7 @@ fn two_workers_equal_pytorch_ddp_no_sync() {
         &[d.to_str().unwrap(), &cfg.to_string()],
     );
     // accrue runs while torchrun starts its two Pythons.
-    let runs: Vec<_> = ["mean", "global_count"]
+    let runs: Vec<_> = normalizes
         .iter()
         .map(|normalize| {
             let text = tensors_mlp_job(
@@ -365,6 +381,8 @@ weight_decay = {weight_decay}
 [comm]
 timeout_s = 20
 connect_timeout_s = 30
+[sharding]
+stage = {stage}
 "#
                 ),
             );
@@ -393,6 +411,12 @@ connect_timeout_s = 30
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(d.join("ddp-rank0.json")).unwrap()).unwrap();
     assert_eq!(report["world"], 2);
+    let optimizer = if zero {
+        "ZeroRedundancyOptimizer"
+    } else {
+        "SGD"
+    };
+    assert_eq!(report["optimizer"], optimizer);
     let want_norms: Vec<f64> = report["norms"]
         .as_array()
         .unwrap()

@@ -9,7 +9,9 @@ DIR/data.safetensors as a DDP user writes it: DistributedSampler(shuffle,
 seed) with set_epoch, a DataLoader of micro-batches of b, backward of
 `cross_entropy(mean) / k` under ddp.no_sync() for k - 1 micro-batches and
 outside it for the k-th (DDP's all-reduce, averaged over W), then
-clip_grad_norm_, SGD (momentum, weight decay) and zero_grad. Rank r writes
+clip_grad_norm_, SGD (momentum, weight decay; with "zero" in the config
+through ZeroRedundancyOptimizer, which shards its state) and zero_grad.
+Rank r writes
 its stdout and stderr to DIR/ddp-rank<r>.log, its pid to
 DIR/ddp-rank<r>.pid, its final state_dict (module names) to
 DIR/ddp-rank<r>.safetensors and each step's total norm (clip_grad_norm_'s
@@ -48,7 +50,13 @@ def main(d, cfg):
     model = mlp()
     model.load_state_dict(load_file(f"{d}/init.safetensors"))
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+    sgd = dict(lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+    if cfg.get("zero"):
+        # Optimizer state sharded over the ranks (ZeRO stage 1).
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, **sgd)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), **sgd)
     dataset = TensorDataset(data["x"], data["y"])
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg["seed"])
     loader = DataLoader(dataset, batch_size=cfg["batch"], sampler=sampler)
@@ -68,7 +76,7 @@ def main(d, cfg):
     state = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
     save_file(state, os.path.join(d, f"ddp-rank{rank}.safetensors"))
     with open(os.path.join(d, f"ddp-rank{rank}.json"), "w") as f:
-        json.dump({"world": world, "norms": norms}, f)
+        json.dump({"world": world, "norms": norms, "optimizer": type(opt).__name__}, f)
     dist.destroy_process_group()
     print(f"rank {rank}: {len(norms)} steps")
 
