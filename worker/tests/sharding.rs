@@ -17,12 +17,13 @@ use tch::Tensor;
 use tempfile::TempDir;
 
 /// Runs `text` on W ranks (threads, one engine each, a fresh ring) with
-/// `opts(rank)`; returns every rank's final parameters and skipped steps.
+/// `opts(rank)`; returns every rank's final parameters, skipped steps and
+/// optimizer-state bytes.
 fn run(
     text: &str,
     world: usize,
     opts: impl Fn(usize) -> RunOptions,
-) -> Vec<(Vec<(String, Tensor)>, u64)> {
+) -> Vec<(Vec<(String, Tensor)>, u64, usize)> {
     let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
     let addrs: Vec<String> = ls
         .iter()
@@ -45,7 +46,7 @@ fn run(
                     .iter()
                     .map(|(n, t)| (n.clone(), t.detach().copy()))
                     .collect::<Vec<_>>();
-                (params, s.state.skipped_steps)
+                (params, s.state.skipped_steps, e.optimizer_state_bytes())
             })
         })
         .collect();
@@ -91,8 +92,19 @@ fn stage_1_equals_stage_0_for_w_1_to_4() {
             let zero = run(&job(normalize, tables, 0), world, in_dir(d0.path().into()));
             let one = run(&job(normalize, tables, 1), world, in_dir(d1.path().into()));
             assert_same(&one[0].0, &zero[0].0, &what);
-            for (r, (p, _)) in one.iter().enumerate() {
+            for (r, (p, _, _)) in one.iter().enumerate() {
                 assert_eq!(max_rel_diff(p, &one[0].0), 0.0, "{what}: rank {r} differs");
+            }
+            // Each rank holds its slice's state only: together, one whole.
+            let whole = zero[0].2;
+            assert!(whole > 0);
+            assert_eq!(one.iter().map(|x| x.2).sum::<usize>(), whole, "{what}");
+            for (r, x) in one.iter().enumerate() {
+                assert!(
+                    x.2 <= whole / world + 16,
+                    "{what}: rank {r} holds {} of {whole}",
+                    x.2
+                );
             }
             // The checkpoints hold the whole optimizer state by PyTorch's
             // names, the same under both stages.
@@ -135,7 +147,7 @@ fn a_non_finite_gradient_on_one_rank_skips_on_every_rank() {
     assert!(with_nan(1).contains("nan.safetensors"));
     let zero = run(&with_nan(0), 3, in_dir(d.path().join("a")));
     let one = run(&with_nan(1), 3, in_dir(d.path().join("b")));
-    for (r, (_, skipped)) in one.iter().enumerate() {
+    for (r, (_, skipped, _)) in one.iter().enumerate() {
         assert_eq!(
             *skipped, 2,
             "rank {r}: sample 5 is in one window of each epoch"

@@ -533,6 +533,12 @@ impl<C: Collective> Engine<C> {
                 break;
             }
         }
+        tracing::info!(
+            rank = self.collective.rank(),
+            stage = self.spec.sharding.stage,
+            optimizer_state_bytes = self.optimizer_state_bytes(),
+            "optimizer state held by this rank"
+        );
         let checkpoint = self.checkpoint()?;
         on_event(Event::Checkpoint(&checkpoint));
         let eval = if stopped { None } else { self.evaluate()? };

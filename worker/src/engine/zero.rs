@@ -14,7 +14,7 @@
 //! and recovery (a lost rank's shard is not replicated: re-forming a
 //! sharded job fails naming this, rather than continuing without it).
 
-use super::flat::{flatten, unflatten};
+use super::flat::flatten;
 use super::Engine;
 use crate::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
@@ -41,6 +41,28 @@ impl<C: Collective> Engine<C> {
             )));
         }
         Ok(())
+    }
+
+    /// Bytes of optimizer state this rank holds (under stage 1 its slice's
+    /// only).
+    pub fn optimizer_state_bytes(&self) -> usize {
+        let state = if self.sharded() {
+            self.optimizer
+                .first_state()
+                .into_iter()
+                .map(|(_, t)| t)
+                .collect::<Vec<_>>()
+        } else {
+            self.optimizer
+                .named_state(&self.model.params)
+                .into_iter()
+                .map(|(_, t)| t)
+                .collect()
+        };
+        state
+            .iter()
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
     }
 
     /// Elements of all parameters together (the flat buffer's length).
@@ -88,15 +110,14 @@ impl<C: Collective> Engine<C> {
     }
 
     /// Prepares this rank's gradient slice, steps its parameters with the
-    /// slice's optimizer state, and all-gathers the parameters.
+    /// slice's optimizer state, and all-gathers the parameters. The
+    /// gradient buffer (zeroed right after) is the gather's buffer, so no
+    /// whole-model copy is allocated: only the slice's parameters.
     pub(super) fn zero_step(&mut self, prep: GradPrep, lr: f64) -> Result<()> {
         let s = self.my_slice();
         let (at, n) = (s.start as i64, s.len() as i64);
-        let mut grad = self
-            .grads
-            .view()?
-            .f_narrow(0, at, n)
-            .ctx("the gradient slice")?;
+        let flat = self.grads.view()?;
+        let mut grad = flat.f_narrow(0, at, n).ctx("the gradient slice")?;
         match prep {
             GradPrep::Mul(f) => grad.f_mul_scalar_(f as f64).map(|_| ()),
             GradPrep::Div(d) => grad.f_div_scalar_(d as f64).map(|_| ()),
@@ -106,20 +127,53 @@ impl<C: Collective> Engine<C> {
                 .map(|_| ()),
         }
         .ctx("preparing the gradient slice")?;
+        // This rank's parameters, as one flat slice (the pieces of the
+        // parameters that fall in it).
+        let sizes: Vec<usize> = self.model.params.iter().map(|(_, p)| p.numel()).collect();
+        let pieces = shard::pieces(&sizes, s.clone());
+        let part = |p: &shard::Piece| -> Result<Tensor> {
+            self.model.params[p.param]
+                .1
+                .f_view([-1])
+                .and_then(|v| v.f_narrow(0, p.within.start as i64, p.within.len() as i64))
+                .ctx("a parameter piece")
+        };
+        let parts: Vec<Tensor> = pieces.iter().map(part).collect::<Result<_>>()?;
+        let mine = if parts.is_empty() {
+            Tensor::f_zeros([0], (tch::Kind::Float, Device::Cpu))
+        } else {
+            Tensor::f_cat(&parts, 0)
+        }
+        .ctx("this rank's parameter slice")?;
+        self.optimizer
+            .step_pairs(&[(mine.shallow_clone(), grad.shallow_clone())], lr)?;
+        // The stepped slice goes where its gradient was; the gather fills
+        // in every other rank's.
+        grad.f_copy_(&mine).ctx("staging the stepped slice")?;
+        let g = self
+            .grads
+            .cpu_mut()
+            .ok_or_else(|| Error::Sharding("gradients are not on the CPU".into()))?;
+        self.collective.all_gather(g)?;
         let params: Vec<Tensor> = self
             .model
             .params
             .iter()
             .map(|(_, p)| p.shallow_clone())
             .collect();
-        let mut full = flatten(&params)?;
-        let mine = Tensor::from_slice(&full[s.clone()]);
-        self.optimizer
-            .step_pairs(&[(mine.shallow_clone(), grad)], lr)?;
-        mine.f_copy_data(&mut full[s.clone()], s.len())
-            .ctx("reading the stepped slice")?;
-        self.collective.all_gather(&mut full)?;
-        unflatten(&full, &params)
+        let mut off = 0;
+        for p in &params {
+            let n = p.numel() as i64;
+            let src = flat
+                .f_narrow(0, off, n)
+                .and_then(|t| t.f_view(p.size().as_slice()))
+                .ctx("the gathered parameters")?;
+            p.shallow_clone()
+                .f_copy_(&src)
+                .ctx("the gathered parameters")?;
+            off += n;
+        }
+        Ok(())
     }
 
     /// The optimizer state by PyTorch's names, whole: under sharding every
@@ -132,17 +186,27 @@ impl<C: Collective> Engine<C> {
         let s = self.my_slice();
         let mut out = Vec::new();
         for (key, t) in self.optimizer.first_state() {
-            let mut full = vec![0f32; total];
-            t.f_copy_data(&mut full[s.clone()], s.len())
-                .ctx("reading optimizer state")?;
-            self.collective.all_gather(&mut full)?;
+            // One whole-state tensor per kind, gathered in place; the
+            // per-parameter tensors are views of it (no second copy).
+            let whole = Tensor::f_zeros([total as i64], (tch::Kind::Float, Device::Cpu))
+                .ctx("optimizer state")?;
+            whole
+                .f_narrow(0, s.start as i64, s.len() as i64)
+                .and_then(|mut w| w.f_copy_(&t))
+                .ctx("optimizer state")?;
+            // SAFETY: `whole` is a contiguous float32 CPU tensor of `total`
+            // elements that outlives this borrow; nothing else uses it.
+            let buf =
+                unsafe { std::slice::from_raw_parts_mut(whole.data_ptr() as *mut f32, total) };
+            self.collective.all_gather(buf)?;
             let mut off = 0;
             for (name, p) in &self.model.params {
-                let n = p.numel();
-                let whole = Tensor::from_slice(&full[off..off + n])
-                    .f_view(p.size().as_slice())
+                let n = p.numel() as i64;
+                let part = whole
+                    .f_narrow(0, off, n)
+                    .and_then(|v| v.f_view(p.size().as_slice()))
                     .ctx("optimizer state")?;
-                out.push((format!("{name}.{key}"), whole));
+                out.push((format!("{name}.{key}"), part));
                 off += n;
             }
         }

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""ZeRO stage 1 against stage 0: optimizer-state bytes, peak resident memory
+and step time per rank (docs/BENCHMARKS.md section 6).
+
+A measurement, not a test. For each world size W and stage, W
+`accrue-worker train` processes (static rendezvous on loopback, one intra-op
+thread each) train ResNet-34 with Adam on CIFAR-shaped synthetic data
+(3x32x32, 10 classes) for --steps optimizer steps, then write the final
+checkpoint. Per rank it reads:
+
+  optimizer state: the `optimizer_state_bytes` the engine logs at the end
+                   (the state this rank holds: stage 1 its slice only);
+  peak RSS:        the process's VmHWM (/proc) when training has ended, read
+                   as the engine logs the line above (polled every 10 ms),
+                   so before the final checkpoint, whose gather of the
+                   whole state under stage 1 is not training memory;
+  step time:       rank 0's step reports (compute + comm + clip + optimizer),
+                   mean over the steps after the first.
+
+  python3 worker/benches/zero_memory.py --binary target/release/accrue-worker \
+      [--worlds 2,4] [--steps 5] [--batch 4]
+
+Prints a Markdown table.
+"""
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import tempfile
+import time
+
+JOB = """
+name = "zero-bench"
+seed = 3
+max_steps = {steps}
+device = "cpu"
+threads = 1
+[model]
+kind = "{model}"
+[data]
+kind = "synthetic"
+samples = {samples}
+eval_samples = 0
+shape = [3, 32, 32]
+classes = 10
+batch_size = {batch}
+[optimizer]
+kind = "adam"
+lr = 0.001
+[clipping]
+max_norm = 1.0
+[sharding]
+stage = {stage}
+[comm]
+timeout_s = 300
+connect_timeout_s = 120
+"""
+
+
+def free_addrs(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    addrs = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    for s in socks:
+        s.close()
+    return addrs
+
+
+def run(binary, model, world, stage, steps, batch):
+    d = tempfile.mkdtemp(prefix=f"zero-w{world}-s{stage}-")
+    job = os.path.join(d, "job.toml")
+    with open(job, "w") as f:
+        f.write(JOB.format(model=model, steps=steps, samples=world * batch * (steps + 1),
+                           batch=batch, stage=stage))
+    secret = os.path.join(d, "secret")
+    with open(secret, "w") as f:
+        f.write("zero-bench-secret\n")
+    peers = ",".join(free_addrs(world))
+    procs = []
+    started = time.time()
+    for r in range(world):
+        cmd = [binary, "train", job, "--json", "--rank", str(r), "--world-size", str(world),
+               "--peers", peers, "--secret-file", secret,
+               "--checkpoint-dir", os.path.join(d, "ckpt")]
+        out = open(os.path.join(d, f"rank{r}.out"), "w")
+        err = open(os.path.join(d, f"rank{r}.log"), "w")
+        env = dict(os.environ, RUST_LOG="info", NO_COLOR="1")
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
+    hwm = [None] * world
+    while any(p.poll() is None for p in procs):
+        for r, p in enumerate(procs):
+            if hwm[r] is None and p.poll() is None:
+                if "optimizer state held" in open(os.path.join(d, f"rank{r}.log")).read():
+                    try:
+                        status = open(f"/proc/{p.pid}/status").read()
+                        hwm[r] = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1))
+                    except (OSError, AttributeError):
+                        pass
+        time.sleep(0.01)
+    for r, p in enumerate(procs):
+        if p.wait() != 0:
+            raise SystemExit(f"rank {r} of W={world} stage {stage} failed; see {d}/rank{r}.log")
+    wall = time.time() - started
+    ranks = []
+    for r in range(world):
+        rss_kib = hwm[r]
+        log = open(os.path.join(d, f"rank{r}.log")).read()
+        m = re.search(r"optimizer_state_bytes=(\d+)", log)
+        ranks.append((rss_kib, int(m.group(1)) if m else None))
+    steps_t = []
+    for line in open(os.path.join(d, "rank0.out")):
+        ev = json.loads(line)
+        if ev.get("event") == "step":
+            t = ev["step"]["timing"]
+            steps_t.append(t["compute_s"] + t["comm_s"] + t["clip_s"] + t["optimizer_s"])
+    mean = sum(steps_t[1:]) / max(1, len(steps_t) - 1)
+    return ranks, mean, wall
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", required=True)
+    ap.add_argument("--model", default="resnet34")
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=4)
+    a = ap.parse_args()
+    print(f"`python3 worker/benches/zero_memory.py --binary {a.binary} --worlds {a.worlds} "
+          f"--steps {a.steps} --batch {a.batch}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores)\n")
+    print("| model | W | stage | optimizer state per rank (MB) | peak RSS per rank (MB) | step time (s) |")
+    print("|---|---:|---:|---|---|---:|")
+    for world in map(int, a.worlds.split(",")):
+        for stage in (0, 1):
+            ranks, step_s, _ = run(a.binary, a.model, world, stage, a.steps, a.batch)
+            state = ", ".join(f"{b / 1e6:.1f}" if b is not None else "?" for _, b in ranks)
+            rss = ", ".join(f"{k / 1024:.0f}" if k is not None else "?" for k, _ in ranks)
+            print(f"| {a.model} | {world} | {stage} | {state} | {rss} | {step_s:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
