@@ -510,3 +510,36 @@ async fn coordinator_restart_keeps_the_running_job() {
     assert_eq!((cnt.step, cnt.samples_seen), (18, 3 * 384));
     assert_exact_accounting(d.path(), "restart", 18, 3, 384);
 }
+
+/// ZeRO stage 1 (issue 17): shard replicas are not built yet, so a rank
+/// killed mid-run takes its slice of the optimizer state with it. The job
+/// must fail naming that, never go on with a spare holding no shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_job_that_loses_a_rank_fails_naming_the_lost_shard() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let ids = ["z0", "z1", "z2"];
+    let mut w = spawn_all(&grpc, &ids, d.path());
+    let mut c = client(&grpc).await;
+    let text = job("sharded", "workers = 2", 3, 384, "steps = 4") + "[sharding]\nstage = 1\n";
+    let j = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&text)),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let running = wait_step(&mut c, &j.id, 4).await;
+    let victim = running.workers[1].clone();
+    w.0[index_of(&ids, &victim)].kill().unwrap();
+    let end = wait_state(
+        &mut c,
+        &j.id,
+        &[JobState::Succeeded, JobState::Failed],
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(end.state(), JobState::Failed, "{end:?}");
+    assert!(end.error.contains("optimizer shard"), "{}", end.error);
+}

@@ -329,7 +329,7 @@ fn two_workers_equal_pytorch_ddp_no_sync() {
 }
 
 /// ZeRO stage 1 (issue 17): accrue with `[sharding] stage = 1` against DDP
-/// + no_sync with torch.distributed.optim.ZeroRedundancyOptimizer (SGD
+/// with no_sync and torch.distributed.optim.ZeroRedundancyOptimizer (SGD
 /// sharded over the two ranks), clip_grad_norm_ on the full gradients;
 /// the same 1e-5 tolerance.
 #[test]

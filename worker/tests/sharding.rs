@@ -16,14 +16,13 @@ use std::time::Duration;
 use tch::Tensor;
 use tempfile::TempDir;
 
+/// One rank's end: final parameters, skipped steps, optimizer-state bytes.
+type RankEnd = (Vec<(String, Tensor)>, u64, usize);
+
 /// Runs `text` on W ranks (threads, one engine each, a fresh ring) with
 /// `opts(rank)`; returns every rank's final parameters, skipped steps and
 /// optimizer-state bytes.
-fn run(
-    text: &str,
-    world: usize,
-    opts: impl Fn(usize) -> RunOptions,
-) -> Vec<(Vec<(String, Tensor)>, u64, usize)> {
+fn run(text: &str, world: usize, opts: impl Fn(usize) -> RunOptions) -> Vec<RankEnd> {
     let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
     let addrs: Vec<String> = ls
         .iter()

@@ -944,42 +944,41 @@ impl Comm {
     }
 
     fn all_reduce(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
-        let (w, r, len) = (self.cfg.world, self.cfg.rank, buf.len());
-        let base = buf.as_mut_ptr();
-        for s in 0..w - 1 {
-            let send = chunk_range(len, w, chunks::rs_send(r, w, s));
-            let recv = chunk_range(len, w, chunks::rs_recv(r, w, s));
-            self.exchange(base, send, recv, Apply::Add, "all-reduce (reduce-scatter)")?;
-        }
-        for s in 0..w - 1 {
-            let send = chunk_range(len, w, chunks::ag_send(r, w, s));
-            let recv = chunk_range(len, w, chunks::ag_recv(r, w, s));
-            self.exchange(base, send, recv, Apply::Copy, "all-reduce (all-gather)")?;
-        }
-        Ok(())
+        let sched = |r, w, s| (chunks::rs_send(r, w, s), chunks::rs_recv(r, w, s));
+        self.phase(buf, sched, Apply::Add, "all-reduce (reduce-scatter)")?;
+        let sched = |r, w, s| (chunks::ag_send(r, w, s), chunks::ag_recv(r, w, s));
+        self.phase(buf, sched, Apply::Copy, "all-reduce (all-gather)")
     }
 
     /// The reduce-scatter half of [`Self::all_reduce`] on the relabelled
     /// schedule of [`crate::shard`]: rank r ends owning chunk r.
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
-        let (w, r, len) = (self.cfg.world, self.cfg.rank, buf.len());
-        let base = buf.as_mut_ptr();
-        for s in 0..w - 1 {
-            let send = chunk_range(len, w, shard::rs_send(r, w, s));
-            let recv = chunk_range(len, w, shard::rs_recv(r, w, s));
-            self.exchange(base, send, recv, Apply::Add, "reduce-scatter")?;
-        }
-        Ok(())
+        let sched = |r, w, s| (shard::rs_send(r, w, s), shard::rs_recv(r, w, s));
+        self.phase(buf, sched, Apply::Add, "reduce-scatter")
     }
 
     /// The all-gather half, from every rank owning chunk r.
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let sched = |r, w, s| (shard::ag_send(r, w, s), shard::ag_recv(r, w, s));
+        self.phase(buf, sched, Apply::Copy, "all-gather")
+    }
+
+    /// W - 1 ring steps over `buf`: at step s this rank sends chunk
+    /// `sched(rank, world, s).0` and receives (adds or copies into) chunk
+    /// `.1`.
+    fn phase(
+        &mut self,
+        buf: &mut [f32],
+        sched: impl Fn(usize, usize, usize) -> (usize, usize),
+        apply: Apply,
+        during: &str,
+    ) -> Result<(), CommError> {
         let (w, r, len) = (self.cfg.world, self.cfg.rank, buf.len());
         let base = buf.as_mut_ptr();
         for s in 0..w - 1 {
-            let send = chunk_range(len, w, shard::ag_send(r, w, s));
-            let recv = chunk_range(len, w, shard::ag_recv(r, w, s));
-            self.exchange(base, send, recv, Apply::Copy, "all-gather")?;
+            let (send, recv) = sched(r, w, s);
+            let (send, recv) = (chunk_range(len, w, send), chunk_range(len, w, recv));
+            self.exchange(base, send, recv, apply, during)?;
         }
         Ok(())
     }

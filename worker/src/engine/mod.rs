@@ -175,6 +175,9 @@ pub struct Engine<C: Collective> {
     /// Whether this rank holds the job's committed state (it resumed or
     /// committed a step), as opposed to fresh initial weights.
     has_state: bool,
+    /// Under sharding: the (world size, rank) whose slice the optimizer
+    /// state holds (None: no state yet).
+    zero_layout: Option<(usize, usize)>,
 }
 
 pub fn resolve_device(name: &str) -> Result<Device> {
@@ -339,6 +342,7 @@ impl<C: Collective> Engine<C> {
             opts,
             last_checkpoint: None,
             has_state: false,
+            zero_layout: None,
         };
         engine.check_sharding()?;
         let latest_exists = engine.checkpoint_dir.join(checkpoint::LATEST).exists();

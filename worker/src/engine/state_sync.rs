@@ -139,14 +139,16 @@ impl<C: Collective> Engine<C> {
             return self.broadcast_state(0);
         }
         if self.sharded() {
-            // Every rank holds the same committed step (a resume): the
-            // parameters are the same and each rank holds its shard.
-            if steps.iter().all(|&s| s == best) {
+            // Every rank holds the same committed step (a resume) and the
+            // state of its own slice in this ring: nothing to move.
+            let mine = u64::from(self.shard_in_place());
+            let placed = all_gather_u64(&mut self.collective, mine)?;
+            if steps.iter().all(|&s| s == best) && placed.iter().all(|&p| p == 1) {
                 self.has_state = true;
                 return Ok(());
             }
             return Err(Error::Sharding(format!(
-                "a re-formed ring of a job with sharding.stage = {} needs every rank's optimizer shard, and ranks hold committed steps {steps:?} (a rank's shard was lost with it; shard replicas are not built yet): resume the job from its last checkpoint",
+                "a re-formed ring of a job with sharding.stage = {} needs every rank's optimizer shard for its place in the new ring, and ranks hold committed steps {steps:?} with shards in place {placed:?} (a lost rank's shard is gone, and shard replicas are not built yet): resume the job from its last checkpoint",
                 self.spec.sharding.stage
             )));
         }

@@ -70,6 +70,17 @@ impl<C: Collective> Engine<C> {
         self.model.params.iter().map(|(_, p)| p.numel()).sum()
     }
 
+    /// (world size, rank): which slice is this rank's.
+    fn layout(&self) -> (usize, usize) {
+        (self.collective.world_size(), self.collective.rank())
+    }
+
+    /// Whether the optimizer state this rank holds (if any) is its slice
+    /// in the current ring.
+    pub(super) fn shard_in_place(&self) -> bool {
+        self.zero_layout.is_none_or(|l| l == self.layout())
+    }
+
     /// This rank's slice of the flat buffer.
     fn my_slice(&self) -> Range<usize> {
         shard::slice(
@@ -147,6 +158,7 @@ impl<C: Collective> Engine<C> {
         .ctx("this rank's parameter slice")?;
         self.optimizer
             .step_pairs(&[(mine.shallow_clone(), grad.shallow_clone())], lr)?;
+        self.zero_layout = Some(self.layout());
         // The stepped slice goes where its gradient was; the gather fills
         // in every other rank's.
         grad.f_copy_(&mine).ctx("staging the stepped slice")?;
@@ -260,6 +272,7 @@ impl<C: Collective> Engine<C> {
             )));
         }
         self.optimizer.set_first_state(state, steps);
+        self.zero_layout = Some(self.layout());
         Ok(())
     }
 }
