@@ -139,18 +139,7 @@ impl<C: Collective> Engine<C> {
             return self.broadcast_state(0);
         }
         if self.sharded() {
-            // Every rank holds the same committed step (a resume) and the
-            // state of its own slice in this ring: nothing to move.
-            let mine = u64::from(self.shard_in_place());
-            let placed = all_gather_u64(&mut self.collective, mine)?;
-            if steps.iter().all(|&s| s == best) && placed.iter().all(|&p| p == 1) {
-                self.has_state = true;
-                return Ok(());
-            }
-            return Err(Error::Sharding(format!(
-                "a re-formed ring of a job with sharding.stage = {} needs every rank's optimizer shard for its place in the new ring, and ranks hold committed steps {steps:?} with shards in place {placed:?} (a lost rank's shard is gone, and shard replicas are not built yet): resume the job from its last checkpoint",
-                self.spec.sharding.stage
-            )));
+            return self.sync_sharded(&steps, best);
         }
         let mut bytes = if rank == source {
             self.pack_state()?
@@ -169,6 +158,38 @@ impl<C: Collective> Engine<C> {
             "state synchronised from rank {source}"
         );
         Ok(())
+    }
+
+    /// [`Engine::sync_state`] under sharding, where no rank holds the whole
+    /// optimizer state to broadcast. Every rank holding the same committed
+    /// step and its own slice's state in this ring (a resume): nothing to
+    /// move. Otherwise (a lost rank took its shard along, or the slices
+    /// moved with the world size) **every rank rolls back to the last
+    /// checkpoint**, which holds the whole state; with none, the job fails
+    /// naming the lost shard rather than going on without it.
+    fn sync_sharded(&mut self, steps: &[u64], best: u64) -> Result<()> {
+        let mine = u64::from(self.shard_in_place());
+        let placed = all_gather_u64(&mut self.collective, mine)?;
+        if steps.iter().all(|&s| s == best) && placed.iter().all(|&p| p == 1) {
+            self.has_state = true;
+            return Ok(());
+        }
+        let latest = crate::checkpoint::read_latest(&self.checkpoint_dir)?.map(|c| c.state.step);
+        let at = all_gather_u64(&mut self.collective, latest.map_or(0, |s| s + 1))?;
+        if let Some(&first) = at.first().filter(|&&a| a > 0 && at.iter().all(|&x| x == a)) {
+            tracing::warn!(
+                rank = self.collective.rank(),
+                steps = ?steps,
+                checkpoint_step = first - 1,
+                "sharded optimizer state incomplete in the new ring: every rank rolls back to the last checkpoint"
+            );
+            self.resume()?;
+            return Ok(());
+        }
+        Err(Error::Sharding(format!(
+            "a re-formed ring of a job with sharding.stage = {} needs every rank's optimizer shard for its place in the new ring, and ranks hold committed steps {steps:?} with shards in place {placed:?} (a lost rank's shard is gone; shard replicas are not built yet) and no common checkpoint to roll back to (checkpoint steps + 1 by rank: {at:?}); set checkpoint.every_steps so a sharded job can recover",
+            self.spec.sharding.stage
+        )))
     }
 
     /// Parameters, buffers, optimizer state and counters as bytes.
