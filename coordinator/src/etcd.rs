@@ -281,6 +281,10 @@ impl Writer {
                         for (ticket, w) in std::iter::once(first).chain(rx.try_iter()) {
                             received = received.max(ticket);
                             let id = w.key();
+                            if let Write::Delete(job) = &w {
+                                // The record and its series go together.
+                                pending.remove(&format!("series/{job}"));
+                            }
                             if !pending.contains_key(&id) {
                                 order.push(id.clone());
                             }

@@ -531,7 +531,16 @@ const UPDATE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 /// like the series'> | null, "resync": bool}`, at most every 250 ms while
 /// something happens; `resync` says updates were lost (refetch the
 /// series). It ends once the job has ended.
-async fn events(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response {
+/// The server's stop signal (see `lib.rs`): open event streams end on it,
+/// so an open status page never holds a shutdown up.
+#[derive(Clone)]
+pub struct Stopping(pub tokio::sync::broadcast::Sender<()>);
+
+async fn events(
+    State(g): State<Arc<Gate>>,
+    Path(id): Path<String>,
+    stopping: Option<Extension<Stopping>>,
+) -> Response {
     use axum::response::sse::{Event, KeepAlive, Sse};
     use tokio::sync::broadcast::error::RecvError;
     let c = match leader(&g) {
@@ -551,6 +560,10 @@ async fn events(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response 
             .event("update")
             .data(json!({"job": job, "points": points, "resync": resync}).to_string()))
     };
+    let mut stop = stopping.map(|Extension(Stopping(tx))| tx.subscribe());
+    // Not the coordinator itself: a stream must not keep a stepped-down
+    // one (and its every series) alive.
+    let c = Arc::downgrade(&c);
     tokio::spawn(async move {
         let ended = |v: &Value| {
             matches!(
@@ -571,6 +584,9 @@ async fn events(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response 
                         if let Some(accrue_proto::v1::job_event::Event::Step(r)) = &ev.event {
                             points.push(series::bucket_of(r, crate::service::now_ms()));
                         }
+                        let Some(c) = c.upgrade().filter(|c| !c.is_closed()) else {
+                            return;
+                        };
                         job = c.with_cluster(|cl| job_view(j, cl.series(&id)));
                         dirty = true;
                     }
@@ -580,6 +596,15 @@ async fn events(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response 
                     }
                     Err(RecvError::Closed) => return,
                 },
+                _ = async {
+                    match stop.as_mut() {
+                        Some(s) => {
+                            let _ = s.recv().await;
+                        }
+                        None => std::future::pending().await,
+                    }
+                } => return,
+                _ = tx.closed() => return,
                 _ = tick.tick(), if dirty => {
                     if tx.send(update(&job, &points, resync)).await.is_err() || ended(&job) {
                         return;

@@ -175,11 +175,12 @@ async fn serve(
     let workers = WorkerServiceServer::new(grpc::WorkerApi(gate.clone(), worker_auth))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
-    let router = http::router(gate.clone(), tokens.clone());
+    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let router = http::router(gate.clone(), tokens.clone())
+        .layer(axum::Extension(http::Stopping(stop_tx.clone())));
     let ticker = gate.clone();
     let ttl = cfg.heartbeat_ttl;
     let task = tokio::spawn(async move {
-        let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
         let mut stop_grpc = stop_tx.subscribe();
         let mut stop_http = stop_tx.subscribe();
         let grpc = builder

@@ -125,7 +125,9 @@ pub fn push_step(s: &mut JobSeries, r: &StepReport, now_ms: i64) {
     s.width = s.width.max(1);
     // A rollback: the steps from r.step on are done again.
     if s.buckets.last().is_some_and(|b| b.last_step >= r.step) {
-        s.buckets.retain(|b| b.first_step < r.step);
+        // A bucket that straddles the resumed step goes too (its later
+        // steps are done again): a short gap, never a step counted twice.
+        s.buckets.retain(|b| b.last_step < r.step);
         s.skipped.retain(|x| x.first < r.step);
         if let Some(x) = s.skipped.last_mut() {
             x.last = x.last.min(r.step.saturating_sub(1));

@@ -360,6 +360,8 @@ impl Optimizer {
         if let Some(first) = self.state.first_mut() {
             *first = state.into_iter().collect();
         }
+        // The slice may have another length now: fresh scratch tensors.
+        self.scratch.clear();
         self.steps = steps;
     }
 

@@ -265,3 +265,22 @@ proptest! {
         prop_assert_eq!(skipped, want);
     }
 }
+
+#[test]
+fn a_rollback_into_a_merged_bucket_never_counts_a_step_twice() {
+    let mut s = new("j-1");
+    for step in 1..=3000 {
+        push_step(&mut s, &report(step, 1.0, 1.0, false), step as i64);
+    }
+    assert_eq!(s.width, 4);
+    // Resume at 2998: the bucket holding it (and 2997) is dropped.
+    for step in 2998..=3005 {
+        push_step(&mut s, &report(step, 2.0, 1.0, false), step as i64);
+    }
+    for w in s.buckets.windows(2) {
+        assert!(w[1].first_step > w[0].last_step, "{w:?}");
+    }
+    let counted: u64 = s.buckets.iter().map(|b| b.count).sum();
+    assert!((3000..=3005).contains(&counted), "{counted}");
+    assert_eq!(s.buckets.last().unwrap().last_step, 3005);
+}

@@ -234,6 +234,12 @@ impl Collective for RingSlot {
     ) -> crate::error::Result<()> {
         Collective::all_reduce_buckets(self.ring()?, buckets, stage_in, stage_out)
     }
+    fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> crate::error::Result<()> {
+        Collective::reduce_scatter_sum(self.ring()?, buf)
+    }
+    fn all_gather(&mut self, buf: &mut [f32]) -> crate::error::Result<()> {
+        Collective::all_gather(self.ring()?, buf)
+    }
     fn bytes(&self) -> (u64, u64) {
         self.ring.as_ref().map_or((0, 0), Collective::bytes)
     }

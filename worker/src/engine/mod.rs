@@ -178,6 +178,10 @@ pub struct Engine<C: Collective> {
     /// Under sharding: the (world size, rank) whose slice the optimizer
     /// state holds (None: no state yet).
     zero_layout: Option<(usize, usize)>,
+    /// Under sharding: the slice was stepped but the step not finished
+    /// (its parameters not all-gathered): its state is ahead of the
+    /// committed step.
+    zero_dirty: bool,
 }
 
 pub fn resolve_device(name: &str) -> Result<Device> {
@@ -343,6 +347,7 @@ impl<C: Collective> Engine<C> {
             last_checkpoint: None,
             has_state: false,
             zero_layout: None,
+            zero_dirty: false,
         };
         engine.check_sharding()?;
         let latest_exists = engine.checkpoint_dir.join(checkpoint::LATEST).exists();

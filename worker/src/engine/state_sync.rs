@@ -124,6 +124,12 @@ impl<C: Collective> Engine<C> {
     /// anywhere (a fresh start) rank 0's initial weights are broadcast.
     pub(super) fn sync_state(&mut self) -> Result<()> {
         if self.collective.world_size() == 1 {
+            // A sharded job shrunk to one rank holds half a state: it too
+            // must roll back (or fail naming the lost shard).
+            if self.sharded() && !self.shard_in_place() {
+                let mine = self.state.step + 1;
+                return self.sync_sharded(&[mine], mine);
+            }
             return Ok(());
         }
         let rank = self.collective.rank();

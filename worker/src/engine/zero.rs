@@ -78,7 +78,7 @@ impl<C: Collective> Engine<C> {
     /// Whether the optimizer state this rank holds (if any) is its slice
     /// in the current ring.
     pub(super) fn shard_in_place(&self) -> bool {
-        self.zero_layout.is_none_or(|l| l == self.layout())
+        !self.zero_dirty && self.zero_layout.is_none_or(|l| l == self.layout())
     }
 
     /// This rank's slice of the flat buffer.
@@ -156,6 +156,9 @@ impl<C: Collective> Engine<C> {
             Tensor::f_cat(&parts, 0)
         }
         .ctx("this rank's parameter slice")?;
+        // Until the gather below is through, the slice's state is a step
+        // ahead of the committed one: a ring re-formed meanwhile rolls back.
+        self.zero_dirty = true;
         self.optimizer
             .step_pairs(&[(mine.shallow_clone(), grad.shallow_clone())], lr)?;
         self.zero_layout = Some(self.layout());
@@ -185,6 +188,7 @@ impl<C: Collective> Engine<C> {
                 .ctx("the gathered parameters")?;
             off += n;
         }
+        self.zero_dirty = false;
         Ok(())
     }
 
@@ -273,6 +277,7 @@ impl<C: Collective> Engine<C> {
         }
         self.optimizer.set_first_state(state, steps);
         self.zero_layout = Some(self.layout());
+        self.zero_dirty = false;
         Ok(())
     }
 }
