@@ -73,6 +73,26 @@ rendezvous_timeout_s = 1.5
     )
 }
 
+async fn submit(c: &mut accrue::Client, text: &str) -> Job {
+    c.submit_job(v1::SubmitJobRequest {
+        spec: Some(spec(text)),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+/// Waits (up to 120 s) until the job has succeeded or failed.
+async fn ended(c: &mut accrue::Client, id: &str) -> Job {
+    wait_state(
+        c,
+        id,
+        &[JobState::Succeeded, JobState::Failed],
+        Duration::from_secs(120),
+    )
+    .await
+}
+
 async fn get(c: &mut accrue::Client, id: &str) -> Job {
     c.get_job(v1::GetJobRequest { id: id.into() })
         .await
@@ -265,13 +285,7 @@ async fn lost_worker_is_replaced_and_the_result_is_unchanged() {
     // W = 2, k = 4, b = 8: 384 samples give 24 micro-steps per rank and
     // 6 windows per epoch; 3 epochs = 18 steps.
     let text = |name: &str| job(name, "workers = 2", 3, 384, "steps = 4");
-    let hurt = c
-        .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&text("hurt"))),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let hurt = submit(&mut c, &text("hurt")).await;
     let running = wait_step(&mut c, &hurt.id, 4).await;
     let victim = running.workers[1].clone();
     w.0[index_of(&ids, &victim)].kill().unwrap();
@@ -281,13 +295,7 @@ async fn lost_worker_is_replaced_and_the_result_is_unchanged() {
         .copied()
         .filter(|x| !running.workers.iter().any(|r| r == x))
         .collect();
-    let end = wait_state(
-        &mut c,
-        &hurt.id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await;
+    let end = ended(&mut c, &hurt.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
@@ -314,20 +322,8 @@ async fn lost_worker_is_replaced_and_the_result_is_unchanged() {
     assert_exact_accounting(d.path(), "hurt", 18, 3, 384);
 
     // The same job without the kill, on the two daemons left.
-    let calm = c
-        .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&text("calm"))),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let calm_end = wait_state(
-        &mut c,
-        &calm.id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await;
+    let calm = submit(&mut c, &text("calm")).await;
+    let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
     assert!(calm_end.recoveries.is_empty());
     let diff = relative_difference(
@@ -359,24 +355,12 @@ async fn lost_worker_without_spare_shrinks_and_recomputes_k() {
         480,
         "global_batch = 48",
     );
-    let j = c
-        .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&text)),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let j = submit(&mut c, &text).await;
     let running = wait_step(&mut c, &j.id, 3).await;
     assert_eq!(running.accumulation_steps, 2);
     let victim = running.workers[2].clone();
     w.0[index_of(&ids, &victim)].kill().unwrap();
-    let end = wait_state(
-        &mut c,
-        &j.id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await;
+    let end = ended(&mut c, &j.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
@@ -433,23 +417,11 @@ async fn elastic_job_grows_when_a_worker_joins() {
         480,
         "global_batch = 48",
     );
-    let j = c
-        .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&text)),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let j = submit(&mut c, &text).await;
     let before = wait_step(&mut c, &j.id, 3).await;
     assert_eq!((before.workers.len(), before.accumulation_steps), (2, 3));
     w.0.push(spawn_worker(&grpc, "g2", d.path()));
-    let end = wait_state(
-        &mut c,
-        &j.id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await;
+    let end = ended(&mut c, &j.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
@@ -485,24 +457,12 @@ async fn coordinator_restart_keeps_the_running_job() {
     let grpc = first.grpc.clone();
     let _w = spawn_all(&grpc, &["r0", "r1"], d.path());
     let mut c = client(&grpc).await;
-    let j = c
-        .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&job("restart", "workers = 2", 3, 384, "steps = 4"))),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let j = submit(&mut c, &job("restart", "workers = 2", 3, 384, "steps = 4")).await;
     let before = wait_step(&mut c, &j.id, 3).await;
     drop(first); // SIGKILL
     let second = spawn_coordinator(&args(&grpc), &d.path().join("coordinator-2.log"));
     let mut c2 = client(&second.grpc).await;
-    let end = wait_state(
-        &mut c2,
-        &j.id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await;
+    let end = ended(&mut c2, &j.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert!(end.recoveries.is_empty(), "{:?}", end.recoveries);
     assert_eq!(end.generation, before.generation);
@@ -527,24 +487,12 @@ async fn a_sharded_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
         job(name, "workers = 2", 3, 384, "steps = 4")
             + "[sharding]\nstage = 1\n[checkpoint]\nevery_steps = 2\n"
     };
-    let hurt = c
-        .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&text("zhurt"))),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let hurt = submit(&mut c, &text("zhurt")).await;
     let running = wait_step(&mut c, &hurt.id, 5).await;
     let seen = running.counters.unwrap().step;
     let victim = running.workers[1].clone();
     w.0[index_of(&ids, &victim)].kill().unwrap();
-    let end = wait_state(
-        &mut c,
-        &hurt.id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await;
+    let end = ended(&mut c, &hurt.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
@@ -554,20 +502,8 @@ async fn a_sharded_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
         "sharded recovery: killed after step {seen} was seen, rolled back to step {}",
         r.resumed_step
     );
-    let calm = c
-        .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&text("zcalm"))),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let calm_end = wait_state(
-        &mut c,
-        &calm.id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await;
+    let calm = submit(&mut c, &text("zcalm")).await;
+    let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
     let diff = relative_difference(
         &Path::new(&end.checkpoint).join("model.safetensors"),
@@ -590,23 +526,11 @@ async fn a_sharded_job_without_checkpoints_fails_naming_the_lost_shard() {
     let mut w = spawn_all(&grpc, &ids, d.path());
     let mut c = client(&grpc).await;
     let text = job("sharded", "workers = 2", 3, 384, "steps = 4") + "[sharding]\nstage = 1\n";
-    let j = c
-        .submit_job(v1::SubmitJobRequest {
-            spec: Some(spec(&text)),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let j = submit(&mut c, &text).await;
     let running = wait_step(&mut c, &j.id, 4).await;
     let victim = running.workers[1].clone();
     w.0[index_of(&ids, &victim)].kill().unwrap();
-    let end = wait_state(
-        &mut c,
-        &j.id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await;
+    let end = ended(&mut c, &j.id).await;
     assert_eq!(end.state(), JobState::Failed, "{end:?}");
     assert!(end.error.contains("optimizer shard"), "{}", end.error);
     assert!(
