@@ -17,15 +17,11 @@ fn repo() -> PathBuf {
 }
 
 #[test]
-// Flaky in the harness (3 failures in about 11 runs, one in the fresh-clone
-// CI run of 57b3056): after the kill of the leading coordinator and of
-// worker-1, worker-0's connections through the emulated Service
-// (cluster_run.py's Proxy to ready endpoints) stayed "no connection
-// within 10s" for about 50 s, past the new leader's re-attach grace, and
-// the job failed with min_workers = 2. Undiagnosed whether the proxy or
-// probe loop or the product is at fault; run it by hand until it is:
-// `cargo test --test cluster_run -- --ignored` (as root).
-#[ignore = "flaky: see the comment above; run with --ignored as root"]
+// It was ignored for a while as flaky (3 failures in about 11 runs): the
+// harness's bridge took the lowest MAC of its ports, so the pod and veth
+// churn of the kills changed the gateway's MAC under the pods' ARP caches
+// and worker-0's connections to the Service were dropped for 10 to 50 s.
+// The bridge's MAC is now pinned and each pod's follows its IP.
 fn the_cpu_overlay_trains_through_a_leader_and_worker_kill() {
     // SAFETY: geteuid(2) has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {

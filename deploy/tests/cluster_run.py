@@ -18,7 +18,12 @@ workloads as local processes, as a kubelet and the controllers would:
   expanded in command and args as the kubelet does;
 - probes are polled from the cluster namespace (httpGet; HTTPS without
   verification, as the kubelet does); a userspace proxy per ClusterIP
-  Service port forwards to ready endpoints only.
+  Service port forwards to ready endpoints only;
+- the bridge's MAC is fixed and each pod's follows its IP (a StatefulSet
+  pod restarted under its address is reached at once, as a CNI's
+  gratuitous ARP would make it);
+- WORK/harness.log has, timestamped, each readiness change, kill and
+  start, and each Service connection's endpoint (or why there was none).
 
 Needs root (network namespaces, mounts, chroot). Nothing in a command line is
 written here: it all comes from the rendered YAML.
@@ -64,6 +69,17 @@ CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
 BRIDGE_IP = "10.213.0.1"
 
 
+EVENTS = None  # the harness's own log (probe changes, Service routing)
+
+
+def event(msg):
+    """One timestamped line in WORK/harness.log: what the kubelet and the
+    Service proxies decided, to read beside the pods' logs."""
+    if EVENTS is not None:
+        EVENTS.write(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} {msg}\n")
+        EVENTS.flush()
+
+
 def sh(*args, check=True, netns=None, capture=False):
     cmd = list(args)
     if netns:
@@ -105,6 +121,11 @@ class Net:
         sh("ip", "netns", "add", self.cluster)
         sh("ip", "link", "set", "lo", "up", netns=self.cluster)
         sh("ip", "link", "add", "br0", "type", "bridge", netns=self.cluster)
+        # A bridge takes the lowest MAC of its ports unless one is set: as
+        # pods came and went the gateway's MAC changed under the pods' ARP
+        # caches, and their packets to Services were dropped until the
+        # cache entries went stale (10 to 50 s; the flake of 2ae5089).
+        sh("ip", "link", "set", "br0", "address", mac(BRIDGE_IP), netns=self.cluster)
         sh("ip", "addr", "add", f"{BRIDGE_IP}/16", "dev", "br0", netns=self.cluster)
         sh("ip", "link", "set", "br0", "up", netns=self.cluster)
 
@@ -129,6 +150,10 @@ class Net:
            netns=self.cluster)
         sh("ip", "link", "set", veth, "master", "br0", netns=self.cluster)
         sh("ip", "link", "set", veth, "up", netns=self.cluster)
+        # The MAC follows the IP, so a pod restarted under its address (a
+        # StatefulSet pod here) is reached at once through its peers'
+        # ARP caches.
+        sh("ip", "link", "set", "eth0", "address", mac(ip), netns=ns)
         sh("ip", "addr", "add", f"{ip}/16", "dev", "eth0", netns=ns)
         sh("ip", "link", "set", "eth0", "up", netns=ns)
         sh("ip", "route", "add", "default", "via", BRIDGE_IP, netns=ns)
@@ -145,6 +170,11 @@ class Net:
         for name in list(self.pods):
             self.drop_pod(name)
         sh("ip", "netns", "del", self.cluster, check=False)
+
+
+def mac(ip):
+    """A locally administered MAC address that follows an IPv4 address."""
+    return "02:00:" + ":".join(f"{int(o):02x}" for o in ip.split("."))
 
 
 def setns_fd(fd):
@@ -401,8 +431,9 @@ class Proxy:
     """A ClusterIP Service port: accepts on the Service IP and forwards each
     connection to a ready endpoint (round robin)."""
 
-    def __init__(self, ip, port, target, endpoints):
+    def __init__(self, ip, port, target, endpoints, name):
         self.endpoints = endpoints  # callable -> [(ip, port)]
+        self.name = f"{name}:{port}"
         self.target = target
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -416,17 +447,21 @@ class Proxy:
             c, _ = self.sock.accept()
             eps = self.endpoints()
             if not eps:
+                event(f"service {self.name}: no ready endpoint, connection closed")
                 c.close()
                 continue
             ep = eps[self.n % len(eps)]
             self.n += 1
-            threading.Thread(target=self.pipe, args=(c, ep), daemon=True).start()
+            if not self.name.endswith(":8080"):  # the harness's own polling
+                event(f"service {self.name}: connection to {ep[0]}:{ep[1]}")
+            threading.Thread(target=self.pipe, args=(c, ep, self.name), daemon=True).start()
 
     @staticmethod
-    def pipe(c, ep):
+    def pipe(c, ep, name="forward"):
         try:
             u = socket.create_connection(ep, timeout=5)
-        except OSError:
+        except OSError as e:
+            event(f"service {name}: {ep[0]}:{ep[1]} unreachable: {e}")
             c.close()
             return
         u.settimeout(None)
@@ -509,7 +544,8 @@ class Cluster:
             self.services[name] = vip
             for port in svc["spec"]["ports"]:
                 Proxy(vip, port["port"], port.get("targetPort", port["port"]),
-                      self.endpoints(svc["spec"]["selector"], port.get("targetPort", port["port"])))
+                      self.endpoints(svc["spec"]["selector"], port.get("targetPort", port["port"])),
+                      name)
 
     def endpoints(self, selector, target):
         def eps():
@@ -533,14 +569,19 @@ class Cluster:
                 pr = p.container.get("readinessProbe")
                 ok = probe(p, pr) if pr else True
                 with self.lock:
+                    if p.name not in self.pods or self.pods[p.name] is not p:
+                        continue  # killed while being probed
+                    if self.ready.get(p.name) != ok:
+                        event(f"probe: {p.name} ({p.ip}) {'ready' if ok else 'not ready'}")
                     self.ready[p.name] = ok
             time.sleep(0.5)
 
     def kill(self, name, replace):
         """kill -9 of pod `name`; the controller starts its replacement:
         the same name and address (StatefulSet) or a new pod (Deployment)."""
-        old = self.pods.pop(name)
+        event(f"kill -9 {name}")
         with self.lock:
+            old = self.pods.pop(name)
             self.ready.pop(name, None)
         self.runner.kill(name)
         if not replace:
@@ -550,8 +591,10 @@ class Cluster:
         else:
             base = old.workload["metadata"]["name"]
             new = PodSpec(self.objs, old.workload, f"{base}-{os.urandom(3).hex()}", self.ip())
-        self.pods[new.name] = new
+        with self.lock:
+            self.pods[new.name] = new
         self.runner.start(new, self.hosts())
+        event(f"started {new.name} ({new.ip})")
         return new.name
 
 
@@ -628,6 +671,8 @@ def run(repo, bin_dir, work):
     must succeed and the final parameters equal an undisturbed run's
     (`accrue local` with the same spec, world size and threads)."""
     os.makedirs(work, exist_ok=True)
+    global EVENTS
+    EVENTS = open(os.path.join(work, "harness.log"), "a")
     bins = [os.path.join(bin_dir, b) for b in ("accrue", "accrue-coordinator", "accrue-worker")]
     rendered, secrets = render(repo, work, bin_dir)
     example = os.path.join(repo, "deploy", "examples", "submit-job.yaml")
