@@ -419,11 +419,16 @@ fn print_job(j: &Job) {
             "not re-formed yet".into()
         };
         println!(
-            "  generation {}: lost [{}] joined [{}]; resumed after step {} with W = {}, k = {}; {took}; {}",
+            "  generation {}: lost [{}] joined [{}]; resumed after step {}{} with W = {}, k = {}; {took}; {}",
             r.generation,
             r.lost.join(", "),
             r.joined.join(", "),
             r.resumed_step,
+            if r.redone_steps > 0 {
+                format!(" (rolled back: {} steps done again)", r.redone_steps)
+            } else {
+                String::new()
+            },
             r.world_size,
             r.accumulation_steps,
             r.reason

@@ -496,11 +496,16 @@ async fn a_sharded_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
-    // Resumed from a checkpoint (every 2 steps), not from the last step.
+    // Resumed from a checkpoint (every 2 steps), not from the last step;
+    // the record counts the reported steps done again.
     assert!(r.resumed_step % 2 == 0 && r.resumed_step >= 2, "{r:?}");
+    assert!(
+        r.resumed_step + r.redone_steps >= seen,
+        "{r:?} (step {seen} was seen)"
+    );
     eprintln!(
-        "sharded recovery: killed after step {seen} was seen, rolled back to step {}",
-        r.resumed_step
+        "sharded recovery: killed after step {seen} was seen, resumed from the checkpoint of step {}, {} reported steps done again",
+        r.resumed_step, r.redone_steps
     );
     let calm = submit(&mut c, &text("zcalm")).await;
     let calm_end = ended(&mut c, &calm.id).await;

@@ -270,7 +270,8 @@ function renderTables(v) {
   v.tablesSig = sig2;
 
   $('recoveries').tBodies[0].replaceChildren(...recs.map((r) => {
-    const resumed = resumedKnown(r) ? r.resumed_step : '\u2026';
+    const resumed = !resumedKnown(r) ? '\u2026'
+      : r.redone_steps > 0 ? r.resumed_step + ' (rolled back ' + r.redone_steps + ')' : r.resumed_step;
     const tr = row([[str(r.generation), 'num'], [list(r.lost)], [list(r.joined)], [str(r.reason), 'wrap'],
       [resumed, 'num'], [str(r.world_size), 'num'], [str(r.accumulation_steps), 'num'],
       [fin(r.recovery_s) ? r.recovery_s.toFixed(1) + ' s' : 'in progress', 'num']]);

@@ -220,6 +220,7 @@ pub fn job_json(j: &Job) -> Value {
             "generation": r.generation, "lost": r.lost, "joined": r.joined, "reason": r.reason,
             "started_unix_ms": r.started_unix_ms, "reformed_unix_ms": r.reformed_unix_ms,
             "first_step_unix_ms": r.first_step_unix_ms, "resumed_step": r.resumed_step,
+            "redone_steps": r.redone_steps,
             "world_size": r.world_size, "accumulation_steps": r.accumulation_steps,
             "recovery_s": (r.first_step_unix_ms > 0).then(|| (r.first_step_unix_ms - r.started_unix_ms) as f64 / 1000.0),
         })).collect::<Vec<_>>(),

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""ZeRO stage 1 against stage 0: optimizer-state bytes, peak resident memory
-and step time per rank (docs/BENCHMARKS.md section 6).
+"""ZeRO stages 1 and 2 against stage 0: optimizer-state bytes, gradient
+bytes, peak resident memory and step time per rank (docs/BENCHMARKS.md
+section 6).
 
 A measurement, not a test. For each world size W and stage, W
 `accrue-worker train` processes (static rendezvous on loopback, one intra-op
@@ -9,7 +10,10 @@ thread each) train ResNet-34 with Adam on CIFAR-shaped synthetic data
 checkpoint. Per rank it reads:
 
   optimizer state: the `optimizer_state_bytes` the engine logs at the end
-                   (the state this rank holds: stage 1 its slice only);
+                   (the state this rank holds: stages 1, 2 its slice only);
+  gradients:       the most gradient bytes held after a micro-step that is
+                   not a sync step (`gradient_bytes_between_micro_steps`)
+                   and after the last sync step (`..._after_sync`);
   peak RSS:        the process's VmHWM (/proc) when training has ended, read
                    as the engine logs the line above (polled every 10 ms),
                    so before the final checkpoint, whose gather of the
@@ -18,7 +22,10 @@ checkpoint. Per rank it reads:
                    mean over the steps after the first.
 
   python3 worker/benches/zero_memory.py --binary target/release/accrue-worker \
-      [--worlds 2,4] [--steps 5] [--batch 4]
+      [--worlds 2,4] [--steps 5] [--batch 4] [--k 2]
+
+Runs, per W: stages 0, 1 and 2 with sync = "boundary", then stages 0 and 2
+with sync = "every_step" (k micro-steps per window in both).
 
 Prints a Markdown table.
 """
@@ -46,6 +53,9 @@ eval_samples = 0
 shape = [3, 32, 32]
 classes = 10
 batch_size = {batch}
+[accumulation]
+steps = {k}
+sync = "{sync}"
 [optimizer]
 kind = "adam"
 lr = 0.001
@@ -69,12 +79,12 @@ def free_addrs(n):
     return addrs
 
 
-def run(binary, model, world, stage, steps, batch):
+def run(binary, model, world, stage, steps, batch, k, sync):
     d = tempfile.mkdtemp(prefix=f"zero-w{world}-s{stage}-")
     job = os.path.join(d, "job.toml")
     with open(job, "w") as f:
-        f.write(JOB.format(model=model, steps=steps, samples=world * batch * (steps + 1),
-                           batch=batch, stage=stage))
+        f.write(JOB.format(model=model, steps=steps, samples=world * batch * k * (steps + 1),
+                           batch=batch, stage=stage, k=k, sync=sync))
     secret = os.path.join(d, "secret")
     with open(secret, "w") as f:
         f.write("zero-bench-secret\n")
@@ -108,8 +118,9 @@ def run(binary, model, world, stage, steps, batch):
     for r in range(world):
         rss_kib = hwm[r]
         log = open(os.path.join(d, f"rank{r}.log")).read()
-        m = re.search(r"optimizer_state_bytes=(\d+)", log)
-        ranks.append((rss_kib, int(m.group(1)) if m else None))
+        num = lambda key: (lambda m: int(m.group(1)) if m else None)(re.search(key + r"=(\d+)", log))
+        ranks.append((rss_kib, num("optimizer_state_bytes"),
+                      num("gradient_bytes_between_micro_steps"), num("gradient_bytes_after_sync")))
     steps_t = []
     for line in open(os.path.join(d, "rank0.out")):
         ev = json.loads(line)
@@ -127,17 +138,23 @@ def main():
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--k", type=int, default=2)
     a = ap.parse_args()
     print(f"`python3 worker/benches/zero_memory.py --binary {a.binary} --worlds {a.worlds} "
-          f"--steps {a.steps} --batch {a.batch}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores)\n")
-    print("| model | W | stage | optimizer state per rank (MB) | peak RSS per rank (MB) | step time (s) |")
-    print("|---|---:|---:|---|---|---:|")
+          f"--steps {a.steps} --batch {a.batch} --k {a.k}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores)\n")
+    print("| model | W | sync | stage | optimizer state per rank (MB) | gradients between micro-steps / after sync, rank 0 (MB) "
+          "| peak RSS per rank (MB) | step time (s) |")
+    print("|---|---:|---|---:|---|---|---|---:|")
+    mb = lambda b: f"{b / 1e6:.1f}" if b is not None else "?"
     for world in map(int, a.worlds.split(",")):
-        for stage in (0, 1):
-            ranks, step_s, _ = run(a.binary, a.model, world, stage, a.steps, a.batch)
-            state = ", ".join(f"{b / 1e6:.1f}" if b is not None else "?" for _, b in ranks)
-            rss = ", ".join(f"{k / 1024:.0f}" if k is not None else "?" for k, _ in ranks)
-            print(f"| {a.model} | {world} | {stage} | {state} | {rss} | {step_s:.3f} |", flush=True)
+        for sync, stages in (("boundary", (0, 1, 2)), ("every_step", (0, 2))):
+            for stage in stages:
+                ranks, step_s, _ = run(a.binary, a.model, world, stage, a.steps, a.batch, a.k, sync)
+                state = ", ".join(mb(r[1]) for r in ranks)
+                grads = f"{mb(ranks[0][2])} / {mb(ranks[0][3])}"
+                rss = ", ".join(f"{r[0] / 1024:.0f}" if r[0] is not None else "?" for r in ranks)
+                print(f"| {a.model} | {world} | {sync} | {stage} | {state} | {grads} | {rss} | {step_s:.3f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

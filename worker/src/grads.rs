@@ -17,14 +17,19 @@ use crate::fused::GradPrep;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 
-/// Slots after the gradients for the window's counts.
-pub const EXTRA: usize = 3;
+/// Slots after the gradients for the window's counts (samples,
+/// micro-batches, loss sum) and the requests every rank must honour at the
+/// same step (stop, checkpoint; engine/window.rs).
+pub const EXTRA: usize = 5;
 
 pub struct FlatGrads {
     /// Gradients then EXTRA slots, on the parameters' device.
     flat: Tensor,
     /// Number of gradient elements (the EXTRA slots follow).
     len: usize,
+    /// Stage 2 between uses: `flat` holds the EXTRA slots only and every
+    /// `.grad` is empty ([`FlatGrads::release`]).
+    released: bool,
     /// Element ranges of `flat`, aligned to parameter boundaries; the last
     /// one includes the EXTRA slots.
     buckets: Vec<Range<usize>>,
@@ -56,27 +61,7 @@ impl FlatGrads {
         let flat = Tensor::f_zeros([(len + EXTRA) as i64], (Kind::Float, device))
             .ctx("allocating the gradient buffer")?;
         define_grads(params)?;
-        let mut off = 0;
-        for ((name, p), &n) in params.iter().zip(&sizes) {
-            let mut g = p.grad();
-            let view = flat
-                .f_narrow(0, off as i64, n as i64)
-                .and_then(|v| v.f_view(p.size().as_slice()))
-                .ctx("viewing the gradient buffer")?;
-            view.shallow_clone()
-                .f_copy_(&g)
-                .ctx("moving a gradient into the buffer")?;
-            g.f_set_data(&view)
-                .ctx("moving a gradient into the buffer")?;
-            // The view must be what backward accumulates into from now on.
-            let want = flat.data_ptr() as usize + off * 4;
-            if p.grad().data_ptr() as usize != want {
-                return Err(Error::Model(format!(
-                    "the gradient of {name} did not move into the flat buffer"
-                )));
-            }
-            off += n;
-        }
+        point(&flat, params, true)?;
         let mut buckets: Vec<Range<usize>> = crate::comm::chunks::buckets(&sizes, bucket_cap)
             .into_iter()
             .map(|r| {
@@ -103,11 +88,65 @@ impl FlatGrads {
             len,
             buckets,
             host,
+            released: false,
         })
+    }
+
+    /// ZeRO stage 2: frees the buffer (every `.grad` becomes an empty
+    /// tensor of the same kind; only the EXTRA slots stay) until
+    /// [`FlatGrads::restore`]. Backward must not run meanwhile.
+    pub fn release(&mut self, params: &[(String, Tensor)]) -> Result<()> {
+        if self.released {
+            return Ok(());
+        }
+        let _guard = tch::no_grad_guard();
+        let opts = (Kind::Float, self.flat.device());
+        let empty = Tensor::f_empty([0], opts).ctx("releasing the gradient buffer")?;
+        for (_, p) in params {
+            p.grad()
+                .f_set_data(&empty)
+                .ctx("releasing the gradient buffer")?;
+        }
+        self.flat = Tensor::f_zeros([EXTRA as i64], opts).ctx("releasing the gradient buffer")?;
+        self.released = true;
+        Ok(())
+    }
+
+    /// Whether [`FlatGrads::release`] freed the buffer.
+    pub fn is_released(&self) -> bool {
+        self.released
+    }
+
+    /// After [`FlatGrads::release`]: a zeroed buffer again, with every
+    /// `.grad` a view of it (a no-op when it is not released).
+    pub fn restore(&mut self, params: &[(String, Tensor)]) -> Result<()> {
+        if !self.released {
+            return Ok(());
+        }
+        let _guard = tch::no_grad_guard();
+        let flat = Tensor::f_zeros(
+            [(self.len + EXTRA) as i64],
+            (Kind::Float, self.flat.device()),
+        )
+        .ctx("allocating the gradient buffer")?;
+        point(&flat, params, false)?;
+        self.flat = flat;
+        self.released = false;
+        Ok(())
+    }
+
+    /// Bytes the buffer holds now (the EXTRA slots only while released).
+    pub fn bytes(&self) -> usize {
+        self.flat.numel() * 4
     }
 
     /// All gradients as one 1-D view (no EXTRA slots).
     pub fn view(&self) -> Result<Tensor> {
+        if self.released {
+            return Err(Error::Model(
+                "the gradient buffer is released (ZeRO stage 2) and was not restored".into(),
+            ));
+        }
         self.flat
             .f_narrow(0, 0, self.len as i64)
             .ctx("viewing the gradient buffer")
@@ -116,7 +155,7 @@ impl FlatGrads {
     /// The gradients (no EXTRA slots) as one slice in parameter order,
     /// where they live in host memory (None on CUDA).
     pub fn cpu_mut(&mut self) -> Option<&mut [f32]> {
-        if self.flat.device() != Device::Cpu {
+        if self.flat.device() != Device::Cpu || self.released {
             return None;
         }
         // SAFETY: `flat` is a contiguous float32 CPU tensor of len + EXTRA
@@ -141,8 +180,9 @@ impl FlatGrads {
     /// Zeroes only the EXTRA slots (after a fused optimizer step that
     /// zeroed the gradients itself).
     pub fn zero_extra(&self) -> Result<()> {
+        let at = if self.released { 0 } else { self.len as i64 };
         self.flat
-            .f_narrow(0, self.len as i64, EXTRA as i64)
+            .f_narrow(0, at, EXTRA as i64)
             .and_then(|mut t| t.f_zero_())
             .ctx_("zeroing the count slots")
     }
@@ -197,6 +237,11 @@ impl FlatGrads {
         extra: &mut [f32],
     ) -> Result<()> {
         assert!(extra.len() <= EXTRA, "at most {EXTRA} extra values");
+        if self.released {
+            return Err(Error::Model(
+                "the gradient buffer is released (ZeRO stage 2) and was not restored".into(),
+            ));
+        }
         if collective.world_size() == 1 {
             let mut v = extra.to_vec();
             collective.all_reduce_sum(&mut v)?;
@@ -261,6 +306,36 @@ impl FlatGrads {
     }
 }
 
+/// Makes every parameter's `.grad` a view of its place in `flat` (in
+/// parameter order), first copying the current gradient there when `keep`.
+fn point(flat: &Tensor, params: &[(String, Tensor)], keep: bool) -> Result<()> {
+    let mut off = 0;
+    for (name, p) in params {
+        let n = p.numel();
+        let mut g = p.grad();
+        let view = flat
+            .f_narrow(0, off as i64, n as i64)
+            .and_then(|v| v.f_view(p.size().as_slice()))
+            .ctx("viewing the gradient buffer")?;
+        if keep {
+            view.shallow_clone()
+                .f_copy_(&g)
+                .ctx("moving a gradient into the buffer")?;
+        }
+        g.f_set_data(&view)
+            .ctx("moving a gradient into the buffer")?;
+        // The view must be what backward accumulates into from now on.
+        let want = flat.data_ptr() as usize + off * 4;
+        if p.grad().data_ptr() as usize != want {
+            return Err(Error::Model(format!(
+                "the gradient of {name} did not move into the flat buffer"
+            )));
+        }
+        off += n;
+    }
+    Ok(())
+}
+
 /// Gives every parameter a defined (zero) gradient, so it can be re-pointed
 /// into the buffer before the first backward: one backward of
 /// `0 * sum(p.sum())`.
@@ -322,7 +397,7 @@ mod tests {
         let p = params();
         let mut g = FlatGrads::attach(&p, 13).unwrap();
         // Buckets tile the buffer on parameter boundaries, extras last.
-        assert_eq!(g.buckets(), &[0..12, 12..23]);
+        assert_eq!(g.buckets(), &[0..12, 12..20 + EXTRA]);
         let x1 = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
         let x2 = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
         loss(&p, &x1).backward();
@@ -372,5 +447,47 @@ mod tests {
         // Still attached after zeroing: the next backward lands in the buffer.
         loss(&p, &x1).backward();
         assert!(g.view().unwrap().abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    }
+
+    /// Stage 2's release frees the buffer (only the EXTRA slots stay),
+    /// refuses use until restored, and a restored buffer is zero and is
+    /// again what backward accumulates into.
+    #[test]
+    fn a_released_buffer_is_freed_and_restores_to_zero_views() {
+        let p = params();
+        let mut g = FlatGrads::attach(&p, 13).unwrap();
+        let x = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
+        loss(&p, &x).backward();
+        let once = g.view().unwrap().copy();
+        assert_eq!(g.bytes(), 4 * (20 + EXTRA));
+        g.release(&p).unwrap();
+        assert!(g.is_released());
+        assert_eq!(g.bytes(), 4 * EXTRA);
+        assert!(p.iter().all(|(_, t)| t.grad().numel() == 0));
+        assert!(g.view().is_err());
+        assert!(g.cpu_mut().is_none());
+        assert!(g.all_reduce(&mut SingleRank, &mut []).is_err());
+        g.zero().unwrap();
+        g.zero_extra().unwrap();
+        g.restore(&p).unwrap();
+        assert!(!g.is_released());
+        assert_eq!(
+            g.view().unwrap().abs().sum(Kind::Float).double_value(&[]),
+            0.0
+        );
+        loss(&p, &x).backward();
+        let got = g.view().unwrap();
+        assert!(
+            got.equal(&once),
+            "the same backward lands in the new buffer"
+        );
+        let mut off = 0;
+        for (_, t) in &p {
+            assert_eq!(
+                t.grad().data_ptr() as usize,
+                got.data_ptr() as usize + 4 * off
+            );
+            off += t.numel();
+        }
     }
 }

@@ -328,12 +328,12 @@ fn two_workers_equal_pytorch_ddp_no_sync() {
     against_ddp(false, &["mean", "global_count"]);
 }
 
-/// ZeRO stage 1 (issue 17): accrue with `[sharding] stage = 1` against DDP
-/// with no_sync and torch.distributed.optim.ZeroRedundancyOptimizer (SGD
-/// sharded over the two ranks), clip_grad_norm_ on the full gradients;
-/// the same 1e-5 tolerance.
+/// ZeRO (issue 17): accrue with `[sharding] stage = 1` and `stage = 2`
+/// against DDP with no_sync and torch.distributed.optim.
+/// ZeroRedundancyOptimizer (SGD sharded over the two ranks),
+/// clip_grad_norm_ on the full gradients; the same 1e-5 tolerance.
 #[test]
-fn two_workers_stage_1_equal_pytorch_zero_redundancy_optimizer() {
+fn two_workers_stages_1_and_2_equal_pytorch_zero_redundancy_optimizer() {
     against_ddp(true, &["mean"]);
 }
 
@@ -348,7 +348,7 @@ fn against_ddp(zero: bool, normalizes: &[&str]) {
         "lr": lr, "momentum": momentum, "weight_decay": weight_decay,
         "seed": 11, "batch": 4, "k": 4, "epochs": 2, "max_norm": max_norm, "zero": zero,
     });
-    let stage = u32::from(zero);
+    let stages: &[u32] = if zero { &[1, 2] } else { &[0] };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/ddp_reference.py");
     let mut ddp = Torchrun::start(
         &python(),
@@ -360,7 +360,8 @@ fn against_ddp(zero: bool, normalizes: &[&str]) {
     // accrue runs while torchrun starts its two Pythons.
     let runs: Vec<_> = normalizes
         .iter()
-        .map(|normalize| {
+        .flat_map(|n| stages.iter().map(move |&s| (n, s)))
+        .map(|(normalize, stage)| {
             let text = tensors_mlp_job(
                 "ddp",
                 d,
@@ -386,7 +387,7 @@ stage = {stage}
 "#
                 ),
             );
-            let out = d.join(format!("accrue-{normalize}"));
+            let out = d.join(format!("accrue-{normalize}-{stage}"));
             std::fs::create_dir_all(&out).unwrap();
             let ranks = run_ranks(&out, &text, 2, |_| {});
             let norms: Vec<f64> = ranks[0]
@@ -396,7 +397,7 @@ stage = {stage}
                 .collect();
             let model =
                 Tensor::read_safetensors(out.join("ckpt/step-6/model.safetensors")).unwrap();
-            (normalize, model, norms)
+            (format!("{normalize}, stage {stage}"), model, norms)
         })
         .collect();
     let status = ddp

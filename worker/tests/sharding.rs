@@ -1,10 +1,12 @@
-//! ZeRO stage 1 (issue 17): W engines in threads over the real TCP ring on
-//! loopback, stage 1 against stage 0 (the whole optimizer state on every
+//! ZeRO stages 1 and 2 (issue 17): W engines in threads over the real TCP
+//! ring on loopback, against stage 0 (the whole optimizer state on every
 //! rank, itself checked against PyTorch elsewhere): the same parameters
 //! within 1e-6 for W = 1..4, SGD with momentum, Adam and AdamW, every
 //! normalize mode, norm 2 and inf, clip by value, a parameter count not
-//! divisible by W, a non-finite gradient on one rank, and checkpoints that
-//! resume across stages and world sizes.
+//! divisible by W, sync = "boundary" and "every_step", a non-finite
+//! gradient on one rank, and checkpoints that resume across stages and
+//! world sizes; the optimizer state (stages 1, 2) and the gradients held
+//! between micro-steps (stage 2, every_step) are 1/W.
 
 mod common;
 
@@ -81,47 +83,177 @@ fn assert_same(a: &[(String, Tensor)], b: &[(String, Tensor)], what: &str) {
 }
 
 #[test]
-fn stage_1_equals_stage_0_for_w_1_to_4() {
+fn stages_1_and_2_equal_stage_0_for_w_1_to_4() {
     let cases = [("global_count", SGD), ("mean", ADAM), ("sum", ADAMW)];
     for world in 1..=4 {
         for (normalize, tables) in cases {
-            let what = format!("W={world} {normalize} {}", tables.lines().nth(1).unwrap());
             let d0 = TempDir::new().unwrap();
-            let d1 = TempDir::new().unwrap();
             let zero = run(&job(normalize, tables, 0), world, in_dir(d0.path().into()));
-            let one = run(&job(normalize, tables, 1), world, in_dir(d1.path().into()));
-            assert_same(&one[0].0, &zero[0].0, &what);
-            for (r, (p, _, _)) in one.iter().enumerate() {
-                assert_eq!(max_rel_diff(p, &one[0].0), 0.0, "{what}: rank {r} differs");
-            }
-            // Each rank holds its slice's state only: together, one whole.
-            let whole = zero[0].2;
-            assert!(whole > 0);
-            assert_eq!(one.iter().map(|x| x.2).sum::<usize>(), whole, "{what}");
-            for (r, x) in one.iter().enumerate() {
-                assert!(
-                    x.2 <= whole / world + 16,
-                    "{what}: rank {r} holds {} of {whole}",
-                    x.2
+            for stage in [1, 2] {
+                let what = format!(
+                    "W={world} stage {stage} {normalize} {}",
+                    tables.lines().nth(1).unwrap()
                 );
+                let d1 = TempDir::new().unwrap();
+                let one = run(
+                    &job(normalize, tables, stage),
+                    world,
+                    in_dir(d1.path().into()),
+                );
+                assert_sharded(&zero, &one, d0.path(), d1.path(), world, &what);
             }
-            // The checkpoints hold the whole optimizer state by PyTorch's
-            // names, the same under both stages.
-            let state = |d: &Path| {
-                let last = accrue_worker::checkpoint::list_steps(d).unwrap();
-                let file = d.join(format!(
-                    "step-{}/optimizer.safetensors",
-                    last.last().unwrap()
-                ));
-                let mut t = Tensor::read_safetensors(file).unwrap();
-                t.sort_by(|a, b| a.0.cmp(&b.0));
-                t
-            };
-            let (s0, s1) = (state(d0.path()), state(d1.path()));
-            assert!(!s0.is_empty());
-            assert_same(&s1, &s0, &format!("{what}: optimizer state"));
         }
     }
+}
+
+/// `sharded` (W ranks under stage 1 or 2) ends as `zero` (stage 0) did:
+/// the same parameters on every rank, 1/W of the optimizer state each, and
+/// checkpoints (in `d0`, `d1`) holding the same whole state by PyTorch's
+/// names.
+fn assert_sharded(
+    zero: &[RankEnd],
+    sharded: &[RankEnd],
+    d0: &Path,
+    d1: &Path,
+    world: usize,
+    what: &str,
+) {
+    assert_same(&sharded[0].0, &zero[0].0, what);
+    for (r, (p, _, _)) in sharded.iter().enumerate() {
+        assert_eq!(
+            max_rel_diff(p, &sharded[0].0),
+            0.0,
+            "{what}: rank {r} differs"
+        );
+    }
+    // Each rank holds its slice's state only: together, one whole.
+    let whole = zero[0].2;
+    assert!(whole > 0);
+    assert_eq!(sharded.iter().map(|x| x.2).sum::<usize>(), whole, "{what}");
+    for (r, x) in sharded.iter().enumerate() {
+        assert!(
+            x.2 <= whole / world + 16,
+            "{what}: rank {r} holds {} of {whole}",
+            x.2
+        );
+    }
+    // The checkpoints hold the whole optimizer state by PyTorch's names,
+    // the same under every stage.
+    let state = |d: &Path| {
+        let last = accrue_worker::checkpoint::list_steps(d).unwrap();
+        let file = d.join(format!(
+            "step-{}/optimizer.safetensors",
+            last.last().unwrap()
+        ));
+        let mut t = Tensor::read_safetensors(file).unwrap();
+        t.sort_by(|a, b| a.0.cmp(&b.0));
+        t
+    };
+    let (s0, s1) = (state(d0), state(d1));
+    assert!(!s0.is_empty());
+    assert_same(&s1, &s0, &format!("{what}: optimizer state"));
+}
+
+/// sync = "every_step" (a reduction per micro-step): stages 1 and 2 end as
+/// stage 0 does, and under stage 2 a rank holds only its slice's window
+/// sums between micro-steps (each micro-step reduce-scatters into it and
+/// frees the buffer) where stages 0 and 1 hold the whole window sums.
+#[test]
+fn every_step_sync_under_stage_2_holds_a_slice_of_the_gradients_between_micro_steps() {
+    let world = 3;
+    let text = |stage| {
+        job("mean", ADAM, stage).replace(
+            "normalize = \"mean\"",
+            "normalize = \"mean\"\nsync = \"every_step\"",
+        )
+    };
+    assert!(text(2).contains("every_step"));
+    let d = TempDir::new().unwrap();
+    let dir = |s: u32| d.path().join(format!("s{s}"));
+    let zero = run(&text(0), world, in_dir(dir(0)));
+    for stage in [1, 2] {
+        let sharded = run(&text(stage), world, in_dir(dir(stage)));
+        assert_sharded(
+            &zero,
+            &sharded,
+            &dir(0),
+            &dir(stage),
+            world,
+            &format!("every_step stage {stage}"),
+        );
+    }
+    // Gradient bytes after each micro-step that is not a sync step, and
+    // after each sync step: the most any rank held (fresh runs).
+    let held = |text: String| -> (usize, usize) {
+        let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<String> = ls
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        let handles: Vec<_> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let (addrs, spec) = (addrs.clone(), spec(&text));
+                std::thread::spawn(move || {
+                    let cfg = RingConfig::new("zero", rank, world, addrs, b"zero".to_vec());
+                    let ring = TcpRing::start(Some(l), cfg).unwrap();
+                    let dir = TempDir::new().unwrap();
+                    let opts = RunOptions {
+                        checkpoint_dir: Some(dir.path().into()),
+                        ..Default::default()
+                    };
+                    let mut e = Engine::new(spec, ring, opts).unwrap();
+                    let (mut between, mut after) = (0, 0);
+                    while !e.is_done() {
+                        let at = if e.micro_step().unwrap().is_none() {
+                            &mut between
+                        } else {
+                            &mut after
+                        };
+                        *at = (*at).max(e.gradient_bytes());
+                    }
+                    (between, after)
+                })
+            })
+            .collect();
+        let ends: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        (
+            ends.iter().map(|e| e.0).max().unwrap(),
+            ends.iter().map(|e| e.1).max().unwrap(),
+        )
+    };
+    let params: usize = 6 * 13 + 13 + 13 * 4 + 4; // 147
+    let whole = 4 * params;
+    let slice = 4 * params.div_ceil(world);
+    let slots = 4 * accrue_worker::grads::EXTRA; // the window's counts and requests
+    for stage in [0, 1] {
+        let (between, after) = held(text(stage));
+        eprintln!("every_step, stage {stage}: {between} bytes between micro-steps, {after} after sync steps");
+        assert!(
+            between >= 2 * whole,
+            "stage {stage} holds the buffer and the window sums: {between} bytes"
+        );
+    }
+    let (between, after) = held(text(2));
+    eprintln!("every_step, stage 2: {between} bytes between micro-steps, {after} after sync steps");
+    assert!(
+        (slice..=slice + slots).contains(&between),
+        "stage 2, every_step: its slice ({slice} bytes) between micro-steps, not {between}"
+    );
+    assert_eq!(
+        after, slots,
+        "stage 2 frees the gradients after the sync step"
+    );
+    // sync = "boundary" under stage 2: the buffer lives through the window
+    // (backward accumulates into it) and is freed after its sync step.
+    let (between, after) = held(job("mean", ADAM, 2));
+    eprintln!("boundary, stage 2: {between} bytes between micro-steps, {after} after sync steps");
+    assert!(
+        between >= whole,
+        "stage 2, boundary: the buffer in the window: {between} bytes"
+    );
+    assert_eq!(after, slots, "stage 2, boundary: freed after the sync step");
 }
 
 /// Sample 5 holds a NaN: one rank's gradient is non-finite, the global norm
@@ -145,15 +277,25 @@ fn a_non_finite_gradient_on_one_rank_skips_on_every_rank() {
     };
     assert!(with_nan(1).contains("nan.safetensors"));
     let zero = run(&with_nan(0), 3, in_dir(d.path().join("a")));
-    let one = run(&with_nan(1), 3, in_dir(d.path().join("b")));
-    for (r, (_, skipped, _)) in one.iter().enumerate() {
-        assert_eq!(
-            *skipped, 2,
-            "rank {r}: sample 5 is in one window of each epoch"
+    assert_eq!(zero[0].1, 2);
+    for stage in [1, 2] {
+        let one = run(
+            &with_nan(stage),
+            3,
+            in_dir(d.path().join(format!("s{stage}"))),
+        );
+        for (r, (_, skipped, _)) in one.iter().enumerate() {
+            assert_eq!(
+                *skipped, 2,
+                "stage {stage} rank {r}: sample 5 is in one window of each epoch"
+            );
+        }
+        assert_same(
+            &one[0].0,
+            &zero[0].0,
+            &format!("stage {stage} with a NaN on one rank"),
         );
     }
-    assert_eq!(zero[0].1, 2);
-    assert_same(&one[0].0, &zero[0].0, "with a NaN on one rank");
 }
 
 /// A checkpoint written under stage 1 at W = 4 resumes under stage 0 at
@@ -196,5 +338,124 @@ fn checkpoints_resume_across_stages_and_world_sizes() {
         &zero_then_one[0].0,
         &reference[0].0,
         "stage 0 W=4 -> stage 1 W=2",
+    );
+}
+
+/// A stop reaches each rank at its own time (the daemon's SIGTERM, a
+/// cancel); here rank 1 alone is asked after its step 3. The request rides
+/// in step 4's reduction, so every rank stops after step 4 and the
+/// checkpoint (a collective under sharding: the state is gathered) is
+/// written, rather than one rank gathering while another reduces.
+#[test]
+fn a_stop_asked_of_one_rank_stops_every_rank_after_the_same_step() {
+    use accrue_worker::engine::{Control, Event};
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    let world = 2;
+    for stage in [0, 1, 2] {
+        let d = TempDir::new().unwrap();
+        let text = job("global_count", ADAM, stage);
+        let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<String> = ls
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        let handles: Vec<_> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let (addrs, spec, dir) = (addrs.clone(), spec(&text), d.path().to_path_buf());
+                std::thread::spawn(move || {
+                    let mut cfg = RingConfig::new("zero", rank, world, addrs, b"zero".to_vec());
+                    cfg.timeout = Duration::from_secs(10);
+                    let ring = TcpRing::start(Some(l), cfg).unwrap();
+                    let control = Arc::new(Control::default());
+                    let opts = RunOptions {
+                        checkpoint_dir: Some(dir),
+                        control: Some(control.clone()),
+                        ..Default::default()
+                    };
+                    let mut e = Engine::new(spec, ring, opts).unwrap();
+                    let s = e
+                        .run(|ev| {
+                            if let Event::Step(r) = ev {
+                                if rank == 1 && r.step == 3 {
+                                    control.stop.store(true, Ordering::SeqCst);
+                                }
+                            }
+                        })
+                        .unwrap_or_else(|e| panic!("stage {stage} rank {rank}: {e}"));
+                    (s.state.step, s.finished)
+                })
+            })
+            .collect();
+        let ends: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(ends, [(4, false), (4, false)], "stage {stage}");
+        let steps = accrue_worker::checkpoint::list_steps(d.path()).unwrap();
+        assert_eq!(steps.last(), Some(&4), "stage {stage}: {steps:?}");
+    }
+}
+
+/// A rank that leaves (its daemon got SIGTERM) while the job goes on:
+/// its leave rides in the next sync step's reduction, every rank writes a
+/// checkpoint after that step (the sharded state gathered while the leaver
+/// still holds its slice), the leaver stops, and the others go on until
+/// the ring breaks (in a cluster the coordinator then re-forms it and they
+/// roll back to that checkpoint, losing no step).
+#[test]
+fn a_leaving_rank_has_every_rank_checkpoint_before_it_goes() {
+    use accrue_worker::engine::{Control, Event};
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    let world = 2;
+    let d = TempDir::new().unwrap();
+    let text = job("global_count", ADAM, 1);
+    let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
+    let addrs: Vec<String> = ls
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let handles: Vec<_> = ls
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            let (addrs, spec, dir) = (addrs.clone(), spec(&text), d.path().to_path_buf());
+            std::thread::spawn(move || {
+                let mut cfg = RingConfig::new("zero", rank, world, addrs, b"zero".to_vec());
+                cfg.timeout = Duration::from_secs(10);
+                let ring = TcpRing::start(Some(l), cfg).unwrap();
+                let control = Arc::new(Control::default());
+                let opts = RunOptions {
+                    checkpoint_dir: Some(dir),
+                    control: Some(control.clone()),
+                    ..Default::default()
+                };
+                let mut e = Engine::new(spec, ring, opts).unwrap();
+                e.run(|ev| {
+                    if let Event::Step(r) = ev {
+                        if rank == 1 && r.step == 2 {
+                            control.leave.store(true, Ordering::SeqCst);
+                        }
+                    }
+                })
+                .map(|s| (s.state.step, s.finished))
+                .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let ends: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(ends[1], Ok((3, false)), "the leaver stops after step 3");
+    let e = ends[0].as_ref().unwrap_err();
+    assert!(
+        e.contains("lost rank 1"),
+        "rank 0 goes on until the ring breaks: {e}"
+    );
+    let steps = accrue_worker::checkpoint::list_steps(d.path()).unwrap();
+    assert_eq!(steps, [3], "one checkpoint, after the agreed step");
+    let opt = Tensor::read_safetensors(d.path().join("step-3/optimizer.safetensors")).unwrap();
+    assert_eq!(
+        opt.len(),
+        2 * 4,
+        "Adam's two moments of the 4 parameters, whole"
     );
 }

@@ -62,14 +62,16 @@ pub struct JobSpec {
 pub struct ShardingSpec {
     /// 0: every rank keeps the whole optimizer state (the default); 1: each
     /// rank keeps and steps the state of its slice of the flat parameters,
-    /// then the parameters are all-gathered.
+    /// then the parameters are all-gathered; 2: also frees the gradients
+    /// outside the rank's slice (after the sync step, or with sync =
+    /// "every_step" after each micro-step's reduce-scatter).
     #[serde(default)]
     pub stage: u32,
 }
 
 /// The sharding stages built so far.
 pub const SHARDING_STAGES: &str =
-    "0 (none) or 1 (optimizer state sharded; stage 2 is not built yet)";
+    "0 (none), 1 (optimizer state sharded) or 2 (optimizer state and gradients sharded)";
 
 /// Data-plane settings.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]

@@ -306,7 +306,7 @@ proptest! {
 }
 
 #[test]
-fn sharding_stage_is_0_or_1_and_defaults_to_0() {
+fn sharding_stage_is_0_1_or_2_and_defaults_to_0() {
     let ok = |stage: u32| {
         JobSpec::fields_from_toml_str(
             &format!("{BASE}[sharding]\nstage = {stage}\n"),
@@ -316,14 +316,14 @@ fn sharding_stage_is_0_or_1_and_defaults_to_0() {
         .sharding
         .stage
     };
-    assert_eq!((ok(0), ok(1)), (0, 1));
+    assert_eq!((ok(0), ok(1), ok(2)), (0, 1, 2));
     let plain = JobSpec::fields_from_toml_str(BASE, Path::new("t.toml")).unwrap();
     assert_eq!(plain.sharding.stage, 0);
-    let e = invalid(&format!("{BASE}[sharding]\nstage = 2\n"));
+    let e = invalid(&format!("{BASE}[sharding]\nstage = 3\n"));
     assert_eq!(e.len(), 1, "{e:?}");
     let text = e[0].to_string();
     assert!(
-        text.starts_with("sharding.stage = 2: must be 0 (none) or 1"),
+        text.starts_with("sharding.stage = 3: must be 0 (none), 1 (optimizer state sharded) or 2"),
         "{text}"
     );
 }

@@ -147,6 +147,7 @@ impl Cluster {
         };
         crate::series::push_step(&mut entry.series, &r, now);
         let c = entry.job.counters.get_or_insert_with(Default::default);
+        let reported = c.step;
         c.step = r.step;
         c.total_steps = r.total_steps;
         c.micro_step = r.micro_step;
@@ -171,6 +172,7 @@ impl Cluster {
             {
                 rec.first_step_unix_ms = now;
                 rec.resumed_step = r.step.saturating_sub(1);
+                rec.redone_steps = reported.saturating_sub(rec.resumed_step);
             }
             let reason = format!(
                 "the ring of generation {} formed and step {} committed",

@@ -234,6 +234,43 @@ fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
     );
 }
 
+/// The recovery record counts the reported steps a new generation does
+/// again: none when it goes on from the survivors' last step, the steps
+/// since the checkpoint when it rolled back (a sharded job's lost shard).
+#[test]
+fn a_recovery_record_counts_the_steps_a_rollback_does_again() {
+    for (first, resumed, redone) in [(6, 5, 0), (3, 2, 3)] {
+        let mut c = cluster();
+        for (i, w) in ["w0", "w1", "w2"].iter().enumerate() {
+            attach(&mut c, w, i as u64 + 1, 0);
+        }
+        let job = submit(&mut c, spec("j", 2, ""), 0);
+        for step in 1..=5 {
+            deliver(
+                &mut c,
+                "w0",
+                step_report(&job, 1, 0, step),
+                10 + step as i64,
+            );
+        }
+        c.step(
+            Input::Lost {
+                worker: "w1".into(),
+                conn: Some(2),
+                reason: "gone".into(),
+            },
+            20,
+        );
+        deliver(&mut c, "w0", interrupted(&job, 1, 0), 25);
+        assert_eq!(c.job(&job).unwrap().generation, 2);
+        deliver(&mut c, "w0", step_report(&job, 2, 0, first), 30);
+        let j = c.job(&job).unwrap();
+        assert_eq!(j.state(), JobState::Running);
+        let r = &j.recoveries[0];
+        assert_eq!((r.resumed_step, r.redone_steps), (resumed, redone), "{r:?}");
+    }
+}
+
 pub(super) fn conn_of(c: &Cluster, w: &str) -> u64 {
     c.worker(w).unwrap().conn
 }

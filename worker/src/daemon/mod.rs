@@ -743,7 +743,8 @@ pub async fn run_with(
                     tracing::info!(worker = %cfg.worker_id, "shutting down: detaching from the coordinator");
                     health.set(Link::Stopping);
                     if let Some(r) = &running {
-                        r.control.stop.store(true, Ordering::SeqCst);
+                        // This rank leaves; the job goes on without it.
+                        r.control.leave.store(true, Ordering::SeqCst);
                     }
                     let _ = tx.send(wrap(worker_message::Msg::Detach(v1::Detach {
                         reason: "the daemon was told to stop".into(),

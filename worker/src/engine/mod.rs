@@ -71,9 +71,11 @@ pub struct RunOptions {
 /// Flags another thread sets to steer a running engine.
 #[derive(Debug, Default)]
 pub struct Control {
-    /// Stop at the next window boundary (with a checkpoint).
+    /// Stop at the next window boundary (with a checkpoint). Set on any
+    /// rank, every rank stops after the same step: the flag rides in the
+    /// sync step's reduction.
     pub stop: std::sync::atomic::AtomicBool,
-    /// Write a checkpoint at the next window boundary.
+    /// Write a checkpoint at the next window boundary (agreed like `stop`).
     pub checkpoint_now: std::sync::atomic::AtomicBool,
     /// Drop the window in flight at the next micro-step and return
     /// [`Error::Interrupted`] (the coordinator is re-forming the ring).
@@ -81,12 +83,31 @@ pub struct Control {
     /// A new generation is waiting: leave at the next window boundary
     /// with [`Error::Interrupted`] (an elastic job grows).
     pub reform: std::sync::atomic::AtomicBool,
+    /// This rank leaves (its daemon is shutting down, e.g. SIGTERM) while
+    /// the job goes on elsewhere: at the next sync step every rank agrees
+    /// to checkpoint (so a sharded rank's slice of the optimizer state is
+    /// in it), then this rank stops; the others go on until the coordinator
+    /// re-forms the ring without it.
+    pub leave: std::sync::atomic::AtomicBool,
 }
 
 impl Control {
+    /// Whether this rank is on its way out (the job stops, or it leaves).
     pub fn stopping(&self) -> bool {
         self.stop.load(std::sync::atomic::Ordering::SeqCst)
+            || self.leave.load(std::sync::atomic::Ordering::SeqCst)
     }
+}
+
+/// Requests a sync step's reduction agreed on (see [`Control`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct Agreed {
+    /// Some rank was asked to stop: every rank stops.
+    stop: bool,
+    /// Some rank was asked for a checkpoint, or is leaving.
+    checkpoint: bool,
+    /// This rank's own leave went into the reduction: it stops.
+    leave: bool,
 }
 
 /// Wall time of one optimizer step, split by phase.
@@ -167,6 +188,15 @@ pub struct Engine<C: Collective> {
     window: Window,
     /// sync = every_step: the reduced gradients of the window so far.
     acc: Option<Vec<Tensor>>,
+    /// ZeRO stage 2 with sync = every_step: this rank's slice of the
+    /// window's reduced gradients so far (the buffer is released).
+    zero_acc: Option<Tensor>,
+    /// The most gradient bytes held after a micro-step that was not a
+    /// sync step ([`Engine::gradient_bytes`]; for the logs and benchmarks).
+    most_grad_between: usize,
+    /// What every rank agreed at the last sync step (any rank asking is
+    /// enough): honoured after that step.
+    agreed: Agreed,
     /// The gradient-accumulation buffer every `.grad` is a view of.
     grads: FlatGrads,
     checkpoint_dir: PathBuf,
@@ -298,7 +328,8 @@ impl<C: Collective> Engine<C> {
             .max_steps
             .unwrap_or(spec.epochs.unwrap_or(1) * plan.windows() as u64);
         let schedule = Schedule::from_spec(&spec, total_steps);
-        // ZeRO stage 1 steps one flat slice: one parameter's worth of state.
+        // ZeRO stages 1 and 2 step one flat slice: one parameter's worth of
+        // state.
         let stepped = if spec.sharding.stage >= 1 {
             1
         } else {
@@ -341,6 +372,9 @@ impl<C: Collective> Engine<C> {
             epoch_indices: (u64::MAX, Vec::new()),
             window: Window::default(),
             acc: None,
+            zero_acc: None,
+            most_grad_between: 0,
+            agreed: Agreed::default(),
             grads,
             checkpoint_dir,
             opts,
@@ -511,14 +545,9 @@ impl<C: Collective> Engine<C> {
                 on_event(Event::Checkpoint(&p));
             }
             let requested = self.opts.control.clone();
-            if let Some(c) = &requested {
-                if c.checkpoint_now
-                    .swap(false, std::sync::atomic::Ordering::SeqCst)
-                    && !self.is_done()
-                {
-                    let p = self.checkpoint()?;
-                    on_event(Event::Checkpoint(&p));
-                }
+            if std::mem::take(&mut self.agreed.checkpoint) && !self.is_done() {
+                let p = self.checkpoint()?;
+                on_event(Event::Checkpoint(&p));
             }
             if requested
                 .as_ref()
@@ -530,8 +559,10 @@ impl<C: Collective> Engine<C> {
                     self.state.step
                 )));
             }
-            let stop_requested = requested.as_ref().is_some_and(|c| c.stopping());
-            if (stop_requested
+            // A stop asked of any rank, agreed at this step's reduction, or
+            // this rank's leave (after the agreed checkpoint above).
+            if (self.agreed.stop
+                || self.agreed.leave
                 || self
                     .opts
                     .stop_after_steps
@@ -546,6 +577,8 @@ impl<C: Collective> Engine<C> {
             rank = self.collective.rank(),
             stage = self.spec.sharding.stage,
             optimizer_state_bytes = self.optimizer_state_bytes(),
+            gradient_bytes_between_micro_steps = self.most_grad_between,
+            gradient_bytes_after_sync = self.gradient_bytes(),
             "optimizer state held by this rank"
         );
         let checkpoint = self.checkpoint()?;

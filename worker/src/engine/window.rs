@@ -8,6 +8,7 @@ use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::fused::GradPrep;
 use crate::spec::{Normalize, OnNonfinite, SyncMode};
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tch::{Reduction, Tensor};
 
@@ -37,6 +38,7 @@ impl<C: Collective> Engine<C> {
         let w = std::mem::take(&mut self.window);
         self.state.micro_step = self.state.micro_step.saturating_sub(w.micro as u64);
         self.acc = None;
+        self.zero_acc = None;
         self.grads.zero()
     }
 
@@ -66,6 +68,8 @@ impl<C: Collective> Engine<C> {
         let m = self.state.cursor as usize + self.window.micro;
         let (a, b) = self.plan.micro_batch_range(m);
         let n = (b - a) as u64;
+        // ZeRO stage 2 freed the buffer after the last reduction.
+        self.grads.restore(&self.model.params)?;
         if n > 0 {
             self.forward_backward(a, b)?;
             self.window.batches += 1;
@@ -85,6 +89,7 @@ impl<C: Collective> Engine<C> {
         if self.plan.is_sync(m) {
             return self.sync_step().map(Some);
         }
+        self.most_grad_between = self.most_grad_between.max(self.gradient_bytes());
         Ok(None)
     }
 
@@ -126,6 +131,9 @@ impl<C: Collective> Engine<C> {
     /// sync = every_step: all-reduce this micro-step's gradients now and add
     /// them to the window's accumulation buffers.
     fn reduce_micro_step(&mut self) -> Result<()> {
+        if self.spec.sharding.stage >= 2 {
+            return self.zero_reduce_micro_step();
+        }
         let grads = self.model.grads();
         self.grads.all_reduce(&mut self.collective, &mut [])?;
         let _guard = tch::no_grad_guard();
@@ -165,10 +173,26 @@ impl<C: Collective> Engine<C> {
             Some(l) => l.f_double_value(&[]).ctx("reading the loss")?,
             None => 0.0,
         };
+        // A stop or checkpoint request reaches each rank at its own time;
+        // summed here, every rank honours it after the same step (under
+        // sharding a checkpoint is a collective: ranks must agree).
+        let (stop, checkpoint, leave) = match &self.opts.control {
+            Some(c) => {
+                let leave = c.leave.load(Ordering::SeqCst);
+                (
+                    c.stop.load(Ordering::SeqCst),
+                    c.checkpoint_now.load(Ordering::SeqCst) || leave,
+                    leave,
+                )
+            }
+            None => (false, false, false),
+        };
         let mut stats = vec![
             self.window.samples as f32,
             self.window.batches as f32,
             loss_sum as f32,
+            f32::from(u8::from(stop)),
+            f32::from(u8::from(checkpoint)),
         ];
         match self.acc.take() {
             Some(acc) => {
@@ -181,11 +205,23 @@ impl<C: Collective> Engine<C> {
             }
             None if self.sharded() => {
                 self.collective.all_reduce_sum(&mut stats)?;
-                self.zero_reduce()?;
+                if self.zero_acc.is_none() {
+                    self.zero_reduce()?;
+                }
             }
             None => self.grads.all_reduce(&mut self.collective, &mut stats)?,
         }
         let comm = self.window.comm + t_comm.elapsed();
+        self.agreed = super::Agreed {
+            stop: stats[3] > 0.5,
+            checkpoint: stats[4] > 0.5,
+            leave,
+        };
+        if self.agreed.checkpoint {
+            if let Some(c) = &self.opts.control {
+                c.checkpoint_now.store(false, Ordering::SeqCst);
+            }
+        }
         let global_samples = stats[0].round() as u64;
         let global_micro = stats[1].round() as u64;
         let world = self.collective.world_size() as f64;
@@ -250,7 +286,7 @@ impl<C: Collective> Engine<C> {
             // Under sharding: this rank's slice only (engine/zero.rs).
             Some(prep) if self.sharded() => {
                 self.zero_step(prep, lr)?;
-                self.grads.zero()?;
+                self.clear_grads()?;
                 true
             }
             Some(prep) => match self.grads.cpu_mut() {
@@ -269,7 +305,7 @@ impl<C: Collective> Engine<C> {
                 clip_s += prep_s;
                 self.optimizer.step(&self.model.params, lr)?;
             }
-            self.grads.zero()?;
+            self.clear_grads()?;
         }
         let optimizer_s = t_opt.elapsed().saturating_sub(prep_s);
         // 5. commit.

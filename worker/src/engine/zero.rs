@@ -7,17 +7,23 @@
 //! state back into PyTorch's per-parameter names, so they load under any
 //! stage and world size.
 //!
-//! Built so far: CPU, the tensor-op optimizer path (SGD with momentum,
-//! Adam, AdamW), every normalize mode, norm 2 and inf, clip by value,
-//! non-finite skips, checkpoints and resume across stages and W.
-//! Not yet: stage 2, the fused CPU step and the CUDA path under sharding,
-//! and recovery (a lost rank's shard is not replicated: re-forming a
-//! sharded job fails naming this, rather than continuing without it).
+//! Stage 2 (`stage = 2`) also frees the gradient buffer: after each sync
+//! step (sync = "boundary": the buffer lives from a window's first
+//! backward to its sync step), or after each micro-step's reduce-scatter
+//! into a 1/W slice accumulator (sync = "every_step": 1/W of the gradients
+//! between micro-steps).
+//!
+//! Built: CPU; SGD through the fused CPU pass (as stage 0), Adam and AdamW
+//! through tensor ops; every normalize mode, norm 2 and inf, clip by
+//! value, non-finite skips, checkpoints and resume across stages and W; a
+//! lost rank's shard is recovered by rolling every rank back to the last
+//! checkpoint (engine/state_sync.rs). Not yet: the CUDA path, and shard
+//! replicas on a ring neighbour.
 
 use super::flat::flatten;
 use super::Engine;
 use crate::collective::Collective;
-use crate::error::{Error, Result, TorchContext};
+use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::fused::GradPrep;
 use crate::shard;
 use std::ops::Range;
@@ -99,17 +105,73 @@ impl<C: Collective> Engine<C> {
         self.collective.reduce_scatter_sum(g)
     }
 
+    /// This rank's slice of the reduced gradients: stage 2 with
+    /// `sync = "every_step"` keeps it apart (the window's sum so far, the
+    /// whole buffer released between micro-steps); otherwise it is the
+    /// slice of the buffer the reduce-scatter left it in.
+    fn grad_slice(&self) -> Result<Tensor> {
+        match &self.zero_acc {
+            Some(acc) => Ok(acc.shallow_clone()),
+            None => {
+                let s = self.my_slice();
+                self.grads
+                    .view()?
+                    .f_narrow(0, s.start as i64, s.len() as i64)
+                    .ctx("the gradient slice")
+            }
+        }
+    }
+
+    /// Stage 2 with `sync = "every_step"`, after a micro-step's backward:
+    /// reduce-scatters its gradients, adds this rank's slice to the
+    /// window's slice accumulator and frees the whole buffer, so only 1/W
+    /// of the gradients is held between micro-steps.
+    pub(super) fn zero_reduce_micro_step(&mut self) -> Result<()> {
+        self.zero_reduce()?;
+        let slice = {
+            let s = self.my_slice();
+            self.grads
+                .view()?
+                .f_narrow(0, s.start as i64, s.len() as i64)
+                .ctx("the gradient slice")?
+        };
+        match &mut self.zero_acc {
+            None => self.zero_acc = Some(slice.f_detach_copy().ctx("accumulating")?),
+            Some(acc) => {
+                acc.f_add_(&slice).ctx_("accumulating")?;
+            }
+        }
+        self.grads.release(&self.model.params)
+    }
+
+    /// After a sync step (or a skipped one): stage 2 frees the gradient
+    /// buffer until the next backward, stage 0 and 1 zero it in place.
+    pub(super) fn clear_grads(&mut self) -> Result<()> {
+        self.zero_acc = None;
+        if self.spec.sharding.stage >= 2 {
+            self.grads.release(&self.model.params)
+        } else {
+            self.grads.zero()
+        }
+    }
+
+    /// Bytes of gradients this rank holds now: the accumulation buffer
+    /// (while not released), stage 2's slice accumulator and sync =
+    /// every_step's window sums.
+    pub fn gradient_bytes(&self) -> usize {
+        let t = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        self.grads.bytes()
+            + self.zero_acc.as_ref().map_or(0, t)
+            + self.acc.as_ref().map_or(0, |a| a.iter().map(t).sum())
+    }
+
     /// The global `norm_type` norm of the (summed) gradients from every
     /// rank's slice: each rank's partial is all-gathered (as f64 bits) and
     /// combined in rank order, so every rank gets the same value.
     pub(super) fn zero_norm(&mut self, norm_type: f64) -> Result<f64> {
-        let s = self.my_slice();
         let (w, r) = (self.collective.world_size(), self.collective.rank());
-        let g = self
-            .grads
-            .cpu_mut()
-            .ok_or_else(|| Error::Sharding("gradients are not on the CPU".into()))?;
-        let mine = shard::partial(&g[s], norm_type);
+        let g = self.grad_slice()?;
+        let mine = shard::partial(host_f32(&g)?, norm_type);
         let mut words = vec![0f32; 2 * w];
         words[2 * r..2 * r + 2].copy_from_slice(&shard::to_words(mine));
         self.collective.all_gather(&mut words)?;
@@ -121,23 +183,15 @@ impl<C: Collective> Engine<C> {
     }
 
     /// Prepares this rank's gradient slice, steps its parameters with the
-    /// slice's optimizer state, and all-gathers the parameters. The
-    /// gradient buffer (zeroed right after) is the gather's buffer, so no
-    /// whole-model copy is allocated: only the slice's parameters.
+    /// slice's optimizer state (SGD: the fused CPU pass, as stage 0; Adam
+    /// and AdamW: tensor ops), and all-gathers the parameters. The
+    /// gradient buffer (zeroed or released right after) is the gather's
+    /// buffer, so no whole-model copy is allocated: only the slice's
+    /// parameters.
     pub(super) fn zero_step(&mut self, prep: GradPrep, lr: f64) -> Result<()> {
         let s = self.my_slice();
         let (at, n) = (s.start as i64, s.len() as i64);
-        let flat = self.grads.view()?;
-        let mut grad = flat.f_narrow(0, at, n).ctx("the gradient slice")?;
-        match prep {
-            GradPrep::Mul(f) => grad.f_mul_scalar_(f as f64).map(|_| ()),
-            GradPrep::Div(d) => grad.f_div_scalar_(d as f64).map(|_| ()),
-            GradPrep::DivClamp(d, v) => grad
-                .f_div_scalar_(d as f64)
-                .and_then(|mut g| g.f_clamp_(-(v as f64), v as f64))
-                .map(|_| ()),
-        }
-        .ctx("preparing the gradient slice")?;
+        let mut grad = self.grad_slice()?;
         // This rank's parameters, as one flat slice (the pieces of the
         // parameters that fall in it).
         let sizes: Vec<usize> = self.model.params.iter().map(|(_, p)| p.numel()).collect();
@@ -159,12 +213,32 @@ impl<C: Collective> Engine<C> {
         // Until the gather below is through, the slice's state is a step
         // ahead of the committed one: a ring re-formed meanwhile rolls back.
         self.zero_dirty = true;
-        self.optimizer
-            .step_pairs(&[(mine.shallow_clone(), grad.shallow_clone())], lr)?;
+        let slot = [(String::new(), mine.shallow_clone())];
+        let fused = self
+            .optimizer
+            .step_fused(&slot, host_f32_mut(&grad)?, lr, prep)?;
+        if !fused {
+            match prep {
+                GradPrep::Mul(f) => grad.f_mul_scalar_(f as f64).map(|_| ()),
+                GradPrep::Div(d) => grad.f_div_scalar_(d as f64).map(|_| ()),
+                GradPrep::DivClamp(d, v) => grad
+                    .f_div_scalar_(d as f64)
+                    .and_then(|mut g| g.f_clamp_(-(v as f64), v as f64))
+                    .map(|_| ()),
+            }
+            .ctx("preparing the gradient slice")?;
+            self.optimizer
+                .step_pairs(&[(mine.shallow_clone(), grad.shallow_clone())], lr)?;
+        }
         self.zero_layout = Some(self.layout());
-        // The stepped slice goes where its gradient was; the gather fills
-        // in every other rank's.
-        grad.f_copy_(&mine).ctx("staging the stepped slice")?;
+        // The stepped slice goes to its place in the gradient buffer
+        // (restored first under stage 2 with sync = "every_step"); the
+        // gather fills in every other rank's.
+        self.grads.restore(&self.model.params)?;
+        let flat = self.grads.view()?;
+        flat.f_narrow(0, at, n)
+            .and_then(|mut g| g.f_copy_(&mine))
+            .ctx("staging the stepped slice")?;
         let g = self
             .grads
             .cpu_mut()
@@ -280,4 +354,26 @@ impl<C: Collective> Engine<C> {
         self.zero_dirty = false;
         Ok(())
     }
+}
+
+/// The elements of a contiguous float32 CPU tensor, read-only.
+fn host_f32(t: &Tensor) -> Result<&[f32]> {
+    host_f32_mut(t).map(|s| &*s)
+}
+
+/// The elements of a contiguous float32 CPU tensor (a gradient slice the
+/// engine thread alone uses; the tensor handle outlives the slice).
+#[allow(clippy::mut_from_ref)]
+fn host_f32_mut(t: &Tensor) -> Result<&mut [f32]> {
+    if t.device() != Device::Cpu || t.kind() != tch::Kind::Float || !t.is_contiguous() {
+        return Err(Error::Sharding(format!(
+            "a gradient slice is {:?} on {:?}; sharding steps contiguous float32 on the CPU",
+            t.kind(),
+            t.device()
+        )));
+    }
+    // SAFETY: checked above to be a contiguous float32 CPU tensor of
+    // numel elements; the storage lives as long as the borrowed handle and
+    // the engine thread is the only one touching it while the slice lives.
+    Ok(unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel()) })
 }
