@@ -41,6 +41,17 @@ impl FlatGrads {
     /// Allocates the buffer and makes every parameter's gradient a view of
     /// it (current gradient values are kept). `bucket_cap` is in elements.
     pub fn attach(params: &[(String, Tensor)], bucket_cap: usize) -> Result<Self> {
+        Self::attach_staged(params, bucket_cap, false)
+    }
+
+    /// [`FlatGrads::attach`]; with `staged` the collectives go through a
+    /// separate host buffer also on the CPU, as they do on CUDA (so the CPU
+    /// tests run the staging path: every copy but the device transfer).
+    pub fn attach_staged(
+        params: &[(String, Tensor)],
+        bucket_cap: usize,
+        staged: bool,
+    ) -> Result<Self> {
         let _guard = tch::no_grad_guard();
         let device = params
             .first()
@@ -79,6 +90,11 @@ impl FlatGrads {
                 Tensor::f_zeros([(len + EXTRA) as i64], (Kind::Float, Device::Cpu))
                     .and_then(|h| h.f_pin_memory(device))
                     .ctx("allocating pinned memory")?,
+            )
+        } else if staged {
+            Some(
+                Tensor::f_zeros([(len + EXTRA) as i64], (Kind::Float, Device::Cpu))
+                    .ctx("allocating the host buffer")?,
             )
         } else {
             None
@@ -133,6 +149,51 @@ impl FlatGrads {
         self.flat = flat;
         self.released = false;
         Ok(())
+    }
+
+    /// Whether collectives go through the host mirror (CUDA, or staged).
+    pub fn staged(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The host mirror's gradient part (no EXTRA slots) when staged.
+    pub fn host_mut(&mut self) -> Option<&mut [f32]> {
+        let h = self.host.as_ref()?;
+        // SAFETY: the mirror is a contiguous float32 CPU tensor of len +
+        // EXTRA elements owned by self; the slice borrows self mutably and
+        // nothing else uses the mirror meanwhile (the engine thread).
+        Some(unsafe { std::slice::from_raw_parts_mut(h.data_ptr() as *mut f32, self.len) })
+    }
+
+    /// Copies elements `r` of the gradients to the host mirror (staged).
+    pub fn to_host(&self, r: Range<usize>) -> Result<()> {
+        self.copy_between(r, true)
+    }
+
+    /// Copies elements `r` of the host mirror into the gradients (staged).
+    pub fn from_host(&self, r: Range<usize>) -> Result<()> {
+        self.copy_between(r, false)
+    }
+
+    /// Elements `r` of the host mirror (staged), as a tensor view.
+    pub fn host_view(&self, r: Range<usize>) -> Result<Tensor> {
+        let h = self
+            .host
+            .as_ref()
+            .ok_or_else(|| Error::Model("the gradient buffer has no host mirror".into()))?;
+        h.f_narrow(0, r.start as i64, r.len() as i64)
+            .ctx("viewing the host mirror")
+    }
+
+    fn copy_between(&self, r: Range<usize>, to_host: bool) -> Result<()> {
+        let host = self.host_view(r.clone())?;
+        let dev = self.view()?.f_narrow(0, r.start as i64, r.len() as i64);
+        let (mut dst, src) = if to_host {
+            (host, dev.ctx("viewing the gradient buffer")?)
+        } else {
+            (dev.ctx("viewing the gradient buffer")?, host)
+        };
+        dst.f_copy_(&src).ctx("staging gradients")
     }
 
     /// Bytes the buffer holds now (the EXTRA slots only while released).
@@ -250,9 +311,9 @@ impl FlatGrads {
         }
         let len = self.len;
         let flat = self.flat.shallow_clone();
-        let (host, device) = match &self.host {
-            Some(h) => (h.shallow_clone(), self.flat.device()),
-            None => (self.flat.shallow_clone(), Device::Cpu),
+        let host = match &self.host {
+            Some(h) => h.shallow_clone(),
+            None => self.flat.shallow_clone(),
         };
         // SAFETY: `host` is a contiguous float32 CPU tensor of len + EXTRA
         // elements that outlives this call; the slices below are disjoint and
@@ -271,9 +332,9 @@ impl FlatGrads {
             at = r.end;
         }
         let ranges = self.buckets.clone();
-        let cuda = device.is_cuda();
+        let staged = self.host.is_some();
         let mut stage_in = |i: usize, _: &mut [f32]| -> Result<()> {
-            if cuda {
+            if staged {
                 let r = &ranges[i];
                 let n = (r.end - r.start) as i64;
                 let is_last = i + 1 == ranges.len();
@@ -286,7 +347,7 @@ impl FlatGrads {
             Ok(())
         };
         let mut stage_out = |i: usize, _: &mut [f32]| -> Result<()> {
-            if cuda {
+            if staged {
                 let r = &ranges[i];
                 let n = (r.end - r.start) as i64;
                 let dev_n = if i + 1 == ranges.len() {

@@ -459,3 +459,46 @@ fn a_leaving_rank_has_every_rank_checkpoint_before_it_goes() {
         "Adam's two moments of the 4 parameters, whole"
     );
 }
+
+/// The CUDA path's staging (collectives in a host mirror, gradients and
+/// the step in the buffer), run on the CPU with a separate host buffer:
+/// stage 0's bucketed all-reduce and stages 1 and 2 (boundary and
+/// every_step) end as the direct CPU path does.
+#[test]
+fn the_staged_path_of_cuda_equals_the_direct_path() {
+    let staged = |dir: PathBuf| {
+        move |_| RunOptions {
+            checkpoint_dir: Some(dir.clone()),
+            stage_through_host: true,
+            ..Default::default()
+        }
+    };
+    let every_step = |t: String| {
+        t.replace(
+            "normalize = \"sum\"",
+            "normalize = \"sum\"\nsync = \"every_step\"",
+        )
+    };
+    for world in [2, 3] {
+        for (normalize, tables) in [("global_count", SGD), ("sum", ADAMW)] {
+            let d = TempDir::new().unwrap();
+            let direct = run(
+                &job(normalize, tables, 0),
+                world,
+                in_dir(d.path().join("d")),
+            );
+            for stage in [0, 1, 2] {
+                let what = format!("W={world} {normalize} stage {stage} staged");
+                let text = job(normalize, tables, stage);
+                let s = run(&text, world, staged(d.path().join(format!("s{stage}"))));
+                assert_same(&s[0].0, &direct[0].0, &what);
+                if normalize == "sum" && stage == 2 {
+                    let text = every_step(text);
+                    assert!(text.contains("every_step"));
+                    let s = run(&text, world, staged(d.path().join("e")));
+                    assert_same(&s[0].0, &direct[0].0, &format!("{what}, every_step"));
+                }
+            }
+        }
+    }
+}

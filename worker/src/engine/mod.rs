@@ -56,6 +56,9 @@ pub struct RunOptions {
     /// line with job, step, epoch, rank, world and indices) to this file:
     /// joined over all ranks' files, an audit of the data accounting.
     pub sample_log: Option<PathBuf>,
+    /// Run the collectives through a separate host buffer on the CPU too,
+    /// as on CUDA (tests use it to run the staging path without a GPU).
+    pub stage_through_host: bool,
     /// Sleep this long after every micro-step (fault-injection tests and
     /// demos: it makes a small job last long enough to kill a rank in the
     /// middle of a window).
@@ -337,7 +340,7 @@ impl<C: Collective> Engine<C> {
         };
         let optimizer = Optimizer::new(&spec.optimizer, stepped);
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
-        let grads = FlatGrads::attach(&model.params, cap_elems)?;
+        let grads = FlatGrads::attach_staged(&model.params, cap_elems, opts.stage_through_host)?;
         let checkpoint_dir = opts
             .checkpoint_dir
             .clone()

@@ -13,12 +13,17 @@
 //! into a 1/W slice accumulator (sync = "every_step": 1/W of the gradients
 //! between micro-steps).
 //!
-//! Built: CPU; SGD through the fused CPU pass (as stage 0), Adam and AdamW
-//! through tensor ops; every normalize mode, norm 2 and inf, clip by
-//! value, non-finite skips, checkpoints and resume across stages and W; a
-//! lost rank's shard is recovered by rolling every rank back to the last
-//! checkpoint (engine/state_sync.rs). Not yet: the CUDA path, and shard
-//! replicas on a ring neighbour.
+//! On CUDA the gradients, the optimizer step and the state stay on the
+//! device; the ring works in the pinned host mirror (the whole buffer
+//! down for the reduce-scatter, this rank's slice back; the stepped slice
+//! down for the all-gather, the whole buffer back). The CPU tests run that
+//! staging path too (`RunOptions::stage_through_host`); it has not run on
+//! a GPU yet.
+//!
+//! SGD takes the fused CPU pass (as stage 0), Adam and AdamW (and CUDA)
+//! tensor ops. A lost rank's shard is recovered by rolling every rank
+//! back to the last checkpoint (engine/state_sync.rs); shard replicas on a
+//! ring neighbour are not built.
 
 use super::flat::flatten;
 use super::Engine;
@@ -38,11 +43,11 @@ impl<C: Collective> Engine<C> {
         self.spec.sharding.stage >= 1
     }
 
-    /// Refuses what stage 1 does not run yet (checked at start).
+    /// Refuses a device sharding does not run on (checked at start).
     pub(super) fn check_sharding(&self) -> Result<()> {
-        if self.sharded() && self.device != Device::Cpu {
+        if self.sharded() && !matches!(self.device, Device::Cpu | Device::Cuda(_)) {
             return Err(Error::Sharding(format!(
-                "sharding.stage = {} runs on the CPU for now; device {:?} needs stage 0",
+                "sharding.stage = {} runs on the CPU and CUDA; device {:?} needs stage 0",
                 self.spec.sharding.stage, self.device
             )));
         }
@@ -96,8 +101,20 @@ impl<C: Collective> Engine<C> {
         )
     }
 
-    /// Reduce-scatter of the gradients: slice r summed over all ranks.
+    /// Reduce-scatter of the gradients: slice r summed over all ranks. On
+    /// CUDA (staged) the gradients go to the pinned host mirror, the ring
+    /// works there, and this rank's slice comes back to the device.
     pub(super) fn zero_reduce(&mut self) -> Result<()> {
+        if self.grads.staged() {
+            let (len, s) = (self.flat_len(), self.my_slice());
+            self.grads.to_host(0..len)?;
+            let h = self
+                .grads
+                .host_mut()
+                .ok_or_else(|| Error::Sharding("the host mirror is gone".into()))?;
+            self.collective.reduce_scatter_sum(h)?;
+            return self.grads.from_host(s);
+        }
         let g = self
             .grads
             .cpu_mut()
@@ -171,6 +188,11 @@ impl<C: Collective> Engine<C> {
     pub(super) fn zero_norm(&mut self, norm_type: f64) -> Result<f64> {
         let (w, r) = (self.collective.world_size(), self.collective.rank());
         let g = self.grad_slice()?;
+        let g = if g.device() == Device::Cpu {
+            g
+        } else {
+            g.f_to_device(Device::Cpu).ctx("the gradient slice")?
+        };
         let mine = shard::partial(host_f32(&g)?, norm_type);
         let mut words = vec![0f32; 2 * w];
         words[2 * r..2 * r + 2].copy_from_slice(&shard::to_words(mine));
@@ -205,7 +227,7 @@ impl<C: Collective> Engine<C> {
         };
         let parts: Vec<Tensor> = pieces.iter().map(part).collect::<Result<_>>()?;
         let mine = if parts.is_empty() {
-            Tensor::f_zeros([0], (tch::Kind::Float, Device::Cpu))
+            Tensor::f_zeros([0], (tch::Kind::Float, self.device))
         } else {
             Tensor::f_cat(&parts, 0)
         }
@@ -214,9 +236,10 @@ impl<C: Collective> Engine<C> {
         // ahead of the committed one: a ring re-formed meanwhile rolls back.
         self.zero_dirty = true;
         let slot = [(String::new(), mine.shallow_clone())];
-        let fused = self
-            .optimizer
-            .step_fused(&slot, host_f32_mut(&grad)?, lr, prep)?;
+        let fused = grad.device() == Device::Cpu
+            && self
+                .optimizer
+                .step_fused(&slot, host_f32_mut(&grad)?, lr, prep)?;
         if !fused {
             match prep {
                 GradPrep::Mul(f) => grad.f_mul_scalar_(f as f64).map(|_| ()),
@@ -236,14 +259,29 @@ impl<C: Collective> Engine<C> {
         // gather fills in every other rank's.
         self.grads.restore(&self.model.params)?;
         let flat = self.grads.view()?;
-        flat.f_narrow(0, at, n)
-            .and_then(|mut g| g.f_copy_(&mine))
-            .ctx("staging the stepped slice")?;
-        let g = self
-            .grads
-            .cpu_mut()
-            .ok_or_else(|| Error::Sharding("gradients are not on the CPU".into()))?;
-        self.collective.all_gather(g)?;
+        if self.grads.staged() {
+            // CUDA: the gather runs in the pinned host mirror, and the
+            // whole buffer goes back to the device once.
+            self.grads
+                .host_view(s.clone())?
+                .f_copy_(&mine)
+                .ctx("staging the stepped slice")?;
+            let h = self
+                .grads
+                .host_mut()
+                .ok_or_else(|| Error::Sharding("the host mirror is gone".into()))?;
+            self.collective.all_gather(h)?;
+            self.grads.from_host(0..self.flat_len())?;
+        } else {
+            flat.f_narrow(0, at, n)
+                .and_then(|mut g| g.f_copy_(&mine))
+                .ctx("staging the stepped slice")?;
+            let g = self
+                .grads
+                .cpu_mut()
+                .ok_or_else(|| Error::Sharding("gradients are not on the CPU".into()))?;
+            self.collective.all_gather(g)?;
+        }
         let params: Vec<Tensor> = self
             .model
             .params
@@ -342,7 +380,10 @@ impl<C: Collective> Engine<C> {
                 }
                 flat.extend(flatten(&[t])?);
             }
-            state.push((key, Tensor::from_slice(&flat[s.clone()])));
+            let slice = Tensor::from_slice(&flat[s.clone()])
+                .f_to_device(self.device)
+                .ctx("optimizer state")?;
+            state.push((key, slice));
         }
         if let Some(extra) = saved.keys().next() {
             return Err(Error::Model(format!(
