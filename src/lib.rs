@@ -468,6 +468,7 @@ pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
                 },
                 "bytes_sent": r.bytes_sent,
                 "bytes_received": r.bytes_received,
+                "loss_scale": r.loss_scale,
             })
         }
         job_event::Event::Transition(t) => json!({

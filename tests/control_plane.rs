@@ -105,6 +105,13 @@ async fn submit_watch_succeed_and_status_endpoint() {
         "{metrics}"
     );
     assert!(metrics.contains("accrue_job_samples_seen{"), "{metrics}");
+    assert!(
+        metrics.contains(&format!(
+            "accrue_job_loss_scale{{job=\"{}\",state=\"succeeded\"}} 0",
+            job.id
+        )),
+        "an fp32 job has no loss scale: {metrics}"
+    );
     for path in ["/healthz", "/readyz", "/"] {
         assert_eq!(get(path.into(), "read").await.status(), 200, "{path}");
     }

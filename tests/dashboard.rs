@@ -199,6 +199,7 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     assert_eq!(done["streamed_points"], STEPS, "{done}");
     assert_eq!(done["reloaded_points"], STEPS, "{done}");
     assert!(done["recovery_rows"].as_u64().unwrap() >= 1, "{done}");
+    assert_eq!(done["precision"], "fp32", "{done}");
     eprintln!("browser: {done}; screenshots in {}", out.display());
 
     // The series API itself: every step while under the bound, merged to

@@ -244,6 +244,8 @@ function renderHead(v) {
   if (fin(c.max_norm)) clip.push('max_norm ' + sig(c.max_norm) + (fin(c.norm_type) ? ' (norm ' + sig(c.norm_type, 3) + ')' : ''));
   if (fin(c.clip_value)) clip.push('value ' + sig(c.clip_value));
   setText($('job-clip'), clip.length ? clip.join(', ') : 'off');
+  // fp16 shows its loss scale (the last step's).
+  setText($('job-precision'), str(j.precision) + (fin(k.loss_scale) && k.loss_scale > 0 ? ', loss scale ' + sig(k.loss_scale) : ''));
   setProgress($('job-progress'), k.step, k.total_steps);
   const pct = fin(k.total_steps) && k.total_steps > 0 ? ' (' + ((100 * (k.step || 0)) / k.total_steps).toFixed(1) + '%)' : '';
   setText($('job-steps'), 'step ' + (fin(k.step) ? k.step : 0) + ' / ' + (fin(k.total_steps) ? k.total_steps : '?') + pct);

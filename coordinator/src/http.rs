@@ -205,7 +205,7 @@ pub fn job_json(j: &Job) -> Value {
             "step": c.step, "total_steps": c.total_steps, "micro_step": c.micro_step, "window": c.window,
             "epoch": c.epoch, "samples_seen": c.samples_seen, "skipped_steps": c.skipped_steps,
             "loss": c.loss, "grad_norm": c.grad_norm, "clip_coef": c.clip_coef, "lr": c.lr,
-            "samples_per_sec": c.samples_per_sec, "bytes_sent": c.bytes_sent,
+            "samples_per_sec": c.samples_per_sec, "bytes_sent": c.bytes_sent, "loss_scale": c.loss_scale,
             "timing": {"compute_s": t.compute_s, "comm_s": t.comm_s, "clip_s": t.clip_s, "optimizer_s": t.optimizer_s},
         },
         "eval": j.eval.as_ref().map(|e| json!({"epoch": e.epoch, "step": e.step, "loss": e.loss, "accuracy": e.accuracy, "samples": e.samples})),
@@ -329,7 +329,7 @@ pub fn metrics_text(c: &Coordinator) -> String {
         &'static str,
         fn(&accrue_proto::v1::Counters) -> f64,
     );
-    let series: [Series; 7] = [
+    let series: [Series; 8] = [
         (
             "accrue_job_step",
             "counter",
@@ -359,6 +359,12 @@ pub fn metrics_text(c: &Coordinator) -> String {
             "gauge",
             "Clip coefficient of the last step.",
             |c| c.clip_coef,
+        ),
+        (
+            "accrue_job_loss_scale",
+            "gauge",
+            "fp16's loss scale at the last step (0 when the job is not fp16).",
+            |c| c.loss_scale,
         ),
         (
             "accrue_job_skipped_steps",
@@ -457,6 +463,13 @@ pub fn job_view(j: &Job, series: Option<&accrue_proto::v1::JobSeries>) -> Value 
     );
     v["clip"] =
         clip.unwrap_or_else(|| json!({"max_norm": null, "norm_type": null, "clip_value": null}));
+    // fp32 | bf16 | fp16 (issue 18).
+    let precision = j.spec.as_ref().map_or(0, |s| s.precision);
+    v["precision"] = json!(match accrue_proto::v1::Precision::try_from(precision) {
+        Ok(accrue_proto::v1::Precision::Bf16) => "bf16",
+        Ok(accrue_proto::v1::Precision::Fp16) => "fp16",
+        _ => "fp32",
+    });
     v
 }
 

@@ -192,6 +192,7 @@ async function live() {
   const lossPath = () => page.$eval('svg[data-chart="loss"] path.raw', (p) => p.getAttribute('d'));
   const streamedPath = await lossPath();
   result.skipped_markers = await page.$$eval('svg[data-chart="loss"] .marker-skipped', (l) => l.length);
+  result.precision = await page.$eval('#job-precision', (e) => e.textContent);
   await shot('job-done.png');
 
   await page.reload();

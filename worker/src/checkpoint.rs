@@ -41,6 +41,9 @@ pub struct TrainerState {
     /// began (non-zero after the world size changed mid-epoch).
     #[serde(default)]
     pub epoch_offset: u64,
+    /// fp16's loss scale and growth tracker (issue 18; None otherwise).
+    #[serde(default)]
+    pub loss_scale: Option<crate::amp::LossScale>,
 }
 
 fn ckpt_err(path: &Path, reason: impl Into<String>) -> Error {

@@ -3,6 +3,7 @@
 //! See docs/SEMANTICS.md for the accumulation, normalization and clipping
 //! contract and docs/ARCHITECTURE.md for where this crate sits.
 
+pub mod amp;
 pub mod checkpoint;
 pub mod collective;
 pub mod comm;

@@ -120,11 +120,13 @@ fn two_processes_equal_one_large_batch() {
         "rank 1 must log the refusals:\n{log1}"
     );
 
-    // Bytes: one bucket of P parameters + 3 counts per sync step.
+    // Bytes: one bucket of P parameters + the EXTRA slots (3 counts, the
+    // stop and checkpoint requests) per sync step.
     let params: usize = reference.iter().map(|(_, t)| t.numel()).sum();
     for (rank, reports) in steps.iter().enumerate() {
         assert_eq!(reports.len(), 10);
-        let want = 4 * ring_send_elems(params + 3, 2, rank) as u64 + 2 * HEADER_LEN as u64;
+        let want = 4 * ring_send_elems(params + accrue_worker::grads::EXTRA, 2, rank) as u64
+            + 2 * HEADER_LEN as u64;
         for r in reports {
             assert_eq!(r["bytes_sent"].as_u64().unwrap(), want, "rank {rank}: {r}");
             assert_eq!(r["samples"], 64);

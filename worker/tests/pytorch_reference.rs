@@ -615,3 +615,151 @@ lr = {lr}
     );
     v["max_rel_diff"].as_f64().unwrap()
 }
+
+/// Mixed precision (issue 18) against PyTorch's own loop on the CPU
+/// (worker/tests/reference/amp_reference.py under torchrun, DDP on gloo
+/// with no_sync): `torch.autocast("cpu", dtype)` around the forward and
+/// the loss, `scaler.scale(loss / k).backward()`, `scaler.unscale_` before
+/// clip_grad_norm_, `scaler.step`, `scaler.update`. bf16 and fp16, W = 1
+/// and 2, k = 1 and 4; the fp16 cases train on data with one sample of
+/// 1e6 (infinite in fp16), so some steps overflow: the same steps are
+/// skipped on both sides and the loss scale follows the same trajectory
+/// (backing off on each, growing back every `growth_interval` clean
+/// steps). Tolerance: see docs/SEMANTICS.md (mixed precision).
+#[test]
+fn mixed_precision_equals_pytorch_autocast_and_grad_scaler() {
+    let (lr, momentum, weight_decay, max_norm) = (0.2, 0.9, 0.01, 0.5);
+    // (tag, precision, k, data, growth_interval)
+    let cases = [
+        ("bf16-k1", "bf16", 1, "data", 0),
+        ("bf16-k4", "bf16", 4, "data", 0),
+        ("fp16-k1", "fp16", 1, "overflow", 3),
+        ("fp16-k4", "fp16", 4, "overflow", 2),
+    ];
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/amp_reference.py");
+    let dirs: Vec<TempDir> = (0..2).map(|_| TempDir::new().unwrap()).collect();
+    let mut torchruns = Vec::new();
+    for (w, dir) in dirs.iter().enumerate() {
+        let d = dir.path();
+        prepare(d, 96);
+        // One sample far past fp16's range (65504).
+        let data = Tensor::read_safetensors(d.join("data.safetensors")).unwrap();
+        let x = data.iter().find(|(n, _)| n == "x").unwrap().1.copy();
+        let y = &data.iter().find(|(n, _)| n == "y").unwrap().1;
+        let _ = x.get(7).get(0).fill_(1e6);
+        Tensor::write_safetensors(&[("x", &x), ("y", y)], d.join("overflow.safetensors")).unwrap();
+        let cfg = serde_json::json!({
+            "lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+            "seed": 11, "batch": 4, "epochs": 2, "max_norm": max_norm,
+            "cases": cases.iter().map(|(tag, p, k, data, gi)| serde_json::json!({
+                "tag": tag, "precision": p, "k": k,
+                "data": format!("{data}.safetensors"),
+                "init_scale": 65536.0, "growth_interval": if *gi > 0 { *gi } else { 2000 },
+            })).collect::<Vec<_>>(),
+        });
+        torchruns.push(Torchrun::start(
+            &python(),
+            &script,
+            w + 1,
+            d,
+            &[d.to_str().unwrap(), &cfg.to_string()],
+        ));
+    }
+    let mut worst = 0.0f64;
+    let mut skipped_total = 0;
+    for (w, dir) in dirs.iter().enumerate() {
+        let (d, world) = (dir.path(), w + 1);
+        // accrue runs while torchrun starts its Pythons.
+        let runs: Vec<_> = cases
+            .iter()
+            .map(|(tag, precision, k, data, gi)| {
+                let scaling = if *gi > 0 {
+                    format!("[loss_scaling]\ninit_scale = 65536.0\ngrowth_interval = {gi}\n")
+                } else {
+                    String::new()
+                };
+                let text = format!("precision = \"{precision}\"\n")
+                    + &tensors_mlp_job(
+                        "amp",
+                        d,
+                        "cpu",
+                        2,
+                        4,
+                        &format!(
+                            "[accumulation]\nsteps = {k}\nnormalize = \"mean\"\n[clipping]\nmax_norm = {max_norm}\n\
+                             [optimizer]\nkind = \"sgd\"\nlr = {lr}\nmomentum = {momentum}\nweight_decay = {weight_decay}\n\
+                             {scaling}[comm]\ntimeout_s = 20\nconnect_timeout_s = 30\n"
+                        ),
+                    )
+                    .replace("data.safetensors", &format!("{data}.safetensors"));
+                let out = d.join(format!("accrue-{tag}"));
+                std::fs::create_dir_all(&out).unwrap();
+                let ranks = run_ranks(&out, &text, world, |_| {});
+                let latest = std::fs::read_to_string(out.join("ckpt/LATEST")).unwrap();
+                let model = Tensor::read_safetensors(
+                    out.join("ckpt").join(latest.trim()).join("model.safetensors"),
+                )
+                .unwrap();
+                (tag, model, ranks[0].steps())
+            })
+            .collect();
+        let tr = &mut torchruns[w];
+        let status = tr
+            .wait(Duration::from_secs(300))
+            .unwrap_or_else(|| panic!("torchrun did not finish:\n{}", tr.logs()));
+        assert!(status.success(), "torchrun failed:\n{}", tr.logs());
+        for (tag, model, steps) in runs {
+            let what = format!("W={world} {tag}");
+            let want = Tensor::read_safetensors(d.join(format!("amp-{tag}.safetensors"))).unwrap();
+            let report: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(d.join(format!("amp-{tag}.json"))).unwrap(),
+            )
+            .unwrap();
+            let want_steps = report["steps"].as_array().unwrap();
+            assert_eq!(steps.len(), want_steps.len(), "{what}: step counts");
+            let mut norm_rel = 0.0f64;
+            for (i, (got, want)) in steps.iter().zip(want_steps).enumerate() {
+                assert_eq!(
+                    got["skipped"],
+                    want["skipped"],
+                    "{what}: step {} skipped",
+                    i + 1
+                );
+                assert_eq!(
+                    got["loss_scale"].as_f64().unwrap(),
+                    want["scale"].as_f64().unwrap(),
+                    "{what}: step {} loss scale",
+                    i + 1
+                );
+                if want["skipped"] == false {
+                    let (g, w) = (
+                        got["grad_norm"].as_f64().unwrap(),
+                        want["norm"].as_f64().unwrap(),
+                    );
+                    norm_rel = norm_rel.max((g - w).abs() / w.abs().max(1e-30));
+                }
+            }
+            let skipped = want_steps.iter().filter(|s| s["skipped"] == true).count();
+            if tag.starts_with("fp16") {
+                assert!(skipped > 0, "{what}: the overflow must skip steps");
+                let scales: Vec<f64> = want_steps
+                    .iter()
+                    .map(|s| s["scale"].as_f64().unwrap())
+                    .collect();
+                assert!(
+                    scales.windows(2).any(|p| p[1] > p[0]),
+                    "{what}: the scale must grow back at least once: {scales:?}"
+                );
+            }
+            skipped_total += skipped;
+            let (abs, rel) = differences(&model, &want);
+            eprintln!(
+                "accrue {what} vs torch.autocast + GradScaler: parameters max abs diff {abs:e}, max rel diff {rel:e}; grad norm max rel diff {norm_rel:e}; {} steps, {skipped} skipped",
+                steps.len()
+            );
+            worst = worst.max(rel).max(norm_rel);
+        }
+    }
+    assert!(skipped_total > 0);
+    assert!(worst < 1e-5, "largest relative difference {worst:e}");
+}

@@ -142,6 +142,7 @@ impl JobSpec {
                 format!("must be {SHARDING_STAGES}"),
             );
         }
+        self.validate_precision(&mut c);
         self.validate_model(&mut c);
         self.validate_data(&mut c);
         self.validate_accumulation(&mut c);
@@ -310,6 +311,41 @@ impl JobSpec {
                 }
             }
             _ => {}
+        }
+    }
+
+    fn validate_precision(&self, c: &mut Checker) {
+        let l = &self.loss_scaling;
+        c.positive_finite("loss_scaling.init_scale", l.init_scale);
+        if !(l.growth_factor.is_finite() && l.growth_factor > 1.0) {
+            c.fail(
+                "loss_scaling.growth_factor",
+                l.growth_factor,
+                "must be a finite number > 1",
+            );
+        }
+        if !(l.backoff_factor > 0.0 && l.backoff_factor < 1.0) {
+            c.fail(
+                "loss_scaling.backoff_factor",
+                l.backoff_factor,
+                "must be in (0, 1)",
+            );
+        }
+        c.int_in(
+            "loss_scaling.growth_interval",
+            l.growth_interval,
+            1,
+            u32::MAX.into(),
+        );
+        if self.precision != Precision::Fp16 && *l != LossScalingSpec::default() {
+            c.fail(
+                "loss_scaling",
+                &self.loss_scaling,
+                format!(
+                    "applies with precision = \"fp16\" only (precision is \"{}\")",
+                    self.precision
+                ),
+            );
         }
     }
 

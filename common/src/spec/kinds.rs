@@ -130,6 +130,19 @@ spec_enum!(
 );
 
 spec_enum!(
+    /// `precision` (issue 18): the forward's and the loss's autocast type;
+    /// parameters, gradients and the optimizer stay fp32.
+    #[derive(Default)]
+    Precision, "precision", {
+        #[default]
+        Fp32 = "fp32",
+        Bf16 = "bf16",
+        /// With dynamic loss scaling (`[loss_scaling]`).
+        Fp16 = "fp16",
+    }
+);
+
+spec_enum!(
     /// `optimizer.kind`.
     OptimizerKind, "optimizer.kind", {
         Sgd = "sgd",
@@ -174,7 +187,7 @@ fn kind_field<E: SpecEnum>(section: &'static str, key: &'static str, placeholder
     }
 }
 
-fn kind_fields() -> [KindField; 7] {
+fn kind_fields() -> [KindField; 8] {
     [
         // Placeholders with the fewest requirements of their own (synthetic
         // data names no files); what still depends on a refused kind is
@@ -186,6 +199,8 @@ fn kind_fields() -> [KindField; 7] {
         kind_field("clipping", "on_nonfinite", OnNonfinite::Skip),
         kind_field("optimizer", "kind", OptimizerKind::Sgd),
         kind_field("schedule", "kind", ScheduleKind::Constant),
+        // A top-level key: section "" is the document itself.
+        kind_field("", "precision", Precision::Fp32),
     ]
 }
 
@@ -196,8 +211,13 @@ fn kind_fields() -> [KindField; 7] {
 pub(super) fn check_kinds(doc: &mut toml::Table) -> Vec<FieldError> {
     let mut errors = Vec::new();
     for k in kind_fields() {
-        let Some(toml::Value::Table(section)) = doc.get_mut(k.section) else {
-            continue;
+        let section = if k.section.is_empty() {
+            &mut *doc
+        } else {
+            let Some(toml::Value::Table(section)) = doc.get_mut(k.section) else {
+                continue;
+            };
+            section
         };
         let Some(value) = section.get_mut(k.key) else {
             continue;

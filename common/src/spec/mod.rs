@@ -54,6 +54,54 @@ pub struct JobSpec {
     pub comm: CommSpec,
     #[serde(default)]
     pub sharding: ShardingSpec,
+    /// Autocast type of the forward and the loss (issue 18).
+    #[serde(default)]
+    pub precision: Precision,
+    /// fp16's dynamic loss scaling (torch.amp.GradScaler's defaults).
+    #[serde(default)]
+    pub loss_scaling: LossScalingSpec,
+}
+
+/// `[loss_scaling]`: dynamic loss scaling for `precision = "fp16"`, as
+/// torch.amp.GradScaler does it (its defaults).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LossScalingSpec {
+    #[serde(default = "init_scale")]
+    pub init_scale: f64,
+    /// The scale is multiplied by this after `growth_interval` steps in a
+    /// row without a non-finite gradient.
+    #[serde(default = "growth_factor")]
+    pub growth_factor: f64,
+    /// ... and by this after a step with one (the step is skipped).
+    #[serde(default = "backoff_factor")]
+    pub backoff_factor: f64,
+    #[serde(default = "growth_interval")]
+    pub growth_interval: u64,
+}
+
+fn init_scale() -> f64 {
+    65536.0
+}
+fn growth_factor() -> f64 {
+    2.0
+}
+fn backoff_factor() -> f64 {
+    0.5
+}
+fn growth_interval() -> u64 {
+    2000
+}
+
+impl Default for LossScalingSpec {
+    fn default() -> Self {
+        Self {
+            init_scale: init_scale(),
+            growth_factor: growth_factor(),
+            backoff_factor: backoff_factor(),
+            growth_interval: growth_interval(),
+        }
+    }
 }
 
 /// ZeRO sharding of the optimizer state (issue 17).

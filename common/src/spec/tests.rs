@@ -43,6 +43,7 @@ fn every_kind_serializes_as_its_name() {
     names_agree::<OnNonfinite>();
     names_agree::<OptimizerKind>();
     names_agree::<ScheduleKind>();
+    names_agree::<Precision>();
     assert_eq!(OptimizerKind::Adamw.as_str(), "adamw");
     assert_eq!(ScheduleKind::LinearWarmup.as_str(), "linear_warmup");
     assert_eq!(
@@ -325,5 +326,70 @@ fn sharding_stage_is_0_1_or_2_and_defaults_to_0() {
     assert!(
         text.starts_with("sharding.stage = 3: must be 0 (none), 1 (optimizer state sharded) or 2"),
         "{text}"
+    );
+}
+
+#[test]
+fn precision_defaults_to_fp32_and_loss_scaling_to_grad_scalers() {
+    let s = JobSpec::fields_from_toml_str(BASE, Path::new("t.toml")).unwrap();
+    assert_eq!(s.precision, Precision::Fp32);
+    assert_eq!(
+        s.loss_scaling,
+        LossScalingSpec {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
+    );
+    let fp16 = format!(
+        "precision = \"fp16\"\n{BASE}[loss_scaling]\ninit_scale = 1024.0\ngrowth_interval = 10\n"
+    );
+    let s = JobSpec::fields_from_toml_str(&fp16, Path::new("t.toml")).unwrap();
+    assert_eq!(
+        (
+            s.precision,
+            s.loss_scaling.init_scale,
+            s.loss_scaling.growth_interval
+        ),
+        (Precision::Fp16, 1024.0, 10)
+    );
+    assert_eq!(s.loss_scaling.backoff_factor, 0.5);
+}
+
+#[test]
+fn bad_precision_and_loss_scaling_name_the_field_and_the_allowed_values() {
+    let e = invalid(&format!("precision = \"fp8\"\n{BASE}"));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert_eq!(
+        e[0].to_string(),
+        "precision = \"fp8\": must be one of fp32, bf16, fp16"
+    );
+    let e = invalid(&format!(
+        "precision = \"fp16\"\n{BASE}[loss_scaling]\ninit_scale = 0.0\ngrowth_factor = 1.0\nbackoff_factor = 1.5\ngrowth_interval = 0\n"
+    ));
+    let text: Vec<String> = e.iter().map(|e| e.to_string()).collect();
+    assert_eq!(text.len(), 4, "{text:?}");
+    for field in [
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+    ] {
+        assert!(
+            text.iter()
+                .any(|t| t.starts_with(&format!("loss_scaling.{field} = "))),
+            "{field}: {text:?}"
+        );
+    }
+    let e = invalid(&format!(
+        "precision = \"bf16\"\n{BASE}[loss_scaling]\ninit_scale = 8.0\n"
+    ));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(
+        e[0].to_string()
+            .contains("applies with precision = \"fp16\" only (precision is \"bf16\")"),
+        "{}",
+        e[0]
     );
 }

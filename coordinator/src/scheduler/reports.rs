@@ -162,6 +162,7 @@ impl Cluster {
         c.samples_per_sec = r.samples_per_sec;
         c.timing = r.timing;
         c.bytes_sent = r.bytes_sent;
+        c.loss_scale = r.loss_scale;
         entry.stalled = 0;
         if entry.job.state() == JobState::Rendezvous {
             if let Some(rec) = entry

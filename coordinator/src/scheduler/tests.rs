@@ -271,6 +271,32 @@ fn a_recovery_record_counts_the_steps_a_rollback_does_again() {
     }
 }
 
+/// fp16's loss scale (issue 18) rides in rank 0's step reports into the
+/// job's counters (the status page, /metrics).
+#[test]
+fn the_loss_scale_of_rank_0_reaches_the_counters() {
+    let mut c = cluster();
+    for (i, w) in ["w0", "w1"].iter().enumerate() {
+        attach(&mut c, w, i as u64 + 1, 0);
+    }
+    let job = submit(&mut c, spec("j", 2, ""), 0);
+    let report = |rank: u32, loss_scale: f64| {
+        m(worker_message::Msg::Step(StepReport {
+            job_id: job.clone(),
+            generation: 1,
+            rank,
+            step: 1,
+            total_steps: 6,
+            loss_scale,
+            ..Default::default()
+        }))
+    };
+    deliver(&mut c, "w0", report(0, 1024.0), 10);
+    deliver(&mut c, "w1", report(1, 7.0), 11);
+    let cnt = c.job(&job).unwrap().counters.unwrap();
+    assert_eq!(cnt.loss_scale, 1024.0);
+}
+
 pub(super) fn conn_of(c: &Cluster, w: &str) -> u64 {
     c.worker(w).unwrap().conn
 }

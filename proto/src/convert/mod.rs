@@ -69,6 +69,11 @@ kind_map!(OnNonfinite, OnNonfinite, {
     Skip <=> Skip,
     Error <=> Error,
 });
+kind_map!(Precision, Precision, {
+    Fp32 <=> Fp32,
+    Bf16 <=> Bf16,
+    Fp16 <=> Fp16,
+});
 kind_map!(OptimizerKind, OptimizerKind, {
     Sgd <=> Sgd,
     Adam <=> Adam,
@@ -198,6 +203,13 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         sharding: Some(v1::ShardingSpec {
             stage: s.sharding.stage,
         }),
+        precision: s.precision.to_proto().into(),
+        loss_scaling: Some(v1::LossScalingSpec {
+            init_scale: Some(s.loss_scaling.init_scale),
+            growth_factor: Some(s.loss_scaling.growth_factor),
+            backoff_factor: Some(s.loss_scaling.backoff_factor),
+            growth_interval: Some(s.loss_scaling.growth_interval),
+        }),
     }
 }
 
@@ -271,6 +283,13 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         ScheduleKind::default(),
         e,
     );
+    let precision = from_proto(
+        p.precision,
+        Unspecified::Default(Precision::default()),
+        Precision::default(),
+        e,
+    );
+    let ls_default = LossScalingSpec::default();
     let mut errors = Vec::new();
     let betas = match opt.betas.as_slice() {
         [] => None,
@@ -375,6 +394,16 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         },
         sharding: ShardingSpec {
             stage: p.sharding.map_or(0, |s| s.stage),
+        },
+        precision,
+        loss_scaling: match &p.loss_scaling {
+            Some(l) => LossScalingSpec {
+                init_scale: l.init_scale.unwrap_or(ls_default.init_scale),
+                growth_factor: l.growth_factor.unwrap_or(ls_default.growth_factor),
+                backoff_factor: l.backoff_factor.unwrap_or(ls_default.backoff_factor),
+                growth_interval: l.growth_interval.unwrap_or(ls_default.growth_interval),
+            },
+            None => ls_default,
         },
     };
     let checked = merge_kind_errors(kind_errors, spec.validate_fields());

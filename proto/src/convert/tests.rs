@@ -175,6 +175,7 @@ fn every_kind_maps_both_ways() {
     check::<OnNonfinite>();
     check::<OptimizerKind>();
     check::<ScheduleKind>();
+    check::<Precision>();
 }
 
 fn kind<K: SpecEnum + std::fmt::Debug>() -> impl Strategy<Value = K> {
@@ -354,7 +355,18 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 optimizer,
                 schedule,
                 sharding: ShardingSpec {
-                    stage: (seed % 2) as u32,
+                    stage: (seed % 3) as u32,
+                },
+                precision: Precision::ALL[(seed / 3 % 3) as usize],
+                loss_scaling: if Precision::ALL[(seed / 3 % 3) as usize] == Precision::Fp16 {
+                    LossScalingSpec {
+                        init_scale: 2f64.powi((seed % 20) as i32),
+                        growth_factor: 1.5 + (seed % 4) as f64,
+                        backoff_factor: 0.25,
+                        growth_interval: 1 + seed % 5000,
+                    }
+                } else {
+                    LossScalingSpec::default()
                 },
                 checkpoint: CheckpointSpec {
                     dir,

@@ -98,6 +98,7 @@ fn step(n: u64) -> WorkerMessage {
             bytes_received: 0,
             job_bytes_sent: 0,
             job_bytes_received: 0,
+            loss_scale: 0.0,
         },
     )
 }

@@ -148,6 +148,8 @@ pub struct StepReport {
     /// The same since this process joined the job.
     pub job_bytes_sent: u64,
     pub job_bytes_received: u64,
+    /// fp16: the loss scale this step's gradients had (0 otherwise).
+    pub loss_scale: f64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -352,6 +354,8 @@ impl<C: Collective> Engine<C> {
                 accrue_proto::layout::default_checkpoint_dir(&state_dir, &spec.name)
             });
         let state = TrainerState {
+            loss_scale: (spec.precision == crate::spec::Precision::Fp16)
+                .then(|| crate::amp::LossScale::new(&spec.loss_scaling)),
             job: spec.name.clone(),
             seed: spec.seed,
             lr: schedule.lr_at(0),

@@ -111,11 +111,25 @@ impl<C: Collective> Engine<C> {
             Normalize::GlobalCount => Reduction::Sum,
             Normalize::Mean | Normalize::Sum => Reduction::Mean,
         };
-        let logits = self.model.forward(&x, true)?;
-        let loss = logits
-            .f_cross_entropy_loss::<Tensor>(&y, None, reduction, -100, 0.0)
-            .ctx("computing the loss")?;
-        loss.f_backward().ctx("running backward")?;
+        let loss = {
+            // precision = bf16 | fp16: the forward and the loss under
+            // autocast, as in torch.autocast's `with` block.
+            let _autocast = crate::amp::Autocast::enter(self.device, self.spec.precision)?;
+            let logits = self.model.forward(&x, true)?;
+            logits
+                .f_cross_entropy_loss::<Tensor>(&y, None, reduction, -100, 0.0)
+                .ctx("computing the loss")?
+        };
+        match self.loss_scale() {
+            // fp16: backward of loss * scale / k, so the half-precision
+            // backward sees what GradScaler's `scaler.scale(loss / k)`
+            // gives it (and overflows where it would).
+            Some(ls) => loss
+                .f_mul_scalar(f64::from(ls.scale) / self.plan.k as f64)
+                .and_then(|l| l.f_backward()),
+            None => loss.f_backward(),
+        }
+        .ctx("running backward")?;
         let loss_sum = match reduction {
             Reduction::Sum => loss.f_detach(),
             _ => loss.f_detach().and_then(|l| l.f_mul_scalar((b - a) as f64)),
@@ -225,6 +239,10 @@ impl<C: Collective> Engine<C> {
         let global_samples = stats[0].round() as u64;
         let global_micro = stats[1].round() as u64;
         let world = self.collective.world_size() as f64;
+        // fp16: the gradients carry scale / k (forward_backward); unscaled
+        // once, here, with the normalization, before the norm and the clip.
+        let scaler = self.loss_scale();
+        let unscale = scaler.map_or(1.0, |ls| self.plan.k as f64 * f64::from(ls.inv_scale()));
         // 2.-3. normalize and clip: one reduction over the whole buffer for
         // the norm of the summed gradients (the norm of the normalized ones
         // is that divided by the divisor), then one pass that applies
@@ -234,7 +252,7 @@ impl<C: Collective> Engine<C> {
             Normalize::GlobalCount => global_samples as f64,
             Normalize::Mean => global_micro as f64,
             Normalize::Sum => world,
-        };
+        } / unscale;
         let norm_type = self.spec.norm_type();
         let norm = if self.sharded() {
             self.zero_norm(norm_type)?
@@ -252,21 +270,31 @@ impl<C: Collective> Engine<C> {
         // What the gradients go through before the optimizer: 1/divisor and
         // the clip, as one multiplier where possible.
         let prep = if skipped {
-            match self.spec.clipping.on_nonfinite {
-                OnNonfinite::Skip => {}
-                OnNonfinite::Error => {
-                    return Err(Error::NonFinite {
-                        step: step + 1,
-                        norm: grad_norm,
-                    })
+            if let Some(ls) = scaler {
+                // GradScaler's skip: not an on_nonfinite failure.
+                tracing::info!(
+                    step = step + 1,
+                    loss_scale = ls.scale,
+                    "non-finite fp16 gradients: step skipped, loss scale backs off"
+                );
+                None
+            } else {
+                match self.spec.clipping.on_nonfinite {
+                    OnNonfinite::Skip => {}
+                    OnNonfinite::Error => {
+                        return Err(Error::NonFinite {
+                            step: step + 1,
+                            norm: grad_norm,
+                        })
+                    }
                 }
+                tracing::warn!(
+                    step = step + 1,
+                    grad_norm,
+                    "non-finite gradient norm, step skipped"
+                );
+                None
             }
-            tracing::warn!(
-                step = step + 1,
-                grad_norm,
-                "non-finite gradient norm, step skipped"
-            );
-            None
         } else if let Some(max_norm) = self.spec.clipping.max_norm {
             // clip_grad_norm_: min(1, max_norm / (total_norm + 1e-6)).
             clip_coef = (max_norm / (grad_norm + 1e-6)).min(1.0);
@@ -315,6 +343,7 @@ impl<C: Collective> Engine<C> {
         s.samples_seen += global_samples;
         s.skipped_steps += skipped as u64;
         s.optimizer_steps = self.optimizer.steps;
+        s.loss_scale = scaler.map(|ls| ls.update(&self.spec.loss_scaling, skipped));
         s.lr = lr;
         s.cursor += self.window.micro as u64;
         if s.cursor as usize >= self.plan.micro_batches() {
@@ -354,6 +383,18 @@ impl<C: Collective> Engine<C> {
             bytes_received: received - window.bytes_at_start.1,
             job_bytes_sent: sent,
             job_bytes_received: received,
+            loss_scale: scaler.map_or(0.0, |ls| f64::from(ls.scale)),
+        })
+    }
+
+    /// fp16's loss scale now (the state's, or the spec's initial one for a
+    /// state that has none yet, e.g. resumed from an fp32 checkpoint);
+    /// None for fp32 and bf16.
+    pub(super) fn loss_scale(&self) -> Option<crate::amp::LossScale> {
+        (self.spec.precision == crate::spec::Precision::Fp16).then(|| {
+            self.state
+                .loss_scale
+                .unwrap_or_else(|| crate::amp::LossScale::new(&self.spec.loss_scaling))
         })
     }
 

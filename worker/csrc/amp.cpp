@@ -1,0 +1,53 @@
+// Autocast for the engine (issue 18). tch turns CUDA autocast on and off
+// only; torch.autocast(device, dtype) also sets the device (CPU or CUDA)
+// and the lower-precision type. These two functions do what entering and
+// leaving that context manager does, on the calling thread (autocast
+// state is thread-local, and the engine's thread is the one that runs the
+// forward). Every decision stays on the Rust side (worker/src/amp.rs).
+#include <ATen/autocast_mode.h>
+
+#include <exception>
+
+namespace {
+at::DeviceType device_of(int device) { return device == 1 ? at::kCUDA : at::kCPU; }
+}  // namespace
+
+extern "C" {
+
+// device: 0 the CPU, 1 CUDA; dtype: a c10::ScalarType (tch's Kind::c_int).
+// Returns 0, or -1 when libtorch threw.
+int accrue_autocast_enter(int device, int dtype) {
+  try {
+    const auto d = device_of(device);
+    at::autocast::set_autocast_enabled(d, true);
+    at::autocast::set_autocast_dtype(d, static_cast<at::ScalarType>(dtype));
+    at::autocast::increment_nesting();
+    return 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+// Leaves what accrue_autocast_enter entered: the cast cache is cleared
+// when the outermost autocast region ends, as torch.autocast does.
+int accrue_autocast_exit(int device) {
+  try {
+    if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
+    at::autocast::set_autocast_enabled(device_of(device), false);
+    return 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+// Whether autocast is on for the device (for tests).
+int accrue_autocast_is_enabled(int device) {
+  try {
+    return at::autocast::is_autocast_enabled(device_of(device)) ? 1 : 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+}
