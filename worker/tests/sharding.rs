@@ -11,9 +11,11 @@
 mod common;
 
 use accrue_worker::comm::{bind, RingConfig, TcpRing};
-use accrue_worker::engine::{Engine, RunOptions};
+use accrue_worker::engine::{Control, Engine, Event, RunOptions};
 use common::*;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 use tch::Tensor;
 use tempfile::TempDir;
@@ -21,10 +23,12 @@ use tempfile::TempDir;
 /// One rank's end: final parameters, skipped steps, optimizer-state bytes.
 type RankEnd = (Vec<(String, Tensor)>, u64, usize);
 
-/// Runs `text` on W ranks (threads, one engine each, a fresh ring) with
-/// `opts(rank)`; returns every rank's final parameters, skipped steps and
-/// optimizer-state bytes.
-fn run(text: &str, world: usize, opts: impl Fn(usize) -> RunOptions) -> Vec<RankEnd> {
+/// `body(rank, ring)` on W threads over a fresh loopback ring; the results
+/// in rank order.
+fn on_ring<T: Send + 'static>(
+    world: usize,
+    body: impl Fn(usize, TcpRing) -> T + Clone + Send + 'static,
+) -> Vec<T> {
     let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
     let addrs: Vec<String> = ls
         .iter()
@@ -34,27 +38,68 @@ fn run(text: &str, world: usize, opts: impl Fn(usize) -> RunOptions) -> Vec<Rank
         .into_iter()
         .enumerate()
         .map(|(rank, l)| {
-            let (addrs, spec, opts) = (addrs.clone(), spec(text), opts(rank));
+            let (addrs, body) = (addrs.clone(), body.clone());
             std::thread::spawn(move || {
                 let mut cfg = RingConfig::new("zero", rank, world, addrs, b"zero".to_vec());
                 cfg.timeout = Duration::from_secs(20);
                 cfg.connect_timeout = Duration::from_secs(20);
-                let ring = TcpRing::start(Some(l), cfg).unwrap();
-                let mut e = Engine::new(spec, ring, opts).unwrap_or_else(|e| panic!("{e}"));
-                let s = e.run(|_| {}).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                let params = e
-                    .parameters()
-                    .iter()
-                    .map(|(n, t)| (n.clone(), t.detach().copy()))
-                    .collect::<Vec<_>>();
-                (params, s.state.skipped_steps, e.optimizer_state_bytes())
+                body(rank, TcpRing::start(Some(l), cfg).unwrap())
             })
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-fn in_dir(dir: PathBuf) -> impl Fn(usize) -> RunOptions {
+/// Runs `text` on W ranks (threads, one engine each, a fresh ring) with
+/// `opts(rank)`; returns every rank's final parameters, skipped steps and
+/// optimizer-state bytes.
+fn run(
+    text: &str,
+    world: usize,
+    opts: impl Fn(usize) -> RunOptions + Clone + Send + 'static,
+) -> Vec<RankEnd> {
+    let text = text.to_string();
+    on_ring(world, move |rank, ring| {
+        let mut e = Engine::new(spec(&text), ring, opts(rank)).unwrap_or_else(|e| panic!("{e}"));
+        let s = e.run(|_| {}).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let params = e
+            .parameters()
+            .iter()
+            .map(|(n, t)| (n.clone(), t.detach().copy()))
+            .collect::<Vec<_>>();
+        (params, s.state.skipped_steps, e.optimizer_state_bytes())
+    })
+}
+
+/// Runs `text` on W ranks, each with a [`Control`] that `on_step(rank,
+/// step, control)` may set after each step report; each rank's (step,
+/// finished) or its error.
+fn run_controlled(
+    text: &str,
+    world: usize,
+    dir: &Path,
+    on_step: impl Fn(usize, u64, &Control) + Clone + Send + 'static,
+) -> Vec<Result<(u64, bool), String>> {
+    let (text, dir) = (text.to_string(), dir.to_path_buf());
+    on_ring(world, move |rank, ring| {
+        let control = Arc::new(Control::default());
+        let opts = RunOptions {
+            checkpoint_dir: Some(dir.clone()),
+            control: Some(control.clone()),
+            ..Default::default()
+        };
+        let mut e = Engine::new(spec(&text), ring, opts).unwrap();
+        e.run(|ev| {
+            if let Event::Step(r) = ev {
+                on_step(rank, r.step, &control);
+            }
+        })
+        .map(|s| (s.state.step, s.finished))
+        .map_err(|e| e.to_string())
+    })
+}
+
+fn in_dir(dir: PathBuf) -> impl Fn(usize) -> RunOptions + Clone + Send + 'static {
     move |_| RunOptions {
         checkpoint_dir: Some(dir.clone()),
         ..Default::default()
@@ -185,39 +230,24 @@ fn every_step_sync_under_stage_2_holds_a_slice_of_the_gradients_between_micro_st
     // Gradient bytes after each micro-step that is not a sync step, and
     // after each sync step: the most any rank held (fresh runs).
     let held = |text: String| -> (usize, usize) {
-        let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
-        let addrs: Vec<String> = ls
-            .iter()
-            .map(|l| l.local_addr().unwrap().to_string())
-            .collect();
-        let handles: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(rank, l)| {
-                let (addrs, spec) = (addrs.clone(), spec(&text));
-                std::thread::spawn(move || {
-                    let cfg = RingConfig::new("zero", rank, world, addrs, b"zero".to_vec());
-                    let ring = TcpRing::start(Some(l), cfg).unwrap();
-                    let dir = TempDir::new().unwrap();
-                    let opts = RunOptions {
-                        checkpoint_dir: Some(dir.path().into()),
-                        ..Default::default()
-                    };
-                    let mut e = Engine::new(spec, ring, opts).unwrap();
-                    let (mut between, mut after) = (0, 0);
-                    while !e.is_done() {
-                        let at = if e.micro_step().unwrap().is_none() {
-                            &mut between
-                        } else {
-                            &mut after
-                        };
-                        *at = (*at).max(e.gradient_bytes());
-                    }
-                    (between, after)
-                })
-            })
-            .collect();
-        let ends: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let ends = on_ring(world, move |_, ring| {
+            let dir = TempDir::new().unwrap();
+            let opts = RunOptions {
+                checkpoint_dir: Some(dir.path().into()),
+                ..Default::default()
+            };
+            let mut e = Engine::new(spec(&text), ring, opts).unwrap();
+            let (mut between, mut after) = (0, 0);
+            while !e.is_done() {
+                let at = if e.micro_step().unwrap().is_none() {
+                    &mut between
+                } else {
+                    &mut after
+                };
+                *at = (*at).max(e.gradient_bytes());
+            }
+            (between, after)
+        });
         (
             ends.iter().map(|e| e.0).max().unwrap(),
             ends.iter().map(|e| e.1).max().unwrap(),
@@ -348,49 +378,19 @@ fn checkpoints_resume_across_stages_and_world_sizes() {
 /// written, rather than one rank gathering while another reduces.
 #[test]
 fn a_stop_asked_of_one_rank_stops_every_rank_after_the_same_step() {
-    use accrue_worker::engine::{Control, Event};
-    use std::sync::atomic::Ordering;
-    use std::sync::Arc;
-    let world = 2;
     for stage in [0, 1, 2] {
         let d = TempDir::new().unwrap();
-        let text = job("global_count", ADAM, stage);
-        let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
-        let addrs: Vec<String> = ls
-            .iter()
-            .map(|l| l.local_addr().unwrap().to_string())
-            .collect();
-        let handles: Vec<_> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(rank, l)| {
-                let (addrs, spec, dir) = (addrs.clone(), spec(&text), d.path().to_path_buf());
-                std::thread::spawn(move || {
-                    let mut cfg = RingConfig::new("zero", rank, world, addrs, b"zero".to_vec());
-                    cfg.timeout = Duration::from_secs(10);
-                    let ring = TcpRing::start(Some(l), cfg).unwrap();
-                    let control = Arc::new(Control::default());
-                    let opts = RunOptions {
-                        checkpoint_dir: Some(dir),
-                        control: Some(control.clone()),
-                        ..Default::default()
-                    };
-                    let mut e = Engine::new(spec, ring, opts).unwrap();
-                    let s = e
-                        .run(|ev| {
-                            if let Event::Step(r) = ev {
-                                if rank == 1 && r.step == 3 {
-                                    control.stop.store(true, Ordering::SeqCst);
-                                }
-                            }
-                        })
-                        .unwrap_or_else(|e| panic!("stage {stage} rank {rank}: {e}"));
-                    (s.state.step, s.finished)
-                })
-            })
-            .collect();
-        let ends: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        assert_eq!(ends, [(4, false), (4, false)], "stage {stage}");
+        let ends = run_controlled(
+            &job("global_count", ADAM, stage),
+            2,
+            d.path(),
+            |rank, step, c| {
+                if rank == 1 && step == 3 {
+                    c.stop.store(true, Ordering::SeqCst);
+                }
+            },
+        );
+        assert_eq!(ends, [Ok((4, false)), Ok((4, false))], "stage {stage}");
         let steps = accrue_worker::checkpoint::list_steps(d.path()).unwrap();
         assert_eq!(steps.last(), Some(&4), "stage {stage}: {steps:?}");
     }
@@ -404,46 +404,17 @@ fn a_stop_asked_of_one_rank_stops_every_rank_after_the_same_step() {
 /// roll back to that checkpoint, losing no step).
 #[test]
 fn a_leaving_rank_has_every_rank_checkpoint_before_it_goes() {
-    use accrue_worker::engine::{Control, Event};
-    use std::sync::atomic::Ordering;
-    use std::sync::Arc;
-    let world = 2;
     let d = TempDir::new().unwrap();
-    let text = job("global_count", ADAM, 1);
-    let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
-    let addrs: Vec<String> = ls
-        .iter()
-        .map(|l| l.local_addr().unwrap().to_string())
-        .collect();
-    let handles: Vec<_> = ls
-        .into_iter()
-        .enumerate()
-        .map(|(rank, l)| {
-            let (addrs, spec, dir) = (addrs.clone(), spec(&text), d.path().to_path_buf());
-            std::thread::spawn(move || {
-                let mut cfg = RingConfig::new("zero", rank, world, addrs, b"zero".to_vec());
-                cfg.timeout = Duration::from_secs(10);
-                let ring = TcpRing::start(Some(l), cfg).unwrap();
-                let control = Arc::new(Control::default());
-                let opts = RunOptions {
-                    checkpoint_dir: Some(dir),
-                    control: Some(control.clone()),
-                    ..Default::default()
-                };
-                let mut e = Engine::new(spec, ring, opts).unwrap();
-                e.run(|ev| {
-                    if let Event::Step(r) = ev {
-                        if rank == 1 && r.step == 2 {
-                            control.leave.store(true, Ordering::SeqCst);
-                        }
-                    }
-                })
-                .map(|s| (s.state.step, s.finished))
-                .map_err(|e| e.to_string())
-            })
-        })
-        .collect();
-    let ends: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let ends = run_controlled(
+        &job("global_count", ADAM, 1),
+        2,
+        d.path(),
+        |rank, step, c| {
+            if rank == 1 && step == 2 {
+                c.leave.store(true, Ordering::SeqCst);
+            }
+        },
+    );
     assert_eq!(ends[1], Ok((3, false)), "the leaver stops after step 3");
     let e = ends[0].as_ref().unwrap_err();
     assert!(
