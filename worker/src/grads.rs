@@ -6,8 +6,8 @@
 //! are one operation each over the whole buffer.
 //!
 //! Layout: the gradients in parameter order, then [`EXTRA`] slots for the
-//! window's counts (samples, micro-batches, loss sum), which ride in the
-//! last bucket. On CUDA the buffer lives on the device and a pinned host
+//! window's counts (samples, micro-batches, loss sum) and the requests the
+//! ranks agree on (stop, checkpoint), which ride in the last bucket. On CUDA the buffer lives on the device and a pinned host
 //! mirror (allocated once) stages each bucket: the device-to-host copy of
 //! bucket i + 1 runs while bucket i is on the wire.
 
