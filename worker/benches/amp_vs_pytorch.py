@@ -26,7 +26,8 @@ the final checkpoint; PyTorch: its own ru_maxrss after the last step).
 
   .venv/bin/python worker/benches/amp_vs_pytorch.py \\
       --binary target/release/accrue-worker [--models resnet18,resnet34] \\
-      [--batches 128,256] [--k 4] [--steps 4] [--warmup 1] [--threads 2]
+      [--batches 128,256] [--k 4] [--steps 4] [--warmup 1] [--threads 2] \\
+      [--precisions fp32,bf16]
 
 Prints a Markdown table.
 """
@@ -161,6 +162,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--_child", dest="child")
     a = ap.parse_args()
     if a.child:
@@ -174,7 +176,7 @@ def main():
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for model in a.models.split(","):
         for b in map(int, a.batches.split(",")):
-            for precision in ("fp32", "bf16"):
+            for precision in a.precisions.split(","):
                 cfg = dict(model=model, b=b, k=a.k, steps=a.steps, precision=precision,
                            threads=a.threads)
                 ends, rss = run_accrue(a.binary, model, b, a.k, a.steps, precision, a.threads)
