@@ -10,7 +10,7 @@ PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn kubernetes-validate=
 STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
 CARGO ?= cargo
 
-.PHONY: all setup system-packages browser demo test ci bench bench-engine bench-allreduce fmt clippy clean-runs
+.PHONY: all setup system-packages browser demo test ci bench bench-engine bench-allreduce gpu-worker bench-gpu fmt clippy clean-runs
 
 all: setup
 	$(CARGO) build --workspace
@@ -94,6 +94,22 @@ bench-engine: setup
 bench-allreduce: setup
 	$(CARGO) build --release -p accrue-worker
 	.venv/bin/python worker/benches/allreduce_vs_gloo.py --bench target/release/allreduce-bench --worlds 2,3 --iters 20
+
+# CUDA graphs (issue 19), run ON the GPU machine, which has no Rust and
+# no network: build here with `make gpu-worker`, carry gpu-bin/ (ignored
+# by git: name it in the device tool's `carry`), then there
+# `make bench-gpu` (its Python has CUDA torch; nothing is installed).
+# The graph shim's CUDA headers: the wheel's nvidia/cu13/include lacks
+# crt/ and nv/, which these two (the same CUDA 13.0) add.
+GPU_PYTHON ?= /opt/torch/.venv/bin/python
+CUDA_HEADERS := nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
+gpu-worker: setup
+	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps $(CUDA_HEADERS)
+	ACCRUE_CUDA=1 $(CARGO) build --release -p accrue-worker --target-dir target/cuda
+	mkdir -p gpu-bin && cp target/cuda/release/accrue-worker gpu-bin/
+
+bench-gpu:
+	$(GPU_PYTHON) worker/benches/graphs_vs_pytorch.py --binary gpu-bin/accrue-worker $(BENCH_ARGS)
 
 fmt:
 	$(CARGO) fmt --all

@@ -469,6 +469,8 @@ pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
                 "bytes_sent": r.bytes_sent,
                 "bytes_received": r.bytes_received,
                 "loss_scale": r.loss_scale,
+                "graph_replays": r.graph_replays,
+                "eager_reason": r.eager_reason,
             })
         }
         job_event::Event::Transition(t) => json!({

@@ -1,12 +1,16 @@
 //! Bakes libtorch's lib/ folder into the rpath of every binary, test and
 //! example of this crate, so they run without LD_LIBRARY_PATH (SETUP-NOTES).
-//! Compiles the autocast shim (csrc/amp.cpp). `ACCRUE_CUDA=1` also links libtorch_cuda explicitly: rustc passes
-//! `--as-needed`, which would otherwise drop it and CUDA would never register.
+//! Compiles the autocast shim (csrc/amp.cpp). `ACCRUE_CUDA=1` also links
+//! libtorch_cuda explicitly (rustc passes `--as-needed`, which would
+//! otherwise drop it and CUDA would never register), compiles the CUDA-graph
+//! shim (csrc/graph.cpp, host code against the wheel's headers: no nvcc)
+//! and sets cfg `accrue_cuda` for its Rust side.
 use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=ACCRUE_CUDA");
+    println!("cargo::rustc-check-cfg=cfg(accrue_cuda)");
     let Some(libtorch) = std::env::var_os("LIBTORCH") else {
         println!("cargo:warning=LIBTORCH is not set; run `make setup` first");
         return;
@@ -31,5 +35,30 @@ fn main() {
     if std::env::var("ACCRUE_CUDA").as_deref() == Ok("1") {
         println!("cargo:rustc-link-search=native={}", lib.display());
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+        // The graph shim (issue 19): CUDA's headers come with the wheel
+        // (site-packages/nvidia/cu13/include, next to torch/).
+        println!("cargo:rerun-if-changed=csrc/graph.cpp");
+        let cuda_include = libtorch.join("../nvidia/cu13/include");
+        cc::Build::new()
+            .cpp(true)
+            .file("csrc/graph.cpp")
+            .include(libtorch.join("include"))
+            .include(&cuda_include)
+            .flag("-std=c++17")
+            .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+            .warnings(false)
+            .compile("accrue_graph");
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+        // The headers' inline code calls the CUDA runtime (events, stream
+        // capture queries): libcudart.so.13 from the wheel's nvidia/cu13,
+        // which has no unversioned name; its folder goes into the rpath
+        // too (elsewhere: LD_LIBRARY_PATH, as docs/ARCHITECTURE.md says).
+        let cuda_lib = libtorch.join("../nvidia/cu13/lib");
+        let cuda_lib = cuda_lib.canonicalize().unwrap_or(cuda_lib);
+        println!("cargo:rustc-link-search=native={}", cuda_lib.display());
+        println!("cargo:rustc-link-lib=dylib:+verbatim=libcudart.so.13");
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", cuda_lib.display());
+        println!("cargo:rustc-cfg=accrue_cuda");
     }
 }

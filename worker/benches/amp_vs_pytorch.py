@@ -83,14 +83,17 @@ def wait_rss(proc):
     return proc.returncode, usage.ru_maxrss / 1024
 
 
-def run_accrue(binary, model, b, k, steps, precision, threads):
-    with tempfile.TemporaryDirectory(prefix="amp-bench-") as tmp:
+def run_spec(binary, text, threads, env=None):
+    """Runs `accrue-worker train` on the job spec `text`; (the time each
+    step's JSON line was read, peak RSS in MB)."""
+    with tempfile.TemporaryDirectory(prefix="accrue-bench-") as tmp:
         spec = Path(tmp) / "job.toml"
-        spec.write_text(job(model, b, k, steps, precision))
+        spec.write_text(text)
         cmd = [binary, "train", str(spec), "--json", "--threads", str(threads),
                "--state-dir", str(Path(tmp) / "state")]
         err = open(Path(tmp) / "stderr", "w")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
+                                env=env)
         ends = []
         for line in iter(proc.stdout.readline, ""):
             now = time.perf_counter()
@@ -104,6 +107,10 @@ def run_accrue(binary, model, b, k, steps, precision, threads):
         if rc != 0:
             sys.exit(f"accrue failed ({rc}): {open(Path(tmp) / 'stderr').read()[-2000:]}")
     return ends, rss
+
+
+def run_accrue(binary, model, b, k, steps, precision, threads):
+    return run_spec(binary, job(model, b, k, steps, precision), threads)
 
 
 def torch_child(cfg):

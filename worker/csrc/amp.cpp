@@ -14,11 +14,14 @@ at::DeviceType device_of(int device) { return device == 1 ? at::kCUDA : at::kCPU
 
 extern "C" {
 
-// device: 0 the CPU, 1 CUDA; dtype: a c10::ScalarType (tch's Kind::c_int).
-// Returns 0, or -1 when libtorch threw.
-int accrue_autocast_enter(int device, int dtype) {
+// device: 0 the CPU, 1 CUDA; dtype: a c10::ScalarType (tch's Kind::c_int);
+// cache: 0 turns the cast cache off, as `torch.autocast(cache_enabled=False)`
+// (what a CUDA-graph capture needs; issue 19). Returns 0, or -1 when
+// libtorch threw.
+int accrue_autocast_enter(int device, int dtype, int cache) {
   try {
     const auto d = device_of(device);
+    at::autocast::set_autocast_cache_enabled(cache != 0);
     at::autocast::set_autocast_enabled(d, true);
     at::autocast::set_autocast_dtype(d, static_cast<at::ScalarType>(dtype));
     at::autocast::increment_nesting();
@@ -29,12 +32,14 @@ int accrue_autocast_enter(int device, int dtype) {
 }
 
 // Leaves what accrue_autocast_enter entered: the cast cache is cleared
-// when the outermost autocast region ends, as torch.autocast does.
+// when the outermost autocast region ends, as torch.autocast does, and
+// caching is on again (its default).
 int accrue_autocast_exit(int device) {
   try {
     if (at::autocast::decrement_nesting() == 0) {
       at::autocast::clear_cache();
     }
+    at::autocast::set_autocast_cache_enabled(true);
     at::autocast::set_autocast_enabled(device_of(device), false);
     return 0;
   } catch (const std::exception&) {

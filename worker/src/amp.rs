@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
 extern "C" {
-    fn accrue_autocast_enter(device: i32, dtype: i32) -> i32;
+    fn accrue_autocast_enter(device: i32, dtype: i32, cache: i32) -> i32;
     fn accrue_autocast_exit(device: i32) -> i32;
     fn accrue_autocast_is_enabled(device: i32) -> i32;
 }
@@ -47,6 +47,13 @@ impl Autocast {
     /// Turns autocast to `precision`'s type on for `device` (None for
     /// fp32: nothing to do).
     pub fn enter(device: Device, precision: Precision) -> Result<Option<Self>> {
+        Self::enter_with(device, precision, true)
+    }
+
+    /// [`Autocast::enter`]; `cache = false` turns the cast cache off
+    /// (`torch.autocast(cache_enabled=False)`), as a CUDA-graph capture
+    /// needs: a cached cast would outlive the capture.
+    pub fn enter_with(device: Device, precision: Precision, cache: bool) -> Result<Option<Self>> {
         let Some(kind) = autocast_kind(precision) else {
             return Ok(None);
         };
@@ -59,7 +66,7 @@ impl Autocast {
             Kind::Half => 5,
             _ => 15, // BFloat16
         };
-        if unsafe { accrue_autocast_enter(code, dtype) } != 0 {
+        if unsafe { accrue_autocast_enter(code, dtype, i32::from(cache)) } != 0 {
             return Err(Error::Model(format!(
                 "libtorch refused autocast to {kind:?} on {device:?}"
             )));

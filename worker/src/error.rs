@@ -33,6 +33,8 @@ pub enum Error {
     Device { device: String, reason: String },
     #[error("sharding: {0}")]
     Sharding(String),
+    #[error("CUDA graph: {what}: {reason}")]
+    Graph { what: &'static str, reason: String },
     #[error("window interrupted: {0}")]
     Interrupted(String),
     #[error("libtorch error while {context}: {source}")]

@@ -7,12 +7,15 @@ pub mod amp;
 pub mod checkpoint;
 pub mod collective;
 pub mod comm;
+#[cfg(accrue_cuda)]
+pub mod cuda_graph;
 pub mod daemon;
 pub mod data;
 pub mod engine;
 pub mod error;
 pub mod fused;
 pub mod grads;
+pub mod graphs;
 pub mod model;
 pub mod optim;
 pub mod rng;

@@ -10,45 +10,16 @@
 
 mod common;
 
-use accrue_worker::comm::{bind, RingConfig, TcpRing};
 use accrue_worker::engine::{Control, Engine, Event, RunOptions};
 use common::*;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 use tch::Tensor;
 use tempfile::TempDir;
 
 /// One rank's end: final parameters, skipped steps, optimizer-state bytes.
 type RankEnd = (Vec<(String, Tensor)>, u64, usize);
-
-/// `body(rank, ring)` on W threads over a fresh loopback ring; the results
-/// in rank order.
-fn on_ring<T: Send + 'static>(
-    world: usize,
-    body: impl Fn(usize, TcpRing) -> T + Clone + Send + 'static,
-) -> Vec<T> {
-    let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
-    let addrs: Vec<String> = ls
-        .iter()
-        .map(|l| l.local_addr().unwrap().to_string())
-        .collect();
-    let handles: Vec<_> = ls
-        .into_iter()
-        .enumerate()
-        .map(|(rank, l)| {
-            let (addrs, body) = (addrs.clone(), body.clone());
-            std::thread::spawn(move || {
-                let mut cfg = RingConfig::new("zero", rank, world, addrs, b"zero".to_vec());
-                cfg.timeout = Duration::from_secs(20);
-                cfg.connect_timeout = Duration::from_secs(20);
-                body(rank, TcpRing::start(Some(l), cfg).unwrap())
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
 
 /// Runs `text` on W ranks (threads, one engine each, a fresh ring) with
 /// `opts(rank)`; returns every rank's final parameters, skipped steps and

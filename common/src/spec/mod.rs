@@ -60,6 +60,18 @@ pub struct JobSpec {
     /// fp16's dynamic loss scaling (torch.amp.GradScaler's defaults).
     #[serde(default)]
     pub loss_scaling: LossScalingSpec,
+    /// How the worker runs the job on its device (issue 19).
+    #[serde(default)]
+    pub performance: PerformanceSpec,
+}
+
+/// `[performance]`: execution choices that leave the numbers as they are.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PerformanceSpec {
+    /// Capture the micro-step once as a CUDA graph and replay it (absent:
+    /// on for CUDA jobs; no effect on the CPU, which the step report says).
+    pub cuda_graphs: Option<bool>,
 }
 
 /// `[loss_scaling]`: dynamic loss scaling for `precision = "fp16"`, as

@@ -210,6 +210,9 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             backoff_factor: Some(s.loss_scaling.backoff_factor),
             growth_interval: Some(s.loss_scaling.growth_interval),
         }),
+        performance: Some(v1::PerformanceSpec {
+            cuda_graphs: s.performance.cuda_graphs,
+        }),
     }
 }
 
@@ -404,6 +407,9 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
                 growth_interval: l.growth_interval.unwrap_or(ls_default.growth_interval),
             },
             None => ls_default,
+        },
+        performance: PerformanceSpec {
+            cuda_graphs: p.performance.and_then(|x| x.cuda_graphs),
         },
     };
     let checked = merge_kind_errors(kind_errors, spec.validate_fields());

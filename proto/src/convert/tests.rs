@@ -368,6 +368,9 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 } else {
                     LossScalingSpec::default()
                 },
+                performance: PerformanceSpec {
+                    cuda_graphs: [None, Some(true), Some(false)][(seed / 9 % 3) as usize],
+                },
                 checkpoint: CheckpointSpec {
                     dir,
                     every_steps,

@@ -160,6 +160,8 @@ fn step_msg(job: &str, generation: u64, rank: u32, r: &StepReport) -> WorkerMess
         bytes_sent: r.bytes_sent,
         bytes_received: r.bytes_received,
         loss_scale: r.loss_scale,
+        graph_replays: r.graph_replays,
+        eager_reason: r.eager_reason.clone(),
     }))
 }
 

@@ -99,6 +99,8 @@ fn step(n: u64) -> WorkerMessage {
             job_bytes_sent: 0,
             job_bytes_received: 0,
             loss_scale: 0.0,
+            graph_replays: 0,
+            eager_reason: String::new(),
         },
     )
 }

@@ -15,6 +15,7 @@
 
 mod eval;
 mod flat;
+mod graph;
 mod plan;
 mod state_sync;
 mod window;
@@ -59,6 +60,11 @@ pub struct RunOptions {
     /// Run the collectives through a separate host buffer on the CPU too,
     /// as on CUDA (tests use it to run the staging path without a GPU).
     pub stage_through_host: bool,
+    /// Run every full-size micro-step as the CUDA graph's body (static
+    /// index buffer, loss scale from a tensor, autocast without its cast
+    /// cache) without capturing, on any device: tests check it against the
+    /// eager micro-step without a GPU.
+    pub graph_body_only: bool,
     /// Sleep this long after every micro-step (fault-injection tests and
     /// demos: it makes a small job last long enough to kill a rank in the
     /// middle of a window).
@@ -150,6 +156,11 @@ pub struct StepReport {
     pub job_bytes_received: u64,
     /// fp16: the loss scale this step's gradients had (0 otherwise).
     pub loss_scale: f64,
+    /// Micro-steps of this window that replayed a CUDA graph.
+    pub graph_replays: u64,
+    /// Why the window's micro-steps (the last that did) ran eagerly ("":
+    /// none did).
+    pub eager_reason: String,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -189,7 +200,9 @@ pub struct Engine<C: Collective> {
     plan: WindowPlan,
     total_steps: u64,
     state: TrainerState,
-    epoch_indices: (u64, Vec<i64>),
+    epoch_indices: Option<window::EpochIndices>,
+    /// The micro-step's CUDA graph and the window's loss accumulator.
+    graph: graph::MicroGraph,
     window: Window,
     /// sync = every_step: the reduced gradients of the window so far.
     acc: Option<Vec<Tensor>>,
@@ -363,6 +376,17 @@ impl<C: Collective> Engine<C> {
             accumulation_steps: k as u64,
             ..Default::default()
         };
+        let graph_mode = if opts.graph_body_only {
+            crate::graphs::Mode::BodyOnly
+        } else {
+            crate::graphs::mode(
+                spec.performance.cuda_graphs,
+                device.is_cuda(),
+                cfg!(accrue_cuda),
+                spec.sharding.stage,
+            )
+        };
+        let graph = graph::MicroGraph::new(graph_mode);
         let mut engine = Self {
             spec,
             collective,
@@ -376,7 +400,8 @@ impl<C: Collective> Engine<C> {
             plan,
             total_steps,
             state,
-            epoch_indices: (u64::MAX, Vec::new()),
+            epoch_indices: None,
+            graph,
             window: Window::default(),
             acc: None,
             zero_acc: None,
@@ -407,7 +432,7 @@ impl<C: Collective> Engine<C> {
         }
         engine.sync_state()?;
         engine.reshard();
-        tracing::info!(rank, world, k, total_steps = engine.total_steps, step = engine.state.step, device = ?device, "engine ready");
+        tracing::info!(rank, world, k, total_steps = engine.total_steps, step = engine.state.step, device = ?device, cuda_graphs = ?engine.graph.mode(), "engine ready");
         Ok(engine)
     }
 
@@ -418,6 +443,7 @@ impl<C: Collective> Engine<C> {
     /// the rest of the epoch is re-sharded when the world size or k changed.
     pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
         self.discard_window()?;
+        self.graph.reset();
         self.collective = collective;
         let world = self.collective.world_size();
         if let Some(k) = accumulation_steps {

@@ -60,7 +60,7 @@ impl<C: Collective> Engine<C> {
             max_samples: self.shard.rank_len(0),
             ..self.plan
         };
-        self.epoch_indices = (u64::MAX, Vec::new());
+        self.epoch_indices = None;
     }
 
     /// `max_steps`, or the committed steps plus the windows left in this

@@ -20,7 +20,6 @@ pub(super) struct Window {
     /// Non-empty micro-batches among them (`mean` divides by their global sum).
     batches: usize,
     samples: u64,
-    loss_sum: Option<Tensor>,
     started: Option<Instant>,
     compute: Duration,
     comm: Duration,
@@ -29,6 +28,21 @@ pub(super) struct Window {
     /// With a sample log: the data set indices this rank's reads fetched in
     /// this window, recorded where the reader is called, in reading order.
     read: Vec<i64>,
+    /// Micro-steps that replayed the CUDA graph (engine/graph.rs).
+    pub(super) graph_replays: u64,
+    /// Why the window's last eager micro-step ran eagerly.
+    pub(super) eager_reason: Option<String>,
+}
+
+/// This rank's sample indices of one epoch: on the host (the sample log)
+/// and on the device, copied there once per epoch, so that a micro-step
+/// selects its batch without a host-to-device copy (and a CUDA graph can
+/// take its indices from a device buffer).
+#[derive(Debug)]
+pub(super) struct EpochIndices {
+    epoch: u64,
+    host: Vec<i64>,
+    device: Tensor,
 }
 
 impl<C: Collective> Engine<C> {
@@ -42,12 +56,37 @@ impl<C: Collective> Engine<C> {
         self.grads.zero()
     }
 
-    /// Makes `epoch_indices` hold this rank's indices of `epoch`.
-    fn load_indices(&mut self, epoch: u64) {
-        if self.epoch_indices.0 != epoch {
-            let idx = self.shard.indices(self.collective.rank(), epoch);
-            self.epoch_indices = (epoch, idx.into_iter().map(|i| i as i64).collect());
+    /// The device indices of micro-batch `a..b` of this rank's current
+    /// epoch (a view of the epoch's index tensor), recorded for the sample
+    /// log.
+    pub(super) fn micro_batch_indices(&mut self, a: usize, b: usize) -> Result<Tensor> {
+        let epoch = self.state.epoch;
+        let e = match self.epoch_indices.take() {
+            Some(e) if e.epoch == epoch => e,
+            _ => {
+                let host: Vec<i64> = self
+                    .shard
+                    .indices(self.collective.rank(), epoch)
+                    .into_iter()
+                    .map(|i| i as i64)
+                    .collect();
+                let device = Tensor::from_slice(&host)
+                    .f_to_device(self.device)
+                    .ctx("moving indices")?;
+                EpochIndices {
+                    epoch,
+                    host,
+                    device,
+                }
+            }
+        };
+        if self.opts.sample_log.is_some() {
+            // The audit's record: the indices the reader is about to fetch.
+            self.window.read.extend_from_slice(&e.host[a..b]);
         }
+        let idx = e.device.f_narrow(0, a as i64, (b - a) as i64);
+        self.epoch_indices = Some(e);
+        idx.ctx("selecting a micro-batch")
     }
 
     /// Runs the next micro-step; on the window's last one also the sync step,
@@ -64,6 +103,7 @@ impl<C: Collective> Engine<C> {
         if self.window.started.is_none() {
             self.window.started = Some(started);
             self.window.bytes_at_start = self.collective.bytes();
+            self.graph.zero_loss(self.device)?;
         }
         let m = self.state.cursor as usize + self.window.micro;
         let (a, b) = self.plan.micro_batch_range(m);
@@ -71,7 +111,8 @@ impl<C: Collective> Engine<C> {
         // ZeRO stage 2 freed the buffer after the last reduction.
         self.grads.restore(&self.model.params)?;
         if n > 0 {
-            self.forward_backward(a, b)?;
+            // Eagerly, or as a CUDA graph (engine/graph.rs).
+            self.run_micro_batch(a, b)?;
             self.window.batches += 1;
         }
         if let Some(d) = self.opts.micro_step_delay {
@@ -93,20 +134,19 @@ impl<C: Collective> Engine<C> {
         Ok(None)
     }
 
-    /// Forward, loss and backward on samples `a..b` of this rank's epoch;
-    /// gradients add into `.grad`.
-    fn forward_backward(&mut self, a: usize, b: usize) -> Result<()> {
-        let epoch = self.state.epoch;
-        self.load_indices(epoch);
-        let read = &self.epoch_indices.1[a..b];
-        let idx = Tensor::from_slice(read)
-            .f_to_device(self.device)
-            .ctx("moving indices")?;
-        let (x, y) = self.train.batch(&idx)?;
-        if self.opts.sample_log.is_some() {
-            // The audit's record: the indices the reader has just fetched.
-            self.window.read.extend_from_slice(read);
-        }
+    /// Forward, loss and backward of the micro-batch `idx` selects (`n`
+    /// samples); gradients add into `.grad`, the loss summed over the
+    /// batch into the window's loss accumulator. fp16 scales the loss by
+    /// `scale`; `graph` marks the graph body (autocast without its cast
+    /// cache, which a capture must not keep).
+    pub(super) fn forward_backward(
+        &mut self,
+        idx: &Tensor,
+        n: usize,
+        scale: LossScaleBy<'_>,
+        graph: bool,
+    ) -> Result<()> {
+        let (x, y) = self.train.batch(idx)?;
         let reduction = match self.spec.accumulation.normalize {
             Normalize::GlobalCount => Reduction::Sum,
             Normalize::Mean | Normalize::Sum => Reduction::Mean,
@@ -114,32 +154,28 @@ impl<C: Collective> Engine<C> {
         let loss = {
             // precision = bf16 | fp16: the forward and the loss under
             // autocast, as in torch.autocast's `with` block.
-            let _autocast = crate::amp::Autocast::enter(self.device, self.spec.precision)?;
+            let _autocast =
+                crate::amp::Autocast::enter_with(self.device, self.spec.precision, !graph)?;
             let logits = self.model.forward(&x, true)?;
             logits
                 .f_cross_entropy_loss::<Tensor>(&y, None, reduction, -100, 0.0)
                 .ctx("computing the loss")?
         };
-        match self.loss_scale() {
-            // fp16: backward of loss * scale / k, so the half-precision
-            // backward sees what GradScaler's `scaler.scale(loss / k)`
-            // gives it (and overflows where it would).
-            Some(ls) => loss
-                .f_mul_scalar(f64::from(ls.scale) / self.plan.k as f64)
-                .and_then(|l| l.f_backward()),
-            None => loss.f_backward(),
+        // fp16: backward of loss * scale / k, so the half-precision
+        // backward sees what GradScaler's `scaler.scale(loss / k)` gives
+        // it (and overflows where it would).
+        match scale {
+            LossScaleBy::One => loss.f_backward(),
+            LossScaleBy::Scalar(s) => loss.f_mul_scalar(s).and_then(|l| l.f_backward()),
+            LossScaleBy::Tensor(s) => loss.f_mul(s).and_then(|l| l.f_backward()),
         }
         .ctx("running backward")?;
         let loss_sum = match reduction {
             Reduction::Sum => loss.f_detach(),
-            _ => loss.f_detach().and_then(|l| l.f_mul_scalar((b - a) as f64)),
+            _ => loss.f_detach().and_then(|l| l.f_mul_scalar(n as f64)),
         }
         .ctx("accumulating the loss")?;
-        self.window.loss_sum = Some(match self.window.loss_sum.take() {
-            None => loss_sum,
-            Some(acc) => acc.f_add(&loss_sum).ctx("accumulating the loss")?,
-        });
-        Ok(())
+        self.graph.add_loss(&loss_sum)
     }
 
     /// sync = every_step: all-reduce this micro-step's gradients now and add
@@ -183,9 +219,10 @@ impl<C: Collective> Engine<C> {
         let grads = self.model.grads();
         // 1. reduce gradients and the window's counts over all ranks.
         let t_comm = Instant::now();
-        let loss_sum = match self.window.loss_sum.take() {
-            Some(l) => l.f_double_value(&[]).ctx("reading the loss")?,
-            None => 0.0,
+        let loss_sum = if self.window.batches > 0 {
+            self.graph.loss_sum()?
+        } else {
+            0.0
         };
         // A stop or checkpoint request reaches each rank at its own time;
         // summed here, every rank honours it after the same step (under
@@ -384,6 +421,8 @@ impl<C: Collective> Engine<C> {
             job_bytes_sent: sent,
             job_bytes_received: received,
             loss_scale: scaler.map_or(0.0, |ls| f64::from(ls.scale)),
+            graph_replays: window.graph_replays,
+            eager_reason: window.eager_reason.unwrap_or_default(),
         })
     }
 
@@ -426,6 +465,15 @@ impl<C: Collective> Engine<C> {
         f.write_all(format!("{line}\n").as_bytes())
             .map_err(crate::error::io_err(path))
     }
+}
+
+/// What the loss is multiplied by before backward (fp16's scale / k).
+#[derive(Clone, Copy)]
+pub(super) enum LossScaleBy<'a> {
+    One,
+    Scalar(f64),
+    /// A 0-dim device tensor (the graph body: a value the graph reads).
+    Tensor(&'a Tensor),
 }
 
 fn loss_sum_global(sum: f64, samples: u64) -> f64 {

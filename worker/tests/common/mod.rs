@@ -3,10 +3,12 @@
 
 pub mod procs;
 
+use accrue_worker::comm::{bind, RingConfig, TcpRing};
 use accrue_worker::engine::RunOptions;
 use accrue_worker::{Engine, JobSpec, SingleRank};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 use tch::Tensor;
 
 /// The project's Python (with torch), from .cargo/config.toml.
@@ -157,4 +159,31 @@ shuffle = true
 {rest}"#,
         d = d.display()
     )
+}
+
+/// `body(rank, ring)` on W threads over a fresh loopback ring; the results
+/// in rank order.
+pub fn on_ring<T: Send + 'static>(
+    world: usize,
+    body: impl Fn(usize, TcpRing) -> T + Clone + Send + 'static,
+) -> Vec<T> {
+    let ls: Vec<_> = (0..world).map(|_| bind("127.0.0.1:0").unwrap()).collect();
+    let addrs: Vec<String> = ls
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let handles: Vec<_> = ls
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            let (addrs, body) = (addrs.clone(), body.clone());
+            std::thread::spawn(move || {
+                let mut cfg = RingConfig::new("ring", rank, world, addrs, b"ring".to_vec());
+                cfg.timeout = Duration::from_secs(20);
+                cfg.connect_timeout = Duration::from_secs(20);
+                body(rank, TcpRing::start(Some(l), cfg).unwrap())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
