@@ -113,7 +113,8 @@ pub enum Effect {
         worker: String,
         conn: u64,
     },
-    Event(JobEvent),
+    /// A job event for watchers (boxed: a step report is large).
+    Event(Box<JobEvent>),
     /// The answer to a Submit or Cancel.
     Reply(Result<Job, CoordError>),
 }
@@ -247,10 +248,10 @@ fn msg(m: coordinator_message::Msg) -> CoordinatorMessage {
 
 /// The event announcing that `job` just made transition `t`.
 fn transition_event(job: &Job, t: v1::Transition) -> Effect {
-    Effect::Event(JobEvent {
+    Effect::Event(Box::new(JobEvent {
         job: Some(job.clone()),
         event: Some(v1::job_event::Event::Transition(t)),
-    })
+    }))
 }
 
 /// How often a running job's training curve is written, at most (ms): a

@@ -84,10 +84,10 @@ impl Cluster {
                 if let Some(entry) = self.jobs.get_mut(&m.job_id).filter(|_| rank0) {
                     entry.job.eval = Some(e);
                     crate::series::push_eval(&mut entry.series, e, now);
-                    fx.push(Effect::Event(JobEvent {
+                    fx.push(Effect::Event(Box::new(JobEvent {
                         job: Some(entry.job.clone()),
                         event: Some(v1::job_event::Event::Eval(e)),
-                    }));
+                    })));
                 }
             }
             Some(worker_message::Msg::Done(d)) => self.on_done(worker, conn, d, now, fx),
@@ -185,10 +185,10 @@ impl Cluster {
                 save(entry, fx);
             }
         }
-        fx.push(Effect::Event(JobEvent {
+        fx.push(Effect::Event(Box::new(JobEvent {
             job: Some(entry.job.clone()),
             event: Some(v1::job_event::Event::Step(r)),
-        }));
+        })));
         if now - entry.saved_ms >= 1000 {
             entry.saved_ms = now;
             save(entry, fx);

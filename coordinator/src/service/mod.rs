@@ -351,7 +351,7 @@ impl Coordinator {
                         conns.remove(&worker);
                     }
                 }
-                Effect::Event(ev) => lock(&self.unpublished).push_back(ev),
+                Effect::Event(ev) => lock(&self.unpublished).push_back(*ev),
                 Effect::Reply(r) => reply = Some(r),
             }
         }
