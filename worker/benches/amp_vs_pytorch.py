@@ -47,12 +47,13 @@ sys.path.insert(0, str(HERE.parent / "tests" / "reference"))
 LR, MOMENTUM, WEIGHT_DECAY, MAX_NORM, CLASSES = 0.05, 0.9, 1e-4, 1.0, 10
 
 
-def job(model, b, k, steps, precision):
+def job(model, b, k, steps, precision, device="cpu", extra=""):
+    """The benchmark's job spec (`extra`: TOML tables appended)."""
     return f"""precision = "{precision}"
 name = "amp-bench"
 seed = 0
 max_steps = {steps}
-device = "cpu"
+device = "{device}"
 [model]
 kind = "{model}"
 num_classes = {CLASSES}
@@ -73,7 +74,7 @@ kind = "sgd"
 lr = {LR}
 momentum = {MOMENTUM}
 weight_decay = {WEIGHT_DECAY}
-"""
+{extra}"""
 
 
 def wait_rss(proc):

@@ -22,7 +22,8 @@ norm clipping at 1.0, fp32, one rank:
 Throughput: samples of the steps after --warmup over the time since the
 warm-up ended (accrue: when each step's JSON line is read). Needs a worker
 built with ACCRUE_CUDA=1 and a Python with CUDA torch; the worker finds
-libtorch through LD_LIBRARY_PATH, set here to that torch's lib folder.
+libtorch and libcudart through LD_LIBRARY_PATH, set here to that torch's
+lib folder and nvidia/cu13/lib.
 
   python worker/benches/graphs_vs_pytorch.py --binary gpu-bin/accrue-worker \\
       [--model resnet18] [--batch 128] [--k 4] [--steps 40] [--warmup 8] [--rounds 3]
@@ -40,40 +41,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "reference"))
 
-from amp_vs_pytorch import rate, run_spec  # noqa: E402
+from amp_vs_pytorch import (  # noqa: E402
+    CLASSES, LR, MAX_NORM, MOMENTUM, WEIGHT_DECAY, job as amp_job, rate, run_spec)
 
-LR, MOMENTUM, WEIGHT_DECAY, MAX_NORM, CLASSES = 0.05, 0.9, 1e-4, 1.0, 10
 SIDES = ["pytorch-eager", "pytorch-graphed", "accrue", "accrue-eager"]
 
 
 def job(model, b, k, steps, graphs):
-    return f"""name = "graphs-bench"
-seed = 0
-max_steps = {steps}
-device = "cuda"
-[model]
-kind = "{model}"
-num_classes = {CLASSES}
-[data]
-kind = "synthetic"
-samples = {b * k * steps}
-eval_samples = 0
-shape = [3, 32, 32]
-classes = {CLASSES}
-batch_size = {b}
-[accumulation]
-steps = {k}
-normalize = "mean"
-[clipping]
-max_norm = {MAX_NORM}
-[optimizer]
-kind = "sgd"
-lr = {LR}
-momentum = {MOMENTUM}
-weight_decay = {WEIGHT_DECAY}
-[performance]
-cuda_graphs = {"true" if graphs else "false"}
-"""
+    table = f"[performance]\ncuda_graphs = {'true' if graphs else 'false'}\n"
+    return amp_job(model, b, k, steps, "fp32", device="cuda", extra=table)
 
 
 def torch_child(cfg):
@@ -157,8 +133,9 @@ def main():
         return
     import torch
     env = dict(os.environ)
-    lib = str(Path(torch.__file__).parent / "lib")
-    env["LD_LIBRARY_PATH"] = lib + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+    torch_dir = Path(torch.__file__).parent
+    libs = [str(torch_dir / "lib"), str(torch_dir.parent / "nvidia" / "cu13" / "lib")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
     b, k = a.batch, a.k
     per_step = b * k
     results = {s: [] for s in SIDES}

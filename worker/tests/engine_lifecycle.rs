@@ -321,19 +321,8 @@ fn existing_checkpoints_are_not_overwritten_without_resume() {
 /// A data set whose sample 5 holds a NaN: the window containing it has a
 /// non-finite gradient norm.
 fn nan_data(dir: &Path) -> String {
-    let x = Tensor::randn([64, 6], (Kind::Float, tch::Device::Cpu));
-    let _ = x.get(5).get(0).fill_(f64::NAN);
-    let y = Tensor::arange(64, (Kind::Int64, tch::Device::Cpu)).remainder(4);
-    let path = dir.join("nan.safetensors");
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], &path).unwrap();
-    let job = mlp_job(64, 8, 2, "global_count", "");
-    job.replace(
-        "kind = \"synthetic\"\nsamples = 64\neval_samples = 0\nshape = [6]\nclasses = 4\n",
-        &format!(
-            "kind = \"tensors\"\nshuffle = false\npath = \"{}\"\n",
-            path.display()
-        ),
-    )
+    let path = poisoned_data(dir, "nan.safetensors", 5, 0, f64::NAN);
+    on_tensors(&mlp_job(64, 8, 2, "global_count", ""), &path, false)
 }
 
 #[test]

@@ -166,11 +166,7 @@ fn resnet18_body_equals_eager_with_batchnorm_buffers() {
 /// fp16 on `d`/big.safetensors (written here): 64 samples, one of them
 /// huge enough to overflow the fp16 backward, so a step is skipped.
 fn fp16_overflow_job(d: &std::path::Path) -> String {
-    let x = Tensor::randn([64, 6], (Kind::Float, Device::Cpu));
-    let _ = x.get(9).get(2).fill_(-1e6);
-    let y = Tensor::arange(64, (Kind::Int64, Device::Cpu)).remainder(4);
-    let data = d.join("big.safetensors");
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], &data).unwrap();
+    let data = poisoned_data(d, "big.safetensors", 9, 2, -1e6);
     let text = job(
         "mlp",
         "[6]",
@@ -178,16 +174,8 @@ fn fp16_overflow_job(d: &std::path::Path) -> String {
         2,
         "fp16",
         "[loss_scaling]\ninit_scale = 1024.0\ngrowth_interval = 3\n",
-    )
-    .replace(
-        "kind = \"synthetic\"\nsamples = 64\neval_samples = 0\nshape = [6]\nclasses = 4\n",
-        &format!(
-            "kind = \"tensors\"\nshuffle = true\npath = \"{}\"\n",
-            data.display()
-        ),
     );
-    assert!(text.contains("big.safetensors"));
-    text
+    on_tensors(&text, &data, true)
 }
 
 #[test]

@@ -27,31 +27,21 @@ fn trace(mut e: Engine<SingleRank>) -> Trace {
 }
 
 fn fp16_job(data: &Path) -> String {
-    "precision = \"fp16\"\n".to_string()
+    let text = "precision = \"fp16\"\n".to_string()
         + &mlp_job(
             64,
             4,
             2,
             "mean",
             "[loss_scaling]\ninit_scale = 1024.0\ngrowth_interval = 3\n",
-        )
-        .replace(
-            "kind = \"synthetic\"\nsamples = 64\neval_samples = 0\nshape = [6]\nclasses = 4\n",
-            &format!(
-                "kind = \"tensors\"\nshuffle = true\npath = \"{}\"\n",
-                data.display()
-            ),
-        )
+        );
+    on_tensors(&text, data, true)
 }
 
 #[test]
 fn a_resumed_fp16_run_continues_the_loss_scale_exactly() {
     let d = TempDir::new().unwrap();
-    let x = Tensor::randn([64, 6], (tch::Kind::Float, tch::Device::Cpu));
-    let _ = x.get(9).get(2).fill_(-1e6);
-    let y = Tensor::arange(64, (tch::Kind::Int64, tch::Device::Cpu)).remainder(4);
-    let data = d.path().join("big.safetensors");
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], &data).unwrap();
+    let data = poisoned_data(d.path(), "big.safetensors", 9, 2, -1e6);
     let text = fp16_job(&data);
     assert!(text.contains("big.safetensors"));
     let opts = |dir: &Path, stop: Option<u64>, resume: bool| RunOptions {

@@ -262,20 +262,8 @@ fn every_step_sync_under_stage_2_holds_a_slice_of_the_gradients_between_micro_st
 #[test]
 fn a_non_finite_gradient_on_one_rank_skips_on_every_rank() {
     let d = TempDir::new().unwrap();
-    let x = Tensor::randn([64, 6], (tch::Kind::Float, tch::Device::Cpu));
-    let _ = x.get(5).get(0).fill_(f64::NAN);
-    let y = Tensor::arange(64, (tch::Kind::Int64, tch::Device::Cpu)).remainder(4);
-    let path = d.path().join("nan.safetensors");
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], &path).unwrap();
-    let with_nan = |stage| {
-        job("global_count", SGD, stage).replace(
-            "kind = \"synthetic\"\nsamples = 64\neval_samples = 0\nshape = [6]\nclasses = 4\n",
-            &format!(
-                "kind = \"tensors\"\nshuffle = false\npath = \"{}\"\n",
-                path.display()
-            ),
-        )
-    };
+    let path = poisoned_data(d.path(), "nan.safetensors", 5, 0, f64::NAN);
+    let with_nan = |stage| on_tensors(&job("global_count", SGD, stage), &path, false);
     assert!(with_nan(1).contains("nan.safetensors"));
     let zero = run(&with_nan(0), 3, in_dir(d.path().join("a")));
     assert_eq!(zero[0].1, 2);
@@ -452,20 +440,16 @@ fn the_staged_path_of_cuda_equals_the_direct_path() {
 #[test]
 fn mixed_precision_under_stages_1_and_2_equals_stage_0() {
     let d = TempDir::new().unwrap();
-    let x = Tensor::randn([64, 6], (tch::Kind::Float, tch::Device::Cpu));
-    let _ = x.get(5).get(0).fill_(1e6);
-    let y = Tensor::arange(64, (tch::Kind::Int64, tch::Device::Cpu)).remainder(4);
-    let path = d.path().join("big.safetensors");
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], &path).unwrap();
-    let text =
-        |precision: &str, stage| {
-            format!("precision = \"{precision}\"\n")
-            + &job("mean", ADAM, stage).replace(
-                "kind = \"synthetic\"\nsamples = 64\neval_samples = 0\nshape = [6]\nclasses = 4\n",
-                &format!("kind = \"tensors\"\nshuffle = false\npath = \"{}\"\n", path.display()),
-            )
-            + if precision == "fp16" { "[loss_scaling]\ngrowth_interval = 2\n" } else { "" }
-        };
+    let path = poisoned_data(d.path(), "big.safetensors", 5, 0, 1e6);
+    let text = |precision: &str, stage| {
+        format!("precision = \"{precision}\"\n")
+            + &on_tensors(&job("mean", ADAM, stage), &path, false)
+            + if precision == "fp16" {
+                "[loss_scaling]\ngrowth_interval = 2\n"
+            } else {
+                ""
+            }
+    };
     assert!(text("fp16", 1).contains("big.safetensors"));
     for precision in ["bf16", "fp16"] {
         let zero = run(

@@ -109,10 +109,7 @@ pub enum Effect {
     /// Remove the job's record.
     Delete(String),
     /// Close connection `conn` of `worker` (the worker is gone or replaced).
-    Close {
-        worker: String,
-        conn: u64,
-    },
+    Close { worker: String, conn: u64 },
     /// A job event for watchers (boxed: a step report is large).
     Event(Box<JobEvent>),
     /// The answer to a Submit or Cancel.

@@ -187,3 +187,33 @@ pub fn on_ring<T: Send + 'static>(
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
+
+/// Writes 64 samples of 6 random features (labels 0..4 in turn) to
+/// `dir`/`name` with feature `col` of sample `row` set to `value` (a NaN
+/// for a non-finite gradient, 1e6 to overflow fp16); returns the path.
+pub fn poisoned_data(dir: &Path, name: &str, row: i64, col: i64, value: f64) -> PathBuf {
+    let x = Tensor::randn([64, 6], (tch::Kind::Float, tch::Device::Cpu));
+    let _ = x.get(row).get(col).fill_(value);
+    let y = Tensor::arange(64, (tch::Kind::Int64, tch::Device::Cpu)).remainder(4);
+    let path = dir.join(name);
+    Tensor::write_safetensors(&[("x", &x), ("y", &y)], &path).unwrap();
+    path
+}
+
+/// `text` with its [data] table of 64 synthetic samples of shape [6] and 4
+/// classes replaced by the `tensors` file `path`.
+pub fn on_tensors(text: &str, path: &Path, shuffle: bool) -> String {
+    let synthetic =
+        "kind = \"synthetic\"\nsamples = 64\neval_samples = 0\nshape = [6]\nclasses = 4\n";
+    assert!(
+        text.contains(synthetic),
+        "no 64-sample synthetic table in {text}"
+    );
+    text.replace(
+        synthetic,
+        &format!(
+            "kind = \"tensors\"\nshuffle = {shuffle}\npath = \"{}\"\n",
+            path.display()
+        ),
+    )
+}
