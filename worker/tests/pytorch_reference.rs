@@ -628,6 +628,22 @@ lr = {lr}
 /// steps). Tolerance: see docs/SEMANTICS.md (mixed precision).
 #[test]
 fn mixed_precision_equals_pytorch_autocast_and_grad_scaler() {
+    amp_equals_pytorch("cpu");
+}
+
+/// The same on the GPU (both sides on cuda:0, autocast("cuda"), W = 2
+/// sharing it; PyTorch's DDP on gloo with CUDA tensors). Skipped without
+/// CUDA; on the GPU machine it needs a worker built with ACCRUE_CUDA=1.
+#[test]
+fn mixed_precision_on_cuda_equals_pytorch_on_cuda() {
+    if !cuda_or_skip("mixed_precision_on_cuda_equals_pytorch_on_cuda") {
+        return;
+    }
+    amp_equals_pytorch("cuda");
+}
+
+/// accrue against amp_reference.py on `device` (cpu or cuda).
+fn amp_equals_pytorch(device: &str) {
     let (lr, momentum, weight_decay, max_norm) = (0.2, 0.9, 0.01, 0.5);
     // (tag, precision, k, data, growth_interval)
     let cases = [
@@ -650,7 +666,7 @@ fn mixed_precision_equals_pytorch_autocast_and_grad_scaler() {
         Tensor::write_safetensors(&[("x", &x), ("y", y)], d.join("overflow.safetensors")).unwrap();
         let cfg = serde_json::json!({
             "lr": lr, "momentum": momentum, "weight_decay": weight_decay,
-            "seed": 11, "batch": 4, "epochs": 2, "max_norm": max_norm,
+            "seed": 11, "batch": 4, "epochs": 2, "max_norm": max_norm, "device": device,
             "cases": cases.iter().map(|(tag, p, k, data, gi)| serde_json::json!({
                 "tag": tag, "precision": p, "k": k,
                 "data": format!("{data}.safetensors"),
@@ -682,7 +698,7 @@ fn mixed_precision_equals_pytorch_autocast_and_grad_scaler() {
                     + &tensors_mlp_job(
                         "amp",
                         d,
-                        "cpu",
+                        device,
                         2,
                         4,
                         &format!(
@@ -709,7 +725,7 @@ fn mixed_precision_equals_pytorch_autocast_and_grad_scaler() {
             .unwrap_or_else(|| panic!("torchrun did not finish:\n{}", tr.logs()));
         assert!(status.success(), "torchrun failed:\n{}", tr.logs());
         for (tag, model, steps) in runs {
-            let what = format!("W={world} {tag}");
+            let what = format!("{device} W={world} {tag}");
             let want = Tensor::read_safetensors(d.join(format!("amp-{tag}.safetensors"))).unwrap();
             let report: serde_json::Value = serde_json::from_str(
                 &std::fs::read_to_string(d.join(format!("amp-{tag}.json"))).unwrap(),

@@ -174,6 +174,32 @@ fn assert_sharded(
 /// stage 0 does, and under stage 2 a rank holds only its slice's window
 /// sums between micro-steps (each micro-step reduce-scatters into it and
 /// frees the buffer) where stages 0 and 1 hold the whole window sums.
+/// Issue 17 on the GPU (skipped without CUDA; needs a worker built with
+/// ACCRUE_CUDA=1): two ranks sharing cuda:0, the ring through the pinned
+/// host mirror, stages 1 and 2 end at stage 0's parameters with 1/W of its
+/// optimizer state, for SGD and Adam.
+#[test]
+fn stages_1_and_2_on_cuda_equal_stage_0() {
+    if !cuda_or_skip("stages_1_and_2_on_cuda_equal_stage_0") {
+        return;
+    }
+    let world = 2;
+    for (normalize, tables) in [("global_count", SGD), ("mean", ADAM)] {
+        let text = |stage| {
+            job(normalize, tables, stage).replace("device = \"cpu\"", "device = \"cuda:0\"")
+        };
+        assert!(text(0).contains("cuda:0"));
+        let d0 = TempDir::new().unwrap();
+        let zero = run(&text(0), world, in_dir(d0.path().into()));
+        for stage in [1, 2] {
+            let d1 = TempDir::new().unwrap();
+            let one = run(&text(stage), world, in_dir(d1.path().into()));
+            let what = format!("cuda W={world} stage {stage} {normalize}");
+            assert_sharded(&zero, &one, d0.path(), d1.path(), world, &what);
+        }
+    }
+}
+
 #[test]
 fn every_step_sync_under_stage_2_holds_a_slice_of_the_gradients_between_micro_steps() {
     let world = 3;

@@ -1,4 +1,4 @@
-"""PyTorch's own mixed-precision loop on the CPU: the independent reference
+"""PyTorch's own mixed-precision loop: the independent reference
 for accrue's `precision = "bf16" | "fp16"` (issue 18). Started by torchrun,
 one process per rank (W = 1 too):
 
@@ -6,12 +6,12 @@ one process per rank (W = 1 too):
       --master-addr 127.0.0.1 --master-port PORT amp_reference.py DIR CONFIG_JSON
 
 CONFIG_JSON: the shared settings (lr, momentum, weight_decay, seed, batch,
-epochs, max_norm) and "cases", a list of {tag, precision, k, data,
+epochs, max_norm, device: "cpu" (the default) or "cuda") and "cases", a list of {tag, precision, k, data,
 init_scale, growth_interval}. For each case every rank trains
 torch_reference.mlp() from DIR/init.safetensors on DIR/<data> as a user of
 torch.autocast and GradScaler writes it: DDP on gloo with no_sync for the
 first k - 1 micro-batches of a window, the forward and the loss under
-`torch.autocast("cpu", dtype)`, `scaler.scale(loss / k).backward()`; at
+`torch.autocast(device, dtype)`, `scaler.scale(loss / k).backward()`; at
 the window's end `scaler.unscale_(opt)`, clip_grad_norm_,
 `scaler.step(opt)`, `scaler.update()` (the scaler disabled for bf16, as
 one uses it) and zero_grad. Rank r writes its log to
@@ -48,14 +48,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def train(d, cfg, case, world):
+    dev = cfg.get("device", "cpu")
     data = load_file(os.path.join(d, case["data"]))
     model = mlp()
     model.load_state_dict(load_file(f"{d}/init.safetensors"))
+    model.to(dev)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
                           weight_decay=cfg["weight_decay"])
     fp16 = case["precision"] == "fp16"
-    scaler = torch.amp.GradScaler("cpu", init_scale=case.get("init_scale", 65536.0),
+    scaler = torch.amp.GradScaler(dev, init_scale=case.get("init_scale", 65536.0),
                                   growth_interval=case.get("growth_interval", 2000), enabled=fp16)
     dataset = TensorDataset(data["x"], data["y"])
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg["seed"])
@@ -65,9 +67,10 @@ def train(d, cfg, case, world):
     for epoch in range(cfg["epochs"]):
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
+            x, y = x.to(dev), y.to(dev)
             sync = (i + 1) % k == 0 or i + 1 == len(loader)
             with contextlib.nullcontext() if sync else ddp.no_sync():
-                with torch.autocast("cpu", dtype=DTYPES[case["precision"]]):
+                with torch.autocast(dev, dtype=DTYPES[case["precision"]]):
                     loss = torch.nn.functional.cross_entropy(ddp(x), y)
                 scaler.scale(loss / k).backward()
             if sync:
@@ -82,7 +85,7 @@ def train(d, cfg, case, world):
                 # JSON has no NaN or infinity: a non-finite norm is null.
                 steps.append({"scale": scale, "skipped": skipped, "norm": n if math.isfinite(n) else None})
     if rank == 0:
-        state = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+        state = {n: t.detach().cpu().contiguous() for n, t in model.state_dict().items()}
         save_file(state, os.path.join(d, f"amp-{case['tag']}.safetensors"))
         with open(os.path.join(d, f"amp-{case['tag']}.json"), "w") as f:
             json.dump({"world": world, "steps": steps}, f)
