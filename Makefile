@@ -95,18 +95,26 @@ bench-allreduce: setup
 	$(CARGO) build --release -p accrue-worker
 	.venv/bin/python worker/benches/allreduce_vs_gloo.py --bench target/release/allreduce-bench --worlds 2,3 --iters 20
 
-# CUDA graphs (issue 19), run ON the GPU machine, which has no Rust and
-# no network: build here with `make gpu-worker`, carry gpu-bin/ (ignored
-# by git: name it in the device tool's `carry`), then there
-# `make bench-gpu` (its Python has CUDA torch; nothing is installed).
+# The CUDA checks (issues 17, 18, 19), run ON the GPU machine, which has no
+# Rust and no network: `make gpu-worker` here builds the worker and the
+# CUDA test binaries with ACCRUE_CUDA=1 (reference tests pointed at the GPU
+# machine's Python) into gpu-bin/ (ignored by git: name it in the device
+# tool's `carry`); there `scripts/gpu-checks.sh` runs them and then
+# `make bench-gpu` (docs/OPERATIONS.md, "The CUDA checks").
 # The graph shim's CUDA headers: the wheel's nvidia/cu13/include lacks
 # crt/ and nv/, which these two (the same CUDA 13.0) add.
 GPU_PYTHON ?= /opt/torch/.venv/bin/python
 CUDA_HEADERS := nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
+CUDA_TARGET ?= target/cuda
+GPU_TESTS := graphs sharding pytorch_reference distributed
 gpu-worker: setup
 	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps $(CUDA_HEADERS)
-	ACCRUE_CUDA=1 $(CARGO) build --release -p accrue-worker --target-dir target/cuda
-	mkdir -p gpu-bin && cp target/cuda/release/accrue-worker gpu-bin/
+	ACCRUE_CUDA=1 ACCRUE_PYTHON=$(GPU_PYTHON) $(CARGO) build --release -p accrue-worker --target-dir $(CUDA_TARGET)
+	ACCRUE_CUDA=1 ACCRUE_PYTHON=$(GPU_PYTHON) $(CARGO) test --release -p accrue-worker --target-dir $(CUDA_TARGET) $(addprefix --test ,$(GPU_TESTS)) --no-run
+	rm -rf gpu-bin && mkdir -p gpu-bin
+	cp $(CUDA_TARGET)/release/accrue-worker gpu-bin/
+	for t in $(GPU_TESTS); do cp $$(ls -t $(CUDA_TARGET)/release/deps/$$t-* | grep -v '\.d$$' | head -n1) gpu-bin/$$t; done
+	echo "$(CURDIR) $(abspath $(CUDA_TARGET))" > gpu-bin/BUILT-AT
 
 bench-gpu:
 	$(GPU_PYTHON) worker/benches/graphs_vs_pytorch.py --binary gpu-bin/accrue-worker $(BENCH_ARGS)
