@@ -30,12 +30,17 @@ BROWSER_STAMP := tests/browser/node_modules/.installed-$(shell cat tests/browser
 browser: $(BROWSER_STAMP)
 
 $(BROWSER_STAMP): tests/browser/package.json tests/browser/package-lock.json
-	@if ! command -v chromium >/dev/null || ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
-	  echo "installing chromium, nodejs and npm (Debian packages)"; \
+	@# Only what is missing: a machine with NodeSource's nodejs (which
+	@# carries npm and conflicts with Debian's npm) gets chromium alone.
+	@missing=""; \
+	command -v chromium >/dev/null || missing="chromium"; \
+	{ command -v node >/dev/null && command -v npm >/dev/null; } || missing="$$missing nodejs npm"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (Debian packages)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get install -y chromium nodejs npm >/dev/null || \
-	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y chromium nodejs npm >/dev/null; } || \
-	  { echo "cannot install chromium, nodejs and npm; install them and retry"; exit 1; }; \
+	  $$SUDO apt-get install -y $$missing >/dev/null || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y $$missing >/dev/null; } || \
+	  { echo "cannot install$$missing; install them and retry"; exit 1; }; \
 	fi
 	cd tests/browser && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error
 	touch $@

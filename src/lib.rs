@@ -471,6 +471,8 @@ pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
                 "loss_scale": r.loss_scale,
                 "graph_replays": r.graph_replays,
                 "eager_reason": r.eager_reason,
+                "sync_graph_replayed": r.sync_graph_replayed,
+                "sync_eager_reason": r.sync_eager_reason,
             })
         }
         job_event::Event::Transition(t) => json!({

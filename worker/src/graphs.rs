@@ -12,6 +12,10 @@
 //! `torch.cuda.graphs` does on a side stream), is captured once, then
 //! replayed. Anything the graph cannot hold runs the ordinary eager
 //! micro-step, with the reason in the log and in the step report.
+//!
+//! The sync step's work after the all-reduce is a second graph
+//! (engine/sync_graph.rs) with its own [`Phase`], decided by
+//! [`decide_unless`] with [`sync_blocker`].
 
 use std::fmt;
 
@@ -46,6 +50,13 @@ pub enum EagerReason {
     /// The capture failed (a model that synchronizes with the host, say):
     /// the job runs eagerly from then on.
     CaptureFailed(String),
+    /// The sync step: ZeRO stage 1 steps this rank's slice between a
+    /// reduce-scatter and an all-gather (engine/zero.rs).
+    ShardedStep,
+    /// The sync step: the optimizer makes its state in its first step
+    /// (SGD's momentum buffer is a copy of the first gradient), which a
+    /// graph cannot keep.
+    NoOptimizerState,
 }
 
 impl fmt::Display for EagerReason {
@@ -63,6 +74,13 @@ impl fmt::Display for EagerReason {
                 "a micro-batch of {got} samples (the graph holds {captured})"
             ),
             Self::CaptureFailed(e) => write!(f, "the capture failed: {e}"),
+            Self::ShardedStep => write!(
+                f,
+                "sharding stage 1 steps a slice between a reduce-scatter and an all-gather"
+            ),
+            Self::NoOptimizerState => {
+                write!(f, "the optimizer makes its state in its first step")
+            }
         }
     }
 }
@@ -119,22 +137,42 @@ pub enum Action {
 /// The action for a micro-batch of `batch` samples when the graph holds
 /// `full` (the spec's batch size).
 pub fn decide(mode: &Mode, phase: &Phase, batch: usize, full: usize) -> Action {
-    let warmup = match mode {
-        Mode::Off(reason) => return Action::Eager(reason.clone()),
-        _ if batch != full => {
-            return Action::Eager(EagerReason::BatchSize {
-                got: batch,
-                captured: full,
-            })
-        }
-        Mode::BodyOnly => return Action::Body,
-        Mode::Capture { warmup } => *warmup,
+    let blocked = (batch != full).then_some(EagerReason::BatchSize {
+        got: batch,
+        captured: full,
+    });
+    decide_unless(mode, phase, blocked)
+}
+
+/// The action for work a graph holds unless `blocked` says why this time
+/// it cannot (the micro-step: [`decide`]; the sync step: [`sync_blocker`]).
+pub fn decide_unless(mode: &Mode, phase: &Phase, blocked: Option<EagerReason>) -> Action {
+    let warmup = match (mode, blocked) {
+        (Mode::Off(reason), _) => return Action::Eager(reason.clone()),
+        (_, Some(reason)) => return Action::Eager(reason),
+        (Mode::BodyOnly, None) => return Action::Body,
+        (Mode::Capture { warmup }, None) => *warmup,
     };
     match phase {
         Phase::Failed(e) => Action::Eager(EagerReason::CaptureFailed(e.clone())),
         Phase::Captured => Action::Replay,
         Phase::Warming(done) if *done < warmup => Action::Body,
         Phase::Warming(_) => Action::Capture,
+    }
+}
+
+/// Why this sync step cannot be its graph's body (None: it can). The sync
+/// graph holds the work after the all-reduce (normalize, norm, clip,
+/// optimizer, zeroing) on the flat gradient buffer: under sharding
+/// `stage` >= 1 the step is a slice's, and an optimizer without its state
+/// (`optimizer_state`) makes it in this step.
+pub fn sync_blocker(stage: u32, optimizer_state: bool) -> Option<EagerReason> {
+    if stage >= 1 {
+        Some(EagerReason::ShardedStep)
+    } else if !optimizer_state {
+        Some(EagerReason::NoOptimizerState)
+    } else {
+        None
     }
 }
 
@@ -218,6 +256,37 @@ mod tests {
             Action::Eager(EagerReason::CaptureFailed("operation not permitted".into()))
         );
         assert!(next_reason_text(&next).contains("operation not permitted"));
+    }
+
+    #[test]
+    fn the_sync_step_waits_for_optimizer_state_and_never_runs_sharded() {
+        let m = Mode::Capture { warmup: 1 };
+        let mut p = Phase::default();
+        let mut seen = Vec::new();
+        // The first step makes the state; stage 1 never captures.
+        for (stage, state) in [(0, false), (0, true), (0, true), (1, true), (0, true)] {
+            let a = decide_unless(&m, &p, sync_blocker(stage, state));
+            p = p.after(&a, None);
+            seen.push(a);
+        }
+        assert_eq!(
+            seen,
+            vec![
+                Action::Eager(EagerReason::NoOptimizerState),
+                Action::Body,
+                Action::Capture,
+                Action::Eager(EagerReason::ShardedStep),
+                Action::Replay,
+            ]
+        );
+        assert_eq!(
+            decide_unless(&Mode::BodyOnly, &Phase::default(), sync_blocker(0, true)),
+            Action::Body
+        );
+        assert_eq!(
+            decide_unless(&Mode::Off(EagerReason::NotCuda), &p, None),
+            Action::Eager(EagerReason::NotCuda)
+        );
     }
 
     fn next_reason_text(a: &Action) -> String {

@@ -2,6 +2,10 @@
 //! as PyTorch's single-tensor (for-loop) implementations so the numbers match,
 //! with state that checkpoints can save by parameter name.
 
+mod masked;
+
+pub use masked::MaskedCoefs;
+
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::fused::{self, GradPrep};
 use crate::spec::{OptimizerKind, OptimizerSpec};

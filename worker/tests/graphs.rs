@@ -21,10 +21,12 @@ use tch::{Device, Kind, Tensor};
 use tempfile::TempDir;
 
 /// One rank's end: model state (parameters and buffers), and per step
-/// (graph replays, eager reason, loss scale, skipped, loss, grad norm).
+/// (graph replays, eager reason, loss scale, skipped, loss, grad norm),
+/// (sync graph replayed, sync eager reason).
 type End = (
     Vec<(String, Tensor)>,
     Vec<(u64, String, f64, bool, f64, f64)>,
+    Vec<(bool, String)>,
 );
 
 /// Runs `text` on `world` ranks (threads over a loopback ring).
@@ -35,12 +37,16 @@ fn run(text: &str, world: usize, body_only: bool) -> Vec<End> {
         let opts = RunOptions {
             checkpoint_dir: Some(dir.path().to_path_buf()),
             graph_body_only: body_only,
+            // CUDA's eager step (tensor ops), not the fused CPU pass.
+            unfused_step: true,
             ..Default::default()
         };
         let mut e = Engine::new(spec(&text), ring, opts).unwrap_or_else(|e| panic!("{e}"));
         let mut steps = Vec::new();
+        let mut syncs = Vec::new();
         e.run(|ev| {
             if let Event::Step(r) = ev {
+                syncs.push((r.sync_graph_replayed, r.sync_eager_reason.clone()));
                 steps.push((
                     r.graph_replays,
                     r.eager_reason.clone(),
@@ -57,7 +63,7 @@ fn run(text: &str, world: usize, body_only: bool) -> Vec<End> {
             .state()
             .map(|(n, t)| (n.clone(), t.detach().to_device(Device::Cpu).copy()))
             .collect();
-        (state, steps)
+        (state, steps, syncs)
     })
 }
 
@@ -112,11 +118,34 @@ momentum = 0.9
     )
 }
 
-/// The body equals the eager micro-step; reasons say which ran eagerly.
+/// The bodies (micro-step and sync step) equal the eager steps; reasons
+/// say which ran eagerly.
 fn body_equals_eager(text: &str, world: usize, short: Option<usize>) {
     let eager = run(text, world, false);
     let body = run(text, world, true);
-    for (rank, ((es, esteps), (bs, bsteps))) in eager.iter().zip(&body).enumerate() {
+    for (rank, ((es, esteps, esyncs), (bs, bsteps, bsyncs))) in eager.iter().zip(&body).enumerate()
+    {
+        // The eager run's sync steps all eager; the body run's from its
+        // first step that made the optimizer's state on.
+        assert!(esyncs
+            .iter()
+            .all(|s| *s == (false, "the device is the CPU".to_string())));
+        let made = bsteps
+            .iter()
+            .position(|s| !s.3)
+            .expect("a step that was not skipped");
+        for (i, s) in bsyncs.iter().enumerate() {
+            let want = if i <= made {
+                "the optimizer makes its state in its first step"
+            } else {
+                ""
+            };
+            assert_eq!(
+                s,
+                &(false, want.to_string()),
+                "rank {rank} step {i}: {bsyncs:?}"
+            );
+        }
         assert_same(bs, es, &format!("rank {rank}"));
         assert_eq!(esteps.len(), bsteps.len());
         for (e, b) in esteps.iter().zip(bsteps) {
@@ -191,6 +220,85 @@ fn fp16_body_equals_eager_through_an_overflow() {
     body_equals_eager(&text, 2, None);
 }
 
+/// `job`'s text with another clipping table, optimizer table and
+/// normalization.
+fn variant(text: &str, clipping: &str, optimizer: &str, normalize: &str) -> String {
+    let swap = |t: String, from: &str, to: &str| {
+        assert!(t.contains(from), "{from} not in {t}");
+        t.replace(from, to)
+    };
+    let t = swap(text.to_string(), "max_norm = 0.5\n", clipping);
+    let t = swap(t, "kind = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n", optimizer);
+    swap(
+        t,
+        "normalize = \"mean\"",
+        &format!("normalize = \"{normalize}\""),
+    )
+}
+
+/// The sync body's numbers for every optimizer and clip: Adam (L2 decay)
+/// and AdamW, whose bias corrections change every step; SGD with
+/// dampening and decay under clip_value; nesterov without a clip and
+/// global_count normalization.
+fn sync_variants() -> Vec<String> {
+    let base = job("mlp", "[6]", 64, 2, "fp32", "");
+    vec![
+        variant(
+            &base,
+            "max_norm = 0.3\nnorm_type = inf\n",
+            "kind = \"adam\"\nlr = 0.01\nweight_decay = 0.05\n",
+            "mean",
+        ),
+        variant(
+            &base,
+            "max_norm = 0.5\n",
+            "kind = \"adamw\"\nlr = 0.01\nweight_decay = 0.1\n",
+            "global_count",
+        ),
+        variant(
+            &base,
+            "clip_value = 0.01\n",
+            "kind = \"sgd\"\nlr = 0.05\nmomentum = 0.8\ndampening = 0.25\nweight_decay = 0.01\n",
+            "sum",
+        ),
+        variant(
+            &base,
+            "",
+            "kind = \"sgd\"\nlr = 0.05\nmomentum = 0.9\nnesterov = true\n",
+            "global_count",
+        ),
+    ]
+}
+
+#[test]
+fn sync_body_equals_eager_for_adam_adamw_sgd_and_every_clip() {
+    for text in sync_variants() {
+        body_equals_eager(&text, 2, None);
+    }
+}
+
+#[test]
+fn a_nonfinite_step_in_the_sync_body_skips_as_eager_does() {
+    // fp32, a NaN sample, on_nonfinite = "skip": Adam's state and the
+    // parameters must come through the skipped step untouched.
+    let d = TempDir::new().unwrap();
+    let data = poisoned_data(d.path(), "nan.safetensors", 40, 1, f64::NAN);
+    let text = variant(
+        &job("mlp", "[6]", 64, 2, "fp32", ""),
+        "max_norm = 0.5\non_nonfinite = \"skip\"\n",
+        "kind = \"adam\"\nlr = 0.01\n",
+        "mean",
+    );
+    let text = on_tensors(&text, &data, false);
+    let eager = run(&text, 1, false);
+    assert!(
+        eager[0].1.iter().skip(1).any(|s| s.3),
+        "the NaN must skip a step after the first: {:?}",
+        eager[0].1
+    );
+    body_equals_eager(&text, 1, None);
+}
+
 /// On the GPU: the graphed job and the same job with `cuda_graphs =
 /// false` end at the same parameters, and the graph replayed.
 fn graphed_equals_eager_on_cuda(text: &str, world: usize, tol: f64) {
@@ -201,13 +309,17 @@ fn graphed_equals_eager_on_cuda(text: &str, world: usize, tol: f64) {
         world,
         false,
     );
-    for (rank, ((gs, gsteps), (es, _))) in graphed.iter().zip(&eager).enumerate() {
+    for (rank, ((gs, gsteps, gsyncs), (es, _, _))) in graphed.iter().zip(&eager).enumerate() {
         let d = max_rel_diff(gs, es);
         eprintln!("rank {rank}: graphed vs eager max relative difference {d:e}");
         assert!(d <= tol, "rank {rank}: {d:e} > {tol:e}");
         assert!(
             gsteps.iter().any(|s| s.0 > 0),
             "rank {rank}: no micro-step replayed a graph (a build without ACCRUE_CUDA=1?): {gsteps:?}"
+        );
+        assert!(
+            gsyncs.iter().any(|s| s.0),
+            "rank {rank}: no sync step replayed its graph: {gsyncs:?}"
         );
     }
 }

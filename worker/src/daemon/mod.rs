@@ -162,6 +162,8 @@ fn step_msg(job: &str, generation: u64, rank: u32, r: &StepReport) -> WorkerMess
         loss_scale: r.loss_scale,
         graph_replays: r.graph_replays,
         eager_reason: r.eager_reason.clone(),
+        sync_graph_replayed: r.sync_graph_replayed,
+        sync_eager_reason: r.sync_eager_reason.clone(),
     }))
 }
 

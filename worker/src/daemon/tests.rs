@@ -101,6 +101,8 @@ fn step(n: u64) -> WorkerMessage {
             loss_scale: 0.0,
             graph_replays: 0,
             eager_reason: String::new(),
+            sync_graph_replayed: false,
+            sync_eager_reason: String::new(),
         },
     )
 }

@@ -18,6 +18,7 @@ mod flat;
 mod graph;
 mod plan;
 mod state_sync;
+mod sync_graph;
 mod window;
 mod zero;
 
@@ -65,6 +66,10 @@ pub struct RunOptions {
     /// cache) without capturing, on any device: tests check it against the
     /// eager micro-step without a GPU.
     pub graph_body_only: bool,
+    /// Step the optimizer with tensor ops on the CPU too, never the fused
+    /// CPU pass, as on CUDA (tests compare the sync graph's body with the
+    /// eager step CUDA runs).
+    pub unfused_step: bool,
     /// Sleep this long after every micro-step (fault-injection tests and
     /// demos: it makes a small job last long enough to kill a rank in the
     /// middle of a window).
@@ -161,6 +166,11 @@ pub struct StepReport {
     /// Why the window's micro-steps (the last that did) ran eagerly ("":
     /// none did).
     pub eager_reason: String,
+    /// The sync step's work after the reduction replayed its CUDA graph.
+    pub sync_graph_replayed: bool,
+    /// Why the sync step ran eagerly ("": on the device, as a graph or
+    /// its body).
+    pub sync_eager_reason: String,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -203,6 +213,8 @@ pub struct Engine<C: Collective> {
     epoch_indices: Option<window::EpochIndices>,
     /// The micro-step's CUDA graph and the window's loss accumulator.
     graph: graph::MicroGraph,
+    /// The sync step's CUDA graph.
+    sync_graph: sync_graph::SyncGraph,
     window: Window,
     /// sync = every_step: the reduced gradients of the window so far.
     acc: Option<Vec<Tensor>>,
@@ -402,6 +414,7 @@ impl<C: Collective> Engine<C> {
             state,
             epoch_indices: None,
             graph,
+            sync_graph: sync_graph::SyncGraph::default(),
             window: Window::default(),
             acc: None,
             zero_acc: None,
@@ -444,6 +457,7 @@ impl<C: Collective> Engine<C> {
     pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
         self.discard_window()?;
         self.graph.reset();
+        self.sync_graph.reset();
         self.collective = collective;
         let world = self.collective.world_size();
         if let Some(k) = accumulation_steps {

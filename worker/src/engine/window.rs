@@ -32,6 +32,10 @@ pub(super) struct Window {
     pub(super) graph_replays: u64,
     /// Why the window's last eager micro-step ran eagerly.
     pub(super) eager_reason: Option<String>,
+    /// The sync step replayed its CUDA graph (engine/sync_graph.rs).
+    pub(super) sync_replayed: bool,
+    /// Why the sync step ran eagerly (None: on the device).
+    pub(super) sync_eager_reason: Option<String>,
 }
 
 /// This rank's sample indices of one epoch: on the host (the sample log)
@@ -291,17 +295,23 @@ impl<C: Collective> Engine<C> {
             Normalize::Sum => world,
         } / unscale;
         let norm_type = self.spec.norm_type();
-        let norm = if self.sharded() {
-            self.zero_norm(norm_type)?
-        } else {
-            self.grads
-                .norm(norm_type)?
-                .f_double_value(&[])
-                .ctx("reading the gradient norm")?
-        };
-        let grad_norm = norm / divisor;
         let step = self.state.step;
         let lr = self.schedule.lr_at(step);
+        // On the device (the sync graph, engine/sync_graph.rs): everything
+        // up to the zeroed gradients is done and only the norm comes back.
+        let t_device = Instant::now();
+        let on_device = self.sync_on_device(divisor, lr)?;
+        let device_s = t_device.elapsed();
+        let norm = match on_device {
+            Some(norm) => norm,
+            None if self.sharded() => self.zero_norm(norm_type)?,
+            None => self
+                .grads
+                .norm(norm_type)?
+                .f_double_value(&[])
+                .ctx("reading the gradient norm")?,
+        };
+        let grad_norm = norm / divisor;
         let mut clip_coef = 1.0;
         let skipped = !grad_norm.is_finite();
         // What the gradients go through before the optimizer: 1/divisor and
@@ -347,32 +357,43 @@ impl<C: Collective> Engine<C> {
         // parameter that also applies `prep` and zeroes the gradient
         // (crate::fused); otherwise the same as tensor ops, pass by pass.
         let t_opt = Instant::now();
-        let fused = match prep {
-            // Under sharding: this rank's slice only (engine/zero.rs).
-            Some(prep) if self.sharded() => {
-                self.zero_step(prep, lr)?;
-                self.clear_grads()?;
-                true
-            }
-            Some(prep) => match self.grads.cpu_mut() {
-                Some(g) => self.optimizer.step_fused(&self.model.params, g, lr, prep)?,
-                None => false,
-            },
-            None => false,
-        };
-        if fused {
-            self.grads.zero_extra()?;
+        if on_device.is_some() {
+            // The device did it all: count the step it took.
+            self.optimizer.steps += u64::from(prep.is_some());
+            clip_s = Duration::ZERO;
         } else {
-            if let Some(prep) = prep {
-                let t = Instant::now();
-                self.grads.prepare(prep)?;
-                prep_s = t.elapsed();
-                clip_s += prep_s;
-                self.optimizer.step(&self.model.params, lr)?;
+            let fused = match prep {
+                // Under sharding: this rank's slice only (engine/zero.rs).
+                Some(prep) if self.sharded() => {
+                    self.zero_step(prep, lr)?;
+                    self.clear_grads()?;
+                    true
+                }
+                Some(prep) => match self.grads.cpu_mut() {
+                    Some(g) if !self.opts.unfused_step => {
+                        self.optimizer.step_fused(&self.model.params, g, lr, prep)?
+                    }
+                    _ => false,
+                },
+                None => false,
+            };
+            if fused {
+                self.grads.zero_extra()?;
+            } else {
+                if let Some(prep) = prep {
+                    let t = Instant::now();
+                    self.grads.prepare(prep)?;
+                    prep_s = t.elapsed();
+                    clip_s += prep_s;
+                    self.optimizer.step(&self.model.params, lr)?;
+                }
+                self.clear_grads()?;
             }
-            self.clear_grads()?;
         }
-        let optimizer_s = t_opt.elapsed().saturating_sub(prep_s);
+        let optimizer_s = match on_device {
+            Some(_) => device_s,
+            None => t_opt.elapsed().saturating_sub(prep_s),
+        };
         // 5. commit.
         self.has_state = true;
         let s = &mut self.state;
@@ -423,6 +444,8 @@ impl<C: Collective> Engine<C> {
             loss_scale: scaler.map_or(0.0, |ls| f64::from(ls.scale)),
             graph_replays: window.graph_replays,
             eager_reason: window.eager_reason.unwrap_or_default(),
+            sync_graph_replayed: window.sync_replayed,
+            sync_eager_reason: window.sync_eager_reason.unwrap_or_default(),
         })
     }
 

@@ -1,0 +1,307 @@
+//! The sync step as a CUDA graph (issue 19): the work after the
+//! all-reduce (normalize, the norm, the clip, the optimizer, zeroing the
+//! gradients) captured once and replayed, so a step is one graph launch
+//! after the reduction. Decisions are in crate::graphs.
+//!
+//! A graph cannot read the norm back to decide on the host whether to
+//! step, so the whole decision is on the device: the norm of the
+//! normalized gradients, its finiteness, the clip coefficient (in float64,
+//! as the eager path computes it on the host), the multiplier applied to
+//! the gradients; a non-finite step zeroes the gradients and turns every
+//! optimizer number into its neutral value, which leaves the parameters and
+//! the state as they were ([`crate::optim::MaskedCoefs`]). After the run
+//! the host reads two numbers, once: the norm and whether it was finite.
+//! From them it reports, counts the optimizer step, applies
+//! `on_nonfinite` and fp16's scale update exactly as on the eager path.
+//!
+//! The per-step inputs (the divisor, which carries fp16's unscaling, and
+//! the optimizer's numbers: the learning rate of the schedule, Adam's bias
+//! corrections) are device tensors the host fills before each run.
+
+use super::Engine;
+use crate::collective::Collective;
+use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::graphs::{self, Action, EagerReason, Phase};
+use tch::{Kind, Tensor};
+
+/// The sync step's graph and its static tensors.
+#[derive(Default)]
+pub(super) struct SyncGraph {
+    phase: Phase,
+    /// [divisor, max_norm] (float64 on the device).
+    inputs: Option<Tensor>,
+    /// The optimizer's numbers of this step (row 0) and their neutral
+    /// values (row 1), float32 on the device.
+    coefs: Option<Tensor>,
+    /// What the host reads after a run: [norm of the summed gradients,
+    /// 1 if the normalized norm is finite] (float64 on the device).
+    out: Option<Tensor>,
+    /// The reason last written to the log.
+    logged: Option<EagerReason>,
+    #[cfg(accrue_cuda)]
+    graph: Option<crate::cuda_graph::Graph>,
+}
+
+impl SyncGraph {
+    /// Forgets the captured graph (a re-formed ring, reloaded state).
+    pub(super) fn reset(&mut self) {
+        if self.phase == Phase::Captured {
+            self.phase = Phase::default();
+        }
+        #[cfg(accrue_cuda)]
+        {
+            self.graph = None;
+        }
+    }
+}
+
+impl<C: Collective> Engine<C> {
+    /// The sync step's work after the reduction, on the device, as
+    /// [`graphs::decide_unless`] says: Some(norm of the summed gradients)
+    /// when it ran there (stepped, or left everything as it was if the
+    /// norm is not finite; the gradients zeroed either way), None when the
+    /// caller runs the eager path (the reason is in the window's report).
+    pub(super) fn sync_on_device(&mut self, divisor: f64, lr: f64) -> Result<Option<f64>> {
+        let blocked = graphs::sync_blocker(self.spec.sharding.stage, self.optimizer.has_state());
+        let action = graphs::decide_unless(self.graph.mode(), &self.sync_graph.phase, blocked);
+        let mut failure = None;
+        let ran = match &action {
+            Action::Eager(reason) => {
+                self.eager_sync(reason);
+                false
+            }
+            Action::Body => {
+                self.fill_sync(divisor, lr)?;
+                self.warm_up_sync()?;
+                true
+            }
+            Action::Capture => {
+                self.fill_sync(divisor, lr)?;
+                match self.capture_sync() {
+                    Ok(()) => {
+                        tracing::info!("the sync step is captured as a CUDA graph");
+                        self.replay_sync()?;
+                        true
+                    }
+                    Err(e) => {
+                        // Nothing ran during the capture: the eager path
+                        // runs this step, and the job's next ones.
+                        self.eager_sync(&EagerReason::CaptureFailed(e.to_string()));
+                        failure = Some(e.to_string());
+                        false
+                    }
+                }
+            }
+            Action::Replay => {
+                self.fill_sync(divisor, lr)?;
+                self.replay_sync()?;
+                true
+            }
+        };
+        self.sync_graph.phase = self.sync_graph.phase.after(&action, failure);
+        if !ran {
+            return Ok(None);
+        }
+        let out = match &self.sync_graph.out {
+            Some(o) => o
+                .f_to_device(tch::Device::Cpu)
+                .ctx("reading the sync step's result")?,
+            None => return Err(not_allocated("the sync step's result")),
+        };
+        let mut read = [0f64; 2];
+        out.f_copy_data(&mut read, 2)
+            .ctx("reading the sync step's result")?;
+        let [norm, finite] = read;
+        // The host's test of norm / divisor is the device's, in the same
+        // float64 arithmetic.
+        if (finite > 0.5) != (norm / divisor).is_finite() {
+            return Err(Error::Graph {
+                what: "the sync step's result",
+                reason: format!(
+                    "the device found norm {norm} finite = {finite}, the host disagrees"
+                ),
+            });
+        }
+        Ok(Some(norm))
+    }
+
+    /// Records why this sync step runs eagerly (logged on a change).
+    fn eager_sync(&mut self, reason: &EagerReason) {
+        if self.sync_graph.logged.as_ref() != Some(reason) {
+            tracing::info!(reason = %reason, "sync steps run eagerly");
+            self.sync_graph.logged = Some(reason.clone());
+        }
+        self.window.sync_eager_reason = Some(reason.to_string());
+    }
+
+    /// Fills the run's inputs: the divisor, max_norm and the optimizer's
+    /// numbers for this step (allocated the first time, before any
+    /// capture, so the graph reads tensors that outlive it).
+    fn fill_sync(&mut self, divisor: f64, lr: f64) -> Result<()> {
+        let device = self.device;
+        let g = &mut self.sync_graph;
+        let inputs = match &mut g.inputs {
+            Some(t) => t,
+            slot => slot.insert(
+                Tensor::f_zeros([2], (Kind::Double, device)).ctx("allocating the sync inputs")?,
+            ),
+        };
+        let max_norm = self.spec.clipping.max_norm.unwrap_or(0.0);
+        for (i, v) in [divisor, max_norm].into_iter().enumerate() {
+            fill(inputs, &[i as i64], v)?;
+        }
+        let c = self.optimizer.masked_coefs(lr);
+        let n = c.values.len() as i64;
+        let coefs = match &mut g.coefs {
+            Some(t) if t.size() == [2, n] => t,
+            slot => slot.insert(
+                Tensor::f_zeros([2, n], (Kind::Float, device))
+                    .ctx("allocating the optimizer's numbers")?,
+            ),
+        };
+        for (row, vs) in [c.values, c.neutral].into_iter().enumerate() {
+            for (i, v) in vs.into_iter().enumerate() {
+                fill(coefs, &[row as i64, i as i64], v)?;
+            }
+        }
+        if g.out.is_none() {
+            g.out =
+                Some(Tensor::f_zeros([2], (Kind::Double, device)).ctx("allocating the result")?);
+        }
+        Ok(())
+    }
+
+    /// The sync graph's body: on the static tensors, nothing read back.
+    fn sync_body(&mut self) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        let g = &self.sync_graph;
+        let (Some(inputs), Some(coefs), Some(out)) = (&g.inputs, &g.coefs, &g.out) else {
+            return Err(not_allocated("the sync step's inputs"));
+        };
+        let (inputs, coefs, out) = (
+            inputs.shallow_clone(),
+            coefs.shallow_clone(),
+            out.shallow_clone(),
+        );
+        let at = |t: &Tensor, i: i64| t.f_select(0, i).ctx("a sync input");
+        let divisor = at(&inputs, 0)?;
+        // On CUDA, ATen divides by a host scalar as a multiplication by
+        // its float32 reciprocal: the eager path does, so this does.
+        let reciprocal = self.device.is_cuda();
+        let norm = self
+            .grads
+            .norm(self.spec.norm_type())?
+            .f_to_kind(Kind::Double)
+            .ctx("the gradient norm")?;
+        let grad_norm = norm.f_div(&divisor).ctx("normalizing the norm")?;
+        let finite = grad_norm.f_isfinite().ctx("testing the norm")?;
+        let mut view = self.grads.view()?;
+        // What the eager path's GradPrep does, with the same roundings.
+        if self.spec.clipping.max_norm.is_some() {
+            // clip_grad_norm_: min(1, max_norm / (norm + 1e-6)), with
+            // 1/divisor, as one float32 multiplier.
+            let coef = at(&inputs, 1)?
+                .f_div(&grad_norm.f_add_scalar(1e-6).ctx("clip coefficient")?)
+                .and_then(|c| c.f_clamp_max(1.0))
+                .and_then(|c| c.f_div(&divisor))
+                .and_then(|c| c.f_to_kind(Kind::Float))
+                .ctx("clip coefficient")?;
+            view.f_mul_(&coef).ctx_("scaling gradients")?;
+        } else {
+            let d = divisor.f_to_kind(Kind::Float).ctx("the divisor")?;
+            if reciprocal {
+                let r = d.f_reciprocal().ctx("the divisor")?;
+                view.f_mul_(&r)
+            } else {
+                view.f_div_(&d)
+            }
+            .ctx_("normalizing gradients")?;
+            if let Some(v) = self.spec.clipping.clip_value {
+                view.f_clamp_(-v, v).ctx_("clipping gradients by value")?;
+            }
+        }
+        // A non-finite step: zero gradients and neutral numbers.
+        let skip = finite.f_logical_not().ctx("testing the norm")?;
+        view.f_masked_fill_(&skip, 0.0)
+            .ctx_("zeroing skipped gradients")?;
+        let eff = at(&coefs, 0)?
+            .f_where_self(&finite, &at(&coefs, 1)?)
+            .ctx("the optimizer's numbers")?;
+        let pairs: Vec<(Tensor, Tensor)> = self
+            .model
+            .params
+            .iter()
+            .map(|(_, p)| (p.shallow_clone(), p.grad()))
+            .collect();
+        self.optimizer.step_masked(&pairs, &eff, reciprocal)?;
+        self.grads.zero()?;
+        at(&out, 0)?.f_copy_(&norm).ctx("the sync step's result")?;
+        at(&out, 1)?
+            .f_copy_(&finite)
+            .ctx("the sync step's result")?;
+        Ok(())
+    }
+
+    /// The body run eagerly: before the capture (on a side stream on
+    /// CUDA), or always (Mode::BodyOnly).
+    fn warm_up_sync(&mut self) -> Result<()> {
+        #[cfg(accrue_cuda)]
+        if let (tch::Device::Cuda(d), graphs::Mode::Capture { .. }) =
+            (self.device, self.graph.mode())
+        {
+            let side = crate::cuda_graph::SideStream::enter(d)?;
+            let ran = self.sync_body();
+            side.exit()?;
+            return ran;
+        }
+        self.sync_body()
+    }
+
+    #[cfg(accrue_cuda)]
+    fn capture_sync(&mut self) -> Result<()> {
+        let tch::Device::Cuda(d) = self.device else {
+            return Err(not_allocated("a CUDA device"));
+        };
+        let graph = crate::cuda_graph::Graph::capture(d, || self.sync_body())?;
+        self.sync_graph.graph = Some(graph);
+        Ok(())
+    }
+
+    #[cfg(not(accrue_cuda))]
+    fn capture_sync(&mut self) -> Result<()> {
+        Err(Error::Graph {
+            what: "capturing the sync step",
+            reason: format!("no CUDA graphs on {:?} in this build", self.device),
+        })
+    }
+
+    fn replay_sync(&mut self) -> Result<()> {
+        #[cfg(accrue_cuda)]
+        if let Some(g) = &self.sync_graph.graph {
+            g.replay()?;
+            self.window.sync_replayed = true;
+            return Ok(());
+        }
+        Err(Error::Graph {
+            what: "replaying the sync step",
+            reason: format!("no captured graph on {:?} in this build", self.device),
+        })
+    }
+}
+
+/// Fills element `at` of `t` with `v` (a kernel on the device: no copy
+/// from host memory, which would wait for the stream).
+fn fill(t: &Tensor, at: &[i64], v: f64) -> Result<()> {
+    let mut e = t.shallow_clone();
+    for &i in at {
+        e = e.f_select(0, i).ctx("a sync input")?;
+    }
+    e.f_fill_(v).ctx_("filling a sync input")
+}
+
+fn not_allocated(what: &'static str) -> Error {
+    Error::Graph {
+        what,
+        reason: "not allocated before the run".into(),
+    }
+}

@@ -1,0 +1,390 @@
+//! The optimizer step whose skip is decided on the device (issue 19): the
+//! sync step as a CUDA graph cannot read the gradient norm back to decide
+//! whether to step, so every per-step number (the learning rate, Adam's
+//! bias corrections, the momentum and decay factors) comes from a device
+//! tensor that the graph reads, and a non-finite step turns each of them
+//! into its *neutral* value: the one that leaves the parameters and the
+//! optimizer state exactly as they were (a factor 1, an addend 0).
+//!
+//! Op for op it is [`Optimizer::step_pairs`] with those numbers as 0-dim
+//! float32 device tensors instead of host scalars. ATen computes both the
+//! same way (the scalar is rounded to float32 first), except one division:
+//! on CUDA a tensor divided by a host scalar is multiplied by the scalar's
+//! float32 reciprocal, so there `reciprocal` makes this step do the same.
+
+use super::{Optimizer, Rule};
+use crate::error::{Error, InPlace, Result, TorchContext};
+use tch::Tensor;
+
+/// Positions in the coefficient vector, per rule.
+mod at {
+    pub const SGD_DECAY: i64 = 0;
+    pub const SGD_MOMENTUM: i64 = 1;
+    pub const SGD_NEG_LR: i64 = 2;
+    pub const SGD_LEN: usize = 3;
+    pub const ADAM_DECAY: i64 = 0;
+    pub const ADAM_ONE_MINUS_BETA1: i64 = 1;
+    pub const ADAM_BETA2: i64 = 2;
+    pub const ADAM_ONE_MINUS_BETA2: i64 = 3;
+    pub const ADAM_BC2_SQRT: i64 = 4;
+    pub const ADAM_LR_OVER_BC1: i64 = 5;
+    pub const ADAM_LEN: usize = 6;
+}
+
+/// The per-step numbers of a masked step and what each becomes when the
+/// step is skipped.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MaskedCoefs {
+    pub values: Vec<f64>,
+    pub neutral: Vec<f64>,
+}
+
+impl Optimizer {
+    /// Whether every parameter has its state, which the masked step needs
+    /// (SGD's first step copies the gradient into a new momentum buffer;
+    /// a graph cannot allocate state it then keeps).
+    pub fn has_state(&self) -> bool {
+        let key = match self.rule {
+            Rule::Sgd { momentum: 0.0, .. } => return !self.state.is_empty(),
+            Rule::Sgd { .. } => "momentum_buffer",
+            Rule::Adam { .. } => "exp_avg",
+        };
+        !self.state.is_empty() && self.state.iter().all(|s| s.contains_key(key))
+    }
+
+    /// The numbers of step `self.steps + 1` at `lr` in the layout
+    /// [`Optimizer::step_masked`] reads.
+    pub fn masked_coefs(&self, lr: f64) -> MaskedCoefs {
+        match self.rule {
+            Rule::Sgd {
+                momentum,
+                weight_decay,
+                ..
+            } => MaskedCoefs {
+                values: vec![weight_decay, momentum, -lr],
+                neutral: vec![0.0, 1.0, 0.0],
+            },
+            Rule::Adam {
+                beta1,
+                beta2,
+                weight_decay,
+                decoupled,
+                ..
+            } => {
+                let step = (self.steps + 1) as i32;
+                let bc1 = 1.0 - beta1.powi(step);
+                let bc2_sqrt = (1.0 - beta2.powi(step)).sqrt();
+                let (decay, keep) = if decoupled {
+                    (1.0 - lr * weight_decay, 1.0)
+                } else {
+                    (weight_decay, 0.0)
+                };
+                MaskedCoefs {
+                    values: vec![decay, 1.0 - beta1, beta2, 1.0 - beta2, bc2_sqrt, lr / bc1],
+                    neutral: vec![keep, 0.0, 1.0, 0.0, bc2_sqrt, 0.0],
+                }
+            }
+        }
+    }
+
+    /// One step of every (parameter, gradient) pair with its numbers read
+    /// from `coefs` (float32 on the parameters' device, the layout of
+    /// [`Optimizer::masked_coefs`], already neutral if the step is
+    /// skipped); the gradients must be finite (a skipped step's are
+    /// zeroed). Reads nothing back to the host and allocates nothing after
+    /// the first step. Does not count the step: the caller does once it
+    /// knows the step was not skipped.
+    pub fn step_masked(
+        &mut self,
+        pairs: &[(Tensor, Tensor)],
+        coefs: &Tensor,
+        reciprocal: bool,
+    ) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        let want = match self.rule {
+            Rule::Sgd { .. } => at::SGD_LEN,
+            Rule::Adam { .. } => at::ADAM_LEN,
+        };
+        if coefs.numel() != want || !self.has_state() || self.state.len() != pairs.len() {
+            return Err(Error::Graph {
+                what: "the masked optimizer step",
+                reason: format!(
+                    "needs {want} coefficients and the state of {} parameters (got {} and {})",
+                    pairs.len(),
+                    coefs.numel(),
+                    self.state.len()
+                ),
+            });
+        }
+        let c = |i: i64| coefs.f_select(0, i).ctx("an optimizer coefficient");
+        if self.scratch.len() != pairs.len() {
+            self.scratch = (0..pairs.len()).map(|_| None).collect();
+        }
+        let adam = matches!(self.rule, Rule::Adam { .. });
+        // Adam's sqrt(v) / bc2_sqrt, as ATen divides by a host scalar on
+        // this device.
+        let bc2 = if adam {
+            let t = c(at::ADAM_BC2_SQRT)?;
+            Some(if reciprocal {
+                t.f_reciprocal().ctx("adam bias correction")?
+            } else {
+                t
+            })
+        } else {
+            None
+        };
+        for (((p, grad), state), scratch) in pairs
+            .iter()
+            .zip(self.state.iter())
+            .zip(self.scratch.iter_mut())
+        {
+            let mut grad = grad.shallow_clone();
+            if !grad.defined() {
+                continue;
+            }
+            if scratch.is_none() {
+                let one = p.f_empty_like().ctx("optimizer scratch")?;
+                let two = if adam {
+                    Some(p.f_empty_like().ctx("optimizer scratch")?)
+                } else {
+                    None
+                };
+                *scratch = Some((one, two));
+            }
+            let Some((tmp, tmp2)) = scratch.as_ref() else {
+                continue; // unreachable: filled just above
+            };
+            let mut p = p.shallow_clone();
+            match self.rule {
+                Rule::Sgd {
+                    momentum,
+                    dampening,
+                    nesterov,
+                    weight_decay,
+                } => {
+                    if weight_decay != 0.0 {
+                        grad.f_addcmul_(&p, &c(at::SGD_DECAY)?)
+                            .ctx_("sgd weight decay")?;
+                    }
+                    let mut d_p = grad.shallow_clone();
+                    if momentum != 0.0 {
+                        let mut buf = state["momentum_buffer"].shallow_clone();
+                        buf.f_mul_(&c(at::SGD_MOMENTUM)?).ctx_("sgd momentum")?;
+                        if dampening != 0.0 {
+                            d_p.f_mul_scalar_out(tmp, 1.0 - dampening)
+                                .ctx_("sgd momentum")?;
+                            buf.f_add_(tmp).ctx_("sgd momentum")?;
+                        } else {
+                            buf.f_add_(&d_p).ctx_("sgd momentum")?;
+                        }
+                        d_p = if nesterov {
+                            buf.f_mul_scalar_out(tmp, momentum).ctx_("sgd nesterov")?;
+                            grad.f_add_(tmp).ctx_("sgd nesterov")?;
+                            grad.shallow_clone()
+                        } else {
+                            buf
+                        };
+                    }
+                    p.f_addcmul_(&d_p, &c(at::SGD_NEG_LR)?).ctx_("sgd update")?;
+                }
+                Rule::Adam {
+                    eps,
+                    weight_decay,
+                    decoupled,
+                    ..
+                } => {
+                    if weight_decay != 0.0 {
+                        if decoupled {
+                            p.f_mul_(&c(at::ADAM_DECAY)?).ctx_("adamw decay")?;
+                        } else {
+                            p.f_mul_out(tmp, &c(at::ADAM_DECAY)?).ctx_("adam decay")?;
+                            grad.f_add_(tmp).ctx_("adam decay")?;
+                        }
+                    }
+                    let mut m = state["exp_avg"].shallow_clone();
+                    let mut v = state["exp_avg_sq"].shallow_clone();
+                    m.f_lerp_tensor_(&grad, &c(at::ADAM_ONE_MINUS_BETA1)?)
+                        .ctx_("adam moments")?;
+                    v.f_mul_(&c(at::ADAM_BETA2)?).ctx_("adam moments")?;
+                    grad.f_mul_out(tmp, &grad).ctx_("adam moments")?;
+                    tmp.shallow_clone()
+                        .f_mul_(&c(at::ADAM_ONE_MINUS_BETA2)?)
+                        .ctx_("adam moments")?;
+                    v.f_add_(tmp).ctx_("adam moments")?;
+                    let denom = tmp2.as_ref().unwrap_or(tmp);
+                    v.f_sqrt_out(denom).ctx_("adam update")?;
+                    let mut d = denom.shallow_clone();
+                    match &bc2 {
+                        Some(b) if reciprocal => d.f_mul_(b),
+                        Some(b) => d.f_div_(b),
+                        None => Ok(d.shallow_clone()), // unreachable: set for Adam
+                    }
+                    .ctx_("adam update")?;
+                    d.f_add_scalar_(eps).ctx_("adam update")?;
+                    m.f_div_out(tmp, denom).ctx_("adam update")?;
+                    tmp.shallow_clone()
+                        .f_mul_(&c(at::ADAM_LR_OVER_BC1)?)
+                        .ctx_("adam update")?;
+                    p.f_sub_(tmp).ctx_("adam update")?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{OptimizerKind, OptimizerSpec};
+    use tch::{Device, Kind};
+
+    fn spec(kind: OptimizerKind, f: impl FnOnce(&mut OptimizerSpec)) -> OptimizerSpec {
+        let mut s: OptimizerSpec = toml::from_str("kind = \"sgd\"\nlr = 0.1").unwrap();
+        s.kind = kind;
+        f(&mut s);
+        s
+    }
+
+    /// Parameters and gradients of three shapes, `seed`ed.
+    fn pairs(seed: i64) -> Vec<(Tensor, Tensor)> {
+        tch::manual_seed(seed);
+        [vec![7], vec![30, 11], vec![5, 3, 2]]
+            .into_iter()
+            .map(|s| {
+                let o = (Kind::Float, Device::Cpu);
+                (
+                    Tensor::randn(s.as_slice(), o),
+                    Tensor::randn(s.as_slice(), o),
+                )
+            })
+            .collect()
+    }
+
+    fn deep(ps: &[(Tensor, Tensor)]) -> Vec<(Tensor, Tensor)> {
+        ps.iter().map(|(p, g)| (p.copy(), g.copy())).collect()
+    }
+
+    fn coefs(c: &MaskedCoefs, skip: bool) -> Tensor {
+        let v = if skip { &c.neutral } else { &c.values };
+        let v: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+        Tensor::from_slice(&v)
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let v: Vec<f32> = Vec::try_from(t.flatten(0, -1)).unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    fn every_spec() -> Vec<OptimizerSpec> {
+        use OptimizerKind::*;
+        vec![
+            spec(Sgd, |_| {}),
+            spec(Sgd, |s| {
+                s.momentum = 0.9;
+                s.weight_decay = Some(0.01);
+            }),
+            spec(Sgd, |s| {
+                s.momentum = 0.9;
+                s.nesterov = true;
+            }),
+            spec(Sgd, |s| {
+                s.momentum = 0.8;
+                s.dampening = 0.25;
+                s.weight_decay = Some(0.1);
+            }),
+            spec(Adam, |_| {}),
+            spec(Adam, |s| s.weight_decay = Some(0.05)),
+            spec(Adamw, |_| {}),
+            spec(Adamw, |s| s.weight_decay = Some(0.1)),
+        ]
+    }
+
+    /// Four steps at changing learning rates: the masked step ends at the
+    /// tensor-op step's parameters and state bit for bit (on the CPU both
+    /// divide truly), and a step with the neutral numbers and zeroed
+    /// gradients changes nothing at all.
+    #[test]
+    fn equals_the_tensor_op_step_and_a_skipped_step_changes_nothing() {
+        for s in every_spec() {
+            let plain_p = pairs(1);
+            let masked_p = deep(&plain_p);
+            let mut plain = Optimizer::new(&s, 3);
+            let mut masked = Optimizer::new(&s, 3);
+            for step in 0..4 {
+                let lr = 0.1 / (1.0 + step as f64);
+                let fresh = pairs(10 + step);
+                for (((_, pg), (_, mg)), (_, f)) in plain_p.iter().zip(&masked_p).zip(&fresh) {
+                    pg.shallow_clone().copy_(f);
+                    mg.shallow_clone().copy_(f);
+                }
+                if step == 0 {
+                    // The masked step needs the state the first step makes.
+                    assert!(
+                        !masked.has_state() || s.momentum == 0.0 && s.kind == OptimizerKind::Sgd
+                    );
+                    masked.step_pairs(&masked_p, lr).unwrap();
+                } else {
+                    assert!(masked.has_state(), "{s:?}");
+                    let c = masked.masked_coefs(lr);
+                    masked
+                        .step_masked(&masked_p, &coefs(&c, false), false)
+                        .unwrap();
+                    masked.steps += 1;
+                }
+                plain.step_pairs(&plain_p, lr).unwrap();
+            }
+            for ((a, _), (b, _)) in plain_p.iter().zip(&masked_p) {
+                assert_eq!(bits(a), bits(b), "{s:?}: parameters");
+            }
+            let (sa, sb) = (plain.first_state(), masked.first_state());
+            assert_eq!(sa.len(), sb.len());
+            for ((ka, a), (_, b)) in sa.iter().zip(&sb) {
+                assert_eq!(bits(a), bits(b), "{s:?}: {ka}");
+            }
+            // A skipped step: zeroed gradients, neutral numbers.
+            let before: Vec<_> = masked_p.iter().map(|(p, _)| bits(p)).collect();
+            let state: Vec<_> = masked.first_state().iter().map(|(_, t)| bits(t)).collect();
+            for (_, g) in &masked_p {
+                let _ = g.shallow_clone().zero_();
+            }
+            let c = masked.masked_coefs(0.5);
+            masked
+                .step_masked(&masked_p, &coefs(&c, true), false)
+                .unwrap();
+            let after: Vec<_> = masked_p.iter().map(|(p, _)| bits(p)).collect();
+            assert_eq!(before, after, "{s:?}: a skipped step moved parameters");
+            let now: Vec<_> = masked.first_state().iter().map(|(_, t)| bits(t)).collect();
+            assert_eq!(state, now, "{s:?}: a skipped step moved the state");
+        }
+    }
+
+    #[test]
+    fn refuses_without_state_or_with_the_wrong_numbers() {
+        let s = spec(OptimizerKind::Adam, |_| {});
+        let ps = pairs(2);
+        let mut o = Optimizer::new(&s, 3);
+        let c = o.masked_coefs(0.1);
+        let e = o.step_masked(&ps, &coefs(&c, false), false).unwrap_err();
+        assert!(e.to_string().contains("needs 6 coefficients"), "{e}");
+        o.step_pairs(&ps, 0.1).unwrap();
+        let e = o
+            .step_masked(&ps, &Tensor::from_slice(&[1f32, 2.0]), false)
+            .unwrap_err();
+        assert!(e.to_string().contains("got 2"), "{e}");
+    }
+
+    /// Adam's numbers follow PyTorch's bias corrections for the next step.
+    #[test]
+    fn adam_numbers_are_the_next_steps() {
+        let s = spec(OptimizerKind::Adamw, |s| s.weight_decay = Some(0.1));
+        let mut o = Optimizer::new(&s, 1);
+        o.steps = 2;
+        let c = o.masked_coefs(0.01);
+        let (b1, b2) = (0.9f64, 0.999f64);
+        assert_eq!(c.values[0], 1.0 - 0.01 * 0.1);
+        assert_eq!(c.values[4], (1.0 - b2.powi(3)).sqrt());
+        assert_eq!(c.values[5], 0.01 / (1.0 - b1.powi(3)));
+        assert_eq!(c.neutral, vec![1.0, 0.0, 1.0, 0.0, c.values[4], 0.0]);
+    }
+}
