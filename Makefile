@@ -33,7 +33,7 @@ $(BROWSER_STAMP): tests/browser/package.json tests/browser/package-lock.json
 	@# Only what is missing: a machine with NodeSource's nodejs (which
 	@# carries npm and conflicts with Debian's npm) gets chromium alone.
 	@missing=""; \
-	command -v chromium >/dev/null || missing="chromium"; \
+	command -v chromium >/dev/null || missing=" chromium"; \
 	{ command -v node >/dev/null && command -v npm >/dev/null; } || missing="$$missing nodejs npm"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (Debian packages)"; \

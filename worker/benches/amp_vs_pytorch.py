@@ -84,9 +84,10 @@ def wait_rss(proc):
     return proc.returncode, usage.ru_maxrss / 1024
 
 
-def run_spec(binary, text, threads, env=None):
+def run_spec(binary, text, threads, env=None, steps=None):
     """Runs `accrue-worker train` on the job spec `text`; (the time each
-    step's JSON line was read, peak RSS in MB)."""
+    step's JSON line was read, peak RSS in MB). Each step's JSON object is
+    appended to the list `steps` when one is given."""
     with tempfile.TemporaryDirectory(prefix="accrue-bench-") as tmp:
         spec = Path(tmp) / "job.toml"
         spec.write_text(text)
@@ -104,6 +105,8 @@ def run_spec(binary, text, threads, env=None):
                 continue
             if ev.get("event") == "step":
                 ends.append(now)
+                if steps is not None:
+                    steps.append(ev.get("step", {}))
         rc, rss = wait_rss(proc)
         if rc != 0:
             sys.exit(f"accrue failed ({rc}): {open(Path(tmp) / 'stderr').read()[-2000:]}")

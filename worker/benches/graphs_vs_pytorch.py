@@ -139,6 +139,7 @@ def main():
     b, k = a.batch, a.k
     per_step = b * k
     results = {s: [] for s in SIDES}
+    last = {}
     for r in range(a.rounds):
         order = SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]
         for side in order:
@@ -147,7 +148,9 @@ def main():
                                       graphed=side == "pytorch-graphed"))
             else:
                 text = job(a.model, b, k, a.steps, side == "accrue")
-                ends, _ = run_spec(a.binary, text, 1, env)
+                steps = []
+                ends, _ = run_spec(a.binary, text, 1, env, steps)
+                last[side] = steps[-1] if steps else {}
             results[side].append(rate(ends, per_step, a.warmup))
     print(f"`{' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d')}, "
           f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {a.model}, "
@@ -158,6 +161,13 @@ def main():
     med = {s: statistics.median(v) for s, v in results.items()}
     for s in SIDES:
         print(f"| {s} | {' / '.join(f'{x:,.0f}' for x in results[s])} | {med[s]:,.0f} |")
+    for s in ("accrue", "accrue-eager"):
+        ev = last.get(s, {})
+        print(f"\n{s}, last step: {ev.get('graph_replays')} micro-step replays "
+              f"(eager: {ev.get('eager_reason')!r}), sync graph replayed: "
+              f"{ev.get('sync_graph_replayed')} (eager: {ev.get('sync_eager_reason')!r})")
+    if not last.get("accrue", {}).get("sync_graph_replayed"):
+        print("\nWARNING: the accrue side did not replay its sync graph: not a graphed run")
     print(f"\naccrue / pytorch-eager: {med['accrue'] / med['pytorch-eager']:.2f} (goal >= 4); "
           f"accrue / pytorch-graphed: {med['accrue'] / med['pytorch-graphed']:.2f} (goal >= 0.9); "
           f"accrue graphed / accrue eager: {med['accrue'] / med['accrue-eager']:.2f}")
