@@ -101,31 +101,17 @@ impl Optimizer {
         let _guard = tch::no_grad_guard();
         self.steps += 1;
         let step = self.steps as i32;
-        if self.scratch.len() != pairs.len() {
-            self.scratch = (0..pairs.len()).map(|_| None).collect();
-        }
-        let adam = matches!(self.rule, Rule::Adam { .. });
+        self.make_scratch(pairs)?;
         for (((p, grad), state), scratch) in pairs
             .iter()
             .zip(self.state.iter_mut())
-            .zip(self.scratch.iter_mut())
+            .zip(self.scratch.iter())
         {
-            let mut grad = grad.shallow_clone();
-            if !grad.defined() {
+            // No scratch: a pair without a gradient.
+            let Some((tmp, tmp2)) = scratch else {
                 continue;
-            }
-            if scratch.is_none() {
-                let one = p.f_empty_like().ctx("optimizer scratch")?;
-                let two = if adam {
-                    Some(p.f_empty_like().ctx("optimizer scratch")?)
-                } else {
-                    None
-                };
-                *scratch = Some((one, two));
-            }
-            let Some((tmp, tmp2)) = scratch.as_ref() else {
-                continue; // unreachable: filled just above
             };
+            let mut grad = grad.shallow_clone();
             let mut p = p.shallow_clone();
             match self.rule {
                 Rule::Sgd {
@@ -217,6 +203,28 @@ impl Optimizer {
                         .ctx_("adam update")?;
                     p.f_sub_(tmp).ctx_("adam update")?;
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the scratch tensors of every pair with a gradient (the first
+    /// step; they are reused after): one of the parameter's shape, two
+    /// for Adam.
+    fn make_scratch(&mut self, pairs: &[(Tensor, Tensor)]) -> Result<()> {
+        if self.scratch.len() != pairs.len() {
+            self.scratch = (0..pairs.len()).map(|_| None).collect();
+        }
+        let adam = matches!(self.rule, Rule::Adam { .. });
+        for ((p, grad), scratch) in pairs.iter().zip(self.scratch.iter_mut()) {
+            if grad.defined() && scratch.is_none() {
+                let one = p.f_empty_like().ctx("optimizer scratch")?;
+                let two = if adam {
+                    Some(p.f_empty_like().ctx("optimizer scratch")?)
+                } else {
+                    None
+                };
+                *scratch = Some((one, two));
             }
         }
         Ok(())

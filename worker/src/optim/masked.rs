@@ -117,9 +117,7 @@ impl Optimizer {
             });
         }
         let c = |i: i64| coefs.f_select(0, i).ctx("an optimizer coefficient");
-        if self.scratch.len() != pairs.len() {
-            self.scratch = (0..pairs.len()).map(|_| None).collect();
-        }
+        self.make_scratch(pairs)?;
         let adam = matches!(self.rule, Rule::Adam { .. });
         // Adam's sqrt(v) / bc2_sqrt, as ATen divides by a host scalar on
         // this device.
@@ -133,27 +131,14 @@ impl Optimizer {
         } else {
             None
         };
-        for (((p, grad), state), scratch) in pairs
-            .iter()
-            .zip(self.state.iter())
-            .zip(self.scratch.iter_mut())
+        for (((p, grad), state), scratch) in
+            pairs.iter().zip(self.state.iter()).zip(self.scratch.iter())
         {
-            let mut grad = grad.shallow_clone();
-            if !grad.defined() {
+            // No scratch: a pair without a gradient.
+            let Some((tmp, tmp2)) = scratch else {
                 continue;
-            }
-            if scratch.is_none() {
-                let one = p.f_empty_like().ctx("optimizer scratch")?;
-                let two = if adam {
-                    Some(p.f_empty_like().ctx("optimizer scratch")?)
-                } else {
-                    None
-                };
-                *scratch = Some((one, two));
-            }
-            let Some((tmp, tmp2)) = scratch.as_ref() else {
-                continue; // unreachable: filled just above
             };
+            let mut grad = grad.shallow_clone();
             let mut p = p.shallow_clone();
             match self.rule {
                 Rule::Sgd {
