@@ -277,19 +277,25 @@ fn sync_body_equals_eager_for_adam_adamw_sgd_and_every_clip() {
     }
 }
 
-#[test]
-fn a_nonfinite_step_in_the_sync_body_skips_as_eager_does() {
-    // fp32, a NaN sample, on_nonfinite = "skip": Adam's state and the
-    // parameters must come through the skipped step untouched.
-    let d = TempDir::new().unwrap();
-    let data = poisoned_data(d.path(), "nan.safetensors", 40, 1, f64::NAN);
+/// fp32 Adam on `d`/nan.safetensors (written here), whose sample 40 is
+/// NaN, with on_nonfinite = "skip".
+fn nan_adam_job(d: &std::path::Path) -> String {
+    let data = poisoned_data(d, "nan.safetensors", 40, 1, f64::NAN);
     let text = variant(
         &job("mlp", "[6]", 64, 2, "fp32", ""),
         "max_norm = 0.5\non_nonfinite = \"skip\"\n",
         "kind = \"adam\"\nlr = 0.01\n",
         "mean",
     );
-    let text = on_tensors(&text, &data, false);
+    on_tensors(&text, &data, false)
+}
+
+#[test]
+fn a_nonfinite_step_in_the_sync_body_skips_as_eager_does() {
+    // Adam's state and the parameters must come through the skipped step
+    // untouched.
+    let d = TempDir::new().unwrap();
+    let text = nan_adam_job(d.path());
     let eager = run(&text, 1, false);
     assert!(
         eager[0].1.iter().skip(1).any(|s| s.3),
@@ -302,7 +308,12 @@ fn a_nonfinite_step_in_the_sync_body_skips_as_eager_does() {
 /// On the GPU: the graphed job and the same job with `cuda_graphs =
 /// false` end at the same parameters, and the graph replayed.
 fn graphed_equals_eager_on_cuda(text: &str, world: usize, tol: f64) {
-    let text = text.replace("device = \"cpu\"", "device = \"cuda\"");
+    // Eight epochs: at W = 2, k = 4 that is 8 steps, so the sync graph (its
+    // first step eager, three warm-ups, then the capture) replays too.
+    assert!(text.contains("epochs = 2\n"));
+    let text = text
+        .replace("device = \"cpu\"", "device = \"cuda\"")
+        .replace("epochs = 2\n", "epochs = 8\n");
     let graphed = run(&text, world, false);
     let eager = run(
         &(text + "\n[performance]\ncuda_graphs = false\n"),
@@ -344,7 +355,12 @@ fn cuda_graphed_runs_equal_eager_runs() {
             }
         }
     }
-    // A non-finite step under replay: skipped by both, the same scales.
+    // Non-finite steps under replay: skipped by both (fp16: the same
+    // scales; fp32 Adam: its state untouched), and the sync variants.
     let d = TempDir::new().unwrap();
     graphed_equals_eager_on_cuda(&fp16_overflow_job(d.path()), 2, 1e-6);
+    graphed_equals_eager_on_cuda(&nan_adam_job(d.path()), 1, 1e-6);
+    for text in sync_variants() {
+        graphed_equals_eager_on_cuda(&text, 2, 1e-6);
+    }
 }
