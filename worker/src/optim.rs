@@ -87,11 +87,7 @@ impl Optimizer {
     /// the first step (and into the gradient itself, which the engine zeroes
     /// right after), so a step allocates nothing.
     pub fn step(&mut self, params: &[(String, Tensor)], lr: f64) -> Result<()> {
-        let pairs: Vec<(Tensor, Tensor)> = params
-            .iter()
-            .map(|(_, p)| (p.shallow_clone(), p.grad()))
-            .collect();
-        self.step_pairs(&pairs, lr)
+        self.step_pairs(&with_grads(params), lr)
     }
 
     /// [`Optimizer::step`] of (parameter, gradient) pairs: the parameter
@@ -422,6 +418,14 @@ impl Optimizer {
         self.steps = steps;
         Ok(())
     }
+}
+
+/// Each parameter with its gradient (shallow), as the steps take them.
+pub fn with_grads(params: &[(String, Tensor)]) -> Vec<(Tensor, Tensor)> {
+    params
+        .iter()
+        .map(|(_, p)| (p.shallow_clone(), p.grad()))
+        .collect()
 }
 
 /// A 0-dim tensor holding `v` with `like`'s kind and device (the multiplier

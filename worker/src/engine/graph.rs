@@ -20,10 +20,98 @@ use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::graphs::{self, Action, EagerReason, Mode, Phase};
 use tch::{Kind, Tensor};
 
+/// What the micro-step's graph and the sync step's graph
+/// (engine/sync_graph.rs) each keep: where the graph is, the eager reason
+/// last logged, and the captured graph.
+#[derive(Default)]
+pub(super) struct Slot {
+    pub(super) phase: Phase,
+    logged: Option<EagerReason>,
+    #[cfg(accrue_cuda)]
+    graph: Option<crate::cuda_graph::Graph>,
+}
+
+/// A captured graph (none can exist in a build without ACCRUE_CUDA=1).
+#[cfg(accrue_cuda)]
+pub(super) type Captured = crate::cuda_graph::Graph;
+#[cfg(not(accrue_cuda))]
+pub(super) type Captured = std::convert::Infallible;
+
+impl Slot {
+    /// Forgets the captured graph (a re-formed ring, reloaded state): the
+    /// next runs warm up and capture again.
+    pub(super) fn reset(&mut self) {
+        if self.phase == Phase::Captured {
+            self.phase = Phase::default();
+        }
+        #[cfg(accrue_cuda)]
+        {
+            self.graph = None;
+        }
+    }
+
+    /// Logs that `what` runs eagerly when the reason changed; the reason's
+    /// text, for the step report.
+    pub(super) fn eager(&mut self, what: &'static str, reason: &EagerReason) -> String {
+        if self.logged.as_ref() != Some(reason) {
+            tracing::info!(reason = %reason, "{what} run eagerly");
+            self.logged = Some(reason.clone());
+        }
+        reason.to_string()
+    }
+
+    pub(super) fn keep(&mut self, graph: Captured) {
+        #[cfg(accrue_cuda)]
+        {
+            self.graph = Some(graph);
+        }
+        #[cfg(not(accrue_cuda))]
+        match graph {}
+    }
+
+    /// Replays the captured graph.
+    pub(super) fn replay(&self, device: tch::Device) -> Result<()> {
+        #[cfg(accrue_cuda)]
+        if let Some(g) = &self.graph {
+            return g.replay();
+        }
+        Err(no_graphs(device))
+    }
+}
+
+/// Runs a graph's body eagerly: before its capture on a side stream on
+/// CUDA (`capturing`), as torch.cuda.graphs warms up; otherwise as is.
+pub(super) fn warm_up(
+    device: tch::Device,
+    capturing: bool,
+    body: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    #[cfg(accrue_cuda)]
+    if let (tch::Device::Cuda(d), true) = (device, capturing) {
+        let side = crate::cuda_graph::SideStream::enter(d)?;
+        let ran = body();
+        side.exit()?;
+        return ran;
+    }
+    let _ = (device, capturing);
+    body()
+}
+
+/// Captures what `body` queues on `device` (nothing runs: replay it
+/// after).
+pub(super) fn capture(device: tch::Device, body: impl FnOnce() -> Result<()>) -> Result<Captured> {
+    #[cfg(accrue_cuda)]
+    if let tch::Device::Cuda(d) = device {
+        return crate::cuda_graph::Graph::capture(d, body);
+    }
+    drop(body);
+    Err(no_graphs(device))
+}
+
 /// The micro-step's graph, its static tensors and the window's loss.
 pub(super) struct MicroGraph {
     mode: Mode,
-    phase: Phase,
+    pub(super) slot: Slot,
     /// The graph's input: this micro-batch's indices (int64, the spec's
     /// batch size, on the device).
     idx: Option<Tensor>,
@@ -33,23 +121,16 @@ pub(super) struct MicroGraph {
     /// The window's loss, summed over its samples (0-dim float32 on the
     /// device): eager micro-steps and the body both add into it.
     loss: Option<Tensor>,
-    /// The reason last written to the log (a change is logged once).
-    logged: Option<EagerReason>,
-    #[cfg(accrue_cuda)]
-    graph: Option<crate::cuda_graph::Graph>,
 }
 
 impl MicroGraph {
     pub(super) fn new(mode: Mode) -> Self {
         Self {
             mode,
-            phase: Phase::default(),
+            slot: Slot::default(),
             idx: None,
             scale: None,
             loss: None,
-            logged: None,
-            #[cfg(accrue_cuda)]
-            graph: None,
         }
     }
 
@@ -57,16 +138,9 @@ impl MicroGraph {
         &self.mode
     }
 
-    /// Forgets the captured graph (a re-formed ring): the next micro-steps
-    /// warm up and capture again.
-    pub(super) fn reset(&mut self) {
-        if self.phase == Phase::Captured {
-            self.phase = Phase::default();
-        }
-        #[cfg(accrue_cuda)]
-        {
-            self.graph = None;
-        }
+    /// Whether graphs are captured (not just their bodies run).
+    pub(super) fn capturing(&self) -> bool {
+        matches!(self.mode, Mode::Capture { .. })
     }
 
     /// Zeroes the loss accumulator at a window start (allocating it on
@@ -110,7 +184,7 @@ impl<C: Collective> Engine<C> {
     pub(super) fn run_micro_batch(&mut self, a: usize, b: usize) -> Result<()> {
         let idx = self.micro_batch_indices(a, b)?;
         let n = b - a;
-        let action = graphs::decide(&self.graph.mode, &self.graph.phase, n, self.plan.batch);
+        let action = graphs::decide(&self.graph.mode, &self.graph.slot.phase, n, self.plan.batch);
         let mut failure = None;
         match &action {
             Action::Eager(reason) => self.eager_micro_batch(&idx, n, reason)?,
@@ -140,18 +214,14 @@ impl<C: Collective> Engine<C> {
                 self.replay()?;
             }
         }
-        self.graph.phase = self.graph.phase.after(&action, failure);
+        self.graph.slot.phase = self.graph.slot.phase.after(&action, failure);
         Ok(())
     }
 
     /// The ordinary micro-step, with its reason in the step report and (on
     /// a change) in the log.
     fn eager_micro_batch(&mut self, idx: &Tensor, n: usize, reason: &EagerReason) -> Result<()> {
-        if self.graph.logged.as_ref() != Some(reason) {
-            tracing::info!(reason = %reason, "micro-steps run eagerly");
-            self.graph.logged = Some(reason.clone());
-        }
-        self.window.eager_reason = Some(reason.to_string());
+        self.window.eager_reason = Some(self.graph.slot.eager("micro-steps", reason));
         let k = self.plan.k as f64;
         let scale = match self.loss_scale() {
             Some(ls) => LossScaleBy::Scalar(f64::from(ls.scale) / k),
@@ -201,44 +271,24 @@ impl<C: Collective> Engine<C> {
         self.forward_backward(idx, self.plan.batch, by, true)
     }
 
-    /// The body run eagerly: before the capture (on a side stream on
-    /// CUDA, as torch.cuda.graphs warms up), or always (Mode::BodyOnly).
+    /// The body run eagerly (warm-up, or Mode::BodyOnly).
     fn warm_up(&mut self, idx: &Tensor, scale: Option<&Tensor>) -> Result<()> {
-        #[cfg(accrue_cuda)]
-        if let (tch::Device::Cuda(d), Mode::Capture { .. }) = (self.device, &self.graph.mode) {
-            let side = crate::cuda_graph::SideStream::enter(d)?;
-            let ran = self.body(idx, scale);
-            side.exit()?;
-            return ran;
-        }
-        self.body(idx, scale)
+        let (device, capturing) = (self.device, self.graph.capturing());
+        warm_up(device, capturing, || self.body(idx, scale))
     }
 
     /// Captures the body (nothing runs: replay it after).
-    #[cfg(accrue_cuda)]
     fn capture(&mut self, idx: &Tensor, scale: Option<&Tensor>) -> Result<()> {
-        let tch::Device::Cuda(d) = self.device else {
-            return Err(no_graphs(self.device));
-        };
-        let graph = crate::cuda_graph::Graph::capture(d, || self.body(idx, scale))?;
-        self.graph.graph = Some(graph);
+        let graph = capture(self.device, || self.body(idx, scale))?;
+        self.graph.slot.keep(graph);
         Ok(())
-    }
-
-    #[cfg(not(accrue_cuda))]
-    fn capture(&mut self, _idx: &Tensor, _scale: Option<&Tensor>) -> Result<()> {
-        Err(no_graphs(self.device))
     }
 
     /// Replays the captured micro-step.
     fn replay(&mut self) -> Result<()> {
-        #[cfg(accrue_cuda)]
-        if let Some(g) = &self.graph.graph {
-            g.replay()?;
-            self.window.graph_replays += 1;
-            return Ok(());
-        }
-        Err(no_graphs(self.device))
+        self.graph.slot.replay(self.device)?;
+        self.window.graph_replays += 1;
+        Ok(())
     }
 }
 

@@ -456,8 +456,8 @@ impl<C: Collective> Engine<C> {
     /// the rest of the epoch is re-sharded when the world size or k changed.
     pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
         self.discard_window()?;
-        self.graph.reset();
-        self.sync_graph.reset();
+        self.graph.slot.reset();
+        self.sync_graph.slot.reset();
         self.collective = collective;
         let world = self.collective.world_size();
         if let Some(k) = accumulation_steps {

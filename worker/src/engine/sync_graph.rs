@@ -10,49 +10,34 @@
 //! the gradients; a non-finite step zeroes the gradients and turns every
 //! optimizer number into its neutral value, which leaves the parameters and
 //! the state as they were ([`crate::optim::MaskedCoefs`]). After the run
-//! the host reads two numbers, once: the norm and whether it was finite.
-//! From them it reports, counts the optimizer step, applies
-//! `on_nonfinite` and fp16's scale update exactly as on the eager path.
+//! the host reads one number, once: the norm, whose finiteness it tests in
+//! the same float64 arithmetic as the device. From it the host reports,
+//! counts the optimizer step, applies `on_nonfinite` and fp16's scale
+//! update exactly as on the eager path.
 //!
 //! The per-step inputs (the divisor, which carries fp16's unscaling, and
 //! the optimizer's numbers: the learning rate of the schedule, Adam's bias
 //! corrections) are device tensors the host fills before each run.
 
+use super::graph::{capture, warm_up, Slot};
 use super::Engine;
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
-use crate::graphs::{self, Action, EagerReason, Phase};
+use crate::graphs::{self, Action, EagerReason};
 use tch::{Kind, Tensor};
 
 /// The sync step's graph and its static tensors.
 #[derive(Default)]
 pub(super) struct SyncGraph {
-    phase: Phase,
+    pub(super) slot: Slot,
     /// [divisor, max_norm] (float64 on the device).
     inputs: Option<Tensor>,
     /// The optimizer's numbers of this step (row 0) and their neutral
     /// values (row 1), float32 on the device.
     coefs: Option<Tensor>,
-    /// What the host reads after a run: [norm of the summed gradients,
-    /// 1 if the normalized norm is finite] (float64 on the device).
+    /// What the host reads after a run: the norm of the summed gradients
+    /// (float64 on the device).
     out: Option<Tensor>,
-    /// The reason last written to the log.
-    logged: Option<EagerReason>,
-    #[cfg(accrue_cuda)]
-    graph: Option<crate::cuda_graph::Graph>,
-}
-
-impl SyncGraph {
-    /// Forgets the captured graph (a re-formed ring, reloaded state).
-    pub(super) fn reset(&mut self) {
-        if self.phase == Phase::Captured {
-            self.phase = Phase::default();
-        }
-        #[cfg(accrue_cuda)]
-        {
-            self.graph = None;
-        }
-    }
 }
 
 impl<C: Collective> Engine<C> {
@@ -63,7 +48,7 @@ impl<C: Collective> Engine<C> {
     /// caller runs the eager path (the reason is in the window's report).
     pub(super) fn sync_on_device(&mut self, divisor: f64, lr: f64) -> Result<Option<f64>> {
         let blocked = graphs::sync_blocker(self.spec.sharding.stage, self.optimizer.has_state());
-        let action = graphs::decide_unless(self.graph.mode(), &self.sync_graph.phase, blocked);
+        let action = graphs::decide_unless(self.graph.mode(), &self.sync_graph.slot.phase, blocked);
         let mut failure = None;
         let ran = match &action {
             Action::Eager(reason) => {
@@ -98,40 +83,23 @@ impl<C: Collective> Engine<C> {
                 true
             }
         };
-        self.sync_graph.phase = self.sync_graph.phase.after(&action, failure);
+        self.sync_graph.slot.phase = self.sync_graph.slot.phase.after(&action, failure);
         if !ran {
             return Ok(None);
         }
-        let out = match &self.sync_graph.out {
-            Some(o) => o
-                .f_to_device(tch::Device::Cpu)
-                .ctx("reading the sync step's result")?,
-            None => return Err(not_allocated("the sync step's result")),
+        // The one read back of the step: the norm (the host tests it for
+        // finiteness as the device did, in the same float64 arithmetic).
+        let Some(out) = &self.sync_graph.out else {
+            return Err(not_allocated("the sync step's result"));
         };
-        let mut read = [0f64; 2];
-        out.f_copy_data(&mut read, 2)
-            .ctx("reading the sync step's result")?;
-        let [norm, finite] = read;
-        // The host's test of norm / divisor is the device's, in the same
-        // float64 arithmetic.
-        if (finite > 0.5) != (norm / divisor).is_finite() {
-            return Err(Error::Graph {
-                what: "the sync step's result",
-                reason: format!(
-                    "the device found norm {norm} finite = {finite}, the host disagrees"
-                ),
-            });
-        }
-        Ok(Some(norm))
+        out.f_double_value(&[])
+            .map(Some)
+            .ctx("reading the sync step's result")
     }
 
     /// Records why this sync step runs eagerly (logged on a change).
     fn eager_sync(&mut self, reason: &EagerReason) {
-        if self.sync_graph.logged.as_ref() != Some(reason) {
-            tracing::info!(reason = %reason, "sync steps run eagerly");
-            self.sync_graph.logged = Some(reason.clone());
-        }
-        self.window.sync_eager_reason = Some(reason.to_string());
+        self.window.sync_eager_reason = Some(self.sync_graph.slot.eager("sync steps", reason));
     }
 
     /// Fills the run's inputs: the divisor, max_norm and the optimizer's
@@ -142,14 +110,16 @@ impl<C: Collective> Engine<C> {
         let g = &mut self.sync_graph;
         let inputs = match &mut g.inputs {
             Some(t) => t,
-            slot => slot.insert(
-                Tensor::f_zeros([2], (Kind::Double, device)).ctx("allocating the sync inputs")?,
-            ),
+            slot => {
+                // max_norm is the job's: filled once.
+                let max_norm = self.spec.clipping.max_norm.unwrap_or(0.0);
+                slot.insert(
+                    Tensor::f_full([2], max_norm, (Kind::Double, device))
+                        .ctx("allocating the sync inputs")?,
+                )
+            }
         };
-        let max_norm = self.spec.clipping.max_norm.unwrap_or(0.0);
-        for (i, v) in [divisor, max_norm].into_iter().enumerate() {
-            fill(inputs, &[i as i64], v)?;
-        }
+        fill(inputs, &[0], divisor)?;
         let c = self.optimizer.masked_coefs(lr);
         let n = c.values.len() as i64;
         let coefs = match &mut g.coefs {
@@ -165,8 +135,7 @@ impl<C: Collective> Engine<C> {
             }
         }
         if g.out.is_none() {
-            g.out =
-                Some(Tensor::f_zeros([2], (Kind::Double, device)).ctx("allocating the result")?);
+            g.out = Some(Tensor::f_zeros([], (Kind::Double, device)).ctx("allocating the result")?);
         }
         Ok(())
     }
@@ -227,65 +196,30 @@ impl<C: Collective> Engine<C> {
         let eff = at(&coefs, 0)?
             .f_where_self(&finite, &at(&coefs, 1)?)
             .ctx("the optimizer's numbers")?;
-        let pairs: Vec<(Tensor, Tensor)> = self
-            .model
-            .params
-            .iter()
-            .map(|(_, p)| (p.shallow_clone(), p.grad()))
-            .collect();
+        let pairs = crate::optim::with_grads(&self.model.params);
         self.optimizer.step_masked(&pairs, &eff, reciprocal)?;
         self.grads.zero()?;
-        at(&out, 0)?.f_copy_(&norm).ctx("the sync step's result")?;
-        at(&out, 1)?
-            .f_copy_(&finite)
-            .ctx("the sync step's result")?;
-        Ok(())
+        out.shallow_clone()
+            .f_copy_(&norm)
+            .ctx("the sync step's result")
     }
 
-    /// The body run eagerly: before the capture (on a side stream on
-    /// CUDA), or always (Mode::BodyOnly).
+    /// The body run eagerly (warm-up, or Mode::BodyOnly).
     fn warm_up_sync(&mut self) -> Result<()> {
-        #[cfg(accrue_cuda)]
-        if let (tch::Device::Cuda(d), graphs::Mode::Capture { .. }) =
-            (self.device, self.graph.mode())
-        {
-            let side = crate::cuda_graph::SideStream::enter(d)?;
-            let ran = self.sync_body();
-            side.exit()?;
-            return ran;
-        }
-        self.sync_body()
+        let (device, capturing) = (self.device, self.graph.capturing());
+        warm_up(device, capturing, || self.sync_body())
     }
 
-    #[cfg(accrue_cuda)]
     fn capture_sync(&mut self) -> Result<()> {
-        let tch::Device::Cuda(d) = self.device else {
-            return Err(not_allocated("a CUDA device"));
-        };
-        let graph = crate::cuda_graph::Graph::capture(d, || self.sync_body())?;
-        self.sync_graph.graph = Some(graph);
+        let graph = capture(self.device, || self.sync_body())?;
+        self.sync_graph.slot.keep(graph);
         Ok(())
-    }
-
-    #[cfg(not(accrue_cuda))]
-    fn capture_sync(&mut self) -> Result<()> {
-        Err(Error::Graph {
-            what: "capturing the sync step",
-            reason: format!("no CUDA graphs on {:?} in this build", self.device),
-        })
     }
 
     fn replay_sync(&mut self) -> Result<()> {
-        #[cfg(accrue_cuda)]
-        if let Some(g) = &self.sync_graph.graph {
-            g.replay()?;
-            self.window.sync_replayed = true;
-            return Ok(());
-        }
-        Err(Error::Graph {
-            what: "replaying the sync step",
-            reason: format!("no captured graph on {:?} in this build", self.device),
-        })
+        self.sync_graph.slot.replay(self.device)?;
+        self.window.sync_replayed = true;
+        Ok(())
     }
 }
 
