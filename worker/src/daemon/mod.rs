@@ -164,6 +164,7 @@ fn step_msg(job: &str, generation: u64, rank: u32, r: &StepReport) -> WorkerMess
         eager_reason: r.eager_reason.clone(),
         sync_graph_replayed: r.sync_graph_replayed,
         sync_eager_reason: r.sync_eager_reason.clone(),
+        resumed_from: r.resumed_from.clone(),
     }))
 }
 
@@ -303,6 +304,8 @@ impl JobThread<'_> {
             None => {
                 let opts = RunOptions {
                     checkpoint_dir,
+                    job_id: Some(job.clone()),
+                    cluster: self.cfg.cluster.clone(),
                     resume_if_present: a.resume_step > 0 || a.generation > 1,
                     sample_log: self.cfg.sample_log.clone(),
                     micro_step_delay: self.cfg.micro_step_delay,

@@ -103,6 +103,7 @@ fn step(n: u64) -> WorkerMessage {
             eager_reason: String::new(),
             sync_graph_replayed: false,
             sync_eager_reason: String::new(),
+            resumed_from: String::new(),
         },
     )
 }

@@ -48,10 +48,18 @@ pub struct RunOptions {
     pub checkpoint_dir: Option<PathBuf>,
     /// Used for the default checkpoint folder (default `runs`).
     pub state_dir: Option<PathBuf>,
-    /// Continue from the checkpoint LATEST names.
+    /// The job's id (the coordinator's; default: the spec's name, as
+    /// `accrue-worker train` runs it): the owner of the checkpoint folder,
+    /// written into every checkpoint and checked on resume.
+    pub job_id: Option<String>,
+    /// The coordinator's cluster ("" without one), in the ownership record.
+    pub cluster: String,
+    /// Continue from the newest verified checkpoint (the one LATEST
+    /// names, else the newest step whose manifest verifies).
     pub resume: bool,
-    /// Continue from LATEST when there is one, else start fresh (a rank
-    /// joining a job that is being recovered).
+    /// Continue from the newest verified checkpoint when the folder holds
+    /// any step (failing, listing them, when none reads), else start fresh
+    /// (a rank joining a job that is being recovered or resumed).
     pub resume_if_present: bool,
     /// Append, for every committed window, the sample indices this rank
     /// read in it (recorded where the data reader fetched them; one JSON
@@ -171,6 +179,10 @@ pub struct StepReport {
     /// Why the sync step ran eagerly ("": on the device, as a graph or
     /// its body).
     pub sync_eager_reason: String,
+    /// The first report of this process or generation: where the rank's
+    /// state came from and why ("fresh start", "checkpoint step-32 (...)",
+    /// "rank 1's state (step 52)"); "" on later reports.
+    pub resumed_from: String,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -230,6 +242,14 @@ pub struct Engine<C: Collective> {
     /// The gradient-accumulation buffer every `.grad` is a view of.
     grads: FlatGrads,
     checkpoint_dir: PathBuf,
+    /// This job as the checkpoint folder's owner.
+    owner: checkpoint::owner::Owner,
+    /// Recovery fell back past an unreadable checkpoint to this step:
+    /// pruning never deletes it or an older one.
+    protect_upto: Option<u64>,
+    /// Where this rank's state came from, for the first step report of a
+    /// generation (taken then).
+    resumed_from: Option<String>,
     opts: RunOptions,
     last_checkpoint: Option<(u64, PathBuf)>,
     /// Whether this rank holds the job's committed state (it resumed or
@@ -378,10 +398,22 @@ impl<C: Collective> Engine<C> {
                 let state_dir = opts.state_dir.clone().unwrap_or_else(|| "runs".into());
                 accrue_proto::layout::default_checkpoint_dir(&state_dir, &spec.name)
             });
+        let owner = checkpoint::owner::Owner {
+            job_id: opts.job_id.clone().unwrap_or_else(|| spec.name.clone()),
+            cluster: opts.cluster.clone(),
+            spec_hash: spec_hash(&spec),
+            created_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as i64),
+        };
         let state = TrainerState {
             loss_scale: (spec.precision == crate::spec::Precision::Fp16)
                 .then(|| crate::amp::LossScale::new(&spec.loss_scaling)),
             job: spec.name.clone(),
+            job_id: owner.job_id.clone(),
+            spec_hash: owner.spec_hash.clone(),
+            model_kind: spec.model.kind.as_str().to_string(),
+            optimizer_kind: spec.optimizer.kind.as_str().to_string(),
             seed: spec.seed,
             lr: schedule.lr_at(0),
             world_size: world as u64,
@@ -422,6 +454,9 @@ impl<C: Collective> Engine<C> {
             agreed: Agreed::default(),
             grads,
             checkpoint_dir,
+            owner,
+            protect_upto: None,
+            resumed_from: None,
             opts,
             last_checkpoint: None,
             has_state: false,
@@ -429,21 +464,48 @@ impl<C: Collective> Engine<C> {
             zero_dirty: false,
         };
         engine.check_sharding()?;
-        let latest_exists = engine.checkpoint_dir.join(checkpoint::LATEST).exists();
-        if engine.opts.resume || (engine.opts.resume_if_present && latest_exists) {
-            engine.resume()?;
-        } else if engine.opts.resume_if_present {
-            // Joining a recovery before any checkpoint: the state comes
-            // from a surviving rank.
-        } else if let Some(n) = checkpoint::list_steps(&engine.checkpoint_dir)?.last() {
-            return Err(Error::Checkpoint {
-                path: engine.checkpoint_dir.clone(),
-                reason: format!(
-                    "already holds checkpoints (newest step-{n}); resume to continue, or choose another checkpoint.dir"
-                ),
-            });
+        let started = std::time::SystemTime::now();
+        if rank == 0 {
+            for p in checkpoint::sweep(&engine.checkpoint_dir, started)? {
+                tracing::warn!(path = %p.display(), "removed a temporary checkpoint file of a writer that died");
+            }
+        }
+        if engine.opts.resume || engine.opts.resume_if_present {
+            // Reads only after the owner check inside load_newest.
+            if !engine.resume()? {
+                if engine.opts.resume {
+                    return Err(Error::Checkpoint {
+                        path: engine.checkpoint_dir.clone(),
+                        reason: "no checkpoint to resume from (no step folder and no LATEST)".into(),
+                    });
+                }
+                // Joining a recovery before any checkpoint: the state
+                // comes from a surviving rank, or this is a fresh start.
+            }
+        } else {
+            engine.check_owner()?;
+            if let Some(n) = checkpoint::list_steps(&engine.checkpoint_dir)?.last() {
+                return Err(Error::Checkpoint {
+                    path: engine.checkpoint_dir.clone(),
+                    reason: format!(
+                        "already holds checkpoints (newest step-{n}); resume to continue, or choose another checkpoint.dir"
+                    ),
+                });
+            }
+        }
+        if engine.resumed_from.is_none() {
+            engine.resumed_from = Some("fresh start".into());
         }
         engine.sync_state()?;
+        if rank == 0 {
+            // Claimed before the first checkpoint (checked again at every
+            // write): the coordinator and other jobs see the owner early.
+            checkpoint::claim(
+                &mut checkpoint::disk::Local,
+                &engine.checkpoint_dir,
+                &engine.owner,
+            )?;
+        }
         engine.reshard();
         tracing::info!(rank, world, k, total_steps = engine.total_steps, step = engine.state.step, device = ?device, cuda_graphs = ?engine.graph.mode(), "engine ready");
         Ok(engine)
@@ -456,6 +518,7 @@ impl<C: Collective> Engine<C> {
     /// the rest of the epoch is re-sharded when the world size or k changed.
     pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
         self.discard_window()?;
+        self.resumed_from = Some(format!("its own state (step {})", self.state.step));
         self.graph.slot.reset();
         self.sync_graph.slot.reset();
         self.collective = collective;
@@ -494,21 +557,78 @@ impl<C: Collective> Engine<C> {
     pub fn collective_mut(&mut self) -> &mut C {
         &mut self.collective
     }
-    fn resume(&mut self) -> Result<()> {
-        let loaded =
-            checkpoint::read_latest(&self.checkpoint_dir)?.ok_or_else(|| Error::Checkpoint {
-                path: self.checkpoint_dir.clone(),
-                reason: "no checkpoint to resume from (no LATEST file)".into(),
-            })?;
+    /// Refuses a checkpoint folder another job owns.
+    fn check_owner(&self) -> Result<()> {
+        let dir = &self.checkpoint_dir;
+        let found = checkpoint::owner::read(dir).map_err(|reason| Error::Checkpoint {
+            path: dir.clone(),
+            reason,
+        })?;
+        match found.and_then(|o| checkpoint::owner::refusal(dir, &o, &self.owner)) {
+            Some(reason) => Err(Error::Checkpoint {
+                path: dir.clone(),
+                reason,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Loads the newest verified checkpoint (LATEST's step, else the
+    /// newest step whose manifest verifies); false when the folder holds
+    /// none. Weights, optimizer state and counters come from one folder.
+    fn resume(&mut self) -> Result<bool> {
+        let Some(found) = checkpoint::load_newest(&self.checkpoint_dir, &self.owner)? else {
+            return Ok(false);
+        };
+        let loaded = found.loaded;
+        self.check_resumable(&loaded)?;
+        if found.fell_back {
+            self.protect_upto = Some(loaded.state.step);
+        }
+        self.resumed_from = Some(format!("checkpoint {}", found.why));
         self.model.load_named(
             &loaded.path.join(checkpoint::MODEL_FILE),
             checkpoint::to_device(loaded.model, self.device)?,
         )?;
         self.load_optimizer_state(loaded.optimizer, loaded.state.optimizer_steps)?;
         self.last_checkpoint = Some((loaded.state.step, loaded.path.clone()));
-        self.state = loaded.state;
+        // The counters come from the folder the weights came from; this
+        // run's identity (job id, spec hash, kinds) is what it writes next.
+        let mut state = loaded.state;
+        if state.spec_hash != self.owner.spec_hash && !state.spec_hash.is_empty() {
+            tracing::info!(was = %state.spec_hash, now = %self.owner.spec_hash, "resuming with a changed spec");
+        }
+        state.job_id = self.owner.job_id.clone();
+        state.spec_hash = self.owner.spec_hash.clone();
+        state.model_kind = self.spec.model.kind.as_str().to_string();
+        state.optimizer_kind = self.spec.optimizer.kind.as_str().to_string();
+        self.state = state;
         self.has_state = true;
-        tracing::info!(step = self.state.step, path = %loaded.path.display(), "resumed");
+        tracing::info!(step = self.state.step, path = %loaded.path.display(), why = %found.why, "resumed");
+        Ok(true)
+    }
+
+    /// A checkpoint of another model or optimizer kind is refused naming
+    /// the field (shapes and names: [`Model::load_named`] names them).
+    fn check_resumable(&self, loaded: &checkpoint::Loaded) -> Result<()> {
+        let ours = [
+            ("model.kind", self.spec.model.kind.as_str(), &loaded.state.model_kind),
+            (
+                "optimizer.kind",
+                self.spec.optimizer.kind.as_str(),
+                &loaded.state.optimizer_kind,
+            ),
+        ];
+        for (field, now, then) in ours {
+            if !then.is_empty() && then != now {
+                return Err(Error::Checkpoint {
+                    path: loaded.path.clone(),
+                    reason: format!(
+                        "was written with {field} = \"{then}\", the spec says \"{now}\": a resume keeps the {field} (its state would not carry over)"
+                    ),
+                });
+            }
+        }
         Ok(())
     }
     pub fn parameters(&self) -> &[(String, Tensor)] {
@@ -555,7 +675,11 @@ impl<C: Collective> Engine<C> {
                 &self.state,
                 &model,
                 &opt,
-                self.spec.checkpoint.keep as usize,
+                &checkpoint::WriteOptions {
+                    keep: self.spec.checkpoint.keep as usize,
+                    owner: self.owner.clone(),
+                    protect_upto: self.protect_upto,
+                },
             )?
         } else {
             self.checkpoint_dir
@@ -641,6 +765,17 @@ impl<C: Collective> Engine<C> {
             finished: !stopped,
         })
     }
+}
+
+/// SHA-256 (hex) of the spec as JSON: recorded in the folder's ownership
+/// record and in every checkpoint.
+fn spec_hash(spec: &JobSpec) -> String {
+    use sha2::Digest;
+    let json = serde_json::to_vec(spec).unwrap_or_default();
+    sha2::Sha256::digest(&json)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// A data error naming the spec's data path (or its kind when it has none).

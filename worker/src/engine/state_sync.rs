@@ -155,6 +155,7 @@ impl<C: Collective> Engine<C> {
         self.collective.broadcast_bytes(&mut bytes, source)?;
         if rank != source {
             self.unpack_state(&bytes)?;
+            self.resumed_from = Some(format!("rank {source}'s state (step {})", self.state.step));
         }
         self.has_state = true;
         tracing::info!(
@@ -180,7 +181,8 @@ impl<C: Collective> Engine<C> {
             self.has_state = true;
             return Ok(());
         }
-        let latest = crate::checkpoint::read_latest(&self.checkpoint_dir)?.map(|c| c.state.step);
+        let latest = crate::checkpoint::load_newest(&self.checkpoint_dir, &self.owner)?
+            .map(|c| c.loaded.state.step);
         let at = all_gather_u64(&mut self.collective, latest.map_or(0, |s| s + 1))?;
         if let Some(&first) = at.first().filter(|&&a| a > 0 && at.iter().all(|&x| x == a)) {
             tracing::warn!(
@@ -189,7 +191,12 @@ impl<C: Collective> Engine<C> {
                 checkpoint_step = first - 1,
                 "sharded optimizer state incomplete in the new ring: every rank rolls back to the last checkpoint"
             );
-            self.resume()?;
+            if !self.resume()? {
+                return Err(Error::Checkpoint {
+                    path: self.checkpoint_dir.clone(),
+                    reason: "the checkpoint to roll back to disappeared".into(),
+                });
+            }
             return Ok(());
         }
         Err(Error::Sharding(format!(

@@ -446,6 +446,7 @@ impl<C: Collective> Engine<C> {
             eager_reason: window.eager_reason.unwrap_or_default(),
             sync_graph_replayed: window.sync_replayed,
             sync_eager_reason: window.sync_eager_reason.unwrap_or_default(),
+            resumed_from: self.resumed_from.take().unwrap_or_default(),
         })
     }
 

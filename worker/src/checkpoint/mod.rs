@@ -1,0 +1,689 @@
+//! Checkpoints: `<dir>/OWNER.json` (the one job the folder belongs to),
+//! `<dir>/step-<N>/{model.safetensors, optimizer.safetensors, trainer.json,
+//! MANIFEST.json}` and `<dir>/LATEST` naming the newest complete step.
+//!
+//! A write is durable and atomic: every file is written into a temporary
+//! folder and fsynced, the manifest (sizes and CRC-32s) last, then the
+//! folder is fsynced, renamed into place and its parent fsynced; LATEST is
+//! replaced the same way. Any error removes the temporary folder, so a full
+//! disk leaves LATEST on the last complete step and nothing half-written.
+//!
+//! Reading verifies the manifest. Recovery ([`load_newest`]) takes the step
+//! LATEST names, or, when LATEST is missing or names a step that does not
+//! verify, the newest step that does, saying what it skipped; weights and
+//! counters always come from one folder.
+
+pub mod disk;
+pub mod manifest;
+pub mod owner;
+
+use crate::error::{Error, Result, TorchContext};
+use disk::Disk;
+use owner::Owner;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use tch::{Device, Tensor};
+
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const TRAINER_FILE: &str = "trainer.json";
+pub const LATEST: &str = "LATEST";
+
+/// Counters and the data cursor: everything besides tensors a resume needs.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct TrainerState {
+    pub job: String,
+    /// The id of the job that wrote it (the coordinator's; `accrue-worker
+    /// train`: the job's name), the SHA-256 of its spec, and the model and
+    /// optimizer kinds: a resume of another job, or with another model or
+    /// optimizer kind, is refused naming what differs.
+    #[serde(default)]
+    pub job_id: String,
+    #[serde(default)]
+    pub spec_hash: String,
+    #[serde(default)]
+    pub model_kind: String,
+    #[serde(default)]
+    pub optimizer_kind: String,
+    /// Optimizer steps committed (skipped ones included).
+    pub step: u64,
+    /// Micro-steps this rank has run.
+    pub micro_step: u64,
+    /// Epoch of the data cursor.
+    pub epoch: u64,
+    /// Next micro-batch of `epoch` (always a window boundary).
+    pub cursor: u64,
+    /// Samples consumed by committed steps over all ranks.
+    pub samples_seen: u64,
+    pub skipped_steps: u64,
+    /// Updates the optimizer applied (Adam's bias correction counts these).
+    pub optimizer_steps: u64,
+    pub seed: u64,
+    /// The learning rate of the last committed step.
+    pub lr: f64,
+    /// The world size and k the cursor counts in.
+    pub world_size: u64,
+    pub accumulation_steps: u64,
+    /// Samples of the epoch's order consumed before the current sharding
+    /// began (non-zero after the world size changed mid-epoch).
+    #[serde(default)]
+    pub epoch_offset: u64,
+    /// fp16's loss scale and growth tracker (issue 18; None otherwise).
+    #[serde(default)]
+    pub loss_scale: Option<crate::amp::LossScale>,
+}
+
+fn ckpt_err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// The folder name of step `n`.
+pub fn step_name(n: u64) -> String {
+    format!("step-{n}")
+}
+
+/// A tensor's bytes, ready for the safetensors format.
+struct Owned {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl safetensors::tensor::View for &Owned {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// `tensors` in the safetensors format (copied to the host first).
+pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let owned = tensors
+        .iter()
+        .map(|(n, t)| {
+            let t = t
+                .f_detach()
+                .and_then(|t| t.f_to_device(Device::Cpu))
+                .and_then(|t| t.f_contiguous())
+                .ctx("copying a tensor for the checkpoint")?;
+            let dtype = safetensors::Dtype::try_from(t.kind())
+                .map_err(|e| Error::Model(format!("{n}: cannot be checkpointed: {e}")))?;
+            let numel = t.numel();
+            let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+            t.f_copy_data_u8(&mut data, numel)
+                .ctx("copying a tensor for the checkpoint")?;
+            let shape = t.size().iter().map(|&d| d as usize).collect();
+            Ok((n.clone(), Owned { dtype, shape, data }))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::tensor::serialize(owned.iter().map(|(n, o)| (n.as_str(), o)), &None)
+        .map_err(|e| Error::Model(format!("serialising the checkpoint's tensors: {e}")))
+}
+
+/// Tensors from safetensors bytes (`path` names them in errors).
+fn tensors_from(bytes: &[u8], path: &Path) -> std::result::Result<Vec<(String, Tensor)>, String> {
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            Tensor::try_from(v)
+                .map(|t| (n, t))
+                .map_err(|e| format!("{}: {e}", path.display()))
+        })
+        .collect()
+}
+
+/// What a write puts into a step folder, serialised.
+pub struct Payload {
+    pub model: Vec<u8>,
+    pub optimizer: Vec<u8>,
+    pub trainer: Vec<u8>,
+}
+
+impl Payload {
+    pub fn new(
+        state: &TrainerState,
+        model: &[(String, Tensor)],
+        optimizer: &[(String, Tensor)],
+    ) -> Result<Self> {
+        Ok(Self {
+            model: safetensors_bytes(model)?,
+            optimizer: safetensors_bytes(optimizer)?,
+            trainer: serde_json::to_vec_pretty(state)
+                .map_err(|e| Error::Model(format!("trainer state: {e}")))?,
+        })
+    }
+}
+
+/// How a write treats the folder.
+#[derive(Clone, Debug)]
+pub struct WriteOptions {
+    /// Keep the newest `keep` steps (at least 1).
+    pub keep: usize,
+    /// The folder's owner: claimed when the folder has none, refused when
+    /// it names another job.
+    pub owner: Owner,
+    /// Never prune this step or an older one (recovery fell back past an
+    /// unreadable checkpoint: keep what is left of the history).
+    pub protect_upto: Option<u64>,
+}
+
+/// Writes step-`state.step` durably and atomically, points LATEST at it and
+/// prunes to the newest `keep` (see the module documentation).
+pub fn write(
+    dir: &Path,
+    state: &TrainerState,
+    model: &[(String, Tensor)],
+    optimizer: &[(String, Tensor)],
+    opts: &WriteOptions,
+) -> Result<PathBuf> {
+    let payload = Payload::new(state, model, optimizer)?;
+    write_on(&mut disk::Local, dir, state.step, &payload, opts)
+}
+
+/// Claims `dir` for `me` unless it is claimed: refused when another job
+/// owns it.
+pub fn claim(disk: &mut dyn Disk, dir: &Path, me: &Owner) -> Result<()> {
+    match owner::read(dir).map_err(|e| ckpt_err(dir, e))? {
+        Some(o) => match owner::refusal(dir, &o, me) {
+            Some(r) => Err(ckpt_err(dir, r)),
+            None => Ok(()),
+        },
+        None => {
+            let existed = dir.is_dir();
+            disk.create_dir_all(dir)
+                .map_err(|e| ckpt_err(dir, format!("creating the folder: {e}")))?;
+            if !existed {
+                if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    disk.sync_dir(parent)
+                        .map_err(|e| ckpt_err(parent, format!("fsync: {e}")))?;
+                }
+            }
+            owner::claim(disk, dir, me)
+                .map_err(|e| ckpt_err(dir, format!("writing {}: {e}", owner::OWNER_FILE)))
+        }
+    }
+}
+
+/// [`write`] on `disk`, with the payload already serialised.
+pub fn write_on(
+    disk: &mut dyn Disk,
+    dir: &Path,
+    step: u64,
+    payload: &Payload,
+    opts: &WriteOptions,
+) -> Result<PathBuf> {
+    claim(disk, dir, &opts.owner)?;
+    let name = step_name(step);
+    let final_dir = dir.join(&name);
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    if let Err(e) = write_step(disk, &tmp, step, payload) {
+        // Best effort: a crashed process cannot, the sweep at the next
+        // start does.
+        if tmp.exists() {
+            let _ = disk.remove_dir_all(&tmp);
+        }
+        return Err(ckpt_err(
+            dir,
+            format!(
+                "writing {name} failed: {e}; {} (the temporary folder was removed)",
+                latest_says(dir)
+            ),
+        ));
+    }
+    let publish = |disk: &mut dyn Disk| -> std::io::Result<()> {
+        if final_dir.exists() {
+            disk.remove_dir_all(&final_dir)?;
+        }
+        disk.rename(&tmp, &final_dir)?;
+        disk.sync_dir(dir)
+    };
+    if let Err(e) = publish(disk) {
+        if tmp.exists() {
+            let _ = disk.remove_dir_all(&tmp);
+        }
+        return Err(ckpt_err(&final_dir, format!("renaming into place: {e}")));
+    }
+    let latest_tmp = dir.join(format!(".{LATEST}.tmp-{}", std::process::id()));
+    let point = |disk: &mut dyn Disk| -> std::io::Result<()> {
+        disk.write(&latest_tmp, format!("{name}\n").as_bytes())?;
+        disk.sync_file(&latest_tmp)?;
+        disk.rename(&latest_tmp, &dir.join(LATEST))?;
+        disk.sync_dir(dir)
+    };
+    if let Err(e) = point(disk) {
+        if latest_tmp.exists() {
+            let _ = disk.remove_file(&latest_tmp);
+        }
+        return Err(ckpt_err(
+            &dir.join(LATEST),
+            format!("pointing LATEST at {name} (complete, kept): {e}"),
+        ));
+    }
+    prune(disk, dir, opts.keep, step, opts.protect_upto)?;
+    Ok(final_dir)
+}
+
+/// The files of one step into `tmp`, each fsynced, the manifest last, then
+/// the folder.
+fn write_step(
+    disk: &mut dyn Disk,
+    tmp: &Path,
+    step: u64,
+    p: &Payload,
+) -> std::result::Result<(), String> {
+    fn at(path: &Path) -> impl FnOnce(std::io::Error) -> String + '_ {
+        move |e| format!("{}: {e}", path.display())
+    }
+    if tmp.exists() {
+        disk.remove_dir_all(tmp).map_err(at(tmp))?;
+    }
+    disk.create_dir_all(tmp).map_err(at(tmp))?;
+    let files: [(&str, &[u8]); 3] = [
+        (MODEL_FILE, &p.model),
+        (OPTIMIZER_FILE, &p.optimizer),
+        (TRAINER_FILE, &p.trainer),
+    ];
+    for (name, bytes) in files {
+        let path = tmp.join(name);
+        disk.write(&path, bytes).map_err(at(&path))?;
+        disk.sync_file(&path).map_err(at(&path))?;
+    }
+    let m = manifest::Manifest::of(step, &files);
+    let path = tmp.join(manifest::MANIFEST_FILE);
+    let text = serde_json::to_vec_pretty(&m).map_err(|e| e.to_string())?;
+    disk.write(&path, &text).map_err(at(&path))?;
+    disk.sync_file(&path).map_err(at(&path))?;
+    disk.sync_dir(tmp).map_err(at(tmp))
+}
+
+/// "LATEST still names step-N" (or that there is none), for errors.
+fn latest_says(dir: &Path) -> String {
+    match std::fs::read_to_string(dir.join(LATEST)) {
+        Ok(s) => format!("LATEST still names {}", s.trim()),
+        Err(_) => "no LATEST yet".into(),
+    }
+}
+
+/// The step numbers of the step folders in `dir`, ascending (complete or
+/// not: [`read`] tells).
+pub fn list_steps(dir: &Path) -> Result<Vec<u64>> {
+    let mut steps = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(steps),
+        Err(e) => {
+            return Err(Error::Io {
+                path: dir.to_path_buf(),
+                source: e,
+            })
+        }
+    };
+    for entry in entries {
+        let entry = entry.map_err(crate::error::io_err(dir))?;
+        if let Some(n) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.strip_prefix("step-"))
+            .and_then(|s| s.parse().ok())
+        {
+            steps.push(n);
+        }
+    }
+    steps.sort_unstable();
+    Ok(steps)
+}
+
+/// The steps to delete so that at most `keep` steps up to `newest` remain
+/// besides the protected ones: the oldest first, never `newest`, never one
+/// newer (not this run's to judge), never one at or below `protect_upto`
+/// (they do not count against `keep`).
+pub fn to_prune(steps: &[u64], keep: usize, newest: u64, protect_upto: Option<u64>) -> Vec<u64> {
+    let open: Vec<u64> = steps
+        .iter()
+        .copied()
+        .filter(|&s| s <= newest && protect_upto.is_none_or(|p| s > p))
+        .collect();
+    let excess = open.len().saturating_sub(keep.max(1));
+    open.into_iter().filter(|&s| s != newest).take(excess).collect()
+}
+
+fn prune(
+    disk: &mut dyn Disk,
+    dir: &Path,
+    keep: usize,
+    newest: u64,
+    protect_upto: Option<u64>,
+) -> Result<()> {
+    for step in to_prune(&list_steps(dir)?, keep, newest, protect_upto) {
+        let p = dir.join(step_name(step));
+        disk.remove_dir_all(&p)
+            .map_err(|e| ckpt_err(&p, format!("pruning: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Removes the temporary files and folders (`.step-*.tmp-<pid>`,
+/// `.LATEST.tmp-<pid>`, `.OWNER.json.tmp-<pid>`) that dead writers left:
+/// their pid is no longer alive, or they are older than `started` (this
+/// job's start: no live writer of this job made them). Returns what it
+/// removed.
+pub fn sweep(dir: &Path, started: std::time::SystemTime) -> Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+        Err(e) => return Err(crate::error::io_err(dir)(e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(crate::error::io_err(dir))?;
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.starts_with('.'))
+            .and_then(|n| n.rsplit_once(".tmp-"))
+            .and_then(|(_, pid)| pid.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let older = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|m| m < started);
+        if older || !pid_alive(pid) {
+            let path = entry.path();
+            let r = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            r.map_err(crate::error::io_err(&path))?;
+            removed.push(path);
+        }
+    }
+    Ok(removed)
+}
+
+/// Whether a process `pid` runs on this machine.
+fn pid_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the
+    // process exists (EPERM: it exists, owned by another user).
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// A loaded checkpoint.
+pub struct Loaded {
+    pub path: PathBuf,
+    pub state: TrainerState,
+    pub model: Vec<(String, Tensor)>,
+    pub optimizer: Vec<(String, Tensor)>,
+}
+
+/// Reads step folder `path` (named `step-<N>`), verifying its manifest and
+/// that trainer.json is step N's. The error is one line.
+fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
+    let step: u64 = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("step-"))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("{} is not a step-<N> folder", path.display()))?;
+    let mut files = manifest::read_verified(path, step)?;
+    let mut take = |name: &str| {
+        files
+            .remove(name)
+            .ok_or_else(|| format!("{} lists no {name}", manifest::MANIFEST_FILE))
+    };
+    let trainer = take(TRAINER_FILE)?;
+    let model = take(MODEL_FILE)?;
+    let optimizer = take(OPTIMIZER_FILE)?;
+    let state: TrainerState = serde_json::from_slice(&trainer)
+        .map_err(|e| format!("{TRAINER_FILE}: {e}"))?;
+    if state.step != step {
+        return Err(format!(
+            "{TRAINER_FILE} holds step {}, the folder is step {step}",
+            state.step
+        ));
+    }
+    Ok(Loaded {
+        path: path.to_path_buf(),
+        state,
+        model: tensors_from(&model, &path.join(MODEL_FILE))?,
+        optimizer: tensors_from(&optimizer, &path.join(OPTIMIZER_FILE))?,
+    })
+}
+
+/// Reads and verifies the step folder `path`.
+pub fn read(path: &Path) -> Result<Loaded> {
+    read_step(path).map_err(|e| ckpt_err(path, e))
+}
+
+/// Reads the checkpoint LATEST names (verified), or None without LATEST.
+pub fn read_latest(dir: &Path) -> Result<Option<Loaded>> {
+    match latest_name(dir).map_err(|e| ckpt_err(&dir.join(LATEST), e))? {
+        None => Ok(None),
+        Some(n) => read(&dir.join(step_name(n))).map(Some),
+    }
+}
+
+/// The step LATEST names; None when there is no LATEST.
+fn latest_name(dir: &Path) -> std::result::Result<Option<u64>, String> {
+    let text = match std::fs::read_to_string(dir.join(LATEST)) {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    let name = text.trim();
+    name.strip_prefix("step-")
+        .and_then(|n| n.parse().ok())
+        .map(Some)
+        .ok_or_else(|| format!("names {name:?}, expected step-<N>"))
+}
+
+/// The checkpoint a recovery continues from, and why that one.
+pub struct Found {
+    pub loaded: Loaded,
+    /// "step-32 (named by LATEST)" or "step-32 (LATEST missing; skipped
+    /// step-48: model.safetensors: ...)".
+    pub why: String,
+    /// LATEST was missing or unreadable: an older step was taken.
+    pub fell_back: bool,
+}
+
+/// What [`choose`] decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// Load this step; (the steps skipped, why) on the way.
+    Take {
+        step: u64,
+        skipped: Vec<(u64, String)>,
+        fell_back: bool,
+    },
+    /// No step folder and no LATEST: a fresh start.
+    Nothing,
+    /// Step folders (or a LATEST) exist but none verifies.
+    NoneReadable {
+        latest: String,
+        skipped: Vec<(u64, String)>,
+    },
+}
+
+/// The decision of [`load_newest`], pure: `latest` is what LATEST names
+/// (Ok(None): no LATEST; Err: unreadable), `steps` the step folders found
+/// and `verify` whether one reads. LATEST's step when it verifies, else the
+/// newest step that does.
+pub fn choose(
+    latest: &std::result::Result<Option<u64>, String>,
+    steps: &[u64],
+    mut verify: impl FnMut(u64) -> std::result::Result<(), String>,
+) -> Choice {
+    let mut skipped = Vec::new();
+    let mut tried = None;
+    let latest_text = match latest {
+        Ok(Some(n)) => {
+            tried = Some(*n);
+            match verify(*n) {
+                Ok(()) => {
+                    return Choice::Take {
+                        step: *n,
+                        skipped,
+                        fell_back: false,
+                    }
+                }
+                Err(e) => {
+                    skipped.push((*n, e));
+                    format!("LATEST names step-{n}, which does not verify")
+                }
+            }
+        }
+        Ok(None) => "LATEST missing".to_string(),
+        Err(e) => format!("LATEST unreadable ({e})"),
+    };
+    for &s in steps.iter().rev().filter(|&&s| Some(s) != tried) {
+        match verify(s) {
+            Ok(()) => {
+                return Choice::Take {
+                    step: s,
+                    skipped,
+                    fell_back: true,
+                }
+            }
+            Err(e) => skipped.push((s, e)),
+        }
+    }
+    if steps.is_empty() && matches!(latest, Ok(None)) {
+        Choice::Nothing
+    } else {
+        Choice::NoneReadable {
+            latest: latest_text,
+            skipped,
+        }
+    }
+}
+
+fn list_skipped(skipped: &[(u64, String)]) -> String {
+    skipped
+        .iter()
+        .map(|(s, e)| format!("step-{s}: {e}"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The checkpoint to continue `me`'s job from: LATEST's step when it
+/// verifies, else the newest step that does (a warning names what was
+/// skipped). None for a folder with no checkpoint at all; an error listing
+/// what was found when steps exist and none reads, or when the folder or a
+/// checkpoint belongs to another job.
+pub fn load_newest(dir: &Path, me: &Owner) -> Result<Option<Found>> {
+    if let Some(o) = owner::read(dir).map_err(|e| ckpt_err(dir, e))? {
+        if let Some(r) = owner::refusal(dir, &o, me) {
+            return Err(ckpt_err(dir, r));
+        }
+    }
+    let latest = latest_name(dir);
+    let steps = list_steps(dir)?;
+    let mut cache: Option<(u64, Loaded)> = None;
+    let choice = choose(&latest, &steps, |s| {
+        let l = read_step(&dir.join(step_name(s)))?;
+        cache = Some((s, l));
+        Ok(())
+    });
+    let latest_text = match &latest {
+        Ok(Some(n)) => format!("LATEST names step-{n}, which does not verify"),
+        Ok(None) => "LATEST missing".to_string(),
+        Err(e) => format!("LATEST unreadable ({e})"),
+    };
+    match choice {
+        Choice::Nothing => Ok(None),
+        Choice::NoneReadable { latest, skipped } => Err(ckpt_err(
+            dir,
+            format!(
+                "no readable checkpoint to continue from: {latest}; {}; the job does not start again from step 0 while step folders exist (move them away to start afresh)",
+                if skipped.is_empty() {
+                    "no step folders".to_string()
+                } else {
+                    list_skipped(&skipped)
+                }
+            ),
+        )),
+        Choice::Take {
+            step,
+            skipped,
+            fell_back,
+        } => {
+            let loaded = match cache {
+                Some((s, l)) if s == step => l,
+                // choose() stops at the first step that verifies, which is
+                // the last one read; read again only if that ever changes.
+                _ => read(&dir.join(step_name(step)))?,
+            };
+            check_job(&loaded, me)?;
+            let why = if fell_back {
+                format!(
+                    "step-{step} ({latest_text}{})",
+                    if skipped.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; skipped {}", list_skipped(&skipped))
+                    }
+                )
+            } else {
+                format!("step-{step} (named by LATEST)")
+            };
+            if fell_back {
+                tracing::warn!(dir = %dir.display(), step, "recovery without a readable LATEST: {why}");
+            }
+            Ok(Some(Found {
+                loaded,
+                why,
+                fell_back,
+            }))
+        }
+    }
+}
+
+/// A checkpoint of another job is refused, naming both.
+fn check_job(loaded: &Loaded, me: &Owner) -> Result<()> {
+    let theirs = if loaded.state.job_id.is_empty() {
+        &loaded.state.job
+    } else {
+        &loaded.state.job_id
+    };
+    if *theirs != me.job_id {
+        return Err(ckpt_err(
+            &loaded.path,
+            format!(
+                "was written by job {theirs}; this is job {}: a job resumes only from its own checkpoints",
+                me.job_id
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Moves loaded tensors to `device`.
+pub fn to_device(tensors: Vec<(String, Tensor)>, device: Device) -> Result<Vec<(String, Tensor)>> {
+    tensors
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.f_to_device(device).ctx("moving checkpoint tensors")?)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

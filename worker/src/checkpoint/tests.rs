@@ -1,0 +1,296 @@
+use super::disk::{Cut, Failing, Op, Recording};
+use super::*;
+use proptest::prelude::*;
+
+fn me(job: &str) -> Owner {
+    Owner {
+        job_id: job.into(),
+        cluster: String::new(),
+        spec_hash: "h".into(),
+        created_unix_ms: 0,
+    }
+}
+
+fn opts(keep: usize) -> WriteOptions {
+    WriteOptions {
+        keep,
+        owner: me("j"),
+        protect_upto: None,
+    }
+}
+
+/// A step's payload whose every value says the step: a mix of two steps
+/// shows.
+fn payload(step: u64) -> Payload {
+    let state = TrainerState {
+        job: "j".into(),
+        job_id: "j".into(),
+        step,
+        samples_seen: step * 10,
+        ..Default::default()
+    };
+    let v = step as f32;
+    Payload::new(
+        &state,
+        &[("0.weight".into(), Tensor::from_slice(&[v; 6]).view([2, 3]))],
+        &[("0.weight.momentum_buffer".into(), Tensor::from_slice(&[-v; 6]).view([2, 3]))],
+    )
+    .unwrap()
+}
+
+/// The step a loaded checkpoint's tensors and counters say, asserting they
+/// agree.
+fn consistent_step(l: &Loaded) -> u64 {
+    let m = Vec::<f32>::try_from(l.model[0].1.flatten(0, -1)).unwrap();
+    let o = Vec::<f32>::try_from(l.optimizer[0].1.flatten(0, -1)).unwrap();
+    let s = l.state.step;
+    assert!(m.iter().all(|&x| x == s as f32), "model {m:?} at step {s}");
+    assert!(o.iter().all(|&x| x == -(s as f32)), "optimizer {o:?} at step {s}");
+    assert_eq!(l.state.samples_seen, s * 10);
+    s
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<String> = entries
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn the_writer_fsyncs_every_file_the_folder_and_the_parent_after_each_rename() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("ck");
+    let mut disk = Recording::default();
+    write_on(&mut disk, &dir, 5, &payload(5), &opts(2)).unwrap();
+    let ops = disk.ops;
+    let pos = |op: &Op| {
+        ops.iter()
+            .position(|o| o == op)
+            .unwrap_or_else(|| panic!("{op:?} not in {ops:#?}"))
+    };
+    let s = |p: PathBuf| p.display().to_string();
+    let tmp = dir.join(format!(".step-5.tmp-{}", std::process::id()));
+    let fin = dir.join("step-5");
+    let rename = pos(&Op::Rename(s(tmp.clone()), s(fin.clone())));
+    for f in [MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, manifest::MANIFEST_FILE] {
+        let w = pos(&Op::Write(s(tmp.join(f))));
+        let sync = pos(&Op::SyncFile(s(tmp.join(f))));
+        assert!(w < sync && sync < rename, "{f}: write {w}, fsync {sync}, rename {rename}");
+    }
+    // The manifest is the last file written.
+    assert!(pos(&Op::Write(s(tmp.join(manifest::MANIFEST_FILE)))) > pos(&Op::SyncFile(s(tmp.join(TRAINER_FILE)))));
+    let tmp_sync = pos(&Op::SyncDir(s(tmp.clone())));
+    assert!(tmp_sync < rename);
+    let latest_tmp = dir.join(format!(".LATEST.tmp-{}", std::process::id()));
+    let latest_rename = pos(&Op::Rename(s(latest_tmp.clone()), s(dir.join(LATEST))));
+    assert!(pos(&Op::SyncFile(s(latest_tmp))) < latest_rename);
+    // The parent is fsynced after the step's rename and again after LATEST's.
+    let parent_syncs: Vec<usize> = ops
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| **o == Op::SyncDir(s(dir.clone())))
+        .map(|(i, _)| i)
+        .collect();
+    assert!(parent_syncs.iter().any(|&i| i > rename && i < latest_rename), "{ops:#?}");
+    assert!(parent_syncs.iter().any(|&i| i > latest_rename), "{ops:#?}");
+    // The owner record went first, durably, and the folder's parent too.
+    let owner_sync = pos(&Op::SyncDir(s(dir.clone())));
+    assert!(owner_sync < pos(&Op::CreateDir(s(tmp))));
+    assert!(ops.contains(&Op::SyncDir(s(d.path().to_path_buf()))));
+    assert_eq!(consistent_step(&read_latest(&dir).unwrap().unwrap()), 5);
+}
+
+#[test]
+fn a_full_disk_at_any_operation_leaves_no_temporary_folder_and_latest_on_the_last_step() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("ck");
+    write_on(&mut disk::Local, &dir, 1, &payload(1), &opts(3)).unwrap();
+    let mut count = Recording::default();
+    let probe = d.path().join("probe");
+    write_on(&mut count, &probe, 2, &payload(2), &opts(3)).unwrap();
+    let n = count.ops.len();
+    for at in 0..n {
+        let mut full = Failing::new(at, Cut::Full);
+        let r = write_on(&mut full, &dir, 2, &payload(2), &opts(3));
+        let latest = read_latest(&dir).unwrap().unwrap();
+        let left: Vec<String> = names(&dir).into_iter().filter(|n| n.contains(".tmp-")).collect();
+        assert!(left.is_empty(), "op {at}: left {left:?}");
+        match r {
+            Err(e) => {
+                let e = e.to_string();
+                // Before LATEST moved: it still names step-1, and says so.
+                if consistent_step(&latest) == 1 {
+                    assert!(e.contains("No space left on device"), "op {at}: {e}");
+                }
+            }
+            Ok(_) => assert_eq!(consistent_step(&latest), 2, "op {at}"),
+        }
+        // Start each round from step-1 alone.
+        let _ = std::fs::remove_dir_all(dir.join("step-2"));
+        write_on(&mut disk::Local, &dir, 1, &payload(1), &opts(3)).unwrap();
+    }
+}
+
+#[test]
+fn recovery_without_latest_takes_the_newest_step_that_verifies_and_says_what_it_skipped() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    for s in [16, 32, 48] {
+        write_on(&mut disk::Local, dir, s, &payload(s), &opts(3)).unwrap();
+    }
+    let found = load_newest(dir, &me("j")).unwrap().unwrap();
+    assert_eq!((consistent_step(&found.loaded), found.fell_back), (48, false));
+    assert_eq!(found.why, "step-48 (named by LATEST)");
+    // LATEST removed: the newest step that verifies.
+    std::fs::remove_file(dir.join(LATEST)).unwrap();
+    let found = load_newest(dir, &me("j")).unwrap().unwrap();
+    assert_eq!((consistent_step(&found.loaded), found.fell_back), (48, true));
+    assert!(found.why.contains("LATEST missing"), "{}", found.why);
+    // The newest model.safetensors truncated: the previous step, naming why.
+    let model = dir.join("step-48").join(MODEL_FILE);
+    let len = std::fs::metadata(&model).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&model).unwrap().set_len(len / 2).unwrap();
+    let found = load_newest(dir, &me("j")).unwrap().unwrap();
+    assert_eq!(consistent_step(&found.loaded), 32);
+    assert!(found.why.contains("skipped step-48: model.safetensors") && found.why.contains("bytes, the manifest says"), "{}", found.why);
+    // With LATEST back on the damaged step: the same fallback, said so.
+    std::fs::write(dir.join(LATEST), "step-48\n").unwrap();
+    let found = load_newest(dir, &me("j")).unwrap().unwrap();
+    assert_eq!(consistent_step(&found.loaded), 32);
+    assert!(found.why.contains("LATEST names step-48, which does not verify"), "{}", found.why);
+    // Nothing readable: an error listing every step, never a fresh start.
+    for s in [16, 32] {
+        std::fs::remove_file(dir.join(format!("step-{s}")).join(manifest::MANIFEST_FILE)).unwrap();
+    }
+    let e = load_newest(dir, &me("j")).err().unwrap().to_string();
+    for s in ["step-48:", "step-32: no MANIFEST.json", "step-16: no MANIFEST.json", "does not start again from step 0"] {
+        assert!(e.contains(s), "{s} not in {e}");
+    }
+    // An empty folder: a fresh start.
+    assert!(load_newest(&dir.join("empty"), &me("j")).unwrap().is_none());
+}
+
+#[test]
+fn another_jobs_folder_or_checkpoint_is_refused_naming_both() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    write_on(&mut disk::Local, dir, 4, &payload(4), &opts(3)).unwrap();
+    let e = load_newest(dir, &me("other")).err().unwrap().to_string();
+    assert!(e.contains("belongs to job j") && e.contains("this is job other"), "{e}");
+    let mut o = opts(3);
+    o.owner = me("other");
+    let e = write_on(&mut disk::Local, dir, 8, &payload(8), &o).unwrap_err().to_string();
+    assert!(e.contains("belongs to job j"), "{e}");
+    assert_eq!(list_steps(dir).unwrap(), vec![4]);
+    // A checkpoint of another job in an unclaimed folder (copied in).
+    std::fs::remove_file(dir.join(owner::OWNER_FILE)).unwrap();
+    let e = load_newest(dir, &me("other")).err().unwrap().to_string();
+    assert!(e.contains("written by job j; this is job other"), "{e}");
+}
+
+#[test]
+fn pruning_keeps_the_newest_and_never_touches_protected_or_newer_steps() {
+    assert_eq!(to_prune(&[1, 2, 3, 4], 2, 4, None), vec![1, 2]);
+    assert_eq!(to_prune(&[1, 2, 3, 4], 2, 4, Some(2)), Vec::<u64>::new());
+    assert_eq!(to_prune(&[1, 2, 3, 4, 5], 2, 5, Some(2)), vec![3]);
+    // Steps newer than the one written stay (a run that went back).
+    assert_eq!(to_prune(&[150, 200, 250, 50], 1, 50, None), Vec::<u64>::new());
+    assert_eq!(to_prune(&[10, 50, 200], 1, 50, None), vec![10]);
+    assert_eq!(to_prune(&[7], 0, 7, None), Vec::<u64>::new());
+}
+
+#[test]
+fn choose_prefers_latest_then_the_newest_that_verifies() {
+    let ok_but = |bad: &'static [u64]| move |s: u64| if bad.contains(&s) { Err("bad".to_string()) } else { Ok(()) };
+    assert_eq!(choose(&Ok(None), &[], ok_but(&[])), Choice::Nothing);
+    assert_eq!(
+        choose(&Ok(Some(3)), &[1, 3, 5], ok_but(&[])),
+        Choice::Take { step: 3, skipped: vec![], fell_back: false }
+    );
+    assert_eq!(
+        choose(&Ok(Some(5)), &[1, 3, 5], ok_but(&[5])),
+        Choice::Take { step: 3, skipped: vec![(5, "bad".into())], fell_back: true }
+    );
+    assert_eq!(
+        choose(&Err("x".into()), &[1, 3], ok_but(&[3])),
+        Choice::Take { step: 1, skipped: vec![(3, "bad".into())], fell_back: true }
+    );
+    assert!(matches!(choose(&Ok(Some(2)), &[], ok_but(&[2])), Choice::NoneReadable { .. }));
+}
+
+#[test]
+fn stale_temporary_folders_of_dead_writers_are_swept() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    write_on(&mut disk::Local, dir, 1, &payload(1), &opts(3)).unwrap();
+    // A dead pid's, and an old one of a live pid (ours, made before start).
+    let dead = dir.join(".step-2.tmp-999999999");
+    std::fs::create_dir(&dead).unwrap();
+    let mine = dir.join(format!(".step-3.tmp-{}", std::process::id()));
+    std::fs::create_dir(&mine).unwrap();
+    let fresh = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    let removed = sweep(dir, fresh).unwrap();
+    assert_eq!(removed, vec![dead.clone()]);
+    assert!(mine.exists());
+    let removed = sweep(dir, std::time::SystemTime::now() + std::time::Duration::from_secs(1)).unwrap();
+    assert_eq!(removed, vec![mine]);
+    assert_eq!(names(dir), vec!["LATEST", "OWNER.json", "step-1"]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Writes of increasing steps, some cut at a random operation (a crash:
+    /// nothing after it runs, the cut write leaves half its bytes), each
+    /// followed by a resume as a new process would do it: LATEST, when
+    /// present, names a step whose manifest verifies; the resume loads the
+    /// newest completed step (or none before the first) and never a mix of
+    /// two steps. Without LATEST (a crash before the first one) recovery
+    /// takes the newest step renamed into place.
+    #[test]
+    fn crashes_at_any_operation_never_leave_latest_on_a_bad_step(
+        plan in proptest::collection::vec((any::<bool>(), 0usize..40), 1..6),
+        keep in 1usize..3,
+    ) {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("ck");
+        let (mut committed, mut renamed): (Option<u64>, Option<u64>) = (None, None);
+        for (i, (crash, at)) in plan.iter().enumerate() {
+            let step = (i as u64 + 1) * 4;
+            let p = payload(step);
+            let ok = if *crash {
+                write_on(&mut Failing::new(*at, Cut::Crash), &dir, step, &p, &opts(keep)).is_ok()
+            } else {
+                write_on(&mut disk::Local, &dir, step, &p, &opts(keep)).unwrap();
+                true
+            };
+            // LATEST moved to the step: it is the one to continue from.
+            if ok || latest_name(&dir) == Ok(Some(step)) {
+                committed = Some(step);
+            }
+            // Renamed into place: complete (its files and manifest were
+            // fsynced before), the one to take when there is no LATEST.
+            if dir.join(step_name(step)).exists() {
+                renamed = Some(step);
+            }
+            let completed = match latest_name(&dir) {
+                Ok(Some(_)) => committed,
+                _ => renamed,
+            };
+            // The next process: sweep, then resume.
+            sweep(&dir, std::time::SystemTime::now() + std::time::Duration::from_secs(1)).unwrap();
+            if let Ok(Some(n)) = latest_name(&dir) {
+                prop_assert!(read(&dir.join(step_name(n))).is_ok(), "LATEST names step-{} which does not verify", n);
+            }
+            let found = load_newest(&dir, &me("j")).unwrap();
+            let got = found.as_ref().map(|f| consistent_step(&f.loaded));
+            prop_assert_eq!(got, completed);
+            prop_assert!(!names(&dir).iter().any(|n| n.contains(".tmp-")));
+        }
+    }
+}
