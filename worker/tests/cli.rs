@@ -173,3 +173,80 @@ fn train_confines_paths_under_the_roots_given() {
         "nothing written outside"
     );
 }
+
+/// Issue 27: one job per checkpoint folder. `accrue-worker train` claims
+/// its folder with the job's name as its id; another job, fresh or with
+/// `--resume`, is refused naming both, and so is a resume of the same job
+/// with another optimizer kind (its state would silently be dropped),
+/// naming the field. Nothing of the folder changes.
+#[test]
+fn a_checkpoint_folder_serves_one_job_and_one_optimizer_kind() {
+    let dir = TempDir::new().unwrap();
+    let ck = dir.path().join("ck");
+    let job = |name: &str, optimizer: &str, steps: u64| {
+        let p = dir.path().join(format!("{name}-{optimizer}-{steps}.toml"));
+        std::fs::write(
+            &p,
+            format!(
+                "name = \"{name}\"\nmax_steps = {steps}\ndevice = \"cpu\"\nthreads = 1\n[model]\nkind = \"mlp\"\nhidden = [4]\n[data]\nkind = \"synthetic\"\nsamples = 64\nshape = [4]\nclasses = 2\nbatch_size = 4\n[optimizer]\nkind = \"{optimizer}\"\nlr = 0.1\n"
+            ),
+        )
+        .unwrap();
+        p
+    };
+    let run = |spec: &Path, resume: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_accrue-worker"));
+        cmd.arg("train").arg(spec).arg("--checkpoint-dir").arg(&ck);
+        if resume {
+            cmd.arg("--resume");
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = run(&job("first", "sgd", 2), false);
+    assert!(ok, "{err}");
+    let owner = std::fs::read_to_string(ck.join("OWNER.json")).unwrap();
+    assert!(owner.contains("\"job_id\": \"first\""), "{owner}");
+    let snapshot = || {
+        let mut v: Vec<(String, Vec<u8>)> = walk(&ck);
+        v.sort();
+        v
+    };
+    let before = snapshot();
+    for resume in [false, true] {
+        let (ok, err) = run(&job("second", "sgd", 4), resume);
+        assert!(!ok);
+        assert!(
+            err.contains("belongs to job first") && err.contains("this is job second"),
+            "resume {resume}: {err}"
+        );
+    }
+    let (ok, err) = run(&job("first", "adam", 4), true);
+    assert!(!ok);
+    assert!(
+        err.contains("optimizer.kind = \"sgd\", the spec says \"adam\""),
+        "{err}"
+    );
+    assert!(snapshot() == before, "a refused run changed the folder");
+    // The same job and kind resumes.
+    let (ok, err) = run(&job("first", "sgd", 4), true);
+    assert!(ok, "{err}");
+    assert!(ck.join("step-4/MANIFEST.json").exists());
+}
+
+/// Every file under `dir` with its contents.
+fn walk(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push((p.display().to_string(), std::fs::read(&p).unwrap()));
+        }
+    }
+    out
+}

@@ -87,7 +87,7 @@ fn checkpoint_layout_keep_and_latest() {
     entries.sort();
     assert_eq!(
         entries,
-        ["LATEST", "step-12", "step-14"],
+        ["LATEST", "OWNER.json", "step-12", "step-14"],
         "keep = 2, no temporary folders left"
     );
     assert_eq!(

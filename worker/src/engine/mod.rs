@@ -496,16 +496,9 @@ impl<C: Collective> Engine<C> {
         if engine.resumed_from.is_none() {
             engine.resumed_from = Some("fresh start".into());
         }
+        // The folder is claimed by the first checkpoint write (and checked
+        // at every one): a run that fails before writes nothing.
         engine.sync_state()?;
-        if rank == 0 {
-            // Claimed before the first checkpoint (checked again at every
-            // write): the coordinator and other jobs see the owner early.
-            checkpoint::claim(
-                &mut checkpoint::disk::Local,
-                &engine.checkpoint_dir,
-                &engine.owner,
-            )?;
-        }
         engine.reshard();
         tracing::info!(rank, world, k, total_steps = engine.total_steps, step = engine.state.step, device = ?device, cuda_graphs = ?engine.graph.mode(), "engine ready");
         Ok(engine)
