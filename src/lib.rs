@@ -1,8 +1,10 @@
-//! The `accrue` command-line client: submit, status, list, cancel, watch and
+//! The `accrue` command-line client: submit, status, list, cancel, resume,
+//! watch and
 //! local (an embedded coordinator plus N worker processes on loopback),
 //! dev-certs (a CA, certificates and tokens for a cluster).
 
 pub mod certs;
+mod lifecycle;
 mod local;
 mod watch;
 
@@ -66,6 +68,14 @@ pub enum Command {
     List,
     /// Cancel a job.
     Cancel { job: String },
+    /// Resume a failed or cancelled job under the same id: it is scheduled
+    /// again and goes on from the newest checkpoint in its folder.
+    Resume {
+        job: String,
+        /// Watch until the job ends; exit 0 only if it succeeded.
+        #[arg(long)]
+        wait: bool,
+    },
     /// Follow a job: progress bar (plain lines when not a terminal).
     Watch { job: String },
     /// Run a job on an embedded coordinator and N worker processes on loopback.
@@ -244,6 +254,27 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .map_err(status_err)?
                 .into_inner();
             println!("{} {}", j.id, state_name(j.state()));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Resume { job, wait } => {
+            let mut client = connect_as(url, &token).await?;
+            let j = client
+                .resume_job(v1::ResumeJobRequest { id: job })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            // The resume's own transition (the job may be placed already).
+            let why = j
+                .history
+                .iter()
+                .rev()
+                .find(|h| h.to == JobState::Pending as i32)
+                .map_or("", |h| h.reason.as_str());
+            println!("{}: {why}", j.id);
+            if wait {
+                let end = watch(&mut client, &j.id, false).await?;
+                return Ok(exit_for(&end));
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Watch { job } => {
@@ -433,6 +464,9 @@ fn print_job(j: &Job) {
             r.accumulation_steps,
             r.reason
         );
+        if !r.loaded.is_empty() {
+            println!("    loaded {}", r.loaded);
+        }
     }
 }
 

@@ -1,17 +1,25 @@
 //! `accrue local`: an embedded coordinator and N worker processes on
 //! loopback, secured with throw-away credentials (or `--insecure`).
 
-use crate::{certs, connect_client, exit_for, state_name, submit, watch, BearerToken};
+use crate::lifecycle::{spawn_tied, StateDirLock};
+use crate::{certs, connect_client, exit_for, state_name, submit, watch, BearerToken, Client};
 use accrue_common::JobSpec;
 use accrue_proto::tls::ClientTls;
-use accrue_proto::v1;
+use accrue_proto::v1::{self, Job};
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
+/// How long stopping workers get to exit after SIGTERM before SIGKILL.
+const WORKER_GRACE: Duration = Duration::from_secs(5);
 
 /// Worker processes: [`Children::shutdown`] asks them to stop (SIGTERM:
 /// each daemon detaches from the coordinator, a planned exit) and kills
-/// any that has not exited within 5 s; dropping kills what is left.
+/// any that has not exited within [`WORKER_GRACE`]; dropping kills what is
+/// left.
+#[derive(Default)]
 struct Children(Vec<std::process::Child>);
 
 impl Children {
@@ -25,10 +33,10 @@ impl Children {
                 }
             }
         }
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        let deadline = tokio::time::Instant::now() + WORKER_GRACE;
         for c in &mut self.0 {
             while tokio::time::Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
     }
@@ -106,6 +114,70 @@ fn threads_per_worker(cores: usize, workers: u32) -> u32 {
     (cores as u32 / workers.max(1)).max(1)
 }
 
+/// The signals that stop `accrue local` the way Ctrl-C does: SIGINT,
+/// SIGTERM (`timeout`, systemd, a CI job's cancel, `kill`) and SIGHUP (a
+/// terminal closing). Listening replaces their default action (the
+/// process dying on the spot, its workers running on).
+struct StopSignals {
+    int: Signal,
+    term: Signal,
+    hup: Signal,
+}
+
+impl StopSignals {
+    fn listen() -> std::io::Result<Self> {
+        Ok(Self {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// The next stop signal's name.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            Some(()) = self.int.recv() => "SIGINT",
+            Some(()) = self.term.recv() => "SIGTERM",
+            Some(()) = self.hup.recv() => "SIGHUP",
+            // Every stream ended (the runtime is shutting down): no signal
+            // will come.
+            else => std::future::pending().await,
+        }
+    }
+}
+
+/// What a run has started so far, stopped by [`Started::stop`] on every
+/// way out.
+#[derive(Default)]
+struct Started {
+    children: Children,
+    coordinator: Option<accrue_coordinator::Handle>,
+    client: Option<Client>,
+    job: Option<String>,
+}
+
+impl Started {
+    /// Cancels the job first when `cancel`, then asks the workers to stop
+    /// and kills those still running after the grace period (at once on
+    /// another stop signal), then stops the coordinator.
+    async fn stop(mut self, cancel: bool, signals: &mut StopSignals) {
+        if let (true, Some(client), Some(id)) = (cancel, self.client.as_mut(), &self.job) {
+            let req = v1::CancelJobRequest { id: id.clone() };
+            // In-process; bounded all the same so a stop always ends.
+            let _ = tokio::time::timeout(Duration::from_secs(5), client.cancel_job(req)).await;
+        }
+        drop(self.client);
+        tokio::select! {
+            () = self.children.shutdown() => {}
+            s = signals.recv() => eprintln!("{s} again: killing the workers now"),
+        }
+        drop(self.children);
+        if let Some(h) = self.coordinator {
+            h.stop().await;
+        }
+    }
+}
+
 pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
     let (workers, state_dir) = (opts.workers, opts.state_dir.as_path());
     if workers == 0 {
@@ -117,8 +189,8 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         threads_per_worker(cores, workers)
     });
-    let bin = match opts.worker_bin {
-        Some(b) => b,
+    let bin = match &opts.worker_bin {
+        Some(b) => b.clone(),
         None => std::env::current_exe()?.with_file_name("accrue-worker"),
     };
     if !bin.exists() {
@@ -127,92 +199,30 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
             bin.display()
         );
     }
-    let ids: Vec<String> = (0..workers).map(|i| format!("local-{i}")).collect();
-    // TLS, mutual TLS and tokens with throw-away credentials unless
-    // --insecure.
-    let creds = if opts.insecure {
-        None
-    } else {
-        Some(local_creds(state_dir, &ids)?)
+    // One run per state dir, before anything is written there: a second
+    // run must not replace the credentials (or truncate the logs) of the
+    // one in progress. Held until this function returns.
+    let _lock = StateDirLock::acquire(state_dir)?;
+    let mut signals =
+        StopSignals::listen().context("cannot listen for SIGINT, SIGTERM and SIGHUP")?;
+    let mut started = Started::default();
+    let outcome = tokio::select! {
+        r = start_and_watch(job, &opts, &bin, threads, &mut started) => Ok(r),
+        s = signals.recv() => Err(s),
     };
-    let cfg = accrue_coordinator::Config {
-        state_dir: state_dir.to_path_buf(),
-        tls: creds.as_ref().map(|c| c.server.clone()),
-        tokens: creds.as_ref().map(|c| c.tokens.clone()),
-        insecure: opts.insecure,
-        ..Default::default()
-    };
-    let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;
-    let scheme = if creds.is_some() { "https" } else { "http" };
-    let url = format!("{scheme}://{}", handle.grpc_addr);
-    match &creds {
-        Some(c) => println!(
-            "coordinator {url} (status {scheme}://{}/ with the token in {}; CA {})",
-            handle.http_addr,
-            c.tokens.with_file_name("read.token").display(),
-            c.client.ca.display()
-        ),
-        None => println!(
-            "coordinator {url} (status {scheme}://{}/)",
-            handle.http_addr
-        ),
-    }
-    let logs = state_dir.join("logs");
-    std::fs::create_dir_all(&logs)?;
-    let mut children = Children(Vec::new());
-    for (i, id) in ids.iter().enumerate() {
-        let log = std::fs::File::create(logs.join(format!("worker-{i}.log")))?;
-        let mut cmd = std::process::Command::new(&bin);
-        cmd.args([
-            "daemon",
-            "--coordinator",
-            &url,
-            "--listen-data",
-            "127.0.0.1:0",
-            "--id",
-            id,
-            "--threads",
-            &threads.to_string(),
-        ]);
-        match &creds {
-            Some(c) => {
-                let dir = c.server.client_ca.parent().unwrap_or(state_dir);
-                cmd.arg("--ca")
-                    .arg(&c.server.client_ca)
-                    .arg("--cert")
-                    .arg(dir.join(format!("worker-{id}.pem")))
-                    .arg("--key")
-                    .arg(dir.join(format!("worker-{id}.key")));
-            }
-            None => {
-                cmd.arg("--insecure");
-            }
+    let end = match outcome {
+        Ok(Ok(end)) => end,
+        Ok(Err(e)) => {
+            started.stop(false, &mut signals).await;
+            return Err(e);
         }
-        let child = cmd
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("cannot start {}", bin.display()))?;
-        children.0.push(child);
-    }
-    let mut client = match &creds {
-        Some(c) => connect_client(&url, Some(&c.client), &c.submit).await?,
-        None => connect_client(&url, None, &BearerToken::default()).await?,
-    };
-    let submitted = submit(&mut client, job, Some(workers)).await?;
-    println!("job {}", submitted.id);
-    let end = tokio::select! {
-        r = watch(&mut client, &submitted.id, opts.json) => r?,
-        _ = tokio::signal::ctrl_c() => {
-            let _ = client.cancel_job(v1::CancelJobRequest { id: submitted.id.clone() }).await;
-            children.shutdown().await;
-            drop(children);
-            handle.stop().await;
-            bail!("interrupted; job {} cancelled", submitted.id);
+        Err(signal) => {
+            let job = started.job.clone();
+            started.stop(true, &mut signals).await;
+            match job {
+                Some(id) => bail!("interrupted by {signal}; job {id} cancelled"),
+                None => bail!("interrupted by {signal} before the job was submitted"),
+            }
         }
     };
     let c = end.counters.unwrap_or_default();
@@ -238,10 +248,100 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
     if !end.error.is_empty() {
         println!("error {}", end.error);
     }
-    children.shutdown().await;
-    drop(children);
-    handle.stop().await;
+    started.stop(false, &mut signals).await;
     Ok(exit_for(&end))
+}
+
+/// Writes the credentials, starts the coordinator and the workers,
+/// submits the job and watches it to its end, recording in `started` what
+/// is to be stopped.
+async fn start_and_watch(
+    job: &Path,
+    opts: &LocalOptions,
+    bin: &Path,
+    threads: u32,
+    started: &mut Started,
+) -> anyhow::Result<Job> {
+    let (workers, state_dir) = (opts.workers, opts.state_dir.as_path());
+    let ids: Vec<String> = (0..workers).map(|i| format!("local-{i}")).collect();
+    // TLS, mutual TLS and tokens with throw-away credentials unless
+    // --insecure.
+    let creds = if opts.insecure {
+        None
+    } else {
+        Some(local_creds(state_dir, &ids)?)
+    };
+    let cfg = accrue_coordinator::Config {
+        state_dir: state_dir.to_path_buf(),
+        tls: creds.as_ref().map(|c| c.server.clone()),
+        tokens: creds.as_ref().map(|c| c.tokens.clone()),
+        insecure: opts.insecure,
+        ..Default::default()
+    };
+    let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;
+    let (grpc_addr, http_addr) = (handle.grpc_addr, handle.http_addr);
+    started.coordinator = Some(handle);
+    let scheme = if creds.is_some() { "https" } else { "http" };
+    let url = format!("{scheme}://{grpc_addr}");
+    match &creds {
+        Some(c) => println!(
+            "coordinator {url} (status {scheme}://{http_addr}/ with the token in {}; CA {})",
+            c.tokens.with_file_name("read.token").display(),
+            c.client.ca.display()
+        ),
+        None => println!("coordinator {url} (status {scheme}://{http_addr}/)"),
+    }
+    let logs = state_dir.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    for (i, id) in ids.iter().enumerate() {
+        let log = std::fs::File::create(logs.join(format!("worker-{i}.log")))?;
+        let mut cmd = std::process::Command::new(bin);
+        cmd.args([
+            "daemon",
+            "--coordinator",
+            &url,
+            "--listen-data",
+            "127.0.0.1:0",
+            "--id",
+            id,
+            "--threads",
+            &threads.to_string(),
+        ]);
+        match &creds {
+            Some(c) => {
+                let dir = c.server.client_ca.parent().unwrap_or(state_dir);
+                cmd.arg("--ca")
+                    .arg(&c.server.client_ca)
+                    .arg("--cert")
+                    .arg(dir.join(format!("worker-{id}.pem")))
+                    .arg("--key")
+                    .arg(dir.join(format!("worker-{id}.key")));
+            }
+            None => {
+                cmd.arg("--insecure");
+            }
+        }
+        cmd.env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .stdout(log.try_clone()?)
+        .stderr(log);
+        // Tied to this process: a worker dies with it even when it is
+        // killed with SIGKILL (nothing is left retrying a dead
+        // coordinator).
+        let child = spawn_tied(cmd).with_context(|| format!("cannot start {}", bin.display()))?;
+        started.children.0.push(child);
+    }
+    let client = match &creds {
+        Some(c) => connect_client(&url, Some(&c.client), &c.submit).await?,
+        None => connect_client(&url, None, &BearerToken::default()).await?,
+    };
+    let client = started.client.insert(client);
+    let submitted = submit(client, job, Some(workers)).await?;
+    println!("job {}", submitted.id);
+    started.job = Some(submitted.id.clone());
+    watch(client, &submitted.id, opts.json).await
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! accrue: the command-line client (submit, status, list, cancel, watch,
-//! local). Parses flags, sets up tracing, calls the library.
+//! accrue: the command-line client (submit, status, list, cancel, resume,
+//! watch, local). Parses flags, sets up tracing, calls the library.
 use accrue::Cli;
 use clap::Parser;
 

@@ -140,6 +140,21 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     })
     .await
     .unwrap();
+    // One of alice's, cancelled at once: the page offers her its Resume
+    // button (issue 27), and clicks it once the live job is done.
+    let mine = alice
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("mine", 2, 4, ""))),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    alice
+        .cancel_job(v1::CancelJobRequest {
+            id: mine.id.clone(),
+        })
+        .await
+        .unwrap();
 
     let out = shots();
     let args = serde_json::json!({
@@ -148,6 +163,7 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
         "job": job.id,
         "evil_job": evil_job.id,
         "evil_text": EVIL_NAME,
+        "resume_job": mine.id,
         "out": out,
         "expect_steps": STEPS,
         "bound": 1000,
@@ -200,6 +216,16 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     assert_eq!(done["reloaded_points"], STEPS, "{done}");
     assert!(done["recovery_rows"].as_u64().unwrap() >= 1, "{done}");
     assert_eq!(done["precision"], "fp32", "{done}");
+    assert_eq!(done["resume_hidden_for_others"], true, "{done}");
+    assert_eq!(done["cancel_hidden_when_resumable"], true, "{done}");
+    assert!(done["resumed_state"].is_string(), "{done}");
+    let resumed = coord.job(&mine.id).unwrap();
+    let t = resumed
+        .history
+        .iter()
+        .find(|t| t.from == v1::JobState::Cancelled as i32)
+        .unwrap_or_else(|| panic!("no resume in {:?}", resumed.history));
+    assert!(t.reason.starts_with("resumed by alice"), "{t:?}");
     eprintln!("browser: {done}; screenshots in {}", out.display());
 
     // The series API itself: every step while under the bound, merged to

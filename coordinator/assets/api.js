@@ -51,6 +51,8 @@ export async function api(path, opts = {}) {
 export const getJSON = async (path, opts) => (await api(path, opts)).json();
 export const quiet = (e) => e && (e.name === 'AbortError' || e.status === 401);
 
+// Whether the signed-in principal may cancel or resume `job`: its owner
+// with the submit scope, or admin (the server decides again).
 export function canCancel(job) {
   const who = session.who;
   if (!who || !job) return false;
@@ -58,6 +60,7 @@ export function canCancel(job) {
   const s = Array.isArray(who.scopes) ? who.scopes : [];
   return s.includes('admin') || (s.includes('submit') && !!who.principal && who.principal === job.owner);
 }
+export const canResume = canCancel;
 
 // fn every ms until the returned stop is called; its errors go to the status line.
 export function poller(fn, ms) {

@@ -178,6 +178,24 @@ $('cancel').addEventListener('click', async () => {
     b.disabled = false;
   }
 });
+$('resume').addEventListener('click', async () => {
+  const v = view;
+  if (!v || !v.job || !v.setJob) return;
+  if (!window.confirm('Resume job ' + v.id + ' from its newest checkpoint?')) return;
+  const b = $('resume');
+  const e = $('resume-error');
+  b.disabled = true;
+  try {
+    await getJSON('/v1/jobs/' + enc(v.id) + '/resume', { method: 'POST' });
+    e.hidden = true;
+    // Live again: follow it afresh (its stream had ended with the job).
+    if (view === v) route();
+  } catch (err) {
+    if (err.status !== 401) { setText(e, 'Resume refused: ' + err.message); e.hidden = false; }
+  } finally {
+    b.disabled = false;
+  }
+});
 window.addEventListener('hashchange', route);
 // For measurements: one full synchronous render of the current view, in ms.
 window.__accrueRender = () => {

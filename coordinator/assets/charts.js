@@ -172,7 +172,8 @@ function renderChart(svg, spec, v, xmode) {
     xr = Math.min(Math.max(xr, xd[0]), xd[1]);
     const x = sx(xr).toFixed(1);
     const label = 'recovery to generation ' + str(r.generation) + ': lost ' + list(r.lost) + '; joined ' + list(r.joined)
-      + (resumedKnown(r) ? '; resumed at step ' + r.resumed_step : '; in progress') + (r.reason ? '; ' + r.reason : '');
+      + (resumedKnown(r) ? '; resumed at step ' + r.resumed_step : '; in progress') + (r.reason ? '; ' + r.reason : '')
+      + (r.loaded ? '; loaded ' + r.loaded : '');
     const line = sv('line', { class: 'marker-recovery', x1: x, x2: x, y1: M.t, y2: M.t + PH });
     line.append(sv('title', null, label));
     const hit = sv('line', { class: 'marker-recovery-hit', x1: x, x2: x, y1: M.t, y2: M.t + PH });

@@ -5,11 +5,12 @@
 // createTextNode / attribute values), never parsed as markup.
 import { $, DASH, FINAL, enc, fin, sig, fmtLr, fmtInt, fmtDur, fmtPct, fmtClock, fmtWhen, list, str, el, row,
   setText, setBadge, setProgress, showOnly, showWorkerCount, note } from './util.js';
-import { api, getJSON, quiet, canCancel, poller, POLL_MS } from './api.js';
+import { api, getJSON, quiet, canCancel, canResume, poller, POLL_MS } from './api.js';
 import { BOUND, emptyCols, snapshot, appendBuckets } from './series.js';
 import { renderCharts, clearCharts, resumedKnown } from './charts.js';
 
 const RENDER_MS = 250; // at most ~4 renders a second
+const RESUMABLE = new Set(['failed', 'cancelled']);
 
 // ---- a job --------------------------------------------------------------------
 export function jobView(id) {
@@ -28,7 +29,7 @@ export function jobView(id) {
     'job-loss', 'job-gradnorm', 'job-lr', 'job-sps', 'job-skipped', 'job-clip', 'job-steps', 'job-eta', 'series-info', 'eval']) setText($(e), '');
   setText($('job-title'), id);
   setBadge($('job-state'), '');
-  for (const e of ['job-error', 'cancel', 'cancel-error', 'evals']) $(e).hidden = true;
+  for (const e of ['job-error', 'cancel', 'cancel-error', 'resume', 'resume-error', 'evals']) $(e).hidden = true;
   for (const t of ['workers', 'recoveries', 'evals']) $(t).tBodies[0].replaceChildren();
   $('history').replaceChildren();
   $('job-progress').removeAttribute('value');
@@ -254,6 +255,8 @@ function renderHead(v) {
   setText($('job-error'), err);
   $('job-error').hidden = !err;
   $('cancel').hidden = FINAL.has(j.state) || !canCancel(j);
+  // A failed or cancelled job goes on from its checkpoints under its id.
+  $('resume').hidden = !RESUMABLE.has(j.state) || !canResume(j);
   document.title = 'accrue: ' + (j.id || v.id) + ' (' + j.state + ')';
 }
 
@@ -274,7 +277,8 @@ function renderTables(v) {
   $('recoveries').tBodies[0].replaceChildren(...recs.map((r) => {
     const resumed = !resumedKnown(r) ? '\u2026'
       : r.redone_steps > 0 ? r.resumed_step + ' (rolled back ' + r.redone_steps + ')' : r.resumed_step;
-    const tr = row([[str(r.generation), 'num'], [list(r.lost)], [list(r.joined)], [str(r.reason), 'wrap'],
+    const reason = r.loaded ? str(r.reason) + '; loaded ' + str(r.loaded) : str(r.reason);
+    const tr = row([[str(r.generation), 'num'], [list(r.lost)], [list(r.joined)], [reason, 'wrap'],
       [resumed, 'num'], [str(r.world_size), 'num'], [str(r.accumulation_steps), 'num'],
       [fin(r.recovery_s) ? r.recovery_s.toFixed(1) + ' s' : 'in progress', 'num']]);
     tr.className = 'recovery';

@@ -33,9 +33,9 @@ use subtle::ConstantTimeEq;
 pub enum Scope {
     /// Get, list, watch jobs; the dashboard and the JSON endpoints.
     Read,
-    /// Submit jobs, cancel the jobs it owns.
+    /// Submit jobs, cancel and resume the jobs it owns.
     Submit,
-    /// Cancel any job.
+    /// Cancel or resume any job.
     Admin,
     /// `GET /metrics` only.
     Metrics,
@@ -317,8 +317,9 @@ pub enum Rule {
     Need(Scope),
 }
 
-/// JobService's methods and the scope each needs. CancelJob also needs the
-/// caller to own the job unless it holds `admin` (the scheduler decides).
+/// JobService's methods and the scope each needs. CancelJob and ResumeJob
+/// also need the caller to own the job unless it holds `admin` (the
+/// scheduler decides).
 pub const JOB_SERVICE: &str = "/accrue.v1.JobService/";
 pub const WORKER_SERVICE: &str = "/accrue.v1.WorkerService/";
 
@@ -331,13 +332,14 @@ pub fn grpc_rule(path: &str) -> Rule {
     }
     match path.strip_prefix(JOB_SERVICE) {
         Some("GetJob" | "ListJobs" | "WatchJob") => Rule::Need(Scope::Read),
-        Some("SubmitJob" | "CancelJob") => Rule::Need(Scope::Submit),
+        Some("SubmitJob" | "CancelJob" | "ResumeJob") => Rule::Need(Scope::Submit),
         _ => Rule::Need(Scope::Admin),
     }
 }
 
 /// The rule for an HTTP request: probes are open, `/metrics` needs
-/// `metrics`, the cancel POST needs `submit` (and ownership, or admin),
+/// `metrics`, the cancel and resume POSTs need `submit` (and ownership, or
+/// admin),
 /// everything else (dashboard, JSON, unknown paths) needs `read`.
 pub fn http_rule(method: &axum::http::Method, path: &str) -> Rule {
     match path {

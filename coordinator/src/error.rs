@@ -17,6 +17,13 @@ pub enum CoordError {
         state: &'static str,
         action: &'static str,
     },
+    /// ResumeJob of a job that succeeded or has not ended.
+    #[error(transparent)]
+    NotResumable(#[from] crate::state::NotResumable),
+    /// A submission's checkpoint folder belongs to (or meets) another
+    /// job's, or lies in the reserved default-folder root (issue 27).
+    #[error(transparent)]
+    CheckpointDir(#[from] crate::ownership::DirConflict),
     /// This replica does not lead; `leader` is where the leader is, when
     /// one is known.
     #[error("{}", match leader { Some(l) => format!("not the leader; the leader is at {l}"), None => "not the leader, and no leader is elected yet; retry".to_string() })]
@@ -42,7 +49,9 @@ impl CoordError {
         match self {
             Self::InvalidArgument(_) | Self::Attach(_) => Code::InvalidArgument,
             Self::JobNotFound(_) => Code::NotFound,
-            Self::AlreadyEnded { .. } => Code::FailedPrecondition,
+            Self::AlreadyEnded { .. } | Self::NotResumable(_) | Self::CheckpointDir(_) => {
+                Code::FailedPrecondition
+            }
             Self::NotLeader { .. } | Self::StoreUnavailable(_) => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
             Self::Unauthenticated(_) => Code::Unauthenticated,
@@ -54,7 +63,9 @@ impl CoordError {
         match self {
             Self::InvalidArgument(_) | Self::Attach(_) => StatusCode::BAD_REQUEST,
             Self::JobNotFound(_) => StatusCode::NOT_FOUND,
-            Self::AlreadyEnded { .. } => StatusCode::CONFLICT,
+            Self::AlreadyEnded { .. } | Self::NotResumable(_) | Self::CheckpointDir(_) => {
+                StatusCode::CONFLICT
+            }
             Self::NotLeader { .. } | Self::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
@@ -107,6 +118,26 @@ mod tests {
                     state: "succeeded",
                     action: "cancel",
                 },
+                Code::FailedPrecondition,
+                409,
+            ),
+            (
+                CoordError::NotResumable(crate::state::NotResumable {
+                    job: "j".into(),
+                    state: accrue_proto::v1::JobState::Succeeded,
+                }),
+                Code::FailedPrecondition,
+                409,
+            ),
+            (
+                CoordError::CheckpointDir(crate::ownership::DirConflict::Reserved {
+                    folder: crate::ownership::Folder {
+                        dir: "/s/checkpoints/x".into(),
+                        explicit: true,
+                    },
+                    root: "/s/checkpoints".into(),
+                    contains: false,
+                }),
                 Code::FailedPrecondition,
                 409,
             ),

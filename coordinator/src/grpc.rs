@@ -60,6 +60,17 @@ impl v1::job_service_server::JobService for JobApi {
             self.0.get()?.cancel_as(&req.into_inner().id, by)?,
         ))
     }
+    async fn resume_job(
+        &self,
+        req: Request<v1::ResumeJobRequest>,
+    ) -> Result<Response<Job>, Status> {
+        // As CancelJob: the layer checked the scope, the scheduler decides
+        // ownership; the answer comes once the change is durable.
+        let by = auth::caller(req.extensions().get::<Principal>());
+        Ok(Response::new(
+            self.0.get()?.resume_as(&req.into_inner().id, by).await?,
+        ))
+    }
     type WatchJobStream = BoxStream<JobEvent>;
     async fn watch_job(
         &self,

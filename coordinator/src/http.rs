@@ -1,6 +1,7 @@
 //! The status endpoint: /healthz, /readyz, /v1/whoami, /v1/jobs,
 //! /v1/jobs/{id}, /v1/jobs/{id}/series, /v1/jobs/{id}/events (SSE),
-//! /v1/workers, POST /v1/jobs/{id}/cancel, /metrics (Prometheus text) and
+//! /v1/workers, POST /v1/jobs/{id}/cancel, POST /v1/jobs/{id}/resume,
+//! /metrics (Prometheus text) and
 //! / (the status page: `coordinator/assets/`, embedded).
 //!
 //! With a tokens file every request but the probes needs `authorization:
@@ -8,7 +9,7 @@
 //! [`auth::http_rule`]); the guard decides before any handler runs and
 //! leaves the principal in the request's extensions. Every response carries
 //! [`SECURITY_HEADERS`]; no CORS headers are ever sent, and a state change
-//! (the cancel POST) from another site is refused whatever the credentials.
+//! (the cancel and resume POSTs) from another site is refused whatever the credentials.
 
 use crate::auth::{self, Principal, Tokens};
 use crate::error::CoordError;
@@ -59,6 +60,7 @@ pub fn router(g: Arc<Gate>, tokens: Option<Arc<Tokens>>) -> Router {
         .route("/v1/jobs", get(list))
         .route("/v1/jobs/{id}", get(one))
         .route("/v1/jobs/{id}/cancel", post(cancel))
+        .route("/v1/jobs/{id}/resume", post(resume))
         .route("/metrics", get(metrics))
         .with_state(g)
         .layer(middleware::from_fn_with_state(tokens, guard))
@@ -220,7 +222,7 @@ pub fn job_json(j: &Job) -> Value {
             "generation": r.generation, "lost": r.lost, "joined": r.joined, "reason": r.reason,
             "started_unix_ms": r.started_unix_ms, "reformed_unix_ms": r.reformed_unix_ms,
             "first_step_unix_ms": r.first_step_unix_ms, "resumed_step": r.resumed_step,
-            "redone_steps": r.redone_steps,
+            "redone_steps": r.redone_steps, "loaded": r.loaded,
             "world_size": r.world_size, "accumulation_steps": r.accumulation_steps,
             "recovery_s": (r.first_step_unix_ms > 0).then(|| (r.first_step_unix_ms - r.started_unix_ms) as f64 / 1000.0),
         })).collect::<Vec<_>>(),
@@ -263,6 +265,26 @@ async fn cancel(
         Err(r) => return r,
     };
     match c.cancel_as(&id, auth::caller(p.as_ref().map(|e| &e.0))) {
+        Ok(j) => Json(job_json(&j)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/jobs/{id}/resume`: as the cancel POST (the `submit` scope,
+/// then ownership or `admin`); answers once the change is durable.
+async fn resume(
+    State(g): State<Arc<Gate>>,
+    Path(id): Path<String>,
+    p: Option<Extension<Principal>>,
+) -> Response {
+    let c = match leader(&g) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    match c
+        .resume_as(&id, auth::caller(p.as_ref().map(|e| &e.0)))
+        .await
+    {
         Ok(j) => Json(job_json(&j)).into_response(),
         Err(e) => e.into_response(),
     }
@@ -433,7 +455,7 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
 }
 
 /// `GET /v1/whoami`: who the token is and what it may do (the page shows
-/// the cancel button from it).
+/// the cancel and resume buttons from it).
 async fn whoami(p: Option<Extension<Principal>>) -> Response {
     let v = match p {
         Some(Extension(p)) => json!({

@@ -7,6 +7,7 @@ pub mod etcd;
 pub mod gate;
 pub mod grpc;
 pub mod http;
+pub mod ownership;
 pub mod ringkey;
 pub mod scheduler;
 pub mod series;

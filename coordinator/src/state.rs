@@ -25,6 +25,9 @@ pub fn allowed(from: JobState, to: JobState) -> bool {
             | (Recovering, Running)
             | (Recovering, Failed)
             | (Recovering, Cancelled)
+            // A resume (issue 27): the job is scheduled again under its id.
+            | (Failed, Pending)
+            | (Cancelled, Pending)
     )
 }
 
@@ -66,6 +69,61 @@ pub fn transition(
     };
     job.set_state(to);
     job.history.push(t.clone());
+    Ok(t)
+}
+
+/// A job that cannot be resumed, and the state it is in.
+#[derive(Clone, Debug, thiserror::Error, PartialEq)]
+#[error("{}", match state {
+    JobState::Succeeded => format!("job {job} succeeded; nothing to resume (its final checkpoint is its result: submit a new job to train further)"),
+    s => format!("job {job} is {}; only a failed or cancelled job can be resumed", crate::http::state_name(*s)),
+})]
+pub struct NotResumable {
+    pub job: String,
+    pub state: JobState,
+}
+
+/// Resumes a failed or cancelled `job` (pure; issue 27): it goes back to
+/// Pending with a transition naming `by` (who asked) and what it ended
+/// with, its error is cleared, its workers are forgotten (so late reports
+/// of the old generation are refused) and a recovery record is opened for
+/// the generation that will form, when one formed before (it tells which
+/// step was loaded and from where). Its id, history, counters, recoveries and generation
+/// number are kept: the next generation is numbered above every earlier
+/// one, so workers load the newest checkpoint rather than start afresh.
+/// **Decision:** a succeeded job is never resumed (its checkpoint is its
+/// result), nor is a live one (it has not stopped).
+pub fn resume(job: &mut Job, by: &str, now_ms: i64) -> Result<Transition, NotResumable> {
+    let from = job.state();
+    if !matches!(from, JobState::Failed | JobState::Cancelled) {
+        return Err(NotResumable {
+            job: job.id.clone(),
+            state: from,
+        });
+    }
+    let ended = match (from, job.error.as_str()) {
+        (JobState::Failed, "") => "it failed".to_string(),
+        (JobState::Failed, e) => format!("it failed: {e}"),
+        _ => "it was cancelled".to_string(),
+    };
+    let committed = job.counters.as_ref().map_or(0, |c| c.step);
+    let reason = format!("resumed by {by} at step {committed} after {ended}");
+    let t =
+        transition(job, JobState::Pending, reason.clone(), now_ms).map_err(|_| NotResumable {
+            job: job.id.clone(),
+            state: from,
+        })?;
+    job.error.clear();
+    job.workers.clear();
+    if job.generation > 0 {
+        // It ran: its next generation goes on from its state (one that
+        // never formed simply starts, as any pending job).
+        job.recoveries.push(accrue_proto::v1::Recovery {
+            reason,
+            started_unix_ms: now_ms,
+            ..Default::default()
+        });
+    }
     Ok(t)
 }
 
@@ -226,6 +284,73 @@ mod tests {
     }
 
     #[test]
+    fn a_resume_names_who_and_why_and_keeps_the_record() {
+        let mut job = Job {
+            id: "j-4".into(),
+            owner: "alice".into(),
+            generation: 2,
+            workers: vec!["w0".into(), "w1".into()],
+            counters: Some(accrue_proto::v1::Counters {
+                step: 40,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        transition(&mut job, JobState::Pending, "submitted", 1).unwrap();
+        transition(&mut job, JobState::Rendezvous, "assigned", 2).unwrap();
+        transition(&mut job, JobState::Running, "first step", 3).unwrap();
+        job.error = "rank 1 on worker w1 failed: No space left on device".into();
+        let why = job.error.clone();
+        transition(&mut job, JobState::Failed, why, 4).unwrap();
+        let t = resume(&mut job, "alice", 10).unwrap();
+        assert_eq!(job.state(), JobState::Pending);
+        assert_eq!(
+            t.reason,
+            "resumed by alice at step 40 after it failed: rank 1 on worker w1 failed: No space left on device"
+        );
+        assert_eq!((t.from, t.at_unix_ms), (JobState::Failed as i32, 10));
+        assert_eq!(job.history.len(), 5, "the history is kept and extended");
+        assert!(job.error.is_empty());
+        assert!(
+            job.workers.is_empty(),
+            "the old generation's ranks are gone"
+        );
+        assert_eq!(job.generation, 2, "the next formation numbers it 3");
+        let r = job.recoveries.last().unwrap();
+        assert_eq!((r.started_unix_ms, r.generation), (10, 0));
+        assert_eq!(r.reason, t.reason);
+        // Not again while it is pending; never once it succeeded.
+        let e = resume(&mut job, "alice", 11).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "job j-4 is pending; only a failed or cancelled job can be resumed"
+        );
+        let mut done = Job {
+            id: "j-5".into(),
+            ..Default::default()
+        };
+        done.set_state(JobState::Succeeded);
+        let e = resume(&mut done, "bob", 1).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("job j-5 succeeded; nothing to resume"),
+            "{e}"
+        );
+        let mut cancelled = Job {
+            id: "j-6".into(),
+            ..Default::default()
+        };
+        cancelled.set_state(JobState::Cancelled);
+        let t = resume(&mut cancelled, "a client", 1).unwrap();
+        assert_eq!(
+            t.reason,
+            "resumed by a client at step 0 after it was cancelled"
+        );
+        // It never formed: it simply starts (no recovery record).
+        assert!(cancelled.recoveries.is_empty());
+    }
+
+    #[test]
     fn gang_waits_for_all_workers() {
         let free = vec!["w3".to_string(), "w1".into(), "w2".into()];
         let waiting = vec![
@@ -299,10 +424,36 @@ mod tests {
         }
 
         #[test]
-        fn final_states_have_no_exit(to in 0i32..8) {
+        fn final_states_exit_only_by_a_resume(to in 0i32..8) {
             let to = JobState::try_from(to).unwrap();
-            for from in [JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
-                prop_assert!(!allowed(from, to));
+            // A succeeded job has no exit; a failed or cancelled one only
+            // back to Pending (a resume).
+            prop_assert!(!allowed(JobState::Succeeded, to));
+            for from in [JobState::Failed, JobState::Cancelled] {
+                prop_assert_eq!(allowed(from, to), to == JobState::Pending);
+            }
+        }
+
+        #[test]
+        fn only_failed_and_cancelled_jobs_resume(from in 0i32..8, step in 0u64..100) {
+            let from = JobState::try_from(from).unwrap();
+            let mut job = Job { id: "j-1".into(), generation: 3, counters: Some(accrue_proto::v1::Counters { step, ..Default::default() }), ..Default::default() };
+            job.set_state(from);
+            let before = job.clone();
+            match resume(&mut job, "alice", 7) {
+                Ok(t) => {
+                    prop_assert!(matches!(from, JobState::Failed | JobState::Cancelled));
+                    prop_assert_eq!(job.state(), JobState::Pending);
+                    prop_assert_eq!(t.from, from as i32);
+                    prop_assert_eq!(job.generation, 3);
+                    prop_assert_eq!(job.recoveries.len(), 1);
+                    prop_assert_eq!(job.history.len(), 1);
+                }
+                Err(e) => {
+                    prop_assert!(!matches!(from, JobState::Failed | JobState::Cancelled));
+                    prop_assert_eq!(job, before);
+                    prop_assert_eq!(e.state, from);
+                }
             }
         }
     }

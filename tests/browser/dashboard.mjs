@@ -5,7 +5,9 @@
 // args.json: {"base": "https://127.0.0.1:PORT", "token": "..."|null, "job": "<id>",
 //   "out": "<folder for screenshots>", "expect_steps": N, "bound": 1000, ...}
 //   live: "evil_job" (a job whose name/owner/error is markup), "evil_text" (that
-//         markup, optional), "kill_timeout_ms" (optional)
+//         markup, optional), "kill_timeout_ms" (optional), "resume_job" (a
+//         cancelled job of the signed-in principal: its Resume button is
+//         clicked; optional)
 //   load: "jobs_expected" (rows the list must show)
 //
 // Stdout carries JSON lines only: in `live`, {"phase":"running",...} once the
@@ -129,6 +131,8 @@ function stdinLine(want, timeout) {
   });
 }
 
+let acceptDialogs = false; // confirm() answers: no, except where a check clicks an action
+
 const rowSel = (id) => `#jobs tr[data-job=${JSON.stringify(String(id))}]`;
 
 async function openJob(id) {
@@ -250,6 +254,9 @@ async function live() {
     check(r.on_attrs === 0, `job text became markup: ${r.on_attrs} element(s) with on* attributes`);
     check(r.scripts.length === 1 && r.scripts[0] === '/assets/app.js', 'unexpected scripts: ' + JSON.stringify(r.scripts));
     check(r.shown.every(Boolean), `the literal job text is not shown as text: ${JSON.stringify(texts)} -> ${JSON.stringify(r.shown)}`);
+    // Cancelled, but another principal's: no Resume button for us.
+    result.resume_hidden_for_others = await page.$eval('#resume', (b) => b.hidden);
+    check(result.resume_hidden_for_others, `a Resume button on job ${evil}, which the signed-in principal does not own`);
     await shot('job-evil.png');
     // The jobs list shows it as text too.
     await page.evaluate(() => { location.hash = '#/'; });
@@ -260,6 +267,24 @@ async function live() {
     }, [rowSel(evil), texts]);
     check(listShown.imgs === 0 && listShown.pwned === 'undefined', 'job text became markup in the jobs list');
     result.evil.list_shows_text = listShown.any;
+  }
+
+  if (args.resume_job) {
+    // Our own cancelled job: a Resume button; clicked (confirmed), the job
+    // is live again and the page follows it.
+    const id = String(args.resume_job);
+    await openJob(id);
+    await until(`a Resume button on job ${id}`, () => !document.getElementById('resume').hidden
+      && document.getElementById('job-state').textContent === 'cancelled', null, T(15000));
+    result.cancel_hidden_when_resumable = await page.$eval('#cancel', (b) => b.hidden);
+    acceptDialogs = true;
+    await page.click('#resume');
+    result.resumed_state = await until(`job ${id} to be live again after the Resume click`, () => {
+      const s = document.getElementById('job-state').textContent;
+      return ['pending', 'rendezvous', 'running', 'succeeded'].includes(s) && document.getElementById('resume').hidden && s;
+    }, null, T(30000));
+    acceptDialogs = false;
+    await shot('job-resumed.png');
   }
 }
 
@@ -351,7 +376,7 @@ try {
     if (/^(data|about|blob):/.test(u)) return;
     if (new URL(u).origin !== origin) foreign.push(u);
   });
-  page.on('dialog', (d) => d.dismiss().catch(() => {}));
+  page.on('dialog', (d) => (acceptDialogs ? d.accept() : d.dismiss()).catch(() => {}));
   if (mode === 'live') await live(); else await load();
   noPageErrors();
   result.console_errors = consoleErrors.length;

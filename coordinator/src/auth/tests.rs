@@ -136,6 +136,7 @@ fn grpc_methods_and_http_routes_need_their_scopes() {
     assert_eq!(j("WatchJob"), Need(Scope::Read));
     assert_eq!(j("SubmitJob"), Need(Scope::Submit));
     assert_eq!(j("CancelJob"), Need(Scope::Submit));
+    assert_eq!(j("ResumeJob"), Need(Scope::Submit));
     assert_eq!(j("DeleteEverything"), Need(Scope::Admin));
     assert_eq!(grpc_rule("/grpc.reflection.v1.X/Y"), Need(Scope::Admin));
     assert_eq!(grpc_rule("/accrue.v1.WorkerService/Attach"), Open);
@@ -160,10 +161,13 @@ fn grpc_methods_and_http_routes_need_their_scopes() {
     ] {
         assert_eq!(http_rule(&Method::GET, p), Need(Scope::Read), "{p}");
     }
-    assert_eq!(
-        http_rule(&Method::POST, "/v1/jobs/a-1/cancel"),
-        Need(Scope::Submit)
-    );
+    for action in ["cancel", "resume"] {
+        assert_eq!(
+            http_rule(&Method::POST, &format!("/v1/jobs/a-1/{action}")),
+            Need(Scope::Submit),
+            "{action}"
+        );
+    }
 }
 
 #[test]

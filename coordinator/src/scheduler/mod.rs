@@ -87,6 +87,14 @@ pub enum Input {
         job: String,
         by: Caller,
     },
+    /// A client resumes a failed or cancelled job (issue 27). Like a
+    /// submission, it is scheduled only once the shell says its record is
+    /// durable ([`Input::Admit`]); [`Input::Withdraw`] puts the job back
+    /// as it was.
+    Resume {
+        job: String,
+        by: Caller,
+    },
     /// Time passed: expire silent workers, move recoveries on.
     Tick,
 }
@@ -112,7 +120,7 @@ pub enum Effect {
     Close { worker: String, conn: u64 },
     /// A job event for watchers (boxed: a step report is large).
     Event(Box<JobEvent>),
-    /// The answer to a Submit or Cancel.
+    /// The answer to a Submit, Cancel or Resume.
     Reply(Result<Job, CoordError>),
 }
 
@@ -128,6 +136,10 @@ pub struct Config {
     /// Spec paths must lie under these (absolute) roots; judged here
     /// lexically, the shell adds what this host's file system shows.
     pub roots: accrue_common::spec::Roots,
+    /// The coordinator's working folder: a relative `checkpoint.dir`
+    /// without a checkpoint root is judged against it (see
+    /// [`crate::ownership::effective_dir`]).
+    pub cwd: PathBuf,
 }
 
 #[derive(Clone, Debug)]
@@ -177,6 +189,9 @@ pub struct JobEntry {
     series: v1::JobSeries,
     series_saved_ms: i64,
     series_saved: u64,
+    /// The job as it was before a resume not yet admitted: what a
+    /// withdrawal puts back.
+    before_resume: Option<Job>,
 }
 
 impl JobEntry {
@@ -191,6 +206,7 @@ impl JobEntry {
             series: crate::series::new(&job.id),
             series_saved_ms: now,
             series_saved: 0,
+            before_resume: None,
             job,
         }
     }
@@ -205,17 +221,44 @@ pub enum Caller {
     Principal { name: String, admin: bool },
 }
 
+impl Caller {
+    /// Who asks, for a transition's reason.
+    pub fn who(&self) -> String {
+        match self {
+            Caller::Anyone => "a client (authentication off)".into(),
+            Caller::Principal { name, admin: true } => format!("{name} (admin)"),
+            Caller::Principal { name, .. } => name.clone(),
+        }
+    }
+}
+
 /// Whether `by` may cancel `job`, owned by `owner` (empty: submitted with
 /// authentication off). **Decision:** a principal cancels the jobs it owns;
 /// `admin` cancels any; an ownerless job only `admin` (or anyone, with
 /// authentication off).
 pub fn may_cancel(job: &str, owner: &str, by: &Caller) -> Result<(), CoordError> {
+    may_change(job, owner, by, "cancel", "cancels")
+}
+
+/// Whether `by` may resume `job`: the same rule as [`may_cancel`] (the
+/// owner, or `admin`).
+pub fn may_resume(job: &str, owner: &str, by: &Caller) -> Result<(), CoordError> {
+    may_change(job, owner, by, "resume", "resumes")
+}
+
+fn may_change(
+    job: &str,
+    owner: &str,
+    by: &Caller,
+    verb: &str,
+    verbs: &str,
+) -> Result<(), CoordError> {
     match by {
         Caller::Anyone => Ok(()),
         Caller::Principal { admin: true, .. } => Ok(()),
         Caller::Principal { name, .. } if !owner.is_empty() && name == owner => Ok(()),
         Caller::Principal { name, .. } => Err(CoordError::PermissionDenied(format!(
-            "{name} may not cancel job {job}: it is owned by {}; a principal cancels only its own jobs, the admin scope any",
+            "{name} may not {verb} job {job}: it is owned by {}; a principal {verbs} only its own jobs, the admin scope any",
             if owner.is_empty() { "no one (submitted without authentication)" } else { owner }
         ))),
     }
@@ -368,11 +411,13 @@ impl Cluster {
             Input::Admit { job } => {
                 if let Some(e) = self.jobs.get_mut(&job) {
                     e.admitted = true;
+                    e.before_resume = None;
                 }
                 self.schedule(now, &mut fx);
             }
             Input::Withdraw { job } => self.withdraw(&job, &mut fx),
             Input::Cancel { job, by } => self.cancel(&job, &by, now, &mut fx),
+            Input::Resume { job, by } => self.resume(&job, &by, now, &mut fx),
             Input::Tick => self.tick(now, &mut fx),
         }
         // Only the newest version of each job needs writing.
@@ -407,6 +452,10 @@ impl Cluster {
             }
         };
         let id = format!("{}-{}", domain.name, self.next_seq);
+        if let Err(e) = self.check_folder(&id, domain.checkpoint.dir.as_deref()) {
+            fx.push(Effect::Reply(Err(e.into())));
+            return;
+        }
         self.next_seq += 1;
         let mut job = Job {
             id: id.clone(),
@@ -430,11 +479,119 @@ impl Cluster {
         self.jobs.insert(id, entry);
     }
 
+    /// The effective checkpoint folder of job `id` whose spec names
+    /// `dir` (see [`crate::ownership::effective_dir`]).
+    pub fn checkpoint_folder(&self, id: &str, dir: Option<&std::path::Path>) -> PathBuf {
+        crate::ownership::effective_dir(
+            dir,
+            id,
+            &self.cfg.state_dir,
+            self.cfg.roots.checkpoint.as_deref(),
+            &self.cfg.cwd,
+        )
+    }
+
+    /// One owner per checkpoint folder (see [`crate::ownership`]): the
+    /// folder job `id` would use against every known job's.
+    fn check_folder(
+        &self,
+        id: &str,
+        dir: Option<&std::path::Path>,
+    ) -> Result<(), crate::ownership::DirConflict> {
+        use crate::ownership::{check, default_root, Claim, Folder};
+        let known: Vec<Claim> = self
+            .jobs()
+            .map(|j| Claim {
+                job: j.id.clone(),
+                state: j.state(),
+                dir: self.checkpoint_folder(
+                    &j.id,
+                    j.spec
+                        .as_ref()
+                        .and_then(|s| s.checkpoint.as_ref())
+                        .and_then(|c| c.dir.as_deref())
+                        .map(std::path::Path::new),
+                ),
+            })
+            .collect();
+        let folder = Folder {
+            dir: self.checkpoint_folder(id, dir),
+            explicit: dir.is_some(),
+        };
+        check(
+            &folder,
+            &known,
+            &default_root(&self.cfg.state_dir, &self.cfg.cwd),
+        )
+    }
+
+    /// Takes back a submission, or a resume, whose record did not become
+    /// durable: a new job is removed, a resumed one put back as it was.
     fn withdraw(&mut self, id: &str, fx: &mut Vec<Effect>) {
-        if self.jobs.get(id).is_some_and(|e| !e.admitted) {
-            self.jobs.remove(id);
-            self.order.retain(|j| j != id);
-            fx.push(Effect::Delete(id.to_string()));
+        let Some(entry) = self.jobs.get_mut(id).filter(|e| !e.admitted) else {
+            return;
+        };
+        if let Some(mut before) = entry.before_resume.take() {
+            before.version = entry.job.version;
+            entry.job = before;
+            entry.admitted = true;
+            save(entry, fx);
+            // Watchers that saw it pending see it ended again.
+            fx.push(Effect::Event(Box::new(JobEvent {
+                job: Some(entry.job.clone()),
+                event: None,
+            })));
+            return;
+        }
+        self.jobs.remove(id);
+        self.order.retain(|j| j != id);
+        fx.push(Effect::Delete(id.to_string()));
+    }
+
+    /// Resumes a failed or cancelled job (see [`state::resume`]): pending
+    /// again, waiting for admission (its record durable), then gang
+    /// scheduled like any other; its next generation loads the newest
+    /// checkpoint of its folder.
+    fn resume(&mut self, id: &str, by: &Caller, now: i64, fx: &mut Vec<Effect>) {
+        let Some(entry) = self.jobs.get_mut(id) else {
+            fx.push(Effect::Reply(Err(CoordError::JobNotFound(id.into()))));
+            return;
+        };
+        if let Err(e) = may_resume(id, &entry.job.owner, by) {
+            fx.push(Effect::Reply(Err(e)));
+            return;
+        }
+        let before = entry.job.clone();
+        match state::resume(&mut entry.job, &by.who(), now) {
+            Ok(t) => fx.push(transition_event(&entry.job, t)),
+            Err(e) => {
+                fx.push(Effect::Reply(Err(e.into())));
+                return;
+            }
+        }
+        entry.before_resume = Some(before);
+        entry.admitted = false;
+        entry.stalled = 0;
+        entry.acked.clear();
+        entry.recovering_since = None;
+        entry.reattach_by = None;
+        save(entry, fx);
+        fx.push(Effect::Reply(Ok(entry.job.clone())));
+        // Ranks of the ended generation that have not confirmed their stop
+        // yet are members no more: busy until their JobDone, and told to
+        // stop again (their late reports are refused).
+        for (w, we) in self.workers.iter_mut().filter(|(_, w)| w.serves(id)) {
+            we.job = None;
+            we.step = None;
+            we.draining = Some(id.to_string());
+            fx.push(Effect::Send {
+                worker: w.clone(),
+                conn: we.conn,
+                msg: msg(coordinator_message::Msg::Stop(v1::Stop {
+                    job_id: id.into(),
+                    reason: "the job ended; it was resumed as a new generation".into(),
+                })),
+            });
         }
     }
 

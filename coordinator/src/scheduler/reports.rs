@@ -164,6 +164,21 @@ impl Cluster {
         c.bytes_sent = r.bytes_sent;
         c.loss_scale = r.loss_scale;
         entry.stalled = 0;
+        let mut dirty = false;
+        if !r.resumed_from.is_empty() {
+            // Rank 0's first report of a generation says where its state
+            // came from: the generation's recovery record keeps it.
+            if let Some(rec) = entry
+                .job
+                .recoveries
+                .iter_mut()
+                .rev()
+                .find(|x| x.generation == r.generation && x.loaded.is_empty())
+            {
+                rec.loaded = r.resumed_from.clone();
+                dirty = true;
+            }
+        }
         if entry.job.state() == JobState::Rendezvous {
             if let Some(rec) = entry
                 .job
@@ -183,13 +198,14 @@ impl Cluster {
                 fx.push(transition_event(&entry.job, t));
                 entry.saved_ms = now;
                 save(entry, fx);
+                dirty = false;
             }
         }
         fx.push(Effect::Event(Box::new(JobEvent {
             job: Some(entry.job.clone()),
             event: Some(v1::job_event::Event::Step(r)),
         })));
-        if now - entry.saved_ms >= 1000 {
+        if dirty || now - entry.saved_ms >= 1000 {
             entry.saved_ms = now;
             save(entry, fx);
         }

@@ -298,7 +298,9 @@ fn paths_outside_their_roots_are_refused_at_submit() {
     let roots = accrue_common::spec::Roots {
         data: Some("/data".into()),
         model: Some("/models".into()),
-        checkpoint: Some("/state/checkpoints".into()),
+        // The state dir, whose `checkpoints` folder holds the default
+        // folders (reserved: a spec's folder may not lie there).
+        checkpoint: Some("/state".into()),
     };
     let mut c = Cluster::new(
         Config {
@@ -306,6 +308,7 @@ fn paths_outside_their_roots_are_refused_at_submit() {
             state_dir: "/state".into(),
             max_job_memory: 8 << 30,
             roots,
+            cwd: "/work".into(),
         },
         Box::new(|_: &str, _: u64| vec![7; 32]),
     );

@@ -237,6 +237,9 @@ impl Coordinator {
                     .unwrap_or_else(|_| cfg.state_dir.clone()),
                 max_job_memory: cfg.max_job_memory,
                 roots: cfg.roots.clone(),
+                // A working folder that was removed: relative folders are
+                // judged from `/` (the workers resolve them on their own).
+                cwd: std::env::current_dir().unwrap_or_else(|_| "/".into()),
             },
             master.keys(),
         );
@@ -465,6 +468,7 @@ impl Coordinator {
             return Err(CoordError::StoreUnavailable(why));
         }
         self.check_local_paths(&spec).await?;
+        self.check_owner_record(&spec).await?;
         let job = self
             .handle(Input::Submit { spec, owner })
             .unwrap_or_else(|| Err(CoordError::Internal("submit decided nothing".into())))?;
@@ -506,6 +510,90 @@ impl Coordinator {
             .await
             .map_err(|e| CoordError::Internal(format!("the path check did not finish: {e}")))?
             .map_err(|e| CoordError::InvalidArgument(e.to_string()))
+    }
+
+    /// One owner per checkpoint folder, as this host's file system shows
+    /// it: a spec naming a folder that holds an ownership record
+    /// (`OWNER.json`, see [`crate::ownership::check_record`]) is refused.
+    /// Read off the runtime; a folder this host cannot see passes (the
+    /// workers check the record again before they touch the folder).
+    async fn check_owner_record(&self, spec: &v1::JobSpec) -> Result<(), CoordError> {
+        use crate::ownership::{check_record, Folder, OWNER_FILE};
+        let Some(dir) = spec
+            .checkpoint
+            .as_ref()
+            .and_then(|c| c.dir.as_deref())
+            .map(std::path::Path::new)
+        else {
+            return Ok(());
+        };
+        let lexical = self.with_cluster(|cl| cl.checkpoint_folder("", Some(dir)));
+        let roots = self.cfg.roots.clone();
+        let read = tokio::task::spawn_blocking(move || {
+            // Where the folder really is here (symlinks followed).
+            let real = match &roots.checkpoint {
+                Some(_) => confine_field(&roots, Area::Checkpoint, "checkpoint.dir", &lexical, &LocalFs)
+                    .ok()
+                    .flatten()
+                    .unwrap_or(lexical),
+                None => lexical,
+            };
+            let file = real.join(OWNER_FILE);
+            let text = match std::fs::read_to_string(&file) {
+                Ok(t) => Some(t),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => {
+                    tracing::warn!(file = %file.display(), error = %e, "cannot read the ownership record; the workers check it");
+                    None
+                }
+            };
+            (real, text)
+        })
+        .await
+        .map_err(|e| CoordError::Internal(format!("the ownership check did not finish: {e}")))?;
+        let (real, text) = read;
+        let folder = Folder {
+            dir: real,
+            explicit: true,
+        };
+        self.with_cluster(|cl| {
+            check_record(&folder, text.as_deref(), |id| cl.job(id).map(|j| j.state()))
+        })
+        .map_err(CoordError::from)
+    }
+
+    /// Resumes a failed or cancelled job for `by` (its owner, or admin;
+    /// see [`scheduler::may_resume`]): pending again under the same id,
+    /// scheduled once the change is durable, as a submission is. A store
+    /// that cannot take it in time gets the job put back as it was and
+    /// UNAVAILABLE naming why.
+    pub async fn resume_as(&self, id: &str, by: scheduler::Caller) -> Result<Job, CoordError> {
+        if let Err(why) = self.store_health() {
+            return Err(CoordError::StoreUnavailable(why));
+        }
+        let job = self
+            .handle(Input::Resume { job: id.into(), by })
+            .unwrap_or_else(|| Err(CoordError::Internal("resume decided nothing".into())))?;
+        let limit = self.cfg.durable_timeout;
+        if !self.durable_within(limit).await {
+            self.handle(Input::Withdraw {
+                job: job.id.clone(),
+            });
+            let why = self
+                .store_health()
+                .err()
+                .unwrap_or_else(|| "the write is still queued".into());
+            return Err(CoordError::StoreUnavailable(format!(
+                "the resume of job {} was not durable within {:.1} s and was taken back ({why}); retry",
+                job.id,
+                limit.as_secs_f64()
+            )));
+        }
+        self.handle(Input::Admit {
+            job: job.id.clone(),
+        });
+        tracing::info!(job = %job.id, "resumed");
+        self.job(&job.id)
     }
 
     pub fn cancel(&self, id: &str) -> Result<Job, CoordError> {

@@ -192,3 +192,32 @@ impl Disk for Failing {
         self.run(|| Local.remove_file(path), || Ok(()))
     }
 }
+
+/// The local file system without fsync (benchmarks: what durability
+/// costs).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Unsynced;
+
+impl Disk for Unsynced {
+    fn create_dir_all(&mut self, path: &Path) -> io::Result<()> {
+        Local.create_dir_all(path)
+    }
+    fn write(&mut self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        Local.write(path, bytes)
+    }
+    fn sync_file(&mut self, _: &Path) -> io::Result<()> {
+        Ok(())
+    }
+    fn sync_dir(&mut self, _: &Path) -> io::Result<()> {
+        Ok(())
+    }
+    fn rename(&mut self, from: &Path, to: &Path) -> io::Result<()> {
+        Local.rename(from, to)
+    }
+    fn remove_dir_all(&mut self, path: &Path) -> io::Result<()> {
+        Local.remove_dir_all(path)
+    }
+    fn remove_file(&mut self, path: &Path) -> io::Result<()> {
+        Local.remove_file(path)
+    }
+}

@@ -1,0 +1,345 @@
+//! `accrue local`'s lifecycle (issue 27, cases 6 and 7), with the real
+//! binaries: one run per state dir (a second run is refused before it
+//! changes a byte of the first's), and nothing left running when it is
+//! stopped by SIGTERM or SIGHUP, or killed with SIGKILL.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tempfile::TempDir;
+
+/// Polls `cond` every 20 ms until it holds or `limit` passes.
+fn poll_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cond()
+}
+
+/// Live processes (not zombies) whose command line mentions `needle`,
+/// as (pid, command line), this test process excluded.
+fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
+    let me = std::process::id();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        // A zombie (dead, not yet reaped by its new parent) has an empty
+        // command line; so has a process gone since read_dir.
+        let Ok(raw) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if cmdline.contains(needle) {
+            found.push((pid, cmdline));
+        }
+    }
+    found
+}
+
+/// Kills (SIGKILL) every process still mentioning the state dir when the
+/// test ends, passed or failed, so a failing run leaves nothing behind.
+struct Reaper(String);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for (pid, _) in processes_mentioning(&self.0) {
+            if let Ok(pid) = libc::pid_t::try_from(pid) {
+                // SAFETY: kill(2) only sends a signal.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                }
+            }
+        }
+    }
+}
+
+/// An `accrue local` process, its stdout and stderr in files, killed on
+/// drop.
+struct Local {
+    child: Child,
+    stdout: PathBuf,
+    stderr: PathBuf,
+}
+
+impl Local {
+    fn start(dir: &Path, name: &str, job: &Path, state: &Path, extra: &[&Path]) -> Self {
+        let (stdout, stderr) = (
+            dir.join(format!("{name}.stdout")),
+            dir.join(format!("{name}.stderr")),
+        );
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_accrue"));
+        cmd.arg("local")
+            .arg(job)
+            .args(["--workers", "2", "--threads", "1", "--state-dir"])
+            .arg(state)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&stdout).unwrap())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        Self {
+            child: cmd.spawn().unwrap(),
+            stdout,
+            stderr,
+        }
+    }
+
+    fn stdout(&self) -> String {
+        std::fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Its output and its workers' logs, for an assertion's message.
+    fn report(&self, state: &Path) -> String {
+        let mut r = format!("stdout:\n{}\nstderr:\n{}", self.stdout(), self.stderr());
+        for i in 0..2 {
+            let log = state.join(format!("logs/worker-{i}.log"));
+            r.push_str(&format!(
+                "\n{}:\n{}",
+                log.display(),
+                std::fs::read_to_string(&log).unwrap_or_default()
+            ));
+        }
+        r
+    }
+
+    /// Its exit status once it has exited within `limit`.
+    fn exit_within(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let mut status = None;
+        poll_until(limit, || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        });
+        status
+    }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Every file under `dir` and its bytes.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect()
+}
+
+#[test]
+fn a_second_local_on_a_busy_state_dir_is_refused_and_changes_nothing() {
+    let d = TempDir::new().unwrap();
+    let state = d.path().join("state");
+    let _reaper = Reaper(state.display().to_string());
+    let job = common::write(d.path(), "job.toml", &common::job_toml("busy", 2, 8, ""));
+    // The first run's workers wait for `go` before they start, so the first
+    // run is still in progress, deterministically, when the second starts.
+    let go = d.path().join("go");
+    let gated = common::write(
+        d.path(),
+        "gated-worker.sh",
+        &format!(
+            "#!/bin/sh\nwhile [ ! -e '{}' ]; do sleep 0.02; done\nexec '{}' \"$@\"\n",
+            go.display(),
+            common::worker_bin().display()
+        ),
+    );
+    std::fs::set_permissions(&gated, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let worker_bin = ["--worker-bin".as_ref(), gated.as_path()];
+    let mut first = Local::start(d.path(), "first", &job, &state, &worker_bin);
+    assert!(
+        poll_until(Duration::from_secs(60), || first
+            .stdout()
+            .contains("job busy-1")),
+        "the first run did not submit its job\n{}",
+        first.report(&state)
+    );
+    let tls = state.join("tls");
+    let before = snapshot(&tls);
+    for f in [
+        "ca.pem",
+        "ca.key",
+        "coordinator.pem",
+        "worker-local-0.pem",
+        "tokens.toml",
+        "submit.token",
+        "read.token",
+    ] {
+        assert!(before.contains_key(&tls.join(f)), "no {f} in {tls:?}");
+    }
+    let lock_before = std::fs::read(state.join("local.lock")).ok();
+
+    let mut second = Command::new(env!("CARGO_BIN_EXE_accrue"));
+    second
+        .arg("local")
+        .arg(&job)
+        .args(["--workers", "2", "--state-dir"])
+        .arg(&state)
+        .args(worker_bin);
+    let started = Instant::now();
+    let (status, err) = common::bounded(second, &d.path().join("second.stderr"));
+    let status = status.expect("the second run did not end");
+    assert!(!status.success(), "the second run succeeded:\n{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the second run took {:?} to give up",
+        started.elapsed()
+    );
+    // Not a byte of the first run's credentials or lock changed.
+    assert!(
+        snapshot(&tls) == before,
+        "the second run changed the first run's credentials in {tls:?}"
+    );
+    assert_eq!(std::fs::read(state.join("local.lock")).ok(), lock_before);
+
+    // One line naming the state dir, the lock and its holder.
+    let line = err.trim();
+    assert!(!line.contains('\n'), "more than one line:\n{err}");
+    assert!(line.contains("in use"), "{err}");
+    assert!(line.contains(&state.display().to_string()), "{err}");
+    assert!(line.contains("local.lock"), "{err}");
+    assert!(line.contains(&format!("pid {}", first.child.id())), "{err}");
+
+    // The first run goes on with its credentials and finishes.
+    std::fs::write(&go, "").unwrap();
+    let status = first.exit_within(Duration::from_secs(120));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the first run did not succeed ({status:?})\n{}",
+        first.report(&state)
+    );
+    assert!(
+        first.stdout().contains("busy-1 succeeded: step 8/8"),
+        "{}",
+        first.report(&state)
+    );
+}
+
+/// Starts `accrue local` on a job far longer than the test, waits until
+/// its workers are training, sends it `sig` and checks that, within 10 s,
+/// no process it started is left.
+fn stopped_local_leaves_nothing_behind(sig: libc::c_int, name: &str) {
+    let d = TempDir::new().unwrap();
+    let state = d.path().join("state");
+    let needle = state.display().to_string();
+    let _reaper = Reaper(needle.clone());
+    let job = common::write(
+        d.path(),
+        "job.toml",
+        &common::job_toml("long", 2, 1_000_000, ""),
+    );
+    let mut local = Local::start(d.path(), "local", &job, &state, &[]);
+    assert!(
+        poll_until(Duration::from_secs(60), || local
+            .stdout()
+            .lines()
+            .any(|l| l.starts_with("step "))),
+        "the job did not start training\n{}",
+        local.report(&state)
+    );
+    // Its two workers are running (the processes that mention the state
+    // dir, besides `accrue local` itself).
+    let pid = local.child.id();
+    let workers: Vec<_> = processes_mentioning(&needle)
+        .into_iter()
+        .filter(|(p, _)| *p != pid)
+        .collect();
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    assert!(
+        workers.iter().all(|(_, c)| c.contains("daemon")),
+        "{workers:?}"
+    );
+
+    let signalled = Instant::now();
+    // SAFETY: kill(2) on our own child, not yet waited for.
+    assert_eq!(
+        unsafe { libc::kill(libc::pid_t::try_from(pid).unwrap(), sig) },
+        0
+    );
+    let status = local.exit_within(Duration::from_secs(10));
+    let status = status.unwrap_or_else(|| {
+        panic!(
+            "accrue local still runs 10 s after {name}\n{}",
+            local.report(&state)
+        )
+    });
+    let left_after = |limit| {
+        let mut left = Vec::new();
+        poll_until(limit, || {
+            left = processes_mentioning(&needle);
+            left.is_empty()
+        });
+        left
+    };
+    let left = left_after(Duration::from_secs(10).saturating_sub(signalled.elapsed()));
+    assert!(
+        left.is_empty(),
+        "processes left {:?} after {name} of accrue local: {left:?}\n{}",
+        signalled.elapsed(),
+        local.report(&state)
+    );
+    if sig == libc::SIGKILL {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+    } else {
+        // Stopped like Ctrl-C: the job cancelled, the workers asked to
+        // stop (each detached: a planned exit), not just killed.
+        assert_eq!(status.code(), Some(2), "{}", local.report(&state));
+        assert!(
+            local
+                .stderr()
+                .contains(&format!("interrupted by {name}; job long-1 cancelled")),
+            "{}",
+            local.report(&state)
+        );
+        for i in 0..2 {
+            let log = std::fs::read_to_string(state.join(format!("logs/worker-{i}.log")))
+                .unwrap_or_default();
+            assert!(
+                log.contains("detaching from the coordinator"),
+                "worker {i} was not asked to stop:\n{log}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sigterm_stops_local_and_its_workers() {
+    stopped_local_leaves_nothing_behind(libc::SIGTERM, "SIGTERM");
+}
+
+#[test]
+fn sighup_stops_local_and_its_workers() {
+    stopped_local_leaves_nothing_behind(libc::SIGHUP, "SIGHUP");
+}
+
+#[test]
+fn sigkill_of_local_takes_its_workers_with_it() {
+    stopped_local_leaves_nothing_behind(libc::SIGKILL, "SIGKILL");
+}
