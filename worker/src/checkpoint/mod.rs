@@ -85,50 +85,64 @@ pub fn step_name(n: u64) -> String {
     format!("step-{n}")
 }
 
-/// A tensor's bytes, ready for the safetensors format.
-struct Owned {
-    dtype: safetensors::Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
+/// The safetensors name of a tensor kind (the format's `dtype`).
+fn dtype_name(kind: tch::Kind) -> Option<&'static str> {
+    use tch::Kind::*;
+    Some(match kind {
+        Bool => "BOOL",
+        Uint8 => "U8",
+        Int8 => "I8",
+        Int16 => "I16",
+        Int => "I32",
+        Int64 => "I64",
+        BFloat16 => "BF16",
+        Half => "F16",
+        Float => "F32",
+        Double => "F64",
+        _ => return None,
+    })
 }
 
-impl safetensors::tensor::View for &Owned {
-    fn dtype(&self) -> safetensors::Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
-/// `tensors` in the safetensors format (copied to the host first).
+/// `tensors` in the safetensors format: an 8-byte little-endian header
+/// length, the JSON header (dtype, shape and data offsets by name, padded
+/// with spaces to a multiple of 8), then every tensor's bytes in order.
+/// Each tensor is copied once, from its device straight into the output
+/// buffer (a zeroed allocation the kernel hands out lazily).
 pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
-    let owned = tensors
-        .iter()
-        .map(|(n, t)| {
-            let t = t
-                .f_detach()
-                .and_then(|t| t.f_to_device(Device::Cpu))
-                .and_then(|t| t.f_contiguous())
-                .ctx("copying a tensor for the checkpoint")?;
-            let dtype = safetensors::Dtype::try_from(t.kind())
-                .map_err(|e| Error::Model(format!("{n}: cannot be checkpointed: {e}")))?;
-            let numel = t.numel();
-            let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
-            t.f_copy_data_u8(&mut data, numel)
-                .ctx("copying a tensor for the checkpoint")?;
-            let shape = t.size().iter().map(|&d| d as usize).collect();
-            Ok((n.clone(), Owned { dtype, shape, data }))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::tensor::serialize(owned.iter().map(|(n, o)| (n.as_str(), o)), &None)
-        .map_err(|e| Error::Model(format!("serialising the checkpoint's tensors: {e}")))
+    let mut header = serde_json::Map::new();
+    let mut spans = Vec::with_capacity(tensors.len());
+    let mut offset = 0usize;
+    for (name, t) in tensors {
+        let kind = t.f_kind().ctx("reading a tensor's kind for the checkpoint")?;
+        let dtype = dtype_name(kind)
+            .ok_or_else(|| Error::Model(format!("{name}: {kind:?} cannot be checkpointed")))?;
+        let numel = t.numel();
+        let len = numel * kind.elt_size_in_bytes();
+        header.insert(
+            name.clone(),
+            serde_json::json!({
+                "dtype": dtype,
+                "shape": t.size(),
+                "data_offsets": [offset, offset + len],
+            }),
+        );
+        spans.push((offset, len, numel));
+        offset += len;
+    }
+    let mut json = serde_json::to_vec(&header)
+        .map_err(|e| Error::Model(format!("checkpoint header: {e}")))?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let start = 8 + json.len();
+    let mut out = vec![0u8; start + offset];
+    out[..8].copy_from_slice(&(json.len() as u64).to_le_bytes());
+    out[8..start].copy_from_slice(&json);
+    for ((_, t), (at, len, numel)) in tensors.iter().zip(spans) {
+        // at_copy_data brings a device or strided tensor to a contiguous
+        // host copy first.
+        t.f_copy_data_u8(&mut out[start + at..start + at + len], numel)
+            .ctx("copying a tensor for the checkpoint")?;
+    }
+    Ok(out)
 }
 
 /// Tensors from safetensors bytes (`path` names them in errors).

@@ -294,3 +294,36 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn safetensors_bytes_round_trip_every_kind_and_shape_exactly() {
+    let f = Tensor::from_slice(&[1.5f32, -0.0, f32::NAN, 3.0, 4.0, 5.0]).view([2, 3]);
+    let tensors: Vec<(String, Tensor)> = vec![
+        ("f32".into(), f.shallow_clone()),
+        ("f32.transposed".into(), f.tr()),
+        ("f64".into(), Tensor::from_slice(&[1e300f64, -2.0])),
+        ("i64".into(), Tensor::from_slice(&[i64::MIN, 7])),
+        ("bf16".into(), f.to_kind(tch::Kind::BFloat16)),
+        ("bool".into(), Tensor::from_slice(&[true, false, true])),
+        ("scalar".into(), Tensor::from(2.5f32)),
+        ("empty".into(), Tensor::zeros([0, 4], (tch::Kind::Float, Device::Cpu))),
+    ];
+    let bytes = safetensors_bytes(&tensors).unwrap();
+    // The header is padded to 8 bytes, as the format asks.
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    assert_eq!(n % 8, 0);
+    let back: std::collections::HashMap<String, Tensor> =
+        tensors_from(&bytes, Path::new("t")).unwrap().into_iter().collect();
+    assert_eq!(back.len(), tensors.len());
+    for (name, t) in &tensors {
+        let b = &back[name];
+        assert_eq!((b.size(), b.kind()), (t.size(), t.kind()), "{name}");
+        let bits = |x: &Tensor| {
+            let x = x.contiguous();
+            let mut v = vec![0u8; x.numel() * x.kind().elt_size_in_bytes()];
+            x.copy_data_u8(&mut v, x.numel());
+            v
+        };
+        assert_eq!(bits(b), bits(t), "{name}");
+    }
+}
