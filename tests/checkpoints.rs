@@ -82,7 +82,10 @@ async fn wait_step(c: &mut accrue::Client, id: &str, step: u64) -> Job {
         if j.counters.unwrap_or_default().step >= step {
             return j;
         }
-        assert!(Instant::now() < deadline, "job {id} did not reach step {step}: {j:?}");
+        assert!(
+            Instant::now() < deadline,
+            "job {id} did not reach step {step}: {j:?}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -193,8 +196,10 @@ async fn both_workers_lost_without_latest_and_a_damaged_newest_step_resume_from_
     let r = end.recoveries.last().expect("a recovery");
     assert_eq!(format!("step-{}", r.resumed_step), previous, "{r:?}");
     assert!(
-        r.loaded.starts_with(&format!("checkpoint {previous} (LATEST missing"))
-            && r.loaded.contains(&format!("skipped {newest}: model.safetensors")),
+        r.loaded
+            .starts_with(&format!("checkpoint {previous} (LATEST missing"))
+            && r.loaded
+                .contains(&format!("skipped {newest}: model.safetensors")),
         "{r:?}"
     );
     let cnt = end.counters.unwrap();
@@ -246,7 +251,11 @@ async fn etcd_mode_both_workers_lost_without_latest_resume_from_the_newest_verif
     let _ = std::fs::remove_file(ck.join("LATEST"));
     let newest: u64 = std::fs::read_dir(&ck)
         .unwrap()
-        .filter_map(|e| e.unwrap().file_name().into_string().unwrap()[..].strip_prefix("step-").and_then(|s| s.parse().ok()))
+        .filter_map(|e| {
+            e.unwrap().file_name().into_string().unwrap()[..]
+                .strip_prefix("step-")
+                .and_then(|s| s.parse().ok())
+        })
         .max()
         .unwrap();
     let _second = Workers(vec![

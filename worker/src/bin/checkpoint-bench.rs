@@ -45,9 +45,7 @@ fn main() -> anyhow::Result<()> {
     let opt: Vec<(String, tch::Tensor)> = model
         .params
         .iter()
-        .flat_map(|(n, p)| {
-            ["exp_avg", "exp_avg_sq"].map(|k| (format!("{n}.{k}"), p.zeros_like()))
-        })
+        .flat_map(|(n, p)| ["exp_avg", "exp_avg_sq"].map(|k| (format!("{n}.{k}"), p.zeros_like())))
         .collect();
     let state = TrainerState {
         job: "bench".into(),

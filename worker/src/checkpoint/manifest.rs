@@ -65,9 +65,13 @@ pub fn read_verified(folder: &Path, step: u64) -> Result<BTreeMap<String, Vec<u8
     let mut out = BTreeMap::new();
     for e in &manifest.files {
         if e.name.contains('/') || e.name.starts_with('.') {
-            return Err(format!("{MANIFEST_FILE} lists {:?}, not a file name", e.name));
+            return Err(format!(
+                "{MANIFEST_FILE} lists {:?}, not a file name",
+                e.name
+            ));
         }
-        let bytes = std::fs::read(folder.join(&e.name)).map_err(|err| format!("{}: {err}", e.name))?;
+        let bytes =
+            std::fs::read(folder.join(&e.name)).map_err(|err| format!("{}: {err}", e.name))?;
         if bytes.len() as u64 != e.bytes {
             return Err(format!(
                 "{}: {} bytes, the manifest says {}",
@@ -98,7 +102,11 @@ mod tests {
             std::fs::write(d.path().join(n), b).unwrap();
         }
         let m = Manifest::of(step, files);
-        std::fs::write(d.path().join(MANIFEST_FILE), serde_json::to_vec(&m).unwrap()).unwrap();
+        std::fs::write(
+            d.path().join(MANIFEST_FILE),
+            serde_json::to_vec(&m).unwrap(),
+        )
+        .unwrap();
         d
     }
 
@@ -110,7 +118,9 @@ mod tests {
         assert_eq!(got["a.bin"], b"hello");
         assert_eq!(got.len(), 2);
         // Wrong step.
-        assert!(read_verified(d.path(), 8).unwrap_err().contains("for step 7"));
+        assert!(read_verified(d.path(), 8)
+            .unwrap_err()
+            .contains("for step 7"));
         // Truncated.
         std::fs::write(d.path().join("a.bin"), b"hel").unwrap();
         let e = read_verified(d.path(), 7).unwrap_err();
@@ -121,9 +131,13 @@ mod tests {
         assert!(e.contains("a.bin: checksum"), "{e}");
         // Missing file.
         std::fs::remove_file(d.path().join("a.bin")).unwrap();
-        assert!(read_verified(d.path(), 7).unwrap_err().starts_with("a.bin:"));
+        assert!(read_verified(d.path(), 7)
+            .unwrap_err()
+            .starts_with("a.bin:"));
         // No manifest.
         std::fs::remove_file(d.path().join(MANIFEST_FILE)).unwrap();
-        assert!(read_verified(d.path(), 7).unwrap_err().contains("no MANIFEST.json"));
+        assert!(read_verified(d.path(), 7)
+            .unwrap_err()
+            .contains("no MANIFEST.json"));
     }
 }

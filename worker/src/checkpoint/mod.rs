@@ -113,7 +113,9 @@ pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
     let mut spans = Vec::with_capacity(tensors.len());
     let mut offset = 0usize;
     for (name, t) in tensors {
-        let kind = t.f_kind().ctx("reading a tensor's kind for the checkpoint")?;
+        let kind = t
+            .f_kind()
+            .ctx("reading a tensor's kind for the checkpoint")?;
         let dtype = dtype_name(kind)
             .ok_or_else(|| Error::Model(format!("{name}: {kind:?} cannot be checkpointed")))?;
         let numel = t.numel();
@@ -129,8 +131,8 @@ pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
         spans.push((offset, len, numel));
         offset += len;
     }
-    let mut json = serde_json::to_vec(&header)
-        .map_err(|e| Error::Model(format!("checkpoint header: {e}")))?;
+    let mut json =
+        serde_json::to_vec(&header).map_err(|e| Error::Model(format!("checkpoint header: {e}")))?;
     json.resize(json.len().next_multiple_of(8), b' ');
     let start = 8 + json.len();
     let mut out = vec![0u8; start + offset];
@@ -371,7 +373,10 @@ pub fn to_prune(steps: &[u64], keep: usize, newest: u64, protect_upto: Option<u6
         .filter(|&s| s <= newest && protect_upto.is_none_or(|p| s > p))
         .collect();
     let excess = open.len().saturating_sub(keep.max(1));
-    open.into_iter().filter(|&s| s != newest).take(excess).collect()
+    open.into_iter()
+        .filter(|&s| s != newest)
+        .take(excess)
+        .collect()
 }
 
 fn prune(
@@ -467,8 +472,8 @@ fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
     let trainer = take(TRAINER_FILE)?;
     let model = take(MODEL_FILE)?;
     let optimizer = take(OPTIMIZER_FILE)?;
-    let state: TrainerState = serde_json::from_slice(&trainer)
-        .map_err(|e| format!("{TRAINER_FILE}: {e}"))?;
+    let state: TrainerState =
+        serde_json::from_slice(&trainer).map_err(|e| format!("{TRAINER_FILE}: {e}"))?;
     if state.step != step {
         return Err(format!(
             "{TRAINER_FILE} holds step {}, the folder is step {step}",

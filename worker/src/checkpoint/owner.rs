@@ -89,7 +89,10 @@ mod tests {
         other_spec.spec_hash = "cd".into();
         assert_eq!(refusal(d, &owner("j-1", "c"), &other_spec), None);
         let e = refusal(d, &owner("j-1", "c"), &owner("j-2", "c")).unwrap();
-        assert!(e.contains("belongs to job j-1 of cluster c") && e.contains("this is job j-2"), "{e}");
+        assert!(
+            e.contains("belongs to job j-1 of cluster c") && e.contains("this is job j-2"),
+            "{e}"
+        );
         assert!(refusal(d, &owner("j-1", "a"), &owner("j-1", "b")).is_some());
     }
 

@@ -33,7 +33,10 @@ fn payload(step: u64) -> Payload {
     Payload::new(
         &state,
         &[("0.weight".into(), Tensor::from_slice(&[v; 6]).view([2, 3]))],
-        &[("0.weight.momentum_buffer".into(), Tensor::from_slice(&[-v; 6]).view([2, 3]))],
+        &[(
+            "0.weight.momentum_buffer".into(),
+            Tensor::from_slice(&[-v; 6]).view([2, 3]),
+        )],
     )
     .unwrap()
 }
@@ -45,7 +48,10 @@ fn consistent_step(l: &Loaded) -> u64 {
     let o = Vec::<f32>::try_from(l.optimizer[0].1.flatten(0, -1)).unwrap();
     let s = l.state.step;
     assert!(m.iter().all(|&x| x == s as f32), "model {m:?} at step {s}");
-    assert!(o.iter().all(|&x| x == -(s as f32)), "optimizer {o:?} at step {s}");
+    assert!(
+        o.iter().all(|&x| x == -(s as f32)),
+        "optimizer {o:?} at step {s}"
+    );
     assert_eq!(l.state.samples_seen, s * 10);
     s
 }
@@ -77,13 +83,24 @@ fn the_writer_fsyncs_every_file_the_folder_and_the_parent_after_each_rename() {
     let tmp = dir.join(format!(".step-5.tmp-{}", std::process::id()));
     let fin = dir.join("step-5");
     let rename = pos(&Op::Rename(s(tmp.clone()), s(fin.clone())));
-    for f in [MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, manifest::MANIFEST_FILE] {
+    for f in [
+        MODEL_FILE,
+        OPTIMIZER_FILE,
+        TRAINER_FILE,
+        manifest::MANIFEST_FILE,
+    ] {
         let w = pos(&Op::Write(s(tmp.join(f))));
         let sync = pos(&Op::SyncFile(s(tmp.join(f))));
-        assert!(w < sync && sync < rename, "{f}: write {w}, fsync {sync}, rename {rename}");
+        assert!(
+            w < sync && sync < rename,
+            "{f}: write {w}, fsync {sync}, rename {rename}"
+        );
     }
     // The manifest is the last file written.
-    assert!(pos(&Op::Write(s(tmp.join(manifest::MANIFEST_FILE)))) > pos(&Op::SyncFile(s(tmp.join(TRAINER_FILE)))));
+    assert!(
+        pos(&Op::Write(s(tmp.join(manifest::MANIFEST_FILE))))
+            > pos(&Op::SyncFile(s(tmp.join(TRAINER_FILE))))
+    );
     let tmp_sync = pos(&Op::SyncDir(s(tmp.clone())));
     assert!(tmp_sync < rename);
     let latest_tmp = dir.join(format!(".LATEST.tmp-{}", std::process::id()));
@@ -96,7 +113,12 @@ fn the_writer_fsyncs_every_file_the_folder_and_the_parent_after_each_rename() {
         .filter(|(_, o)| **o == Op::SyncDir(s(dir.clone())))
         .map(|(i, _)| i)
         .collect();
-    assert!(parent_syncs.iter().any(|&i| i > rename && i < latest_rename), "{ops:#?}");
+    assert!(
+        parent_syncs
+            .iter()
+            .any(|&i| i > rename && i < latest_rename),
+        "{ops:#?}"
+    );
     assert!(parent_syncs.iter().any(|&i| i > latest_rename), "{ops:#?}");
     // The owner record went first, durably, and the folder's parent too.
     let owner_sync = pos(&Op::SyncDir(s(dir.clone())));
@@ -118,7 +140,10 @@ fn a_full_disk_at_any_operation_leaves_no_temporary_folder_and_latest_on_the_las
         let mut full = Failing::new(at, Cut::Full);
         let r = write_on(&mut full, &dir, 2, &payload(2), &opts(3));
         let latest = read_latest(&dir).unwrap().unwrap();
-        let left: Vec<String> = names(&dir).into_iter().filter(|n| n.contains(".tmp-")).collect();
+        let left: Vec<String> = names(&dir)
+            .into_iter()
+            .filter(|n| n.contains(".tmp-"))
+            .collect();
         assert!(left.is_empty(), "op {at}: left {left:?}");
         match r {
             Err(e) => {
@@ -144,31 +169,58 @@ fn recovery_without_latest_takes_the_newest_step_that_verifies_and_says_what_it_
         write_on(&mut disk::Local, dir, s, &payload(s), &opts(3)).unwrap();
     }
     let found = load_newest(dir, &me("j")).unwrap().unwrap();
-    assert_eq!((consistent_step(&found.loaded), found.fell_back), (48, false));
+    assert_eq!(
+        (consistent_step(&found.loaded), found.fell_back),
+        (48, false)
+    );
     assert_eq!(found.why, "step-48 (named by LATEST)");
     // LATEST removed: the newest step that verifies.
     std::fs::remove_file(dir.join(LATEST)).unwrap();
     let found = load_newest(dir, &me("j")).unwrap().unwrap();
-    assert_eq!((consistent_step(&found.loaded), found.fell_back), (48, true));
+    assert_eq!(
+        (consistent_step(&found.loaded), found.fell_back),
+        (48, true)
+    );
     assert!(found.why.contains("LATEST missing"), "{}", found.why);
     // The newest model.safetensors truncated: the previous step, naming why.
     let model = dir.join("step-48").join(MODEL_FILE);
     let len = std::fs::metadata(&model).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&model).unwrap().set_len(len / 2).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&model)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
     let found = load_newest(dir, &me("j")).unwrap().unwrap();
     assert_eq!(consistent_step(&found.loaded), 32);
-    assert!(found.why.contains("skipped step-48: model.safetensors") && found.why.contains("bytes, the manifest says"), "{}", found.why);
+    assert!(
+        found.why.contains("skipped step-48: model.safetensors")
+            && found.why.contains("bytes, the manifest says"),
+        "{}",
+        found.why
+    );
     // With LATEST back on the damaged step: the same fallback, said so.
     std::fs::write(dir.join(LATEST), "step-48\n").unwrap();
     let found = load_newest(dir, &me("j")).unwrap().unwrap();
     assert_eq!(consistent_step(&found.loaded), 32);
-    assert!(found.why.contains("LATEST names step-48, which does not verify"), "{}", found.why);
+    assert!(
+        found
+            .why
+            .contains("LATEST names step-48, which does not verify"),
+        "{}",
+        found.why
+    );
     // Nothing readable: an error listing every step, never a fresh start.
     for s in [16, 32] {
         std::fs::remove_file(dir.join(format!("step-{s}")).join(manifest::MANIFEST_FILE)).unwrap();
     }
     let e = load_newest(dir, &me("j")).err().unwrap().to_string();
-    for s in ["step-48:", "step-32: no MANIFEST.json", "step-16: no MANIFEST.json", "does not start again from step 0"] {
+    for s in [
+        "step-48:",
+        "step-32: no MANIFEST.json",
+        "step-16: no MANIFEST.json",
+        "does not start again from step 0",
+    ] {
         assert!(e.contains(s), "{s} not in {e}");
     }
     // An empty folder: a fresh start.
@@ -181,10 +233,15 @@ fn another_jobs_folder_or_checkpoint_is_refused_naming_both() {
     let dir = d.path();
     write_on(&mut disk::Local, dir, 4, &payload(4), &opts(3)).unwrap();
     let e = load_newest(dir, &me("other")).err().unwrap().to_string();
-    assert!(e.contains("belongs to job j") && e.contains("this is job other"), "{e}");
+    assert!(
+        e.contains("belongs to job j") && e.contains("this is job other"),
+        "{e}"
+    );
     let mut o = opts(3);
     o.owner = me("other");
-    let e = write_on(&mut disk::Local, dir, 8, &payload(8), &o).unwrap_err().to_string();
+    let e = write_on(&mut disk::Local, dir, 8, &payload(8), &o)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("belongs to job j"), "{e}");
     assert_eq!(list_steps(dir).unwrap(), vec![4]);
     // A checkpoint of another job in an unclaimed folder (copied in).
@@ -199,28 +256,54 @@ fn pruning_keeps_the_newest_and_never_touches_protected_or_newer_steps() {
     assert_eq!(to_prune(&[1, 2, 3, 4], 2, 4, Some(2)), Vec::<u64>::new());
     assert_eq!(to_prune(&[1, 2, 3, 4, 5], 2, 5, Some(2)), vec![3]);
     // Steps newer than the one written stay (a run that went back).
-    assert_eq!(to_prune(&[150, 200, 250, 50], 1, 50, None), Vec::<u64>::new());
+    assert_eq!(
+        to_prune(&[150, 200, 250, 50], 1, 50, None),
+        Vec::<u64>::new()
+    );
     assert_eq!(to_prune(&[10, 50, 200], 1, 50, None), vec![10]);
     assert_eq!(to_prune(&[7], 0, 7, None), Vec::<u64>::new());
 }
 
 #[test]
 fn choose_prefers_latest_then_the_newest_that_verifies() {
-    let ok_but = |bad: &'static [u64]| move |s: u64| if bad.contains(&s) { Err("bad".to_string()) } else { Ok(()) };
+    let ok_but = |bad: &'static [u64]| {
+        move |s: u64| {
+            if bad.contains(&s) {
+                Err("bad".to_string())
+            } else {
+                Ok(())
+            }
+        }
+    };
     assert_eq!(choose(&Ok(None), &[], ok_but(&[])), Choice::Nothing);
     assert_eq!(
         choose(&Ok(Some(3)), &[1, 3, 5], ok_but(&[])),
-        Choice::Take { step: 3, skipped: vec![], fell_back: false }
+        Choice::Take {
+            step: 3,
+            skipped: vec![],
+            fell_back: false
+        }
     );
     assert_eq!(
         choose(&Ok(Some(5)), &[1, 3, 5], ok_but(&[5])),
-        Choice::Take { step: 3, skipped: vec![(5, "bad".into())], fell_back: true }
+        Choice::Take {
+            step: 3,
+            skipped: vec![(5, "bad".into())],
+            fell_back: true
+        }
     );
     assert_eq!(
         choose(&Err("x".into()), &[1, 3], ok_but(&[3])),
-        Choice::Take { step: 1, skipped: vec![(3, "bad".into())], fell_back: true }
+        Choice::Take {
+            step: 1,
+            skipped: vec![(3, "bad".into())],
+            fell_back: true
+        }
     );
-    assert!(matches!(choose(&Ok(Some(2)), &[], ok_but(&[2])), Choice::NoneReadable { .. }));
+    assert!(matches!(
+        choose(&Ok(Some(2)), &[], ok_but(&[2])),
+        Choice::NoneReadable { .. }
+    ));
 }
 
 #[test]
@@ -237,7 +320,11 @@ fn stale_temporary_folders_of_dead_writers_are_swept() {
     let removed = sweep(dir, fresh).unwrap();
     assert_eq!(removed, vec![dead.clone()]);
     assert!(mine.exists());
-    let removed = sweep(dir, std::time::SystemTime::now() + std::time::Duration::from_secs(1)).unwrap();
+    let removed = sweep(
+        dir,
+        std::time::SystemTime::now() + std::time::Duration::from_secs(1),
+    )
+    .unwrap();
     assert_eq!(removed, vec![mine]);
     assert_eq!(names(dir), vec!["LATEST", "OWNER.json", "step-1"]);
 }
@@ -306,14 +393,19 @@ fn safetensors_bytes_round_trip_every_kind_and_shape_exactly() {
         ("bf16".into(), f.to_kind(tch::Kind::BFloat16)),
         ("bool".into(), Tensor::from_slice(&[true, false, true])),
         ("scalar".into(), Tensor::from(2.5f32)),
-        ("empty".into(), Tensor::zeros([0, 4], (tch::Kind::Float, Device::Cpu))),
+        (
+            "empty".into(),
+            Tensor::zeros([0, 4], (tch::Kind::Float, Device::Cpu)),
+        ),
     ];
     let bytes = safetensors_bytes(&tensors).unwrap();
     // The header is padded to 8 bytes, as the format asks.
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     assert_eq!(n % 8, 0);
-    let back: std::collections::HashMap<String, Tensor> =
-        tensors_from(&bytes, Path::new("t")).unwrap().into_iter().collect();
+    let back: std::collections::HashMap<String, Tensor> = tensors_from(&bytes, Path::new("t"))
+        .unwrap()
+        .into_iter()
+        .collect();
     assert_eq!(back.len(), tensors.len());
     for (name, t) in &tensors {
         let b = &back[name];

@@ -476,7 +476,8 @@ impl<C: Collective> Engine<C> {
                 if engine.opts.resume {
                     return Err(Error::Checkpoint {
                         path: engine.checkpoint_dir.clone(),
-                        reason: "no checkpoint to resume from (no step folder and no LATEST)".into(),
+                        reason: "no checkpoint to resume from (no step folder and no LATEST)"
+                            .into(),
                     });
                 }
                 // Joining a recovery before any checkpoint: the state
@@ -605,7 +606,11 @@ impl<C: Collective> Engine<C> {
     /// the field (shapes and names: [`Model::load_named`] names them).
     fn check_resumable(&self, loaded: &checkpoint::Loaded) -> Result<()> {
         let ours = [
-            ("model.kind", self.spec.model.kind.as_str(), &loaded.state.model_kind),
+            (
+                "model.kind",
+                self.spec.model.kind.as_str(),
+                &loaded.state.model_kind,
+            ),
             (
                 "optimizer.kind",
                 self.spec.optimizer.kind.as_str(),
