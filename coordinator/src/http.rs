@@ -175,18 +175,7 @@ fn leader(g: &Gate) -> Result<Arc<Coordinator>, Response> {
     g.get().map_err(IntoResponse::into_response)
 }
 
-pub fn state_name(s: JobState) -> &'static str {
-    match s {
-        JobState::Unspecified => "unspecified",
-        JobState::Pending => "pending",
-        JobState::Rendezvous => "rendezvous",
-        JobState::Running => "running",
-        JobState::Recovering => "recovering",
-        JobState::Succeeded => "succeeded",
-        JobState::Failed => "failed",
-        JobState::Cancelled => "cancelled",
-    }
-}
+pub use crate::state::state_name;
 
 fn state_of(i: i32) -> &'static str {
     state_name(JobState::try_from(i).unwrap_or(JobState::Unspecified))

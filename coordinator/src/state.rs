@@ -3,6 +3,20 @@
 
 use accrue_proto::v1::{Job, JobState, Transition};
 
+/// A state's name in messages, JSON and the CLI.
+pub fn state_name(s: JobState) -> &'static str {
+    match s {
+        JobState::Unspecified => "unspecified",
+        JobState::Pending => "pending",
+        JobState::Rendezvous => "rendezvous",
+        JobState::Running => "running",
+        JobState::Recovering => "recovering",
+        JobState::Succeeded => "succeeded",
+        JobState::Failed => "failed",
+        JobState::Cancelled => "cancelled",
+    }
+}
+
 /// Whether `from -> to` is a legal transition.
 pub fn allowed(from: JobState, to: JobState) -> bool {
     use JobState::*;
@@ -76,7 +90,7 @@ pub fn transition(
 #[derive(Clone, Debug, thiserror::Error, PartialEq)]
 #[error("{}", match state {
     JobState::Succeeded => format!("job {job} succeeded; nothing to resume (its final checkpoint is its result: submit a new job to train further)"),
-    s => format!("job {job} is {}; only a failed or cancelled job can be resumed", crate::http::state_name(*s)),
+    s => format!("job {job} is {}; only a failed or cancelled job can be resumed", state_name(*s)),
 })]
 pub struct NotResumable {
     pub job: String,

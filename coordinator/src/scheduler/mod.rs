@@ -14,7 +14,7 @@
 //! so the store can refuse to replace a newer version with an older one.
 
 use crate::error::CoordError;
-use crate::http::state_name;
+use crate::state::state_name;
 use crate::state::{self, Waiting};
 use accrue_proto::v1::{
     self, coordinator_message, worker_message, CoordinatorMessage, Counters, Job, JobEvent,

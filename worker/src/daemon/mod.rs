@@ -253,7 +253,7 @@ impl Collective for RingSlot {
 
 /// What one generation of a job ended with.
 enum Outcome {
-    Finished(crate::engine::Summary),
+    Finished(Box<crate::engine::Summary>),
     /// The window was lost; the committed state is kept for the next
     /// generation.
     Interrupted(String),
@@ -342,7 +342,7 @@ impl JobThread<'_> {
             let _ = out.send(m);
         });
         match result {
-            Ok(s) => Outcome::Finished(s),
+            Ok(s) => Outcome::Finished(Box::new(s)),
             Err(e) if e.is_recoverable() && !self.control.stopping() => {
                 Outcome::Interrupted(e.to_string())
             }

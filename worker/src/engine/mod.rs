@@ -471,17 +471,14 @@ impl<C: Collective> Engine<C> {
             }
         }
         if engine.opts.resume || engine.opts.resume_if_present {
-            // Reads only after the owner check inside load_newest.
-            if !engine.resume()? {
-                if engine.opts.resume {
-                    return Err(Error::Checkpoint {
-                        path: engine.checkpoint_dir.clone(),
-                        reason: "no checkpoint to resume from (no step folder and no LATEST)"
-                            .into(),
-                    });
-                }
-                // Joining a recovery before any checkpoint: the state
-                // comes from a surviving rank, or this is a fresh start.
+            // Reads only after the owner check inside load_newest. Without
+            // a checkpoint, a rank joining a recovery takes the state from
+            // a surviving rank (or this is a fresh start); --resume fails.
+            if !engine.resume()? && engine.opts.resume {
+                return Err(Error::Checkpoint {
+                    path: engine.checkpoint_dir.clone(),
+                    reason: "no checkpoint to resume from (no step folder and no LATEST)".into(),
+                });
             }
         } else {
             engine.check_owner()?;
