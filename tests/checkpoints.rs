@@ -51,45 +51,6 @@ rendezvous_timeout_s = 30
 
 const EVERY_4: &str = "[checkpoint]\nevery_steps = 4\nkeep = 3\n";
 
-async fn submit(c: &mut accrue::Client, text: &str) -> Job {
-    c.submit_job(v1::SubmitJobRequest {
-        spec: Some(spec(text)),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-}
-
-async fn ended(c: &mut accrue::Client, id: &str) -> Job {
-    wait_state(
-        c,
-        id,
-        &[JobState::Succeeded, JobState::Failed, JobState::Cancelled],
-        Duration::from_secs(120),
-    )
-    .await
-}
-
-/// Polls until the job has committed at least `step` steps.
-async fn wait_step(c: &mut accrue::Client, id: &str, step: u64) -> Job {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let j = c
-            .get_job(v1::GetJobRequest { id: id.into() })
-            .await
-            .unwrap()
-            .into_inner();
-        if j.counters.unwrap_or_default().step >= step {
-            return j;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "job {id} did not reach step {step}: {j:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// A daemon slowed down so the job can be caught between checkpoints.
 fn slow_worker(grpc: &str, id: &str, dir: &Path) -> std::process::Child {
     spawn_worker(grpc, id, dir, &["--micro-step-delay-ms", "10"])
@@ -158,8 +119,9 @@ async fn both_workers_lost_without_latest_and_a_damaged_newest_step_resume_from_
         slow_worker(&grpc, "a1", d.path()),
     ]);
     let mut c = client(&grpc).await;
-    let hurt = submit(&mut c, &job("hurt", EVERY_4)).await;
-    wait_step(&mut c, &hurt.id, 13).await;
+    let hurt = submit_text(&mut c, &job("hurt", EVERY_4)).await;
+    let seen = wait_step(&mut c, &hurt.id, 13).await;
+    assert!(seen.counters.unwrap_or_default().step >= 13, "{seen:?}");
     for w in &mut first.0 {
         w.kill().unwrap();
         w.wait().unwrap();
@@ -208,7 +170,7 @@ async fn both_workers_lost_without_latest_and_a_damaged_newest_step_resume_from_
     // (steps at or below a fallback's are kept).
     assert!(ck.join(&previous).exists());
 
-    let calm = submit(&mut c, &job("calm", EVERY_4)).await;
+    let calm = submit_text(&mut c, &job("calm", EVERY_4)).await;
     let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
     assert_bitwise(&final_model(&end), &final_model(&calm_end));
@@ -241,8 +203,9 @@ async fn etcd_mode_both_workers_lost_without_latest_resume_from_the_newest_verif
         spawn_etcd_worker(&etcd, "ck", "e0", d.path()),
         spawn_etcd_worker(&etcd, "ck", "e1", d.path()),
     ]);
-    let hurt = submit(&mut c, &job("ehurt", EVERY_4)).await;
-    wait_step(&mut c, &hurt.id, 9).await;
+    let hurt = submit_text(&mut c, &job("ehurt", EVERY_4)).await;
+    let seen = wait_step(&mut c, &hurt.id, 9).await;
+    assert!(seen.counters.unwrap_or_default().step >= 9, "{seen:?}");
     for w in &mut first.0 {
         w.kill().unwrap();
         w.wait().unwrap();
@@ -268,7 +231,7 @@ async fn etcd_mode_both_workers_lost_without_latest_resume_from_the_newest_verif
     assert_eq!(r.resumed_step, newest, "{r:?}");
     assert!(r.loaded.contains("LATEST missing"), "{r:?}");
     assert!(ck.join(format!("step-{newest}")).exists());
-    let calm = submit(&mut c, &job("ecalm", EVERY_4)).await;
+    let calm = submit_text(&mut c, &job("ecalm", EVERY_4)).await;
     let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
     assert_bitwise(&final_model(&end), &final_model(&calm_end));
@@ -341,7 +304,7 @@ async fn a_full_disk_fails_the_job_cleanly_and_the_job_resumes_once_space_is_fre
                 dir.display()
             )
     };
-    let full = submit(&mut c, &text("full", &ck)).await;
+    let full = submit_text(&mut c, &text("full", &ck)).await;
     let failed = ended(&mut c, &full.id).await;
     assert_eq!(failed.state(), JobState::Failed, "{failed:?}");
     assert!(
@@ -364,7 +327,7 @@ async fn a_full_disk_fails_the_job_cleanly_and_the_job_resumes_once_space_is_fre
     assert!(temporaries(&ck).is_empty());
 
     let roomy = d.path().join("roomy");
-    let calm = submit(&mut c, &text("roomy", &roomy)).await;
+    let calm = submit_text(&mut c, &text("roomy", &roomy)).await;
     let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
     assert_bitwise(&final_model(&end), &final_model(&calm_end));

@@ -12,7 +12,6 @@ use common::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
-use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
 /// One worker daemon with a sample log, slowed so a window lasts long
@@ -71,45 +70,6 @@ connect_timeout_s = 30
 rendezvous_timeout_s = 1.5
 "#
     )
-}
-
-async fn submit(c: &mut accrue::Client, text: &str) -> Job {
-    c.submit_job(v1::SubmitJobRequest {
-        spec: Some(spec(text)),
-    })
-    .await
-    .unwrap()
-    .into_inner()
-}
-
-/// Waits (up to 120 s) until the job has succeeded or failed.
-async fn ended(c: &mut accrue::Client, id: &str) -> Job {
-    wait_state(
-        c,
-        id,
-        &[JobState::Succeeded, JobState::Failed],
-        Duration::from_secs(120),
-    )
-    .await
-}
-
-async fn get(c: &mut accrue::Client, id: &str) -> Job {
-    c.get_job(v1::GetJobRequest { id: id.into() })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
-/// Polls until the job has committed at least `step` steps.
-async fn wait_step(c: &mut accrue::Client, id: &str, step: u64) -> Job {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let j = get(c, id).await;
-        if j.counters.unwrap_or_default().step >= step || Instant::now() > deadline {
-            return j;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// One committed window as the sample logs record it: every rank's line
@@ -285,7 +245,7 @@ async fn lost_worker_is_replaced_and_the_result_is_unchanged() {
     // W = 2, k = 4, b = 8: 384 samples give 24 micro-steps per rank and
     // 6 windows per epoch; 3 epochs = 18 steps.
     let text = |name: &str| job(name, "workers = 2", 3, 384, "steps = 4");
-    let hurt = submit(&mut c, &text("hurt")).await;
+    let hurt = submit_text(&mut c, &text("hurt")).await;
     let running = wait_step(&mut c, &hurt.id, 4).await;
     let victim = running.workers[1].clone();
     w.0[index_of(&ids, &victim)].kill().unwrap();
@@ -322,7 +282,7 @@ async fn lost_worker_is_replaced_and_the_result_is_unchanged() {
     assert_exact_accounting(d.path(), "hurt", 18, 3, 384);
 
     // The same job without the kill, on the two daemons left.
-    let calm = submit(&mut c, &text("calm")).await;
+    let calm = submit_text(&mut c, &text("calm")).await;
     let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
     assert!(calm_end.recoveries.is_empty());
@@ -355,7 +315,7 @@ async fn lost_worker_without_spare_shrinks_and_recomputes_k() {
         480,
         "global_batch = 48",
     );
-    let j = submit(&mut c, &text).await;
+    let j = submit_text(&mut c, &text).await;
     let running = wait_step(&mut c, &j.id, 3).await;
     assert_eq!(running.accumulation_steps, 2);
     let victim = running.workers[2].clone();
@@ -417,7 +377,7 @@ async fn elastic_job_grows_when_a_worker_joins() {
         480,
         "global_batch = 48",
     );
-    let j = submit(&mut c, &text).await;
+    let j = submit_text(&mut c, &text).await;
     let before = wait_step(&mut c, &j.id, 3).await;
     assert_eq!((before.workers.len(), before.accumulation_steps), (2, 3));
     w.0.push(spawn_worker(&grpc, "g2", d.path()));
@@ -457,7 +417,7 @@ async fn coordinator_restart_keeps_the_running_job() {
     let grpc = first.grpc.clone();
     let _w = spawn_all(&grpc, &["r0", "r1"], d.path());
     let mut c = client(&grpc).await;
-    let j = submit(&mut c, &job("restart", "workers = 2", 3, 384, "steps = 4")).await;
+    let j = submit_text(&mut c, &job("restart", "workers = 2", 3, 384, "steps = 4")).await;
     let before = wait_step(&mut c, &j.id, 3).await;
     drop(first); // SIGKILL
     let second = spawn_coordinator(&args(&grpc), &d.path().join("coordinator-2.log"));
@@ -487,7 +447,7 @@ async fn a_sharded_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
         job(name, "workers = 2", 3, 384, "steps = 4")
             + "[sharding]\nstage = 1\n[checkpoint]\nevery_steps = 2\n"
     };
-    let hurt = submit(&mut c, &text("zhurt")).await;
+    let hurt = submit_text(&mut c, &text("zhurt")).await;
     let running = wait_step(&mut c, &hurt.id, 5).await;
     let seen = running.counters.unwrap().step;
     let victim = running.workers[1].clone();
@@ -507,7 +467,7 @@ async fn a_sharded_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
         "sharded recovery: killed after step {seen} was seen, resumed from the checkpoint of step {}, {} reported steps done again",
         r.resumed_step, r.redone_steps
     );
-    let calm = submit(&mut c, &text("zcalm")).await;
+    let calm = submit_text(&mut c, &text("zcalm")).await;
     let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
     let diff = relative_difference(
@@ -531,7 +491,7 @@ async fn a_sharded_job_without_checkpoints_fails_naming_the_lost_shard() {
     let mut w = spawn_all(&grpc, &ids, d.path());
     let mut c = client(&grpc).await;
     let text = job("sharded", "workers = 2", 3, 384, "steps = 4") + "[sharding]\nstage = 1\n";
-    let j = submit(&mut c, &text).await;
+    let j = submit_text(&mut c, &text).await;
     let running = wait_step(&mut c, &j.id, 4).await;
     let victim = running.workers[1].clone();
     w.0[index_of(&ids, &victim)].kill().unwrap();

@@ -135,6 +135,44 @@ pub async fn wait_state(c: &mut Client, id: &str, want: &[JobState], limit: Dura
     }
 }
 
+/// Submits the TOML spec `text` (it must be accepted).
+pub async fn submit_text(c: &mut Client, text: &str) -> Job {
+    c.submit_job(v1::SubmitJobRequest {
+        spec: Some(spec(text)),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+/// Polls until the job has committed at least `step` steps (at most 60 s;
+/// the job as last seen either way).
+pub async fn wait_step(c: &mut Client, id: &str, step: u64) -> Job {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let j = c
+            .get_job(v1::GetJobRequest { id: id.into() })
+            .await
+            .unwrap()
+            .into_inner();
+        if j.counters.unwrap_or_default().step >= step || Instant::now() > deadline {
+            return j;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits (up to 120 s) until the job has ended.
+pub async fn ended(c: &mut Client, id: &str) -> Job {
+    wait_state(
+        c,
+        id,
+        &[JobState::Succeeded, JobState::Failed, JobState::Cancelled],
+        Duration::from_secs(120),
+    )
+    .await
+}
+
 /// A small synthetic MLP job.
 pub fn job_toml(name: &str, workers: u32, max_steps: u64, extra: &str) -> String {
     format!(

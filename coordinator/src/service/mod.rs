@@ -472,26 +472,36 @@ impl Coordinator {
         let job = self
             .handle(Input::Submit { spec, owner })
             .unwrap_or_else(|| Err(CoordError::Internal("submit decided nothing".into())))?;
+        self.admit_when_durable(&job.id, "job", "was not created")
+            .await?;
+        tracing::info!(job = %job.id, "submitted");
+        self.job(&job.id)
+    }
+
+    /// Admits `id` once the decision about it is durable; when the store
+    /// does not make it durable within `--durable-timeout`, withdraws it
+    /// and answers UNAVAILABLE ("<what> <id> was not durable within ... and
+    /// <undone>").
+    async fn admit_when_durable(
+        &self,
+        id: &str,
+        what: &str,
+        undone: &str,
+    ) -> Result<(), CoordError> {
         let limit = self.cfg.durable_timeout;
         if !self.durable_within(limit).await {
-            self.handle(Input::Withdraw {
-                job: job.id.clone(),
-            });
+            self.handle(Input::Withdraw { job: id.into() });
             let why = self
                 .store_health()
                 .err()
                 .unwrap_or_else(|| "the write is still queued".into());
             return Err(CoordError::StoreUnavailable(format!(
-                "job {} was not durable within {:.1} s and was not created ({why}); retry",
-                job.id,
+                "{what} {id} was not durable within {:.1} s and {undone} ({why}); retry",
                 limit.as_secs_f64()
             )));
         }
-        self.handle(Input::Admit {
-            job: job.id.clone(),
-        });
-        tracing::info!(job = %job.id, "submitted");
-        self.job(&job.id)
+        self.handle(Input::Admit { job: id.into() });
+        Ok(())
     }
 
     /// What the scheduler cannot see: where the spec's paths land on this
@@ -574,24 +584,8 @@ impl Coordinator {
         let job = self
             .handle(Input::Resume { job: id.into(), by })
             .unwrap_or_else(|| Err(CoordError::Internal("resume decided nothing".into())))?;
-        let limit = self.cfg.durable_timeout;
-        if !self.durable_within(limit).await {
-            self.handle(Input::Withdraw {
-                job: job.id.clone(),
-            });
-            let why = self
-                .store_health()
-                .err()
-                .unwrap_or_else(|| "the write is still queued".into());
-            return Err(CoordError::StoreUnavailable(format!(
-                "the resume of job {} was not durable within {:.1} s and was taken back ({why}); retry",
-                job.id,
-                limit.as_secs_f64()
-            )));
-        }
-        self.handle(Input::Admit {
-            job: job.id.clone(),
-        });
+        self.admit_when_durable(&job.id, "the resume of job", "was taken back")
+            .await?;
         tracing::info!(job = %job.id, "resumed");
         self.job(&job.id)
     }
