@@ -7,7 +7,7 @@
 
 mod common;
 
-use accrue_proto::v1::{self, Job, JobState};
+use accrue_proto::v1::JobState;
 use common::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
