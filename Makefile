@@ -79,9 +79,20 @@ demo: setup data/digits/train-images-idx3-ubyte
 	./target/debug/accrue local jobs/digits-mlp.toml --workers 2 --state-dir runs/demo
 
 # Process tests start accrue-coordinator and accrue-worker: build every binary first.
+# Tests that need root are `#[ignore = "needs root"]` and named `*_as_root`:
+# run as root (as CI does), the second command runs them with `--ignored`;
+# otherwise the harness lists them as ignored. Tests that need CUDA are
+# `#[ignore = "needs CUDA"]`: they run on the GPU machine
+# (scripts/gpu-checks.sh; docs/OPERATIONS.md, "Tests that need root or CUDA").
 test: setup data/digits/train-images-idx3-ubyte
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
+	@if [ "$$(id -u)" = 0 ]; then \
+	  echo "root: running the tests that need root (*_as_root)"; \
+	  $(CARGO) test --workspace -- --ignored _as_root; \
+	else \
+	  echo "not root: the tests that need root (*_as_root) stay ignored"; \
+	fi
 
 # docs/BENCHMARKS.md section 4: `accrue local` against torchrun + DDP with
 # no_sync, LeNet-5 and ResNet-18, W = 2, k = 1, 4, 8 (about 10 minutes on
@@ -104,8 +115,10 @@ bench-allreduce: setup
 # Rust and no network: `make gpu-worker` here builds the worker and the
 # CUDA test binaries with ACCRUE_CUDA=1 (reference tests pointed at the GPU
 # machine's Python) into gpu-bin/ (ignored by git: name it in the device
-# tool's `carry`); there `scripts/gpu-checks.sh` runs them and then
-# `make bench-gpu` (docs/OPERATIONS.md, "The CUDA checks").
+# tool's `carry`); there `scripts/gpu-checks.sh` runs their CUDA tests
+# (`#[ignore = "needs CUDA"]`: with `--ignored` and ACCRUE_REQUIRE_CUDA=1, so
+# a skip fails) and then `make bench-gpu` (docs/OPERATIONS.md, "The CUDA
+# checks").
 # The graph shim's CUDA headers: the wheel's nvidia/cu13/include lacks
 # crt/ and nv/, which these two (the same CUDA 13.0) add.
 GPU_PYTHON ?= /opt/torch/.venv/bin/python

@@ -5,6 +5,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // environment concurrently.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=accrue/v1/accrue.proto");
-    tonic_prost_build::configure().compile_protos(&["accrue/v1/accrue.proto"], &["."])?;
+    // Our codec: a request that does not decode is INVALID_ARGUMENT, not
+    // tonic-prost's INTERNAL (src/codec.rs).
+    tonic_prost_build::configure()
+        .codec_path("crate::codec::Codec")
+        .compile_protos(&["accrue/v1/accrue.proto"], &["."])?;
     Ok(())
 }

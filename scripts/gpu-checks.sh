@@ -6,9 +6,12 @@
 #   scripts/gpu-checks.sh [tests|bench|all]     (default: all)
 #
 # Each check's output goes to $OUT/<check>.log (the device tool's $OUT;
-# gpu-out/ elsewhere); a summary line per check goes to stdout. Exits 1 if
-# any check failed.
+# gpu-out/ elsewhere); a summary line per check goes to stdout. The CUDA
+# tests are `#[ignore = "needs CUDA"]`: they run here with `--ignored` and
+# ACCRUE_REQUIRE_CUDA=1, which turns a missing CUDA into a failure. Exits 1
+# if any check failed, skipped (a SKIPPED line), or ran no test at all.
 set -u
+export ACCRUE_REQUIRE_CUDA=1
 what=${1:-all}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -33,16 +36,24 @@ check() {
   local t0=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  echo "$name: exit $rc after $((SECONDS - t0)) s; $(grep -E '^test result|SKIPPED|accrue / pytorch' "$out/$name.log" | tr '\n' ' ')"
+  local why=""
+  if grep -q SKIPPED "$out/$name.log"; then
+    why="; FAILED: a check skipped"
+    rc=1
+  elif [ $rc = 0 ] && [ "$name" != bench ] && ! grep -Eq '^test result: ok\. [1-9][0-9]* passed' "$out/$name.log"; then
+    why="; FAILED: no test ran"
+    rc=1
+  fi
+  echo "$name: exit $rc after $((SECONDS - t0)) s; $(grep -E '^test result|SKIPPED|accrue / pytorch' "$out/$name.log" | tr '\n' ' ')$why"
   [ $rc = 0 ] || status=1
 }
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  check graphs gpu-bin/graphs --nocapture --test-threads 1 cuda_graphed
-  check sharding gpu-bin/sharding --nocapture --test-threads 1 on_cuda
-  check pytorch_reference gpu-bin/pytorch_reference --nocapture --test-threads 1 on_cuda
-  check distributed gpu-bin/distributed --nocapture --test-threads 1 on_cuda
+  check graphs gpu-bin/graphs --ignored --nocapture --test-threads 1 cuda_graphed
+  check sharding gpu-bin/sharding --ignored --nocapture --test-threads 1 on_cuda
+  check pytorch_reference gpu-bin/pytorch_reference --ignored --nocapture --test-threads 1 on_cuda
+  check distributed gpu-bin/distributed --ignored --nocapture --test-threads 1 on_cuda
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   check bench "$py" worker/benches/graphs_vs_pytorch.py --binary gpu-bin/accrue-worker

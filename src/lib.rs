@@ -201,6 +201,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     };
     match cli.command {
         Command::Submit { job, wait } => {
+            // A spec the fields check refuses is refused here, before
+            // any connection (the coordinator checks it again).
+            JobSpec::load_fields(&job)?;
             let mut client = connect_as(url, &token).await?;
             let j = submit(&mut client, &job, None).await?;
             println!("{}", j.id);
@@ -222,27 +225,40 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Status { job: None } | Command::List => {
             let mut client = connect_as(url, &token).await?;
-            let jobs = client
-                .list_jobs(v1::ListJobsRequest {})
-                .await
-                .map_err(status_err)?
-                .into_inner()
-                .jobs;
             println!(
                 "{:<28} {:<16} {:<11} {:>12} {:>10} {:>10}",
                 "JOB", "OWNER", "STATE", "STEP", "LOSS", "SAMPLES/S"
             );
-            for j in jobs {
-                let c = j.counters.unwrap_or_default();
-                println!(
-                    "{:<28} {:<16} {:<11} {:>12} {:>10.4} {:>10.0}",
-                    j.id,
-                    if j.owner.is_empty() { "-" } else { &j.owner },
-                    state_name(j.state()),
-                    format!("{}/{}", c.step, c.total_steps),
-                    c.loss,
-                    c.samples_per_sec
-                );
+            // Every page, in creation order, printed as it comes.
+            let mut page_token = String::new();
+            loop {
+                let page = client
+                    .list_jobs(v1::ListJobsRequest {
+                        page_size: accrue_proto::layout::MAX_PAGE_SIZE as i32,
+                        page_token: page_token.clone(),
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                for j in page.jobs {
+                    let c = j.counters.unwrap_or_default();
+                    println!(
+                        "{:<28} {:<16} {:<11} {:>12} {:>10.4} {:>10.0}",
+                        j.id,
+                        if j.owner.is_empty() { "-" } else { &j.owner },
+                        state_name(j.state()),
+                        format!("{}/{}", c.step, c.total_steps),
+                        c.loss,
+                        c.samples_per_sec
+                    );
+                }
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                if page.next_page_token == page_token {
+                    bail!("the coordinator answered the same page token twice");
+                }
+                page_token = page.next_page_token;
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -235,12 +235,20 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
         c.samples_seen,
         c.loss
     );
-    if let Some(e) = &end.eval {
-        println!(
+    // A failed or cancelled job has no final accuracy, only its last eval.
+    match (&end.eval, end.state() == v1::JobState::Succeeded) {
+        (Some(e), true) => println!(
             "final accuracy {:.2}% (loss {:.4})",
             100.0 * e.accuracy,
             e.loss
-        );
+        ),
+        (Some(e), false) => println!(
+            "last eval (step {}): accuracy {:.2}% (loss {:.4})",
+            e.step,
+            100.0 * e.accuracy,
+            e.loss
+        ),
+        (None, _) => {}
     }
     if !end.checkpoint.is_empty() {
         println!("checkpoint {}", end.checkpoint);

@@ -17,7 +17,8 @@ async fn main() -> std::process::ExitCode {
     match accrue::run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // One line, each cause once (docs/OPERATIONS.md, "Errors").
+            eprintln!("error: {}", accrue_proto::error_chain(e.as_ref()));
             std::process::ExitCode::from(2)
         }
     }

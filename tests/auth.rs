@@ -96,7 +96,7 @@ async fn cancel(c: &mut Client, id: &str) -> Result<v1::Job, tonic::Status> {
 }
 
 async fn list(c: &mut Client) -> Result<Vec<v1::Job>, tonic::Status> {
-    c.list_jobs(v1::ListJobsRequest {})
+    c.list_jobs(v1::ListJobsRequest::default())
         .await
         .map(|r| r.into_inner().jobs)
 }
@@ -130,7 +130,7 @@ async fn job_service_refuses_by_kind_and_records_the_owner() {
         .await
         .unwrap();
     for bad in ["Basic YWxpY2U6eA==", "Bearer", "Token x", ALICE] {
-        let mut req = tonic::Request::new(v1::ListJobsRequest {});
+        let mut req = tonic::Request::new(v1::ListJobsRequest::default());
         req.metadata_mut()
             .insert("authorization", bad.parse().unwrap());
         let (c, m) = code(raw.list_jobs(req).await);

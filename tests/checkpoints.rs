@@ -192,7 +192,7 @@ async fn etcd_mode_both_workers_lost_without_latest_resume_from_the_newest_verif
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let mut c = client(&coord.grpc).await;
-            if c.list_jobs(v1::ListJobsRequest {}).await.is_ok() {
+            if c.list_jobs(v1::ListJobsRequest::default()).await.is_ok() {
                 break c;
             }
             assert!(Instant::now() < deadline, "the coordinator did not lead");
@@ -277,13 +277,18 @@ impl Drop for Tmpfs {
 /// first step and verifies. After space is freed, `ResumeJob` continues the
 /// failed job under its id from that step, and it ends at exactly the
 /// parameters of the same job on a roomy disk.
+///
+/// Mounting a tmpfs needs root: `#[ignore = "needs root"]`, and `make test`
+/// runs it (with `--ignored`) when it runs as root.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_disk_fails_the_job_cleanly_and_the_job_resumes_once_space_is_freed() {
+#[ignore = "needs root"]
+async fn a_full_disk_fails_the_job_cleanly_and_the_job_resumes_once_space_is_freed_as_root() {
     // SAFETY: geteuid only reads the process's credentials.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIPPED: mounting a tmpfs needs root (run `make test` as root to cover the full-disk case)");
-        return;
-    }
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "needs root (mounting a tmpfs): run it as root, as `make test` does"
+    );
     let d = TempDir::new().unwrap();
     let h = coordinator(d.path()).await;
     let grpc = h.grpc_addr.to_string();

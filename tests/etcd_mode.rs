@@ -97,7 +97,7 @@ async fn submit(grpc: &str, spec: v1::JobSpec) -> Job {
 async fn list_jobs(grpc: &str) -> Vec<Job> {
     client(grpc)
         .await
-        .list_jobs(v1::ListJobsRequest {})
+        .list_jobs(v1::ListJobsRequest::default())
         .await
         .unwrap()
         .into_inner()
@@ -158,7 +158,7 @@ async fn follower_takes_over_when_the_leader_dies() {
     loop {
         let err = client(&b.grpc)
             .await
-            .list_jobs(v1::ListJobsRequest {})
+            .list_jobs(v1::ListJobsRequest::default())
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
@@ -655,7 +655,7 @@ async fn a_deposed_leader_steps_down_and_never_writes_after_the_new_leader() {
     loop {
         let r = client(&a.grpc)
             .await
-            .list_jobs(v1::ListJobsRequest {})
+            .list_jobs(v1::ListJobsRequest::default())
             .await;
         match r {
             Err(e) if e.code() == tonic::Code::Unavailable && e.message().contains(&b.grpc) => {

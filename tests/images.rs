@@ -399,8 +399,8 @@ fn runtime_tree_runs_the_binaries_with_only_its_own_libraries() {
         );
     }
 
-    // As the image's file system: chrooted into the tree (root only).
-    run_chrooted(&tree);
+    // As the image's file system, chrooted into: a test of its own, which
+    // needs root (the_runtime_tree_runs_chrooted_as_user_65532_as_root).
 
     // A library missing from a copy of the tree: the worker no longer starts
     // and the loader names the library; the script refuses such a binary.
@@ -455,17 +455,37 @@ fn runtime_tree_runs_the_binaries_with_only_its_own_libraries() {
     );
 }
 
+/// The tree as the image's file system: the worker's job runs chrooted
+/// into it, as a container would (see [`run_chrooted`]). Needs root (a
+/// mount namespace, chroot): ignored otherwise; `make test` runs it when
+/// it runs as root (docs/OPERATIONS.md, "Tests that need root or CUDA").
+#[test]
+#[ignore = "needs root"]
+fn the_runtime_tree_runs_chrooted_as_user_65532_as_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "needs root (a mount namespace and chroot): run it as root, as `make test` does"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let tree = Tree {
+        root: tmp.path().canonicalize().unwrap().join("tree"),
+    };
+    let o = assemble(&tree.root, &[]);
+    assert!(
+        o.status.success(),
+        "assemble-runtime.sh failed:\n{}",
+        show(&o)
+    );
+    run_chrooted(&tree);
+}
+
 /// Runs the worker's job chrooted into the tree, as a container would: its
 /// own mount namespace, /proc mounted (glibc finds $ORIGIN through
 /// /proc/self/exe), a /dev with only null, zero, full, random and urandom,
-/// user and group 65532, an empty environment. Root only; skipped where
-/// namespaces are not allowed (an unprivileged container).
+/// user and group 65532, an empty environment. Root only.
 fn run_chrooted(tree: &Tree) {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("not root: the chroot run is skipped (the loader runs above cover the tree)");
-        return;
-    }
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::process::CommandExt;
@@ -558,10 +578,9 @@ fn run_chrooted(tree: &Tree) {
         .output()
     {
         Ok(o) => o,
-        Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-            eprintln!("the chroot run is skipped: no mount namespace here ({e})");
-            return;
-        }
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => panic!(
+            "no mount namespace here ({e}): root in an unprivileged container cannot run this test"
+        ),
         Err(e) => panic!("cannot start the worker chrooted into the tree: {e}"),
     };
     eprintln!(

@@ -127,7 +127,7 @@ async fn a_checkpoint_folder_has_one_owner_from_submit_on() {
         .await
         .unwrap();
     let ids: Vec<String> = c
-        .list_jobs(v1::ListJobsRequest {})
+        .list_jobs(v1::ListJobsRequest::default())
         .await
         .unwrap()
         .into_inner()

@@ -555,7 +555,10 @@ async fn a_worker_certificate_is_no_credential_for_job_service() {
         "{}",
         err.message()
     );
-    let err = bare.list_jobs(v1::ListJobsRequest {}).await.unwrap_err();
+    let err = bare
+        .list_jobs(v1::ListJobsRequest::default())
+        .await
+        .unwrap_err();
     assert_eq!(
         err.code(),
         tonic::Code::Unauthenticated,

@@ -49,6 +49,20 @@ export async function api(path, opts = {}) {
   return r;
 }
 export const getJSON = async (path, opts) => (await api(path, opts)).json();
+
+// Every job, oldest first: GET /v1/jobs pages (at most 1000 jobs each),
+// followed until next_page_token is empty.
+export async function listJobs() {
+  const all = [];
+  let token = '';
+  do {
+    const q = '?page_size=1000' + (token ? '&page_token=' + encodeURIComponent(token) : '');
+    const d = await getJSON('/v1/jobs' + q);
+    if (Array.isArray(d.jobs)) all.push(...d.jobs);
+    token = typeof d.next_page_token === 'string' ? d.next_page_token : '';
+  } while (token);
+  return all;
+}
 export const quiet = (e) => e && (e.name === 'AbortError' || e.status === 401);
 
 // Whether the signed-in principal may cancel or resume `job`: its owner

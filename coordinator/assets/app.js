@@ -6,7 +6,7 @@
 // attribute values), never parsed as markup.
 import { $, DASH, FINAL, enc, fin, sig, fmtInt, fmtDur, str, el, setText, setBadge, setProgress, showOnly,
   showWorkerCount, note, clearNotes } from './util.js';
-import { session, saveToken, forgetToken, onUnauthorized, getJSON, poller, POLL_MS } from './api.js';
+import { session, saveToken, forgetToken, onUnauthorized, getJSON, listJobs, poller, POLL_MS } from './api.js';
 import { bindCharts } from './charts.js';
 import { jobView } from './job.js';
 
@@ -107,8 +107,7 @@ function listView() {
   document.title = 'accrue: jobs';
   const tbody = $('jobs').tBodies[0];
   const jobs = async function jobs() {
-    const d = await getJSON('/v1/jobs');
-    const js = Array.isArray(d.jobs) ? d.jobs : [];
+    const js = await listJobs();
     const seen = new Set();
     let i = 0;
     for (const j of js) {

@@ -44,11 +44,11 @@ impl v1::job_service_server::JobService for JobApi {
     }
     async fn list_jobs(
         &self,
-        _: Request<v1::ListJobsRequest>,
+        req: Request<v1::ListJobsRequest>,
     ) -> Result<Response<v1::ListJobsResponse>, Status> {
-        Ok(Response::new(v1::ListJobsResponse {
-            jobs: self.0.get()?.jobs(),
-        }))
+        let r = req.into_inner();
+        let page = self.0.get()?.list_page(r.page_size.into(), &r.page_token)?;
+        Ok(Response::new(page))
     }
     async fn cancel_job(
         &self,

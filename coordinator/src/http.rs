@@ -218,17 +218,36 @@ pub fn job_json(j: &Job) -> Value {
     })
 }
 
-async fn list(State(g): State<Arc<Gate>>) -> Response {
+#[derive(serde::Deserialize)]
+struct ListQuery {
+    page_size: Option<i64>,
+    page_token: Option<String>,
+}
+
+/// `GET /v1/jobs[?page_size=N&page_token=T]`: pages as ListJobs does
+/// (`{"jobs": [...], "next_page_token": "..."}`, "" on the last page; see
+/// [`crate::paging`]), cut by count only (a job's JSON holds no spec paths).
+async fn list(State(g): State<Arc<Gate>>, Query(q): Query<ListQuery>) -> Response {
     let c = match leader(&g) {
         Ok(c) => c,
         Err(r) => return r,
     };
-    let jobs = c.with_cluster(|cl| {
-        cl.jobs()
+    let req = match crate::paging::request(
+        q.page_size.unwrap_or(0),
+        q.page_token.as_deref().unwrap_or(""),
+    ) {
+        Ok(r) => r,
+        Err(e) => return CoordError::InvalidArgument(e.to_string()).into_response(),
+    };
+    let (jobs, next) = c.with_cluster(|cl| {
+        let (page, next) = cl.jobs_page(&req, |_| 0, usize::MAX);
+        let jobs = page
+            .into_iter()
             .map(|j| job_view(j, cl.series(&j.id)))
-            .collect::<Vec<_>>()
+            .collect::<Vec<_>>();
+        (jobs, next)
     });
-    Json(json!({ "jobs": jobs })).into_response()
+    Json(json!({ "jobs": jobs, "next_page_token": next })).into_response()
 }
 
 async fn one(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> Response {

@@ -8,6 +8,7 @@ pub mod gate;
 pub mod grpc;
 pub mod http;
 pub mod ownership;
+pub mod paging;
 pub mod ringkey;
 pub mod scheduler;
 pub mod series;

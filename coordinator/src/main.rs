@@ -90,7 +90,18 @@ struct Args {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
+    match serve().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, each cause once (docs/OPERATIONS.md, "Errors").
+            eprintln!("error: {}", accrue_proto::error_chain(e.as_ref()));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -60,7 +60,9 @@ pub struct TransitionError {
     pub to: JobState,
 }
 
-/// Moves `job` to `to`, recording the reason and the time.
+/// Moves `job` to `to`, recording the reason and the time. A job that
+/// ends drops a recovery record still open (generation 0: a re-formation
+/// that never happened; see [`drop_unformed`]).
 pub fn transition(
     job: &mut Job,
     to: JobState,
@@ -83,7 +85,25 @@ pub fn transition(
     };
     job.set_state(to);
     job.history.push(t.clone());
+    if is_final(to) {
+        drop_unformed(job);
+    }
     Ok(t)
+}
+
+/// **Decision (issue 28):** `recoveries` holds the re-formations that
+/// happened, each with the generation it formed, W and k; while a job
+/// waits to re-form (Recovering, or Pending after a resume) its last
+/// record is open (generation 0). A job that ends before it re-forms
+/// (it failed waiting for workers, was cancelled, a rank failed) drops
+/// that open record: no `generation 0 ... W = 0, k = 0` is ever shown for
+/// a re-formation that did not happen. What it was recovering from stays
+/// in the history (the Recovering transition's reason) and in the job's
+/// error (`... (recovering from: ...)`).
+pub fn drop_unformed(job: &mut Job) {
+    if job.recoveries.last().is_some_and(|r| r.generation == 0) {
+        job.recoveries.pop();
+    }
 }
 
 /// A job that cannot be resumed, and the state it is in.

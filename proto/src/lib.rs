@@ -6,6 +6,7 @@ pub mod v1 {
     tonic::include_proto!("accrue.v1");
 }
 
+pub mod codec;
 mod convert;
 pub mod layout;
 pub mod secure;

@@ -5,7 +5,7 @@
 
 use crate::error::{io_err, Error, Result, TorchContext};
 use crate::rng::Mt19937;
-use crate::spec::{DataKind, DataSpec};
+use crate::spec::{DataKind, DataSpec, MAX_CLASSES};
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
@@ -34,7 +34,11 @@ impl Dataset {
 
     /// Per-sample shape (without the leading N).
     pub fn sample_shape(&self) -> Vec<i64> {
-        self.x.size()[1..].to_vec()
+        self.x
+            .size()
+            .get(1..)
+            .map(<[i64]>::to_vec)
+            .unwrap_or_default()
     }
 
     pub fn to_device(self, device: Device) -> Result<Self> {
@@ -65,11 +69,67 @@ impl Dataset {
 
     /// Largest label + 1.
     pub fn classes(&self) -> Result<i64> {
+        Ok(self.max_label()?.map_or(0, |m| m.label + 1))
+    }
+
+    /// The largest label and the first sample holding it (None: no samples).
+    pub fn max_label(&self) -> Result<Option<MaxLabel>> {
         if self.is_empty() {
-            return Ok(0);
+            return Ok(None);
         }
-        let m = self.y.f_max().ctx("reading labels")?;
-        Ok(m.f_int64_value(&[]).ctx("reading labels")? + 1)
+        let at = self
+            .y
+            .f_argmax(0, false)
+            .and_then(|i| i.f_int64_value(&[]))
+            .ctx("reading labels")?;
+        let label = self.y.f_int64_value(&[at]).ctx("reading labels")?;
+        Ok(Some(MaxLabel { label, sample: at }))
+    }
+}
+
+/// A split's largest label and the first sample (0-based) holding it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaxLabel {
+    pub label: i64,
+    pub sample: i64,
+}
+
+/// The class count the model is built with: `model.num_classes`, which
+/// every label must be below, or (unset) the largest label + 1, which must
+/// not pass [`MAX_CLASSES`]. `labels`: each split's description ("the
+/// training split (data.path = ...)") and its largest label (None: empty).
+/// Checked before the model is built, so a bad label is a field error and
+/// never a libtorch loss error or a huge output layer.
+pub fn class_count(num_classes: Option<i64>, labels: &[(String, Option<MaxLabel>)]) -> Result<i64> {
+    let largest = labels
+        .iter()
+        .filter_map(|(split, m)| m.map(|m| (split, m)))
+        .max_by_key(|(_, m)| m.label);
+    match (num_classes, largest) {
+        (Some(n), Some((split, m))) if m.label >= n => Err(Error::Field {
+            field: "model.num_classes",
+            value: n.to_string(),
+            reason: format!(
+                "label {} at sample {} of {split} is out of range (labels must be in 0..={})",
+                m.label,
+                m.sample,
+                n - 1
+            ),
+        }),
+        (Some(n), _) => Ok(n),
+        (None, Some((split, m))) if m.label >= MAX_CLASSES => Err(Error::Field {
+            field: "model.num_classes",
+            value: format!(
+                "{} (unset: inferred from the labels)",
+                m.label.saturating_add(1)
+            ),
+            reason: format!(
+                "label {} at sample {} of {split} is above the limit of {MAX_CLASSES} classes; \
+                 fix the labels",
+                m.label, m.sample
+            ),
+        }),
+        (None, m) => Ok(m.map_or(0, |(_, m)| m.label + 1)),
     }
 }
 
@@ -133,6 +193,15 @@ pub fn parse_idx_images(bytes: &[u8], path: &Path) -> Result<(usize, usize, usiz
         be_u32(bytes, 8) as usize,
         be_u32(bytes, 12) as usize,
     );
+    if rows == 0 || cols == 0 {
+        return Err(data_err(
+            path,
+            format!(
+                "the header declares images of rows = {rows}, columns = {cols}; \
+                 an image needs at least 1 of each"
+            ),
+        ));
+    }
     // In u128: three u32 factors cannot overflow it (a corrupt header must
     // be an error, not an overflow).
     let want = n as u128 * rows as u128 * cols as u128;
@@ -285,7 +354,8 @@ pub fn load_cifar10(dir: &Path) -> Result<Splits> {
 /// Reads a safetensors file holding `x` (floating point, [N, ...]) and `y`
 /// (integer, [N]).
 pub fn read_tensors(path: &Path) -> Result<Dataset> {
-    let named = Tensor::read_safetensors(path).map_err(|e| data_err(path, e.to_string()))?;
+    let named = Tensor::read_safetensors(path)
+        .map_err(|e| data_err(path, crate::error::torch_text("reading a tensors file", &e)))?;
     let find = |name: &str| {
         named
             .iter()
@@ -323,6 +393,7 @@ pub fn read_tensors(path: &Path) -> Result<Dataset> {
             format!("x has shape {xs:?} and y {ys:?}; need x [N, ...] and y [N] with the same N"),
         ));
     }
+    check_sample_shape(path, &xs)?;
     let y = y.f_to_kind(Kind::Int64).ctx("converting labels")?;
     if ys[0] > 0 {
         let min = y
@@ -337,6 +408,31 @@ pub fn read_tensors(path: &Path) -> Result<Dataset> {
         x: x.f_to_kind(Kind::Float).ctx("converting x")?,
         y,
     })
+}
+
+/// Refuses an `x` of shape `xs` ([N, ...]) whose samples are not at least
+/// 1-D or hold no value: a model would be built with zero inputs (a
+/// libtorch panic in weight initialization) or fail in its first layer.
+pub fn check_sample_shape(path: &Path, xs: &[i64]) -> Result<()> {
+    if xs.len() < 2 {
+        return Err(data_err(
+            path,
+            format!(
+                "x has shape {xs:?}: need x [N, features...] with at least 2 dimensions \
+                 (a 1-D x has no feature dimension; store it as [N, 1])"
+            ),
+        ));
+    }
+    if xs[1..].contains(&0) {
+        return Err(data_err(
+            path,
+            format!(
+                "x has shape {xs:?}: every sample must hold at least one value \
+                 (no dimension after N may be 0)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A seeded, learnable classification task: x ~ N(0, 1), y = argmax(x . w).
@@ -381,4 +477,79 @@ pub fn synthetic(spec: &DataSpec, seed: u64) -> Result<Splits> {
         None
     };
     Ok(Splits { train, eval })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn max(label: i64, sample: i64) -> Option<MaxLabel> {
+        Some(MaxLabel { label, sample })
+    }
+
+    #[test]
+    fn labels_are_checked_against_num_classes() {
+        let train = "the training split (data.path = \"d\")".to_string();
+        let eval = "the held-out split (data.eval_path = \"e\")".to_string();
+        let labels = [(train.clone(), max(1, 3)), (eval.clone(), max(4, 7))];
+        let msg = class_count(Some(2), &labels).unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "model.num_classes = 2: label 4 at sample 7 of the held-out split \
+             (data.eval_path = \"e\") is out of range (labels must be in 0..=1)"
+        );
+        assert_eq!(class_count(Some(5), &labels).unwrap(), 5);
+        // Unset: the largest label + 1, up to the limit.
+        assert_eq!(class_count(None, &labels).unwrap(), 5);
+        assert_eq!(class_count(None, &[(train.clone(), None)]).unwrap(), 0);
+        let last = MAX_CLASSES - 1;
+        assert_eq!(
+            class_count(None, &[(train.clone(), max(last, 0))]).unwrap(),
+            MAX_CLASSES
+        );
+        let msg = class_count(None, &[(train, max(1_000_000_000, 2))])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            msg,
+            "model.num_classes = 1000000001 (unset: inferred from the labels): label 1000000000 \
+             at sample 2 of the training split (data.path = \"d\") is above the limit of \
+             1048576 classes; fix the labels"
+        );
+    }
+
+    #[test]
+    fn samples_must_be_at_least_1_d_and_non_empty() {
+        let p = Path::new("x.safetensors");
+        assert!(check_sample_shape(p, &[200, 3]).is_ok());
+        assert!(check_sample_shape(p, &[0, 3, 4]).is_ok());
+        let msg = check_sample_shape(p, &[200, 0]).unwrap_err().to_string();
+        assert!(
+            msg.starts_with("data file x.safetensors: x has shape [200, 0]: every sample"),
+            "{msg}"
+        );
+        let msg = check_sample_shape(p, &[8, 3, 0]).unwrap_err().to_string();
+        assert!(msg.contains("[8, 3, 0]"), "{msg}");
+        let msg = check_sample_shape(p, &[8]).unwrap_err().to_string();
+        assert!(
+            msg.contains("x has shape [8]: need x [N, features...]"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn idx_images_without_rows_or_columns_are_refused() {
+        let mut bytes = vec![0, 0, 8, 3, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 28];
+        let msg = parse_idx_images(&bytes, Path::new("i"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            msg,
+            "data file i: the header declares images of rows = 0, columns = 28; \
+             an image needs at least 1 of each"
+        );
+        bytes[11] = 28;
+        bytes[15] = 0;
+        assert!(parse_idx_images(&bytes, Path::new("i")).is_err());
+    }
 }

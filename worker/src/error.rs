@@ -27,8 +27,10 @@ pub enum Error {
          use \"skip\" to skip such steps)"
     )]
     NonFinite { step: u64, norm: f64 },
+    /// The ring failed (its text embedded, not exposed as a source: the
+    /// message is whole on its own and a chain printer shows it once).
     #[error("data plane: {0}")]
-    Comm(#[from] crate::comm::CommError),
+    Comm(crate::comm::CommError),
     #[error("device {device}: {reason}")]
     Device { device: String, reason: String },
     #[error("sharding: {0}")]
@@ -37,10 +39,21 @@ pub enum Error {
     Graph { what: &'static str, reason: String },
     #[error("window interrupted: {0}")]
     Interrupted(String),
-    #[error("libtorch error while {context}: {source}")]
+    /// A libtorch failure: what accrue was doing and the first line of
+    /// libtorch's text (the whole text, with its C++ stack, is logged at
+    /// debug level by [`torch_error`]).
+    #[error("libtorch error while {context}: {message}")]
     Torch {
         context: &'static str,
-        source: tch::TchError,
+        message: String,
+    },
+    /// A spec field whose value the data, the model file or the world
+    /// size refuse (found when the job starts, not by the spec check).
+    #[error("{field} = {value}: {reason}")]
+    Field {
+        field: &'static str,
+        value: String,
+        reason: String,
     },
 }
 
@@ -53,6 +66,12 @@ impl Error {
     }
 }
 
+impl From<crate::comm::CommError> for Error {
+    fn from(e: crate::comm::CommError) -> Self {
+        Error::Comm(e)
+    }
+}
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Attaches what was being done to a libtorch error.
@@ -62,7 +81,52 @@ pub trait TorchContext<T> {
 
 impl<T> TorchContext<T> for std::result::Result<T, tch::TchError> {
     fn ctx(self, context: &'static str) -> Result<T> {
-        self.map_err(|source| Error::Torch { context, source })
+        self.map_err(|e| torch_error(context, &e))
+    }
+}
+
+/// The one place a libtorch error becomes an [`Error::Torch`]: users get
+/// the operation and libtorch's first line; the full text (C++ stack
+/// frames included) goes to the log at debug level.
+pub fn torch_error(context: &'static str, e: &tch::TchError) -> Error {
+    Error::Torch {
+        context,
+        message: torch_text(context, e),
+    }
+}
+
+/// Longest libtorch text kept in a user-facing message, in characters.
+const TORCH_TEXT_MAX: usize = 160;
+
+/// libtorch's message for users: its first line without tch's "Internal
+/// torch error: " prefix, cut at a sentence end when long; the whole text
+/// is logged at debug level under `context`.
+pub fn torch_text(context: &str, e: &tch::TchError) -> String {
+    let full = match e {
+        tch::TchError::Torch(text) => text.clone(),
+        other => other.to_string(),
+    };
+    tracing::debug!(context, error = %full, "libtorch error (full text)");
+    first_line(&full, TORCH_TEXT_MAX)
+}
+
+/// The first non-empty line of `text` (a Rust panic message's escaped
+/// `\n` counts as a line end too), at most `max` characters: cut after
+/// the last sentence that fits, else at `max` with an ellipsis.
+pub fn first_line(text: &str, max: usize) -> String {
+    let line = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
+    let line = line.split("\\n").next().unwrap_or(line).trim_end();
+    if line.chars().count() <= max {
+        return line.to_string();
+    }
+    let head: String = line.chars().take(max).collect();
+    match head.rfind(". ") {
+        Some(i) if i > 0 => head[..=i].to_string(),
+        _ => format!("{}…", head.trim_end()),
     }
 }
 
@@ -78,7 +142,42 @@ pub trait InPlace {
 
 impl InPlace for std::result::Result<tch::Tensor, tch::TchError> {
     fn ctx_(self, context: &'static str) -> Result<()> {
-        self.map(drop)
-            .map_err(|source| Error::Torch { context, source })
+        self.map(drop).map_err(|e| torch_error(context, &e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torch_errors_keep_the_first_line_and_the_operation() {
+        let e = tch::TchError::Torch(
+            "Target 4 is out of bounds.\nException raised from nll_loss_out_frame at \
+             LossNLL.cpp:255 (most recent call first):\nframe #0: c10::Error::Error"
+                .into(),
+        );
+        let msg = torch_error("computing the loss", &e).to_string();
+        assert_eq!(
+            msg,
+            "libtorch error while computing the loss: Target 4 is out of bounds."
+        );
+        let e = tch::TchError::Shape("[2, 3] vs [4]".into());
+        assert_eq!(torch_text("x", &e), "invalid shape: [2, 3] vs [4]");
+    }
+
+    #[test]
+    fn first_line_cuts_long_lines_and_escaped_newlines() {
+        assert_eq!(first_line("\n  a\nb", 10), "a");
+        let panic = r#"on an `Err` value: Torch("bad dim\nException raised"#;
+        assert_eq!(
+            first_line(panic, 100),
+            r#"on an `Err` value: Torch("bad dim"#
+        );
+        let long = format!("{}. {}", "a".repeat(50), "b".repeat(100));
+        assert_eq!(first_line(&long, 80), format!("{}.", "a".repeat(50)));
+        let words = "c".repeat(100);
+        assert_eq!(first_line(&words, 10), format!("{}…", "c".repeat(10)));
+        assert_eq!(first_line("", 10), "");
     }
 }

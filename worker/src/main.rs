@@ -224,7 +224,7 @@ fn memory_limit(gib: Option<f64>) -> anyhow::Result<u64> {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -233,7 +233,18 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let args = match Cli::parse().command {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, each cause once (docs/OPERATIONS.md, "Errors").
+            eprintln!("error: {}", accrue_proto::error_chain(e.as_ref()));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let args = match cli.command {
         Command::Train(args) => args,
         Command::Daemon(d) => return daemon(d),
     };

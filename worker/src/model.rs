@@ -3,7 +3,7 @@
 //! fc1..fc3), `resnet18`/`resnet34` (torchvision names) and `torchscript`
 //! (a module saved with torch.jit.save, trained through libtorch).
 
-use crate::error::{Error, Result, TorchContext};
+use crate::error::{torch_text, Error, Result, TorchContext};
 use crate::spec::{ModelKind, ModelSpec};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -18,6 +18,70 @@ static INIT_LOCK: Mutex<()> = Mutex::new(());
 
 /// Tensors by PyTorch name.
 pub type Named = Vec<(String, Tensor)>;
+
+/// Where weights loaded by name come from: errors name the file
+/// (`model.init`) or the checkpoint folder.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightsFrom<'a> {
+    /// `model.init`: a safetensors file.
+    Init(&'a Path),
+    /// A checkpoint's `step-<N>` folder.
+    Checkpoint(&'a Path),
+}
+
+impl WeightsFrom<'_> {
+    fn error(&self, reason: String) -> Error {
+        match *self {
+            WeightsFrom::Init(path) => Error::Init {
+                path: path.to_path_buf(),
+                reason,
+            },
+            WeightsFrom::Checkpoint(path) => Error::Checkpoint {
+                path: path.to_path_buf(),
+                reason,
+            },
+        }
+    }
+
+    /// How reasons call the source ("file", "checkpoint").
+    fn noun(&self) -> &'static str {
+        match self {
+            WeightsFrom::Init(_) => "file",
+            WeightsFrom::Checkpoint(_) => "checkpoint",
+        }
+    }
+}
+
+/// At most this many names are listed in a message.
+const NAMES_SHOWN: usize = 3;
+
+/// `names` as `["a", "b", "c"] and 4 more`.
+fn some_names(names: &[&str]) -> String {
+    let shown: Vec<&str> = names.iter().take(NAMES_SHOWN).copied().collect();
+    match names.len().saturating_sub(NAMES_SHOWN) {
+        0 => format!("{shown:?}"),
+        more => format!("{shown:?} and {more} more"),
+    }
+}
+
+/// The text of a panic caught around a built-in model's forward pass:
+/// its first line, without the `unwrap` wrapper of tch's panicking ops.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    let msg = p
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    let msg = msg
+        .split_once("value: Torch(\"")
+        .map_or(msg.as_str(), |(_, rest)| rest);
+    crate::error::first_line(msg, 160)
+}
+
+/// A path as a spec value: `"dir/file.pt"`.
+fn quoted(path: &Path) -> String {
+    format!("\"{}\"", path.display())
+}
 
 enum Net {
     Builtin(Box<dyn ModuleT>),
@@ -109,7 +173,9 @@ impl Model {
     ) -> Result<Self> {
         let model = if spec.kind == ModelKind::Torchscript {
             let path = spec.path.clone().unwrap_or_default();
-            Self::load_script(&path, device)?
+            let model = Self::load_script(&path, device)?;
+            model.probe_gradients(&path, sample_shape, device)?;
+            model
         } else {
             let _guard = INIT_LOCK
                 .lock()
@@ -209,13 +275,26 @@ impl Model {
     }
 
     fn load_script(path: &Path, device: Device) -> Result<Self> {
-        let module = CModule::load_on_device(path, device).map_err(|e| Error::Init {
-            path: path.to_path_buf(),
-            reason: format!("cannot load TorchScript module: {e}"),
+        let field = |reason: String| Error::Field {
+            field: "model.path",
+            value: quoted(path),
+            reason,
+        };
+        let module = CModule::load_on_device(path, device).map_err(|e| {
+            field(format!(
+                "not a TorchScript module libtorch can load (save one with torch.jit.save): {}",
+                torch_text("loading the TorchScript module", &e)
+            ))
         })?;
         let params = module
             .named_parameters()
             .ctx("listing TorchScript parameters")?;
+        if params.is_empty() {
+            return Err(field(
+                "the TorchScript module has no parameters to train (named_parameters() is empty)"
+                    .into(),
+            ));
+        }
         let params = params
             .into_iter()
             .map(|(n, t)| {
@@ -238,6 +317,34 @@ impl Model {
         })
     }
 
+    /// A TorchScript module's output must depend on a parameter, or the
+    /// first backward pass fails ("element 0 of tensors does not require
+    /// grad"): one forward pass on a zero batch of 2 with gradients on.
+    fn probe_gradients(&self, path: &Path, shape: &[i64], device: Device) -> Result<()> {
+        let Net::Script(m) = &self.net else {
+            return Ok(());
+        };
+        let mut dims = vec![2];
+        dims.extend_from_slice(shape);
+        let x = Tensor::f_zeros(dims.as_slice(), (Kind::Float, device)).ctx("probing the model")?;
+        let out = tch::with_grad(|| m.forward_ts(&[&x])).map_err(|e| {
+            Error::Model(format!(
+                "torchscript module cannot take samples of shape {shape:?}: {}",
+                torch_text("probing the TorchScript module", &e)
+            ))
+        })?;
+        if !out.requires_grad() {
+            return Err(Error::Field {
+                field: "model.path",
+                value: quoted(path),
+                reason: "the TorchScript module's output does not depend on any of its \
+                         parameters (nothing to train)"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// One forward pass on a zero batch of 2 to turn shape errors into a
     /// clear message before training starts.
     fn probe(&self, shape: &[i64], classes: i64, device: Device) -> Result<()> {
@@ -250,21 +357,17 @@ impl Model {
                 let m = &**m;
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.forward_t(&x, false)))
                     .map_err(|p| {
-                        let msg = p
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                            .unwrap_or_default();
                         Error::Model(format!(
                             "{} cannot take samples of shape {shape:?}: {}",
                             self.kind,
-                            msg.lines().next().unwrap_or("")
+                            panic_text(&*p)
                         ))
                     })?
             }
             Net::Script(m) => m.forward_ts(&[&x]).map_err(|e| {
                 Error::Model(format!(
-                    "torchscript module cannot take samples of shape {shape:?}: {e}"
+                    "torchscript module cannot take samples of shape {shape:?}: {}",
+                    torch_text("probing the TorchScript module", &e)
                 ))
             })?,
         };
@@ -280,7 +383,16 @@ impl Model {
 
     pub fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         match &self.net {
-            Net::Builtin(m) => Ok(m.forward_t(xs, train)),
+            // tch's layers use panicking ops: a libtorch failure (out of
+            // memory, say) becomes an error of the job, not a panic of its
+            // thread.
+            Net::Builtin(m) => {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.forward_t(xs, train)))
+                    .map_err(|p| Error::Torch {
+                        context: "running the model's forward pass",
+                        message: panic_text(&*p),
+                    })
+            }
             Net::Script(m) => m.forward_ts(&[xs]).ctx("running the TorchScript module"),
         }
     }
@@ -308,50 +420,21 @@ impl Model {
         self.params.iter().map(|(_, p)| p.grad()).collect()
     }
 
-    /// Loads weights by name, strictly: every parameter and buffer must be in
-    /// the file with the same shape, and the file must hold nothing else
-    /// (BatchNorm's `num_batches_tracked` aside).
-    pub fn load_named(&mut self, path: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
-        let err = |reason: String| Error::Init {
-            path: path.to_path_buf(),
-            reason,
-        };
+    /// Loads weights by name, strictly: every parameter and buffer must be
+    /// there with the same shape, and nothing else (BatchNorm's
+    /// `num_batches_tracked` aside). Weights of another architecture are
+    /// refused naming their source (the `model.init` file or the checkpoint
+    /// folder) and the first difference in the model's order, with shapes.
+    pub fn load_named(
+        &mut self,
+        from: WeightsFrom<'_>,
+        tensors: Vec<(String, Tensor)>,
+    ) -> Result<()> {
         let mut by_name: HashMap<String, Tensor> = tensors.into_iter().collect();
-        let ours: HashSet<&str> = self.state().map(|(n, _)| n.as_str()).collect();
-        let mut unexpected: Vec<&String> = by_name
-            .keys()
-            .filter(|k| !ours.contains(k.as_str()) && !k.ends_with("num_batches_tracked"))
-            .collect();
-        unexpected.sort();
-        let mut missing: Vec<&str> = self
-            .state()
-            .map(|(n, _)| n.as_str())
-            .filter(|n| !by_name.contains_key(*n))
-            .collect();
-        missing.sort();
-        if !missing.is_empty() || !unexpected.is_empty() {
-            return Err(err(format!(
-                "names do not match the {} model: missing {missing:?}, unexpected {unexpected:?}",
-                self.kind
-            )));
+        if let Some(reason) = self.mismatch(from.noun(), &by_name) {
+            return Err(from.error(reason));
         }
-        let mut mismatched = Vec::new();
-        for (name, t) in self.state() {
-            let src = &by_name[name];
-            if src.size() != t.size() {
-                mismatched.push(format!(
-                    "{name}: file {:?}, model {:?}",
-                    src.size(),
-                    t.size()
-                ));
-            }
-        }
-        if !mismatched.is_empty() {
-            return Err(err(format!(
-                "shapes do not match: {}",
-                mismatched.join("; ")
-            )));
-        }
+        let err = |reason: String| from.error(reason);
         let _guard = tch::no_grad_guard();
         for (name, t) in self.params.iter_mut().chain(self.buffers.iter_mut()) {
             let src = by_name
@@ -364,6 +447,60 @@ impl Model {
             t.f_copy_(&src).ctx("loading weights")?;
         }
         Ok(())
+    }
+
+    /// Why `by_name` does not fit this model (None: it does): the first
+    /// difference in the model's order ("2.weight: file [4, 15], model
+    /// [4, 16]"), then the names missing and unexpected, or how many
+    /// shapes differ. `noun` names the source ("file", "checkpoint").
+    fn mismatch(&self, noun: &str, by_name: &HashMap<String, Tensor>) -> Option<String> {
+        let ours: HashSet<&str> = self.state().map(|(n, _)| n.as_str()).collect();
+        let mut unexpected: Vec<&str> = by_name
+            .keys()
+            .map(String::as_str)
+            .filter(|k| !ours.contains(k) && !k.ends_with("num_batches_tracked"))
+            .collect();
+        unexpected.sort_unstable();
+        let missing: Vec<&str> = self
+            .state()
+            .map(|(n, _)| n.as_str())
+            .filter(|n| !by_name.contains_key(*n))
+            .collect();
+        let reshaped = self
+            .state()
+            .filter(|(n, t)| by_name.get(n).is_some_and(|src| src.size() != t.size()))
+            .count();
+        let first = self
+            .state()
+            .find_map(|(n, t)| match by_name.get(n) {
+                None => Some(format!("{n}: {noun} has none, model {:?}", t.size())),
+                Some(src) if src.size() != t.size() => Some(format!(
+                    "{n}: {noun} {:?}, model {:?}",
+                    src.size(),
+                    t.size()
+                )),
+                Some(_) => None,
+            })
+            .or_else(|| {
+                let n = unexpected.first()?;
+                let size = by_name.get(*n).map(Tensor::size).unwrap_or_default();
+                Some(format!("{n}: {noun} {size:?}, model has none"))
+            })?;
+        let detail = if !missing.is_empty() || !unexpected.is_empty() {
+            format!(
+                " (missing {}, unexpected {})",
+                some_names(&missing),
+                some_names(&unexpected)
+            )
+        } else if reshaped > 1 {
+            format!(" ({reshaped} of {} tensors differ in shape)", ours.len())
+        } else {
+            String::new()
+        };
+        Some(format!(
+            "another architecture than the {} model: first difference {first}{detail}",
+            self.kind
+        ))
     }
 }
 
@@ -408,4 +545,33 @@ fn named_state(vs: &nn::VarStore) -> (Named, Named) {
         .collect();
     buffers.sort_by(|a, b| a.0.cmp(&b.0));
     (params, buffers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caught_panics_keep_libtorch_s_first_line() {
+        let p: Box<dyn std::any::Any + Send> = Box::new(String::from(
+            "called `Result::unwrap()` on an `Err` value: Torch(\"Dimension out of range \
+             (expected to be in range of [-1, 0], but got 1)\\nException raised from \
+             maybe_wrap_dim_slow\\nframe #0: c10::Error::Error\")",
+        ));
+        assert_eq!(
+            panic_text(&*p),
+            "Dimension out of range (expected to be in range of [-1, 0], but got 1)"
+        );
+        let p: Box<dyn std::any::Any + Send> = Box::new("plain");
+        assert_eq!(panic_text(&*p), "plain");
+    }
+
+    #[test]
+    fn long_name_lists_are_cut() {
+        assert_eq!(some_names(&["a", "b"]), r#"["a", "b"]"#);
+        assert_eq!(
+            some_names(&["a", "b", "c", "d", "e"]),
+            r#"["a", "b", "c"] and 2 more"#
+        );
+    }
 }

@@ -237,8 +237,9 @@ fn killed_rank_is_named_by_the_others() {
 /// same MLP from the same weights with one batch of 32 per step in the same
 /// order (torch_reference.py e2e-compare). Tolerance 1e-5 relative, as on the
 /// CPU: no convolutions, so no TF32; GPU-NOTES saw 7.8e-8 for two workers
-/// on one GPU. Skipped where CUDA is absent.
+/// on one GPU. Ignored (needs CUDA): scripts/gpu-checks.sh runs it.
 #[test]
+#[ignore = "needs CUDA"]
 fn two_processes_on_cuda_equal_pytorch_on_cuda() {
     if !cuda_or_skip("two_processes_on_cuda_equal_pytorch_on_cuda") {
         return;
@@ -307,4 +308,48 @@ connect_timeout_s = 60
         rel < 1e-5,
         "two ranks on cuda:0 differ from PyTorch on CUDA by {rel:e}"
     );
+}
+
+/// The CUDA branch of `flatten` and `unflatten` (the collectives' and the
+/// state broadcast's staging: one concatenation on the device, one copy
+/// through pinned host memory each way) gives the host path's values, bit
+/// for bit, for several kinds and shapes. (On the CPU, the same code
+/// without the pinning: worker/src/engine/flat.rs's tests.)
+#[test]
+#[ignore = "needs CUDA"]
+fn flatten_and_unflatten_on_cuda_equal_the_host_path() {
+    if !cuda_or_skip("flatten_and_unflatten_on_cuda_equal_the_host_path") {
+        return;
+    }
+    use accrue_worker::engine::{flatten, unflatten};
+    use tch::{Device, Kind};
+    let o = |k| (k, Device::Cpu);
+    let host = vec![
+        Tensor::randn([3, 5], o(Kind::Float)),
+        Tensor::randn([], o(Kind::Float)),
+        Tensor::randn([0, 4], o(Kind::Float)),
+        Tensor::randn([4, 6], o(Kind::Float)).transpose(0, 1),
+        Tensor::randn([7], o(Kind::Double)),
+        Tensor::randn([2, 3, 2], o(Kind::BFloat16)),
+    ];
+    let cuda: Vec<Tensor> = host.iter().map(|t| t.to_device(Device::Cuda(0))).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let flat = flatten(&host).unwrap();
+    assert_eq!(bits(&flatten(&cuda).unwrap()), bits(&flat));
+    let buf: Vec<f32> = (0..flat.len()).map(|i| i as f32 * 0.37 - 5.0).collect();
+    unflatten(&buf, &host).unwrap();
+    unflatten(&buf, &cuda).unwrap();
+    for (h, c) in host.iter().zip(&cuda) {
+        assert_eq!(c.device(), Device::Cuda(0));
+        let c = c.to_device(Device::Cpu);
+        assert_eq!((h.size(), h.kind()), (c.size(), c.kind()));
+        if h.numel() == 0 {
+            continue;
+        }
+        let diff = (h.to_kind(Kind::Double) - c.to_kind(Kind::Double))
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert_eq!(diff, 0.0);
+    }
 }

@@ -11,13 +11,43 @@ pub struct Checker {
     files: bool,
 }
 
+/// The most characters of a refused value an error shows: a megabyte
+/// string is named by its start (and its size), not repeated.
+pub const MAX_SHOWN_CHARS: usize = 256;
+
+/// `text` (a value as `{:?}` writes it) as a field error shows it: whole
+/// up to [`MAX_SHOWN_CHARS`], else its first 64 characters, `…` and its
+/// size in bytes (a quoted string's, without the quotes).
+pub fn shown(text: &str) -> String {
+    if text.chars().count() <= MAX_SHOWN_CHARS {
+        return text.to_string();
+    }
+    let head: String = text.chars().take(64).collect();
+    let quoted = text.len() >= 2 && text.starts_with('"') && text.ends_with('"');
+    let bytes = if quoted { text.len() - 2 } else { text.len() };
+    format!("{head}… ({bytes} bytes)")
+}
+
 impl Checker {
     pub fn fail(&mut self, field: &str, value: impl fmt::Debug, allowed: impl Into<String>) {
         self.errors.push(FieldError {
             field: field.to_string(),
-            value: format!("{value:?}"),
+            value: shown(&format!("{value:?}")),
             allowed: allowed.into(),
         });
+    }
+
+    /// A path of at most `max` bytes (the refusal shows its start).
+    pub fn path_at_most(&mut self, field: &str, path: &Path, max: usize) {
+        let len = path.as_os_str().len();
+        if len > max {
+            let head: String = path.to_string_lossy().chars().take(64).collect();
+            self.errors.push(FieldError {
+                field: field.to_string(),
+                value: format!("{head:?}… ({len} bytes)"),
+                allowed: format!("must be at most {max} bytes"),
+            });
+        }
     }
 
     pub fn positive_finite(&mut self, field: &str, value: f64) {
@@ -51,8 +81,9 @@ impl Checker {
         }
     }
 
+    /// (A path over [`MAX_PATH_BYTES`] is refused for its length alone.)
     pub fn file_exists(&mut self, field: &str, path: &Path) {
-        if self.files && !path.is_file() {
+        if self.files && path.as_os_str().len() <= MAX_PATH_BYTES && !path.is_file() {
             self.fail(
                 field,
                 path.display().to_string(),
@@ -64,7 +95,7 @@ impl Checker {
     /// A folder that must hold `files`: one error for a missing folder,
     /// else one per missing file.
     pub fn files_in(&mut self, field: &str, dir: &Path, files: &[&str]) {
-        if !self.files {
+        if !self.files || dir.as_os_str().len() > MAX_PATH_BYTES {
             return;
         }
         if !dir.is_dir() {
@@ -97,6 +128,17 @@ impl JobSpec {
         };
         if !is_valid_job_name(&self.name) {
             c.fail("name", &self.name, JOB_NAME_RULE);
+        }
+        for (field, path) in [
+            ("model.path", &self.model.path),
+            ("model.init", &self.model.init),
+            ("data.path", &self.data.path),
+            ("data.eval_path", &self.data.eval_path),
+            ("checkpoint.dir", &self.checkpoint.dir),
+        ] {
+            if let Some(p) = path {
+                c.path_at_most(field, p, MAX_PATH_BYTES);
+            }
         }
         let max_w = i128::from(MAX_WORKERS);
         c.int_in("workers", self.workers, 1, max_w);

@@ -8,7 +8,7 @@ mod check;
 mod kinds;
 mod memory;
 mod paths;
-pub use check::Checker;
+pub use check::{shown, Checker, MAX_SHOWN_CHARS};
 pub use kinds::*;
 pub use memory::{host_memory_bytes, MemoryEstimate, GIB};
 pub use paths::{
@@ -394,6 +394,14 @@ pub const MAX_THREADS: u32 = 1024;
 pub const MAX_KEEP: u64 = 1000;
 /// The highest CUDA device index `cuda:N` may name.
 pub const MAX_CUDA_INDEX: u32 = 1023;
+/// The longest path a spec may name (`model.path`, `model.init`,
+/// `data.path`, `data.eval_path`, `checkpoint.dir`), bytes: Linux's
+/// PATH_MAX. Every job, with its spec, is listed and sent to every rank;
+/// the bound keeps a page of jobs within what a gRPC client accepts
+/// (docs/OPERATIONS.md, "Sizes and limits").
+pub const MAX_PATH_BYTES: usize = 4096;
+/// The largest job spec file, bytes (64 KiB; a spec is a few hundred).
+pub const MAX_SPEC_BYTES: usize = 64 << 10;
 
 /// One refused value: where it is, what it was, what is allowed.
 #[derive(Clone, Debug, PartialEq)]
@@ -422,10 +430,37 @@ pub enum LoadError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "job spec {path} is larger than {MAX_SPEC_BYTES} bytes (64 KiB), the most a spec may be"
+    )]
+    TooLarge { path: PathBuf },
     #[error("job spec {path} is not valid: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("job spec {path}: {source}")]
     Invalid { path: PathBuf, source: SpecErrors },
+}
+
+/// A spec file's text; at most [`MAX_SPEC_BYTES`] are read (a bigger
+/// file, or an endless one such as a device, is [`LoadError::TooLarge`]).
+fn read_spec(path: &Path) -> Result<String, LoadError> {
+    use std::io::Read;
+    let read = |source| LoadError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .map_err(read)?
+        .take(MAX_SPEC_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read)?;
+    if bytes.len() > MAX_SPEC_BYTES {
+        return Err(LoadError::TooLarge {
+            path: path.to_path_buf(),
+        });
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| read(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
 }
 
 impl JobSpec {
@@ -434,6 +469,11 @@ impl JobSpec {
     /// reported at once in [`LoadError::Invalid`]. `files`: whether the
     /// named files and folders must exist.
     fn parse(text: &str, origin: &Path, files: bool) -> Result<Self, LoadError> {
+        if text.len() > MAX_SPEC_BYTES {
+            return Err(LoadError::TooLarge {
+                path: origin.to_path_buf(),
+            });
+        }
         let parse_err = |e: toml::de::Error| LoadError::Parse {
             path: origin.to_path_buf(),
             message: e.to_string(),
@@ -474,19 +514,11 @@ impl JobSpec {
     /// Reads and checks the fields only (not the file system): for clients
     /// that submit a job whose files live on the workers.
     pub fn load_fields(path: &Path) -> Result<Self, LoadError> {
-        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::fields_from_toml_str(&text, path)
+        Self::fields_from_toml_str(&read_spec(path)?, path)
     }
 
     pub fn load(path: &Path) -> Result<Self, LoadError> {
-        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_toml_str(&text, path)
+        Self::from_toml_str(&read_spec(path)?, path)
     }
 
     /// k for a world of `world` ranks: `steps`, or global_batch / (W*b).

@@ -393,3 +393,115 @@ fn bad_precision_and_loss_scaling_name_the_field_and_the_allowed_values() {
         e[0]
     );
 }
+
+/// Issue 28: every path field is capped at 4096 bytes with a short field
+/// error (at submit, through the proto, and when a spec file is loaded);
+/// 4096 bytes pass.
+#[test]
+fn path_fields_are_capped_with_a_short_field_error() {
+    let long = format!("/{}", "d/".repeat(2048)); // 4097 bytes
+    let exact = &long[..MAX_PATH_BYTES];
+    for (field, toml) in [
+        ("data.path", "[data]\npath = {p}\n"),
+        ("data.eval_path", "[data]\neval_path = {p}\n"),
+        ("model.path", "[model]\npath = {p}\n"),
+        ("model.init", "[model]\ninit = {p}\n"),
+        ("checkpoint.dir", "[checkpoint]\ndir = {p}\n"),
+    ] {
+        // The field goes into its section of BASE (or a new one).
+        let (section, line) = toml.split_once('\n').unwrap();
+        // model.path is only allowed with a TorchScript model.
+        let base = if field == "model.path" {
+            BASE.replace("kind = \"mlp\"", "kind = \"torchscript\"")
+        } else {
+            BASE.to_string()
+        };
+        let with = |p: &str| {
+            let line = line.replace("{p}", &format!("{p:?}"));
+            if base.contains(section) {
+                base.replace(section, &format!("{section}\n{line}"))
+            } else {
+                format!("{base}{section}\n{line}\n")
+            }
+        };
+        let e = invalid(&with(&long));
+        let mine: Vec<&FieldError> = e.iter().filter(|e| e.field == field).collect();
+        assert_eq!(mine.len(), 1, "{field}: one error, the length: {e:?}");
+        let text = mine[0].to_string();
+        assert!(
+            text.starts_with(&format!("{field} = \"/d/d/d/"))
+                && text.ends_with("… (4097 bytes): must be at most 4096 bytes"),
+            "{text}"
+        );
+        assert!(text.len() < 300, "{} characters: {text}", text.len());
+        // At the limit it is not refused for its length.
+        let ok = JobSpec::fields_from_toml_str(&with(exact), Path::new("t.toml"));
+        if let Err(LoadError::Invalid { source, .. }) = &ok {
+            assert!(
+                source.0.iter().all(|e| !e.allowed.contains("at most")),
+                "{field}: {source}"
+            );
+        }
+    }
+    // With the file checks on, an over-long path is refused for its length
+    // only (not also as a missing file, quoting it whole).
+    let text = BASE.replace("[data]", &format!("[data]\npath = {long:?}"));
+    let text = text.replace("kind = \"synthetic\"", "kind = \"tensors\"");
+    match JobSpec::from_toml_str(&text, Path::new("t.toml")) {
+        Err(LoadError::Invalid { source, .. }) => {
+            assert_eq!(source.0.len(), 1, "{source}");
+            assert!(source.to_string().len() < 300, "{source}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Any refused value is shown by its start: a megabyte string never makes
+/// a megabyte error.
+#[test]
+fn a_huge_refused_value_is_shown_by_its_start() {
+    let device = "x".repeat(60_000); // a spec file holds at most 64 KiB
+    let e = invalid(&BASE.replace(
+        "name = \"unit\"",
+        &format!("name = \"unit\"\ndevice = {device:?}"),
+    ));
+    let text = e[0].to_string();
+    assert!(text.starts_with("device = \"xxxx"), "{text}");
+    assert!(
+        text.contains(&format!("… ({} bytes)", device.len())),
+        "{text}"
+    );
+    assert!(text.len() < 300, "{} characters", text.len());
+    assert_eq!(shown("short"), "short");
+}
+
+/// A spec file above 64 KiB is refused before it is parsed (`accrue
+/// submit`, `accrue local`, `accrue-worker train` all load through here);
+/// 64 KiB is accepted.
+#[test]
+fn spec_files_are_capped_at_64_kib() {
+    let d = tempfile::tempdir().unwrap();
+    let pad = |n: usize| format!("{BASE}#{}\n", "p".repeat(n - BASE.len() - 2));
+    let at = d.path().join("at.toml");
+    std::fs::write(&at, pad(MAX_SPEC_BYTES)).unwrap();
+    assert_eq!(std::fs::metadata(&at).unwrap().len(), MAX_SPEC_BYTES as u64);
+    JobSpec::load_fields(&at).unwrap();
+    let over = d.path().join("over.toml");
+    std::fs::write(&over, pad(MAX_SPEC_BYTES + 1)).unwrap();
+    for r in [JobSpec::load_fields(&over), JobSpec::load(&over)] {
+        let e = r.unwrap_err();
+        assert!(matches!(e, LoadError::TooLarge { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "job spec {} is larger than 65536 bytes (64 KiB), the most a spec may be",
+                over.display()
+            )
+        );
+    }
+    let text = pad(MAX_SPEC_BYTES + 1);
+    assert!(matches!(
+        JobSpec::fields_from_toml_str(&text, Path::new("t.toml")),
+        Err(LoadError::TooLarge { .. })
+    ));
+}

@@ -14,6 +14,7 @@
 //! so the store can refuse to replace a newer version with an older one.
 
 use crate::error::CoordError;
+use crate::paging::seq_of;
 use crate::state::state_name;
 use crate::state::{self, Waiting};
 use accrue_proto::v1::{
@@ -40,6 +41,63 @@ pub const ACK_GRACE_MS: i64 = 10_000;
 
 /// Longest accepted worker id, bytes.
 pub const MAX_WORKER_ID: usize = 128;
+
+/// The most bytes of a worker's text (an error, a reason, where its state
+/// came from) that a job record keeps, and of a recovery's reasons
+/// together: a job is listed, watched and stored whole, so nothing a
+/// worker sends may grow it without bound (docs/OPERATIONS.md, "Sizes and
+/// limits").
+pub const MAX_REASON_BYTES: usize = 4096;
+
+/// `text` cut to at most [`MAX_REASON_BYTES`] (at a character boundary),
+/// ending with `… (N bytes)` when it was cut.
+pub fn clip(text: &str) -> String {
+    if text.len() <= MAX_REASON_BYTES {
+        return text.to_string();
+    }
+    let note = format!("… ({} bytes)", text.len());
+    let mut end = MAX_REASON_BYTES - note.len();
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{note}", &text[..end])
+}
+
+/// Which refused worker messages are worth a warning: the first of each
+/// (job, generation); later ones are logged at debug level. A coordinator
+/// restarted under a job that had ended got a report of every step its
+/// ranks had buffered and warned about each (651 for one job; issue 28).
+#[derive(Debug, Default)]
+pub struct RefusalLog {
+    /// Refusals so far by (job id, cut to [`MAX_REFUSAL_ID`] bytes,
+    /// generation).
+    seen: BTreeMap<(String, u64), u64>,
+}
+
+/// The most (job, generation) pairs a [`RefusalLog`] remembers: past it,
+/// it forgets them all (each warns once more) rather than grow.
+pub const MAX_REFUSAL_KEYS: usize = 4096;
+/// The most bytes of a job id a [`RefusalLog`] keeps (a real id has at
+/// most 84; a worker may send any).
+pub const MAX_REFUSAL_ID: usize = 128;
+
+impl RefusalLog {
+    /// Notes one refused message about `job` at `generation`; returns how
+    /// many of that pair there have been (1: the first, to warn about).
+    pub fn note(&mut self, job: &str, generation: u64) -> u64 {
+        let mut end = job.len().min(MAX_REFUSAL_ID);
+        while !job.is_char_boundary(end) {
+            end -= 1;
+        }
+        let key = (job[..end].to_string(), generation);
+        if !self.seen.contains_key(&key) && self.seen.len() >= MAX_REFUSAL_KEYS {
+            self.seen.clear();
+        }
+        let n = self.seen.entry(key).or_insert(0);
+        *n += 1;
+        *n
+    }
+}
 
 /// What happened.
 // Inputs are built and consumed at once, never stored: their size does not
@@ -280,6 +338,8 @@ pub struct Cluster {
     /// The next job id's sequence number.
     next_seq: u64,
     ring_keys: RingKeys,
+    /// Refused worker messages, to warn once per job and generation.
+    refusals: RefusalLog,
 }
 
 fn msg(m: coordinator_message::Msg) -> CoordinatorMessage {
@@ -317,11 +377,6 @@ fn save_series(entry: &mut JobEntry, now: i64, fx: &mut Vec<Effect>) {
     }
 }
 
-/// The sequence number a job id ends with (`<name>-<n>`).
-fn seq_of(id: &str) -> Option<u64> {
-    id.rsplit('-').next().and_then(|n| n.parse().ok())
-}
-
 impl Cluster {
     pub fn new(cfg: Config, ring_keys: RingKeys) -> Self {
         Self {
@@ -331,6 +386,7 @@ impl Cluster {
             workers: BTreeMap::new(),
             next_seq: 1,
             ring_keys,
+            refusals: RefusalLog::default(),
         }
     }
 
@@ -354,6 +410,11 @@ impl Cluster {
             self.order.push(e.job.id.clone());
             self.jobs.insert(e.job.id.clone(), e);
         }
+        // Creation order (a store lists by key, where `a-10` comes before
+        // `a-9`); every later submission has a higher number, so `order`
+        // stays sorted by `paging::Key` (what listing pages rely on).
+        self.order.sort_by_key(|id| crate::paging::Key::of(id));
+        self.order.dedup();
     }
 
     pub fn jobs(&self) -> impl Iterator<Item = &Job> {
@@ -365,6 +426,31 @@ impl Cluster {
 
     pub fn job(&self, id: &str) -> Option<&Job> {
         self.jobs.get(id).map(|e| &e.job)
+    }
+
+    /// One ListJobs page: the jobs after `req.after` in creation order, at
+    /// most `req.size` of them and `budget` by `bytes` (see
+    /// [`crate::paging::page`]), and the next page's token ("" at the end).
+    pub fn jobs_page(
+        &self,
+        req: &crate::paging::PageRequest,
+        bytes: impl Fn(&Job) -> usize,
+        budget: usize,
+    ) -> (Vec<&Job>, String) {
+        let size = |id: &String| self.jobs.get(id).map_or(0, |e| bytes(&e.job));
+        let (ids, next) = crate::paging::page(
+            &self.order,
+            |id| crate::paging::Key::of(id),
+            req,
+            size,
+            budget,
+        );
+        let jobs = ids
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .map(|e| &e.job)
+            .collect();
+        (jobs, next)
     }
 
     /// A job's training curve.

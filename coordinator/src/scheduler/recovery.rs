@@ -4,6 +4,26 @@
 
 use super::*;
 
+/// Adds the workers `lost` to a recovery's lost list, each once (a worker
+/// can be lost, re-attach and be lost again before the ring re-forms).
+pub(super) fn add_lost(list: &mut Vec<String>, lost: Vec<String>) {
+    for w in lost {
+        if !list.contains(&w) {
+            list.push(w);
+        }
+    }
+}
+
+/// A recovery's reason with one more cause (`; `-separated), at most
+/// [`MAX_REASON_BYTES`] in all: past that, further causes are left out
+/// (the job's history keeps each one's transition).
+pub(super) fn add_reason(reason: &str, more: &str) -> String {
+    if reason.len() >= MAX_REASON_BYTES {
+        return reason.to_string();
+    }
+    clip(&format!("{reason}; {more}"))
+}
+
 impl Cluster {
     /// Sends `m()` to every worker serving `job`.
     fn tell_members(
@@ -78,16 +98,17 @@ impl Cluster {
             .filter(|r| r.generation == 0 && from == JobState::Recovering);
         match open {
             Some(r) => {
-                r.lost.extend(lost);
-                r.reason = format!("{}; {reason}", r.reason);
+                add_lost(&mut r.lost, lost);
+                r.reason = add_reason(&r.reason, &reason);
             }
             None => {
-                entry.job.recoveries.push(v1::Recovery {
-                    lost,
-                    reason: reason.clone(),
+                let mut record = v1::Recovery {
+                    reason: clip(&reason),
                     started_unix_ms: now,
                     ..Default::default()
-                });
+                };
+                add_lost(&mut record.lost, lost);
+                entry.job.recoveries.push(record);
                 if let Ok(t) = state::transition(&mut entry.job, JobState::Recovering, reason, now)
                 {
                     fx.push(transition_event(&entry.job, t));

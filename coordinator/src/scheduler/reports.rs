@@ -15,8 +15,11 @@ impl Cluster {
         })
     }
 
+    /// Answers a refused message with Refused (every time: the worker
+    /// acts on it); the first of each (job, generation) is logged as a
+    /// warning, later ones at debug level (see [`RefusalLog`]).
     pub(super) fn refuse(
-        &self,
+        &mut self,
         worker: &str,
         conn: u64,
         job: &str,
@@ -24,7 +27,13 @@ impl Cluster {
         reason: String,
         fx: &mut Vec<Effect>,
     ) {
-        tracing::warn!(worker, %reason, "message refused");
+        let n = self.refusals.note(job, generation);
+        let shown = accrue_common::spec::shown(job);
+        if n == 1 {
+            tracing::warn!(worker, job = %shown, generation, %reason, "message refused (more for this job and generation are logged at debug level)");
+        } else {
+            tracing::debug!(worker, job = %shown, generation, refused = n, %reason, "message refused");
+        }
         fx.push(Effect::Send {
             worker: worker.into(),
             conn,
@@ -105,14 +114,16 @@ impl Cluster {
                 if matches!(e.job.state(), JobState::Rendezvous | JobState::Running) {
                     let reason = format!(
                         "rank {} on worker {worker} interrupted at step {}: {}",
-                        i.rank, i.step, i.error
+                        i.rank,
+                        i.step,
+                        clip(&i.error)
                     );
                     self.begin_recovery(&i.job_id, Vec::new(), reason, now, fx);
                 }
                 self.schedule(now, fx);
             }
             Some(worker_message::Msg::Detach(d)) => {
-                self.remove_worker(worker, Some(conn), &d.reason, true, now, fx);
+                self.remove_worker(worker, Some(conn), &clip(&d.reason), true, now, fx);
                 self.schedule(now, fx);
             }
             Some(worker_message::Msg::Hello(_))
@@ -175,7 +186,7 @@ impl Cluster {
                 .rev()
                 .find(|x| x.generation == r.generation && x.loaded.is_empty())
             {
-                rec.loaded = r.resumed_from.clone();
+                rec.loaded = clip(&r.resumed_from);
                 dirty = true;
             }
         }
@@ -241,7 +252,11 @@ impl Cluster {
             Some(reason) if live => self.refuse(worker, conn, &d.job_id, d.generation, reason, fx),
             Some(_) => {}
             None if !d.ok => {
-                let reason = format!("rank {} on worker {worker} failed: {}", d.rank, d.error);
+                let reason = format!(
+                    "rank {} on worker {worker} failed: {}",
+                    d.rank,
+                    clip(&d.error)
+                );
                 self.fail(&d.job_id, reason, now, fx);
             }
             None if d.rank == 0 => {

@@ -425,6 +425,28 @@ impl Coordinator {
         lock(&self.inner).cluster.jobs().cloned().collect()
     }
 
+    /// One ListJobs page (see [`crate::paging`]): at most `page_size` jobs
+    /// (0: 100; at most 1000) after `page_token`, and within
+    /// [`MAX_LIST_PAGE_BYTES`](accrue_proto::layout::MAX_LIST_PAGE_BYTES)
+    /// encoded, so the answer fits what a standard gRPC client accepts.
+    pub fn list_page(
+        &self,
+        page_size: i64,
+        page_token: &str,
+    ) -> Result<v1::ListJobsResponse, CoordError> {
+        use accrue_proto::layout::MAX_LIST_PAGE_BYTES;
+        let req = crate::paging::request(page_size, page_token)
+            .map_err(|e| CoordError::InvalidArgument(e.to_string()))?;
+        // As `repeated Job jobs = 1` encodes it: tag, length, message.
+        let bytes = |j: &Job| prost::encoding::message::encoded_len(1, j);
+        let inner = lock(&self.inner);
+        let (jobs, next_page_token) = inner.cluster.jobs_page(&req, bytes, MAX_LIST_PAGE_BYTES);
+        Ok(v1::ListJobsResponse {
+            jobs: jobs.into_iter().cloned().collect(),
+            next_page_token,
+        })
+    }
+
     pub fn job(&self, id: &str) -> Result<Job, CoordError> {
         lock(&self.inner)
             .cluster
@@ -467,6 +489,10 @@ impl Coordinator {
         if let Err(why) = self.store_health() {
             return Err(CoordError::StoreUnavailable(why));
         }
+        // A bad field (an over-long path among them) is refused before
+        // anything here reads the file system for the spec.
+        accrue_proto::spec_from_proto(&spec)
+            .map_err(|e| CoordError::InvalidArgument(e.to_string()))?;
         self.check_local_paths(&spec).await?;
         self.check_owner_record(&spec).await?;
         let job = self

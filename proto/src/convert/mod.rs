@@ -300,7 +300,7 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         other => {
             errors.push(FieldError {
                 field: "optimizer.betas".into(),
-                value: format!("{other:?}"),
+                value: shown(&format!("{other:?}")),
                 allowed: "must hold exactly two values".into(),
             });
             None

@@ -104,8 +104,17 @@ pub(super) fn capture(device: tch::Device, body: impl FnOnce() -> Result<()>) ->
     if let tch::Device::Cuda(d) = device {
         return crate::cuda_graph::Graph::capture(d, body);
     }
+    // Only a forced capture (RunOptions::force_graph_capture) gets here.
     drop(body);
-    Err(no_graphs(device))
+    let reason = if cfg!(accrue_cuda) {
+        format!("{device:?} is not a CUDA device")
+    } else {
+        "this worker was built without ACCRUE_CUDA=1".to_string()
+    };
+    Err(Error::Graph {
+        what: "capturing",
+        reason,
+    })
 }
 
 /// The micro-step's graph, its static tensors and the window's loss.
@@ -176,9 +185,61 @@ impl MicroGraph {
             None => Ok(0.0),
         }
     }
+
+    /// The static tensors allocated so far, by name (see
+    /// [`Engine::graph_addresses`]).
+    fn tensors(&self) -> Vec<(&'static str, Tensor)> {
+        [
+            ("micro.idx", &self.idx),
+            ("micro.scale", &self.scale),
+            ("micro.loss", &self.loss),
+        ]
+        .into_iter()
+        .filter_map(|(n, t)| t.as_ref().map(|t| (n, t.shallow_clone())))
+        .collect()
+    }
 }
 
 impl<C: Collective> Engine<C> {
+    /// Every tensor a captured graph reads or writes, by name, with its
+    /// address (`data_ptr`): the data set, the index buffer, fp16's scale,
+    /// the window's loss, the parameters and their `.grad` views of the
+    /// flat gradient buffer, the model's buffers (BatchNorm's statistics),
+    /// the sync graph's inputs, numbers and result, and the optimizer's
+    /// state and scratch. Those not allocated yet are absent (all are
+    /// before a graph is captured). A graph replays fixed addresses: none
+    /// of these may move while a graph is kept (tests check them across
+    /// steps, epochs, evaluations and checkpoints).
+    pub fn graph_addresses(&self) -> Vec<(String, usize)> {
+        let mut named: Vec<(String, Tensor)> = vec![
+            ("data.x".into(), self.train.x.shallow_clone()),
+            ("data.y".into(), self.train.y.shallow_clone()),
+        ];
+        for (n, t) in self
+            .graph
+            .tensors()
+            .into_iter()
+            .chain(self.sync_graph.tensors())
+        {
+            named.push((n.into(), t));
+        }
+        for (n, p) in &self.model.params {
+            named.push((format!("param.{n}"), p.shallow_clone()));
+            named.push((format!("grad.{n}"), p.grad()));
+        }
+        for (n, b) in &self.model.buffers {
+            named.push((format!("buffer.{n}"), b.shallow_clone()));
+        }
+        named.extend(self.optimizer.graph_tensors());
+        // data_ptr cannot fail on a defined dense tensor (these all are;
+        // a released stage-2 gradient is an empty one, address 0).
+        named
+            .into_iter()
+            .filter(|(_, t)| t.defined())
+            .map(|(n, t)| (n, t.data_ptr() as usize))
+            .collect()
+    }
+
     /// Runs micro-batch `a..b` as [`graphs::decide`] says: eagerly, as the
     /// graph body (warm-up), captured, or replayed.
     pub(super) fn run_micro_batch(&mut self, a: usize, b: usize) -> Result<()> {
@@ -294,7 +355,7 @@ impl<C: Collective> Engine<C> {
 
 fn no_graphs(device: tch::Device) -> Error {
     Error::Graph {
-        what: "capture or replay",
-        reason: format!("no captured graph on {device:?} in this build"),
+        what: "replaying",
+        reason: format!("no captured graph on {device:?}"),
     }
 }

@@ -29,7 +29,7 @@ use crate::collective::Collective;
 use crate::data::{self, Dataset};
 use crate::error::{Error, Result};
 use crate::grads::FlatGrads;
-use crate::model::Model;
+use crate::model::{Model, WeightsFrom};
 use crate::optim::Optimizer;
 use crate::sampler::{ShardSpec, WindowPlan};
 use crate::schedule::Schedule;
@@ -74,6 +74,11 @@ pub struct RunOptions {
     /// cache) without capturing, on any device: tests check it against the
     /// eager micro-step without a GPU.
     pub graph_body_only: bool,
+    /// Capture graphs whatever the device and the build (warm-up, capture,
+    /// replay, as on CUDA): on the CPU, or in a build without
+    /// `ACCRUE_CUDA=1`, the capture fails, so tests check the eager
+    /// fallback and its reported reason without a GPU.
+    pub force_graph_capture: bool,
     /// Step the optimizer with tensor ops on the CPU too, never the fused
     /// CPU pass, as on CUDA (tests compare the sync graph's body with the
     /// eager step CUDA runs).
@@ -324,16 +329,14 @@ impl<C: Collective> Engine<C> {
                 "the training split holds no samples".into(),
             ));
         }
-        let classes = match spec.model.num_classes {
-            Some(n) => n,
-            None => {
-                let eval_classes = match &splits.eval {
-                    Some(e) => e.classes()?,
-                    None => 0,
-                };
-                train.classes()?.max(eval_classes)
-            }
-        };
+        if let Some(eval) = &splits.eval {
+            check_eval_shape(&spec, &train, eval)?;
+        }
+        let mut labels = vec![(split_name(&spec, false), train.max_label()?)];
+        if let Some(eval) = &splits.eval {
+            labels.push((split_name(&spec, true), eval.max_label()?));
+        }
+        let classes = data::class_count(spec.model.num_classes, &labels)?;
         let mut model = Model::build(
             &spec.model,
             &train.sample_shape(),
@@ -344,9 +347,9 @@ impl<C: Collective> Engine<C> {
         if let Some(init) = &spec.model.init {
             let tensors = Tensor::read_safetensors(init).map_err(|e| Error::Init {
                 path: init.clone(),
-                reason: e.to_string(),
+                reason: crate::error::torch_text("reading model.init", &e),
             })?;
-            model.load_named(init, tensors)?;
+            model.load_named(WeightsFrom::Init(init), tensors)?;
         }
         let train = train.to_device(device)?;
         let eval = splits.eval.map(|e| e.to_device(device)).transpose()?;
@@ -365,14 +368,8 @@ impl<C: Collective> Engine<C> {
             batch: spec.data.batch_size as usize,
             k,
         };
-        if plan.samples == 0 {
-            return Err(data_error(
-                &spec,
-                format!(
-                    "{} samples cannot feed {world} ranks with drop_last",
-                    train.len()
-                ),
-            ));
+        if let Some(e) = starved(&shard) {
+            return Err(e);
         }
         let total_steps = spec
             .max_steps
@@ -422,6 +419,10 @@ impl<C: Collective> Engine<C> {
         };
         let graph_mode = if opts.graph_body_only {
             crate::graphs::Mode::BodyOnly
+        } else if opts.force_graph_capture {
+            crate::graphs::Mode::Capture {
+                warmup: crate::graphs::WARMUP,
+            }
         } else {
             crate::graphs::mode(
                 spec.performance.cuda_graphs,
@@ -578,7 +579,7 @@ impl<C: Collective> Engine<C> {
         }
         self.resumed_from = Some(format!("checkpoint {}", found.why));
         self.model.load_named(
-            &loaded.path.join(checkpoint::MODEL_FILE),
+            WeightsFrom::Checkpoint(&loaded.path),
             checkpoint::to_device(loaded.model, self.device)?,
         )?;
         self.load_optimizer_state(loaded.optimizer, loaded.state.optimizer_steps)?;
@@ -773,6 +774,77 @@ fn spec_hash(spec: &JobSpec) -> String {
         .collect()
 }
 
+/// A split as messages name it: `the training split (data.path =
+/// "digits")`, `the held-out split (data.eval_path = "eval.safetensors")`.
+fn split_name(spec: &JobSpec, eval: bool) -> String {
+    let d = &spec.data;
+    let (field, path) = match (eval, &d.eval_path) {
+        (true, Some(p)) => ("data.eval_path", Some(p)),
+        _ => ("data.path", d.path.as_ref()),
+    };
+    let split = if eval { "held-out" } else { "training" };
+    match path {
+        Some(p) => format!("the {split} split ({field} = \"{}\")", p.display()),
+        None => format!("the {split} split (data.kind = \"{}\")", d.kind.as_str()),
+    }
+}
+
+/// The held-out split's samples must have the training split's shape (the
+/// model is built for it; evaluation would fail after training).
+fn check_eval_shape(spec: &JobSpec, train: &Dataset, eval: &Dataset) -> Result<()> {
+    let (want, got) = (train.sample_shape(), eval.sample_shape());
+    if want == got {
+        return Ok(());
+    }
+    Err(Error::Data {
+        path: spec
+            .data
+            .eval_path
+            .clone()
+            .or_else(|| spec.data.path.clone())
+            .unwrap_or_else(|| spec.data.kind.as_str().into()),
+        reason: format!(
+            "the held-out samples have shape {got:?}, the training samples {want:?}; \
+             both splits need the same sample shape"
+        ),
+    })
+}
+
+/// Refuses a sharding that leaves a rank without a sample in the epoch:
+/// the same answer on every rank (the last rank gets the fewest), naming
+/// the setting that causes it.
+fn starved(shard: &ShardSpec) -> Option<Error> {
+    let (len, world) = (shard.len, shard.world);
+    let last = world.checked_sub(1)?;
+    if len == 0 || shard.rank_len(last) > 0 {
+        return None;
+    }
+    let (field, value, reason) = if shard.drop_last {
+        (
+            "data.drop_last",
+            "true",
+            format!(
+                "{len} samples cannot give each of {world} ranks one (drop_last drops the \
+                 tail); need at least {world} samples, or drop_last = false"
+            ),
+        )
+    } else {
+        (
+            "data.pad",
+            "false",
+            format!(
+                "{len} samples over {world} ranks leave rank {last} with none; need at least \
+                 {world} samples, or pad = true"
+            ),
+        )
+    };
+    Some(Error::Field {
+        field,
+        value: value.into(),
+        reason,
+    })
+}
+
 /// A data error naming the spec's data path (or its kind when it has none).
 fn data_error(spec: &JobSpec, reason: String) -> Error {
     Error::Data {
@@ -782,5 +854,42 @@ fn data_error(spec: &JobSpec, reason: String) -> Error {
             .clone()
             .unwrap_or_else(|| spec.data.kind.as_str().into()),
         reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(len: usize, world: usize, drop_last: bool, pad: bool) -> ShardSpec {
+        ShardSpec {
+            len,
+            world,
+            seed: 0,
+            shuffle: false,
+            drop_last,
+            pad,
+            offset: 0,
+        }
+    }
+
+    #[test]
+    fn a_rank_without_samples_is_refused_naming_the_setting() {
+        let msg = starved(&shard(1, 2, false, false)).unwrap().to_string();
+        assert_eq!(
+            msg,
+            "data.pad = false: 1 samples over 2 ranks leave rank 1 with none; \
+             need at least 2 samples, or pad = true"
+        );
+        let msg = starved(&shard(1, 2, true, true)).unwrap().to_string();
+        assert!(
+            msg.starts_with("data.drop_last = true: 1 samples cannot give each of 2 ranks one"),
+            "{msg}"
+        );
+        // Padding repeats samples: every rank gets one.
+        assert!(starved(&shard(1, 2, false, true)).is_none());
+        assert!(starved(&shard(2, 2, false, false)).is_none());
+        assert!(starved(&shard(3, 2, true, false)).is_none());
+        assert!(starved(&shard(5, 1, true, false)).is_none());
     }
 }

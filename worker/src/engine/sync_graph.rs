@@ -40,6 +40,21 @@ pub(super) struct SyncGraph {
     out: Option<Tensor>,
 }
 
+impl SyncGraph {
+    /// The static tensors allocated so far, by name (see
+    /// [`Engine::graph_addresses`]).
+    pub(super) fn tensors(&self) -> Vec<(&'static str, Tensor)> {
+        [
+            ("sync.inputs", &self.inputs),
+            ("sync.coefs", &self.coefs),
+            ("sync.out", &self.out),
+        ]
+        .into_iter()
+        .filter_map(|(n, t)| t.as_ref().map(|t| (n, t.shallow_clone())))
+        .collect()
+    }
+}
+
 impl<C: Collective> Engine<C> {
     /// The sync step's work after the reduction, on the device, as
     /// [`graphs::decide_unless`] says: Some(norm of the summed gradients)
@@ -122,8 +137,22 @@ impl<C: Collective> Engine<C> {
         fill(inputs, &[0], divisor)?;
         let c = self.optimizer.masked_coefs(lr);
         let n = c.values.len() as i64;
+        // How many numbers there are is the optimizer rule's (3 for SGD, 6
+        // for Adam and AdamW), fixed for the engine's life: the tensor is
+        // allocated once, before the first capture. Another count would be
+        // a bug; it is refused rather than re-allocated under a captured
+        // graph, which would then read freed memory.
         let coefs = match &mut g.coefs {
             Some(t) if t.size() == [2, n] => t,
+            Some(t) => {
+                return Err(Error::Graph {
+                    what: "filling the optimizer's numbers",
+                    reason: format!(
+                        "{n} numbers for a tensor of shape {:?} allocated for the graph",
+                        t.size()
+                    ),
+                })
+            }
             slot => slot.insert(
                 Tensor::f_zeros([2, n], (Kind::Float, device))
                     .ctx("allocating the optimizer's numbers")?,

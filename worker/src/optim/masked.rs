@@ -52,6 +52,29 @@ impl Optimizer {
         !self.state.is_empty() && self.state.iter().all(|s| s.contains_key(key))
     }
 
+    /// The state and scratch tensors the masked step reads and writes
+    /// (`optimizer.<i>.<state>`, `optimizer.<i>.scratch`, `.scratch2`):
+    /// a captured sync graph holds their addresses.
+    pub fn graph_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, state) in self.state.iter().enumerate() {
+            let mut keys: Vec<_> = state.keys().copied().collect();
+            keys.sort_unstable();
+            for k in keys {
+                out.push((format!("optimizer.{i}.{k}"), state[k].shallow_clone()));
+            }
+        }
+        for (i, scratch) in self.scratch.iter().enumerate() {
+            if let Some((a, b)) = scratch {
+                out.push((format!("optimizer.{i}.scratch"), a.shallow_clone()));
+                if let Some(b) = b {
+                    out.push((format!("optimizer.{i}.scratch2"), b.shallow_clone()));
+                }
+            }
+        }
+        out
+    }
+
     /// The numbers of step `self.steps + 1` at `lr` in the layout
     /// [`Optimizer::step_masked`] reads.
     pub fn masked_coefs(&self, lr: f64) -> MaskedCoefs {
@@ -342,6 +365,158 @@ mod tests {
             let now: Vec<_> = masked.first_state().iter().map(|(_, t)| bits(t)).collect();
             assert_eq!(state, now, "{s:?}: a skipped step moved the state");
         }
+    }
+
+    /// Adam's tensor-op step ([`Optimizer::step_pairs`], op for op) of
+    /// parameter `p` with gradient `g` and moments `m`, `v` (all updated in
+    /// place); with `cuda_division` its one division by a host scalar,
+    /// sqrt(v) / bc2_sqrt, is done as ATen does it on CUDA: times the
+    /// scalar's float32 reciprocal.
+    fn adam_step(
+        rule: &Rule,
+        (p, g): &(Tensor, Tensor),
+        (m, v): &(Tensor, Tensor),
+        step: i32,
+        lr: f64,
+        cuda_division: bool,
+    ) {
+        let Rule::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            decoupled,
+        } = *rule
+        else {
+            panic!("not adam: {rule:?}");
+        };
+        let _guard = tch::no_grad_guard();
+        let (mut p, mut g) = (p.shallow_clone(), g.shallow_clone());
+        let (mut m, mut v) = (m.shallow_clone(), v.shallow_clone());
+        if decoupled {
+            if weight_decay != 0.0 {
+                let _ = p.f_mul_scalar_(1.0 - lr * weight_decay).unwrap();
+            }
+        } else if weight_decay != 0.0 {
+            let _ = g.f_add_(&p.f_mul_scalar(weight_decay).unwrap()).unwrap();
+        }
+        let _ = m.f_lerp_(&g, 1.0 - beta1).unwrap();
+        let _ = v.f_mul_scalar_(beta2).unwrap();
+        let sq = g.f_mul(&g).and_then(|t| t.f_mul_scalar(1.0 - beta2));
+        let _ = v.f_add_(&sq.unwrap()).unwrap();
+        let bc1 = 1.0 - beta1.powi(step);
+        let bc2_sqrt = (1.0 - beta2.powi(step)).sqrt();
+        let mut d = v.f_sqrt().unwrap();
+        if cuda_division {
+            let _ = d
+                .f_mul_scalar_(f64::from(1.0f32 / bc2_sqrt as f32))
+                .unwrap();
+        } else {
+            let _ = d.f_div_scalar_(bc2_sqrt).unwrap();
+        }
+        let _ = d.f_add_scalar_(eps).unwrap();
+        let update = m.f_div(&d).and_then(|u| u.f_mul_scalar(lr / bc1));
+        let _ = p.f_sub_(&update.unwrap()).unwrap();
+    }
+
+    /// `reciprocal = true` (CUDA's rounding of a division by a host
+    /// scalar) on the CPU, against the tensor-op step: SGD divides by no
+    /// scalar, so its masked step equals `step_pairs` bit for bit. Adam's
+    /// and AdamW's equal, parameters and moments bit for bit, the
+    /// tensor-op step with that one division done as on CUDA
+    /// ([`adam_step`], itself checked bit for bit against `step_pairs`
+    /// with the CPU's division), and stay within 1e-6 (relative) of the
+    /// CPU's tensor-op step while differing from it in some bits (so the
+    /// data exercise the rounding).
+    #[test]
+    fn the_reciprocal_step_equals_the_tensor_op_step_with_cudas_division() {
+        let mut rounding_differs = false;
+        for s in every_spec() {
+            let plain_p = pairs(1);
+            let masked_p = deep(&plain_p);
+            let mut plain = Optimizer::new(&s, 3);
+            let mut masked = Optimizer::new(&s, 3);
+            let rule = plain.rule.clone();
+            let adam = matches!(rule, Rule::Adam { .. });
+            // The references: the CPU's division throughout, and CUDA's
+            // from the second step on (the masked run's first step is the
+            // tensor-op step, which makes the state).
+            let (cpu_p, cuda_p) = (deep(&plain_p), deep(&plain_p));
+            let moments = |ps: &[(Tensor, Tensor)]| -> Vec<(Tensor, Tensor)> {
+                ps.iter()
+                    .map(|(p, _)| (p.zeros_like(), p.zeros_like()))
+                    .collect()
+            };
+            let (cpu_m, cuda_m) = (moments(&cpu_p), moments(&cuda_p));
+            for step in 0..4 {
+                let lr = 0.1 / (1.0 + step as f64);
+                let fresh = pairs(10 + step);
+                for group in [&plain_p, &masked_p, &cpu_p, &cuda_p] {
+                    for ((_, g), (_, f)) in group.iter().zip(&fresh) {
+                        g.shallow_clone().copy_(f);
+                    }
+                }
+                if step == 0 {
+                    masked.step_pairs(&masked_p, lr).unwrap();
+                } else {
+                    let c = masked.masked_coefs(lr);
+                    masked
+                        .step_masked(&masked_p, &coefs(&c, false), true)
+                        .unwrap();
+                    masked.steps += 1;
+                }
+                plain.step_pairs(&plain_p, lr).unwrap();
+                if adam {
+                    let n = step as i32 + 1;
+                    for (pg, mv) in cpu_p.iter().zip(&cpu_m) {
+                        adam_step(&rule, pg, mv, n, lr, false);
+                    }
+                    for (pg, mv) in cuda_p.iter().zip(&cuda_m) {
+                        adam_step(&rule, pg, mv, n, lr, step > 0);
+                    }
+                }
+            }
+            let params = |ps: &[(Tensor, Tensor)]| -> Vec<Vec<u32>> {
+                ps.iter().map(|(p, _)| bits(p)).collect()
+            };
+            let state = |o: &Optimizer| -> Vec<Vec<u32>> {
+                o.first_state().iter().map(|(_, t)| bits(t)).collect()
+            };
+            // Bit for bit, or how many values differ.
+            let same = |a: Vec<Vec<u32>>, b: Vec<Vec<u32>>, what: &str| {
+                let differ = a
+                    .iter()
+                    .flatten()
+                    .zip(b.iter().flatten())
+                    .filter(|(x, y)| x != y)
+                    .count();
+                assert_eq!(a.len(), b.len(), "{s:?}: {what}");
+                assert_eq!(differ, 0, "{s:?}: {what}: {differ} values differ");
+            };
+            if !adam {
+                same(params(&masked_p), params(&plain_p), "parameters");
+                same(state(&masked), state(&plain), "state");
+                continue;
+            }
+            // The references are the tensor-op step, op for op.
+            let first = |m: &[(Tensor, Tensor)]| vec![bits(&m[0].0), bits(&m[0].1)];
+            same(params(&cpu_p), params(&plain_p), "the reference");
+            same(first(&cpu_m), state(&plain), "the reference's moments");
+            // With CUDA's division: bit for bit.
+            same(params(&cuda_p), params(&masked_p), "parameters");
+            same(first(&cuda_m), state(&masked), "moments");
+            // Against the CPU's division: rounding only.
+            for ((a, _), (b, _)) in masked_p.iter().zip(&plain_p) {
+                let d = (a - b).abs().max().double_value(&[]);
+                let rel = d / b.abs().max().double_value(&[]);
+                assert!(rel <= 1e-6, "{s:?}: {rel:e}");
+                rounding_differs |= d > 0.0;
+            }
+        }
+        assert!(
+            rounding_differs,
+            "the reciprocal never changed a rounding: the test does not tell the branches apart"
+        );
     }
 
     #[test]

@@ -41,19 +41,26 @@ pub fn torch_reference(args: &[&str]) -> String {
     String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
-/// Whether a CUDA test can run. Without CUDA it says so on the terminal
-/// (written to stderr directly, past libtest's capture, so a passing run
-/// shows it) and the caller returns: the test passes by skipping.
+/// Set to 1 (scripts/gpu-checks.sh does) to make every CUDA skip a failure.
+pub const REQUIRE_CUDA: &str = "ACCRUE_REQUIRE_CUDA";
+
+/// Whether a CUDA test can run. CUDA tests are `#[ignore = "needs CUDA"]`
+/// (the harness reports them as ignored; run them with `--ignored`), and
+/// call this first. Without CUDA: with `ACCRUE_REQUIRE_CUDA=1` the test
+/// fails; otherwise it says so on the terminal (written to stderr
+/// directly, past libtest's capture, so a passing run shows it) and the
+/// caller returns.
 pub fn cuda_or_skip(test: &str) -> bool {
     if tch::Cuda::is_available() {
         return true;
     }
+    let why = "CUDA is not available (tch::Cuda::is_available() is false; \
+               a GPU build needs ACCRUE_CUDA=1 and a CUDA libtorch)";
+    if std::env::var(REQUIRE_CUDA).as_deref() == Ok("1") {
+        panic!("{test}: {why}, and {REQUIRE_CUDA}=1 makes that a failure");
+    }
     use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIPPED {test}: CUDA is not available (tch::Cuda::is_available() is false; \
-         a GPU build needs ACCRUE_CUDA=1 and a CUDA libtorch)"
-    );
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
     false
 }
 

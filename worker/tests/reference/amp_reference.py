@@ -7,15 +7,19 @@ one process per rank (W = 1 too):
 
 CONFIG_JSON: the shared settings (lr, momentum, weight_decay, seed, batch,
 epochs, max_norm, device: "cpu" (the default) or "cuda") and "cases", a list of {tag, precision, k, data,
-init_scale, growth_interval}. For each case every rank trains
-torch_reference.mlp() from DIR/init.safetensors on DIR/<data> as a user of
+init_scale, growth_interval; optionally model: "mlp" (the default),
+"lenet5" or "resnet18" with shape [C, H, W] and classes, init (default
+init.safetensors), epochs, lr, max_norm}. For each case every rank trains
+torch_reference.mlp() (or torch_reference.build(model, ...)) from
+DIR/<init> on DIR/<data> as a user of
 torch.autocast and GradScaler writes it: DDP on gloo with no_sync for the
 first k - 1 micro-batches of a window, the forward and the loss under
 `torch.autocast(device, dtype)`, `scaler.scale(loss / k).backward()`; at
 the window's end `scaler.unscale_(opt)`, clip_grad_norm_,
 `scaler.step(opt)`, `scaler.update()` (the scaler disabled for bf16, as
 one uses it) and zero_grad. Rank r writes its log to
-DIR/amp-rank<r>.log; per case rank 0 writes the final state_dict to
+DIR/amp-rank<r>.log; per case rank 0 writes the final state_dict (with
+BatchNorm's running statistics) to
 DIR/amp-<tag>.safetensors and, to DIR/amp-<tag>.json, every step's scale
 (the one its gradients had; 0 for bf16), whether the step was skipped (the
 scale backed off) and clip_grad_norm_'s total norm.
@@ -42,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import mlp  # noqa: E402
+from torch_reference import build, mlp  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,11 +54,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def train(d, cfg, case, world):
     dev = cfg.get("device", "cpu")
     data = load_file(os.path.join(d, case["data"]))
-    model = mlp()
-    model.load_state_dict(load_file(f"{d}/init.safetensors"))
+    kind = case.get("model", "mlp")
+    model = mlp() if kind == "mlp" else build(kind, *case["shape"], case["classes"])
+    # accrue's files hold no num_batches_tracked: BatchNorm fills it in.
+    model.load_state_dict(load_file(os.path.join(d, case.get("init", "init.safetensors"))))
     model.to(dev)
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+    opt = torch.optim.SGD(ddp.parameters(), lr=case.get("lr", cfg["lr"]), momentum=cfg["momentum"],
                           weight_decay=cfg["weight_decay"])
     fp16 = case["precision"] == "fp16"
     scaler = torch.amp.GradScaler(dev, init_scale=case.get("init_scale", 65536.0),
@@ -64,7 +70,7 @@ def train(d, cfg, case, world):
     loader = DataLoader(dataset, batch_size=cfg["batch"], sampler=sampler)
     k = case["k"]
     steps = []
-    for epoch in range(cfg["epochs"]):
+    for epoch in range(case.get("epochs", cfg["epochs"])):
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
             x, y = x.to(dev), y.to(dev)
@@ -76,7 +82,7 @@ def train(d, cfg, case, world):
             if sync:
                 scale = scaler.get_scale() if fp16 else 0.0
                 scaler.unscale_(opt)
-                norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=cfg["max_norm"])
+                norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=case.get("max_norm", cfg["max_norm"]))
                 scaler.step(opt)
                 scaler.update()
                 skipped = fp16 and scaler.get_scale() < scale
@@ -99,7 +105,12 @@ def main(d, cfg):
     world = dist.get_world_size()
     for case in cfg["cases"]:
         train(d, cfg, case, world)
-    dist.destroy_process_group()
+    # Every rank past its last collective, then out without tearing the
+    # gloo group down (see ddp_reference.py).
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
