@@ -357,7 +357,7 @@ fn status_err(s: tonic::Status) -> anyhow::Error {
 }
 
 pub fn state_name(s: JobState) -> &'static str {
-    accrue_coordinator::http::state_name(s)
+    accrue_coordinator::domain::state_name(s)
 }
 
 /// A JobService client for the coordinator at `url` (HOST:PORT or a URL),

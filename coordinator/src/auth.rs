@@ -85,10 +85,10 @@ impl Principal {
 }
 
 /// The scheduler's view of who asks (auth off: anyone).
-pub fn caller(p: Option<&Principal>) -> crate::scheduler::Caller {
+pub fn caller(p: Option<&Principal>) -> crate::domain::Caller {
     match p {
-        None => crate::scheduler::Caller::Anyone,
-        Some(p) => crate::scheduler::Caller::Principal {
+        None => crate::domain::Caller::Anyone,
+        Some(p) => crate::domain::Caller::Principal {
             name: p.name.clone(),
             admin: p.has(Scope::Admin),
         },

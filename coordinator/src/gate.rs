@@ -1,14 +1,12 @@
 //! Which coordinator answers: in embedded mode always this one; in etcd
 //! mode only the elected leader, while a follower answers every call with
-//! the leader's address (gRPC UNAVAILABLE with an `x-accrue-leader`
-//! header; HTTP 503 with the address in the body).
+//! the leader's address (gRPC UNAVAILABLE with the
+//! `accrue_proto::layout::LEADER_HEADER` header; HTTP 503 with the address in the body).
 
 use crate::error::CoordError;
 use crate::service::Coordinator;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
-
-pub const LEADER_HEADER: &str = "x-accrue-leader";
 
 #[derive(Default)]
 pub struct Gate {

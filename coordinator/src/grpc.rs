@@ -6,14 +6,47 @@
 //! request's extensions.
 
 use crate::auth::{self, Principal};
-use crate::error::CoordError;
+use crate::error::{CoordError, ErrorCode};
 use crate::gate::Gate;
+use accrue_proto::layout::LEADER_HEADER;
 use accrue_proto::v1::{self, worker_message, CoordinatorMessage, Job, JobEvent, WorkerMessage};
 use std::pin::Pin;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
+
+/// A [`CoordError`]'s gRPC code (the HTTP status is `http`'s).
+impl CoordError {
+    pub fn grpc_code(&self) -> Code {
+        match self.code() {
+            ErrorCode::InvalidArgument => Code::InvalidArgument,
+            ErrorCode::NotFound => Code::NotFound,
+            ErrorCode::FailedPrecondition => Code::FailedPrecondition,
+            ErrorCode::Unavailable => Code::Unavailable,
+            ErrorCode::Internal => Code::Internal,
+            ErrorCode::Unauthenticated => Code::Unauthenticated,
+            ErrorCode::PermissionDenied => Code::PermissionDenied,
+        }
+    }
+}
+
+/// The status a failure answers with; a follower's names the leader in
+/// [`LEADER_HEADER`] metadata.
+impl From<CoordError> for Status {
+    fn from(e: CoordError) -> Self {
+        let mut s = Status::new(e.grpc_code(), e.to_string());
+        if let CoordError::NotLeader {
+            leader: Some(leader),
+        } = &e
+        {
+            if let Ok(v) = leader.parse() {
+                s.metadata_mut().insert(LEADER_HEADER, v);
+            }
+        }
+        s
+    }
+}
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -148,5 +181,86 @@ impl v1::worker_service_server::WorkerService for WorkerApi {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::error::CoordError;
+    use accrue_proto::layout::LEADER_HEADER;
+    use tonic::Code;
+
+    #[test]
+    fn one_failure_one_code_on_both_paths() {
+        let cases = [
+            (
+                CoordError::InvalidArgument("x".into()),
+                Code::InvalidArgument,
+                400,
+            ),
+            (CoordError::JobNotFound("j".into()), Code::NotFound, 404),
+            (
+                CoordError::AlreadyEnded {
+                    job: "j".into(),
+                    state: accrue_proto::v1::JobState::Succeeded,
+                    action: "cancel",
+                },
+                Code::FailedPrecondition,
+                409,
+            ),
+            (
+                CoordError::NotResumable(crate::state::NotResumable {
+                    job: "j".into(),
+                    state: accrue_proto::v1::JobState::Succeeded,
+                }),
+                Code::FailedPrecondition,
+                409,
+            ),
+            (
+                CoordError::CheckpointDir(crate::ownership::DirConflict::Reserved {
+                    folder: crate::ownership::Folder {
+                        dir: "/s/checkpoints/x".into(),
+                        explicit: true,
+                    },
+                    root: "/s/checkpoints".into(),
+                    contains: false,
+                }),
+                Code::FailedPrecondition,
+                409,
+            ),
+            (
+                CoordError::NotLeader { leader: None },
+                Code::Unavailable,
+                503,
+            ),
+            (
+                CoordError::StoreUnavailable("etcd".into()),
+                Code::Unavailable,
+                503,
+            ),
+            (CoordError::Internal("x".into()), Code::Internal, 500),
+            (
+                CoordError::Unauthenticated("x".into()),
+                Code::Unauthenticated,
+                401,
+            ),
+            (
+                CoordError::PermissionDenied("x".into()),
+                Code::PermissionDenied,
+                403,
+            ),
+        ];
+        for (e, code, http) in cases {
+            let s: tonic::Status = e.clone().into();
+            assert_eq!(s.code(), code, "{e}");
+            assert_eq!(s.message(), e.to_string());
+            assert_eq!(e.http_status().as_u16(), http, "{e}");
+        }
+        let s: tonic::Status = CoordError::NotLeader {
+            leader: Some("10.0.0.1:50051".into()),
+        }
+        .into();
+        assert_eq!(s.metadata().get(LEADER_HEADER).unwrap(), "10.0.0.1:50051");
+        assert!(s.message().contains("10.0.0.1:50051"));
     }
 }

@@ -2,6 +2,7 @@
 //! counters (DESIGN sections 6, 7 and 10). No libtorch.
 
 pub mod auth;
+pub mod domain;
 pub mod error;
 pub mod etcd;
 pub mod gate;

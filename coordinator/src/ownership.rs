@@ -141,7 +141,7 @@ fn hint(owner: &str, state: JobState) -> String {
 pub enum DirConflict {
     /// The folder meets the folder of a known job.
     #[error("{folder} {} {}, the checkpoint folder of job {owner} ({}); a checkpoint folder belongs to one job: choose another checkpoint.dir{}",
-        relation.words(), owner_dir.display(), crate::state::state_name(*state), hint(owner, *state))]
+        relation.words(), owner_dir.display(), crate::domain::state_name(*state), hint(owner, *state))]
     Claimed {
         folder: Folder,
         relation: Relation,
@@ -160,7 +160,7 @@ pub enum DirConflict {
     /// The folder holds an ownership record naming a job (`state`: that
     /// job's, when the coordinator knows it).
     #[error("{folder} holds the ownership record {OWNER_FILE} of job {owner}{}; a checkpoint folder belongs to one job: choose another checkpoint.dir{}",
-        state.map(|s| format!(" ({})", crate::state::state_name(s))).unwrap_or_else(|| " (not known to this coordinator)".into()),
+        state.map(|s| format!(" ({})", crate::domain::state_name(s))).unwrap_or_else(|| " (not known to this coordinator)".into()),
         state.map(|s| hint(owner, s)).unwrap_or_default())]
     Recorded {
         folder: Folder,

@@ -123,7 +123,7 @@ impl RingMaster {
     }
 
     /// The derivation the scheduler is given.
-    pub fn keys(&self) -> crate::scheduler::RingKeys {
+    pub fn keys(&self) -> crate::domain::RingKeys {
         let m = self.clone();
         Box::new(move |job, generation| m.derive(job, generation))
     }

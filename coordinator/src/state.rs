@@ -1,21 +1,9 @@
 //! Job state machine and gang scheduling, as pure functions with time passed
 //! in (DESIGN section 6).
 
+pub use crate::domain::state_name;
+pub use crate::error::NotResumable;
 use accrue_proto::v1::{Job, JobState, Transition};
-
-/// A state's name in messages, JSON and the CLI.
-pub fn state_name(s: JobState) -> &'static str {
-    match s {
-        JobState::Unspecified => "unspecified",
-        JobState::Pending => "pending",
-        JobState::Rendezvous => "rendezvous",
-        JobState::Running => "running",
-        JobState::Recovering => "recovering",
-        JobState::Succeeded => "succeeded",
-        JobState::Failed => "failed",
-        JobState::Cancelled => "cancelled",
-    }
-}
 
 /// Whether `from -> to` is a legal transition.
 pub fn allowed(from: JobState, to: JobState) -> bool {
@@ -104,17 +92,6 @@ pub fn drop_unformed(job: &mut Job) {
     if job.recoveries.last().is_some_and(|r| r.generation == 0) {
         job.recoveries.pop();
     }
-}
-
-/// A job that cannot be resumed, and the state it is in.
-#[derive(Clone, Debug, thiserror::Error, PartialEq)]
-#[error("{}", match state {
-    JobState::Succeeded => format!("job {job} succeeded; nothing to resume (its final checkpoint is its result: submit a new job to train further)"),
-    s => format!("job {job} is {}; only a failed or cancelled job can be resumed", state_name(*s)),
-})]
-pub struct NotResumable {
-    pub job: String,
-    pub state: JobState,
 }
 
 /// Resumes a failed or cancelled `job` (pure; issue 27): it goes back to

@@ -10,6 +10,12 @@ use std::path::{Path, PathBuf};
 /// 21 KiB.
 pub const MAX_REQUEST_BYTES: usize = 1 << 20;
 
+/// The gRPC metadata key a follower coordinator sets on its UNAVAILABLE
+/// answer: the leader's address (`host:port`), when one is elected. Clients
+/// may redirect to it; over HTTP the same address travels in the JSON
+/// body's `leader` field.
+pub const LEADER_HEADER: &str = "x-accrue-leader";
+
 /// What every standard gRPC client accepts by default (grpc-core, grpcio,
 /// grpc-java, grpc-go and tonic: 4 MiB).
 pub const STANDARD_CLIENT_LIMIT: usize = 4 << 20;

@@ -30,7 +30,7 @@ fn device_code(device: Device) -> Result<i32> {
     match device {
         Device::Cpu => Ok(0),
         Device::Cuda(_) => Ok(1),
-        other => Err(Error::Model(format!(
+        other => Err(Error::Precision(format!(
             "mixed precision runs on the CPU and CUDA, not on {other:?}"
         ))),
     }
@@ -67,7 +67,7 @@ impl Autocast {
             _ => 15, // BFloat16
         };
         if unsafe { accrue_autocast_enter(code, dtype, i32::from(cache)) } != 0 {
-            return Err(Error::Model(format!(
+            return Err(Error::Precision(format!(
                 "libtorch refused autocast to {kind:?} on {device:?}"
             )));
         }

@@ -5,12 +5,32 @@
 //! communication thread and back without copying; the gradient buckets of
 //! the sync step go through [`Collective::all_reduce_buckets`], which works
 //! in place on the engine's flat gradient buffer (no copy at all on CPU).
+//!
+//! This layer sits below every transport and below the worker's error: it
+//! names neither the ring nor `error::Error` (which converts from
+//! [`CollectiveError`] above it). Stage callbacks keep the caller's own
+//! error type `E`.
 
-use crate::error::Result;
+/// Why a collective did not complete. Either way the rank's committed
+/// state is intact and a new generation can re-form the communicator.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    /// The transport failed (the ring's `CommError`, boxed: this layer is
+    /// below the ring and does not name it).
+    #[error(transparent)]
+    Transport(Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The communicator of this generation is gone (closed between
+    /// generations).
+    #[error("{0}")]
+    Interrupted(String),
+}
+
+pub type Result<T, E = CollectiveError> = std::result::Result<T, E>;
 
 /// Called with a bucket's index and its host memory: before the bucket is
 /// reduced (`stage_in`, e.g. a device-to-host copy) or after (`stage_out`).
-pub type Stage<'a> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<()>;
+/// `E` is the caller's error, which the collective's own converts into.
+pub type Stage<'a, E> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<(), E>;
 
 pub trait Collective: Send {
     fn rank(&self) -> usize;
@@ -30,12 +50,12 @@ pub trait Collective: Send {
     /// runs them in sequence through [`Collective::all_reduce_sum`] (one copy
     /// per bucket; none for W = 1); the TCP ring works on the buckets' own
     /// memory and runs `stage_in(i + 1)` while bucket i is on the wire.
-    fn all_reduce_buckets(
+    fn all_reduce_buckets<E: From<CollectiveError>>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: Stage<'_>,
-        stage_out: Stage<'_>,
-    ) -> Result<()> {
+        stage_in: Stage<'_, E>,
+        stage_out: Stage<'_, E>,
+    ) -> Result<(), E> {
         let single = self.world_size() == 1;
         for (i, b) in buckets.iter_mut().enumerate() {
             stage_in(i, b)?;

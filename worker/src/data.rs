@@ -3,8 +3,10 @@
 //! Each returns the whole split in memory as (x: f32 [N, ...], y: i64 [N]).
 //! Errors name the file and what is wrong with it.
 
+use crate::batch::Batch;
 use crate::error::{io_err, Error, Result, TorchContext};
 use crate::rng::Mt19937;
+use crate::source::DataSource;
 use crate::spec::{DataKind, DataSpec, MAX_CLASSES};
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
@@ -55,7 +57,7 @@ impl Dataset {
     }
 
     /// The samples at `indices` (a micro-batch), on the data's device.
-    pub fn batch(&self, indices: &Tensor) -> Result<(Tensor, Tensor)> {
+    pub fn batch(&self, indices: &Tensor) -> Result<Batch> {
         let x = self
             .x
             .f_index_select(0, indices)
@@ -64,7 +66,8 @@ impl Dataset {
             .y
             .f_index_select(0, indices)
             .ctx("gathering a micro-batch")?;
-        Ok((x, y))
+        let n = y.size().first().copied().unwrap_or(0) as u64;
+        Ok(Batch::per_sample(x, y, n))
     }
 
     /// Largest label + 1.
@@ -84,6 +87,30 @@ impl Dataset {
             .ctx("reading labels")?;
         let label = self.y.f_int64_value(&[at]).ctx("reading labels")?;
         Ok(Some(MaxLabel { label, sample: at }))
+    }
+}
+
+impl DataSource for Dataset {
+    fn len(&self) -> usize {
+        Dataset::len(self)
+    }
+
+    fn batch(&self, indices: &Tensor) -> Result<Batch> {
+        Dataset::batch(self, indices)
+    }
+
+    /// A view of the held tensors (no gather).
+    fn range(&self, start: i64, len: i64, _device: Device) -> Result<Batch> {
+        let x = self.x.f_narrow(0, start, len).ctx("evaluating")?;
+        let y = self.y.f_narrow(0, start, len).ctx("evaluating")?;
+        Ok(Batch::per_sample(x, y, len as u64))
+    }
+
+    fn resident(&self) -> Vec<(&'static str, Tensor)> {
+        vec![
+            ("data.x", self.x.shallow_clone()),
+            ("data.y", self.y.shallow_clone()),
+        ]
     }
 }
 

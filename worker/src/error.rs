@@ -11,8 +11,45 @@ pub enum Error {
     Load(#[from] crate::spec::LoadError),
     #[error("data file {path}: {reason}")]
     Data { path: PathBuf, reason: String },
-    #[error("model: {0}")]
-    Model(String),
+    /// The model cannot take the data's samples (found by its family's
+    /// checks or the probe batch before the first step).
+    #[error("model: {model} {reason}")]
+    ModelInput { model: String, reason: String },
+    /// The model's output breaks the contract its objective reads.
+    #[error(
+        "model: {model} returns shape {got:?} for 2 samples, expected [2, {classes}] (logits per class)"
+    )]
+    ModelOutput {
+        model: crate::spec::ModelKind,
+        got: Vec<i64>,
+        classes: i64,
+    },
+    /// Saved optimizer state of another shape than its parameter.
+    #[error("optimizer state {name} has shape {got:?}, parameter has {want:?}")]
+    OptimizerStateShape {
+        name: String,
+        got: Vec<i64>,
+        want: Vec<i64>,
+    },
+    /// Saved optimizer state naming a tensor the optimizer does not have.
+    #[error("optimizer state names unknown tensor {name}")]
+    OptimizerStateUnknown { name: String },
+    /// Saved optimizer state holding a kind of state for some parameters
+    /// only.
+    #[error("optimizer state has {key} for some parameters but not {param}")]
+    OptimizerStateMissing { key: String, param: String },
+    /// The flat gradient buffer's invariants (crate::grads).
+    #[error("gradient buffer: {0}")]
+    GradBuffer(String),
+    /// Autocast unavailable for the device or the kind.
+    #[error("precision: {0}")]
+    Precision(String),
+    /// A checkpoint part that cannot be encoded.
+    #[error("encoding {what}: {reason}")]
+    Encode { what: String, reason: String },
+    /// State the ranks exchange (engine/state_sync.rs) that does not fit.
+    #[error("synchronised state: {0}")]
+    StateSync(String),
     #[error("initial weights {path}: {reason}")]
     Init { path: PathBuf, reason: String },
     #[error("checkpoint {path}: {reason}")]
@@ -69,6 +106,22 @@ impl Error {
 impl From<crate::comm::CommError> for Error {
     fn from(e: crate::comm::CommError) -> Self {
         Error::Comm(e)
+    }
+}
+
+/// A collective's failure, from below: the ring's error comes back out as
+/// [`Error::Comm`], a closed communicator as [`Error::Interrupted`]; both
+/// keep the rank's committed state ([`Error::is_recoverable`]).
+impl From<crate::collective::CollectiveError> for Error {
+    fn from(e: crate::collective::CollectiveError) -> Self {
+        use crate::collective::CollectiveError;
+        match e {
+            CollectiveError::Interrupted(why) => Error::Interrupted(why),
+            CollectiveError::Transport(t) => match t.downcast::<crate::comm::CommError>() {
+                Ok(c) => Error::Comm(*c),
+                Err(other) => Error::Interrupted(other.to_string()),
+            },
+        }
     }
 }
 

@@ -6,8 +6,9 @@
 //! are one operation each over the whole buffer.
 //!
 //! Layout: the gradients in parameter order, then [`EXTRA`] slots for the
-//! window's counts (samples, micro-batches, loss sum) and the requests the
-//! ranks agree on (stop, checkpoint), which ride in the last bucket. On CUDA the buffer lives on the device and a pinned host
+//! window's counts (loss terms, micro-batches, loss sum) and the requests
+//! the ranks agree on (stop, checkpoint), encoded by crate::tally, which
+//! ride in the last bucket. On CUDA the buffer lives on the device and a pinned host
 //! mirror (allocated once) stages each bucket: the device-to-host copy of
 //! bucket i + 1 runs while bucket i is on the wire.
 
@@ -17,10 +18,10 @@ use crate::fused::GradPrep;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 
-/// Slots after the gradients for the window's counts (samples,
+/// Slots after the gradients for the window's counts (loss terms,
 /// micro-batches, loss sum) and the requests every rank must honour at the
-/// same step (stop, checkpoint; engine/window.rs).
-pub const EXTRA: usize = 5;
+/// same step (stop, checkpoint): [`crate::tally::WindowTally`]'s encoding.
+pub const EXTRA: usize = crate::tally::SLOTS;
 
 /// Gradients per chunk of [`FlatGrads::norm`]'s first reduction. libtorch's
 /// CPU norm accumulates a float32 tensor in float32 along its length, so
@@ -69,7 +70,7 @@ impl FlatGrads {
             .iter()
             .find(|(_, p)| p.kind() != Kind::Float || p.device() != device)
         {
-            return Err(Error::Model(format!(
+            return Err(Error::GradBuffer(format!(
                 "parameter {name} is {:?} on {:?}; the gradient buffer holds float32 on one device ({device:?})",
                 p.kind(),
                 p.device()
@@ -188,7 +189,7 @@ impl FlatGrads {
         let h = self
             .host
             .as_ref()
-            .ok_or_else(|| Error::Model("the gradient buffer has no host mirror".into()))?;
+            .ok_or_else(|| Error::GradBuffer("the gradient buffer has no host mirror".into()))?;
         h.f_narrow(0, r.start as i64, r.len() as i64)
             .ctx("viewing the host mirror")
     }
@@ -212,7 +213,7 @@ impl FlatGrads {
     /// All gradients as one 1-D view (no EXTRA slots).
     pub fn view(&self) -> Result<Tensor> {
         if self.released {
-            return Err(Error::Model(
+            return Err(Error::GradBuffer(
                 "the gradient buffer is released (ZeRO stage 2) and was not restored".into(),
             ));
         }
@@ -325,7 +326,7 @@ impl FlatGrads {
     ) -> Result<()> {
         assert!(extra.len() <= EXTRA, "at most {EXTRA} extra values");
         if self.released {
-            return Err(Error::Model(
+            return Err(Error::GradBuffer(
                 "the gradient buffer is released (ZeRO stage 2) and was not restored".into(),
             ));
         }
@@ -414,7 +415,7 @@ fn point(flat: &Tensor, params: &[(String, Tensor)], keep: bool) -> Result<()> {
         // The view must be what backward accumulates into from now on.
         let want = flat.data_ptr() as usize + off * 4;
         if p.grad().data_ptr() as usize != want {
-            return Err(Error::Model(format!(
+            return Err(Error::GradBuffer(format!(
                 "the gradient of {name} did not move into the flat buffer"
             )));
         }
@@ -448,7 +449,7 @@ fn define_grads(params: &[(String, Tensor)]) -> Result<()> {
     });
     _grad?;
     if let Some((name, _)) = params.iter().find(|(_, p)| !p.grad().defined()) {
-        return Err(Error::Model(format!(
+        return Err(Error::GradBuffer(format!(
             "parameter {name} has no gradient (does it require grad?)"
         )));
     }

@@ -32,6 +32,20 @@ pub enum Mode {
     Capture { warmup: u32 },
 }
 
+/// The text of a step report's eager reason, as the proto and the logs
+/// carry it ("" for none).
+pub fn reason_text(reason: Option<&EagerReason>) -> String {
+    reason.map(ToString::to_string).unwrap_or_default()
+}
+
+/// A step report's eager reason in JSON: its text ("" for none).
+pub fn serialize_reason<S: serde::Serializer>(
+    reason: &Option<EagerReason>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&reason_text(reason.as_ref()))
+}
+
 /// Why a micro-step ran eagerly (the step report's `eager_reason`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EagerReason {

@@ -4,7 +4,9 @@
 //! contract and docs/ARCHITECTURE.md for where this crate sits.
 
 pub mod amp;
+pub mod batch;
 pub mod checkpoint;
+pub mod chunks;
 pub mod collective;
 pub mod comm;
 #[cfg(accrue_cuda)]
@@ -13,15 +15,20 @@ pub mod daemon;
 pub mod data;
 pub mod engine;
 pub mod error;
+pub mod family;
 pub mod fused;
 pub mod grads;
 pub mod graphs;
 pub mod model;
+pub mod objective;
 pub mod optim;
+mod ring_buckets;
 pub mod rng;
 pub mod sampler;
 pub mod schedule;
 pub mod shard;
+pub mod source;
+pub mod tally;
 pub use accrue_common::spec;
 
 pub use collective::{Collective, SingleRank};

@@ -4,11 +4,12 @@
 //! (a module saved with torch.jit.save, trained through libtorch).
 
 use crate::error::{torch_text, Error, Result, TorchContext};
+use crate::family::Built;
 use crate::spec::{ModelKind, ModelSpec};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Mutex;
-use tch::nn::{self, Module, ModuleT};
+use tch::nn::{self, ModuleT};
 use tch::{CModule, Device, Kind, Tensor};
 
 /// Model construction draws from libtorch's process-global generator; this
@@ -109,61 +110,10 @@ impl std::fmt::Debug for Model {
     }
 }
 
-#[derive(Debug)]
-struct Mlp {
-    layers: Vec<nn::Linear>,
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        let mut h = xs.flatten(1, -1);
-        let last = self.layers.len().saturating_sub(1);
-        for (i, l) in self.layers.iter().enumerate() {
-            h = h.apply(l);
-            if i < last {
-                h = h.relu();
-            }
-        }
-        h
-    }
-}
-
-/// LeNet-5 with ReLU and max-pooling; conv1 pads by 2 so 28x28 inputs work
-/// like the original 32x32. The PyTorch twin is in docs/SEMANTICS.md.
-#[derive(Debug)]
-struct LeNet5 {
-    conv1: nn::Conv2D,
-    conv2: nn::Conv2D,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-    fc3: nn::Linear,
-}
-
-impl Module for LeNet5 {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        xs.apply(&self.conv1)
-            .relu()
-            .max_pool2d_default(2)
-            .apply(&self.conv2)
-            .relu()
-            .max_pool2d_default(2)
-            .flatten(1, -1)
-            .apply(&self.fc1)
-            .relu()
-            .apply(&self.fc2)
-            .relu()
-            .apply(&self.fc3)
-    }
-}
-
-fn lenet_features(h: i64, w: i64) -> i64 {
-    let side = |s: i64| ((s / 2) - 4) / 2;
-    16 * side(h).max(0) * side(w).max(0)
-}
-
 impl Model {
     /// Builds the model for inputs of `sample_shape` and `classes` outputs on
-    /// `device`, seeded by `seed`, and checks one forward pass.
+    /// `device` through its family (crate::family), seeded by `seed`, and
+    /// checks one forward pass.
     pub fn build(
         spec: &ModelSpec,
         sample_shape: &[i64],
@@ -171,150 +121,50 @@ impl Model {
         device: Device,
         seed: u64,
     ) -> Result<Self> {
-        let model = if spec.kind == ModelKind::Torchscript {
-            let path = spec.path.clone().unwrap_or_default();
-            let model = Self::load_script(&path, device)?;
-            model.probe_gradients(&path, sample_shape, device)?;
-            model
-        } else {
+        let family = crate::family::family(spec.kind);
+        let vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let to = crate::family::BuildTo {
+            spec,
+            root: &root,
+            shape: sample_shape,
+            classes,
+        };
+        let built = if family.draws_weights() {
             let _guard = INIT_LOCK
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             tch::manual_seed(seed as i64);
-            Self::build_builtin(spec, sample_shape, classes, device)?
+            family.build(&to)?
+        } else {
+            family.build(&to)?
+        };
+        let model = match built {
+            Built::Layers(net) => {
+                let (params, buffers) = named_state(&vs);
+                Self {
+                    _vs: Some(vs),
+                    net: Net::Builtin(net),
+                    params,
+                    buffers,
+                    kind: spec.kind,
+                }
+            }
+            Built::Script(module, params) => {
+                let model = Self {
+                    _vs: None,
+                    net: Net::Script(module),
+                    params,
+                    buffers: Vec::new(),
+                    kind: spec.kind,
+                };
+                let path = spec.path.clone().unwrap_or_default();
+                model.probe_gradients(&path, sample_shape, device)?;
+                model
+            }
         };
         model.probe(sample_shape, classes, device)?;
         Ok(model)
-    }
-
-    fn build_builtin(
-        spec: &ModelSpec,
-        shape: &[i64],
-        classes: i64,
-        device: Device,
-    ) -> Result<Self> {
-        let vs = nn::VarStore::new(device);
-        let root = vs.root();
-        let net: Box<dyn ModuleT> = match spec.kind {
-            ModelKind::Mlp => {
-                let mut widths = vec![shape.iter().product::<i64>()];
-                widths.extend_from_slice(&spec.hidden);
-                widths.push(classes);
-                let layers = widths
-                    .windows(2)
-                    .enumerate()
-                    .map(|(i, w)| {
-                        nn::linear(&root / (2 * i).to_string(), w[0], w[1], Default::default())
-                    })
-                    .collect();
-                Box::new(Mlp { layers })
-            }
-            ModelKind::Lenet5 => {
-                let (c, h, w) = match shape {
-                    [c, h, w] => (*c, *h, *w),
-                    _ => {
-                        return Err(Error::Model(format!(
-                            "lenet5 needs image samples [C, H, W], the data has shape {shape:?}"
-                        )))
-                    }
-                };
-                let feat = lenet_features(h, w);
-                if feat == 0 {
-                    return Err(Error::Model(format!(
-                        "lenet5 needs images of at least 12x12, the data has {h}x{w} \
-                         (use model.kind = \"mlp\" for small inputs)"
-                    )));
-                }
-                let conv = |p, i, o, pad| {
-                    nn::conv2d(
-                        p,
-                        i,
-                        o,
-                        5,
-                        nn::ConvConfig {
-                            padding: pad,
-                            ..Default::default()
-                        },
-                    )
-                };
-                Box::new(LeNet5 {
-                    conv1: conv(&root / "conv1", c, 6, 2),
-                    conv2: conv(&root / "conv2", 6, 16, 0),
-                    fc1: nn::linear(&root / "fc1", feat, 120, Default::default()),
-                    fc2: nn::linear(&root / "fc2", 120, 84, Default::default()),
-                    fc3: nn::linear(&root / "fc3", 84, classes, Default::default()),
-                })
-            }
-            ModelKind::Resnet18 | ModelKind::Resnet34 => {
-                if shape.len() != 3 || shape[0] != 3 {
-                    return Err(Error::Model(format!(
-                        "{} needs 3-channel images [3, H, W], the data has shape {shape:?}",
-                        spec.kind
-                    )));
-                }
-                if spec.kind == ModelKind::Resnet18 {
-                    Box::new(tch::vision::resnet::resnet18(&root, classes))
-                } else {
-                    Box::new(tch::vision::resnet::resnet34(&root, classes))
-                }
-            }
-            ModelKind::Torchscript => {
-                return Err(Error::Model(
-                    "a torchscript model is loaded from model.path, not built".into(),
-                ))
-            }
-        };
-        let (params, buffers) = named_state(&vs);
-        Ok(Self {
-            _vs: Some(vs),
-            net: Net::Builtin(net),
-            params,
-            buffers,
-            kind: spec.kind,
-        })
-    }
-
-    fn load_script(path: &Path, device: Device) -> Result<Self> {
-        let field = |reason: String| Error::Field {
-            field: "model.path",
-            value: quoted(path),
-            reason,
-        };
-        let module = CModule::load_on_device(path, device).map_err(|e| {
-            field(format!(
-                "not a TorchScript module libtorch can load (save one with torch.jit.save): {}",
-                torch_text("loading the TorchScript module", &e)
-            ))
-        })?;
-        let params = module
-            .named_parameters()
-            .ctx("listing TorchScript parameters")?;
-        if params.is_empty() {
-            return Err(field(
-                "the TorchScript module has no parameters to train (named_parameters() is empty)"
-                    .into(),
-            ));
-        }
-        let params = params
-            .into_iter()
-            .map(|(n, t)| {
-                Ok((
-                    n,
-                    if t.requires_grad() {
-                        t
-                    } else {
-                        t.f_set_requires_grad(true).ctx("enabling gradients")?
-                    },
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            _vs: None,
-            net: Net::Script(module),
-            params,
-            buffers: Vec::new(),
-            kind: ModelKind::Torchscript,
-        })
     }
 
     /// A TorchScript module's output must depend on a parameter, or the
@@ -327,11 +177,12 @@ impl Model {
         let mut dims = vec![2];
         dims.extend_from_slice(shape);
         let x = Tensor::f_zeros(dims.as_slice(), (Kind::Float, device)).ctx("probing the model")?;
-        let out = tch::with_grad(|| m.forward_ts(&[&x])).map_err(|e| {
-            Error::Model(format!(
-                "torchscript module cannot take samples of shape {shape:?}: {}",
+        let out = tch::with_grad(|| m.forward_ts(&[&x])).map_err(|e| Error::ModelInput {
+            model: "torchscript module".into(),
+            reason: format!(
+                "cannot take samples of shape {shape:?}: {}",
                 torch_text("probing the TorchScript module", &e)
-            ))
+            ),
         })?;
         if !out.requires_grad() {
             return Err(Error::Field {
@@ -356,29 +207,23 @@ impl Model {
             Net::Builtin(m) => {
                 let m = &**m;
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.forward_t(&x, false)))
-                    .map_err(|p| {
-                        Error::Model(format!(
-                            "{} cannot take samples of shape {shape:?}: {}",
-                            self.kind,
+                    .map_err(|p| Error::ModelInput {
+                        model: self.kind.to_string(),
+                        reason: format!(
+                            "cannot take samples of shape {shape:?}: {}",
                             panic_text(&*p)
-                        ))
+                        ),
                     })?
             }
-            Net::Script(m) => m.forward_ts(&[&x]).map_err(|e| {
-                Error::Model(format!(
-                    "torchscript module cannot take samples of shape {shape:?}: {}",
+            Net::Script(m) => m.forward_ts(&[&x]).map_err(|e| Error::ModelInput {
+                model: "torchscript module".into(),
+                reason: format!(
+                    "cannot take samples of shape {shape:?}: {}",
                     torch_text("probing the TorchScript module", &e)
-                ))
+                ),
             })?,
         };
-        let got = out.size();
-        if got.len() != 2 || got[1] != classes {
-            return Err(Error::Model(format!(
-                "{} returns shape {got:?} for 2 samples, expected [2, {classes}] (logits per class)",
-                self.kind
-            )));
-        }
-        Ok(())
+        crate::family::family(self.kind).check_output(self.kind, &out.size(), classes)
     }
 
     pub fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor> {

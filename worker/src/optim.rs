@@ -400,20 +400,20 @@ impl Optimizer {
             for k in KEYS {
                 if let Some(t) = saved.remove(&format!("{name}.{k}")) {
                     if t.size() != p.size() {
-                        return Err(Error::Model(format!(
-                            "optimizer state {name}.{k} has shape {:?}, parameter has {:?}",
-                            t.size(),
-                            p.size()
-                        )));
+                        return Err(Error::OptimizerStateShape {
+                            name: format!("{name}.{k}"),
+                            got: t.size(),
+                            want: p.size(),
+                        });
                     }
                     state.insert(k, t.f_to_device(p.device()).ctx("loading optimizer state")?);
                 }
             }
         }
         if let Some(extra) = saved.keys().next() {
-            return Err(Error::Model(format!(
-                "optimizer state names unknown tensor {extra}"
-            )));
+            return Err(Error::OptimizerStateUnknown {
+                name: extra.clone(),
+            });
         }
         self.steps = steps;
         Ok(())

@@ -120,8 +120,8 @@ fn two_processes_equal_one_large_batch() {
         "rank 1 must log the refusals:\n{log1}"
     );
 
-    // Bytes: one bucket of P parameters + the EXTRA slots (3 counts, the
-    // stop and checkpoint requests) per sync step.
+    // Bytes: one bucket of P parameters + the EXTRA slots (the window's
+    // counts and loss sum, the stop and checkpoint requests) per sync step.
     let params: usize = reference.iter().map(|(_, t)| t.numel()).sum();
     for (rank, reports) in steps.iter().enumerate() {
         assert_eq!(reports.len(), 10);

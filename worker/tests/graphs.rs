@@ -25,7 +25,7 @@
 mod common;
 
 use accrue_worker::engine::{Engine, Event, RunOptions};
-use accrue_worker::graphs::{self, Action, EagerReason, Mode, Phase, WARMUP};
+use accrue_worker::graphs::{self, reason_text, Action, EagerReason, Mode, Phase, WARMUP};
 use common::*;
 use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
@@ -97,9 +97,9 @@ fn run(text: &str, world: usize, graphs: Graphs) -> Vec<End> {
                     grad_norm: r.grad_norm,
                     graphs: GraphReport {
                         replays: r.graph_replays,
-                        eager: r.eager_reason.clone(),
+                        eager: reason_text(r.eager_reason.as_ref()),
                         sync_replayed: r.sync_graph_replayed,
-                        sync_eager: r.sync_eager_reason.clone(),
+                        sync_eager: reason_text(r.sync_eager_reason.as_ref()),
                     },
                 });
             }

@@ -295,7 +295,7 @@ fn failing_stage_is_reported_after_posted_buckets_return() {
                 &mut parts,
                 &mut |i, _: &mut [f32]| {
                     if i == 1 {
-                        Err(accrue_worker::Error::Model("stage 1 failed".into()))
+                        Err(accrue_worker::Error::StateSync("stage 1 failed".into()))
                     } else {
                         Ok(())
                     }

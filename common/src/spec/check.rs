@@ -1,6 +1,7 @@
 //! Validation: every field checked, every refused value reported at once
 //! with its field path, the value and the allowed range.
 
+use super::family::family;
 use super::*;
 
 /// Collects field errors during validation.
@@ -217,8 +218,10 @@ impl JobSpec {
         c.finish()
     }
 
+    /// The model fields; those whose rule depends on the kind, its family's.
     fn validate_model(&self, c: &mut Checker) {
         let m = &self.model;
+        let family = family(m.kind);
         if let Some(bad) = m.hidden.iter().find(|&&h| !(1..=1 << 20).contains(&h)) {
             c.fail(
                 "model.hidden",
@@ -233,36 +236,11 @@ impl JobSpec {
                 "at most 64 hidden layers",
             );
         }
-        if !m.hidden.is_empty() && m.kind != ModelKind::Mlp {
-            c.fail(
-                "model.hidden",
-                &m.hidden,
-                "only allowed with model.kind = mlp",
-            );
-        }
+        family.check_hidden(&m.hidden, c);
         if let Some(n) = m.num_classes {
             c.int_in("model.num_classes", n, 1, MAX_CLASSES.into());
         }
-        match (m.kind, &m.path) {
-            (ModelKind::Torchscript, None) => c.fail(
-                "model.path",
-                "(missing)",
-                "required for model.kind = torchscript",
-            ),
-            (ModelKind::Torchscript, Some(p)) => c.file_exists("model.path", p),
-            (
-                ModelKind::Mlp | ModelKind::Lenet5 | ModelKind::Resnet18 | ModelKind::Resnet34,
-                Some(p),
-            ) => c.fail(
-                "model.path",
-                p.display().to_string(),
-                "only allowed with model.kind = torchscript",
-            ),
-            (
-                ModelKind::Mlp | ModelKind::Lenet5 | ModelKind::Resnet18 | ModelKind::Resnet34,
-                None,
-            ) => {}
-        }
+        family.check_path(m.path.as_deref(), c);
         if let Some(p) = &m.init {
             c.file_exists("model.init", p);
         }

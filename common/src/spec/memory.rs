@@ -9,7 +9,8 @@
 //! allocator slack or files whose size the spec does not say (`tensors`
 //! data, TorchScript models): those are checked by their loaders.
 
-use super::{DataKind, FieldError, JobSpec, ModelKind, OptimizerKind, SpecErrors};
+use super::family::{family, numel, ModelSize};
+use super::{DataKind, FieldError, JobSpec, OptimizerKind, SpecErrors};
 
 /// Bytes per GiB.
 pub const GIB: u64 = 1 << 30;
@@ -32,11 +33,6 @@ impl MemoryEstimate {
             .saturating_add(self.batch)
     }
 }
-
-/// Parameters of ResNet-18/34 without the final fully connected layer
-/// (torchvision's counts, 11,689,512 and 21,797,672, less 512 * 1000 + 1000).
-const RESNET18_BODY: u64 = 11_176_512;
-const RESNET34_BODY: u64 = 21_284_672;
 
 fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / GIB as f64)
@@ -72,7 +68,7 @@ impl JobSpec {
         let Some((shape, data_classes, samples)) = self.sample_dims() else {
             return MemoryEstimate::default();
         };
-        let numel = shape.iter().fold(1u64, |a, &x| a.saturating_mul(x));
+        let numel = numel(&shape);
         let classes = self
             .model
             .num_classes
@@ -88,35 +84,10 @@ impl JobSpec {
         let data = samples
             .saturating_mul(f32s(numel).saturating_add(8))
             .saturating_mul(copies);
-        let layer = |i: u64, o: u64| i.saturating_mul(o).saturating_add(o);
-        let mut activations = 0u64;
-        let params = match self.model.kind {
-            ModelKind::Mlp => {
-                let mut widths = vec![numel];
-                widths.extend(self.model.hidden.iter().map(|&h| h.max(0) as u64));
-                widths.push(classes);
-                activations = widths[1..].iter().fold(0u64, |a, &w| a.saturating_add(w));
-                widths
-                    .windows(2)
-                    .fold(0u64, |a, w| a.saturating_add(layer(w[0], w[1])))
-            }
-            ModelKind::Lenet5 => {
-                let (c, h, w) = match shape.as_slice() {
-                    [c, h, w] => (*c, *h, *w),
-                    _ => (1, 28, 28),
-                };
-                let side = |s: u64| ((s / 2).saturating_sub(4)) / 2;
-                let feat = 16u64.saturating_mul(side(h)).saturating_mul(side(w));
-                layer(c.saturating_mul(25), 6)
-                    .saturating_add(layer(150, 16))
-                    .saturating_add(layer(feat, 120))
-                    .saturating_add(layer(120, 84))
-                    .saturating_add(layer(84, classes))
-            }
-            ModelKind::Resnet18 => RESNET18_BODY.saturating_add(layer(512, classes)),
-            ModelKind::Resnet34 => RESNET34_BODY.saturating_add(layer(512, classes)),
-            ModelKind::Torchscript => 0,
-        };
+        let ModelSize {
+            parameters: params,
+            activations,
+        } = family(self.model.kind).size(&self.model, &shape, classes);
         let o = &self.optimizer;
         let states = match o.kind {
             OptimizerKind::Sgd => u64::from(o.momentum > 0.0),
@@ -177,6 +148,7 @@ pub fn host_memory_bytes() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::ModelKind;
 
     fn spec(extra: &str) -> JobSpec {
         JobSpec::fields_from_toml_str(

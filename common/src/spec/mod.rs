@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 mod check;
+mod family;
 mod kinds;
 mod memory;
 mod paths;

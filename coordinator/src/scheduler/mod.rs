@@ -13,9 +13,10 @@
 //! Every job write carries a version bumped here, under the shell's lock,
 //! so the store can refuse to replace a newer version with an older one.
 
+use crate::domain::state_name;
+pub use crate::domain::{Caller, RingKeys};
 use crate::error::CoordError;
 use crate::paging::seq_of;
-use crate::state::state_name;
 use crate::state::{self, Waiting};
 use accrue_proto::v1::{
     self, coordinator_message, worker_message, CoordinatorMessage, Counters, Job, JobEvent,
@@ -24,6 +25,9 @@ use accrue_proto::v1::{
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+pub use access::{may_cancel, may_resume};
+
+mod access;
 mod membership;
 mod recovery;
 mod reports;
@@ -269,64 +273,6 @@ impl JobEntry {
         }
     }
 }
-
-/// Who asks for a change to a job.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Caller {
-    /// Authentication is off (no tokens file): anyone may change any job.
-    Anyone,
-    /// An authenticated principal; `admin` when its token holds that scope.
-    Principal { name: String, admin: bool },
-}
-
-impl Caller {
-    /// Who asks, for a transition's reason.
-    pub fn who(&self) -> String {
-        match self {
-            Caller::Anyone => "a client (authentication off)".into(),
-            Caller::Principal { name, admin: true } => format!("{name} (admin)"),
-            Caller::Principal { name, .. } => name.clone(),
-        }
-    }
-}
-
-/// Whether `by` may cancel `job`, owned by `owner` (empty: submitted with
-/// authentication off). **Decision:** a principal cancels the jobs it owns;
-/// `admin` cancels any; an ownerless job only `admin` (or anyone, with
-/// authentication off).
-pub fn may_cancel(job: &str, owner: &str, by: &Caller) -> Result<(), CoordError> {
-    may_change(job, owner, by, "cancel", "cancels")
-}
-
-/// Whether `by` may resume `job`: the same rule as [`may_cancel`] (the
-/// owner, or `admin`).
-pub fn may_resume(job: &str, owner: &str, by: &Caller) -> Result<(), CoordError> {
-    may_change(job, owner, by, "resume", "resumes")
-}
-
-fn may_change(
-    job: &str,
-    owner: &str,
-    by: &Caller,
-    verb: &str,
-    verbs: &str,
-) -> Result<(), CoordError> {
-    match by {
-        Caller::Anyone => Ok(()),
-        Caller::Principal { admin: true, .. } => Ok(()),
-        Caller::Principal { name, .. } if !owner.is_empty() && name == owner => Ok(()),
-        Caller::Principal { name, .. } => Err(CoordError::PermissionDenied(format!(
-            "{name} may not {verb} job {job}: it is owned by {}; a principal {verbs} only its own jobs, the admin scope any",
-            if owner.is_empty() { "no one (submitted without authentication)" } else { owner }
-        ))),
-    }
-}
-
-/// The ring key of a job's generation: HKDF from the coordinator's master
-/// secret in the service (`crate::ringkey::RingMaster::keys`), any pure
-/// function in tests. The scheduler only calls it when it forms a
-/// generation and puts the key in that generation's Assignments.
-pub type RingKeys = Box<dyn Fn(&str, u64) -> Vec<u8> + Send>;
 
 /// The coordinator's whole state.
 pub struct Cluster {
@@ -694,7 +640,7 @@ impl Cluster {
         if state::is_final(from) {
             fx.push(Effect::Reply(Err(CoordError::AlreadyEnded {
                 job: id.into(),
-                state: state_name(from),
+                state: from,
                 action: "cancel",
             })));
             return;

@@ -1,5 +1,9 @@
-//! The worker-to-worker data plane (DESIGN section 8).
-pub mod chunks;
+//! The worker-to-worker data plane (DESIGN section 8): the TCP ring and its
+//! wire format. It builds on the pure arithmetic below it ([`crate::chunks`],
+//! [`crate::shard`]) and implements [`crate::collective::Collective`]; its
+//! errors are its own ([`CommError`]), which the worker's `error::Error`
+//! wraps from above.
+pub use crate::chunks;
 pub mod ring;
 pub mod wire;
 

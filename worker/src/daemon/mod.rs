@@ -2,36 +2,39 @@
 //! engine and the ring on a thread of their own (libtorch never runs inside
 //! an async task), reports every optimizer step, obeys stop, abort and
 //! checkpoint-now, and returns to idle for the next job.
+//!
+//! - `session`: connect, attach, detach, and the one backoff between tries;
+//! - `dispatch`: what a coordinator message does (pure);
+//! - `job`: the job's own thread (ring, engine, JobDone);
+//! - `outbox`: reports a dead stream could not take, kept for the next;
+//! - this module: the config and the loop that ties them together.
 
-use crate::collective::Collective;
-use crate::comm::{RingConfig, TcpRing};
-use crate::engine::{Control, Event, RunOptions, StepReport};
-use crate::Engine;
-use accrue_proto::v1::{
-    self, coordinator_message, worker_message, worker_service_client::WorkerServiceClient,
-    WorkerMessage,
-};
-use std::collections::VecDeque;
+use accrue_proto::v1::{worker_message, WorkerMessage};
+use std::future::Future;
 use std::net::TcpListener;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
 mod assign;
+mod dispatch;
 mod etcd;
 pub mod health;
+mod job;
+mod outbox;
+mod session;
 
-use assign::{assigned_checkpoint_dir, assigned_spec};
+use dispatch::{on_message, Action, JobSlot};
 use health::{HealthState, Link};
+use job::{Current, Running};
+use outbox::Outbox;
+use session::Backoff;
 
-/// How long one connection attempt to the coordinator (TCP, TLS, HTTP/2)
-/// may take before it counts as failed and is retried.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the coordinator may take to answer an Attach before the
-/// attempt is retried.
-pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+pub use job::RingSlot;
+pub use session::{ATTACH_TIMEOUT, CONNECT_TIMEOUT};
 
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
@@ -134,443 +137,6 @@ fn wrap(msg: worker_message::Msg) -> WorkerMessage {
     }
 }
 
-fn step_msg(job: &str, generation: u64, rank: u32, r: &StepReport) -> WorkerMessage {
-    wrap(worker_message::Msg::Step(v1::StepReport {
-        job_id: job.to_string(),
-        generation,
-        rank,
-        step: r.step,
-        total_steps: r.total_steps,
-        epoch: r.epoch,
-        micro_step: r.micro_step,
-        loss: r.loss,
-        samples: r.samples,
-        samples_seen: r.samples_seen,
-        grad_norm: r.grad_norm,
-        clip_coef: r.clip_coef,
-        skipped: r.skipped,
-        lr: r.lr,
-        samples_per_sec: r.samples_per_sec,
-        timing: Some(v1::StepTiming {
-            compute_s: r.timing.compute_s,
-            comm_s: r.timing.comm_s,
-            clip_s: r.timing.clip_s,
-            optimizer_s: r.timing.optimizer_s,
-        }),
-        bytes_sent: r.bytes_sent,
-        bytes_received: r.bytes_received,
-        loss_scale: r.loss_scale,
-        graph_replays: r.graph_replays,
-        eager_reason: r.eager_reason.clone(),
-        sync_graph_replayed: r.sync_graph_replayed,
-        sync_eager_reason: r.sync_eager_reason.clone(),
-        resumed_from: r.resumed_from.clone(),
-    }))
-}
-
-fn eval_proto(e: &crate::engine::EvalReport) -> v1::EvalResult {
-    v1::EvalResult {
-        epoch: e.epoch,
-        step: e.step,
-        loss: e.loss,
-        accuracy: e.accuracy,
-        samples: e.samples,
-    }
-}
-
-struct Running {
-    job: String,
-    control: Arc<Control>,
-    thread: std::thread::JoinHandle<()>,
-    /// Later generations of the same job go to its thread.
-    next: std::sync::mpsc::Sender<v1::Assignment>,
-}
-
-/// The job, generation and rank this daemon is in (for the hello after a
-/// re-attach).
-type Current = Arc<Mutex<Option<(String, u64, u32)>>>;
-
-/// The ring of the current generation; empty between generations (so the
-/// old ring's listener thread is gone before the next ring forms).
-pub struct RingSlot {
-    ring: Option<TcpRing>,
-    rank: usize,
-    world: usize,
-}
-
-impl RingSlot {
-    fn closed(&self) -> Self {
-        Self {
-            ring: None,
-            rank: self.rank,
-            world: self.world,
-        }
-    }
-    fn ring(&mut self) -> crate::error::Result<&mut TcpRing> {
-        self.ring.as_mut().ok_or_else(|| {
-            crate::error::Error::Interrupted("the ring of this generation is closed".into())
-        })
-    }
-}
-
-impl Collective for RingSlot {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world_size(&self) -> usize {
-        self.world
-    }
-    fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> crate::error::Result<()> {
-        Collective::all_reduce_sum(self.ring()?, buf)
-    }
-    fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> crate::error::Result<()> {
-        Collective::broadcast(self.ring()?, buf, root)
-    }
-    fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> crate::error::Result<()> {
-        Collective::broadcast_bytes(self.ring()?, buf, root)
-    }
-    fn barrier(&mut self) -> crate::error::Result<()> {
-        Collective::barrier(self.ring()?)
-    }
-    fn all_reduce_buckets(
-        &mut self,
-        buckets: &mut [&mut [f32]],
-        stage_in: crate::collective::Stage<'_>,
-        stage_out: crate::collective::Stage<'_>,
-    ) -> crate::error::Result<()> {
-        Collective::all_reduce_buckets(self.ring()?, buckets, stage_in, stage_out)
-    }
-    fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> crate::error::Result<()> {
-        Collective::reduce_scatter_sum(self.ring()?, buf)
-    }
-    fn all_gather(&mut self, buf: &mut [f32]) -> crate::error::Result<()> {
-        Collective::all_gather(self.ring()?, buf)
-    }
-    fn bytes(&self) -> (u64, u64) {
-        self.ring.as_ref().map_or((0, 0), Collective::bytes)
-    }
-}
-
-/// What one generation of a job ended with.
-enum Outcome {
-    Finished(Box<crate::engine::Summary>),
-    /// The window was lost; the committed state is kept for the next
-    /// generation.
-    Interrupted(String),
-    Failed(String),
-}
-
-struct JobThread<'a> {
-    cfg: &'a DaemonConfig,
-    listener: Option<TcpListener>,
-    control: Arc<Control>,
-    out: &'a mpsc::UnboundedSender<WorkerMessage>,
-    engine: Option<Engine<RingSlot>>,
-}
-
-impl JobThread<'_> {
-    /// Forms this generation's ring, builds the engine (or moves the one
-    /// that survived onto the new ring) and trains.
-    fn generation(&mut self, a: &v1::Assignment) -> Outcome {
-        let (job, generation, rank) = (a.job_id.clone(), a.generation, a.rank);
-        let (spec, checkpoint_dir) = match assigned_spec(a, self.cfg)
-            .and_then(|s| Ok((s, assigned_checkpoint_dir(a, self.cfg)?)))
-        {
-            Ok(s) => s,
-            Err(e) => return Outcome::Failed(e),
-        };
-        let mut ring_cfg = RingConfig::new(
-            job.clone(),
-            rank as usize,
-            a.world_size as usize,
-            a.peers.clone(),
-            a.secret.clone(),
-        );
-        ring_cfg.generation = generation;
-        ring_cfg.timeout = Duration::from_secs_f64(spec.comm.timeout_s);
-        ring_cfg.connect_timeout = Duration::from_secs_f64(spec.comm.connect_timeout_s);
-        let listener = self.listener.as_ref().and_then(|l| l.try_clone().ok());
-        let ring = match TcpRing::start(listener, ring_cfg) {
-            Ok(r) => r,
-            Err(e) => return Outcome::Interrupted(e.to_string()),
-        };
-        let slot = RingSlot {
-            ring: Some(ring),
-            rank: rank as usize,
-            world: a.world_size as usize,
-        };
-        let ready = match self.engine.as_mut() {
-            Some(engine) => engine.reconfigure(slot, spec.accumulation.steps),
-            None => {
-                let opts = RunOptions {
-                    checkpoint_dir,
-                    job_id: Some(job.clone()),
-                    cluster: self.cfg.cluster.clone(),
-                    resume_if_present: a.resume_step > 0 || a.generation > 1,
-                    sample_log: self.cfg.sample_log.clone(),
-                    micro_step_delay: self.cfg.micro_step_delay,
-                    control: Some(self.control.clone()),
-                    ..Default::default()
-                };
-                Engine::new(spec, slot, opts).map(|e| {
-                    self.engine = Some(e);
-                })
-            }
-        };
-        if let Err(e) = ready {
-            return if e.is_recoverable() {
-                Outcome::Interrupted(e.to_string())
-            } else {
-                Outcome::Failed(e.to_string())
-            };
-        }
-        let Some(engine) = self.engine.as_mut() else {
-            return Outcome::Failed("no engine".into());
-        };
-        let out = self.out;
-        let result = engine.run(|ev| {
-            let m = match ev {
-                Event::Step(r) => step_msg(&job, generation, rank, r),
-                Event::Eval(_) if rank != 0 => return,
-                Event::Eval(e) => WorkerMessage {
-                    msg: Some(worker_message::Msg::Eval(eval_proto(e))),
-                    job_id: job.clone(),
-                    generation,
-                },
-                Event::Checkpoint(_) => return,
-            };
-            let _ = out.send(m);
-        });
-        match result {
-            Ok(s) => Outcome::Finished(Box::new(s)),
-            Err(e) if e.is_recoverable() && !self.control.stopping() => {
-                Outcome::Interrupted(e.to_string())
-            }
-            Err(e) => Outcome::Failed(e.to_string()),
-        }
-    }
-}
-
-/// A JobDone that fails the job with `error`.
-fn job_failed(job: &str, generation: u64, rank: u32, error: String) -> WorkerMessage {
-    wrap(worker_message::Msg::Done(v1::JobDone {
-        job_id: job.to_string(),
-        generation,
-        rank,
-        ok: false,
-        error,
-        ..Default::default()
-    }))
-}
-
-/// Runs `f` (a job's thread); a panic in it becomes a JobDone failure of
-/// the generation the thread was in (`first` before it recorded one), with
-/// the panic's message, so the coordinator fails the job and frees this
-/// worker; the daemon itself never goes down with a job.
-fn guarded(
-    job: &str,
-    first: (u64, u32),
-    current: &Current,
-    out: &mpsc::UnboundedSender<WorkerMessage>,
-    f: impl FnOnce(),
-) {
-    let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) else {
-        return;
-    };
-    let what = p
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into());
-    let (generation, rank) = current
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take()
-        .map_or(first, |(_, g, r)| (g, r));
-    tracing::error!(job, generation, rank, panic = %what, "the job thread panicked");
-    let _ = out.send(job_failed(
-        job,
-        generation,
-        rank,
-        format!("the job thread panicked: {what}"),
-    ));
-}
-
-/// Runs a job to its end on the calling (dedicated) thread, through as many
-/// generations as the coordinator forms.
-fn run_assignment(
-    first: v1::Assignment,
-    next: std::sync::mpsc::Receiver<v1::Assignment>,
-    listener: Option<TcpListener>,
-    cfg: &DaemonConfig,
-    control: Arc<Control>,
-    out: &mpsc::UnboundedSender<WorkerMessage>,
-    current: Current,
-) {
-    let job = first.job_id.clone();
-    let mut a = first;
-    let mut t = JobThread {
-        cfg,
-        listener,
-        control: control.clone(),
-        out,
-        engine: None,
-    };
-    let done = loop {
-        control.abort.store(false, Ordering::SeqCst);
-        control.reform.store(false, Ordering::SeqCst);
-        *current.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some((job.clone(), a.generation, a.rank));
-        let (generation, rank) = (a.generation, a.rank);
-        match t.generation(&a) {
-            Outcome::Finished(s) => {
-                break v1::JobDone {
-                    job_id: job.clone(),
-                    generation,
-                    rank,
-                    ok: true,
-                    error: String::new(),
-                    checkpoint: s.checkpoint.display().to_string(),
-                    eval: s.eval.as_ref().map(eval_proto),
-                    stopped: control.stopping() || !s.finished,
-                    step: s.state.step,
-                    samples_seen: s.state.samples_seen,
-                    total_steps: t.engine.as_ref().map_or(0, |e| e.total_steps()),
-                    epoch: s.state.epoch,
-                }
-            }
-            Outcome::Failed(e) => {
-                let stopped = control.stopping();
-                if !stopped {
-                    tracing::error!(job = %job, rank, error = %e, "job failed");
-                }
-                break v1::JobDone {
-                    job_id: job.clone(),
-                    generation,
-                    rank,
-                    ok: stopped,
-                    error: e,
-                    stopped,
-                    ..Default::default()
-                };
-            }
-            Outcome::Interrupted(e) => {
-                let step = match t.engine.as_mut() {
-                    Some(engine) => {
-                        if let Err(e) = engine.discard_window() {
-                            tracing::error!(error = %e, "cannot discard the window");
-                        }
-                        let closed = engine.collective_mut().closed();
-                        // Dropping the old ring says goodbye to its peers
-                        // and stops its listener thread.
-                        *engine.collective_mut() = closed;
-                        engine.state().step
-                    }
-                    None => 0,
-                };
-                tracing::warn!(job = %job, generation, rank, step, error = %e, "window interrupted; waiting for a new generation");
-                let _ = out.send(wrap(worker_message::Msg::Interrupted(v1::Interrupted {
-                    job_id: job.clone(),
-                    generation,
-                    rank,
-                    error: e,
-                    step,
-                })));
-                let waited = loop {
-                    match next.recv_timeout(Duration::from_millis(100)) {
-                        Ok(n) if n.generation > generation => break Some(n),
-                        Ok(_) => continue,
-                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                            if control.stopping() {
-                                break None;
-                            }
-                        }
-                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break None,
-                    }
-                };
-                match waited {
-                    Some(n) => {
-                        // Several may have queued up: the newest wins.
-                        a = std::iter::once(n)
-                            .chain(next.try_iter())
-                            .max_by_key(|x| x.generation)
-                            .unwrap_or_default();
-                    }
-                    None => {
-                        break v1::JobDone {
-                            job_id: job.clone(),
-                            generation,
-                            rank,
-                            ok: true,
-                            stopped: true,
-                            error: "stopped between generations".into(),
-                            ..Default::default()
-                        }
-                    }
-                }
-            }
-        }
-    };
-    *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    let _ = out.send(wrap(worker_message::Msg::Done(done)));
-}
-
-/// How many unsent messages the outbox keeps at most.
-const OUTBOX_CAP: usize = 4096;
-
-/// The messages an attach stream refused because it had died (a
-/// `SendError` hands the message back), kept for the next stream, where
-/// they go first after the hello and in their order. Bounded: past
-/// [`OUTBOX_CAP`] the oldest step reports are dropped, never a JobDone or
-/// an Interrupted (which the coordinator's decisions wait on).
-#[derive(Debug, Default)]
-struct Outbox {
-    unsent: VecDeque<WorkerMessage>,
-}
-
-impl Outbox {
-    /// Sends `m` after everything kept before it. False when the stream is
-    /// gone; then `m` (and whatever could not go before it) is kept.
-    fn send(&mut self, tx: &mpsc::UnboundedSender<WorkerMessage>, m: WorkerMessage) -> bool {
-        self.unsent.push_back(m);
-        self.flush(tx)
-    }
-
-    /// Sends the kept messages in order; false (keeping the rest, the one
-    /// that failed first) when the stream is gone.
-    fn flush(&mut self, tx: &mpsc::UnboundedSender<WorkerMessage>) -> bool {
-        while let Some(m) = self.unsent.pop_front() {
-            if let Err(mpsc::error::SendError(m)) = tx.send(m) {
-                self.unsent.push_front(m);
-                self.trim();
-                return false;
-            }
-        }
-        true
-    }
-
-    fn trim(&mut self) {
-        while self.unsent.len() > OUTBOX_CAP {
-            let droppable = self.unsent.iter().position(|m| {
-                matches!(
-                    m.msg,
-                    Some(worker_message::Msg::Step(_) | worker_message::Msg::Heartbeat(_))
-                )
-            });
-            let Some(i) = droppable else { break };
-            self.unsent.remove(i);
-            tracing::warn!(
-                cap = OUTBOX_CAP,
-                "outbox full: dropped the oldest unsent step report"
-            );
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.unsent.len()
-    }
-}
-
 /// Attaches and serves assignments until the process is stopped; re-attaches
 /// when the coordinator goes away (reports made meanwhile are kept and sent
 /// after re-attaching).
@@ -631,263 +197,207 @@ pub async fn run_with(
         let ttl = (cfg.heartbeat.as_secs_f64() * 5.0).ceil().max(2.0) as i64;
         tokio::spawn(etcd::register(cfg.clone(), info, ttl));
     }
-    let (events_tx, mut events_rx) = mpsc::unbounded_channel::<WorkerMessage>();
-    let mut running: Option<Running> = None;
-    let current: Current = Arc::default();
-    let mut backoff = Duration::from_millis(50);
-    let mut outbox = Outbox::default();
+    let (events_tx, events_rx) = mpsc::unbounded_channel::<WorkerMessage>();
+    let mut daemon = Daemon {
+        cfg,
+        health,
+        listener,
+        data_addr,
+        events_tx,
+        events_rx,
+        running: None,
+        current: Arc::default(),
+        outbox: Outbox::default(),
+    };
+    let mut backoff = Backoff::default();
     loop {
-        health.turn();
-        let url = etcd::coordinator_url(&cfg).await;
-        let endpoint = match accrue_proto::tls::endpoint(&url, cfg.tls.as_ref()) {
-            Ok(e) => e,
-            Err(e) => {
-                // Unreadable certificate files may be being rotated: retry.
-                tracing::warn!(coordinator = %url, error = %e, "cannot set up the connection; retrying");
-                health.set(Link::Connecting {
-                    coordinator: url.clone(),
-                    error: e.to_string(),
-                });
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = &mut shutdown => return Ok(()),
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-                continue;
-            }
-        };
-        let connected = match tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect()).await {
-            Ok(r) => r.map_err(|e| accrue_proto::error_chain(&e)),
-            Err(_) => Err(format!("no connection within {CONNECT_TIMEOUT:?}")),
-        };
-        let client = match connected.map(WorkerServiceClient::new) {
+        daemon.health.turn();
+        let url = etcd::coordinator_url(&daemon.cfg).await;
+        match daemon.session(&url, &mut backoff, shutdown.as_mut()).await {
+            Some(link) => daemon.health.set(link),
+            None => return Ok(()),
+        }
+        if !backoff.pause(shutdown.as_mut()).await {
+            return Ok(());
+        }
+    }
+}
+
+/// What the daemon keeps across attach streams.
+struct Daemon {
+    cfg: DaemonConfig,
+    health: HealthState,
+    /// The data-plane listener, lent to each job's rings.
+    listener: TcpListener,
+    data_addr: String,
+    /// Reports from the job's thread, to the coordinator.
+    events_tx: mpsc::UnboundedSender<WorkerMessage>,
+    events_rx: mpsc::UnboundedReceiver<WorkerMessage>,
+    running: Option<Running>,
+    current: Current,
+    outbox: Outbox,
+}
+
+impl Daemon {
+    /// One attach stream, from connecting to its end: None when the daemon
+    /// was told to stop (it detached), else the link state to report
+    /// before the next try.
+    async fn session<F: Future<Output = ()>>(
+        &mut self,
+        url: &str,
+        backoff: &mut Backoff,
+        mut shutdown: Pin<&mut F>,
+    ) -> Option<Link> {
+        let client = match session::connect(url, self.cfg.tls.as_ref()).await {
             Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(coordinator = %url, error = %e, "cannot reach the coordinator; retrying");
-                health.set(Link::Connecting {
-                    coordinator: url.clone(),
-                    error: e,
-                });
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = &mut shutdown => return Ok(()),
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-                continue;
-            }
+            Err(link) => return Some(link),
         };
-        let mut client = client.max_decoding_message_size(accrue_proto::layout::MAX_RESPONSE_BYTES);
-        let (tx, rx) = mpsc::unbounded_channel::<WorkerMessage>();
-        let hello = v1::WorkerHello {
-            worker_id: cfg.worker_id.clone(),
-            data_addr: data_addr.clone(),
-            device: cfg.device.clone().unwrap_or_else(|| "auto".into()),
-            capacity: 1,
-            version: env!("CARGO_PKG_VERSION").into(),
-            ..Default::default()
+        let hello = session::hello(&self.cfg, &self.data_addr, &self.current);
+        let mut stream = match session::attach(client, url, hello).await {
+            Ok(s) => s,
+            Err(link) => return Some(link),
         };
-        let hello = match current.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            Some((job_id, generation, rank)) => v1::WorkerHello {
-                job_id,
-                generation,
-                rank,
-                ..hello
-            },
-            None => hello,
-        };
-        let _ = tx.send(wrap(worker_message::Msg::Hello(hello)));
-        let attached = tokio::time::timeout(
-            ATTACH_TIMEOUT,
-            client.attach(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)),
-        )
-        .await;
-        let mut inbound = match attached {
-            Ok(Ok(r)) => r.into_inner(),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %accrue_proto::status_chain(&e), "attach refused; retrying");
-                health.set(Link::Refused {
-                    coordinator: url.clone(),
-                    reason: accrue_proto::status_chain(&e),
-                });
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = &mut shutdown => return Ok(()),
-                }
-                continue;
-            }
-            Err(_) => {
-                tracing::warn!(coordinator = %url, "no answer to the attach within {ATTACH_TIMEOUT:?}; retrying");
-                health.set(Link::Connecting {
-                    coordinator: url.clone(),
-                    error: format!("no answer to the attach within {ATTACH_TIMEOUT:?}"),
-                });
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = &mut shutdown => return Ok(()),
-                }
-                continue;
-            }
-        };
-        backoff = Duration::from_millis(50);
-        tracing::info!(worker = %cfg.worker_id, data = %data_addr, unsent = outbox.len(), "attached");
-        health.set(Link::Attached {
-            coordinator: url.clone(),
+        backoff.reset();
+        tracing::info!(worker = %self.cfg.worker_id, data = %self.data_addr, unsent = self.outbox.len(), "attached");
+        self.health.set(Link::Attached {
+            coordinator: url.to_string(),
         });
         // What the previous stream could not take goes first, right after
-        // the hello (queued above).
-        if !outbox.flush(&tx) {
+        // the hello (queued by the attach).
+        if !self.outbox.flush(&stream.tx) {
             tracing::warn!("the attach stream closed at once; retrying");
-            health.set(Link::Lost {
-                coordinator: url.clone(),
+            return Some(Link::Lost {
+                coordinator: url.to_string(),
                 reason: "it closed at once".into(),
             });
-            tokio::time::sleep(backoff).await;
-            continue;
         }
-        let mut beat = tokio::time::interval(cfg.heartbeat);
+        let mut beat = tokio::time::interval(self.cfg.heartbeat);
         let ended = loop {
             tokio::select! {
                 _ = &mut shutdown => {
-                    tracing::info!(worker = %cfg.worker_id, "shutting down: detaching from the coordinator");
-                    health.set(Link::Stopping);
-                    if let Some(r) = &running {
-                        // This rank leaves; the job goes on without it.
-                        r.control.leave.store(true, Ordering::SeqCst);
-                    }
-                    let _ = tx.send(wrap(worker_message::Msg::Detach(v1::Detach {
-                        reason: "the daemon was told to stop".into(),
-                    })));
-                    drop(tx);
-                    // The coordinator closes the stream once it has let the
-                    // worker go.
-                    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-                        while let Ok(Some(_)) = inbound.message().await {}
-                    })
-                    .await;
-                    if let Some(r) = running.take() {
-                        wait_for_job_thread(&r, cfg.stop_timeout).await;
-                    }
-                    return Ok(());
+                    self.shut_down(stream).await;
+                    return None;
                 }
                 _ = beat.tick() => {
-                    health.turn();
-                    if tx.send(wrap(worker_message::Msg::Heartbeat(v1::Heartbeat {}))).is_err() { break "the stream refused a heartbeat".to_string(); }
-                    if running.as_ref().is_some_and(|r| r.thread.is_finished()) {
-                        running = None;
+                    self.health.turn();
+                    if stream.tx.send(wrap(worker_message::Msg::Heartbeat(Default::default()))).is_err() {
+                        break "the stream refused a heartbeat".to_string();
+                    }
+                    if self.running.as_ref().is_some_and(|r| r.thread.is_finished()) {
+                        self.running = None;
                     }
                 }
-                Some(m) = events_rx.recv() => {
+                Some(m) = self.events_rx.recv() => {
                     if let Some(worker_message::Msg::Done(_)) = &m.msg {
-                        if let Some(r) = running.take() {
+                        if let Some(r) = self.running.take() {
                             let _ = tokio::task::spawn_blocking(move || r.thread.join()).await;
                         }
                     }
-                    if !outbox.send(&tx, m) { break "the stream refused a report".to_string(); }
+                    if !self.outbox.send(&stream.tx, m) {
+                        break "the stream refused a report".to_string();
+                    }
                 }
-                msg = inbound.message() => {
+                msg = stream.inbound.message() => {
                     let m = match msg {
                         Ok(Some(m)) => m,
-                        Ok(None) => { tracing::warn!("the coordinator closed the stream"); break "the coordinator closed the stream".to_string(); }
-                        Err(e) => { tracing::warn!(error = %e.message(), "attach stream failed"); break format!("attach stream failed: {}", e.message()); }
+                        Ok(None) => {
+                            tracing::warn!("the coordinator closed the stream");
+                            break "the coordinator closed the stream".to_string();
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e.message(), "attach stream failed");
+                            break format!("attach stream failed: {}", e.message());
+                        }
                     };
-                    match m.msg {
-                        Some(coordinator_message::Msg::Assign(a)) => {
-                            if let Some(r) = &running {
-                                if r.job == a.job_id && !r.thread.is_finished() {
-                                    tracing::info!(job = %a.job_id, generation = a.generation, rank = a.rank, world = a.world_size, "new generation");
-                                    r.control.reform.store(true, Ordering::SeqCst);
-                                    let _ = r.next.send(a);
-                                } else {
-                                    tracing::warn!(job = %a.job_id, busy = %r.job, "assignment while busy; ignored");
-                                }
-                                continue;
-                            }
-                            let control = Arc::new(Control::default());
-                            let l = listener.try_clone().ok();
-                            let (cfg2, out, c2, job, cur) = (cfg.clone(), events_tx.clone(), control.clone(), a.job_id.clone(), current.clone());
-                            let (next_tx, next_rx) = std::sync::mpsc::channel();
-                            tracing::info!(job = %job, rank = a.rank, world = a.world_size, generation = a.generation, "assignment");
-                            let (generation, rank) = (a.generation, a.rank);
-                            let failed = events_tx.clone();
-                            // A thread name cannot hold NUL: keep only what
-                            // a job id may hold.
-                            let name: String = job.chars().filter(|c| c.is_ascii_alphanumeric() || "-._".contains(*c)).collect();
-                            let thread = std::thread::Builder::new()
-                                .name(format!("accrue-job-{name}"))
-                                .spawn(move || {
-                                    let (job, out2, cur2) = (a.job_id.clone(), out.clone(), cur.clone());
-                                    guarded(&job, (generation, rank), &cur2, &out2, move || {
-                                        run_assignment(a, next_rx, l, &cfg2, c2, &out, cur)
-                                    })
-                                });
-                            match thread {
-                                Ok(thread) => running = Some(Running { job, control, thread, next: next_tx }),
-                                Err(e) => {
-                                    tracing::error!(error = %e, "cannot start the job thread");
-                                    let _ = failed.send(job_failed(&job, generation, rank, format!("the worker cannot start a job thread: {e}")));
-                                }
-                            }
+                    if let Some(msg) = m.msg {
+                        for action in on_message(&self.slot(), msg) {
+                            self.apply(action);
                         }
-                        Some(coordinator_message::Msg::Stop(s)) => stop(&running, &s.job_id, &s.reason),
-                        Some(coordinator_message::Msg::Abort(a)) => {
-                            // Drop the window in flight and wait for the next
-                            // generation (a stop ends the job instead).
-                            let now = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                            if let Some(r) = running.as_ref().filter(|r| r.job == a.job_id) {
-                                if now.is_some_and(|(_, g, _)| g == a.generation) {
-                                    tracing::warn!(job = %a.job_id, generation = a.generation, reason = %a.reason, "window aborted");
-                                    r.control.abort.store(true, Ordering::SeqCst);
-                                }
-                            }
-                        }
-                        Some(coordinator_message::Msg::CheckpointNow(c)) => {
-                            if let Some(r) = running.as_ref().filter(|r| r.job == c.job_id) {
-                                r.control.checkpoint_now.store(true, Ordering::SeqCst);
-                            }
-                        }
-                        Some(coordinator_message::Msg::Refused(r)) => {
-                            tracing::warn!(job = %r.job_id, generation = r.generation, reason = %r.reason, "report refused");
-                        }
-                        None => {}
                     }
                 }
             }
         };
-        health.set(Link::Lost {
-            coordinator: url.clone(),
+        Some(Link::Lost {
+            coordinator: url.to_string(),
             reason: ended,
-        });
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = &mut shutdown => return Ok(()),
+        })
+    }
+
+    /// Told to stop: this rank leaves its job, the daemon detaches, and the
+    /// job's thread gets up to `--stop-timeout` to end.
+    async fn shut_down(&mut self, stream: session::Attached) {
+        tracing::info!(worker = %self.cfg.worker_id, "shutting down: detaching from the coordinator");
+        self.health.set(Link::Stopping);
+        if let Some(r) = &self.running {
+            // This rank leaves; the job goes on without it.
+            r.control.leave.store(true, Ordering::SeqCst);
+        }
+        session::detach(stream).await;
+        if let Some(r) = self.running.take() {
+            job::wait_for_job_thread(&r, self.cfg.stop_timeout).await;
         }
     }
-}
 
-/// Waits (polling, so no blocking task outlives the runtime) until the
-/// job's thread has ended, at most `limit`: the window in flight is lost
-/// anyway once the daemon detached, but a checkpoint being written is
-/// finished rather than cut off at exit.
-async fn wait_for_job_thread(r: &Running, limit: Duration) {
-    if r.thread.is_finished() {
-        return;
-    }
-    tracing::info!(job = %r.job, limit = ?limit, "waiting for the job's thread to end");
-    let started = std::time::Instant::now();
-    while !r.thread.is_finished() {
-        if started.elapsed() >= limit {
-            tracing::warn!(job = %r.job, limit = ?limit, "the job's thread is still running; exiting anyway (--stop-timeout)");
-            return;
+    /// What the job slot holds, for [`on_message`].
+    fn slot(&self) -> JobSlot {
+        match &self.running {
+            None => JobSlot::Free,
+            Some(r) => JobSlot::Busy {
+                job: r.job.clone(),
+                ended: r.thread.is_finished(),
+                generation: self
+                    .current
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .as_ref()
+                    .map(|(_, g, _)| *g),
+            },
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    tracing::info!(job = %r.job, waited = ?started.elapsed(), "the job's thread ended");
-}
 
-fn stop(running: &Option<Running>, job: &str, reason: &str) {
-    if let Some(r) = running.as_ref().filter(|r| r.job == job) {
-        tracing::info!(job, reason, "stopping the job");
-        r.control.stop.store(true, Ordering::SeqCst);
+    /// Carries out one decision of [`on_message`].
+    fn apply(&mut self, action: Action) {
+        let running = self.running.as_ref();
+        match action {
+            Action::Start(a) => {
+                self.running =
+                    job::start(a, &self.cfg, &self.listener, &self.events_tx, &self.current);
+            }
+            Action::NewGeneration(a) => {
+                if let Some(r) = running {
+                    tracing::info!(job = %a.job_id, generation = a.generation, rank = a.rank, world = a.world_size, "new generation");
+                    r.control.reform.store(true, Ordering::SeqCst);
+                    let _ = r.next.send(a);
+                }
+            }
+            Action::Busy { job, busy } => {
+                tracing::warn!(job = %job, busy = %busy, "assignment while busy; ignored");
+            }
+            Action::Stop { job, reason } => {
+                if let Some(c) = running.map(|r| &r.control) {
+                    tracing::info!(job, reason, "stopping the job");
+                    c.stop.store(true, Ordering::SeqCst);
+                }
+            }
+            Action::Abort {
+                job,
+                generation,
+                reason,
+            } => {
+                if let Some(c) = running.map(|r| &r.control) {
+                    tracing::warn!(job = %job, generation, reason = %reason, "window aborted");
+                    c.abort.store(true, Ordering::SeqCst);
+                }
+            }
+            Action::CheckpointNow => {
+                if let Some(c) = running.map(|r| &r.control) {
+                    c.checkpoint_now.store(true, Ordering::SeqCst);
+                }
+            }
+            Action::Refused(r) => {
+                tracing::warn!(job = %r.job_id, generation = r.generation, reason = %r.reason, "report refused");
+            }
+        }
     }
 }
 

@@ -24,7 +24,13 @@ fn a_panicking_job_thread_fails_the_job_instead_of_taking_the_daemon_down() {
     assert!(rx.try_recv().is_err());
 }
 
+use super::assign::{assigned_checkpoint_dir, assigned_spec};
+use super::job::{guarded, step_msg};
+use super::outbox::OUTBOX_CAP;
 use super::*;
+use crate::engine::StepReport;
+use accrue_proto::v1;
+use std::sync::Mutex;
 
 fn cfg() -> DaemonConfig {
     DaemonConfig {
@@ -100,9 +106,9 @@ fn step(n: u64) -> WorkerMessage {
             job_bytes_received: 0,
             loss_scale: 0.0,
             graph_replays: 0,
-            eager_reason: String::new(),
+            eager_reason: None,
             sync_graph_replayed: false,
-            sync_eager_reason: String::new(),
+            sync_eager_reason: None,
             resumed_from: String::new(),
         },
     )

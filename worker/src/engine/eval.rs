@@ -1,9 +1,10 @@
-//! Evaluation on the held-out split.
+//! Evaluation on the held-out split: the objective's metrics summed over
+//! its batches.
 
 use super::{Engine, EvalReport};
 use crate::collective::Collective;
-use crate::error::{Result, TorchContext};
-use tch::{Kind, Reduction, Tensor};
+use crate::error::Result;
+use crate::objective::EvalSums;
 
 impl<C: Collective> Engine<C> {
     /// Loss and accuracy on the held-out split (None without one).
@@ -15,33 +16,22 @@ impl<C: Collective> Engine<C> {
         self.model.set_train(false)?;
         let n = eval.len() as i64;
         let bs = self.spec.eval.batch_size as i64;
-        let (mut loss, mut correct) = (0.0, 0i64);
+        let mut sums = EvalSums::default();
         let mut start = 0;
         while start < n {
             let len = bs.min(n - start);
-            let x = eval.x.f_narrow(0, start, len).ctx("evaluating")?;
-            let y = eval.y.f_narrow(0, start, len).ctx("evaluating")?;
-            let logits = self.model.forward(&x, false)?;
-            let l = logits
-                .f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)
-                .ctx("evaluating")?;
-            loss += l.f_double_value(&[]).ctx("evaluating")?;
-            let hits = logits
-                .f_argmax(-1, false)
-                .and_then(|p| p.f_eq_tensor(&y))
-                .and_then(|e| e.f_sum(Kind::Int64))
-                .and_then(|s| s.f_int64_value(&[]))
-                .ctx("evaluating")?;
-            correct += hits;
+            let batch = eval.range(start, len, self.device)?;
+            let output = self.model.forward(&batch.inputs, false)?;
+            sums.add(self.objective.evaluate(&output, &batch)?);
             start += len;
         }
         self.model.set_train(true)?;
         Ok(Some(EvalReport {
             epoch: self.state.epoch,
             step: self.state.step,
-            loss: loss / n.max(1) as f64,
-            accuracy: correct as f64 / n.max(1) as f64,
-            samples: n as u64,
+            loss: sums.loss(),
+            accuracy: sums.accuracy(),
+            samples: sums.count,
         }))
     }
 }

@@ -24,7 +24,7 @@ use tch::{Kind, Tensor};
 /// (engine/sync_graph.rs) each keep: where the graph is, the eager reason
 /// last logged, and the captured graph.
 #[derive(Default)]
-pub(super) struct Slot {
+pub(super) struct GraphHolder {
     pub(super) phase: Phase,
     logged: Option<EagerReason>,
     #[cfg(accrue_cuda)]
@@ -37,7 +37,7 @@ pub(super) type Captured = crate::cuda_graph::Graph;
 #[cfg(not(accrue_cuda))]
 pub(super) type Captured = std::convert::Infallible;
 
-impl Slot {
+impl GraphHolder {
     /// Forgets the captured graph (a re-formed ring, reloaded state): the
     /// next runs warm up and capture again.
     pub(super) fn reset(&mut self) {
@@ -50,14 +50,14 @@ impl Slot {
         }
     }
 
-    /// Logs that `what` runs eagerly when the reason changed; the reason's
-    /// text, for the step report.
-    pub(super) fn eager(&mut self, what: &'static str, reason: &EagerReason) -> String {
+    /// Logs that `what` runs eagerly when the reason changed; the reason,
+    /// for the step report.
+    pub(super) fn eager(&mut self, what: &'static str, reason: &EagerReason) -> EagerReason {
         if self.logged.as_ref() != Some(reason) {
             tracing::info!(reason = %reason, "{what} run eagerly");
             self.logged = Some(reason.clone());
         }
-        reason.to_string()
+        reason.clone()
     }
 
     pub(super) fn keep(&mut self, graph: Captured) {
@@ -120,26 +120,30 @@ pub(super) fn capture(device: tch::Device, body: impl FnOnce() -> Result<()>) ->
 /// The micro-step's graph, its static tensors and the window's loss.
 pub(super) struct MicroGraph {
     mode: Mode,
-    pub(super) slot: Slot,
+    pub(super) holder: GraphHolder,
     /// The graph's input: this micro-batch's indices (int64, the spec's
     /// batch size, on the device).
     idx: Option<Tensor>,
     /// fp16: the loss scale / k the body multiplies the loss by (0-dim
     /// float32 on the device).
     scale: Option<Tensor>,
-    /// The window's loss, summed over its samples (0-dim float32 on the
-    /// device): eager micro-steps and the body both add into it.
+    /// The window's loss, summed over its loss terms (0-dim float64 on
+    /// the device): eager micro-steps and the body both add into it.
     loss: Option<Tensor>,
+    /// The count of loss terms of the batch the graph was captured on
+    /// (every replay consumes a batch of the same shape).
+    count: u64,
 }
 
 impl MicroGraph {
     pub(super) fn new(mode: Mode) -> Self {
         Self {
             mode,
-            slot: Slot::default(),
+            holder: GraphHolder::default(),
             idx: None,
             scale: None,
             loss: None,
+            count: 0,
         }
     }
 
@@ -160,7 +164,7 @@ impl MicroGraph {
             Some(l) => l.f_zero_().ctx_("zeroing the window's loss"),
             None => {
                 self.loss = Some(
-                    Tensor::f_zeros([], (Kind::Float, device)).ctx("allocating the loss sum")?,
+                    Tensor::f_zeros([], (Kind::Double, device)).ctx("allocating the loss sum")?,
                 );
                 Ok(())
             }
@@ -211,10 +215,12 @@ impl<C: Collective> Engine<C> {
     /// of these may move while a graph is kept (tests check them across
     /// steps, epochs, evaluations and checkpoints).
     pub fn graph_addresses(&self) -> Vec<(String, usize)> {
-        let mut named: Vec<(String, Tensor)> = vec![
-            ("data.x".into(), self.train.x.shallow_clone()),
-            ("data.y".into(), self.train.y.shallow_clone()),
-        ];
+        let mut named: Vec<(String, Tensor)> = self
+            .train
+            .resident()
+            .into_iter()
+            .map(|(n, t)| (n.to_string(), t))
+            .collect();
         for (n, t) in self
             .graph
             .tensors()
@@ -241,59 +247,65 @@ impl<C: Collective> Engine<C> {
     }
 
     /// Runs micro-batch `a..b` as [`graphs::decide`] says: eagerly, as the
-    /// graph body (warm-up), captured, or replayed.
-    pub(super) fn run_micro_batch(&mut self, a: usize, b: usize) -> Result<()> {
+    /// graph body (warm-up), captured, or replayed; returns the batch's
+    /// count of loss terms.
+    pub(super) fn run_micro_batch(&mut self, a: usize, b: usize) -> Result<u64> {
         let idx = self.micro_batch_indices(a, b)?;
         let n = b - a;
-        let action = graphs::decide(&self.graph.mode, &self.graph.slot.phase, n, self.plan.batch);
+        let action = graphs::decide(
+            &self.graph.mode,
+            &self.graph.holder.phase,
+            n,
+            self.plan.batch,
+        );
         let mut failure = None;
-        match &action {
-            Action::Eager(reason) => self.eager_micro_batch(&idx, n, reason)?,
+        let count = match &action {
+            Action::Eager(reason) => self.eager_micro_batch(&idx, reason)?,
             Action::Body => {
-                let (idx, scale) = self.stage(&idx)?;
-                self.warm_up(&idx, scale.as_ref())?;
+                let (idx, scale) = self.fill_inputs(&idx)?;
+                self.warm_up(&idx, scale.as_ref())?
             }
             Action::Capture => {
-                let (idx_s, scale) = self.stage(&idx)?;
+                let (idx_s, scale) = self.fill_inputs(&idx)?;
                 match self.capture(&idx_s, scale.as_ref()) {
                     Ok(()) => {
                         tracing::info!(batch = n, "the micro-step is captured as a CUDA graph");
-                        self.replay()?;
+                        self.replay()?
                     }
                     Err(e) => {
                         // Nothing ran during the capture: this micro-step
                         // runs eagerly, and so do the job's next ones.
                         let reason = EagerReason::CaptureFailed(e.to_string());
-                        self.eager_micro_batch(&idx, n, &reason)?;
                         failure = Some(e.to_string());
+                        self.eager_micro_batch(&idx, &reason)?
                     }
                 }
             }
             Action::Replay => {
                 // The graph reads the buffers: their handles are not needed.
-                drop(self.stage(&idx)?);
-                self.replay()?;
+                drop(self.fill_inputs(&idx)?);
+                self.replay()?
             }
-        }
-        self.graph.slot.phase = self.graph.slot.phase.after(&action, failure);
-        Ok(())
+        };
+        self.graph.holder.phase = self.graph.holder.phase.after(&action, failure);
+        Ok(count)
     }
 
     /// The ordinary micro-step, with its reason in the step report and (on
     /// a change) in the log.
-    fn eager_micro_batch(&mut self, idx: &Tensor, n: usize, reason: &EagerReason) -> Result<()> {
-        self.window.eager_reason = Some(self.graph.slot.eager("micro-steps", reason));
+    fn eager_micro_batch(&mut self, idx: &Tensor, reason: &EagerReason) -> Result<u64> {
+        self.window.eager_reason = Some(self.graph.holder.eager("micro-steps", reason));
         let k = self.plan.k as f64;
         let scale = match self.loss_scale() {
             Some(ls) => LossScaleBy::Scalar(f64::from(ls.scale) / k),
             None => LossScaleBy::One,
         };
-        self.forward_backward(idx, n, scale, false)
+        self.forward_backward(idx, scale, false)
     }
 
     /// Copies the micro-batch's indices into the graph's index buffer and
     /// fp16's scale / k into its scale tensor; returns both (shallow).
-    fn stage(&mut self, idx: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    fn fill_inputs(&mut self, idx: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
         let opts = |kind| (kind, self.device);
         let buffer = match &mut self.graph.idx {
             Some(t) => t,
@@ -327,29 +339,32 @@ impl<C: Collective> Engine<C> {
     }
 
     /// The graph body: the micro-step on the static tensors.
+    /// (Its count of loss terms is the graph's: kept for the replays.)
     fn body(&mut self, idx: &Tensor, scale: Option<&Tensor>) -> Result<()> {
         let by = scale.map_or(LossScaleBy::One, LossScaleBy::Tensor);
-        self.forward_backward(idx, self.plan.batch, by, true)
+        self.graph.count = self.forward_backward(idx, by, true)?;
+        Ok(())
     }
 
     /// The body run eagerly (warm-up, or Mode::BodyOnly).
-    fn warm_up(&mut self, idx: &Tensor, scale: Option<&Tensor>) -> Result<()> {
+    fn warm_up(&mut self, idx: &Tensor, scale: Option<&Tensor>) -> Result<u64> {
         let (device, capturing) = (self.device, self.graph.capturing());
-        warm_up(device, capturing, || self.body(idx, scale))
+        warm_up(device, capturing, || self.body(idx, scale))?;
+        Ok(self.graph.count)
     }
 
     /// Captures the body (nothing runs: replay it after).
     fn capture(&mut self, idx: &Tensor, scale: Option<&Tensor>) -> Result<()> {
         let graph = capture(self.device, || self.body(idx, scale))?;
-        self.graph.slot.keep(graph);
+        self.graph.holder.keep(graph);
         Ok(())
     }
 
-    /// Replays the captured micro-step.
-    fn replay(&mut self) -> Result<()> {
-        self.graph.slot.replay(self.device)?;
+    /// Replays the captured micro-step; its count of loss terms.
+    fn replay(&mut self) -> Result<u64> {
+        self.graph.holder.replay(self.device)?;
         self.window.graph_replays += 1;
-        Ok(())
+        Ok(self.graph.count)
     }
 }
 

@@ -16,203 +16,37 @@
 mod eval;
 mod flat;
 mod graph;
+mod options;
 mod plan;
+mod report;
+mod setup;
 mod state_sync;
 mod sync_graph;
 mod window;
 mod zero;
 
 pub use flat::{flatten, unflatten};
+use options::Agreed;
+pub use options::{Control, RunOptions};
+pub use report::{EvalReport, Event, StepReport, Summary, Timing};
+pub use setup::resolve_device;
+use setup::{check_eval_shape, data_error, spec_hash, split_name, starved};
 
 use crate::checkpoint::{self, TrainerState};
 use crate::collective::Collective;
-use crate::data::{self, Dataset};
+use crate::data;
 use crate::error::{Error, Result};
 use crate::grads::FlatGrads;
 use crate::model::{Model, WeightsFrom};
+use crate::objective::{Classification, Objective};
 use crate::optim::Optimizer;
 use crate::sampler::{ShardSpec, WindowPlan};
 use crate::schedule::Schedule;
+use crate::source::DataSource;
 use crate::spec::JobSpec;
-use serde::Serialize;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 use tch::{Device, Tensor};
 use window::Window;
-
-/// How a run is set up beyond the spec.
-#[derive(Clone, Debug, Default)]
-pub struct RunOptions {
-    /// Where checkpoints go; default: spec.checkpoint.dir, else
-    /// `<state_dir>/checkpoints/<name>`.
-    pub checkpoint_dir: Option<PathBuf>,
-    /// Used for the default checkpoint folder (default `runs`).
-    pub state_dir: Option<PathBuf>,
-    /// The job's id (the coordinator's; default: the spec's name, as
-    /// `accrue-worker train` runs it): the owner of the checkpoint folder,
-    /// written into every checkpoint and checked on resume.
-    pub job_id: Option<String>,
-    /// The coordinator's cluster ("" without one), in the ownership record.
-    pub cluster: String,
-    /// Continue from the newest verified checkpoint (the one LATEST
-    /// names, else the newest step whose manifest verifies).
-    pub resume: bool,
-    /// Continue from the newest verified checkpoint when the folder holds
-    /// any step (failing, listing them, when none reads), else start fresh
-    /// (a rank joining a job that is being recovered or resumed).
-    pub resume_if_present: bool,
-    /// Append, for every committed window, the sample indices this rank
-    /// read in it (recorded where the data reader fetched them; one JSON
-    /// line with job, step, epoch, rank, world and indices) to this file:
-    /// joined over all ranks' files, an audit of the data accounting.
-    pub sample_log: Option<PathBuf>,
-    /// Run the collectives through a separate host buffer on the CPU too,
-    /// as on CUDA (tests use it to run the staging path without a GPU).
-    pub stage_through_host: bool,
-    /// Run every full-size micro-step as the CUDA graph's body (static
-    /// index buffer, loss scale from a tensor, autocast without its cast
-    /// cache) without capturing, on any device: tests check it against the
-    /// eager micro-step without a GPU.
-    pub graph_body_only: bool,
-    /// Capture graphs whatever the device and the build (warm-up, capture,
-    /// replay, as on CUDA): on the CPU, or in a build without
-    /// `ACCRUE_CUDA=1`, the capture fails, so tests check the eager
-    /// fallback and its reported reason without a GPU.
-    pub force_graph_capture: bool,
-    /// Step the optimizer with tensor ops on the CPU too, never the fused
-    /// CPU pass, as on CUDA (tests compare the sync graph's body with the
-    /// eager step CUDA runs).
-    pub unfused_step: bool,
-    /// Sleep this long after every micro-step (fault-injection tests and
-    /// demos: it makes a small job last long enough to kill a rank in the
-    /// middle of a window).
-    pub micro_step_delay: Option<Duration>,
-    /// Stop (with a checkpoint) once this many optimizer steps are committed,
-    /// as if preempted; the job can be resumed later.
-    pub stop_after_steps: Option<u64>,
-    /// Requests from another thread (the worker daemon), honoured at window
-    /// boundaries.
-    pub control: Option<std::sync::Arc<Control>>,
-}
-
-/// Flags another thread sets to steer a running engine.
-#[derive(Debug, Default)]
-pub struct Control {
-    /// Stop at the next window boundary (with a checkpoint). Set on any
-    /// rank, every rank stops after the same step: the flag rides in the
-    /// sync step's reduction.
-    pub stop: std::sync::atomic::AtomicBool,
-    /// Write a checkpoint at the next window boundary (agreed like `stop`).
-    pub checkpoint_now: std::sync::atomic::AtomicBool,
-    /// Drop the window in flight at the next micro-step and return
-    /// [`Error::Interrupted`] (the coordinator is re-forming the ring).
-    pub abort: std::sync::atomic::AtomicBool,
-    /// A new generation is waiting: leave at the next window boundary
-    /// with [`Error::Interrupted`] (an elastic job grows).
-    pub reform: std::sync::atomic::AtomicBool,
-    /// This rank leaves (its daemon is shutting down, e.g. SIGTERM) while
-    /// the job goes on elsewhere: at the next sync step every rank agrees
-    /// to checkpoint (so a sharded rank's slice of the optimizer state is
-    /// in it), then this rank stops; the others go on until the coordinator
-    /// re-forms the ring without it.
-    pub leave: std::sync::atomic::AtomicBool,
-}
-
-impl Control {
-    /// Whether this rank is on its way out (the job stops, or it leaves).
-    pub fn stopping(&self) -> bool {
-        self.stop.load(std::sync::atomic::Ordering::SeqCst)
-            || self.leave.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-/// Requests a sync step's reduction agreed on (see [`Control`]).
-#[derive(Clone, Copy, Debug, Default)]
-struct Agreed {
-    /// Some rank was asked to stop: every rank stops.
-    stop: bool,
-    /// Some rank was asked for a checkpoint, or is leaving.
-    checkpoint: bool,
-    /// This rank's own leave went into the reduction: it stops.
-    leave: bool,
-}
-
-/// Wall time of one optimizer step, split by phase.
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
-pub struct Timing {
-    pub compute_s: f64,
-    pub comm_s: f64,
-    pub clip_s: f64,
-    pub optimizer_s: f64,
-}
-
-/// What one committed optimizer step did.
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct StepReport {
-    pub step: u64,
-    pub total_steps: u64,
-    pub epoch: u64,
-    pub micro_step: u64,
-    /// Mean loss over the window's samples on all ranks.
-    pub loss: f64,
-    /// Total gradient norm after normalization, before clipping.
-    pub grad_norm: f64,
-    /// Factor applied by norm clipping (1 when not clipped).
-    pub clip_coef: f64,
-    pub skipped: bool,
-    /// Samples in this window over all ranks.
-    pub samples: u64,
-    pub samples_seen: u64,
-    pub lr: f64,
-    pub samples_per_sec: f64,
-    pub timing: Timing,
-    /// Data-plane bytes this rank sent and received for this step.
-    pub bytes_sent: u64,
-    pub bytes_received: u64,
-    /// The same since this process joined the job.
-    pub job_bytes_sent: u64,
-    pub job_bytes_received: u64,
-    /// fp16: the loss scale this step's gradients had (0 otherwise).
-    pub loss_scale: f64,
-    /// Micro-steps of this window that replayed a CUDA graph.
-    pub graph_replays: u64,
-    /// Why the window's micro-steps (the last that did) ran eagerly ("":
-    /// none did).
-    pub eager_reason: String,
-    /// The sync step's work after the reduction replayed its CUDA graph.
-    pub sync_graph_replayed: bool,
-    /// Why the sync step ran eagerly ("": on the device, as a graph or
-    /// its body).
-    pub sync_eager_reason: String,
-    /// The first report of this process or generation: where the rank's
-    /// state came from and why ("fresh start", "checkpoint step-32 (...)",
-    /// "rank 1's state (step 52)"); "" on later reports.
-    pub resumed_from: String,
-}
-
-#[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct EvalReport {
-    pub epoch: u64,
-    pub step: u64,
-    pub loss: f64,
-    pub accuracy: f64,
-    pub samples: u64,
-}
-
-pub enum Event<'a> {
-    Step(&'a StepReport),
-    Eval(&'a EvalReport),
-    Checkpoint(&'a Path),
-}
-
-#[derive(Debug)]
-pub struct Summary {
-    pub state: TrainerState,
-    pub eval: Option<EvalReport>,
-    pub checkpoint: PathBuf,
-    /// Whether the run reached the job's last step (false when stopped early).
-    pub finished: bool,
-}
 
 pub struct Engine<C: Collective> {
     spec: JobSpec,
@@ -221,8 +55,12 @@ pub struct Engine<C: Collective> {
     model: Model,
     optimizer: Optimizer,
     schedule: Schedule,
-    train: Dataset,
-    eval: Option<Dataset>,
+    /// The training split.
+    train: Box<dyn DataSource>,
+    /// The held-out split.
+    eval: Option<Box<dyn DataSource>>,
+    /// The loss the window trains with and the evaluation reports.
+    objective: Box<dyn Objective>,
     shard: ShardSpec,
     plan: WindowPlan,
     total_steps: u64,
@@ -259,7 +97,7 @@ pub struct Engine<C: Collective> {
     last_checkpoint: Option<(u64, PathBuf)>,
     /// Whether this rank holds the job's committed state (it resumed or
     /// committed a step), as opposed to fresh initial weights.
-    has_state: bool,
+    holds_committed: bool,
     /// Under sharding: the (world size, rank) whose slice the optimizer
     /// state holds (None: no state yet).
     zero_layout: Option<(usize, usize)>,
@@ -267,36 +105,6 @@ pub struct Engine<C: Collective> {
     /// (its parameters not all-gathered): its state is ahead of the
     /// committed step.
     zero_dirty: bool,
-}
-
-pub fn resolve_device(name: &str) -> Result<Device> {
-    let err = |reason: String| Error::Device {
-        device: name.to_string(),
-        reason,
-    };
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "auto" => Ok(Device::cuda_if_available()),
-        _ => {
-            let n: usize = match name.strip_prefix("cuda:") {
-                Some(n) => n.parse().map_err(|_| err("expected cuda:N".into()))?,
-                None => 0,
-            };
-            if !tch::Cuda::is_available() {
-                return Err(err(
-                    "CUDA is not available on this machine (or this build lacks libtorch_cuda)"
-                        .into(),
-                ));
-            }
-            let count = tch::Cuda::device_count() as usize;
-            if n >= count {
-                return Err(err(format!(
-                    "only {count} CUDA devices are visible (0..{count})"
-                )));
-            }
-            Ok(Device::Cuda(n))
-        }
-    }
 }
 
 impl<C: Collective> Engine<C> {
@@ -351,8 +159,11 @@ impl<C: Collective> Engine<C> {
             })?;
             model.load_named(WeightsFrom::Init(init), tensors)?;
         }
-        let train = train.to_device(device)?;
-        let eval = splits.eval.map(|e| e.to_device(device)).transpose()?;
+        let train: Box<dyn DataSource> = Box::new(train.to_device(device)?);
+        let eval = match splits.eval {
+            Some(e) => Some(Box::new(e.to_device(device)?) as Box<dyn DataSource>),
+            None => None,
+        };
         let shard = ShardSpec {
             len: train.len(),
             world,
@@ -441,6 +252,7 @@ impl<C: Collective> Engine<C> {
             schedule,
             train,
             eval,
+            objective: Box::new(Classification),
             shard,
             plan,
             total_steps,
@@ -460,7 +272,7 @@ impl<C: Collective> Engine<C> {
             resumed_from: None,
             opts,
             last_checkpoint: None,
-            has_state: false,
+            holds_committed: false,
             zero_layout: None,
             zero_dirty: false,
         };
@@ -511,8 +323,8 @@ impl<C: Collective> Engine<C> {
     pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
         self.discard_window()?;
         self.resumed_from = Some(format!("its own state (step {})", self.state.step));
-        self.graph.slot.reset();
-        self.sync_graph.slot.reset();
+        self.graph.holder.reset();
+        self.sync_graph.holder.reset();
         self.collective = collective;
         let world = self.collective.world_size();
         if let Some(k) = accumulation_steps {
@@ -595,7 +407,7 @@ impl<C: Collective> Engine<C> {
         state.model_kind = self.spec.model.kind.as_str().to_string();
         state.optimizer_kind = self.spec.optimizer.kind.as_str().to_string();
         self.state = state;
-        self.has_state = true;
+        self.holds_committed = true;
         tracing::info!(step = self.state.step, path = %loaded.path.display(), why = %found.why, "resumed");
         Ok(true)
     }
@@ -760,136 +572,5 @@ impl<C: Collective> Engine<C> {
             checkpoint,
             finished: !stopped,
         })
-    }
-}
-
-/// SHA-256 (hex) of the spec as JSON: recorded in the folder's ownership
-/// record and in every checkpoint.
-fn spec_hash(spec: &JobSpec) -> String {
-    use sha2::Digest;
-    let json = serde_json::to_vec(spec).unwrap_or_default();
-    sha2::Sha256::digest(&json)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// A split as messages name it: `the training split (data.path =
-/// "digits")`, `the held-out split (data.eval_path = "eval.safetensors")`.
-fn split_name(spec: &JobSpec, eval: bool) -> String {
-    let d = &spec.data;
-    let (field, path) = match (eval, &d.eval_path) {
-        (true, Some(p)) => ("data.eval_path", Some(p)),
-        _ => ("data.path", d.path.as_ref()),
-    };
-    let split = if eval { "held-out" } else { "training" };
-    match path {
-        Some(p) => format!("the {split} split ({field} = \"{}\")", p.display()),
-        None => format!("the {split} split (data.kind = \"{}\")", d.kind.as_str()),
-    }
-}
-
-/// The held-out split's samples must have the training split's shape (the
-/// model is built for it; evaluation would fail after training).
-fn check_eval_shape(spec: &JobSpec, train: &Dataset, eval: &Dataset) -> Result<()> {
-    let (want, got) = (train.sample_shape(), eval.sample_shape());
-    if want == got {
-        return Ok(());
-    }
-    Err(Error::Data {
-        path: spec
-            .data
-            .eval_path
-            .clone()
-            .or_else(|| spec.data.path.clone())
-            .unwrap_or_else(|| spec.data.kind.as_str().into()),
-        reason: format!(
-            "the held-out samples have shape {got:?}, the training samples {want:?}; \
-             both splits need the same sample shape"
-        ),
-    })
-}
-
-/// Refuses a sharding that leaves a rank without a sample in the epoch:
-/// the same answer on every rank (the last rank gets the fewest), naming
-/// the setting that causes it.
-fn starved(shard: &ShardSpec) -> Option<Error> {
-    let (len, world) = (shard.len, shard.world);
-    let last = world.checked_sub(1)?;
-    if len == 0 || shard.rank_len(last) > 0 {
-        return None;
-    }
-    let (field, value, reason) = if shard.drop_last {
-        (
-            "data.drop_last",
-            "true",
-            format!(
-                "{len} samples cannot give each of {world} ranks one (drop_last drops the \
-                 tail); need at least {world} samples, or drop_last = false"
-            ),
-        )
-    } else {
-        (
-            "data.pad",
-            "false",
-            format!(
-                "{len} samples over {world} ranks leave rank {last} with none; need at least \
-                 {world} samples, or pad = true"
-            ),
-        )
-    };
-    Some(Error::Field {
-        field,
-        value: value.into(),
-        reason,
-    })
-}
-
-/// A data error naming the spec's data path (or its kind when it has none).
-fn data_error(spec: &JobSpec, reason: String) -> Error {
-    Error::Data {
-        path: spec
-            .data
-            .path
-            .clone()
-            .unwrap_or_else(|| spec.data.kind.as_str().into()),
-        reason,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn shard(len: usize, world: usize, drop_last: bool, pad: bool) -> ShardSpec {
-        ShardSpec {
-            len,
-            world,
-            seed: 0,
-            shuffle: false,
-            drop_last,
-            pad,
-            offset: 0,
-        }
-    }
-
-    #[test]
-    fn a_rank_without_samples_is_refused_naming_the_setting() {
-        let msg = starved(&shard(1, 2, false, false)).unwrap().to_string();
-        assert_eq!(
-            msg,
-            "data.pad = false: 1 samples over 2 ranks leave rank 1 with none; \
-             need at least 2 samples, or pad = true"
-        );
-        let msg = starved(&shard(1, 2, true, true)).unwrap().to_string();
-        assert!(
-            msg.starts_with("data.drop_last = true: 1 samples cannot give each of 2 ranks one"),
-            "{msg}"
-        );
-        // Padding repeats samples: every rank gets one.
-        assert!(starved(&shard(1, 2, false, true)).is_none());
-        assert!(starved(&shard(2, 2, false, false)).is_none());
-        assert!(starved(&shard(3, 2, true, false)).is_none());
-        assert!(starved(&shard(5, 1, true, false)).is_none());
     }
 }

@@ -23,7 +23,7 @@ pub(super) struct StateHeader {
 }
 
 fn bad(reason: String) -> Error {
-    Error::Model(format!("synchronised state: {reason}"))
+    Error::StateSync(reason)
 }
 
 /// The elements of a tensor of `shape`.
@@ -134,7 +134,7 @@ impl<C: Collective> Engine<C> {
         }
         let rank = self.collective.rank();
         // Step + 1 for a rank holding committed state, 0 for fresh weights.
-        let mine = if self.has_state {
+        let mine = if self.holds_committed {
             self.state.step + 1
         } else {
             0
@@ -157,7 +157,7 @@ impl<C: Collective> Engine<C> {
             self.unpack_state(&bytes)?;
             self.resumed_from = Some(format!("rank {source}'s state (step {})", self.state.step));
         }
-        self.has_state = true;
+        self.holds_committed = true;
         tracing::info!(
             source,
             step = self.state.step,
@@ -178,7 +178,7 @@ impl<C: Collective> Engine<C> {
         let mine = u64::from(self.shard_in_place());
         let placed = all_gather_u64(&mut self.collective, mine)?;
         if steps.iter().all(|&s| s == best) && placed.iter().all(|&p| p == 1) {
-            self.has_state = true;
+            self.holds_committed = true;
             return Ok(());
         }
         let latest = crate::checkpoint::load_newest(&self.checkpoint_dir, &self.owner)?
@@ -213,7 +213,7 @@ impl<C: Collective> Engine<C> {
             ts.iter()
                 .map(|(n, t)| {
                     if t.kind() != Kind::Float {
-                        return Err(Error::Model(format!(
+                        return Err(Error::StateSync(format!(
                             "{n} is {:?}; only float32 state can be synchronised between ranks",
                             t.kind()
                         )));

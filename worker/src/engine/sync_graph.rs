@@ -19,7 +19,7 @@
 //! the optimizer's numbers: the learning rate of the schedule, Adam's bias
 //! corrections) are device tensors the host fills before each run.
 
-use super::graph::{capture, warm_up, Slot};
+use super::graph::{capture, warm_up, GraphHolder};
 use super::Engine;
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
@@ -29,7 +29,7 @@ use tch::{Kind, Tensor};
 /// The sync step's graph and its static tensors.
 #[derive(Default)]
 pub(super) struct SyncGraph {
-    pub(super) slot: Slot,
+    pub(super) holder: GraphHolder,
     /// [divisor, max_norm] (float64 on the device).
     inputs: Option<Tensor>,
     /// The optimizer's numbers of this step (row 0) and their neutral
@@ -63,7 +63,8 @@ impl<C: Collective> Engine<C> {
     /// caller runs the eager path (the reason is in the window's report).
     pub(super) fn sync_on_device(&mut self, divisor: f64, lr: f64) -> Result<Option<f64>> {
         let blocked = graphs::sync_blocker(self.spec.sharding.stage, self.optimizer.has_state());
-        let action = graphs::decide_unless(self.graph.mode(), &self.sync_graph.slot.phase, blocked);
+        let action =
+            graphs::decide_unless(self.graph.mode(), &self.sync_graph.holder.phase, blocked);
         let mut failure = None;
         let ran = match &action {
             Action::Eager(reason) => {
@@ -98,7 +99,7 @@ impl<C: Collective> Engine<C> {
                 true
             }
         };
-        self.sync_graph.slot.phase = self.sync_graph.slot.phase.after(&action, failure);
+        self.sync_graph.holder.phase = self.sync_graph.holder.phase.after(&action, failure);
         if !ran {
             return Ok(None);
         }
@@ -114,7 +115,7 @@ impl<C: Collective> Engine<C> {
 
     /// Records why this sync step runs eagerly (logged on a change).
     fn eager_sync(&mut self, reason: &EagerReason) {
-        self.window.sync_eager_reason = Some(self.sync_graph.slot.eager("sync steps", reason));
+        self.window.sync_eager_reason = Some(self.sync_graph.holder.eager("sync steps", reason));
     }
 
     /// Fills the run's inputs: the divisor, max_norm and the optimizer's
@@ -241,12 +242,12 @@ impl<C: Collective> Engine<C> {
 
     fn capture_sync(&mut self) -> Result<()> {
         let graph = capture(self.device, || self.sync_body())?;
-        self.sync_graph.slot.keep(graph);
+        self.sync_graph.holder.keep(graph);
         Ok(())
     }
 
     fn replay_sync(&mut self) -> Result<()> {
-        self.sync_graph.slot.replay(self.device)?;
+        self.sync_graph.holder.replay(self.device)?;
         self.window.sync_replayed = true;
         Ok(())
     }

@@ -6,11 +6,13 @@ use super::{Engine, StepReport, Timing};
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::fused::GradPrep;
+use crate::graphs::EagerReason;
 use crate::spec::{Normalize, OnNonfinite, SyncMode};
+use crate::tally::WindowTally;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use tch::{Reduction, Tensor};
+use tch::Tensor;
 
 /// The window in flight (not yet committed).
 #[derive(Debug, Default)]
@@ -19,7 +21,8 @@ pub(super) struct Window {
     micro: usize,
     /// Non-empty micro-batches among them (`mean` divides by their global sum).
     batches: usize,
-    samples: u64,
+    /// Loss terms of the window's batches ([`crate::batch::Batch::count`]).
+    count: u64,
     started: Option<Instant>,
     compute: Duration,
     comm: Duration,
@@ -31,11 +34,11 @@ pub(super) struct Window {
     /// Micro-steps that replayed the CUDA graph (engine/graph.rs).
     pub(super) graph_replays: u64,
     /// Why the window's last eager micro-step ran eagerly.
-    pub(super) eager_reason: Option<String>,
+    pub(super) eager_reason: Option<EagerReason>,
     /// The sync step replayed its CUDA graph (engine/sync_graph.rs).
     pub(super) sync_replayed: bool,
     /// Why the sync step ran eagerly (None: on the device).
-    pub(super) sync_eager_reason: Option<String>,
+    pub(super) sync_eager_reason: Option<EagerReason>,
 }
 
 /// This rank's sample indices of one epoch: on the host (the sample log)
@@ -111,18 +114,16 @@ impl<C: Collective> Engine<C> {
         }
         let m = self.state.cursor as usize + self.window.micro;
         let (a, b) = self.plan.micro_batch_range(m);
-        let n = (b - a) as u64;
         // ZeRO stage 2 freed the buffer after the last reduction.
         self.grads.restore(&self.model.params)?;
-        if n > 0 {
+        if b > a {
             // Eagerly, or as a CUDA graph (engine/graph.rs).
-            self.run_micro_batch(a, b)?;
+            self.window.count += self.run_micro_batch(a, b)?;
             self.window.batches += 1;
         }
         if let Some(d) = self.opts.micro_step_delay {
             std::thread::sleep(d);
         }
-        self.window.samples += n;
         self.window.micro += 1;
         self.state.micro_step += 1;
         self.window.compute += started.elapsed();
@@ -138,32 +139,30 @@ impl<C: Collective> Engine<C> {
         Ok(None)
     }
 
-    /// Forward, loss and backward of the micro-batch `idx` selects (`n`
-    /// samples); gradients add into `.grad`, the loss summed over the
-    /// batch into the window's loss accumulator. fp16 scales the loss by
-    /// `scale`; `graph` marks the graph body (autocast without its cast
-    /// cache, which a capture must not keep).
+    /// Forward, loss and backward of the micro-batch `idx` selects;
+    /// gradients add into `.grad`, the loss summed over the batch into the
+    /// window's loss accumulator; returns the batch's count of loss terms.
+    /// fp16 scales the loss by `scale`; `graph` marks the graph body
+    /// (autocast without its cast cache, which a capture must not keep).
     pub(super) fn forward_backward(
         &mut self,
         idx: &Tensor,
-        n: usize,
         scale: LossScaleBy<'_>,
         graph: bool,
-    ) -> Result<()> {
-        let (x, y) = self.train.batch(idx)?;
-        let reduction = match self.spec.accumulation.normalize {
-            Normalize::GlobalCount => Reduction::Sum,
-            Normalize::Mean | Normalize::Sum => Reduction::Mean,
-        };
+    ) -> Result<u64> {
+        let batch = self.train.batch(idx)?;
+        let summed = self.spec.accumulation.normalize == Normalize::GlobalCount;
         let loss = {
             // precision = bf16 | fp16: the forward and the loss under
             // autocast, as in torch.autocast's `with` block.
             let _autocast =
                 crate::amp::Autocast::enter_with(self.device, self.spec.precision, !graph)?;
-            let logits = self.model.forward(&x, true)?;
-            logits
-                .f_cross_entropy_loss::<Tensor>(&y, None, reduction, -100, 0.0)
-                .ctx("computing the loss")?
+            let output = self.model.forward(&batch.inputs, true)?;
+            if summed {
+                self.objective.loss(&output, &batch)?.sum
+            } else {
+                self.objective.mean_loss(&output, &batch)?
+            }
         };
         // fp16: backward of loss * scale / k, so the half-precision
         // backward sees what GradScaler's `scaler.scale(loss / k)` gives
@@ -174,12 +173,15 @@ impl<C: Collective> Engine<C> {
             LossScaleBy::Tensor(s) => loss.f_mul(s).and_then(|l| l.f_backward()),
         }
         .ctx("running backward")?;
-        let loss_sum = match reduction {
-            Reduction::Sum => loss.f_detach(),
-            _ => loss.f_detach().and_then(|l| l.f_mul_scalar(n as f64)),
+        let loss_sum = if summed {
+            loss.f_detach()
+        } else {
+            loss.f_detach()
+                .and_then(|l| l.f_mul_scalar(batch.count as f64))
         }
         .ctx("accumulating the loss")?;
-        self.graph.add_loss(&loss_sum)
+        self.graph.add_loss(&loss_sum)?;
+        Ok(batch.count)
     }
 
     /// sync = every_step: all-reduce this micro-step's gradients now and add
@@ -242,13 +244,15 @@ impl<C: Collective> Engine<C> {
             }
             None => (false, false, false),
         };
-        let mut stats = vec![
-            self.window.samples as f32,
-            self.window.batches as f32,
-            loss_sum as f32,
-            f32::from(u8::from(stop)),
-            f32::from(u8::from(checkpoint)),
-        ];
+        let mut stats = WindowTally {
+            count: self.window.count,
+            batches: self.window.batches as u64,
+            loss_sum,
+            stop,
+            checkpoint,
+        }
+        .encode()
+        .to_vec();
         match self.acc.take() {
             Some(acc) => {
                 for (g, a) in grads.iter().zip(&acc) {
@@ -267,9 +271,10 @@ impl<C: Collective> Engine<C> {
             None => self.grads.all_reduce(&mut self.collective, &mut stats)?,
         }
         let comm = self.window.comm + t_comm.elapsed();
+        let global = WindowTally::decode(&stats);
         self.agreed = super::Agreed {
-            stop: stats[3] > 0.5,
-            checkpoint: stats[4] > 0.5,
+            stop: global.stop,
+            checkpoint: global.checkpoint,
             leave,
         };
         if self.agreed.checkpoint {
@@ -277,8 +282,8 @@ impl<C: Collective> Engine<C> {
                 c.checkpoint_now.store(false, Ordering::SeqCst);
             }
         }
-        let global_samples = stats[0].round() as u64;
-        let global_micro = stats[1].round() as u64;
+        let global_count = global.count;
+        let global_micro = global.batches;
         let world = self.collective.world_size() as f64;
         // fp16: the gradients carry scale / k (forward_backward); unscaled
         // once, here, with the normalization, before the norm and the clip.
@@ -290,7 +295,7 @@ impl<C: Collective> Engine<C> {
         // 1/divisor and the clip coefficient together.
         let t_clip = Instant::now();
         let divisor = match self.spec.accumulation.normalize {
-            Normalize::GlobalCount => global_samples as f64,
+            Normalize::GlobalCount => global_count as f64,
             Normalize::Mean => global_micro as f64,
             Normalize::Sum => world,
         } / unscale;
@@ -395,10 +400,10 @@ impl<C: Collective> Engine<C> {
             None => t_opt.elapsed().saturating_sub(prep_s),
         };
         // 5. commit.
-        self.has_state = true;
+        self.holds_committed = true;
         let s = &mut self.state;
         s.step += 1;
-        s.samples_seen += global_samples;
+        s.samples_seen += global_count;
         s.skipped_steps += skipped as u64;
         s.optimizer_steps = self.optimizer.steps;
         s.loss_scale = scaler.map(|ls| ls.update(&self.spec.loss_scaling, skipped));
@@ -423,14 +428,14 @@ impl<C: Collective> Engine<C> {
             total_steps: self.total_steps,
             epoch: s.epoch,
             micro_step: s.micro_step,
-            loss: loss_sum_global(stats[2] as f64, global_samples),
+            loss: loss_sum_global(global.loss_sum, global_count),
             grad_norm,
             clip_coef,
             skipped,
-            samples: global_samples,
+            samples: global_count,
             samples_seen: s.samples_seen,
             lr,
-            samples_per_sec: global_samples as f64 / wall.as_secs_f64().max(1e-9),
+            samples_per_sec: global_count as f64 / wall.as_secs_f64().max(1e-9),
             timing: Timing {
                 compute_s: window.compute.as_secs_f64(),
                 comm_s: comm.as_secs_f64(),
@@ -443,9 +448,9 @@ impl<C: Collective> Engine<C> {
             job_bytes_received: received,
             loss_scale: scaler.map_or(0.0, |ls| f64::from(ls.scale)),
             graph_replays: window.graph_replays,
-            eager_reason: window.eager_reason.unwrap_or_default(),
+            eager_reason: window.eager_reason,
             sync_graph_replayed: window.sync_replayed,
-            sync_eager_reason: window.sync_eager_reason.unwrap_or_default(),
+            sync_eager_reason: window.sync_eager_reason,
             resumed_from: self.resumed_from.take().unwrap_or_default(),
         })
     }
@@ -500,6 +505,6 @@ pub(super) enum LossScaleBy<'a> {
     Tensor(&'a Tensor),
 }
 
-fn loss_sum_global(sum: f64, samples: u64) -> f64 {
-    sum / samples.max(1) as f64
+fn loss_sum_global(sum: f64, count: u64) -> f64 {
+    sum / count.max(1) as f64
 }

@@ -119,7 +119,7 @@ impl<C: Collective> Engine<C> {
             .grads
             .cpu_mut()
             .ok_or_else(|| Error::Sharding("gradients are not on the CPU".into()))?;
-        self.collective.reduce_scatter_sum(g)
+        Ok(self.collective.reduce_scatter_sum(g)?)
     }
 
     /// This rank's slice of the reduced gradients: stage 2 with
@@ -366,17 +366,16 @@ impl<C: Collective> Engine<C> {
             }
             let mut flat = Vec::with_capacity(self.flat_len());
             for ((name, p), t) in self.model.params.iter().zip(parts) {
-                let t = t.ok_or_else(|| {
-                    Error::Model(format!(
-                        "optimizer state has {key} for some parameters but not {name}"
-                    ))
+                let t = t.ok_or_else(|| Error::OptimizerStateMissing {
+                    key: key.to_string(),
+                    param: name.clone(),
                 })?;
                 if t.size() != p.size() {
-                    return Err(Error::Model(format!(
-                        "optimizer state {name}.{key} has shape {:?}, parameter has {:?}",
-                        t.size(),
-                        p.size()
-                    )));
+                    return Err(Error::OptimizerStateShape {
+                        name: format!("{name}.{key}"),
+                        got: t.size(),
+                        want: p.size(),
+                    });
                 }
                 flat.extend(flatten(&[t])?);
             }
@@ -386,9 +385,9 @@ impl<C: Collective> Engine<C> {
             state.push((key, slice));
         }
         if let Some(extra) = saved.keys().next() {
-            return Err(Error::Model(format!(
-                "optimizer state names unknown tensor {extra}"
-            )));
+            return Err(Error::OptimizerStateUnknown {
+                name: extra.clone(),
+            });
         }
         self.optimizer.set_first_state(state, steps);
         self.zero_layout = Some(self.layout());

@@ -1,0 +1,107 @@
+//! The coordinator's settings: what the flags give, its security check and
+//! its checkpoint roots made absolute.
+
+use accrue_common::spec::{confine_field, Area, LocalFs, RootError, Roots};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub state_dir: PathBuf,
+    /// A worker silent this long is gone.
+    pub heartbeat_ttl: Duration,
+    /// How long a submission waits for its record to be durable before it
+    /// is taken back and refused with UNAVAILABLE.
+    pub durable_timeout: Duration,
+    /// Jobs estimated to need more memory per worker are refused (bytes).
+    pub max_job_memory: u64,
+    /// The tokens file (`--tokens`): bearer tokens with scopes for
+    /// JobService and HTTP. None: authentication off (every request is
+    /// allowed and jobs have no owner).
+    pub tokens: Option<PathBuf>,
+    /// Spec paths must lie under these roots (none: not confined). Made
+    /// absolute by [`Config::with_checked_roots`], which `start` calls.
+    pub roots: Roots,
+    /// TLS on both ports and mutual TLS for WorkerService (None: plaintext,
+    /// as before issue 14).
+    pub tls: Option<crate::tls::ServerTls>,
+    /// The ring master secret (`--ring-secret-file`): every data-plane key
+    /// is derived from it. None: `<state_dir>/ring-master.key` in embedded
+    /// mode (created on first start), a random in-memory one per replica
+    /// in etcd mode (see `crate::ringkey`).
+    pub ring_secret_file: Option<PathBuf>,
+    /// Run without what is not configured (TLS, tokens, TLS to etcd);
+    /// without it, `start` refuses an incomplete set-up (see
+    /// `accrue_proto::secure`).
+    pub insecure: bool,
+}
+
+impl Config {
+    /// Checks the security set-up (`etcd_tls`: in etcd mode, whether etcd
+    /// is reached over TLS) and logs a warning per waiver in force.
+    pub fn check_security(
+        &self,
+        etcd_tls: Option<bool>,
+    ) -> Result<(), accrue_proto::secure::SecurityError> {
+        use accrue_proto::secure::{decide, Waiver};
+        let mut pieces = vec![
+            (Waiver::ServerTls, self.tls.is_some()),
+            (Waiver::Tokens, self.tokens.is_some()),
+        ];
+        if let Some(e) = etcd_tls {
+            pieces.push((Waiver::EtcdTls, e));
+        }
+        for w in decide("the coordinator", &pieces, self.insecure)? {
+            tracing::warn!(waived = ?w, "--insecure: {}; give {} to close it", w.risk(), w.flags());
+        }
+        Ok(())
+    }
+
+    /// This config with its roots absolute and lexically normal, once the
+    /// default checkpoint folder (`<state-dir>/checkpoints`) is known to
+    /// lie under the checkpoint root: jobs whose spec names no folder
+    /// checkpoint there.
+    pub fn with_checked_roots(mut self) -> Result<Self, RootError> {
+        self.roots = self.roots.absolute()?;
+        if let Some(root) = &self.roots.checkpoint {
+            let default = accrue_proto::layout::default_checkpoint_dir(&self.state_dir, "");
+            let default = std::path::absolute(&default).unwrap_or(default);
+            confine_field(
+                &self.roots,
+                Area::Checkpoint,
+                "--state-dir",
+                &default,
+                &LocalFs,
+            )
+            .map_err(|e| RootError {
+                flag: Area::Checkpoint.flag(),
+                root: root.clone(),
+                reason: format!(
+                    "the default checkpoint folder {} (under --state-dir) must lie under it: {}",
+                    default.display(),
+                    e.allowed
+                ),
+            })?;
+        }
+        Ok(self)
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            state_dir: "runs".into(),
+            heartbeat_ttl: Duration::from_secs(10),
+            durable_timeout: Duration::from_secs(5),
+            max_job_memory: DEFAULT_MAX_JOB_MEMORY_GIB * accrue_common::spec::GIB,
+            tokens: None,
+            roots: Roots::default(),
+            tls: None,
+            ring_secret_file: None,
+            insecure: false,
+        }
+    }
+}
+
+/// The default of `--max-job-memory-gib`.
+pub const DEFAULT_MAX_JOB_MEMORY_GIB: u64 = 64;

@@ -1,0 +1,89 @@
+//! The safetensors format, written directly (each tensor copied once into
+//! the output buffer) and read back into tensors.
+
+use crate::error::{Error, Result, TorchContext};
+use std::path::Path;
+use tch::Tensor;
+
+/// The safetensors name of a tensor kind (the format's `dtype`).
+fn dtype_name(kind: tch::Kind) -> Option<&'static str> {
+    use tch::Kind::*;
+    Some(match kind {
+        Bool => "BOOL",
+        Uint8 => "U8",
+        Int8 => "I8",
+        Int16 => "I16",
+        Int => "I32",
+        Int64 => "I64",
+        BFloat16 => "BF16",
+        Half => "F16",
+        Float => "F32",
+        Double => "F64",
+        _ => return None,
+    })
+}
+
+/// `tensors` in the safetensors format: an 8-byte little-endian header
+/// length, the JSON header (dtype, shape and data offsets by name, padded
+/// with spaces to a multiple of 8), then every tensor's bytes in order.
+/// Each tensor is copied once, from its device straight into the output
+/// buffer (a zeroed allocation the kernel hands out lazily).
+pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let mut header = serde_json::Map::new();
+    let mut spans = Vec::with_capacity(tensors.len());
+    let mut offset = 0usize;
+    for (name, t) in tensors {
+        let kind = t
+            .f_kind()
+            .ctx("reading a tensor's kind for the checkpoint")?;
+        let dtype = dtype_name(kind).ok_or_else(|| Error::Encode {
+            what: format!("checkpoint tensor {name}"),
+            reason: format!("{kind:?} cannot be checkpointed"),
+        })?;
+        let numel = t.numel();
+        let len = numel * kind.elt_size_in_bytes();
+        header.insert(
+            name.clone(),
+            serde_json::json!({
+                "dtype": dtype,
+                "shape": t.size(),
+                "data_offsets": [offset, offset + len],
+            }),
+        );
+        spans.push((offset, len, numel));
+        offset += len;
+    }
+    let mut json = serde_json::to_vec(&header).map_err(|e| Error::Encode {
+        what: "the checkpoint header".into(),
+        reason: e.to_string(),
+    })?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let start = 8 + json.len();
+    let mut out = vec![0u8; start + offset];
+    out[..8].copy_from_slice(&(json.len() as u64).to_le_bytes());
+    out[8..start].copy_from_slice(&json);
+    for ((_, t), (at, len, numel)) in tensors.iter().zip(spans) {
+        // at_copy_data brings a device or strided tensor to a contiguous
+        // host copy first.
+        t.f_copy_data_u8(&mut out[start + at..start + at + len], numel)
+            .ctx("copying a tensor for the checkpoint")?;
+    }
+    Ok(out)
+}
+
+/// Tensors from safetensors bytes (`path` names them in errors).
+pub(super) fn tensors_from(
+    bytes: &[u8],
+    path: &Path,
+) -> std::result::Result<Vec<(String, Tensor)>, String> {
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            Tensor::try_from(v)
+                .map(|t| (n, t))
+                .map_err(|e| format!("{}: {e}", path.display()))
+        })
+        .collect()
+}

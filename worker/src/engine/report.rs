@@ -1,0 +1,85 @@
+//! What the engine reports: each committed step, each evaluation, each
+//! checkpoint, and the run's end.
+
+use crate::checkpoint::TrainerState;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// Wall time of one optimizer step, split by phase.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct Timing {
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub clip_s: f64,
+    pub optimizer_s: f64,
+}
+
+/// What one committed optimizer step did.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct StepReport {
+    pub step: u64,
+    pub total_steps: u64,
+    pub epoch: u64,
+    pub micro_step: u64,
+    /// Mean loss over the window's samples on all ranks.
+    pub loss: f64,
+    /// Total gradient norm after normalization, before clipping.
+    pub grad_norm: f64,
+    /// Factor applied by norm clipping (1 when not clipped).
+    pub clip_coef: f64,
+    pub skipped: bool,
+    /// Samples in this window over all ranks.
+    pub samples: u64,
+    pub samples_seen: u64,
+    pub lr: f64,
+    pub samples_per_sec: f64,
+    pub timing: Timing,
+    /// Data-plane bytes this rank sent and received for this step.
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// The same since this process joined the job.
+    pub job_bytes_sent: u64,
+    pub job_bytes_received: u64,
+    /// fp16: the loss scale this step's gradients had (0 otherwise).
+    pub loss_scale: f64,
+    /// Micro-steps of this window that replayed a CUDA graph.
+    pub graph_replays: u64,
+    /// Why the window's micro-steps (the last that did) ran eagerly (None:
+    /// none did; the proto's "" through [`crate::graphs::reason_text`]).
+    #[serde(serialize_with = "crate::graphs::serialize_reason")]
+    pub eager_reason: Option<crate::graphs::EagerReason>,
+    /// The sync step's work after the reduction replayed its CUDA graph.
+    pub sync_graph_replayed: bool,
+    /// Why the sync step ran eagerly (None: on the device, as a graph or
+    /// its body).
+    #[serde(serialize_with = "crate::graphs::serialize_reason")]
+    pub sync_eager_reason: Option<crate::graphs::EagerReason>,
+    /// The first report of this process or generation: where the rank's
+    /// state came from and why ("fresh start", "checkpoint step-32 (...)",
+    /// "rank 1's state (step 52)"); "" on later reports.
+    pub resumed_from: String,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct EvalReport {
+    pub epoch: u64,
+    pub step: u64,
+    pub loss: f64,
+    pub accuracy: f64,
+    pub samples: u64,
+}
+
+pub enum Event<'a> {
+    Step(&'a StepReport),
+    Eval(&'a EvalReport),
+    Checkpoint(&'a Path),
+}
+
+#[derive(Debug)]
+pub struct Summary {
+    pub state: TrainerState,
+    pub eval: Option<EvalReport>,
+    pub checkpoint: PathBuf,
+    /// Whether the run reached the job's last step (false when stopped early).
+    pub finished: bool,
+}

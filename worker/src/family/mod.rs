@@ -1,0 +1,107 @@
+//! The model-family registry: one module per family, one line in
+//! [`FAMILIES`] each. A family owns, for the worker, its builder from an
+//! `nn::Path` (the parameter names are the paths it creates), its checks
+//! of the data's sample shape, and its output contract. The spec's kind
+//! enum, its field checks and memory estimate (accrue-common, which links
+//! no libtorch) and the proto conversion keep the list of names.
+//!
+//! A new family: a module here implementing [`Family`], its line in
+//! [`FAMILIES`], its name in `ModelKind` (common/src/spec/kinds.rs) and
+//! the proto enum.
+
+mod lenet5;
+mod mlp;
+mod resnet;
+mod torchscript;
+
+use crate::error::{Error, Result};
+use crate::model::Named;
+use crate::spec::{ModelKind, ModelSpec};
+use tch::nn::{self, ModuleT};
+use tch::CModule;
+
+/// What a family's builder gives: layers on the `nn::Path` (their
+/// variables live in its VarStore), or a loaded TorchScript module with
+/// its own parameters.
+pub enum Built {
+    Layers(Box<dyn ModuleT>),
+    Script(CModule, Named),
+}
+
+/// What a builder builds: the spec, where (names and device), for
+/// samples of `shape` (without the batch dimension) and `classes` outputs.
+pub struct BuildTo<'a> {
+    pub spec: &'a ModelSpec,
+    pub root: &'a nn::Path<'a>,
+    pub shape: &'a [i64],
+    pub classes: i64,
+}
+
+/// One model family.
+pub trait Family: Sync {
+    /// The spec kinds it builds.
+    fn kinds(&self) -> &'static [ModelKind];
+
+    /// Builds the model `to` asks for (parameter names are the paths
+    /// created under `to.root`), after checking that the family can take
+    /// its samples.
+    fn build(&self, to: &BuildTo<'_>) -> Result<Built>;
+
+    /// Whether the builder draws initial weights (then it runs seeded
+    /// under the initialisation lock); a loaded module does not.
+    fn draws_weights(&self) -> bool {
+        true
+    }
+
+    /// The output contract, checked on a probe batch of 2: per-class
+    /// logits `[2, classes]` (what the classification objective reads).
+    fn check_output(&self, kind: ModelKind, got: &[i64], classes: i64) -> Result<()> {
+        if got.len() != 2 || got[1] != classes {
+            return Err(Error::ModelOutput {
+                model: kind,
+                got: got.to_vec(),
+                classes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Every family, one line each.
+static FAMILIES: &[&dyn Family] = &[
+    &mlp::Mlp,
+    &lenet5::LeNet5,
+    &resnet::ResNet,
+    &torchscript::TorchScript,
+];
+
+/// The family that builds `kind`.
+pub fn family(kind: ModelKind) -> &'static dyn Family {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.kinds().contains(&kind))
+        .unwrap_or_else(|| unreachable!("model kind {kind} has no family in the registry"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_exactly_one_family() {
+        for kind in [
+            ModelKind::Mlp,
+            ModelKind::Lenet5,
+            ModelKind::Resnet18,
+            ModelKind::Resnet34,
+            ModelKind::Torchscript,
+        ] {
+            let n = FAMILIES
+                .iter()
+                .filter(|f| f.kinds().contains(&kind))
+                .count();
+            assert_eq!(n, 1, "{kind}");
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! [`Objective`]: the loss a job trains with and the metrics its
+//! evaluation reports. The window and the evaluation call it; they own the
+//! counting and the normalization (docs/SEMANTICS.md), the objective owns
+//! nothing about either.
+
+use crate::batch::Batch;
+use crate::error::{Result, TorchContext};
+use tch::{Kind, Reduction, Tensor};
+
+/// The loss of one batch: its sum over the batch's loss terms (a 0-dim
+/// tensor on the output's device, with its graph for backward) and their
+/// count.
+pub struct LossSum {
+    pub sum: Tensor,
+    pub count: u64,
+}
+
+/// What an evaluation adds up over the held-out split's batches.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EvalSums {
+    /// The loss summed over the loss terms.
+    pub loss_sum: f64,
+    /// Loss terms.
+    pub count: u64,
+    /// Terms predicted right (classification: argmax = label).
+    pub correct: u64,
+}
+
+impl EvalSums {
+    pub fn add(&mut self, other: EvalSums) {
+        self.loss_sum += other.loss_sum;
+        self.count += other.count;
+        self.correct += other.correct;
+    }
+
+    /// The loss per term.
+    pub fn loss(&self) -> f64 {
+        self.loss_sum / self.count.max(1) as f64
+    }
+
+    /// The share of terms predicted right.
+    pub fn accuracy(&self) -> f64 {
+        self.correct as f64 / self.count.max(1) as f64
+    }
+}
+
+/// A training objective.
+pub trait Objective: Send + std::fmt::Debug {
+    /// The loss summed over `batch`'s loss terms, and their count.
+    fn loss(&self, output: &Tensor, batch: &Batch) -> Result<LossSum>;
+
+    /// The loss averaged over `batch`'s terms, as the loss function's own
+    /// mean reduction computes it (`normalize = "mean" | "sum"` train with
+    /// the per-micro-batch mean; libtorch's mean, not sum / count, keeps
+    /// them bitwise equal to PyTorch's references).
+    fn mean_loss(&self, output: &Tensor, batch: &Batch) -> Result<Tensor>;
+
+    /// The evaluation's sums over one held-out batch.
+    fn evaluate(&self, output: &Tensor, batch: &Batch) -> Result<EvalSums>;
+}
+
+/// Classification: cross-entropy of `[N, classes]` logits against i64
+/// labels (-100 ignored), one term per sample; accuracy by argmax.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Classification;
+
+impl Classification {
+    fn cross_entropy(output: &Tensor, batch: &Batch, reduction: Reduction) -> Result<Tensor> {
+        output
+            .f_cross_entropy_loss::<Tensor>(&batch.targets, None, reduction, -100, 0.0)
+            .ctx("computing the loss")
+    }
+}
+
+impl Objective for Classification {
+    fn loss(&self, output: &Tensor, batch: &Batch) -> Result<LossSum> {
+        Ok(LossSum {
+            sum: Self::cross_entropy(output, batch, Reduction::Sum)?,
+            count: batch.count,
+        })
+    }
+
+    fn mean_loss(&self, output: &Tensor, batch: &Batch) -> Result<Tensor> {
+        Self::cross_entropy(output, batch, Reduction::Mean)
+    }
+
+    fn evaluate(&self, output: &Tensor, batch: &Batch) -> Result<EvalSums> {
+        let loss_sum = self
+            .loss(output, batch)?
+            .sum
+            .f_double_value(&[])
+            .ctx("evaluating")?;
+        let correct = output
+            .f_argmax(-1, false)
+            .and_then(|p| p.f_eq_tensor(&batch.targets))
+            .and_then(|e| e.f_sum(Kind::Int64))
+            .and_then(|s| s.f_int64_value(&[]))
+            .ctx("evaluating")?;
+        Ok(EvalSums {
+            loss_sum,
+            count: batch.count,
+            correct: correct as u64,
+        })
+    }
+}
