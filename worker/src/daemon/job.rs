@@ -128,13 +128,13 @@ pub(super) type Current = Arc<Mutex<Option<(String, u64, u32)>>>;
 
 /// The ring of the current generation; empty between generations (so the
 /// old ring's listener thread is gone before the next ring forms).
-pub struct RingSlot {
+pub struct DaemonRing {
     ring: Option<TcpRing>,
     rank: usize,
     world: usize,
 }
 
-impl RingSlot {
+impl DaemonRing {
     fn closed(&self) -> Self {
         Self {
             ring: None,
@@ -149,7 +149,7 @@ impl RingSlot {
     }
 }
 
-impl Collective for RingSlot {
+impl Collective for DaemonRing {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -204,7 +204,7 @@ struct JobThread<'a> {
     listener: Option<TcpListener>,
     control: Arc<Control>,
     out: &'a mpsc::UnboundedSender<WorkerMessage>,
-    engine: Option<Engine<RingSlot>>,
+    engine: Option<Engine<DaemonRing>>,
 }
 
 impl JobThread<'_> {
@@ -233,13 +233,13 @@ impl JobThread<'_> {
             Ok(r) => r,
             Err(e) => return Outcome::Interrupted(e.to_string()),
         };
-        let slot = RingSlot {
+        let ring = DaemonRing {
             ring: Some(ring),
             rank: rank as usize,
             world: a.world_size as usize,
         };
         let ready = match self.engine.as_mut() {
-            Some(engine) => engine.reconfigure(slot, spec.accumulation.steps),
+            Some(engine) => engine.reconfigure(ring, spec.accumulation.steps),
             None => {
                 let opts = RunOptions {
                     checkpoint_dir,
@@ -251,7 +251,7 @@ impl JobThread<'_> {
                     control: Some(self.control.clone()),
                     ..Default::default()
                 };
-                Engine::new(spec, slot, opts).map(|e| {
+                Engine::new(spec, ring, opts).map(|e| {
                     self.engine = Some(e);
                 })
             }

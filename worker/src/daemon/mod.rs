@@ -33,7 +33,7 @@ use job::{Current, Running};
 use outbox::Outbox;
 use session::Backoff;
 
-pub use job::RingSlot;
+pub use job::DaemonRing;
 pub use session::{ATTACH_TIMEOUT, CONNECT_TIMEOUT};
 
 #[derive(Clone, Debug)]
