@@ -30,7 +30,7 @@ pub type Result<T, E = CollectiveError> = std::result::Result<T, E>;
 /// Called with a bucket's index and its host memory: before the bucket is
 /// reduced (`stage_in`, e.g. a device-to-host copy) or after (`stage_out`).
 /// `E` is the caller's error, which the collective's own converts into.
-pub type Stage<'a, E> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<(), E>;
+pub type BucketCopy<'a, E> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<(), E>;
 
 pub trait Collective: Send {
     fn rank(&self) -> usize;
@@ -53,8 +53,8 @@ pub trait Collective: Send {
     fn all_reduce_buckets<E: From<CollectiveError>>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: Stage<'_, E>,
-        stage_out: Stage<'_, E>,
+        stage_in: BucketCopy<'_, E>,
+        stage_out: BucketCopy<'_, E>,
     ) -> Result<(), E> {
         let single = self.world_size() == 1;
         for (i, b) in buckets.iter_mut().enumerate() {

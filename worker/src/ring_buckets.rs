@@ -3,7 +3,7 @@
 //! only its own `CommError`) and the error module (which wraps it), so
 //! neither reaches up to the other.
 
-use crate::collective::Stage;
+use crate::collective::BucketCopy;
 use crate::comm::TcpRing;
 use crate::error::Error;
 
@@ -15,8 +15,8 @@ impl TcpRing {
     pub fn all_reduce_buckets(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: Stage<'_, Error>,
-        stage_out: Stage<'_, Error>,
+        stage_in: BucketCopy<'_, Error>,
+        stage_out: BucketCopy<'_, Error>,
     ) -> Result<(), Error> {
         self.buckets_with(buckets, stage_in, stage_out, Error::from)
     }

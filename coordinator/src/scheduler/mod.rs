@@ -187,7 +187,7 @@ pub enum Effect {
 }
 
 #[derive(Clone, Debug)]
-pub struct Config {
+pub struct Policy {
     /// A worker silent this long is lost.
     pub heartbeat_ttl_ms: i64,
     /// Checkpoints of jobs whose spec names no folder go under here.
@@ -276,7 +276,7 @@ impl JobEntry {
 
 /// The coordinator's whole state.
 pub struct Cluster {
-    cfg: Config,
+    cfg: Policy,
     jobs: BTreeMap<String, JobEntry>,
     /// Submission order.
     order: Vec<String>,
@@ -324,7 +324,7 @@ fn save_series(entry: &mut JobEntry, now: i64, fx: &mut Vec<Effect>) {
 }
 
 impl Cluster {
-    pub fn new(cfg: Config, ring_keys: RingKeys) -> Self {
+    pub fn new(cfg: Policy, ring_keys: RingKeys) -> Self {
         Self {
             cfg,
             jobs: BTreeMap::new(),

@@ -303,7 +303,7 @@ fn paths_outside_their_roots_are_refused_at_submit() {
         checkpoint: Some("/state".into()),
     };
     let mut c = Cluster::new(
-        Config {
+        Policy {
             heartbeat_ttl_ms: 60_000,
             state_dir: "/state".into(),
             max_job_memory: 8 << 30,

@@ -8,7 +8,7 @@ const TTL: i64 = 60_000;
 
 pub(super) fn cluster() -> Cluster {
     Cluster::new(
-        Config {
+        Policy {
             heartbeat_ttl_ms: TTL,
             state_dir: "/state".into(),
             max_job_memory: 8 << 30,

@@ -133,7 +133,7 @@ impl Coordinator {
         master: RingMaster,
     ) -> Result<Arc<Self>, crate::store::StoreError> {
         let mut cluster = Cluster::new(
-            scheduler::Config {
+            scheduler::Policy {
                 heartbeat_ttl_ms: cfg.heartbeat_ttl.as_millis() as i64,
                 state_dir: std::path::absolute(&cfg.state_dir)
                     .unwrap_or_else(|_| cfg.state_dir.clone()),

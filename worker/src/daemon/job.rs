@@ -171,8 +171,8 @@ impl Collective for DaemonRing {
     fn all_reduce_buckets<E>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: crate::collective::Stage<'_, E>,
-        stage_out: crate::collective::Stage<'_, E>,
+        stage_in: crate::collective::BucketCopy<'_, E>,
+        stage_out: crate::collective::BucketCopy<'_, E>,
     ) -> Result<(), E>
     where
         E: From<CollectiveError>,

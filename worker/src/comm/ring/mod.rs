@@ -22,7 +22,7 @@ mod threads;
 
 pub use error::CommError;
 
-use crate::collective::{Collective, CollectiveError, Stage};
+use crate::collective::{BucketCopy, Collective, CollectiveError};
 use crate::comm::wire::{self, Header, Kind};
 use algo::Comm;
 use connect::{connect_next, spawn_acceptor};
@@ -370,8 +370,8 @@ impl TcpRing {
     pub(crate) fn buckets_with<E>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: Stage<'_, E>,
-        stage_out: Stage<'_, E>,
+        stage_in: BucketCopy<'_, E>,
+        stage_out: BucketCopy<'_, E>,
         lift: impl Fn(CommError) -> E,
     ) -> Result<(), E> {
         if self.cfg.world == 1 {
@@ -529,8 +529,8 @@ impl Collective for TcpRing {
     fn all_reduce_buckets<E>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: Stage<'_, E>,
-        stage_out: Stage<'_, E>,
+        stage_in: BucketCopy<'_, E>,
+        stage_out: BucketCopy<'_, E>,
     ) -> Result<(), E>
     where
         E: From<CollectiveError>,
