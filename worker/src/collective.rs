@@ -28,7 +28,7 @@ pub enum CollectiveError {
 pub type Result<T, E = CollectiveError> = std::result::Result<T, E>;
 
 /// Called with a bucket's index and its host memory: before the bucket is
-/// reduced (`stage_in`, e.g. a device-to-host copy) or after (`stage_out`).
+/// reduced (`copy_in`, e.g. a device-to-host copy) or after (`copy_out`).
 /// `E` is the caller's error, which the collective's own converts into.
 pub type BucketCopy<'a, E> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<(), E>;
 
@@ -45,26 +45,26 @@ pub trait Collective: Send {
     fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<()>;
-    /// Sums every bucket over all ranks, in place, in order. `stage_in(i)`
-    /// runs before bucket i is reduced and `stage_out(i)` after. The default
+    /// Sums every bucket over all ranks, in place, in order. `copy_in(i)`
+    /// runs before bucket i is reduced and `copy_out(i)` after. The default
     /// runs them in sequence through [`Collective::all_reduce_sum`] (one copy
     /// per bucket; none for W = 1); the TCP ring works on the buckets' own
-    /// memory and runs `stage_in(i + 1)` while bucket i is on the wire.
+    /// memory and runs `copy_in(i + 1)` while bucket i is on the wire.
     fn all_reduce_buckets<E: From<CollectiveError>>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: BucketCopy<'_, E>,
-        stage_out: BucketCopy<'_, E>,
+        copy_in: BucketCopy<'_, E>,
+        copy_out: BucketCopy<'_, E>,
     ) -> Result<(), E> {
         let single = self.world_size() == 1;
         for (i, b) in buckets.iter_mut().enumerate() {
-            stage_in(i, b)?;
+            copy_in(i, b)?;
             if !single {
                 let mut v = b.to_vec();
                 self.all_reduce_sum(&mut v)?;
                 b.copy_from_slice(&v);
             }
-            stage_out(i, b)?;
+            copy_out(i, b)?;
         }
         Ok(())
     }

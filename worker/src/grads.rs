@@ -50,16 +50,16 @@ impl FlatGrads {
     /// Allocates the buffer and makes every parameter's gradient a view of
     /// it (current gradient values are kept). `bucket_cap` is in elements.
     pub fn attach(params: &[(String, Tensor)], bucket_cap: usize) -> Result<Self> {
-        Self::attach_staged(params, bucket_cap, false)
+        Self::attach_via_host(params, bucket_cap, false)
     }
 
-    /// [`FlatGrads::attach`]; with `staged` the collectives go through a
+    /// [`FlatGrads::attach`]; with `via_host` the collectives go through a
     /// separate host buffer also on the CPU, as they do on CUDA (so the CPU
     /// tests run the staging path: every copy but the device transfer).
-    pub fn attach_staged(
+    pub fn attach_via_host(
         params: &[(String, Tensor)],
         bucket_cap: usize,
-        staged: bool,
+        via_host: bool,
     ) -> Result<Self> {
         let _guard = tch::no_grad_guard();
         let device = params
@@ -100,7 +100,7 @@ impl FlatGrads {
                     .and_then(|h| h.f_pin_memory(device))
                     .ctx("allocating pinned memory")?,
             )
-        } else if staged {
+        } else if via_host {
             Some(
                 Tensor::f_zeros([(len + EXTRA) as i64], (Kind::Float, Device::Cpu))
                     .ctx("allocating the host buffer")?,
@@ -160,12 +160,12 @@ impl FlatGrads {
         Ok(())
     }
 
-    /// Whether collectives go through the host mirror (CUDA, or staged).
-    pub fn staged(&self) -> bool {
+    /// Whether collectives go through the host mirror (CUDA, or asked for).
+    pub fn via_host(&self) -> bool {
         self.host.is_some()
     }
 
-    /// The host mirror's gradient part (no EXTRA slots) when staged.
+    /// The host mirror's gradient part (no EXTRA slots) when there is one.
     pub fn host_mut(&mut self) -> Option<&mut [f32]> {
         let h = self.host.as_ref()?;
         // SAFETY: the mirror is a contiguous float32 CPU tensor of len +
@@ -174,17 +174,17 @@ impl FlatGrads {
         Some(unsafe { std::slice::from_raw_parts_mut(h.data_ptr() as *mut f32, self.len) })
     }
 
-    /// Copies elements `r` of the gradients to the host mirror (staged).
+    /// Copies elements `r` of the gradients to the host mirror (host mirror).
     pub fn to_host(&self, r: Range<usize>) -> Result<()> {
         self.copy_between(r, true)
     }
 
-    /// Copies elements `r` of the host mirror into the gradients (staged).
+    /// Copies elements `r` of the host mirror into the gradients (host mirror).
     pub fn from_host(&self, r: Range<usize>) -> Result<()> {
         self.copy_between(r, false)
     }
 
-    /// Elements `r` of the host mirror (staged), as a tensor view.
+    /// Elements `r` of the host mirror (via_host), as a tensor view.
     pub fn host_view(&self, r: Range<usize>) -> Result<Tensor> {
         let h = self
             .host
@@ -359,9 +359,9 @@ impl FlatGrads {
             at = r.end;
         }
         let ranges = self.buckets.clone();
-        let staged = self.host.is_some();
-        let mut stage_in = |i: usize, _: &mut [f32]| -> Result<()> {
-            if staged {
+        let via_host = self.host.is_some();
+        let mut copy_in = |i: usize, _: &mut [f32]| -> Result<()> {
+            if via_host {
                 let r = &ranges[i];
                 let n = (r.end - r.start) as i64;
                 let is_last = i + 1 == ranges.len();
@@ -373,8 +373,8 @@ impl FlatGrads {
             }
             Ok(())
         };
-        let mut stage_out = |i: usize, _: &mut [f32]| -> Result<()> {
-            if staged {
+        let mut copy_out = |i: usize, _: &mut [f32]| -> Result<()> {
+            if via_host {
                 let r = &ranges[i];
                 let n = (r.end - r.start) as i64;
                 let dev_n = if i + 1 == ranges.len() {
@@ -388,7 +388,7 @@ impl FlatGrads {
             }
             Ok(())
         };
-        collective.all_reduce_buckets(&mut parts, &mut stage_in, &mut stage_out)?;
+        collective.all_reduce_buckets(&mut parts, &mut copy_in, &mut copy_out)?;
         extra.copy_from_slice(&mem[len..len + extra.len()]);
         Ok(())
     }

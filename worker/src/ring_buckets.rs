@@ -9,15 +9,15 @@ use crate::error::Error;
 
 impl TcpRing {
     /// Reduces `buckets` in place, in order, on the communication thread,
-    /// without copying them: every bucket is staged in (`stage_in`) and
+    /// without copying them: every bucket is staged in (`copy_in`) and
     /// queued as soon as it is ready, so staging bucket i + 1 overlaps the
-    /// reduction of bucket i, and `stage_out(i)` overlaps bucket i + 1.
+    /// reduction of bucket i, and `copy_out(i)` overlaps bucket i + 1.
     pub fn all_reduce_buckets(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: BucketCopy<'_, Error>,
-        stage_out: BucketCopy<'_, Error>,
+        copy_in: BucketCopy<'_, Error>,
+        copy_out: BucketCopy<'_, Error>,
     ) -> Result<(), Error> {
-        self.buckets_with(buckets, stage_in, stage_out, Error::from)
+        self.buckets_with(buckets, copy_in, copy_out, Error::from)
     }
 }

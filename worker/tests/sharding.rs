@@ -426,7 +426,7 @@ fn the_staged_path_of_cuda_equals_the_direct_path() {
     let staged = |dir: PathBuf| {
         move |_| RunOptions {
             checkpoint_dir: Some(dir.clone()),
-            stage_through_host: true,
+            copy_through_host: true,
             ..Default::default()
         }
     };

@@ -171,13 +171,13 @@ impl Collective for DaemonRing {
     fn all_reduce_buckets<E>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: crate::collective::BucketCopy<'_, E>,
-        stage_out: crate::collective::BucketCopy<'_, E>,
+        copy_in: crate::collective::BucketCopy<'_, E>,
+        copy_out: crate::collective::BucketCopy<'_, E>,
     ) -> Result<(), E>
     where
         E: From<CollectiveError>,
     {
-        Collective::all_reduce_buckets(self.ring()?, buckets, stage_in, stage_out)
+        Collective::all_reduce_buckets(self.ring()?, buckets, copy_in, copy_out)
     }
     fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
         Collective::reduce_scatter_sum(self.ring()?, buf)

@@ -195,7 +195,7 @@ impl<C: Collective> Engine<C> {
         };
         let optimizer = Optimizer::new(&spec.optimizer, stepped);
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
-        let grads = FlatGrads::attach_staged(&model.params, cap_elems, opts.stage_through_host)?;
+        let grads = FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?;
         let checkpoint_dir = opts
             .checkpoint_dir
             .clone()

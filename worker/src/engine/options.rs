@@ -32,7 +32,7 @@ pub struct RunOptions {
     pub sample_log: Option<PathBuf>,
     /// Run the collectives through a separate host buffer on the CPU too,
     /// as on CUDA (tests use it to run the staging path without a GPU).
-    pub stage_through_host: bool,
+    pub copy_through_host: bool,
     /// Run every full-size micro-step as the CUDA graph's body (static
     /// index buffer, loss scale from a tensor, autocast without its cast
     /// cache) without capturing, on any device: tests check it against the

@@ -17,7 +17,7 @@
 //! device; the ring works in the pinned host mirror (the whole buffer
 //! down for the reduce-scatter, this rank's slice back; the stepped slice
 //! down for the all-gather, the whole buffer back). The CPU tests run that
-//! staging path too (`RunOptions::stage_through_host`); it has not run on
+//! staging path too (`RunOptions::copy_through_host`); it has not run on
 //! a GPU yet.
 //!
 //! SGD takes the fused CPU pass (as stage 0), Adam and AdamW (and CUDA)
@@ -105,7 +105,7 @@ impl<C: Collective> Engine<C> {
     /// CUDA (staged) the gradients go to the pinned host mirror, the ring
     /// works there, and this rank's slice comes back to the device.
     pub(super) fn zero_reduce(&mut self) -> Result<()> {
-        if self.grads.staged() {
+        if self.grads.via_host() {
             let (len, s) = (self.flat_len(), self.my_slice());
             self.grads.to_host(0..len)?;
             let h = self
@@ -259,7 +259,7 @@ impl<C: Collective> Engine<C> {
         // gather fills in every other rank's.
         self.grads.restore(&self.model.params)?;
         let flat = self.grads.view()?;
-        if self.grads.staged() {
+        if self.grads.via_host() {
             // CUDA: the gather runs in the pinned host mirror, and the
             // whole buffer goes back to the device once.
             self.grads

@@ -362,22 +362,22 @@ impl TcpRing {
     }
 
     /// Reduces `buckets` in place, in order, on the communication thread,
-    /// without copying them: every bucket is staged in (`stage_in`) and
+    /// without copying them: every bucket is staged in (`copy_in`) and
     /// queued as soon as it is ready, so staging bucket i + 1 overlaps the
-    /// reduction of bucket i, and `stage_out(i)` overlaps bucket i + 1. The
+    /// reduction of bucket i, and `copy_out(i)` overlaps bucket i + 1. The
     /// ring's failures become the stages' error `E` through `lift` (the
     /// worker's form: `TcpRing::all_reduce_buckets`, in `ring_buckets`).
     pub(crate) fn buckets_with<E>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: BucketCopy<'_, E>,
-        stage_out: BucketCopy<'_, E>,
+        copy_in: BucketCopy<'_, E>,
+        copy_out: BucketCopy<'_, E>,
         lift: impl Fn(CommError) -> E,
     ) -> Result<(), E> {
         if self.cfg.world == 1 {
             for (i, b) in buckets.iter_mut().enumerate() {
-                stage_in(i, b)?;
-                stage_out(i, b)?;
+                copy_in(i, b)?;
+                copy_out(i, b)?;
             }
             return Ok(());
         }
@@ -388,7 +388,7 @@ impl TcpRing {
         let mut posted = 0;
         let mut first_err: Option<E> = None;
         for (i, b) in buckets.iter_mut().enumerate() {
-            if let Err(e) = stage_in(i, b) {
+            if let Err(e) = copy_in(i, b) {
                 first_err = Some(e);
                 break;
             }
@@ -412,7 +412,7 @@ impl TcpRing {
                 .map_err(|_| CommError::Setup("the communication thread has stopped".into()));
             match reply {
                 Ok(Ok(_)) if first_err.is_none() => {
-                    if let Err(e) = stage_out(i, b) {
+                    if let Err(e) = copy_out(i, b) {
                         first_err = Some(e);
                     }
                 }
@@ -529,13 +529,13 @@ impl Collective for TcpRing {
     fn all_reduce_buckets<E>(
         &mut self,
         buckets: &mut [&mut [f32]],
-        stage_in: BucketCopy<'_, E>,
-        stage_out: BucketCopy<'_, E>,
+        copy_in: BucketCopy<'_, E>,
+        copy_out: BucketCopy<'_, E>,
     ) -> Result<(), E>
     where
         E: From<CollectiveError>,
     {
-        self.buckets_with(buckets, stage_in, stage_out, |e| {
+        self.buckets_with(buckets, copy_in, copy_out, |e| {
             E::from(CollectiveError::from(e))
         })
     }
