@@ -174,12 +174,12 @@ impl FlatGrads {
         Some(unsafe { std::slice::from_raw_parts_mut(h.data_ptr() as *mut f32, self.len) })
     }
 
-    /// Copies elements `r` of the gradients to the host mirror (host mirror).
+    /// Copies elements `r` of the gradients to the host mirror.
     pub fn to_host(&self, r: Range<usize>) -> Result<()> {
         self.copy_between(r, true)
     }
 
-    /// Copies elements `r` of the host mirror into the gradients (host mirror).
+    /// Copies elements `r` of the host mirror into the gradients.
     pub fn from_host(&self, r: Range<usize>) -> Result<()> {
         self.copy_between(r, false)
     }
