@@ -4,7 +4,7 @@ use tch::Tensor;
 
 /// The tensors a micro-step (or an evaluation step) consumes and its
 /// count of loss terms. The window adds `count` up, the sync step sums it
-/// over the ranks exactly (crate::tally) and `normalize = "global_count"`
+/// over the ranks exactly (the tally module) and `normalize = "global_count"`
 /// divides the summed gradients by it.
 #[derive(Debug)]
 pub struct Batch {

@@ -38,7 +38,7 @@ pub enum Error {
     /// only.
     #[error("optimizer state has {key} for some parameters but not {param}")]
     OptimizerStateMissing { key: String, param: String },
-    /// The flat gradient buffer's invariants (crate::grads).
+    /// The flat gradient buffer's invariants (the gradient module).
     #[error("gradient buffer: {0}")]
     GradBuffer(String),
     /// Autocast unavailable for the device or the kind.

@@ -18,7 +18,7 @@ use tch::{CModule, Device, Kind, Tensor};
 static INIT_LOCK: Mutex<()> = Mutex::new(());
 
 /// Tensors by PyTorch name.
-pub type Named = Vec<(String, Tensor)>;
+pub use crate::family::Named;
 
 /// Where weights loaded by name come from: errors name the file
 /// (`model.init`) or the checkpoint folder.

@@ -1,5 +1,5 @@
 //! [`DataSource`]: where a job's samples come from. MNIST, CIFAR-10,
-//! `tensors` and `synthetic` are implementations (crate::data::Dataset,
+//! `tensors` and `synthetic` are implementations (data::Dataset,
 //! which holds its split in memory); a source may equally read lazily
 //! (a memory map, a file read per batch): the engine asks only for the
 //! length and for batches by index.

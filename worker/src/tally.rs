@@ -2,7 +2,7 @@
 //! gradients: the window's loss-term count, its non-empty micro-batches,
 //! its loss sum, and the requests every rank must honour at the same step
 //! (stop, checkpoint). They ride as f32 slots after the gradients
-//! ([`crate::grads::EXTRA`]), so the reduction stays one collective.
+//! (the gradient buffer's `EXTRA`), so the reduction stays one collective.
 //!
 //! An f32 holds integers exactly only up to 2^24 (16.7 M: one language-model
 //! window's tokens can pass it), so the count travels in [`COUNT_PIECES`]
@@ -32,7 +32,7 @@ const _: () = assert!(((1u64 << PIECE_BITS) - 1) * MAX_WORKERS as u64 <= 1 << 24
 /// One rank's contribution before the reduction, the global sums after it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct WindowTally {
-    /// Loss terms (samples, target tokens): [`crate::batch::Batch::count`]
+    /// Loss terms (samples, target tokens): `Batch::count`
     /// summed over the window.
     pub count: u64,
     /// Non-empty micro-batches (`normalize = "mean"` divides by their sum).

@@ -15,10 +15,13 @@ mod resnet;
 mod torchscript;
 
 use crate::error::{Error, Result};
-use crate::model::Named;
 use crate::spec::{ModelKind, ModelSpec};
 use tch::nn::{self, ModuleT};
 use tch::CModule;
+
+/// Tensors by name (a family's parameters and buffers, a checkpoint's
+/// contents).
+pub type Named = Vec<(String, tch::Tensor)>;
 
 /// What a family's builder gives: layers on the `nn::Path` (their
 /// variables live in its VarStore), or a loaded TorchScript module with
