@@ -5,29 +5,50 @@
 //! (the gradient buffer's `EXTRA`), so the reduction stays one collective.
 //!
 //! An f32 holds integers exactly only up to 2^24 (16.7 M: one language-model
-//! window's tokens can pass it), so the count travels in [`COUNT_PIECES`]
-//! slots of [`PIECE_BITS`] bits each: a piece is below 2^14 on every rank,
-//! the sum over at most [`MAX_WORKERS`] = 2^10 ranks below 2^24, so every
-//! partial sum the ring forms is an exact f32 integer, and the count is
-//! exact up to 2^56. The loss sum (f64 on each rank) travels as an f32 pair
-//! (high part, rounding remainder): exact on one rank; across ranks each
-//! part is summed in f32 (the loss is reported, never divided into the
-//! gradients).
+//! window's tokens can pass it), so integers travel in pieces of
+//! [`PIECE_BITS`] bits, one slot each: a piece is below 2^14 in magnitude on
+//! every rank, the sum over at most [`MAX_WORKERS`] = 2^10 ranks below 2^24,
+//! so every partial sum the ring forms, in any order, is an exact f32
+//! integer.
+//!
+//! - The count takes [`COUNT_PIECES`] pieces: exact up to 2^56.
+//! - The loss sum (f64 on each rank) crosses as a signed fixed-point
+//!   integer with [`LOSS_FRAC_BITS`] fraction bits in [`LOSS_PIECES`]
+//!   pieces (112 bits): each rank's f64 is rounded once to a multiple of
+//!   2^-40, and those are summed exactly. The global sum is therefore the
+//!   exact sum of the ranks' f64 values to within `world * 2^-41`, the same
+//!   on every rank and independent of the ring's order (an f64 sum of
+//!   values above 2^12 rounds more than that). A value that is not finite
+//!   or not below 2^70 in magnitude rides in one more slot as an f32, so a
+//!   NaN or an overflow still shows in the reported loss.
 
 use accrue_common::spec::MAX_WORKERS;
 
-/// Bits of the count per slot.
+/// Bits per integer piece.
 pub const PIECE_BITS: u32 = 14;
 /// Slots the count takes (56 bits in all).
 pub const COUNT_PIECES: usize = 4;
-/// Every slot: the count's pieces, micro-batches, the loss sum's two parts,
-/// stop and checkpoint.
-pub const SLOTS: usize = COUNT_PIECES + 1 + 2 + 2;
+/// Slots the loss sum's fixed-point integer takes (112 bits, signed).
+pub const LOSS_PIECES: usize = 8;
+/// Fraction bits of the loss sum's fixed point (resolution 2^-40).
+pub const LOSS_FRAC_BITS: i32 = 40;
+/// The largest loss sum magnitude carried as fixed point (2^70).
+pub const LOSS_LIMIT: f64 = (1u128 << 70) as f64;
+/// Every slot: the count's pieces, micro-batches, the loss sum's pieces,
+/// its overflow slot, stop and checkpoint.
+pub const SLOTS: usize = COUNT_PIECES + 1 + LOSS_PIECES + 1 + 2;
 /// The largest count carried exactly.
 pub const MAX_COUNT: u64 = (1 << (PIECE_BITS as u64 * COUNT_PIECES as u64)) - 1;
 
 // Every partial sum of a piece over the ranks stays an exact f32 integer.
 const _: () = assert!(((1u64 << PIECE_BITS) - 1) * MAX_WORKERS as u64 <= 1 << 24);
+// The fixed point's integer (70 + 40 bits and a sign bit) fits its pieces.
+const _: () = assert!(70 + (LOSS_FRAC_BITS as u32) < PIECE_BITS * LOSS_PIECES as u32);
+
+const LOSS_AT: usize = COUNT_PIECES + 1;
+const OVERFLOW_AT: usize = LOSS_AT + LOSS_PIECES;
+const STOP_AT: usize = OVERFLOW_AT + 1;
+const CHECKPOINT_AT: usize = STOP_AT + 1;
 
 /// One rank's contribution before the reduction, the global sums after it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -54,12 +75,28 @@ impl WindowTally {
         for (i, slot) in s.iter_mut().take(COUNT_PIECES).enumerate() {
             *slot = ((self.count >> (PIECE_BITS * i as u32)) & mask) as f32;
         }
-        let hi = self.loss_sum as f32;
         s[COUNT_PIECES] = self.batches as f32;
-        s[COUNT_PIECES + 1] = hi;
-        s[COUNT_PIECES + 2] = (self.loss_sum - f64::from(hi)) as f32;
-        s[COUNT_PIECES + 3] = f32::from(u8::from(self.stop));
-        s[COUNT_PIECES + 4] = f32::from(u8::from(self.checkpoint));
+        if self.loss_sum.is_finite() && self.loss_sum.abs() < LOSS_LIMIT {
+            // |loss_sum| < 2^70, so the scaled value is below 2^110: the
+            // cast neither saturates nor loses the sign.
+            let fixed = (self.loss_sum * 2f64.powi(LOSS_FRAC_BITS)).round() as i128;
+            let pieces = &mut s[LOSS_AT..OVERFLOW_AT];
+            // Low pieces in 0..2^14 (arithmetic shift keeps the sign for
+            // the top piece, which lies in -2^13..2^13).
+            let imask = (1i128 << PIECE_BITS) - 1;
+            for (i, slot) in pieces.iter_mut().enumerate() {
+                let shifted = fixed >> (PIECE_BITS * i as u32);
+                *slot = if i + 1 == LOSS_PIECES {
+                    shifted as f32
+                } else {
+                    (shifted & imask) as f32
+                };
+            }
+        } else {
+            s[OVERFLOW_AT] = self.loss_sum as f32;
+        }
+        s[STOP_AT] = f32::from(u8::from(self.stop));
+        s[CHECKPOINT_AT] = f32::from(u8::from(self.checkpoint));
         s
     }
 
@@ -70,12 +107,19 @@ impl WindowTally {
             .enumerate()
             .map(|(i, p)| (p.round() as u64) << (PIECE_BITS * i as u32))
             .sum();
+        // Each reduced piece is an exact integer below 2^24 in magnitude.
+        let fixed: i128 = s[LOSS_AT..OVERFLOW_AT]
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.round() as i128) << (PIECE_BITS * i as u32))
+            .sum();
+        let loss_sum = fixed as f64 / 2f64.powi(LOSS_FRAC_BITS) + f64::from(s[OVERFLOW_AT]);
         Self {
             count,
             batches: s[COUNT_PIECES].round() as u64,
-            loss_sum: f64::from(s[COUNT_PIECES + 1]) + f64::from(s[COUNT_PIECES + 2]),
-            stop: s[COUNT_PIECES + 3] > 0.5,
-            checkpoint: s[COUNT_PIECES + 4] > 0.5,
+            loss_sum,
+            stop: s[STOP_AT] > 0.5,
+            checkpoint: s[CHECKPOINT_AT] > 0.5,
         }
     }
 }
@@ -141,7 +185,109 @@ mod tests {
         let back = WindowTally::decode(&t.encode());
         assert_eq!(back.count, t.count);
         assert_eq!(back.batches, 8);
-        assert!((back.loss_sum - t.loss_sum).abs() < 1e-9);
+        assert!((back.loss_sum - t.loss_sum).abs() <= 2f64.powi(-41));
         assert!(back.stop && !back.checkpoint);
+    }
+    /// The bound the module promises: the exact sum of the ranks' f64
+    /// values to within world * 2^-41.
+    fn assert_loss_exact(sums: &[f64]) {
+        let ranks: Vec<WindowTally> = sums
+            .iter()
+            .map(|&loss_sum| WindowTally {
+                loss_sum,
+                ..Default::default()
+            })
+            .collect();
+        let got = reduce(&ranks).loss_sum;
+        // The reference: Neumaier's compensated f64 sum (within an ulp or
+        // two of the exact sum).
+        let (mut exact, mut carry) = (0f64, 0f64);
+        for &v in sums {
+            let t = exact + v;
+            carry += if exact.abs() >= v.abs() {
+                (exact - t) + v
+            } else {
+                (v - t) + exact
+            };
+            exact = t;
+        }
+        let exact = exact + carry;
+        let bound = sums.len() as f64 * 2f64.powi(-41) + exact.abs() * 2.0 * f64::EPSILON;
+        assert!(
+            (got - exact).abs() <= bound,
+            "{sums:?}: got {got}, exact {exact}, off by {} > {bound}",
+            (got - exact).abs()
+        );
+    }
+
+    #[test]
+    fn a_loss_sum_an_f32_would_round_is_f64_exact() {
+        // Two ranks with language-model-sized loss sums: an f32 (or an f32
+        // high part summed in f32) is off by whole units here.
+        let sums = [123_456_789.123_456_7, 98_765_432.987_654_3];
+        let f32_sum = f64::from(sums[0] as f32 + sums[1] as f32);
+        assert!((f32_sum - (sums[0] + sums[1])).abs() > 1.0);
+        assert_loss_exact(&sums);
+        // Signs, tiny values and the largest carried magnitude.
+        assert_loss_exact(&[-3.25, 1e-9, 7.0]);
+        assert_loss_exact(&[LOSS_LIMIT * 0.999, -LOSS_LIMIT * 0.5]);
+    }
+
+    #[test]
+    fn a_non_finite_or_huge_loss_still_shows() {
+        let nan = reduce(&[
+            WindowTally {
+                loss_sum: f64::NAN,
+                ..Default::default()
+            },
+            WindowTally {
+                loss_sum: 2.0,
+                ..Default::default()
+            },
+        ]);
+        assert!(nan.loss_sum.is_nan());
+        let inf = WindowTally {
+            loss_sum: f64::INFINITY,
+            ..Default::default()
+        };
+        assert_eq!(reduce(&[inf]).loss_sum, f64::INFINITY);
+        // Beyond the fixed point: an f32's worth of precision, not a wrap.
+        let huge = 3.0 * LOSS_LIMIT;
+        let got = reduce(&[
+            WindowTally {
+                loss_sum: huge,
+                ..Default::default()
+            },
+            WindowTally {
+                loss_sum: 1.5,
+                ..Default::default()
+            },
+        ])
+        .loss_sum;
+        assert!(((got - huge) / huge).abs() < 1e-6, "{got} vs {huge}");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_ranks_sum_exactly(
+            ranks in proptest::collection::vec(
+                (0u64..=MAX_COUNT / MAX_WORKERS as u64, 0u64..1000, -1e12f64..1e12),
+                1..64,
+            )
+        ) {
+            let tallies: Vec<WindowTally> = ranks
+                .iter()
+                .map(|&(count, batches, loss_sum)| WindowTally {
+                    count,
+                    batches,
+                    loss_sum,
+                    ..Default::default()
+                })
+                .collect();
+            let got = reduce(&tallies);
+            proptest::prop_assert_eq!(got.count, ranks.iter().map(|r| r.0).sum::<u64>());
+            proptest::prop_assert_eq!(got.batches, ranks.iter().map(|r| r.1).sum::<u64>());
+            assert_loss_exact(&ranks.iter().map(|r| r.2).collect::<Vec<_>>());
+        }
     }
 }
