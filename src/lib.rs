@@ -6,6 +6,7 @@
 pub mod certs;
 mod lifecycle;
 mod local;
+pub mod tokenize;
 mod watch;
 
 pub use watch::{fmt_eta, rewatch, step_line, watch, REWATCH_LIMIT};
@@ -118,6 +119,9 @@ pub enum Command {
         #[arg(long, default_value_t = 365)]
         days: u32,
     },
+    /// Text files, folders or prompt/completion JSON lines into a token
+    /// file (llm.c's .bin or safetensors rows) and its tokenizer.json.
+    Tokenize(tokenize::TokenizeArgs),
 }
 
 /// The CLI's transport from `--ca` / `--insecure` (one of them is needed);
@@ -187,7 +191,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     // and a token; `local` brings its own, `dev-certs` makes them.
     let remote = !matches!(
         cli.command,
-        Command::Local { .. } | Command::DevCerts { .. }
+        Command::Local { .. } | Command::DevCerts { .. } | Command::Tokenize(_)
     );
     let (token, tls) = if remote {
         (cli.bearer()?, transport(cli.ca.clone(), cli.insecure)?)
@@ -200,6 +204,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         async move { connect_client(&url, tls.as_ref(), &token).await }
     };
     match cli.command {
+        Command::Tokenize(args) => tokenize_cmd(&args),
         Command::Submit { job, wait } => {
             // A spec the fields check refuses is refused here, before
             // any connection (the coordinator checks it again).
@@ -342,6 +347,21 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `accrue tokenize`: CPU-bound and synchronous, off the async workers.
+fn tokenize_cmd(args: &tokenize::TokenizeArgs) -> anyhow::Result<ExitCode> {
+    if let Some(dir) = &args.dump_gpt2_files {
+        let (vocab, merges) = tokenize::dump_gpt2_files(dir)?;
+        println!("wrote {}", vocab.display());
+        println!("wrote {}", merges.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let summary = tokio::task::block_in_place(|| tokenize::tokenize(args))?;
+    for line in summary.lines() {
+        println!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn exit_for(j: &Job) -> ExitCode {

@@ -158,6 +158,62 @@ pub fn step_line(r: &v1::StepReport, skipped: u64, eta_s: Option<f64>) -> String
     )
 }
 
+/// A language model's step (issue 30) as [`step_line`] shows others': its
+/// samples are target tokens, so tokens/s and tokens seen, and the
+/// perplexity of its latest evaluation (exp of its loss per token; `-`
+/// before the first).
+pub fn lm_step_line(
+    r: &v1::StepReport,
+    skipped: u64,
+    eta_s: Option<f64>,
+    perplexity: Option<f64>,
+) -> String {
+    format!(
+        "loss {:.4} grad_norm {:.4} clip {:.3} lr {:.3e} tokens/s {:.0} tokens seen {} ppl {} skipped {skipped} ETA {}",
+        r.loss,
+        r.grad_norm,
+        r.clip_coef,
+        r.lr,
+        r.samples_per_sec,
+        r.samples_seen,
+        fmt_ppl(perplexity),
+        fmt_eta(eta_s)
+    )
+}
+
+/// A perplexity for people: four significant digits, `-` when unknown.
+fn fmt_ppl(p: Option<f64>) -> String {
+    match p.filter(|p| p.is_finite()) {
+        Some(p) if p < 1e4 => format!(
+            "{:.*}",
+            3usize.saturating_sub(p.log10().floor().max(0.0) as usize),
+            p
+        ),
+        Some(p) => format!("{p:.3e}"),
+        None => "-".into(),
+    }
+}
+
+/// An evaluation as `watch` prints it: accuracy and loss, or for a
+/// language model (`lm`) loss per token, perplexity and next-token
+/// accuracy.
+pub fn eval_line(e: &v1::EvalResult, lm: bool) -> String {
+    if lm {
+        format!(
+            "eval step {} loss {:.4} perplexity {} accuracy {:.4}",
+            e.step,
+            e.loss,
+            fmt_ppl(accrue_coordinator::http::perplexity(e.loss)),
+            e.accuracy
+        )
+    } else {
+        format!(
+            "eval step {} accuracy {:.4} loss {:.4}",
+            e.step, e.accuracy, e.loss
+        )
+    }
+}
+
 /// Prints one event of a watched job (a progress bar on a terminal, lines
 /// otherwise, JSON with `json`) and keeps the job it carries in `last`.
 fn show_event(
@@ -170,6 +226,8 @@ fn show_event(
     if let Some(j) = &ev.job {
         *last = Some(j.clone());
     }
+    // A language model counts tokens (issue 30).
+    let lm = last.as_ref().is_some_and(accrue_coordinator::http::is_lm);
     if json {
         if let Some(v) = event_json(ev) {
             println!("{v}");
@@ -183,7 +241,15 @@ fn show_event(
                 .as_ref()
                 .and_then(|j| j.counters)
                 .map_or(0, |c| c.skipped_steps);
-            let line = step_line(r, skipped, eta);
+            let line = if lm {
+                let ppl = last
+                    .as_ref()
+                    .and_then(|j| j.eval.as_ref())
+                    .and_then(|e| accrue_coordinator::http::perplexity(e.loss));
+                lm_step_line(r, skipped, eta, ppl)
+            } else {
+                step_line(r, skipped, eta)
+            };
             match bar {
                 Some(b) => {
                     b.set_length(r.total_steps);
@@ -202,10 +268,7 @@ fn show_event(
             }
         }
         Some(job_event::Event::Eval(e)) => {
-            let text = format!(
-                "eval step {} accuracy {:.4} loss {:.4}",
-                e.step, e.accuracy, e.loss
-            );
+            let text = eval_line(e, lm);
             match bar {
                 Some(b) => b.println(text),
                 None => println!("{text}"),
@@ -228,7 +291,7 @@ fn show_event(
 
 #[cfg(test)]
 mod tests {
-    use super::{fmt_eta, rewatch, step_line, Recent, REWATCH_LIMIT};
+    use super::{eval_line, fmt_eta, lm_step_line, rewatch, step_line, Recent, REWATCH_LIMIT};
 
     #[test]
     fn watch_shows_the_numbers_and_an_eta() {
@@ -261,6 +324,53 @@ mod tests {
             "loss 0.5322 grad_norm 1.2500 clip 0.800 lr 5.000e-2 samples/s 5100 seen 7680 skipped 1 ETA 50s"
         );
     }
+
+    /// A language model's steps show tokens/s, tokens seen and the latest
+    /// perplexity; its evaluations perplexity instead of accuracy.
+    #[test]
+    fn watch_shows_a_language_models_tokens_and_perplexity() {
+        let r = accrue_proto::v1::StepReport {
+            step: 20,
+            total_steps: 120,
+            loss: 2.5,
+            grad_norm: 1.25,
+            clip_coef: 1.0,
+            lr: 3e-4,
+            samples: 8192,
+            samples_per_sec: 40960.4,
+            samples_seen: 163_840,
+            ..Default::default()
+        };
+        assert_eq!(
+            lm_step_line(&r, 0, Some(50.0), Some(2.0f64.exp())),
+            "loss 2.5000 grad_norm 1.2500 clip 1.000 lr 3.000e-4 tokens/s 40960 tokens seen 163840 ppl 7.389 skipped 0 ETA 50s"
+        );
+        let before = lm_step_line(&r, 0, None, None);
+        assert!(before.contains(" ppl - "), "{before}");
+        assert!(!before.contains("samples"), "{before}");
+        let e = accrue_proto::v1::EvalResult {
+            step: 20,
+            loss: 2.0,
+            accuracy: 0.25,
+            ..Default::default()
+        };
+        assert_eq!(
+            eval_line(&e, true),
+            "eval step 20 loss 2.0000 perplexity 7.389 accuracy 0.2500"
+        );
+        assert_eq!(
+            eval_line(&e, false),
+            "eval step 20 accuracy 0.2500 loss 2.0000"
+        );
+        let big = accrue_proto::v1::EvalResult { loss: 10.0, ..e };
+        assert_eq!(
+            eval_line(&big, true),
+            "eval step 20 loss 10.0000 perplexity 2.203e4 accuracy 0.2500"
+        );
+        let huge = accrue_proto::v1::EvalResult { loss: 1e6, ..e };
+        assert!(eval_line(&huge, true).contains("perplexity - "));
+    }
+
     use accrue_proto::v1::JobState;
     use std::time::Duration;
     use tonic::Code;

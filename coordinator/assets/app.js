@@ -98,7 +98,8 @@ function updateRow(c, j) {
   setText(c.steps, (fin(k.step) ? k.step : 0) + '/' + (fin(k.total_steps) ? k.total_steps : '?'));
   setText(c.eta, FINAL.has(j.state) ? DASH : fmtDur(j.eta_s));
   setText(c.loss, sig(k.loss));
-  setText(c.sps, fmtInt(k.samples_per_sec));
+  // A language model (issue 30) counts tokens: its samples/s are tokens/s.
+  setText(c.sps, fmtInt(k.samples_per_sec) + (j.unit === 'tokens' && fin(k.samples_per_sec) ? ' tokens/s' : ''));
   setText(c.workers, Array.isArray(j.workers) ? j.workers.length : 0);
 }
 

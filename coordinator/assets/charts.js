@@ -3,7 +3,7 @@
 // and their hover tooltip. Every string that comes from the server is
 // inserted as text (textContent / attribute values), never parsed as markup.
 import { $, DASH, fin, sig, fmtLr, fmtInt, fmtCount, fmtClock, list, str, sv, setText } from './util.js';
-import { lowerBound, smooth } from './series.js';
+import { lowerBound, smooth, evalPoints, perplexityOf } from './series.js';
 
 const W = 600;
 const H = 230;
@@ -15,8 +15,10 @@ const CHARTS = [
   { name: 'grad_norm', title: 'gradient norm (before clipping)', key: 'grad_norm', threshold: true, fmt: sig },
   { name: 'clip_coef', title: 'clip coefficient', key: 'clip_coef', fmt: sig },
   { name: 'lr', title: 'learning rate', key: 'lr', fmt: fmtLr },
-  { name: 'samples_per_sec', title: 'samples / s', key: 'samples_per_sec', fmt: fmtInt },
+  { name: 'samples_per_sec', title: 'samples / s', lmTitle: 'tokens / s', key: 'samples_per_sec', fmt: fmtInt },
 ];
+// A language model's (issue 30): its evaluations' perplexity, exp(loss per token).
+const PERPLEXITY = { name: 'perplexity', title: 'eval perplexity', key: 'perplexity', fmt: sig, empty: 'no evaluation yet' };
 const XAXES = {
   step: { key: 'last_step', label: 'step', fmt: fmtInt },
   samples: { key: 'samples_seen', label: 'samples', fmt: fmtCount },
@@ -81,7 +83,9 @@ function recoveryX(r, p, xmode, xs) {
 function renderChart(svg, spec, v, xmode) {
   const p = v.pts;
   const n = p.first_step.length;
-  const xa = XAXES[xmode];
+  const lm = (v.job || {}).unit === 'tokens';
+  const unit = lm ? 'tokens' : 'samples';
+  const xa = xmode === 'samples' ? { ...XAXES.samples, label: unit } : XAXES[xmode];
   const xs = p[xa.key];
   const ys = p[spec.key];
   svg.replaceChildren();
@@ -92,7 +96,7 @@ function renderChart(svg, spec, v, xmode) {
     n ? 'last ' + spec.fmt(lastY) + ' \u00b7 ' + n + (n === 1 ? ' point' : ' points') : ''));
   svg.__chart = null;
   if (!n) {
-    svg.append(sv('text', { x: W / 2, y: H / 2, class: 'empty', 'text-anchor': 'middle' }, 'no data yet'));
+    svg.append(sv('text', { x: W / 2, y: H / 2, class: 'empty', 'text-anchor': 'middle' }, spec.empty || 'no data yet'));
     return;
   }
   const job = v.job || {};
@@ -186,7 +190,7 @@ function renderChart(svg, spec, v, xmode) {
   const hoverLine = sv('line', { class: 'hover-line', x1: 0, x2: 0, y1: M.t, y2: M.t + PH, visibility: 'hidden' });
   const hoverDot = sv('circle', { class: 'hover-dot', cx: 0, cy: 0, r: 3.5, visibility: 'hidden' });
   svg.append(hoverLine, hoverDot);
-  svg.__chart = { spec, xs, ys, sm, sx, sy, xa, p, hoverLine, hoverDot };
+  svg.__chart = { spec, xs, ys, sm, sx, sy, xa, p, unit, hoverLine, hoverDot };
 }
 
 function hover(svg, ev) {
@@ -227,7 +231,7 @@ function hover(svg, ev) {
   if (c.sm) lines.push('smoothed ' + s.fmt(c.sm[i]));
   if (s.key === 'grad_norm' && cnt > 1) lines.push('max ' + sig(p.grad_norm_max[i]));
   if (s.key === 'clip_coef' && cnt > 1) lines.push('min ' + sig(p.clip_coef_min[i]));
-  lines.push('samples ' + fmtInt(p.samples_seen[i]) + '  \u00b7  ' + fmtClock(p.wall_ms[i]));
+  lines.push(c.unit + ' ' + fmtInt(p.samples_seen[i]) + '  \u00b7  ' + fmtClock(p.wall_ms[i]));
   if (p.skipped[i] > 0) lines.push(p.skipped[i] + ' skipped');
   tip.textContent = lines.join('\n');
   tip.hidden = false;
@@ -244,11 +248,41 @@ function leave(svg) {
   svg.parentNode.querySelector('.tip').hidden = true;
 }
 
+// A language model's evaluations as one-step points (their step's samples
+// seen and time from the curve where they carry none), by step.
+function evalCols(v) {
+  const p = v.pts;
+  const n = p.last_step.length;
+  const q = { first_step: [], last_step: [], count: [], samples_seen: [], wall_ms: [], skipped: [], perplexity: [] };
+  const evals = evalPoints(v.evals, (v.job || {}).eval).filter((e) => fin(e.step)).sort((a, b) => a.step - b.step);
+  for (const e of evals) {
+    const i = n ? Math.min(lowerBound(p.last_step, e.step), n - 1) : -1;
+    q.first_step.push(e.step);
+    q.last_step.push(e.step);
+    q.count.push(1);
+    q.skipped.push(0);
+    q.samples_seen.push(i >= 0 ? p.samples_seen[i] : null);
+    q.wall_ms.push(fin(e.wall_ms) ? e.wall_ms : i >= 0 ? p.wall_ms[i] : null);
+    q.perplexity.push(perplexityOf(e));
+  }
+  return q;
+}
+
 export function renderCharts(v) {
   const xmode = XAXES[$('x-axis').value] ? $('x-axis').value : 'step';
+  const lm = (v.job || {}).unit === 'tokens';
   for (const spec of CHARTS) {
     const svg = document.querySelector('svg[data-chart="' + spec.name + '"]');
-    if (svg) renderChart(svg, spec, v, xmode);
+    const s = lm && spec.lmTitle ? { ...spec, title: spec.lmTitle } : spec;
+    if (spec.lmTitle && svg) svg.setAttribute('aria-label', lm ? 'tokens per second' : 'samples per second');
+    if (svg) renderChart(svg, s, v, xmode);
+  }
+  // The perplexity chart: a language model's only.
+  const fig = $('chart-perplexity');
+  const ppl = document.querySelector('svg[data-chart="perplexity"]');
+  if (fig) fig.hidden = !lm;
+  if (lm && ppl) {
+    renderChart(ppl, PERPLEXITY, { pts: evalCols(v), job: v.job, skippedRanges: [], recoveries: () => v.recoveries() }, xmode);
   }
   const p = v.pts;
   const n = p.first_step.length;
@@ -258,6 +292,7 @@ export function renderCharts(v) {
 
 // Every chart empty (a new job page).
 export function clearCharts() {
+  if ($('chart-perplexity')) $('chart-perplexity').hidden = true;
   for (const svg of document.querySelectorAll('svg[data-chart]')) { svg.replaceChildren(); svg.setAttribute('data-points', '0'); svg.__chart = null; leave(svg); }
 }
 

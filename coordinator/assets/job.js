@@ -3,10 +3,10 @@
 // snapshot (GET /v1/jobs/{id}/series) and then live over Server-Sent Events.
 // Every string that comes from the server is inserted as text (textContent /
 // createTextNode / attribute values), never parsed as markup.
-import { $, DASH, FINAL, enc, fin, sig, fmtLr, fmtInt, fmtDur, fmtPct, fmtClock, fmtWhen, list, str, el, row,
+import { $, DASH, FINAL, enc, fin, sig, fmtLr, fmtInt, fmtCount, fmtDur, fmtPct, fmtClock, fmtWhen, list, str, el, row,
   setText, setBadge, setProgress, showOnly, showWorkerCount, note } from './util.js';
 import { api, getJSON, quiet, canCancel, canResume, poller, POLL_MS } from './api.js';
-import { BOUND, emptyCols, snapshot, appendBuckets } from './series.js';
+import { BOUND, emptyCols, snapshot, appendBuckets, evalPoints, perplexityOf } from './series.js';
 import { renderCharts, clearCharts, resumedKnown } from './charts.js';
 
 const RENDER_MS = 250; // at most ~4 renders a second
@@ -26,10 +26,11 @@ export function jobView(id) {
   };
   // reset what a previous job left
   for (const e of ['job-title', 'job-name', 'job-owner', 'job-generation', 'job-workers', 'job-accum', 'job-epoch',
-    'job-loss', 'job-gradnorm', 'job-lr', 'job-sps', 'job-skipped', 'job-clip', 'job-steps', 'job-eta', 'series-info', 'eval']) setText($(e), '');
+    'job-loss', 'job-gradnorm', 'job-lr', 'job-sps', 'job-seen', 'job-skipped', 'job-clip', 'job-steps', 'job-eta', 'series-info', 'eval']) setText($(e), '');
   setText($('job-title'), id);
   setBadge($('job-state'), '');
-  for (const e of ['job-error', 'cancel', 'cancel-error', 'resume', 'resume-error', 'evals']) $(e).hidden = true;
+  for (const e of ['job-error', 'cancel', 'cancel-error', 'resume', 'resume-error', 'evals', 'job-seen-fact']) $(e).hidden = true;
+  setUnit(false);
   for (const t of ['workers', 'recoveries', 'evals']) $(t).tBodies[0].replaceChildren();
   $('history').replaceChildren();
   $('job-progress').removeAttribute('value');
@@ -60,7 +61,8 @@ export function jobView(id) {
     v.gen = job.generation;
     v.job = job;
     v.dirty.head = true;
-    const cs = JSON.stringify([job.recoveries, job.clip]);
+    // A language model charts its evaluations' perplexity (issue 30).
+    const cs = JSON.stringify([job.recoveries, job.clip, job.unit, job.unit === 'tokens' ? job.eval : null]);
     if (cs !== v.chartSig) { v.chartSig = cs; v.dirty.charts = true; }
     v.dirty.tables = true;
     schedule();
@@ -223,6 +225,16 @@ export function jobView(id) {
   return v;
 }
 
+// The labels of what a job counts: tokens for a language model (issue 30),
+// samples otherwise.
+function setUnit(lm) {
+  setText($('job-sps-label'), lm ? 'tokens/s' : 'samples/s');
+  setText($('workers-rate'), lm ? 'tokens/s' : 'samples/s');
+  $('evals-ppl').hidden = !lm;
+  setText($('evals-count'), lm ? 'tokens' : 'samples');
+  setText($('x-samples'), lm ? 'tokens' : 'samples');
+}
+
 function renderHead(v) {
   const j = v.job;
   if (!j) return;
@@ -238,7 +250,12 @@ function renderHead(v) {
   setText($('job-loss'), sig(k.loss));
   setText($('job-gradnorm'), sig(k.grad_norm));
   setText($('job-lr'), fmtLr(k.lr));
+  // A language model (issue 30) counts target tokens where others count samples.
+  const lm = j.unit === 'tokens';
+  setUnit(lm);
   setText($('job-sps'), fmtInt(k.samples_per_sec));
+  setText($('job-seen'), lm ? fmtCount(k.samples_seen) : '');
+  $('job-seen-fact').hidden = !lm;
   setText($('job-skipped'), str(k.skipped_steps));
   const c = j.clip || {};
   const clip = [];
@@ -264,13 +281,11 @@ function renderTables(v) {
   const j = v.job || {};
   const recs = v.recoveries();
   // One row per (epoch, step), the latest (a rollback may evaluate again).
-  const byKey = new Map();
-  for (const e of v.evals.concat(j.eval ? [j.eval] : [])) {
-    const k = e.epoch + '/' + e.step;
-    if (!byKey.has(k) || e !== j.eval) byKey.set(k, e);
-  }
-  const evals = [...byKey.values()];
-  const sig2 = JSON.stringify([recs, evals, j.history]);
+  const evals = evalPoints(v.evals, j.eval);
+  // A language model's evaluation has a perplexity too, and counts target
+  // tokens (its accuracy is next-token accuracy).
+  const lm = j.unit === 'tokens';
+  const sig2 = JSON.stringify([recs, evals, j.history, lm]);
   if (sig2 === v.tablesSig) return;
   v.tablesSig = sig2;
 
@@ -290,9 +305,10 @@ function renderTables(v) {
 
   const e = j.eval || (evals.length ? evals[evals.length - 1] : null);
   setText($('eval'), e ? 'epoch ' + str(e.epoch) + ' \u00b7 step ' + str(e.step) + ' \u00b7 loss ' + sig(e.loss)
-    + ' \u00b7 accuracy ' + fmtPct(e.accuracy) + (fin(e.samples) ? ' (' + e.samples + ' samples)' : '') : 'none yet');
+    + (lm ? ' \u00b7 perplexity ' + sig(perplexityOf(e)) : '') + ' \u00b7 accuracy ' + fmtPct(e.accuracy)
+    + (fin(e.samples) ? ' (' + e.samples + (lm ? ' tokens)' : ' samples)') : '') : 'none yet');
   $('evals').tBodies[0].replaceChildren(...evals.map((x) => row([[str(x.epoch), 'num'], [str(x.step), 'num'],
-    [sig(x.loss), 'num'], [fmtPct(x.accuracy), 'num'], [str(x.samples), 'num']])));
+    [sig(x.loss), 'num'], ...(lm ? [[sig(perplexityOf(x)), 'num']] : []), [fmtPct(x.accuracy), 'num'], [str(x.samples), 'num']])));
   $('evals').hidden = evals.length === 0;
 
   const hist = Array.isArray(j.history) ? j.history : [];

@@ -106,6 +106,25 @@ export function appendBuckets(s, src, rollback, gap) {
   return added;
 }
 
+// A job's evaluations, one per (epoch, step) (a rollback may evaluate again):
+// the series' and the job's latest, in that order.
+export function evalPoints(evals, last) {
+  const byKey = new Map();
+  for (const e of evals.concat(last ? [last] : [])) {
+    const k = e.epoch + '/' + e.step;
+    if (!byKey.has(k) || e !== last) byKey.set(k, e);
+  }
+  return [...byKey.values()];
+}
+
+// A language model's perplexity, exp(eval loss per token): the server's,
+// else from the loss; null when not a finite number.
+export function perplexityOf(e) {
+  if (fin(e.perplexity)) return e.perplexity;
+  const p = fin(e.loss) ? Math.exp(e.loss) : null;
+  return fin(p) ? p : null;
+}
+
 // TensorBoard's smoothing: an exponential moving average, debiased.
 export function smooth(ys, w) {
   const out = new Array(ys.length).fill(null);

@@ -177,6 +177,15 @@ pub fn load(spec: &DataSpec, seed: u64) -> Result<Splits> {
             eval: spec.eval_path.as_deref().map(read_tensors).transpose()?,
         }),
         DataKind::Synthetic => synthetic(spec, seed),
+        // Token data is read lazily (source::tokens, source::sequences);
+        // the engine's workload never asks this loader for it.
+        DataKind::Sequences | DataKind::Tokens => Err(Error::Data {
+            path: path(),
+            reason: format!(
+                "data.kind = \"{}\" is read by the language-model sources, not loaded whole",
+                spec.kind.as_str()
+            ),
+        }),
     }
 }
 

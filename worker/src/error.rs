@@ -24,6 +24,15 @@ pub enum Error {
         got: Vec<i64>,
         classes: i64,
     },
+    /// The model's output breaks another contract than per-class logits
+    /// (a language model's logits per position and token).
+    #[error("model: {model} returns shape {got:?} for 2 samples, expected {want:?} ({what})")]
+    ModelOutputShape {
+        model: crate::spec::ModelKind,
+        got: Vec<i64>,
+        want: Vec<i64>,
+        what: &'static str,
+    },
     /// Saved optimizer state of another shape than its parameter.
     #[error("optimizer state {name} has shape {got:?}, parameter has {want:?}")]
     OptimizerStateShape {

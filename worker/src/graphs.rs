@@ -67,6 +67,10 @@ pub enum EagerReason {
     /// The sync step: ZeRO stage 1 steps this rank's slice between a
     /// reduce-scatter and an all-gather (engine/zero.rs).
     ShardedStep,
+    /// The data source reads each batch from the host (a language model's
+    /// token files, memory-mapped), and its count of target tokens depends
+    /// on the data: a replay would report the captured batch's count.
+    HostData,
     /// The sync step: the optimizer makes its state in its first step
     /// (SGD's momentum buffer is a copy of the first gradient), which a
     /// graph cannot keep.
@@ -91,6 +95,10 @@ impl fmt::Display for EagerReason {
             Self::ShardedStep => write!(
                 f,
                 "sharding stage 1 steps a slice between a reduce-scatter and an all-gather"
+            ),
+            Self::HostData => write!(
+                f,
+                "the data is read from the host per batch and its target count depends on it"
             ),
             Self::NoOptimizerState => {
                 write!(f, "the optimizer makes its state in its first step")

@@ -1,7 +1,8 @@
 //! Models with PyTorch parameter names: `mlp` (torch.nn.Sequential of Linear
 //! and ReLU: `0.weight`, `0.bias`, `2.weight`, ...), `lenet5` (conv1, conv2,
-//! fc1..fc3), `resnet18`/`resnet34` (torchvision names) and `torchscript`
-//! (a module saved with torch.jit.save, trained through libtorch).
+//! fc1..fc3), `resnet18`/`resnet34` (torchvision names), `torchscript`
+//! (a module saved with torch.jit.save, trained through libtorch) and
+//! `llama` (Hugging Face LlamaForCausalLM's names).
 
 use crate::error::{torch_text, Error, Result, TorchContext};
 use crate::family::Built;
@@ -199,9 +200,8 @@ impl Model {
     /// One forward pass on a zero batch of 2 to turn shape errors into a
     /// clear message before training starts.
     fn probe(&self, shape: &[i64], classes: i64, device: Device) -> Result<()> {
-        let mut dims = vec![2];
-        dims.extend_from_slice(shape);
-        let x = Tensor::f_zeros(dims.as_slice(), (Kind::Float, device)).ctx("probing the model")?;
+        let family = crate::family::family(self.kind);
+        let x = family.probe_input(shape, device)?;
         let _guard = tch::no_grad_guard();
         let out = match &self.net {
             Net::Builtin(m) => {
@@ -223,7 +223,7 @@ impl Model {
                 ),
             })?,
         };
-        crate::family::family(self.kind).check_output(self.kind, &out.size(), classes)
+        family.check_output(self.kind, shape, &out.size(), classes)
     }
 
     pub fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor> {

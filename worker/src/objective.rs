@@ -57,6 +57,12 @@ pub trait Objective: Send + std::fmt::Debug {
 
     /// The evaluation's sums over one held-out batch.
     fn evaluate(&self, output: &Tensor, batch: &Batch) -> Result<EvalSums>;
+
+    /// Whether its loss is a per-token log-likelihood whose exponential,
+    /// the perplexity, the reports give.
+    fn has_perplexity(&self) -> bool {
+        false
+    }
 }
 
 /// Classification: cross-entropy of `[N, classes]` logits against i64
@@ -85,21 +91,73 @@ impl Objective for Classification {
     }
 
     fn evaluate(&self, output: &Tensor, batch: &Batch) -> Result<EvalSums> {
-        let loss_sum = self
-            .loss(output, batch)?
-            .sum
-            .f_double_value(&[])
-            .ctx("evaluating")?;
-        let correct = output
-            .f_argmax(-1, false)
-            .and_then(|p| p.f_eq_tensor(&batch.targets))
-            .and_then(|e| e.f_sum(Kind::Int64))
-            .and_then(|s| s.f_int64_value(&[]))
-            .ctx("evaluating")?;
-        Ok(EvalSums {
-            loss_sum,
+        argmax_sums(&self.loss(output, batch)?, output, batch)
+    }
+}
+
+/// Causal language modelling: cross-entropy of fp32 `[N, T, vocab]` logits
+/// against i64 `[N, T]` next-token targets, summed over the targets that
+/// are not -100 (padding, masked prompt tokens), one term per target;
+/// accuracy is next-token argmax accuracy over those targets.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CausalLm;
+
+impl CausalLm {
+    fn cross_entropy(output: &Tensor, batch: &Batch, reduction: Reduction) -> Result<Tensor> {
+        let vocab = output.size().last().copied().unwrap_or(0);
+        output
+            .f_to_kind(Kind::Float)
+            .and_then(|o| o.f_reshape([-1, vocab]))
+            .and_then(|o| {
+                let targets = batch.targets.f_reshape([-1])?;
+                o.f_cross_entropy_loss::<Tensor>(&targets, None, reduction, -100, 0.0)
+            })
+            .ctx("computing the loss")
+    }
+}
+
+impl Objective for CausalLm {
+    fn loss(&self, output: &Tensor, batch: &Batch) -> Result<LossSum> {
+        Ok(LossSum {
+            sum: Self::cross_entropy(output, batch, Reduction::Sum)?,
             count: batch.count,
-            correct: correct as u64,
         })
     }
+
+    /// The micro-batch's token mean; 0 (with its graph, so backward adds
+    /// zero gradients) when it has no target, where libtorch's mean would
+    /// give 0/0.
+    fn mean_loss(&self, output: &Tensor, batch: &Batch) -> Result<Tensor> {
+        if batch.count == 0 {
+            return Self::cross_entropy(output, batch, Reduction::Sum)?
+                .f_mul_scalar(0.0)
+                .ctx("computing the loss");
+        }
+        Self::cross_entropy(output, batch, Reduction::Mean)
+    }
+
+    fn evaluate(&self, output: &Tensor, batch: &Batch) -> Result<EvalSums> {
+        argmax_sums(&self.loss(output, batch)?, output, batch)
+    }
+
+    fn has_perplexity(&self) -> bool {
+        true
+    }
+}
+
+/// An evaluation's sums from a batch's loss and its argmax predictions
+/// (targets of -100 never match: argmax is never negative).
+fn argmax_sums(loss: &LossSum, output: &Tensor, batch: &Batch) -> Result<EvalSums> {
+    let loss_sum = loss.sum.f_double_value(&[]).ctx("evaluating")?;
+    let correct = output
+        .f_argmax(-1, false)
+        .and_then(|p| p.f_eq_tensor(&batch.targets))
+        .and_then(|e| e.f_sum(Kind::Int64))
+        .and_then(|s| s.f_int64_value(&[]))
+        .ctx("evaluating")?;
+    Ok(EvalSums {
+        loss_sum,
+        count: loss.count,
+        correct: correct as u64,
+    })
 }

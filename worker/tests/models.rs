@@ -11,13 +11,7 @@ use tch::{Device, Tensor};
 use tempfile::TempDir;
 
 fn model_spec(kind: &str) -> ModelSpec {
-    ModelSpec {
-        kind: kind.parse().unwrap(),
-        hidden: vec![],
-        num_classes: None,
-        path: None,
-        init: None,
-    }
+    toml::from_str(&format!("kind = {kind:?}")).unwrap()
 }
 
 fn numel(m: &Model) -> i64 {

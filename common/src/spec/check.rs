@@ -112,6 +112,11 @@ impl Checker {
         }
     }
 
+    /// Whether file and folder checks run (not for the coordinator's view).
+    pub fn checks_files(&self) -> bool {
+        self.files
+    }
+
     pub fn finish(self) -> Result<(), SpecErrors> {
         if self.errors.is_empty() {
             Ok(())
@@ -133,6 +138,7 @@ impl JobSpec {
         for (field, path) in [
             ("model.path", &self.model.path),
             ("model.init", &self.model.init),
+            ("model.config", &self.model.config),
             ("data.path", &self.data.path),
             ("data.eval_path", &self.data.eval_path),
             ("checkpoint.dir", &self.checkpoint.dir),
@@ -241,8 +247,14 @@ impl JobSpec {
             c.int_in("model.num_classes", n, 1, MAX_CLASSES.into());
         }
         family.check_path(m.path.as_deref(), c);
+        family.check_fields(m, &self.data, c);
         if let Some(p) = &m.init {
-            c.file_exists("model.init", p);
+            // A folder (transformers' save_pretrained) holds model.safetensors.
+            if p.is_dir() {
+                c.files_in("model.init", p, &["model.safetensors"]);
+            } else {
+                c.file_exists("model.init", p);
+            }
         }
     }
 
@@ -265,6 +277,30 @@ impl JobSpec {
                 }
                 if let Some(p) = &d.eval_path {
                     c.file_exists("data.eval_path", p);
+                }
+            }
+            DataKind::Sequences | DataKind::Tokens => {
+                match &d.path {
+                    None => c.fail(
+                        "data.path",
+                        "(missing)",
+                        format!("required for data.kind = {}", d.kind),
+                    ),
+                    Some(p) => c.file_exists("data.path", p),
+                }
+                if let Some(p) = &d.eval_path {
+                    c.file_exists("data.eval_path", p);
+                }
+                match d.seq_len {
+                    None => c.fail(
+                        "data.seq_len",
+                        "(missing)",
+                        format!(
+                            "required for data.kind = {} (an integer in 1..={MAX_SEQ_LEN})",
+                            d.kind
+                        ),
+                    ),
+                    Some(t) => c.int_in("data.seq_len", t, 1, MAX_SEQ_LEN.into()),
                 }
             }
             DataKind::Synthetic => {
@@ -292,6 +328,43 @@ impl JobSpec {
                     c.int_in("data.classes", k, 2, MAX_CLASSES.into());
                 }
             }
+        }
+        let lm_data = matches!(d.kind, DataKind::Sequences | DataKind::Tokens);
+        if let (false, Some(t)) = (lm_data, d.seq_len) {
+            c.fail(
+                "data.seq_len",
+                t,
+                "only allowed with data.kind = sequences or tokens",
+            );
+        }
+        match (d.kind, d.pad_id) {
+            (DataKind::Sequences, Some(p)) => c.int_in("data.pad_id", p, 0, (MAX_VOCAB - 1).into()),
+            (_, Some(p)) => c.fail("data.pad_id", p, "only allowed with data.kind = sequences"),
+            _ => {}
+        }
+        if d.kind != DataKind::Tokens {
+            if let Some(t) = d.dtype {
+                c.fail(
+                    "data.dtype",
+                    t.as_str(),
+                    "only allowed with data.kind = tokens (for a file without llm.c's header)",
+                );
+            }
+        }
+        // A language model reads token rows, and token rows need one.
+        let llama = self.model.kind == ModelKind::Llama;
+        if llama && !lm_data {
+            c.fail(
+                "data.kind",
+                d.kind.as_str(),
+                "model.kind = llama needs data.kind = sequences or tokens",
+            );
+        } else if lm_data && !llama {
+            c.fail(
+                "model.kind",
+                self.model.kind.as_str(),
+                format!("data.kind = {} needs model.kind = llama", d.kind),
+            );
         }
         if d.kind != DataKind::Synthetic {
             for (field, set) in [

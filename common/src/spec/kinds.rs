@@ -78,6 +78,9 @@ spec_enum!(
         Resnet34 = "resnet34",
         /// A user's module saved with torch.jit.save (`model.path`).
         Torchscript = "torchscript",
+        /// A decoder-only language model, Hugging Face LlamaForCausalLM's
+        /// layout and names (issue 30).
+        Llama = "llama",
     }
 );
 
@@ -88,6 +91,21 @@ spec_enum!(
         Cifar10 = "cifar10",
         Tensors = "tensors",
         Synthetic = "synthetic",
+        /// Token rows of different lengths (a safetensors file of `tokens`,
+        /// `offsets` and an optional `loss_mask`), cut or padded to
+        /// `data.seq_len`.
+        Sequences = "sequences",
+        /// One flat token stream (llm.c's format, or headerless with
+        /// `data.dtype`), sample j is `tokens[jT : jT + T + 1]`.
+        Tokens = "tokens",
+    }
+);
+
+spec_enum!(
+    /// `data.dtype`: the token type of a headerless `tokens` file.
+    TokenDtype, "data.dtype", {
+        U16 = "u16",
+        U32 = "u32",
     }
 );
 
@@ -187,13 +205,14 @@ fn kind_field<E: SpecEnum>(section: &'static str, key: &'static str, placeholder
     }
 }
 
-fn kind_fields() -> [KindField; 8] {
+fn kind_fields() -> [KindField; 9] {
     [
         // Placeholders with the fewest requirements of their own (synthetic
         // data names no files); what still depends on a refused kind is
         // dropped by `merge_kind_errors`.
         kind_field("model", "kind", ModelKind::Mlp),
         kind_field("data", "kind", DataKind::Synthetic),
+        kind_field("data", "dtype", TokenDtype::U16),
         kind_field("accumulation", "normalize", Normalize::GlobalCount),
         kind_field("accumulation", "sync", SyncMode::Boundary),
         kind_field("clipping", "on_nonfinite", OnNonfinite::Skip),

@@ -5,9 +5,10 @@
 //! MNIST and CIFAR-10 at their known sizes), the model state (parameters,
 //! gradients, the flat accumulation buffer and the optimizer's per-parameter
 //! state) and one training plus one evaluation input batch (for an MLP also
-//! its activations). It does not count convolution activations, libtorch's
-//! allocator slack or files whose size the spec does not say (`tensors`
-//! data, TorchScript models): those are checked by their loaders.
+//! its activations; for a language model its logits). It does not count
+//! convolution activations, libtorch's allocator slack or files whose size
+//! the spec does not say (`tensors`, `sequences` and `tokens` data,
+//! TorchScript models): those are checked by their loaders.
 
 use super::family::{family, numel, ModelSize};
 use super::{DataKind, FieldError, JobSpec, OptimizerKind, SpecErrors};
@@ -60,6 +61,13 @@ impl JobSpec {
             DataKind::Mnist => Some((vec![1, 28, 28], 10, 70_000)),
             DataKind::Cifar10 => Some((vec![3, 32, 32], 10, 60_000)),
             DataKind::Tensors => None,
+            // Token files are read through a memory map (not counted);
+            // a sample is T token ids, the classes are the vocabulary.
+            DataKind::Sequences | DataKind::Tokens => Some((
+                vec![d.seq_len.unwrap_or(0)],
+                self.model.vocab_size.map_or(0, pos),
+                0,
+            )),
         }
     }
 

@@ -10,6 +10,7 @@ mod kinds;
 mod memory;
 mod paths;
 pub use check::{shown, Checker, MAX_SHOWN_CHARS};
+pub use family::LlamaConfig;
 pub use kinds::*;
 pub use memory::{host_memory_bytes, MemoryEstimate, GIB};
 pub use paths::{
@@ -187,6 +188,48 @@ pub struct ModelSpec {
     pub path: Option<PathBuf>,
     /// Initial weights by name (strict), a safetensors file.
     pub init: Option<PathBuf>,
+    // llama (issue 30): named as in Hugging Face's LlamaConfig; resolved,
+    // with `config` and the defaults, by [`LlamaConfig::resolve`].
+    /// llama: tokens in the vocabulary (embedding rows, logits per position).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_size: Option<i64>,
+    /// llama: the model width.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_size: Option<i64>,
+    /// llama: the MLP's inner width.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intermediate_size: Option<i64>,
+    /// llama: decoder layers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_hidden_layers: Option<i64>,
+    /// llama: query heads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_attention_heads: Option<i64>,
+    /// llama: key/value heads (default: `num_attention_heads`; fewer is GQA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_key_value_heads: Option<i64>,
+    /// llama: RMSNorm's epsilon (default 1e-6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rms_norm_eps: Option<f64>,
+    /// llama: RoPE's base (default 10000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// llama: the longest sequence (default: `data.seq_len`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_position_embeddings: Option<i64>,
+    /// llama: the output head is the embedding (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tie_word_embeddings: Option<bool>,
+    /// llama: biases on q, k, v and o (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_bias: Option<bool>,
+    /// llama: biases on the MLP's projections (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_bias: Option<bool>,
+    /// llama: a Hugging Face `config.json` giving the fields above (a field
+    /// given here too must agree).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -215,6 +258,15 @@ pub struct DataSpec {
     pub shape: Option<Vec<i64>>,
     /// synthetic: number of classes.
     pub classes: Option<i64>,
+    /// sequences/tokens: T, the tokens a sample feeds the model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<u64>,
+    /// sequences: the input id of padding (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad_id: Option<i64>,
+    /// tokens: the token type of a headerless file (llm.c's header says it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<TokenDtype>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]
@@ -390,6 +442,10 @@ pub const MAX_CLASSES: i64 = 1 << 20;
 /// Synthetic sample shapes: at most this many dimensions of at most
 /// `MAX_DIM` each (memory is bounded by the estimate, see memory.rs).
 pub const MAX_SHAPE_DIMS: usize = 8;
+/// The longest token sequence (`data.seq_len`).
+pub const MAX_SEQ_LEN: u64 = 1 << 20;
+/// The largest vocabulary (`model.vocab_size`); token ids are below it.
+pub const MAX_VOCAB: i64 = 1 << 24;
 pub const MAX_DIM: i64 = 1 << 20;
 pub const MAX_THREADS: u32 = 1024;
 pub const MAX_KEEP: u64 = 1000;

@@ -24,7 +24,8 @@ use std::path::{Component, Path, PathBuf};
 pub struct Roots {
     /// `data.path`, `data.eval_path`.
     pub data: Option<PathBuf>,
-    /// `model.path` (TorchScript), `model.init` (initial weights).
+    /// `model.path` (TorchScript), `model.init` (initial weights),
+    /// `model.config` (a Hugging Face config.json).
     pub model: Option<PathBuf>,
     /// `checkpoint.dir` (and the default checkpoint folder).
     pub checkpoint: Option<PathBuf>,
@@ -246,6 +247,7 @@ impl JobSpec {
             (Area::Data, "data.eval_path", &mut spec.data.eval_path),
             (Area::Model, "model.path", &mut spec.model.path),
             (Area::Model, "model.init", &mut spec.model.init),
+            (Area::Model, "model.config", &mut spec.model.config),
             (Area::Checkpoint, "checkpoint.dir", &mut spec.checkpoint.dir),
         ] {
             let Some(p) = value.as_mut() else { continue };

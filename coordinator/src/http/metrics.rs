@@ -1,9 +1,11 @@
 //! `/metrics`: the coordinator in Prometheus text format.
 
 use super::coordinator;
+use super::views::{is_lm, perplexity};
 use crate::domain::{state_name, JobState};
 use crate::gate::Gate;
 use crate::service::Coordinator;
+use accrue_proto::v1::Job;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
@@ -51,6 +53,15 @@ pub fn metrics_text(c: &Coordinator) -> String {
         let _ = writeln!(out, "{name}{{quantile=\"0.99\"}} {}", p99 as f64 / 1e6);
         let _ = writeln!(out, "{name}_count {n}");
     }
+    job_metrics(&mut out, &jobs);
+    out
+}
+
+/// The per-job part of [`metrics_text`]: jobs by state, every job's
+/// counters, and a language model's (issue 30) throughput in tokens, tokens
+/// seen and evaluation perplexity; those three families appear only while
+/// some job is a language model.
+pub(super) fn job_metrics(out: &mut String, jobs: &[Job]) {
     let _ = writeln!(out, "# HELP accrue_jobs Jobs by state.");
     let _ = writeln!(out, "# TYPE accrue_jobs gauge");
     for s in [
@@ -124,7 +135,7 @@ pub fn metrics_text(c: &Coordinator) -> String {
     for (name, kind, help, f) in series {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} {kind}");
-        for j in &jobs {
+        for j in jobs {
             let c = j.counters.unwrap_or_default();
             let _ = writeln!(
                 out,
@@ -135,7 +146,52 @@ pub fn metrics_text(c: &Coordinator) -> String {
             );
         }
     }
-    out
+    // Language models: the same step numbers, counted in target tokens,
+    // and exp(eval loss per token).
+    let lm: Vec<&Job> = jobs.iter().filter(|j| is_lm(j)).collect();
+    if lm.is_empty() {
+        return;
+    }
+    type LmSeries = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&Job) -> Option<f64>,
+    );
+    let series: [LmSeries; 3] = [
+        (
+            "accrue_job_tokens_per_second",
+            "gauge",
+            "Language models: target tokens per second of the last step.",
+            |j| Some(j.counters.unwrap_or_default().samples_per_sec),
+        ),
+        (
+            "accrue_job_tokens_seen_total",
+            "counter",
+            "Language models: target tokens consumed by committed steps, all ranks.",
+            |j| Some(j.counters.unwrap_or_default().samples_seen as f64),
+        ),
+        (
+            "accrue_job_eval_perplexity",
+            "gauge",
+            "Language models: perplexity of the last evaluation, exp(mean loss per token).",
+            |j| j.eval.as_ref().and_then(|e| perplexity(e.loss)),
+        ),
+    ];
+    for (name, kind, help, f) in series {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for j in &lm {
+            if let Some(x) = f(j) {
+                let _ = writeln!(
+                    out,
+                    "{name}{{job=\"{}\",state=\"{}\"}} {x}",
+                    escape(&j.id),
+                    state_name(j.state()),
+                );
+            }
+        }
+    }
 }
 
 pub(super) async fn metrics(State(g): State<Arc<Gate>>) -> Response {

@@ -34,12 +34,14 @@ mod events;
 mod guard;
 mod metrics;
 mod series;
+#[cfg(test)]
+mod tests;
 mod views;
 
 pub use events::Stopping;
 pub use guard::{cross_site, SECURITY_HEADERS};
 pub use metrics::metrics_text;
-pub use views::{job_json, job_view};
+pub use views::{is_lm, job_json, job_view, perplexity, unit};
 
 use assets::{asset, ASSETS, INDEX_HTML};
 use events::events;

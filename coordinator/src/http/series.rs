@@ -1,13 +1,14 @@
 //! `/v1/jobs/{id}/series`: a job's charted steps and its recoveries.
 
 use super::coordinator;
-use super::views::job_json;
+use super::views::{add_perplexities, is_lm, job_json, unit};
 use crate::error::CoordError;
 use crate::gate::Gate;
 use crate::series;
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde_json::json;
 use std::sync::Arc;
 
 #[derive(serde::Deserialize)]
@@ -17,7 +18,8 @@ pub(super) struct SeriesQuery {
 }
 
 /// `GET /v1/jobs/{id}/series`: see [`series::query_json`]; the job's
-/// recoveries come along (the chart markers).
+/// recoveries come along (the chart markers), and its `unit` (a language
+/// model's: `"tokens"`, each evaluation with its `perplexity`).
 pub(super) async fn series_of(
     State(g): State<Arc<Gate>>,
     Path(id): Path<String>,
@@ -37,6 +39,12 @@ pub(super) async fn series_of(
         };
         let mut v = series::query_json(s, q.from_step.unwrap_or(0), max_points);
         v["recoveries"] = job_json(job)["recoveries"].take();
+        // A language model's evaluations come with their perplexity, and
+        // its samples columns count tokens (issue 30).
+        v["unit"] = json!(unit(job));
+        if is_lm(job) {
+            add_perplexities(&mut v["evals"]);
+        }
         Some(v)
     });
     match v {

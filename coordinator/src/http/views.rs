@@ -160,9 +160,67 @@ pub(super) async fn whoami(p: Option<Extension<Principal>>) -> Response {
     Json(v).into_response()
 }
 
-/// A job as the API shows it: [`job_json`], its ETA and its clipping.
+/// Whether `j` trains a language model (`model.kind = "llama"`, issue 30):
+/// its step reports count target tokens where other jobs count samples
+/// (`samples` = the step's target tokens, `samples_per_sec` = tokens/s,
+/// samples seen = tokens seen), and its evaluation loss is per token.
+pub fn is_lm(j: &Job) -> bool {
+    j.spec
+        .as_ref()
+        .and_then(|s| s.model.as_ref())
+        .is_some_and(|m| m.kind == accrue_proto::v1::ModelKind::Llama as i32)
+}
+
+/// What a job's throughput counts: `"tokens"` for a language model,
+/// `"samples"` otherwise.
+pub fn unit(j: &Job) -> &'static str {
+    if is_lm(j) {
+        "tokens"
+    } else {
+        "samples"
+    }
+}
+
+/// The perplexity of a mean loss per token, exp(loss); None when that is
+/// not a finite number.
+pub fn perplexity(loss: f64) -> Option<f64> {
+    Some(loss.exp()).filter(|p| p.is_finite())
+}
+
+/// The language-model names of `j`'s numbers added to its JSON `v` (a
+/// [`job_json`]): `counters.tokens_per_sec`, `counters.tokens_seen`,
+/// `eval.perplexity` and `eval.tokens` (the target tokens it evaluated; its
+/// `accuracy` is next-token accuracy). Nothing for other jobs.
+fn add_lm_fields(j: &Job, v: &mut Value) {
+    if !is_lm(j) {
+        return;
+    }
+    let c = j.counters.unwrap_or_default();
+    v["counters"]["tokens_per_sec"] = json!(c.samples_per_sec);
+    v["counters"]["tokens_seen"] = json!(c.samples_seen);
+    if let Some(e) = &j.eval {
+        v["eval"]["perplexity"] = json!(perplexity(e.loss));
+        v["eval"]["tokens"] = json!(e.samples);
+    }
+}
+
+/// Series evaluations (`[{"loss": ..}, ..]`) with their `perplexity`, for
+/// a language model's series.
+pub(super) fn add_perplexities(evals: &mut Value) {
+    for e in evals.as_array_mut().into_iter().flatten() {
+        let p = e["loss"].as_f64().and_then(perplexity);
+        e["perplexity"] = json!(p);
+    }
+}
+
+/// A job as the API shows it: [`job_json`], its ETA and its clipping, its
+/// `unit` (`"samples"`, or `"tokens"` for a language model, which also has
+/// `counters.tokens_per_sec`, `counters.tokens_seen`, `eval.perplexity` and
+/// `eval.tokens`).
 pub fn job_view(j: &Job, series: Option<&accrue_proto::v1::JobSeries>) -> Value {
     let mut v = job_json(j);
+    v["unit"] = json!(unit(j));
+    add_lm_fields(j, &mut v);
     let total = j.counters.map_or(0, |c| c.total_steps);
     let live = !crate::state::is_final(j.state());
     v["eta_s"] = json!(series
@@ -195,7 +253,8 @@ pub(super) async fn workers(State(g): State<Arc<Gate>>) -> Response {
         cl.workers()
             .map(|(id, w)| {
                 let job = w.job.as_ref().map(|(j, _)| j.as_str());
-                json!({
+                let lm = job.and_then(|j| cl.job(j)).is_some_and(is_lm);
+                let mut v = json!({
                     "id": id,
                     "device": w.device,
                     "data_addr": w.data_addr,
@@ -205,7 +264,12 @@ pub(super) async fn workers(State(g): State<Arc<Gate>>) -> Response {
                     "last_seen_age_s": (now - w.last_seen_ms).max(0) as f64 / 1000.0,
                     "step": w.step.map(|(s, _)| s),
                     "samples_per_sec": w.step.map(|(_, r)| r),
-                })
+                });
+                // A language model's worker counts tokens (issue 30).
+                if lm {
+                    v["tokens_per_sec"] = json!(w.step.map(|(_, r)| r));
+                }
+                v
             })
             .collect::<Vec<_>>()
     });

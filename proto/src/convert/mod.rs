@@ -49,12 +49,19 @@ kind_map!(ModelKind, ModelKind, {
     Resnet18 <=> Resnet18,
     Resnet34 <=> Resnet34,
     Torchscript <=> Torchscript,
+    Llama <=> Llama,
 });
 kind_map!(DataKind, DataKind, {
     Mnist <=> Mnist,
     Cifar10 <=> Cifar10,
     Tensors <=> Tensors,
     Synthetic <=> Synthetic,
+    Sequences <=> Sequences,
+    Tokens <=> Tokens,
+});
+kind_map!(TokenDtype, TokenDtype, {
+    U16 <=> U16,
+    U32 <=> U32,
 });
 kind_map!(Normalize, Normalize, {
     GlobalCount <=> GlobalCount,
@@ -142,6 +149,19 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             num_classes: s.model.num_classes,
             path: path(&s.model.path),
             init: path(&s.model.init),
+            vocab_size: s.model.vocab_size,
+            hidden_size: s.model.hidden_size,
+            intermediate_size: s.model.intermediate_size,
+            num_hidden_layers: s.model.num_hidden_layers,
+            num_attention_heads: s.model.num_attention_heads,
+            num_key_value_heads: s.model.num_key_value_heads,
+            rms_norm_eps: s.model.rms_norm_eps,
+            rope_theta: s.model.rope_theta,
+            max_position_embeddings: s.model.max_position_embeddings,
+            tie_word_embeddings: s.model.tie_word_embeddings,
+            attention_bias: s.model.attention_bias,
+            mlp_bias: s.model.mlp_bias,
+            config: path(&s.model.config),
         }),
         data: Some(v1::DataSpec {
             kind: to_proto(s.data.kind),
@@ -155,6 +175,9 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             eval_samples: s.data.eval_samples,
             shape: s.data.shape.clone().unwrap_or_default(),
             classes: s.data.classes,
+            seq_len: s.data.seq_len,
+            pad_id: s.data.pad_id,
+            dtype: s.data.dtype.map_or(0, to_proto),
         }),
         accumulation: Some(v1::AccumulationSpec {
             steps: s.accumulation.steps,
@@ -279,6 +302,16 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         OnNonfinite::default(),
         e,
     );
+    // data.dtype: UNSPECIFIED is absent; an unknown value is refused.
+    let dtype = match v1::TokenDtype::try_from(data.dtype) {
+        Ok(v1::TokenDtype::Unspecified) => None,
+        _ => Some(from_proto(
+            data.dtype,
+            Unspecified::Required,
+            TokenDtype::U16,
+            e,
+        )),
+    };
     let optimizer_kind = from_proto(opt.kind, Unspecified::Required, OptimizerKind::Sgd, e);
     let schedule_kind = from_proto(
         sched.kind,
@@ -324,6 +357,19 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             num_classes: model.num_classes,
             path: model.path.map(PathBuf::from),
             init: model.init.map(PathBuf::from),
+            vocab_size: model.vocab_size,
+            hidden_size: model.hidden_size,
+            intermediate_size: model.intermediate_size,
+            num_hidden_layers: model.num_hidden_layers,
+            num_attention_heads: model.num_attention_heads,
+            num_key_value_heads: model.num_key_value_heads,
+            rms_norm_eps: model.rms_norm_eps,
+            rope_theta: model.rope_theta,
+            max_position_embeddings: model.max_position_embeddings,
+            tie_word_embeddings: model.tie_word_embeddings,
+            attention_bias: model.attention_bias,
+            mlp_bias: model.mlp_bias,
+            config: model.config.map(PathBuf::from),
         },
         data: DataSpec {
             kind: data_kind,
@@ -337,6 +383,9 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             eval_samples: data.eval_samples,
             shape: (!data.shape.is_empty()).then_some(data.shape),
             classes: data.classes,
+            seq_len: data.seq_len,
+            pad_id: data.pad_id,
+            dtype,
         },
         accumulation: AccumulationSpec {
             steps: acc.steps,

@@ -107,8 +107,8 @@ fn unknown_and_unspecified_kinds() {
     assert_eq!(
         shown,
         vec![
-            "model.kind = 99: must be one of mlp, lenet5, resnet18, resnet34, torchscript",
-            "data.kind = -1: must be one of mnist, cifar10, tensors, synthetic",
+            "model.kind = 99: must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama",
+            "data.kind = -1: must be one of mnist, cifar10, tensors, synthetic, sequences, tokens",
             "accumulation.normalize = 7: must be one of global_count, mean, sum",
             "accumulation.sync = 8: must be one of boundary, every_step",
             "clipping.on_nonfinite = 9: must be one of skip, error",
@@ -143,8 +143,8 @@ fn unknown_and_unspecified_kinds() {
     assert_eq!(
         shown,
         vec![
-            "model.kind = (unspecified): must be one of mlp, lenet5, resnet18, resnet34, torchscript",
-            "data.kind = (unspecified): must be one of mnist, cifar10, tensors, synthetic",
+            "model.kind = (unspecified): must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama",
+            "data.kind = (unspecified): must be one of mnist, cifar10, tensors, synthetic, sequences, tokens",
             "optimizer.kind = (unspecified): must be one of sgd, adam, adamw",
         ]
     );
@@ -176,6 +176,7 @@ fn every_kind_maps_both_ways() {
     check::<OptimizerKind>();
     check::<ScheduleKind>();
     check::<Precision>();
+    check::<TokenDtype>();
 }
 
 fn kind<K: SpecEnum + std::fmt::Debug>() -> impl Strategy<Value = K> {
@@ -186,6 +187,50 @@ fn file() -> impl Strategy<Value = PathBuf> {
     "[a-z]{1,6}(/[a-z0-9_.]{1,8}){0,2}".prop_map(PathBuf::from)
 }
 
+/// The llama fields: valid shapes (heads divide the width, kv heads the
+/// heads, even head width); with a `config` file (not read by
+/// `validate_fields`) the required ones may be absent.
+#[derive(Clone, Debug)]
+struct LlamaDraw {
+    sizes: (i64, i64, i64, i64, i64, i64),
+    floats: (Option<f64>, Option<f64>),
+    positions: Option<i64>,
+    flags: (Option<bool>, Option<bool>, Option<bool>),
+    gqa: bool,
+    config: Option<PathBuf>,
+    absent: u8,
+}
+
+fn llama_draw() -> impl Strategy<Value = LlamaDraw> {
+    (
+        (1i64..1000, 1i64..8, 1i64..4, 1i64..256, 1i64..4, 1i64..3),
+        (
+            prop::option::of(1e-8f64..1e-3),
+            prop::option::of(100.0f64..1e6),
+        ),
+        prop::option::of(64i64..4096),
+        (
+            prop::option::of(any::<bool>()),
+            prop::option::of(any::<bool>()),
+            prop::option::of(any::<bool>()),
+        ),
+        any::<bool>(),
+        prop::option::of(file()),
+        0u8..6,
+    )
+        .prop_map(
+            |(sizes, floats, positions, flags, gqa, config, absent)| LlamaDraw {
+                sizes,
+                floats,
+                positions,
+                flags,
+                gqa,
+                config,
+                absent,
+            },
+        )
+}
+
 fn model() -> impl Strategy<Value = ModelSpec> {
     (
         kind::<ModelKind>(),
@@ -193,23 +238,51 @@ fn model() -> impl Strategy<Value = ModelSpec> {
         prop::option::of(1i64..1000),
         file(),
         prop::option::of(file()),
+        llama_draw(),
     )
-        .prop_map(|(kind, hidden, num_classes, path, init)| ModelSpec {
-            kind,
-            hidden: if kind == ModelKind::Mlp {
-                hidden
-            } else {
-                Vec::new()
-            },
-            num_classes,
-            path: (kind == ModelKind::Torchscript).then_some(path),
-            init,
+        .prop_map(|(kind, hidden, num_classes, path, init, l)| {
+            let llama = kind == ModelKind::Llama;
+            let (vocab, kv, group, half_dim, layers, inter) = l.sizes;
+            let heads = kv * group;
+            // With a config file, one required field may come from it.
+            let on = |i: u8| llama && (l.config.is_none() || l.absent != i);
+            ModelSpec {
+                kind,
+                hidden: if kind == ModelKind::Mlp {
+                    hidden
+                } else {
+                    Vec::new()
+                },
+                num_classes: num_classes.filter(|_| !llama),
+                path: (kind == ModelKind::Torchscript).then_some(path),
+                init,
+                vocab_size: on(0).then_some(vocab),
+                hidden_size: on(1).then_some(heads * half_dim * 2),
+                intermediate_size: on(2).then_some(inter * 16),
+                num_hidden_layers: on(3).then_some(layers),
+                num_attention_heads: on(4).then_some(heads),
+                num_key_value_heads: (llama && l.gqa).then_some(kv),
+                rms_norm_eps: l.floats.0.filter(|_| llama),
+                rope_theta: l.floats.1.filter(|_| llama),
+                max_position_embeddings: l.positions.filter(|_| llama),
+                tie_word_embeddings: l.flags.0.filter(|_| llama),
+                attention_bias: l.flags.1.filter(|_| llama),
+                mlp_bias: l.flags.2.filter(|_| llama),
+                config: l.config.filter(|_| llama),
+            }
         })
 }
 
-fn data() -> impl Strategy<Value = DataSpec> {
+/// Data for a model: token rows (sequences, tokens) for a language model,
+/// the other kinds otherwise.
+fn data(lm: bool) -> impl Strategy<Value = DataSpec> {
+    let kinds: Vec<DataKind> = DataKind::ALL
+        .iter()
+        .copied()
+        .filter(|k| matches!(k, DataKind::Sequences | DataKind::Tokens) == lm)
+        .collect();
     (
-        kind::<DataKind>(),
+        select(kinds),
         prop::option::of(file()),
         prop::option::of(file()),
         1u64..64,
@@ -220,15 +293,22 @@ fn data() -> impl Strategy<Value = DataSpec> {
             prop::option::of(prop::collection::vec(1i64..32, 1..4)),
             prop::option::of(2i64..100),
         ),
+        (
+            1u64..64,
+            prop::option::of(0i64..1000),
+            prop::option::of(kind::<TokenDtype>()),
+        ),
     )
         .prop_map(
-            |(kind, path, eval_path, batch_size, (shuffle, drop_last, pad), synth)| {
+            move |(kind, path, eval_path, batch_size, (shuffle, drop_last, pad), synth, tokens)| {
                 let synthetic = kind == DataKind::Synthetic;
                 let path = match kind {
                     DataKind::Synthetic => path,
-                    DataKind::Mnist | DataKind::Cifar10 | DataKind::Tensors => {
-                        Some(path.unwrap_or_else(|| "data".into()))
-                    }
+                    DataKind::Mnist
+                    | DataKind::Cifar10
+                    | DataKind::Tensors
+                    | DataKind::Sequences
+                    | DataKind::Tokens => Some(path.unwrap_or_else(|| "data".into())),
                 };
                 DataSpec {
                     kind,
@@ -242,9 +322,20 @@ fn data() -> impl Strategy<Value = DataSpec> {
                     eval_samples: synth.1.filter(|_| synthetic),
                     shape: synth.2.filter(|_| synthetic),
                     classes: synth.3.filter(|_| synthetic),
+                    seq_len: lm.then_some(tokens.0),
+                    pad_id: tokens.1.filter(|_| kind == DataKind::Sequences),
+                    dtype: tokens.2.filter(|_| kind == DataKind::Tokens),
                 }
             },
         )
+}
+
+/// A model and data that go together.
+fn model_and_data() -> impl Strategy<Value = (ModelSpec, DataSpec)> {
+    model().prop_flat_map(|m| {
+        let lm = m.kind == ModelKind::Llama;
+        (Just(m), data(lm))
+    })
 }
 
 /// A valid spec, every field and kind drawn.
@@ -291,8 +382,8 @@ fn spec() -> impl Strategy<Value = JobSpec> {
         1u64..1024,
         (0.1f64..100.0, 0.1f64..100.0, 0.1f64..100.0, 0.1f64..100.0),
     );
-    (top, model(), data(), acc, clip, opt, sched, rest).prop_map(
-        |(top, model, data, acc, clip, opt, sched, rest)| {
+    (top, model_and_data(), acc, clip, opt, sched, rest).prop_map(
+        |(top, (model, data), acc, clip, opt, sched, rest)| {
             let (name, workers, (min, max), extra, seed, epochs, max_steps, device, threads) = top;
             // Neither (k = 1), steps, or global_batch.
             let accumulation = AccumulationSpec {
@@ -516,4 +607,64 @@ fn generator_varies_every_field() {
             assert!(values.len() > 1, "{path} is never set");
         }
     }
+}
+
+/// A llama job on token data survives the proto trip with every llama
+/// and token field; an unknown token dtype is refused by name.
+#[test]
+fn llama_and_token_fields_round_trip() {
+    let text = r#"
+name = "lm"
+[model]
+kind = "llama"
+vocab_size = 97
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+rms_norm_eps = 1e-5
+rope_theta = 500000.0
+max_position_embeddings = 128
+tie_word_embeddings = true
+attention_bias = true
+mlp_bias = false
+config = "hf/config.json"
+[data]
+kind = "tokens"
+path = "train.bin"
+seq_len = 64
+dtype = "u32"
+batch_size = 8
+[optimizer]
+kind = "adamw"
+lr = 0.001
+"#;
+    let spec = JobSpec::fields_from_toml_str(text, std::path::Path::new("lm.toml")).unwrap();
+    let p = spec_to_proto(&spec);
+    let m = p.model.as_ref().unwrap();
+    assert_eq!(m.kind, v1::ModelKind::Llama as i32);
+    assert_eq!(
+        (m.vocab_size, m.rope_theta, m.config.as_deref()),
+        (Some(97), Some(500000.0), Some("hf/config.json"))
+    );
+    let d = p.data.as_ref().unwrap();
+    assert_eq!(
+        (d.kind, d.seq_len, d.dtype),
+        (
+            v1::DataKind::Tokens as i32,
+            Some(64),
+            v1::TokenDtype::U32 as i32
+        )
+    );
+    assert_eq!(spec_from_proto(&p).unwrap(), spec);
+    let mut bad = p.clone();
+    bad.data.as_mut().unwrap().dtype = 9;
+    let shown: Vec<String> = spec_from_proto(&bad)
+        .unwrap_err()
+        .0
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(shown, ["data.dtype = 9: must be one of u16, u32"]);
 }

@@ -94,6 +94,10 @@ pub struct Payload {
     pub model: Vec<u8>,
     pub optimizer: Vec<u8>,
     pub trainer: Vec<u8>,
+    /// Files for other tools, by name (a language model's `config.json`
+    /// and `tokenizer.json`, so transformers' `from_pretrained` loads the
+    /// folder): written, and listed in the manifest, like the others.
+    pub extra: Vec<(String, Vec<u8>)>,
 }
 
 impl Payload {
@@ -109,6 +113,7 @@ impl Payload {
                 what: "the trainer state".into(),
                 reason: e.to_string(),
             })?,
+            extra: Vec::new(),
         })
     }
 }
@@ -133,9 +138,11 @@ pub fn write(
     state: &TrainerState,
     model: &[(String, Tensor)],
     optimizer: &[(String, Tensor)],
+    extra: &[(String, Vec<u8>)],
     opts: &WriteOptions,
 ) -> Result<PathBuf> {
-    let payload = Payload::new(state, model, optimizer)?;
+    let mut payload = Payload::new(state, model, optimizer)?;
+    payload.extra = extra.to_vec();
     write_on(&mut disk::Local, dir, state.step, &payload, opts)
 }
 
@@ -237,12 +244,13 @@ fn write_step(
         disk.remove_dir_all(tmp).map_err(at(tmp))?;
     }
     disk.create_dir_all(tmp).map_err(at(tmp))?;
-    let files: [(&str, &[u8]); 3] = [
+    let mut files: Vec<(&str, &[u8])> = vec![
         (MODEL_FILE, &p.model),
         (OPTIMIZER_FILE, &p.optimizer),
         (TRAINER_FILE, &p.trainer),
     ];
-    for (name, bytes) in files {
+    files.extend(p.extra.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
+    for &(name, bytes) in &files {
         let path = tmp.join(name);
         disk.write(&path, bytes).map_err(at(&path))?;
         disk.sync_file(&path).map_err(at(&path))?;

@@ -95,6 +95,7 @@ fn step(n: u64) -> WorkerMessage {
             grad_norm: 0.0,
             clip_coef: 1.0,
             skipped: false,
+            skip_reason: None,
             samples: 8,
             samples_seen: 8 * n,
             lr: 0.1,

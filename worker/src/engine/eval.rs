@@ -7,7 +7,8 @@ use crate::error::Result;
 use crate::objective::EvalSums;
 
 impl<C: Collective> Engine<C> {
-    /// Loss and accuracy on the held-out split (None without one).
+    /// Loss, accuracy (and a language model's perplexity) on the held-out
+    /// split (None without one).
     pub fn evaluate(&mut self) -> Result<Option<EvalReport>> {
         let Some(eval) = &self.eval else {
             return Ok(None);
@@ -31,6 +32,7 @@ impl<C: Collective> Engine<C> {
             step: self.state.step,
             loss: sums.loss(),
             accuracy: sums.accuracy(),
+            perplexity: self.objective.has_perplexity().then(|| sums.loss().exp()),
             samples: sums.count,
         }))
     }

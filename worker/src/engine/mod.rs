@@ -23,6 +23,7 @@ mod setup;
 mod state_sync;
 mod sync_graph;
 mod window;
+mod workload;
 mod zero;
 
 pub use flat::{flatten, unflatten};
@@ -30,15 +31,14 @@ use options::Agreed;
 pub use options::{Control, RunOptions};
 pub use report::{EvalReport, Event, StepReport, Summary, Timing};
 pub use setup::resolve_device;
-use setup::{check_eval_shape, data_error, spec_hash, split_name, starved};
+use setup::{spec_hash, starved};
 
 use crate::checkpoint::{self, TrainerState};
 use crate::collective::Collective;
-use crate::data;
 use crate::error::{Error, Result};
 use crate::grads::FlatGrads;
 use crate::model::{Model, WeightsFrom};
-use crate::objective::{Classification, Objective};
+use crate::objective::Objective;
 use crate::optim::Optimizer;
 use crate::sampler::{ShardSpec, WindowPlan};
 use crate::schedule::Schedule;
@@ -61,6 +61,9 @@ pub struct Engine<C: Collective> {
     eval: Option<Box<dyn DataSource>>,
     /// The loss the window trains with and the evaluation reports.
     objective: Box<dyn Objective>,
+    /// Files every checkpoint carries for other tools (a language model's
+    /// config.json and tokenizer.json).
+    extra_files: Vec<(String, Vec<u8>)>,
     shard: ShardSpec,
     plan: WindowPlan,
     total_steps: u64,
@@ -129,41 +132,36 @@ impl<C: Collective> Engine<C> {
         if let Some(t) = spec.threads {
             tch::set_num_threads(t as i32);
         }
-        let splits = data::load(&spec.data, spec.seed)?;
-        let train = splits.train;
-        if train.is_empty() {
-            return Err(data_error(
-                &spec,
-                "the training split holds no samples".into(),
-            ));
-        }
-        if let Some(eval) = &splits.eval {
-            check_eval_shape(&spec, &train, eval)?;
-        }
-        let mut labels = vec![(split_name(&spec, false), train.max_label()?)];
-        if let Some(eval) = &splits.eval {
-            labels.push((split_name(&spec, true), eval.max_label()?));
-        }
-        let classes = data::class_count(spec.model.num_classes, &labels)?;
+        let workload = workload::load(&spec, device)?;
         let mut model = Model::build(
             &spec.model,
-            &train.sample_shape(),
-            classes,
+            &workload.sample_shape,
+            workload.classes,
             device,
             spec.seed,
         )?;
-        if let Some(init) = &spec.model.init {
+        if let Some(given) = &spec.model.init {
+            // A folder (transformers' save_pretrained) holds model.safetensors.
+            let file;
+            let init = if given.is_dir() {
+                file = given.join(checkpoint::MODEL_FILE);
+                &file
+            } else {
+                given
+            };
             let tensors = Tensor::read_safetensors(init).map_err(|e| Error::Init {
                 path: init.clone(),
                 reason: crate::error::torch_text("reading model.init", &e),
             })?;
             model.load_named(WeightsFrom::Init(init), tensors)?;
         }
-        let train: Box<dyn DataSource> = Box::new(train.to_device(device)?);
-        let eval = match splits.eval {
-            Some(e) => Some(Box::new(e.to_device(device)?) as Box<dyn DataSource>),
-            None => None,
-        };
+        let workload::Workload {
+            train,
+            eval,
+            objective,
+            extra_files,
+            ..
+        } = workload;
         let shard = ShardSpec {
             len: train.len(),
             world,
@@ -242,6 +240,13 @@ impl<C: Collective> Engine<C> {
                 spec.sharding.stage,
             )
         };
+        // A source that is not resident on the device cannot be captured.
+        let graph_mode = match graph_mode {
+            crate::graphs::Mode::Capture { .. } if train.resident().is_empty() => {
+                crate::graphs::Mode::Off(crate::graphs::EagerReason::HostData)
+            }
+            m => m,
+        };
         let graph = graph::MicroGraph::new(graph_mode);
         let mut engine = Self {
             spec,
@@ -252,7 +257,8 @@ impl<C: Collective> Engine<C> {
             schedule,
             train,
             eval,
-            objective: Box::new(Classification),
+            objective,
+            extra_files,
             shard,
             plan,
             total_steps,
@@ -483,6 +489,7 @@ impl<C: Collective> Engine<C> {
                 &self.state,
                 &model,
                 &opt,
+                &self.extra_files,
                 &checkpoint::WriteOptions {
                     keep: self.spec.checkpoint.keep as usize,
                     owner: self.owner.clone(),

@@ -21,14 +21,22 @@ pub struct StepReport {
     pub total_steps: u64,
     pub epoch: u64,
     pub micro_step: u64,
-    /// Mean loss over the window's samples on all ranks.
+    /// Mean loss over the window's loss terms (samples, target tokens) on
+    /// all ranks: the loss that was optimized, whatever the normalization.
     pub loss: f64,
     /// Total gradient norm after normalization, before clipping.
     pub grad_norm: f64,
     /// Factor applied by norm clipping (1 when not clipped).
     pub clip_coef: f64,
     pub skipped: bool,
-    /// Samples in this window over all ranks.
+    /// Why the step was skipped: "no loss terms" (the window had no
+    /// sample or target token on any rank: N = 0), "non-finite gradients"
+    /// (on_nonfinite = "skip") or "fp16 overflow" (the loss scale backs
+    /// off); None when it was taken.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skip_reason: Option<&'static str>,
+    /// Loss terms in this window over all ranks: samples, or a language
+    /// model's target tokens (N).
     pub samples: u64,
     pub samples_seen: u64,
     pub lr: f64,
@@ -65,7 +73,12 @@ pub struct EvalReport {
     pub epoch: u64,
     pub step: u64,
     pub loss: f64,
+    /// Terms predicted right (a language model: next-token argmax).
     pub accuracy: f64,
+    /// A language model's exp(loss per token); None for classification.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub perplexity: Option<f64>,
+    /// Loss terms evaluated (samples, or target tokens).
     pub samples: u64,
 }
 

@@ -305,9 +305,18 @@ impl<C: Collective> Engine<C> {
         // On the device (the sync graph, engine/sync_graph.rs): everything
         // up to the zeroed gradients is done and only the norm comes back.
         let t_device = Instant::now();
-        let on_device = self.sync_on_device(divisor, lr)?;
+        // No loss term in the window on any rank (N = 0; a language
+        // model's windows can be all padding or prompt): nothing to
+        // normalize by, the step is skipped, not an on_nonfinite failure.
+        let no_terms = divisor == 0.0;
+        let on_device = if no_terms {
+            None
+        } else {
+            self.sync_on_device(divisor, lr)?
+        };
         let device_s = t_device.elapsed();
         let norm = match on_device {
+            _ if no_terms => 0.0,
             Some(norm) => norm,
             None if self.sharded() => self.zero_norm(norm_type)?,
             None => self
@@ -316,13 +325,22 @@ impl<C: Collective> Engine<C> {
                 .f_double_value(&[])
                 .ctx("reading the gradient norm")?,
         };
-        let grad_norm = norm / divisor;
+        let grad_norm = if no_terms { 0.0 } else { norm / divisor };
         let mut clip_coef = 1.0;
-        let skipped = !grad_norm.is_finite();
+        let skipped = no_terms || !grad_norm.is_finite();
+        let mut skip_reason = None;
         // What the gradients go through before the optimizer: 1/divisor and
         // the clip, as one multiplier where possible.
-        let prep = if skipped {
+        let prep = if no_terms {
+            skip_reason = Some("no loss terms");
+            tracing::info!(
+                step = step + 1,
+                "no loss term in the window on any rank (N = 0): step skipped"
+            );
+            None
+        } else if skipped {
             if let Some(ls) = scaler {
+                skip_reason = Some("fp16 overflow");
                 // GradScaler's skip: not an on_nonfinite failure.
                 tracing::info!(
                     step = step + 1,
@@ -340,6 +358,7 @@ impl<C: Collective> Engine<C> {
                         })
                     }
                 }
+                skip_reason = Some("non-finite gradients");
                 tracing::warn!(
                     step = step + 1,
                     grad_norm,
@@ -406,7 +425,9 @@ impl<C: Collective> Engine<C> {
         s.samples_seen += global_count;
         s.skipped_steps += skipped as u64;
         s.optimizer_steps = self.optimizer.steps;
-        s.loss_scale = scaler.map(|ls| ls.update(&self.spec.loss_scaling, skipped));
+        // GradScaler backs off on an overflow only.
+        let overflow = skipped && !no_terms;
+        s.loss_scale = scaler.map(|ls| ls.update(&self.spec.loss_scaling, overflow));
         s.lr = lr;
         s.cursor += self.window.micro as u64;
         if s.cursor as usize >= self.plan.micro_batches() {
@@ -432,6 +453,7 @@ impl<C: Collective> Engine<C> {
             grad_norm,
             clip_coef,
             skipped,
+            skip_reason,
             samples: global_count,
             samples_seen: s.samples_seen,
             lr,

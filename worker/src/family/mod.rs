@@ -10,14 +10,15 @@
 //! the proto enum.
 
 mod lenet5;
+pub mod llama;
 mod mlp;
 mod resnet;
 mod torchscript;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TorchContext};
 use crate::spec::{ModelKind, ModelSpec};
 use tch::nn::{self, ModuleT};
-use tch::CModule;
+use tch::{CModule, Device, Kind, Tensor};
 
 /// Tensors by name (a family's parameters and buffers, a checkpoint's
 /// contents).
@@ -56,9 +57,25 @@ pub trait Family: Sync {
         true
     }
 
-    /// The output contract, checked on a probe batch of 2: per-class
-    /// logits `[2, classes]` (what the classification objective reads).
-    fn check_output(&self, kind: ModelKind, got: &[i64], classes: i64) -> Result<()> {
+    /// The probe batch: 2 samples of `shape` in the model's input type
+    /// (zeros; float for the image and tensor families, token ids for a
+    /// language model).
+    fn probe_input(&self, shape: &[i64], device: Device) -> Result<Tensor> {
+        let mut dims = vec![2];
+        dims.extend_from_slice(shape);
+        Tensor::f_zeros(dims.as_slice(), (Kind::Float, device)).ctx("probing the model")
+    }
+
+    /// The output contract, checked on the probe batch of 2 samples of
+    /// `shape`: per-class logits `[2, classes]` (what the classification
+    /// objective reads).
+    fn check_output(
+        &self,
+        kind: ModelKind,
+        _shape: &[i64],
+        got: &[i64],
+        classes: i64,
+    ) -> Result<()> {
         if got.len() != 2 || got[1] != classes {
             return Err(Error::ModelOutput {
                 model: kind,
@@ -76,6 +93,7 @@ static FAMILIES: &[&dyn Family] = &[
     &lenet5::LeNet5,
     &resnet::ResNet,
     &torchscript::TorchScript,
+    &llama::Llama,
 ];
 
 /// The family that builds `kind`.
@@ -99,6 +117,7 @@ mod tests {
             ModelKind::Resnet18,
             ModelKind::Resnet34,
             ModelKind::Torchscript,
+            ModelKind::Llama,
         ] {
             let n = FAMILIES
                 .iter()

@@ -1,20 +1,23 @@
 //! The spec side of the model-family registry: one module per family, one
 //! line in [`FAMILIES`] each. A family owns the checks of the model fields
-//! whose rule depends on the kind (`model.hidden`, `model.path`) and its
-//! parameter count for the memory estimate; the worker's `family` modules
-//! own its builder, output contract and parameter names. The kind enum
-//! (kinds.rs) and the proto conversion keep the list of names.
+//! whose rule depends on the kind (`model.hidden`, `model.path`, the llama
+//! fields) and its parameter count for the memory estimate; the worker's
+//! `family` modules own its builder, output contract and parameter names.
+//! The kind enum (kinds.rs) and the proto conversion keep the list of
+//! names.
 //!
 //! A new family: a module here implementing [`ModelFamily`], its line in
 //! [`FAMILIES`], its name in `ModelKind` and the proto enum, and its
 //! worker module.
 
 mod lenet5;
+mod llama;
 mod mlp;
 mod resnet;
 mod torchscript;
 
-use super::{Checker, ModelKind, ModelSpec};
+use super::{Checker, DataSpec, ModelKind, ModelSpec};
+pub use llama::LlamaConfig;
 use std::path::Path;
 
 /// A model's size as the memory estimate counts it.
@@ -51,6 +54,12 @@ pub(super) trait ModelFamily: Sync {
         }
     }
 
+    /// The family's own model fields (the llama ones), with the data they
+    /// depend on: refused unless the family takes them.
+    fn check_fields(&self, model: &ModelSpec, _data: &DataSpec, c: &mut Checker) {
+        llama::refuse_llama_fields(model, c);
+    }
+
     /// The size of `model` for samples of `shape` (without the batch
     /// dimension) and `classes` outputs; zero where the spec does not say.
     fn size(&self, model: &ModelSpec, shape: &[u64], classes: u64) -> ModelSize;
@@ -62,6 +71,7 @@ static FAMILIES: &[&dyn ModelFamily] = &[
     &lenet5::LeNet5,
     &resnet::ResNet,
     &torchscript::TorchScript,
+    &llama::Llama,
 ];
 
 /// The family that builds `kind`.

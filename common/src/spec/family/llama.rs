@@ -1,0 +1,639 @@
+//! `llama`: a decoder-only language model in Hugging Face's
+//! `LlamaForCausalLM` layout (issue 30). Its fields are named as in HF's
+//! `LlamaConfig` and come from the spec, from a HF `config.json`
+//! (`model.config`), or both when they agree; [`LlamaConfig::resolve`]
+//! gives them all, defaults filled, and [`LlamaConfig::to_hf_json`] writes
+//! the `config.json` transformers loads.
+
+use super::{ModelFamily, ModelSize};
+use crate::spec::{Checker, DataKind, DataSpec, ModelKind, ModelSpec, SpecErrors, MAX_VOCAB};
+use serde_json::{json, Map, Value};
+use std::path::Path;
+
+/// The largest hidden and intermediate width and position count a spec
+/// may ask for; the most layers and heads.
+pub const MAX_WIDTH: i64 = 1 << 16;
+pub const MAX_INTERMEDIATE: i64 = 1 << 18;
+pub const MAX_POSITIONS: i64 = 1 << 24;
+pub const MAX_LAYERS: i64 = 1024;
+pub const MAX_HEADS: i64 = 1024;
+
+/// The defaults of Hugging Face's LlamaConfig.
+pub const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
+pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
+pub const DEFAULT_MAX_POSITION_EMBEDDINGS: i64 = 2048;
+
+/// A llama model's configuration with every field filled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    /// `num_attention_heads` unless given (fewer: grouped-query attention).
+    pub num_key_value_heads: i64,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: i64,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+}
+
+/// The fields as given (spec, config file or both merged).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Fields {
+    vocab_size: Option<i64>,
+    hidden_size: Option<i64>,
+    intermediate_size: Option<i64>,
+    num_hidden_layers: Option<i64>,
+    num_attention_heads: Option<i64>,
+    num_key_value_heads: Option<i64>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    max_position_embeddings: Option<i64>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+}
+
+/// Every llama field's spec name, for the "only allowed with llama" check.
+fn given(m: &ModelSpec) -> Vec<&'static str> {
+    let f = Fields::from_spec(m);
+    [
+        ("model.vocab_size", f.vocab_size.is_some()),
+        ("model.hidden_size", f.hidden_size.is_some()),
+        ("model.intermediate_size", f.intermediate_size.is_some()),
+        ("model.num_hidden_layers", f.num_hidden_layers.is_some()),
+        ("model.num_attention_heads", f.num_attention_heads.is_some()),
+        ("model.num_key_value_heads", f.num_key_value_heads.is_some()),
+        ("model.rms_norm_eps", f.rms_norm_eps.is_some()),
+        ("model.rope_theta", f.rope_theta.is_some()),
+        (
+            "model.max_position_embeddings",
+            f.max_position_embeddings.is_some(),
+        ),
+        ("model.tie_word_embeddings", f.tie_word_embeddings.is_some()),
+        ("model.attention_bias", f.attention_bias.is_some()),
+        ("model.mlp_bias", f.mlp_bias.is_some()),
+        ("model.config", m.config.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(name, set)| set.then_some(name))
+    .collect()
+}
+
+/// Refuses the llama fields for another kind (`model.hidden`'s rule).
+pub(super) fn refuse_llama_fields(m: &ModelSpec, c: &mut Checker) {
+    for field in given(m) {
+        c.fail(field, "(set)", "only allowed with model.kind = llama");
+    }
+}
+
+impl Fields {
+    fn from_spec(m: &ModelSpec) -> Self {
+        Self {
+            vocab_size: m.vocab_size,
+            hidden_size: m.hidden_size,
+            intermediate_size: m.intermediate_size,
+            num_hidden_layers: m.num_hidden_layers,
+            num_attention_heads: m.num_attention_heads,
+            num_key_value_heads: m.num_key_value_heads,
+            rms_norm_eps: m.rms_norm_eps,
+            rope_theta: m.rope_theta,
+            max_position_embeddings: m.max_position_embeddings,
+            tie_word_embeddings: m.tie_word_embeddings,
+            attention_bias: m.attention_bias,
+            mlp_bias: m.mlp_bias,
+        }
+    }
+
+    /// The fields of a HF config.json (other keys ignored); keys it has
+    /// that accrue cannot build (another `model_type`, activation, head
+    /// width or RoPE type) are refused.
+    fn from_json(path: &Path, map: &Map<String, Value>, c: &mut Checker) -> Self {
+        let shown = path.display().to_string();
+        let mut bad = |key: &str, v: &Value, want: &str| {
+            c.fail(
+                "model.config",
+                &shown,
+                format!("{key} = {v} in the file: {want}"),
+            );
+        };
+        let present = |key: &str| map.get(key).filter(|v| !v.is_null());
+        let mut int = |key: &str| {
+            let v = present(key)?;
+            let i = v.as_i64();
+            if i.is_none() {
+                bad(key, v, "must be an integer");
+            }
+            i
+        };
+        let vocab_size = int("vocab_size");
+        let hidden_size = int("hidden_size");
+        let intermediate_size = int("intermediate_size");
+        let num_hidden_layers = int("num_hidden_layers");
+        let num_attention_heads = int("num_attention_heads");
+        let num_key_value_heads = int("num_key_value_heads");
+        let max_position_embeddings = int("max_position_embeddings");
+        let head_dim = int("head_dim");
+        let mut float = |key: &str, v: Option<&Value>| {
+            let v = v?;
+            let f = v.as_f64();
+            if f.is_none() {
+                bad(key, v, "must be a number");
+            }
+            f
+        };
+        let rms_norm_eps = float("rms_norm_eps", present("rms_norm_eps"));
+        // transformers 5 writes rope_parameters.rope_theta, 4.x rope_theta.
+        let rope_params = present("rope_parameters").or_else(|| present("rope_scaling"));
+        let rope_theta = float("rope_theta", present("rope_theta")).or_else(|| {
+            float(
+                "rope_parameters.rope_theta",
+                rope_params.and_then(|p| p.get("rope_theta")),
+            )
+        });
+        let mut flag = |key: &str| {
+            let v = present(key)?;
+            let b = v.as_bool();
+            if b.is_none() {
+                bad(key, v, "must be true or false");
+            }
+            b
+        };
+        let tie_word_embeddings = flag("tie_word_embeddings");
+        let attention_bias = flag("attention_bias");
+        let mlp_bias = flag("mlp_bias");
+        if let Some(v) = present("model_type").filter(|v| v.as_str() != Some("llama")) {
+            bad("model_type", v, "accrue builds \"llama\" models only");
+        }
+        if let Some(v) = present("hidden_act").filter(|v| v.as_str() != Some("silu")) {
+            bad("hidden_act", v, "accrue's llama uses \"silu\" only");
+        }
+        if let Some(p) = rope_params {
+            let kind = p.get("rope_type").or_else(|| p.get("type"));
+            if let Some(k) = kind.filter(|k| k.as_str() != Some("default")) {
+                bad(
+                    "rope_parameters.rope_type",
+                    k,
+                    "accrue's llama uses the \"default\" RoPE only (no scaling)",
+                );
+            }
+        }
+        if let (Some(d), Some(h), Some(n)) = (head_dim, hidden_size, num_attention_heads) {
+            if n > 0 && d * n != h {
+                bad(
+                    "head_dim",
+                    &json!(d),
+                    &format!(
+                        "accrue's llama needs hidden_size / num_attention_heads = {}",
+                        h / n
+                    ),
+                );
+            }
+        }
+        Self {
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            rms_norm_eps,
+            rope_theta,
+            max_position_embeddings,
+            tie_word_embeddings,
+            attention_bias,
+            mlp_bias,
+        }
+    }
+
+    /// The spec's fields, completed by the file's; a field in both must
+    /// agree.
+    fn merge(self, file: Fields, path: &Path, c: &mut Checker) -> Fields {
+        fn one<T: PartialEq + std::fmt::Debug + Copy>(
+            field: &str,
+            spec: Option<T>,
+            file: Option<T>,
+            path: &Path,
+            c: &mut Checker,
+        ) -> Option<T> {
+            match (spec, file) {
+                (Some(s), Some(f)) if s != f => {
+                    c.fail(
+                        field,
+                        s,
+                        format!(
+                            "disagrees with model.config ({:?}), which gives {f:?}",
+                            path.display().to_string()
+                        ),
+                    );
+                    Some(s)
+                }
+                (s, f) => s.or(f),
+            }
+        }
+        Fields {
+            vocab_size: one(
+                "model.vocab_size",
+                self.vocab_size,
+                file.vocab_size,
+                path,
+                c,
+            ),
+            hidden_size: one(
+                "model.hidden_size",
+                self.hidden_size,
+                file.hidden_size,
+                path,
+                c,
+            ),
+            intermediate_size: one(
+                "model.intermediate_size",
+                self.intermediate_size,
+                file.intermediate_size,
+                path,
+                c,
+            ),
+            num_hidden_layers: one(
+                "model.num_hidden_layers",
+                self.num_hidden_layers,
+                file.num_hidden_layers,
+                path,
+                c,
+            ),
+            num_attention_heads: one(
+                "model.num_attention_heads",
+                self.num_attention_heads,
+                file.num_attention_heads,
+                path,
+                c,
+            ),
+            num_key_value_heads: one(
+                "model.num_key_value_heads",
+                self.num_key_value_heads,
+                file.num_key_value_heads,
+                path,
+                c,
+            ),
+            rms_norm_eps: one(
+                "model.rms_norm_eps",
+                self.rms_norm_eps,
+                file.rms_norm_eps,
+                path,
+                c,
+            ),
+            rope_theta: one(
+                "model.rope_theta",
+                self.rope_theta,
+                file.rope_theta,
+                path,
+                c,
+            ),
+            max_position_embeddings: one(
+                "model.max_position_embeddings",
+                self.max_position_embeddings,
+                file.max_position_embeddings,
+                path,
+                c,
+            ),
+            tie_word_embeddings: one(
+                "model.tie_word_embeddings",
+                self.tie_word_embeddings,
+                file.tie_word_embeddings,
+                path,
+                c,
+            ),
+            attention_bias: one(
+                "model.attention_bias",
+                self.attention_bias,
+                file.attention_bias,
+                path,
+                c,
+            ),
+            mlp_bias: one("model.mlp_bias", self.mlp_bias, file.mlp_bias, path, c),
+        }
+    }
+
+    /// Range and shape rules of the fields given; with `complete`, a
+    /// required field missing is an error too. The config when every
+    /// field is there and right.
+    fn check(&self, complete: bool, c: &mut Checker) -> Option<LlamaConfig> {
+        let int = |c: &mut Checker, field: &str, v: Option<i64>, lo: i64, hi: i64| match v {
+            Some(x) if (lo..=hi).contains(&x) => Some(x),
+            Some(x) => {
+                c.int_in(field, x, lo.into(), hi.into());
+                None
+            }
+            None => {
+                if complete {
+                    c.fail(
+                        field,
+                        "(missing)",
+                        "required for model.kind = llama (here, or from the \
+                         config.json of model.config)",
+                    );
+                }
+                None
+            }
+        };
+        let vocab = int(c, "model.vocab_size", self.vocab_size, 1, MAX_VOCAB);
+        let hidden = int(c, "model.hidden_size", self.hidden_size, 1, MAX_WIDTH);
+        let inter = int(
+            c,
+            "model.intermediate_size",
+            self.intermediate_size,
+            1,
+            MAX_INTERMEDIATE,
+        );
+        let layers = int(
+            c,
+            "model.num_hidden_layers",
+            self.num_hidden_layers,
+            1,
+            MAX_LAYERS,
+        );
+        let heads = int(
+            c,
+            "model.num_attention_heads",
+            self.num_attention_heads,
+            1,
+            MAX_HEADS,
+        );
+        let positions = self
+            .max_position_embeddings
+            .or(Some(DEFAULT_MAX_POSITION_EMBEDDINGS));
+        let positions = int(
+            c,
+            "model.max_position_embeddings",
+            positions,
+            1,
+            MAX_POSITIONS,
+        );
+        let kv = match self.num_key_value_heads {
+            None => heads,
+            Some(kv) => int(c, "model.num_key_value_heads", Some(kv), 1, MAX_HEADS),
+        };
+        let mut good = vocab.is_some()
+            && hidden.is_some()
+            && inter.is_some()
+            && layers.is_some()
+            && heads.is_some()
+            && kv.is_some()
+            && positions.is_some();
+        if let (Some(h), Some(n)) = (hidden, heads) {
+            if h % n != 0 {
+                c.fail(
+                    "model.hidden_size",
+                    h,
+                    format!("must be a multiple of model.num_attention_heads = {n}"),
+                );
+                good = false;
+            } else if (h / n) % 2 != 0 {
+                c.fail(
+                    "model.hidden_size",
+                    h,
+                    format!(
+                        "must give an even head width for RoPE (hidden_size / \
+                         num_attention_heads = {})",
+                        h / n
+                    ),
+                );
+                good = false;
+            }
+        }
+        if let (Some(n), Some(kv)) = (heads, kv) {
+            if n % kv != 0 {
+                c.fail(
+                    "model.num_key_value_heads",
+                    kv,
+                    format!("must divide model.num_attention_heads = {n}"),
+                );
+                good = false;
+            }
+        }
+        let eps = self.rms_norm_eps.unwrap_or(DEFAULT_RMS_NORM_EPS);
+        if !(eps.is_finite() && eps > 0.0) {
+            c.fail("model.rms_norm_eps", eps, "must be a finite number > 0");
+            good = false;
+        }
+        let theta = self.rope_theta.unwrap_or(DEFAULT_ROPE_THETA);
+        if !(theta.is_finite() && theta > 0.0) {
+            c.fail("model.rope_theta", theta, "must be a finite number > 0");
+            good = false;
+        }
+        if !good {
+            return None;
+        }
+        Some(LlamaConfig {
+            vocab_size: vocab?,
+            hidden_size: hidden?,
+            intermediate_size: inter?,
+            num_hidden_layers: layers?,
+            num_attention_heads: heads?,
+            num_key_value_heads: kv?,
+            rms_norm_eps: eps,
+            rope_theta: theta,
+            max_position_embeddings: positions?,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            attention_bias: self.attention_bias.unwrap_or(false),
+            mlp_bias: self.mlp_bias.unwrap_or(false),
+        })
+    }
+}
+
+/// A HF config.json's top-level object (errors name `model.config`).
+fn read_config(path: &Path, c: &mut Checker) -> Option<Map<String, Value>> {
+    let shown = path.display().to_string();
+    let text = match std::fs::read(path) {
+        Ok(t) => t,
+        Err(e) => {
+            c.fail(
+                "model.config",
+                shown,
+                format!("must name a readable Hugging Face config.json ({e})"),
+            );
+            return None;
+        }
+    };
+    match serde_json::from_slice::<Value>(&text) {
+        Ok(Value::Object(map)) => Some(map),
+        Ok(_) => {
+            c.fail(
+                "model.config",
+                shown,
+                "must hold a JSON object (a Hugging Face config.json)",
+            );
+            None
+        }
+        Err(e) => {
+            c.fail(
+                "model.config",
+                shown,
+                format!("not valid JSON (a Hugging Face config.json): {e}"),
+            );
+            None
+        }
+    }
+}
+
+/// The merged fields of `m` and, when `read` and `m.config` is set, its
+/// config file (`None` when the file cannot be read).
+fn gather(m: &ModelSpec, read: bool, c: &mut Checker) -> Option<Fields> {
+    let spec = Fields::from_spec(m);
+    match (&m.config, read) {
+        (Some(path), true) => {
+            let map = read_config(path, c)?;
+            let file = Fields::from_json(path, &map, c);
+            Some(spec.merge(file, path, c))
+        }
+        _ => Some(spec),
+    }
+}
+
+impl LlamaConfig {
+    /// The configuration of a `llama` model spec: its fields, completed by
+    /// the `model.config` file's (read here; unknown keys ignored), then
+    /// the defaults. A field given in both must agree; a missing required
+    /// field or a refused value is an error naming `model.<field>`.
+    pub fn resolve(model: &ModelSpec) -> Result<LlamaConfig, SpecErrors> {
+        let mut c = Checker::default();
+        let config = gather(model, true, &mut c).and_then(|f| f.check(true, &mut c));
+        c.finish()?;
+        config.ok_or_else(|| {
+            // Every path to None above reported an error; kept total.
+            SpecErrors(vec![crate::spec::FieldError {
+                field: "model".into(),
+                value: "llama".into(),
+                allowed: "an incomplete llama configuration".into(),
+            }])
+        })
+    }
+
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> i64 {
+        self.hidden_size / self.num_attention_heads.max(1)
+    }
+
+    /// Parameters of the model, the output head included unless tied
+    /// (transformers' `num_parameters()`).
+    pub fn parameter_count(&self) -> u64 {
+        let u = |x: i64| x.max(0) as u64;
+        let (v, h, i) = (
+            u(self.vocab_size),
+            u(self.hidden_size),
+            u(self.intermediate_size),
+        );
+        let kv = u(self.num_key_value_heads).saturating_mul(u(self.head_dim()));
+        let m = |a: u64, b: u64| a.saturating_mul(b);
+        let attention = m(h, h)
+            .saturating_add(m(h, kv))
+            .saturating_add(m(h, kv))
+            .saturating_add(m(h, h))
+            .saturating_add(if self.attention_bias {
+                h.saturating_add(kv).saturating_add(kv).saturating_add(h)
+            } else {
+                0
+            });
+        let mlp = m(3, m(h, i)).saturating_add(if self.mlp_bias {
+            m(2, i).saturating_add(h)
+        } else {
+            0
+        });
+        let layer = attention.saturating_add(mlp).saturating_add(m(2, h));
+        let head = if self.tie_word_embeddings { 0 } else { m(v, h) };
+        m(v, h)
+            .saturating_add(m(u(self.num_hidden_layers), layer))
+            .saturating_add(h)
+            .saturating_add(head)
+    }
+
+    /// A `config.json` that transformers' `LlamaConfig` and
+    /// `LlamaForCausalLM.from_pretrained` read (offline), fp32 weights.
+    pub fn to_hf_json(&self) -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim(),
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "mlp_bias": self.mlp_bias,
+            "pretraining_tp": 1,
+            "use_cache": true,
+            "dtype": "float32",
+            "torch_dtype": "float32",
+        })
+    }
+}
+
+pub(super) struct Llama;
+
+impl ModelFamily for Llama {
+    fn kinds(&self) -> &'static [ModelKind] {
+        &[ModelKind::Llama]
+    }
+
+    fn check_fields(&self, m: &ModelSpec, data: &DataSpec, c: &mut Checker) {
+        if let Some(n) = m.num_classes {
+            c.fail(
+                "model.num_classes",
+                n,
+                "not allowed with model.kind = llama (the classes are model.vocab_size)",
+            );
+        }
+        if let Some(p) = &m.config {
+            c.file_exists("model.config", p);
+        }
+        // The file is read only where files are checked (the coordinator's
+        // view of the workers' files may differ); without it, the fields
+        // the spec gives are checked.
+        let read = c.checks_files() && m.config.as_deref().is_some_and(Path::is_file);
+        let complete = m.config.is_none() || read;
+        let Some(fields) = gather(m, read, c) else {
+            return;
+        };
+        let config = fields.check(complete, c);
+        let positions = config
+            .as_ref()
+            .map(|x| x.max_position_embeddings)
+            .or(fields.max_position_embeddings)
+            .or((m.config.is_none()).then_some(DEFAULT_MAX_POSITION_EMBEDDINGS));
+        if let (Some(t), Some(p)) = (data.seq_len, positions) {
+            if matches!(data.kind, DataKind::Sequences | DataKind::Tokens) && t > p.max(0) as u64 {
+                c.fail(
+                    "data.seq_len",
+                    t,
+                    format!("must be <= model.max_position_embeddings = {p}"),
+                );
+            }
+        }
+    }
+
+    fn size(&self, model: &ModelSpec, shape: &[u64], _classes: u64) -> ModelSize {
+        let Ok(config) = LlamaConfig::resolve(model) else {
+            return ModelSize::default();
+        };
+        // Activations counted: the logits, T x vocab per sample (the
+        // largest tensor of a language model's step).
+        let t = shape.first().copied().unwrap_or(0);
+        ModelSize {
+            parameters: config.parameter_count(),
+            activations: t.saturating_mul(config.vocab_size.max(0) as u64),
+        }
+    }
+}

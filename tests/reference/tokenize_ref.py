@@ -1,0 +1,61 @@
+"""transformers' side of tests/tokenize.rs (`accrue tokenize`).
+
+    tokenize_ref.py gpt2-ids GPT2_DIR TEXT_FILE
+        GPT2TokenizerFast.from_pretrained(GPT2_DIR) (vocab.json and
+        merges.txt as `accrue tokenize --dump-gpt2-files` writes them): the
+        ids of the file's text, as a JSON list on stdout.
+    tokenize_ref.py decode TOKENIZER_DIR IDS_JSON OUT_AUTO OUT_FAST
+        The ids decoded by AutoTokenizer.from_pretrained(TOKENIZER_DIR) and
+        by PreTrainedTokenizerFast(tokenizer_file=TOKENIZER_DIR/tokenizer.json),
+        written (UTF-8) to OUT_AUTO and OUT_FAST.
+    tokenize_ref.py safetensors FILE
+        The file read by the `safetensors` package (numpy): its metadata and
+        each tensor's dtype, shape and values, as JSON on stdout.
+
+Offline: nothing is downloaded.
+"""
+import json
+import os
+import sys
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+
+def main():
+    cmd = sys.argv[1]
+    if cmd in ("gpt2-ids", "decode"):
+        from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
+    if cmd == "gpt2-ids":
+        tok = GPT2TokenizerFast.from_pretrained(sys.argv[2])
+        assert len(tok) == 50257, f"GPT-2 vocabulary of {len(tok)}"
+        with open(sys.argv[3], encoding="utf-8", newline="") as f:
+            text = f.read()
+        print(json.dumps(tok(text)["input_ids"]))
+    elif cmd == "decode":
+        folder, ids_file, out_auto, out_fast = sys.argv[2:6]
+        with open(ids_file) as f:
+            ids = json.load(f)
+        auto = AutoTokenizer.from_pretrained(folder)
+        fast = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"))
+        for tok, out in ((auto, out_auto), (fast, out_fast)):
+            text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            with open(out, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+    elif cmd == "safetensors":
+        from safetensors import safe_open
+
+        out = {}
+        with safe_open(sys.argv[2], framework="numpy") as f:
+            out["__metadata__"] = f.metadata()
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out[name] = {"dtype": str(t.dtype), "shape": list(t.shape), "values": t.tolist()}
+        print(json.dumps(out))
+    else:
+        sys.exit(f"unknown command {cmd}")
+
+
+if __name__ == "__main__":
+    main()

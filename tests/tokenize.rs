@@ -1,0 +1,649 @@
+//! `accrue tokenize` as a process (issue 30): round trips of GPT-2's and a
+//! trained byte-level BPE on a real corpus, GPT-2's ids against tiktoken's
+//! r50k and transformers' GPT2TokenizerFast, the llm.c header, the
+//! sequences file's tensors, the held-out splits and the errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use tempfile::TempDir;
+use tokenizers::Tokenizer;
+
+const EOT: u32 = 50256;
+const EOT_TEXT: &str = "<|endoftext|>";
+
+fn accrue(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .arg("tokenize")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Runs `accrue tokenize args`, asserts success, returns stdout.
+fn ok(args: &[&str]) -> String {
+    let o = accrue(args);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    );
+    assert!(
+        o.status.success(),
+        "accrue tokenize {args:?}:\n{out}\n{err}"
+    );
+    out
+}
+
+/// Runs `accrue tokenize args`, asserts exit code 2, returns stderr.
+fn fails(args: &[&str]) -> String {
+    let o = accrue(args);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "accrue tokenize {args:?}: {err}");
+    err
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A text corpus of about `bytes` as documents: the King James Bible
+/// (Debian's bible-kjv) when its `bible` command is installed, else
+/// CPython's standard library sources. Says which on stderr.
+fn corpus(bytes: usize) -> Vec<String> {
+    let kjv = Command::new("bible")
+        .arg("gen1:1-rev22:21")
+        .output()
+        .ok()
+        .filter(|o| o.status.success() && o.stdout.len() > 1_000_000);
+    if let Some(o) = kjv {
+        eprintln!("corpus: bible-kjv");
+        let text = String::from_utf8(o.stdout).unwrap();
+        // Three documents of whole lines.
+        let mut docs = Vec::new();
+        let mut rest = &text[..];
+        for _ in 0..3 {
+            let cut = rest[..bytes / 3].rfind('\n').unwrap() + 1;
+            docs.push(rest[..cut].to_string());
+            rest = &rest[cut..];
+        }
+        return docs;
+    }
+    eprintln!("corpus: CPython's standard library (bible-kjv is not installed)");
+    python_sources(bytes)
+}
+
+/// CPython's standard library sources, file by file, about `bytes` in all.
+fn python_sources(bytes: usize) -> Vec<String> {
+    let lib = std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("python3.")
+        })
+        .max()
+        .expect("a /usr/lib/python3.* folder");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&lib)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "py"))
+        .collect();
+    files.sort();
+    let mut docs = Vec::new();
+    let mut total = 0;
+    for f in files {
+        if total >= bytes {
+            break;
+        }
+        if let Ok(t) = std::fs::read_to_string(&f) {
+            total += t.len();
+            docs.push(t);
+        }
+    }
+    docs
+}
+
+/// Writes `docs` as 00.txt, 01.txt, … into `dir` (a folder input), with a
+/// binary file and a hidden file that must be left out.
+fn write_docs(dir: &Path, docs: &[String]) {
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    for (i, d) in docs.iter().enumerate() {
+        // The last one in a subfolder: the walk is recursive and sorted.
+        let p = if i + 1 == docs.len() {
+            dir.join(format!("sub/{i:02}.txt"))
+        } else {
+            dir.join(format!("{i:02}.txt"))
+        };
+        std::fs::write(p, d).unwrap();
+    }
+    std::fs::write(dir.join("blob.bin"), [0u8, 159, 146, 150, 0, 1]).unwrap();
+    std::fs::write(dir.join(".hidden.txt"), "not a document").unwrap();
+}
+
+/// An llm.c file's header and tokens.
+fn read_llmc(p: &Path) -> ([i32; 256], Vec<u32>) {
+    let b = std::fs::read(p).unwrap();
+    let mut h = [0i32; 256];
+    for (i, v) in h.iter_mut().enumerate() {
+        *v = i32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
+    }
+    let body = &b[1024..];
+    let tokens: Vec<u32> = match h[0] {
+        20240520 => body
+            .chunks_exact(2)
+            .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+        20240801 => body
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        m => panic!("bad magic {m}"),
+    };
+    assert_eq!(h[1], 1, "version");
+    assert_eq!(h[2] as usize, tokens.len(), "header count vs file length");
+    (h, tokens)
+}
+
+fn r50k(text: &str) -> Vec<u32> {
+    tiktoken_rs::r50k_base_singleton().encode_ordinary(text)
+}
+
+fn decode(tokenizer_json: &Path, ids: &[u32]) -> String {
+    Tokenizer::from_file(tokenizer_json)
+        .unwrap()
+        .decode(ids, false)
+        .unwrap()
+}
+
+#[test]
+fn gpt2_round_trip_and_r50k_ids() {
+    let t = TempDir::new().unwrap();
+    let docs = corpus(300_000);
+    let input = t.path().join("corpus");
+    write_docs(&input, &docs);
+    let out = t.path().join("data/train.bin");
+    let stdout = ok(&[s(&input), "--out", s(&out), "--tokenizer", "gpt2"]);
+    assert!(stdout.contains("skipped 1 files"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("{}: ", out.display()))
+            && stdout.contains(&format!("{} documents", docs.len())),
+        "{stdout}"
+    );
+    let (h, ids) = read_llmc(&out);
+    assert_eq!(h[0], 20240520, "u16 magic for GPT-2");
+    // Round trip: the documents joined by <|endoftext|>.
+    let tj = t.path().join("data/tokenizer.json");
+    assert_eq!(decode(&tj, &ids), docs.join(EOT_TEXT));
+    // tiktoken's r50k ids, document by document, joined by its id.
+    let mut want = Vec::new();
+    for (i, d) in docs.iter().enumerate() {
+        if i > 0 {
+            want.push(EOT);
+        }
+        want.extend(r50k(d));
+    }
+    assert_eq!(ids.len(), want.len());
+    assert!(ids == want, "ids differ from r50k");
+    assert_eq!(ids.iter().filter(|&&i| i == EOT).count(), docs.len() - 1);
+}
+
+#[test]
+fn gpt2_ids_equal_r50k_on_python_sources_in_one_document() {
+    // Code: runs of spaces, tabs and blank lines around the newlines where
+    // long documents are cut into pieces for the encoder.
+    let t = TempDir::new().unwrap();
+    let text = python_sources(500_000).concat();
+    let input = t.path().join("code.py.txt");
+    std::fs::write(&input, &text).unwrap();
+    let out = t.path().join("code.bin");
+    ok(&[s(&input), "--out", s(&out)]);
+    let (_, ids) = read_llmc(&out);
+    assert_eq!(decode(&t.path().join("tokenizer.json"), &ids), text);
+    let want = r50k(&text);
+    assert_eq!(ids.len(), want.len());
+    assert!(ids == want, "ids differ from r50k");
+}
+
+#[test]
+fn gpt2_ids_equal_transformers_on_the_same_files() {
+    let t = TempDir::new().unwrap();
+    let gpt2 = t.path().join("gpt2");
+    ok(&["--dump-gpt2-files", s(&gpt2)]);
+    // A few KB: the corpus' start and the byte-level BPE's corners.
+    let mut sample: String = corpus(30_000).concat().chars().take(6000).collect();
+    sample.push_str(
+        "\n\nIt's they'll we've I'M don't  two  spaces\t\ttabs\r\nCRLF 3.14159 12345678 \
+         naïve café Ünïcödé 日本語のテキスト 🦀🚀 emoji\u{200d}joined  \n\n\n   trailing   ",
+    );
+    let text_file = t.path().join("sample.txt");
+    std::fs::write(&text_file, &sample).unwrap();
+    let out = t.path().join("out/sample.bin");
+    ok(&[s(&text_file), "--out", s(&out)]);
+    let (_, ids) = read_llmc(&out);
+    assert_eq!(ids, r50k(&sample), "r50k");
+
+    let py = Command::new(env!("ACCRUE_PYTHON"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
+        .args(["gpt2-ids", s(&gpt2), s(&text_file)])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let hf: Vec<u32> = serde_json::from_slice(&py.stdout).unwrap();
+    assert_eq!(
+        ids, hf,
+        "transformers' GPT2TokenizerFast on the dumped files"
+    );
+
+    // The written tokenizer.json loads in transformers and decodes back.
+    let ids_file = t.path().join("ids.json");
+    std::fs::write(&ids_file, serde_json::to_string(&ids).unwrap()).unwrap();
+    let (auto, fast) = (t.path().join("auto.txt"), t.path().join("fast.txt"));
+    let py = Command::new(env!("ACCRUE_PYTHON"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
+        .args([
+            "decode",
+            s(&t.path().join("out")),
+            s(&ids_file),
+            s(&auto),
+            s(&fast),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&auto).unwrap(),
+        sample,
+        "AutoTokenizer"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&fast).unwrap(),
+        sample,
+        "PreTrainedTokenizerFast"
+    );
+}
+
+#[test]
+fn dumped_gpt2_files_equal_the_crate_assets_when_found() {
+    // tiktoken-rs ships encoder.json and vocab.bpe next to the r50k ranks
+    // the vocabulary is rebuilt from; compare when its source is at hand.
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cargo"));
+    let assets = std::fs::read_dir(home.join("registry/src"))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .flat_map(|e| std::fs::read_dir(e.path()).into_iter().flatten())
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("tiktoken-rs-")
+        })
+        .map(|p| p.join("assets"))
+        .find(|a| a.join("vocab.bpe").exists());
+    let Some(assets) = assets else {
+        eprintln!("tiktoken-rs' source is not in the cargo registry: nothing compared");
+        return;
+    };
+    let t = TempDir::new().unwrap();
+    ok(&["--dump-gpt2-files", s(t.path())]);
+    let ours: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(t.path().join("vocab.json")).unwrap()).unwrap();
+    let theirs: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(assets.join("encoder.json")).unwrap()).unwrap();
+    assert_eq!(ours, theirs, "vocab.json vs encoder.json");
+    let merges = |p: PathBuf| {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .skip(1)
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let (ours, theirs) = (
+        merges(t.path().join("merges.txt")),
+        merges(assets.join("vocab.bpe")),
+    );
+    assert_eq!(ours.len(), 50_000);
+    assert!(ours == theirs, "merges.txt vs vocab.bpe");
+}
+
+#[test]
+fn trained_bpe_round_trip() {
+    let t = TempDir::new().unwrap();
+    let docs = corpus(150_000);
+    let input = t.path().join("corpus");
+    write_docs(&input, &docs);
+    let out = t.path().join("bpe/train.bin");
+    ok(&[
+        s(&input),
+        "--out",
+        s(&out),
+        "--train-bpe",
+        "600",
+        "--eval-fraction",
+        "0.3",
+    ]);
+    let tj = t.path().join("bpe/tokenizer.json");
+    let tk = Tokenizer::from_file(&tj).unwrap();
+    assert_eq!(tk.get_vocab_size(true), 600);
+    let eot = tk.token_to_id(EOT_TEXT).expect("a trained <|endoftext|>");
+    let (h, train) = read_llmc(&out);
+    assert_eq!(h[0], 20240520);
+    let (_, eval) = read_llmc(&t.path().join("bpe/train.eval.bin"));
+    // 0.3 of the documents held out (at least one): the last ones.
+    let n = docs.len();
+    let k = ((n as f64 * 0.3).round() as usize).max(1);
+    let held = docs[n - k..].join(EOT_TEXT);
+    assert_eq!(decode(&tj, &train), docs[..n - k].join(EOT_TEXT));
+    assert_eq!(decode(&tj, &eval), held);
+    assert_eq!(train.iter().filter(|&&i| i == eot).count(), n - k - 1);
+    assert!(train.iter().chain(&eval).all(|&i| i < 600));
+    // Far fewer tokens than bytes: merges were learned.
+    assert!(train.len() * 2 < docs[..n - k].iter().map(String::len).sum::<usize>());
+
+    // transformers loads the trained tokenizer.json and decodes the same.
+    let ids_file = t.path().join("ids.json");
+    std::fs::write(&ids_file, serde_json::to_string(&eval).unwrap()).unwrap();
+    let (auto, fast) = (t.path().join("auto.txt"), t.path().join("fast.txt"));
+    let py = Command::new(env!("ACCRUE_PYTHON"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
+        .args([
+            "decode",
+            s(&t.path().join("bpe")),
+            s(&ids_file),
+            s(&auto),
+            s(&fast),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    assert_eq!(std::fs::read_to_string(&auto).unwrap(), held);
+    assert_eq!(std::fs::read_to_string(&fast).unwrap(), held);
+}
+
+#[test]
+fn tokens_eval_split_by_documents_and_by_tokens() {
+    let t = TempDir::new().unwrap();
+    let docs: Vec<String> = (0..5)
+        .map(|i| format!("Document number {i}.\nIt has a few words, and line two.\n"))
+        .collect();
+    let files: Vec<PathBuf> = docs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let p = t.path().join(format!("d{i}.txt"));
+            std::fs::write(&p, d).unwrap();
+            p
+        })
+        .collect();
+    let out = t.path().join("split/all.bin");
+    let mut args: Vec<&str> = files.iter().map(|p| s(p)).collect();
+    args.extend(["--out", s(&out), "--eval-fraction", "0.2"]);
+    let stdout = ok(&args);
+    let eval_out = t.path().join("split/all.eval.bin");
+    let (_, train) = read_llmc(&out);
+    let (_, eval) = read_llmc(&eval_out);
+    let joined = |d: &[String]| {
+        let mut v = Vec::new();
+        for (i, x) in d.iter().enumerate() {
+            if i > 0 {
+                v.push(EOT);
+            }
+            v.extend(r50k(x));
+        }
+        v
+    };
+    assert_eq!(train, joined(&docs[..4]));
+    assert_eq!(eval, joined(&docs[4..]));
+    assert!(
+        stdout.contains(&format!(
+            "{}: {} tokens, 4 documents",
+            out.display(),
+            train.len()
+        )),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!(
+            "{}: {} tokens, 1 documents",
+            eval_out.display(),
+            eval.len()
+        )),
+        "{stdout}"
+    );
+
+    // One document: the last tenth of its tokens.
+    let one = t.path().join("one/one.bin");
+    ok(&[s(&files[0]), s(&files[1]), "--out", s(&one)]);
+    let all = read_llmc(&one).1;
+    let text = t.path().join("long.txt");
+    std::fs::write(&text, docs.concat().repeat(20)).unwrap();
+    ok(&[s(&text), "--out", s(&one), "--eval-fraction", "0.1"]);
+    let (_, a) = read_llmc(&one);
+    let (_, b) = read_llmc(&t.path().join("one/one.eval.bin"));
+    let whole = r50k(&docs.concat().repeat(20));
+    assert_eq!(b.len(), (whole.len() as f64 * 0.1).round() as usize);
+    assert_eq!([a, b].concat(), whole);
+    assert_eq!(all, joined(&docs[..2]));
+}
+
+#[test]
+fn u32_tokens_for_a_vocabulary_over_65536() {
+    let t = TempDir::new().unwrap();
+    let g = t.path().join("g/x.bin");
+    let text = t.path().join("t.txt");
+    std::fs::write(&text, "A short text, tokenized twice.").unwrap();
+    ok(&[s(&text), "--out", s(&g)]);
+    // GPT-2's tokenizer.json with one more token at id 70000.
+    let mut tj: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(t.path().join("g/tokenizer.json")).unwrap()).unwrap();
+    tj["model"]["vocab"]["zzzzzzzzzzzzzzzz"] = 70000.into();
+    let big = t.path().join("big.json");
+    std::fs::write(&big, serde_json::to_vec(&tj).unwrap()).unwrap();
+    let w = t.path().join("w/x.bin");
+    let stdout = ok(&[s(&text), "--out", s(&w), "--tokenizer", s(&big)]);
+    assert!(stdout.contains("vocabulary 70001"), "{stdout}");
+    let (h16, a) = read_llmc(&g);
+    let (h32, b) = read_llmc(&w);
+    assert_eq!((h16[0], h32[0]), (20240520, 20240801));
+    assert_eq!(a, b);
+    // The given file is copied beside the output.
+    assert_eq!(
+        std::fs::read(t.path().join("w/tokenizer.json")).unwrap(),
+        std::fs::read(&big).unwrap()
+    );
+}
+
+#[test]
+fn sequences_file_and_its_seeded_split() {
+    let t = TempDir::new().unwrap();
+    let rows = [
+        ("Translate to French: cheese", " fromage"),
+        ("Q: What is 2 + 2?\nA:", " 4"),
+        ("", "A completion without a prompt."),
+        ("Name a crab.", " 🦀 Ferris"),
+        ("Say nothing.", ""),
+    ];
+    let jsonl = t.path().join("pairs.jsonl");
+    let text: String = rows
+        .iter()
+        .map(|(p, c)| {
+            serde_json::json!({"prompt": p, "completion": c, "extra": 1}).to_string() + "\n"
+        })
+        .collect();
+    std::fs::write(&jsonl, format!("{text}\n")).unwrap();
+    let out = t.path().join("seq/train.safetensors");
+    ok(&[s(&jsonl), "--out", s(&out), "--format", "sequences"]);
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tokens = st.tensor("tokens").unwrap();
+    let offsets = st.tensor("offsets").unwrap();
+    let mask = st.tensor("loss_mask").unwrap();
+    assert_eq!(tokens.dtype(), safetensors::Dtype::U16);
+    assert_eq!(offsets.dtype(), safetensors::Dtype::I64);
+    assert_eq!(mask.dtype(), safetensors::Dtype::U8);
+    let tok: Vec<u32> = tokens
+        .data()
+        .chunks_exact(2)
+        .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
+        .collect();
+    let off: Vec<i64> = offsets
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let m = mask.data().to_vec();
+    assert_eq!(off.len(), rows.len() + 1);
+    assert_eq!(tokens.shape(), &[tok.len()]);
+    assert_eq!((off[0], *off.last().unwrap() as usize), (0, tok.len()));
+    assert_eq!(m.len(), tok.len());
+    let row = |i: usize| (off[i] as usize, off[i + 1] as usize);
+    for (i, (p, c)) in rows.iter().enumerate() {
+        let (a, b) = row(i);
+        let (pt, ct) = (r50k(p), r50k(c));
+        assert_eq!(
+            tok[a..b],
+            [pt.clone(), ct.clone(), vec![EOT]].concat(),
+            "row {i}"
+        );
+        let want_mask: Vec<u8> = [vec![0u8; pt.len()], vec![1u8; ct.len() + 1]].concat();
+        assert_eq!(m[a..b], want_mask, "row {i}");
+    }
+
+    // The `safetensors` package (what transformers and torch use) reads it.
+    let py = Command::new(env!("ACCRUE_PYTHON"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
+        .args(["safetensors", s(&out)])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&py.stdout).unwrap();
+    assert_eq!(v["tokens"]["dtype"], "uint16");
+    assert_eq!(v["offsets"]["dtype"], "int64");
+    assert_eq!(v["loss_mask"]["dtype"], "uint8");
+    assert_eq!(v["offsets"]["values"], serde_json::json!(off));
+    assert_eq!(v["tokens"]["values"], serde_json::json!(tok));
+    assert_eq!(v["loss_mask"]["values"], serde_json::json!(m));
+    assert_eq!(v["__metadata__"]["eot_id"], "50256");
+    assert_eq!(v["__metadata__"]["vocab_size"], "50257");
+
+    // A seeded 0.4 of the rows held out: 2 of 5, the same for the same seed.
+    let split = |seed: &str, dir: &str| {
+        let out = t.path().join(dir).join("s.safetensors");
+        let stdout = ok(&[
+            s(&jsonl),
+            "--out",
+            s(&out),
+            "--format",
+            "sequences",
+            "--eval-fraction",
+            "0.4",
+            "--seed",
+            seed,
+        ]);
+        let eval = t.path().join(dir).join("s.eval.safetensors");
+        assert!(
+            stdout.contains(&format!("{}: ", eval.display())) && stdout.contains("2 rows"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("3 rows"), "{stdout}");
+        (std::fs::read(out).unwrap(), std::fs::read(eval).unwrap())
+    };
+    let rows_of = |bytes: &[u8]| -> Vec<Vec<u8>> {
+        let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+        let off: Vec<usize> = st
+            .tensor("offsets")
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as usize)
+            .collect();
+        let data = st.tensor("tokens").unwrap().data().to_vec();
+        off.windows(2)
+            .map(|w| data[2 * w[0]..2 * w[1]].to_vec())
+            .collect()
+    };
+    let (a_train, a_eval) = split("7", "s7");
+    let (b_train, b_eval) = split("7", "s7b");
+    assert_eq!(
+        (&a_train, &a_eval),
+        (&b_train, &b_eval),
+        "same seed, same split"
+    );
+    let mut all = rows_of(&a_train);
+    let held = rows_of(&a_eval);
+    assert_eq!((all.len(), held.len()), (3, 2));
+    all.extend(held);
+    let mut want = rows_of(&bytes);
+    all.sort();
+    want.sort();
+    assert_eq!(all, want, "train + eval = all rows");
+}
+
+#[test]
+fn errors_name_the_input_and_the_flag() {
+    let t = TempDir::new().unwrap();
+    let missing = t.path().join("nope.txt");
+    let out = t.path().join("o.bin");
+    let err = fails(&[s(&missing), "--out", s(&out)]);
+    assert!(
+        err.contains(&format!("input {}", missing.display())),
+        "{err}"
+    );
+
+    let jsonl = t.path().join("bad.jsonl");
+    std::fs::write(
+        &jsonl,
+        "{\"prompt\": \"a\", \"completion\": \"b\"}\n{\"prompt\": \"a\"}\n",
+    )
+    .unwrap();
+    let err = fails(&[s(&jsonl), "--out", s(&out), "--format", "sequences"]);
+    assert!(
+        err.contains(&format!(
+            "{} line 2: no `completion` field",
+            jsonl.display()
+        )),
+        "{err}"
+    );
+
+    let text = t.path().join("t.txt");
+    std::fs::write(&text, "text").unwrap();
+    let err = fails(&[s(&text), "--out", s(&out), "--eval-fraction", "1"]);
+    assert!(
+        err.contains("--eval-fraction must be in [0, 1), got 1"),
+        "{err}"
+    );
+    let err = fails(&[s(&text), "--out", s(&out), "--train-bpe", "100"]);
+    assert!(
+        err.contains("--train-bpe 100: a byte-level BPE needs at least 257"),
+        "{err}"
+    );
+    let err = fails(&[s(&text), "--out", s(&out), "--format", "sequences"]);
+    assert!(err.contains("reads JSON lines (.jsonl)"), "{err}");
+    let err = fails(&[s(&text), "--out", s(&out), "--tokenizer", s(&missing)]);
+    assert!(
+        err.contains(&format!("--tokenizer {}", missing.display())),
+        "{err}"
+    );
+}

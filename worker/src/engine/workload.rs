@@ -1,0 +1,126 @@
+//! What a job trains on and for, chosen by its spec: the data sources, the
+//! sample shape and output count the model is built for, the objective,
+//! and the files its checkpoints carry for other tools.
+//!
+//! - Classification (mlp, lenet5, resnet, torchscript on mnist, cifar10,
+//!   tensors, synthetic): splits held in memory on the device, classes
+//!   from the labels or `model.num_classes`, cross-entropy per sample.
+//! - Causal language modelling (llama on sequences or tokens): sources
+//!   read lazily from the host (a memory map), samples of `seq_len`
+//!   tokens, the vocabulary as outputs, cross-entropy per target token;
+//!   checkpoints carry `config.json` (and the data's `tokenizer.json`) so
+//!   transformers' `from_pretrained` reads the step folder.
+
+use super::setup::{check_eval_shape, data_error, split_name};
+use crate::data;
+use crate::error::{io_err, Result};
+use crate::objective::{CausalLm, Classification, Objective};
+use crate::source::DataSource;
+use crate::spec::{DataKind, JobSpec, LlamaConfig};
+use tch::Device;
+
+pub(super) struct Workload {
+    pub train: Box<dyn DataSource>,
+    pub eval: Option<Box<dyn DataSource>>,
+    /// A sample's shape without the batch dimension ([T] for a language
+    /// model).
+    pub sample_shape: Vec<i64>,
+    /// The model's outputs per position (classes, or the vocabulary).
+    pub classes: i64,
+    pub objective: Box<dyn Objective>,
+    /// Files every checkpoint carries besides the weights and the state.
+    pub extra_files: Vec<(String, Vec<u8>)>,
+}
+
+/// The workload `spec` describes, its data on `device`.
+pub(super) fn load(spec: &JobSpec, device: Device) -> Result<Workload> {
+    match spec.data.kind {
+        DataKind::Sequences | DataKind::Tokens => causal_lm(spec, device),
+        _ => classification(spec, device),
+    }
+}
+
+fn classification(spec: &JobSpec, device: Device) -> Result<Workload> {
+    let splits = data::load(&spec.data, spec.seed)?;
+    let train = splits.train;
+    if train.is_empty() {
+        return Err(data_error(
+            spec,
+            "the training split holds no samples".into(),
+        ));
+    }
+    if let Some(eval) = &splits.eval {
+        check_eval_shape(spec, &train, eval)?;
+    }
+    let mut labels = vec![(split_name(spec, false), train.max_label()?)];
+    if let Some(eval) = &splits.eval {
+        labels.push((split_name(spec, true), eval.max_label()?));
+    }
+    let classes = data::class_count(spec.model.num_classes, &labels)?;
+    let sample_shape = train.sample_shape();
+    Ok(Workload {
+        train: Box::new(train.to_device(device)?),
+        eval: match splits.eval {
+            Some(e) => Some(Box::new(e.to_device(device)?)),
+            None => None,
+        },
+        sample_shape,
+        classes,
+        objective: Box::new(Classification),
+        extra_files: Vec::new(),
+    })
+}
+
+fn causal_lm(spec: &JobSpec, device: Device) -> Result<Workload> {
+    use crate::source::{sequences::Sequences, tokens::TokenStream, TokenDtype, TokenOptions};
+    let config = LlamaConfig::resolve(&spec.model)?;
+    let d = &spec.data;
+    // validate() refused a missing seq_len for these kinds.
+    let seq_len = d.seq_len.unwrap_or(1) as usize;
+    let opts = TokenOptions {
+        seq_len,
+        pad_id: d.pad_id.unwrap_or(0),
+        vocab_size: config.vocab_size,
+        dtype: d.dtype.map(|t| match t {
+            crate::spec::TokenDtype::U16 => TokenDtype::U16,
+            crate::spec::TokenDtype::U32 => TokenDtype::U32,
+        }),
+        device,
+    };
+    let open = |path: &std::path::Path, field: &'static str| -> Result<Box<dyn DataSource>> {
+        Ok(match d.kind {
+            DataKind::Tokens => Box::new(TokenStream::open(path, field, &opts)?),
+            _ => Box::new(Sequences::open(path, field, &opts)?),
+        })
+    };
+    let path = d.path.clone().unwrap_or_default();
+    let train = open(&path, "data.path")?;
+    if train.is_empty() {
+        return Err(data_error(
+            spec,
+            "the training split holds no samples".into(),
+        ));
+    }
+    let eval = match &d.eval_path {
+        Some(p) => Some(open(p, "data.eval_path")?),
+        None => None,
+    };
+    let mut extra_files = vec![(
+        "config.json".to_string(),
+        serde_json::to_vec_pretty(&config.to_hf_json()).unwrap_or_default(),
+    )];
+    // `accrue tokenize` writes the tokenizer beside the data.
+    let tokenizer = path.with_file_name("tokenizer.json");
+    if tokenizer.is_file() {
+        let bytes = std::fs::read(&tokenizer).map_err(io_err(&tokenizer))?;
+        extra_files.push(("tokenizer.json".to_string(), bytes));
+    }
+    Ok(Workload {
+        train,
+        eval,
+        sample_shape: vec![seq_len as i64],
+        classes: config.vocab_size,
+        objective: Box::new(CausalLm),
+        extra_files,
+    })
+}

@@ -1,0 +1,354 @@
+//! `llama`: a decoder-only language model with Hugging Face
+//! `LlamaForCausalLM`'s parameter names and computation (issue 30):
+//! `model.embed_tokens.weight`, per layer
+//! `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight` (and `.bias` with
+//! `attention_bias`), `model.layers.{i}.mlp.{gate,up,down}_proj.weight`
+//! (and `.bias` with `mlp_bias`), `model.layers.{i}.input_layernorm.weight`,
+//! `model.layers.{i}.post_attention_layernorm.weight`, then
+//! `model.norm.weight` and `lm_head.weight` (absent when the embeddings are
+//! tied: the head multiplies by the embedding). Linear weights are
+//! `[out, in]`.
+//!
+//! The forward takes int64 token ids `[N, T]` and gives fp32 logits
+//! `[N, T, vocab]`, computed as transformers computes them: RMSNorm in
+//! fp32 (cast back, then times the weight), RoPE with `rotate_half` and
+//! `inv_freq = 1 / theta^(2i/d)` (cos and sin in fp32, positions 0..T),
+//! causal attention through libtorch's `scaled_dot_product_attention`
+//! (grouped-query through its `enable_gqa`, as transformers' SDPA path
+//! does), MLP `down(silu(gate(x)) * up(x))`, no dropout. Initial weights:
+//! normal(0, 0.02) for linear and embedding weights, zero biases, unit
+//! norms (transformers' `_init_weights`).
+
+use super::{BuildTo, Built, Family};
+use crate::error::{Error, Result, TorchContext};
+use crate::spec::{LlamaConfig, ModelKind};
+use tch::nn::{self, Init, ModuleT};
+use tch::{Device, Kind, TchError, Tensor};
+
+/// transformers' `initializer_range` default.
+const INIT_STD: f64 = 0.02;
+
+pub(super) struct Llama;
+
+impl Family for Llama {
+    fn kinds(&self) -> &'static [ModelKind] {
+        &[ModelKind::Llama]
+    }
+
+    fn build(&self, to: &BuildTo<'_>) -> Result<Built> {
+        let config = LlamaConfig::resolve(to.spec)?;
+        let t = match to.shape {
+            [t] if *t >= 1 => *t,
+            other => {
+                return Err(Error::ModelInput {
+                    model: "llama".into(),
+                    reason: format!(
+                        "needs token rows of shape [T] (data.seq_len), the data has shape {other:?}"
+                    ),
+                })
+            }
+        };
+        if t > config.max_position_embeddings {
+            return Err(Error::ModelInput {
+                model: "llama".into(),
+                reason: format!(
+                    "takes at most max_position_embeddings = {} positions, the data has rows of {t}",
+                    config.max_position_embeddings
+                ),
+            });
+        }
+        if to.classes != config.vocab_size {
+            return Err(Error::ModelInput {
+                model: "llama".into(),
+                reason: format!(
+                    "has vocab_size = {} logits per position, the job asks for {} classes",
+                    config.vocab_size, to.classes
+                ),
+            });
+        }
+        Ok(Built::Layers(Box::new(Net::new(to.root, &config)?)))
+    }
+
+    fn probe_input(&self, shape: &[i64], device: Device) -> Result<Tensor> {
+        let mut dims = vec![2];
+        dims.extend_from_slice(shape);
+        Tensor::f_zeros(dims.as_slice(), (Kind::Int64, device)).ctx("probing the model")
+    }
+
+    /// Logits per position and token: `[2, T, vocab]`.
+    fn check_output(
+        &self,
+        kind: ModelKind,
+        shape: &[i64],
+        got: &[i64],
+        classes: i64,
+    ) -> Result<()> {
+        let mut want = vec![2];
+        want.extend_from_slice(shape);
+        want.push(classes);
+        if got != want.as_slice() {
+            return Err(Error::ModelOutputShape {
+                model: kind,
+                got: got.to_vec(),
+                want,
+                what: "logits per position and token",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A linear layer as torch.nn.Linear stores it: weight `[out, in]`.
+#[derive(Debug)]
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn new(p: nn::Path<'_>, input: i64, output: i64, bias: bool) -> Result<Self> {
+        let weight = p
+            .f_var(
+                "weight",
+                &[output, input],
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: INIT_STD,
+                },
+            )
+            .ctx("creating the llama parameters")?;
+        let bias = bias
+            .then(|| p.f_var("bias", &[output], Init::Const(0.0)))
+            .transpose()
+            .ctx("creating the llama parameters")?;
+        Ok(Self { weight, bias })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        x.f_linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+/// Hugging Face's LlamaRMSNorm.
+#[derive(Debug)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(p: nn::Path<'_>, width: i64, eps: f64) -> Result<Self> {
+        let weight = p
+            .f_var("weight", &[width], Init::Const(1.0))
+            .ctx("creating the llama parameters")?;
+        Ok(Self { weight, eps })
+    }
+
+    /// `weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let kind = x.kind();
+        let x32 = x.f_to_kind(Kind::Float)?;
+        let variance =
+            x32.f_pow_tensor_scalar(2)?
+                .f_mean_dim(Some([-1i64].as_slice()), true, None::<Kind>)?;
+        let normed = x32.f_mul(&variance.f_add_scalar(self.eps)?.f_rsqrt()?)?;
+        self.weight.f_mul(&normed.f_to_kind(kind)?)
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    input_norm: RmsNorm,
+    post_norm: RmsNorm,
+}
+
+#[derive(Debug)]
+struct Net {
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    /// None when tied to the embedding.
+    head: Option<Tensor>,
+    /// RoPE's inverse frequencies `[head_dim / 2]`, fp32 (computed on the
+    /// CPU as transformers does at construction, then moved).
+    inv_freq: Tensor,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+    scale: f64,
+}
+
+impl Net {
+    /// Creates the variables in transformers' state_dict order.
+    fn new(root: &nn::Path<'_>, c: &LlamaConfig) -> Result<Self> {
+        let (h, d) = (c.hidden_size, c.head_dim());
+        let kv = c.num_key_value_heads * d;
+        let model = root / "model";
+        let embed = (&model / "embed_tokens")
+            .f_var(
+                "weight",
+                &[c.vocab_size, h],
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: INIT_STD,
+                },
+            )
+            .ctx("creating the llama parameters")?;
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let l = &model / "layers" / i;
+                let attn = &l / "self_attn";
+                let mlp = &l / "mlp";
+                let ab = c.attention_bias;
+                Ok(Layer {
+                    q: Linear::new(&attn / "q_proj", h, c.num_attention_heads * d, ab)?,
+                    k: Linear::new(&attn / "k_proj", h, kv, ab)?,
+                    v: Linear::new(&attn / "v_proj", h, kv, ab)?,
+                    o: Linear::new(&attn / "o_proj", c.num_attention_heads * d, h, ab)?,
+                    gate: Linear::new(&mlp / "gate_proj", h, c.intermediate_size, c.mlp_bias)?,
+                    up: Linear::new(&mlp / "up_proj", h, c.intermediate_size, c.mlp_bias)?,
+                    down: Linear::new(&mlp / "down_proj", c.intermediate_size, h, c.mlp_bias)?,
+                    input_norm: RmsNorm::new(&l / "input_layernorm", h, c.rms_norm_eps)?,
+                    post_norm: RmsNorm::new(&l / "post_attention_layernorm", h, c.rms_norm_eps)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(&model / "norm", h, c.rms_norm_eps)?;
+        let head = (!c.tie_word_embeddings)
+            .then(|| {
+                (root / "lm_head").f_var(
+                    "weight",
+                    &[c.vocab_size, h],
+                    Init::Randn {
+                        mean: 0.0,
+                        stdev: INIT_STD,
+                    },
+                )
+            })
+            .transpose()
+            .ctx("creating the llama parameters")?;
+        let inv_freq = inv_freq(d, c.rope_theta)
+            .and_then(|f| f.f_to_device(root.device()))
+            .ctx("computing RoPE's frequencies")?;
+        Ok(Self {
+            embed,
+            layers,
+            norm,
+            head,
+            inv_freq,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: d,
+            scale: (d as f64).powf(-0.5),
+        })
+    }
+
+    /// cos and sin `[T, head_dim]` for positions 0..T, fp32, then `kind`.
+    fn rope(&self, t: i64, kind: Kind) -> Result<(Tensor, Tensor), TchError> {
+        let device = self.inv_freq.device();
+        let positions = Tensor::f_arange(t, (Kind::Int64, device))?.f_to_kind(Kind::Float)?;
+        let freqs = positions
+            .f_unsqueeze(-1)?
+            .f_mul(&self.inv_freq.f_unsqueeze(0)?)?;
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+        Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
+    }
+
+    fn attention(
+        &self,
+        l: &Layer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor, TchError> {
+        let (n, t, _) = x.size3()?;
+        let split = |y: Tensor| -> Result<Tensor, TchError> {
+            y.f_view([n, t, -1, self.head_dim])?.f_transpose(1, 2)
+        };
+        let q = split(l.q.forward(x)?)?;
+        let k = split(l.k.forward(x)?)?;
+        let v = split(l.v.forward(x)?)?;
+        let q = rotate(&q, cos, sin)?;
+        let k = rotate(&k, cos, sin)?;
+        let out = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            None::<&Tensor>,
+            0.0,
+            true,
+            Some(self.scale),
+            self.kv_heads < self.heads,
+        )?;
+        let out = out
+            .f_transpose(1, 2)?
+            .f_contiguous()?
+            .f_reshape([n, t, -1])?;
+        l.o.forward(&out)
+    }
+
+    fn try_forward(&self, ids: &Tensor) -> Result<Tensor, TchError> {
+        let (_, t) = ids.size2()?;
+        let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
+        let (cos, sin) = self.rope(t, h.kind())?;
+        // [1, 1, T, D]: broadcast over rows and heads.
+        let (cos, sin) = (
+            cos.f_unsqueeze(0)?.f_unsqueeze(0)?,
+            sin.f_unsqueeze(0)?.f_unsqueeze(0)?,
+        );
+        for l in &self.layers {
+            let a = self.attention(l, &l.input_norm.forward(&h)?, &cos, &sin)?;
+            h = h.f_add(&a)?;
+            let x = l.post_norm.forward(&h)?;
+            let m = l
+                .down
+                .forward(&l.gate.forward(&x)?.f_silu()?.f_mul(&l.up.forward(&x)?)?)?;
+            h = h.f_add(&m)?;
+        }
+        let h = self.norm.forward(&h)?;
+        let logits = h.f_linear(self.head.as_ref().unwrap_or(&self.embed), None::<&Tensor>)?;
+        // fp32 logits whatever the autocast type (transformers' loss
+        // upcasts them the same way).
+        if logits.kind() == Kind::Float {
+            Ok(logits)
+        } else {
+            logits.f_to_kind(Kind::Float)
+        }
+    }
+}
+
+/// `q * cos + rotate_half(q) * sin`, rotate_half(x) = cat(-x[d/2:], x[:d/2]).
+fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, TchError> {
+    let d = x.size().last().copied().unwrap_or(0);
+    let x1 = x.f_narrow(-1, 0, d / 2)?;
+    let x2 = x.f_narrow(-1, d / 2, d - d / 2)?;
+    let half = Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)?;
+    x.f_mul(cos)?.f_add(&half.f_mul(sin)?)
+}
+
+/// transformers' default RoPE: `1 / theta ** (arange(0, d, 2).float() / d)`,
+/// fp32 on the CPU.
+fn inv_freq(head_dim: i64, theta: f64) -> Result<Tensor, TchError> {
+    let exponents = Tensor::f_arange_start_step(0, head_dim, 2, (Kind::Float, Device::Cpu))?
+        .f_div_scalar(head_dim)?;
+    Tensor::f_pow_scalar(theta, &exponents)?.f_reciprocal()
+}
+
+impl ModuleT for Net {
+    /// tch's module trait has no error path: a libtorch failure panics
+    /// here with libtorch's text, and `Model::forward` (which catches the
+    /// panics of built-in models) turns it into an error of the job.
+    fn forward_t(&self, xs: &Tensor, _train: bool) -> Tensor {
+        match self.try_forward(xs) {
+            Ok(t) => t,
+            Err(e) => panic!("called `Result::unwrap()` on an `Err` value: {e:?}"),
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Causal language-model training against transformers' LlamaForCausalLM:
+//! W = 2, k = 4 (two worker processes over the TCP ring) against torchrun +
+//! DDP (gloo) + no_sync with Hugging Face Trainer's loss (CE_sum * W /
+//! N_global), clip_grad_norm_ and AdamW, on rows of very uneven length per
+//! rank, a micro-batch without any target and a fully masked row; the same
+//! with `normalize = "mean"` against the per-micro-batch mean; and
+//! `global_count` at W = 2, k = 4 against W = 1, k = 1 on the same rows.
+//! Then transformers reads accrue's checkpoint folder (`from_pretrained`)
+//! and accrue fine-tunes a folder transformers wrote (`save_pretrained`).
+
+mod common;
+
+use common::procs::{run_ranks, Torchrun};
+use common::{engine, python, snapshot, spec};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tch::Tensor;
+use tempfile::TempDir;
+
+type Named = Vec<(String, Tensor)>;
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/lm_ddp_reference.py")
+}
+
+/// The shared settings (the python side reads the same JSON).
+fn config() -> serde_json::Value {
+    serde_json::json!({
+        "seed": 5, "batch": 2, "k": 4, "epochs": 2, "seq_len": 12, "rows": 32,
+        "max_norm": 1.0, "lr": 0.001, "weight_decay": 0.1, "pad_id": 0,
+        "model": {
+            "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        },
+        "modes": ["global_count", "mean"],
+    })
+}
+
+/// accrue's job for the same model, data and optimizer.
+fn job(d: &Path, normalize: &str, k: u64, batch: u64) -> String {
+    format!(
+        r#"
+name = "lm"
+seed = 5
+epochs = 2
+device = "cpu"
+threads = 1
+[model]
+kind = "llama"
+vocab_size = 97
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 64
+rms_norm_eps = 1e-6
+init = "{d}/init.safetensors"
+[data]
+kind = "sequences"
+path = "{d}/data.safetensors"
+seq_len = 12
+batch_size = {batch}
+shuffle = false
+[accumulation]
+steps = {k}
+normalize = "{normalize}"
+[clipping]
+max_norm = 1.0
+[optimizer]
+kind = "adamw"
+lr = 0.001
+weight_decay = 0.1
+[comm]
+timeout_s = 20
+connect_timeout_s = 30
+"#,
+        d = d.display()
+    )
+}
+
+/// Largest per-tensor max|a - b| / max|b| over `want`'s names.
+fn rel_diff(got: &Named, want: &Named) -> (f64, String) {
+    let mut worst = (0.0, String::new());
+    assert_eq!(got.len(), want.len(), "tensor counts differ");
+    for (name, w) in want {
+        let g = &got
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{name} missing"))
+            .1;
+        let d = (g - w).abs().max().double_value(&[]) / w.abs().max().double_value(&[]).max(1e-12);
+        if d > worst.0 {
+            worst = (d, name.clone());
+        }
+    }
+    worst
+}
+
+fn read(path: &Path) -> Named {
+    Tensor::read_safetensors(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch() {
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let cfg = config().to_string();
+    let py = python();
+    let out = std::process::Command::new(&py)
+        .arg(script())
+        .args(["prepare", d.to_str().unwrap(), &cfg])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut ddp = Torchrun::start(&py, &script(), 2, d, &["train", d.to_str().unwrap(), &cfg]);
+    // accrue runs while torchrun starts its two Pythons.
+    let mut runs = Vec::new();
+    for normalize in ["global_count", "mean"] {
+        let out = d.join(format!("accrue-{normalize}"));
+        std::fs::create_dir_all(&out).unwrap();
+        let ranks = run_ranks(&out, &job(d, normalize, 4, 2), 2, |_| {});
+        let steps = ranks[0].steps();
+        let model = read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
+        runs.push((normalize, model, steps));
+    }
+    // One rank, one micro-batch of all 16 rows of each window.
+    let single = {
+        let out = d.join("accrue-single");
+        let mut e = engine(spec(&job(d, "global_count", 1, 16)), &out.join("ckpt"));
+        let mut losses = Vec::new();
+        e.run(|ev| {
+            if let accrue_worker::Event::Step(r) = ev {
+                losses.push((r.loss, r.grad_norm, r.samples));
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        (snapshot(&e), losses)
+    };
+    let status = ddp
+        .wait(Duration::from_secs(300))
+        .unwrap_or_else(|| panic!("torchrun did not finish:\n{}", ddp.logs()));
+    assert!(status.success(), "torchrun failed:\n{}", ddp.logs());
+
+    for (normalize, model, steps) in &runs {
+        let want = read(&d.join(format!("ddp-{normalize}-rank0.safetensors")));
+        // DDP's replicas agree (the reference is sane).
+        let (r1, _) = rel_diff(&read(&d.join(format!("ddp-{normalize}-rank1.safetensors"))), &want);
+        assert_eq!(r1, 0.0, "{normalize}: DDP replicas differ");
+        let (diff, name) = rel_diff(model, &want);
+        eprintln!("{normalize}: parameters vs DDP: {diff:.3e} ({name})");
+        assert!(diff <= 1e-5, "{normalize}: {name} differs from DDP by {diff:.3e} (relative)");
+        let report: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(d.join(format!("ddp-{normalize}-rank0.json"))).unwrap(),
+        )
+        .unwrap();
+        let want_steps = report["steps"].as_array().unwrap();
+        assert_eq!(steps.len(), want_steps.len(), "{normalize}: step count");
+        for (i, (g, w)) in steps.iter().zip(want_steps).enumerate() {
+            for key in ["loss", "grad_norm"] {
+                let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+                eprintln!("{normalize}, step {}: {key} {g} vs DDP {w}", i + 1);
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                    "{normalize}, step {}: {key} {g} vs DDP's {w}",
+                    i + 1
+                );
+            }
+            assert_eq!(
+                g["samples"].as_f64().unwrap(),
+                w["tokens"].as_f64().unwrap(),
+                "{normalize}, step {}: tokens counted",
+                i + 1
+            );
+        }
+    }
+    // global_count at W = 2, k = 4 is one big batch; mean is not.
+    let (single_model, single_steps) = single;
+    let (diff, name) = rel_diff(&runs[0].1, &single_model);
+    eprintln!("global_count W=2,k=4 vs W=1,k=1: {diff:.3e} ({name})");
+    assert!(diff <= 1e-6, "global_count W=2,k=4 vs W=1,k=1: {name} off by {diff:.3e}");
+    for (i, (g, s)) in runs[0].2.iter().zip(&single_steps).enumerate() {
+        let (loss, norm) = (g["loss"].as_f64().unwrap(), g["grad_norm"].as_f64().unwrap());
+        assert!((loss - s.0).abs() <= 1e-6 * s.0.abs(), "step {}: loss {loss} vs {}", i + 1, s.0);
+        assert!((norm - s.1).abs() <= 1e-5 * s.1.abs(), "step {}: norm {norm} vs {}", i + 1, s.1);
+    }
+    let (mean_diff, _) = rel_diff(&runs[1].1, &single_model);
+    eprintln!("mean W=2,k=4 vs W=1,k=1: {mean_diff:.3e}");
+    assert!(mean_diff > 1e-3, "mean should differ from one big batch, off by {mean_diff:.3e}");
+}

@@ -1,0 +1,160 @@
+"""The independent reference for accrue's causal language-model training:
+transformers' LlamaForCausalLM under PyTorch DDP (gloo) with no_sync, the
+loss normalized by the window's global target count as Hugging Face's
+Trainer does it (CE_sum * W / N_global per rank, then DDP's average).
+
+  python lm_ddp_reference.py prepare DIR CONFIG_JSON
+      writes DIR/init.safetensors (the model's initial weights, HF names)
+      and DIR/data.safetensors (a `sequences` file: tokens, offsets,
+      loss_mask) with rows of very uneven length per rank, a micro-batch
+      without any target and a fully masked row.
+
+  python -m torch.distributed.run --nproc-per-node 2 ... \
+      lm_ddp_reference.py train DIR CONFIG_JSON
+      trains each mode in CONFIG["modes"] ("global_count" or "mean") from
+      the initial weights: DistributedSampler(shuffle=False), micro-batches
+      of b rows, backward of CE_sum * W / N_global (global_count) or of
+      the micro-batch's token mean / k (mean; 0 without targets) under
+      ddp.no_sync() for k - 1 micro-batches, then clip_grad_norm_, AdamW
+      and zero_grad. Rank r writes DIR/ddp-<mode>-rank<r>.safetensors (the
+      final state_dict, HF names) and DIR/ddp-<mode>-rank<r>.json (per
+      step: the loss (the window's token-weighted mean), the total norm
+      before clipping and N).
+
+CONFIG_JSON: seed, batch, k, epochs, seq_len, max_norm, lr, weight_decay,
+pad_id, model (LlamaConfig fields), modes.
+"""
+import contextlib
+import json
+import os
+import sys
+
+mode = sys.argv[1]
+out_dir = sys.argv[2]
+cfg = json.loads(sys.argv[3])
+rank = int(os.environ.get("RANK", "0"))
+if mode == "train":
+    log = open(os.path.join(out_dir, f"ddp-rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    with open(os.path.join(out_dir, f"ddp-rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+def build():
+    return LlamaForCausalLM(LlamaConfig(**cfg["model"], use_cache=False))
+
+
+def prepare():
+    torch.manual_seed(cfg["seed"])
+    model = build()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              f"{out_dir}/init.safetensors")
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    t, vocab = cfg["seq_len"], cfg["model"]["vocab_size"]
+    rows, masks = [], []
+    n = cfg["rows"]
+    for i in range(n):
+        if i % 2 == 0:
+            # Rank 0 (DistributedSampler without shuffle: even rows): long
+            # rows, some longer than T + 1 (cut).
+            length = int(torch.randint(t - 2, t + 6, (1,), generator=g))
+        else:
+            # Rank 1: short rows; its first micro-batch (rows 1 and 3) has
+            # no target at all (one token each).
+            length = 1 if i in (1, 3) else int(torch.randint(2, 5, (1,), generator=g))
+        row = torch.randint(0, vocab, (length,), generator=g)
+        mask = torch.ones(length, dtype=torch.uint8)
+        if i == 4:
+            mask[:] = 0  # a fully masked row
+        elif length > 4:
+            mask[: length // 3] = 0  # a prompt
+        rows.append(row)
+        masks.append(mask)
+    offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+    save_file({
+        "tokens": torch.cat(rows).to(torch.int32),
+        "offsets": offsets.to(torch.int64),
+        "loss_mask": torch.cat(masks),
+    }, f"{out_dir}/data.safetensors")
+
+
+def rows_to_batch(data, idx):
+    """accrue's rule: cut to T + 1, inputs row[:-1], targets row[1:]
+    (-100 where the target's mask is 0), right-padded to T."""
+    t, pad = cfg["seq_len"], cfg["pad_id"]
+    tok, off, m = data["tokens"].long(), data["offsets"], data["loss_mask"]
+    inputs = torch.full((len(idx), t), pad, dtype=torch.long)
+    targets = torch.full((len(idx), t), -100, dtype=torch.long)
+    for j, i in enumerate(idx):
+        row = tok[off[i]:off[i + 1]][: t + 1]
+        mask = m[off[i]:off[i + 1]][: t + 1]
+        n = len(row) - 1
+        if n <= 0:
+            continue
+        inputs[j, :n] = row[:-1]
+        tg = row[1:].clone()
+        tg[mask[1:] == 0] = -100
+        targets[j, :n] = tg
+    return inputs, targets
+
+
+def train():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DistributedSampler
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    data = load_file(f"{out_dir}/data.safetensors")
+    n = len(data["offsets"]) - 1
+    b, k = cfg["batch"], cfg["k"]
+    for norm_mode in cfg["modes"]:
+        model = build()
+        model.load_state_dict(load_file(f"{out_dir}/init.safetensors"))
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
+        steps = []
+        for epoch in range(cfg["epochs"]):
+            sampler.set_epoch(epoch)
+            mine = list(sampler)
+            micro = [mine[i:i + b] for i in range(0, len(mine), b)]
+            for w in range(0, len(micro), k):
+                window = [rows_to_batch(data, idx) for idx in micro[w:w + k]]
+                count = torch.tensor(float(sum(int((t != -100).sum()) for _, t in window)))
+                dist.all_reduce(count)
+                n_global = count.item()
+                loss_sum = torch.zeros((), dtype=torch.float64)
+                for i, (x, t) in enumerate(window):
+                    sync = i + 1 == len(window)
+                    with contextlib.nullcontext() if sync else ddp.no_sync():
+                        logits = ddp(input_ids=x).logits.float()
+                        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
+                                             ignore_index=-100, reduction="sum")
+                        loss_sum += ce.detach().double()
+                        if norm_mode == "global_count":
+                            loss = ce * world / n_global
+                        else:
+                            targets = int((t != -100).sum())
+                            loss = (ce / targets if targets else ce * 0.0) / len(window)
+                        loss.backward()
+                dist.all_reduce(loss_sum)
+                norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=cfg["max_norm"])
+                opt.step()
+                opt.zero_grad()
+                steps.append({"loss": loss_sum.item() / n_global, "grad_norm": norm.item(),
+                              "tokens": n_global})
+        save_file({k2: v.contiguous() for k2, v in model.state_dict().items()},
+                  f"{out_dir}/ddp-{norm_mode}-rank{rank}.safetensors")
+        with open(f"{out_dir}/ddp-{norm_mode}-rank{rank}.json", "w") as f:
+            json.dump({"world": world, "steps": steps}, f)
+    dist.destroy_process_group()
+
+
+{"prepare": prepare, "train": train}[mode]()
