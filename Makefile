@@ -138,6 +138,16 @@ bench-allreduce: setup
 	$(CARGO) build --release -p accrue-worker
 	.venv/bin/python worker/benches/allreduce_vs_gloo.py --bench target/release/allreduce-bench --worlds 2,3 --iters 20
 
+# Issue 30: causal LM training, `accrue local` against torchrun + DDP +
+# no_sync with transformers' LlamaForCausalLM, W = 2, k = 4, one thread a
+# rank, L = 2, 4 x H = 128, 256 x T = 64, 128, 256; tokens/s from 1- and
+# 5-epoch launches, peak RSS per rank. BENCH_ARGS passes flags through
+# (e.g. --configs L2-H128-T64 --repeat 3).
+.PHONY: bench-lm
+bench-lm: setup
+	$(CARGO) build --release -p accrue -p accrue-worker
+	.venv/bin/python worker/benches/lm_vs_ddp.py --accrue target/release/accrue $(BENCH_ARGS)
+
 # The CUDA checks (issues 17, 18, 19), run ON the GPU machine, which has no
 # Rust and no network: `make gpu-worker` here builds the worker and the
 # CUDA test binaries with ACCRUE_CUDA=1 (reference tests pointed at the GPU

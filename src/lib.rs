@@ -122,6 +122,15 @@ pub enum Command {
     /// Text files, folders or prompt/completion JSON lines into a token
     /// file (llm.c's .bin or safetensors rows) and its tokenizer.json.
     Tokenize(tokenize::TokenizeArgs),
+    /// Continue a prompt with a llama checkpoint: `accrue sample STEP_DIR
+    /// --prompt TEXT [--max-tokens N --temperature T --top-k K --seed S
+    /// --device D --tokenizer PATH]` (runs `accrue-worker sample`, next to
+    /// this binary, with the same arguments; `--help` shows them).
+    #[command(disable_help_flag = true)]
+    Sample {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 /// The CLI's transport from `--ca` / `--insecure` (one of them is needed);
@@ -191,7 +200,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     // and a token; `local` brings its own, `dev-certs` makes them.
     let remote = !matches!(
         cli.command,
-        Command::Local { .. } | Command::DevCerts { .. } | Command::Tokenize(_)
+        Command::Local { .. }
+            | Command::DevCerts { .. }
+            | Command::Tokenize(_)
+            | Command::Sample { .. }
     );
     let (token, tls) = if remote {
         (cli.bearer()?, transport(cli.ca.clone(), cli.insecure)?)
@@ -205,6 +217,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     };
     match cli.command {
         Command::Tokenize(args) => tokenize_cmd(&args),
+        Command::Sample { args } => sample_cmd(&args),
         Command::Submit { job, wait } => {
             // A spec the fields check refuses is refused here, before
             // any connection (the coordinator checks it again).
@@ -347,6 +360,24 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `accrue sample`: the model runs in `accrue-worker` (libtorch), which
+/// replaces this process with the same arguments.
+fn sample_cmd(args: &[std::ffi::OsString]) -> anyhow::Result<ExitCode> {
+    use std::os::unix::process::CommandExt;
+    let bin = std::env::current_exe()?.with_file_name("accrue-worker");
+    if !bin.exists() {
+        bail!(
+            "worker binary {} not found (build it with `cargo build -p accrue-worker`)",
+            bin.display()
+        );
+    }
+    let err = std::process::Command::new(&bin)
+        .arg("sample")
+        .args(args)
+        .exec();
+    Err(anyhow::Error::new(err).context(format!("cannot run {}", bin.display())))
 }
 
 /// `accrue tokenize`: CPU-bound and synchronous, off the async workers.

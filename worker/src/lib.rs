@@ -24,6 +24,7 @@ pub mod objective;
 pub mod optim;
 mod ring_buckets;
 pub mod rng;
+pub mod sample;
 pub mod sampler;
 pub mod schedule;
 pub mod shard;

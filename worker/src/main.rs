@@ -25,6 +25,9 @@ enum Command {
     Train(TrainArgs),
     /// Attach to a coordinator and run the ranks it assigns.
     Daemon(DaemonArgs),
+    /// Continue a prompt with a llama checkpoint (KV cache; greedy at
+    /// temperature 0).
+    Sample(accrue_worker::sample::SampleArgs),
 }
 
 #[derive(clap::Args)]
@@ -247,6 +250,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let args = match cli.command {
         Command::Train(args) => args,
         Command::Daemon(d) => return daemon(d),
+        Command::Sample(s) => {
+            accrue_worker::sample::run(&s, &mut std::io::stdout().lock())?;
+            return Ok(());
+        }
     };
     let (mut spec, checkpoint_dir) = load_confined(&args)?;
     spec.check_memory(memory_limit(args.max_job_memory_gib)?)?;

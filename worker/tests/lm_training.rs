@@ -189,3 +189,157 @@ fn llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch() {
     eprintln!("mean W=2,k=4 vs W=1,k=1: {mean_diff:.3e}");
     assert!(mean_diff > 1e-3, "mean should differ from one big batch, off by {mean_diff:.3e}");
 }
+
+fn run_script(mode: &str, d: &Path, cfg: &serde_json::Value) {
+    let out = std::process::Command::new(python())
+        .arg(script())
+        .args([mode, d.to_str().unwrap(), &cfg.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{mode}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// transformers reads accrue's step folder (`from_pretrained`: config.json
+/// and model.safetensors with HF names) and computes accrue's logits; a
+/// folder transformers wrote (`save_pretrained`) is fine-tuned through
+/// `model.init` + `model.config`, and accrue's first loss is transformers'
+/// on the same rows.
+#[test]
+fn checkpoints_are_transformers_folders_both_ways() {
+    use accrue_worker::model::Model;
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let mut cfg = config();
+    run_script("prepare", d, &cfg);
+    // One step of W = 1, k = 1 over 16 rows, then a checkpoint.
+    let text = job(d, "global_count", 1, 16).replace("epochs = 2", "max_steps = 1");
+    let ckpt = d.join("ckpt");
+    let mut e = engine(spec(&text), &ckpt);
+    e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
+    let step_dir = ckpt.join("step-1");
+    let config_json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step_dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config_json["architectures"][0], "LlamaForCausalLM");
+    // accrue's logits from the checkpoint's weights.
+    let s = spec(&text);
+    let mut model = Model::build(&s.model, &[12], 97, tch::Device::Cpu, 1).unwrap();
+    model
+        .load_named(
+            accrue_worker::model::WeightsFrom::Checkpoint(&step_dir),
+            read(&step_dir.join("model.safetensors")),
+        )
+        .unwrap();
+    let ids = Tensor::arange(36, (tch::Kind::Int64, tch::Device::Cpu))
+        .remainder(97)
+        .view([3, 12]);
+    let ours = tch::no_grad(|| model.forward(&ids, false).unwrap());
+    Tensor::write_safetensors(&[("ids", &ids)], d.join("ids.safetensors")).unwrap();
+    cfg["step_dir"] = serde_json::json!(step_dir);
+    run_script("hf", d, &cfg);
+    let theirs = &read(&d.join("hf-logits.safetensors"))[0].1;
+    let diff = (&ours - theirs).abs().max().double_value(&[]);
+    eprintln!("from_pretrained logits vs accrue's: {diff:.3e}");
+    assert!(diff <= 1e-5, "from_pretrained's logits differ by {diff:.3e}");
+    // Fine-tuning the save_pretrained folder: init + config only.
+    let hf = d.join("hf");
+    let text = format!(
+        r#"
+name = "ft"
+seed = 5
+max_steps = 1
+device = "cpu"
+threads = 1
+[model]
+kind = "llama"
+config = "{hf}/config.json"
+init = "{hf}"
+[data]
+kind = "sequences"
+path = "{d}/data.safetensors"
+seq_len = 12
+batch_size = 16
+shuffle = false
+[optimizer]
+kind = "adamw"
+lr = 0.001
+"#,
+        hf = hf.display(),
+        d = d.display()
+    );
+    let mut e = engine(spec(&text), &d.join("ft-ckpt"));
+    let mut first = None;
+    e.run(|ev| {
+        if let accrue_worker::Event::Step(r) = ev {
+            first.get_or_insert((r.loss, r.samples));
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (loss, tokens) = first.unwrap();
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("hf-loss.json")).unwrap()).unwrap();
+    let want_loss = want["loss"].as_f64().unwrap();
+    eprintln!("fine-tuning's first loss {loss} vs transformers' {want_loss}");
+    assert_eq!(tokens, want["tokens"].as_u64().unwrap());
+    assert!(
+        (loss - want_loss).abs() <= 1e-6 * want_loss,
+        "first loss {loss} vs transformers' {want_loss}"
+    );
+}
+
+/// A window whose rows on every rank hold no target (one-token rows, a
+/// fully masked row) has N = 0: the step is skipped with its reason, not
+/// an on_nonfinite failure (`on_nonfinite = "error"` here), the
+/// parameters stay, and the next window trains.
+#[test]
+fn a_window_without_targets_is_skipped_with_its_reason() {
+    use safetensors::tensor::{Dtype, TensorView};
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    // Rows 0-3: one token each, or fully masked: window 1 has N = 0.
+    // Rows 4-7: five tokens each, every target counted.
+    let lens = [1usize, 1, 4, 1, 5, 5, 5, 5];
+    let tokens: Vec<i64> = (0..lens.iter().sum::<usize>() as i64).map(|t| t % 97).collect();
+    let mut offsets = vec![0i64];
+    for l in lens {
+        offsets.push(offsets.last().unwrap() + l as i64);
+    }
+    let mut mask = vec![1u8; tokens.len()];
+    for m in &mut mask[2..6] {
+        *m = 0; // row 2 (4 tokens) fully masked
+    }
+    let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (tb, ob) = (bytes(&tokens), bytes(&offsets));
+    let views = [
+        ("tokens", TensorView::new(Dtype::I64, vec![tokens.len()], &tb).unwrap()),
+        ("offsets", TensorView::new(Dtype::I64, vec![offsets.len()], &ob).unwrap()),
+        ("loss_mask", TensorView::new(Dtype::U8, vec![mask.len()], &mask).unwrap()),
+    ];
+    safetensors::serialize_to_file(views, &None, &d.join("data.safetensors")).unwrap();
+    let text = job(d, "global_count", 2, 2)
+        .replace(&format!("init = \"{}/init.safetensors\"\n", d.display()), "")
+        .replace("epochs = 2", "epochs = 1")
+        .replace("max_norm = 1.0", "max_norm = 1.0\non_nonfinite = \"error\"");
+    let mut e = engine(spec(&text), &d.join("ckpt"));
+    let before = snapshot(&e);
+    let mut reports = Vec::new();
+    e.run(|ev| {
+        if let accrue_worker::Event::Step(r) = ev {
+            reports.push(r.clone());
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(reports.len(), 2);
+    let (first, second) = (&reports[0], &reports[1]);
+    assert!(first.skipped, "{first:?}");
+    assert_eq!(first.skip_reason, Some("no loss terms"));
+    assert_eq!((first.samples, first.grad_norm, first.loss), (0, 0.0, 0.0));
+    assert!(!second.skipped && second.skip_reason.is_none(), "{second:?}");
+    assert_eq!(second.samples, 16);
+    // Only the second window stepped the optimizer.
+    assert!(rel_diff(&snapshot(&e), &before).0 > 0.0);
+    assert_eq!((e.state().skipped_steps, e.state().optimizer_steps), (1, 1));
+}

@@ -18,6 +18,12 @@
 //! does), MLP `down(silu(gate(x)) * up(x))`, no dropout. Initial weights:
 //! normal(0, 0.02) for linear and embedding weights, zero biases, unit
 //! norms (transformers' `_init_weights`).
+//!
+//! Generation (`accrue sample`, [`crate::sample`]) builds the same
+//! [`Net`] and runs [`Net::forward_cached`]: new tokens at positions
+//! after those in a [`KvCache`] (RoPE offset), attending to the cached
+//! keys and values (per layer, appended each call); the training forward
+//! is untouched by it.
 
 use super::{BuildTo, Built, Family};
 use crate::error::{Error, Result, TorchContext};
@@ -169,8 +175,10 @@ struct Layer {
     post_norm: RmsNorm,
 }
 
+/// The model itself: built by the family for training, and by
+/// [`crate::sample`] for generation (with [`Net::forward_cached`]).
 #[derive(Debug)]
-struct Net {
+pub struct Net {
     embed: Tensor,
     layers: Vec<Layer>,
     norm: RmsNorm,
@@ -187,7 +195,7 @@ struct Net {
 
 impl Net {
     /// Creates the variables in transformers' state_dict order.
-    fn new(root: &nn::Path<'_>, c: &LlamaConfig) -> Result<Self> {
+    pub fn new(root: &nn::Path<'_>, c: &LlamaConfig) -> Result<Self> {
         let (h, d) = (c.hidden_size, c.head_dim());
         let kv = c.num_key_value_heads * d;
         let model = root / "model";
@@ -261,6 +269,19 @@ impl Net {
         Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
     }
 
+    /// cos and sin `[T, head_dim]` for positions `start..start + t` (the
+    /// cached forward's; [`Net::rope`] is `start = 0`).
+    fn rope_from(&self, start: i64, t: i64, kind: Kind) -> Result<(Tensor, Tensor), TchError> {
+        let device = self.inv_freq.device();
+        let positions = Tensor::f_arange_start(start, start + t, (Kind::Int64, device))?
+            .f_to_kind(Kind::Float)?;
+        let freqs = positions
+            .f_unsqueeze(-1)?
+            .f_mul(&self.inv_freq.f_unsqueeze(0)?)?;
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+        Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
+    }
+
     fn attention(
         &self,
         l: &Layer,
@@ -316,6 +337,120 @@ impl Net {
         let logits = h.f_linear(self.head.as_ref().unwrap_or(&self.embed), None::<&Tensor>)?;
         // fp32 logits whatever the autocast type (transformers' loss
         // upcasts them the same way).
+        if logits.kind() == Kind::Float {
+            Ok(logits)
+        } else {
+            logits.f_to_kind(Kind::Float)
+        }
+    }
+}
+
+/// Keys and values of the positions a [`Net::forward_cached`] has seen,
+/// per layer (`[N, kv_heads, S, head_dim]`, after RoPE), for generation.
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    len: i64,
+}
+
+impl KvCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Positions cached (the next token's position).
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Net {
+    /// Logits `[N, T, vocab]` (fp32) of token ids `[N, T]`: the training
+    /// forward, with errors instead of panics.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.try_forward(ids).ctx("running the llama forward")
+    }
+
+    /// Logits `[N, t, vocab]` of `t` new tokens `[N, t]` at positions
+    /// `cache.len()..cache.len() + t`, attending to the cached positions
+    /// and causally among themselves; their keys and values are appended
+    /// to `cache`. The first call (empty cache) computes what
+    /// [`Net::forward`] computes; later ones give the logits the full
+    /// forward of the whole sequence gives at those positions.
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        self.try_forward_cached(ids, cache)
+            .ctx("running the llama forward (KV cache)")
+    }
+
+    fn try_forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor, TchError> {
+        let (n, t) = ids.size2()?;
+        let past = cache.len;
+        let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
+        let (cos, sin) = self.rope_from(past, t, h.kind())?;
+        let (cos, sin) = (
+            cos.f_unsqueeze(0)?.f_unsqueeze(0)?,
+            sin.f_unsqueeze(0)?.f_unsqueeze(0)?,
+        );
+        // The prompt pass is the training forward's causal attention; one
+        // new token attends to every cached position; several new tokens
+        // after a cache need a mask (is_causal aligns top-left when the
+        // query and key lengths differ): key j is seen by query i when
+        // j <= past + i.
+        let causal = past == 0 && t > 1;
+        let mask = if past > 0 && t > 1 {
+            let device = ids.device();
+            let keys = Tensor::f_arange(past + t, (Kind::Int64, device))?.f_unsqueeze(0)?;
+            let queries = Tensor::f_arange(t, (Kind::Int64, device))?
+                .f_add_scalar(past)?
+                .f_unsqueeze(-1)?;
+            Some(keys.f_le_tensor(&queries)?)
+        } else {
+            None
+        };
+        let split = |y: Tensor| -> Result<Tensor, TchError> {
+            y.f_view([n, t, -1, self.head_dim])?.f_transpose(1, 2)
+        };
+        for (i, l) in self.layers.iter().enumerate() {
+            let x = l.input_norm.forward(&h)?;
+            let q = rotate(&split(l.q.forward(&x)?)?, &cos, &sin)?;
+            let k = rotate(&split(l.k.forward(&x)?)?, &cos, &sin)?;
+            let v = split(l.v.forward(&x)?)?;
+            let (k, v) = match cache.layers.get(i) {
+                Some((pk, pv)) => (Tensor::f_cat(&[pk, &k], 2)?, Tensor::f_cat(&[pv, &v], 2)?),
+                None => (k, v),
+            };
+            let out = Tensor::f_scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                mask.as_ref(),
+                0.0,
+                causal,
+                Some(self.scale),
+                self.kv_heads < self.heads,
+            )?;
+            match cache.layers.get_mut(i) {
+                Some(slot) => *slot = (k, v),
+                None => cache.layers.push((k, v)),
+            }
+            let out = out
+                .f_transpose(1, 2)?
+                .f_contiguous()?
+                .f_reshape([n, t, -1])?;
+            h = h.f_add(&l.o.forward(&out)?)?;
+            let x = l.post_norm.forward(&h)?;
+            let m = l
+                .down
+                .forward(&l.gate.forward(&x)?.f_silu()?.f_mul(&l.up.forward(&x)?)?)?;
+            h = h.f_add(&m)?;
+        }
+        cache.len = past + t;
+        let h = self.norm.forward(&h)?;
+        let logits = h.f_linear(self.head.as_ref().unwrap_or(&self.embed), None::<&Tensor>)?;
         if logits.kind() == Kind::Float {
             Ok(logits)
         } else {

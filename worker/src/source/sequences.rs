@@ -4,7 +4,7 @@
 //! A safetensors file with
 //! - `tokens`: U16, U32, I32 or I64, 1-D: all rows, one after the other;
 //! - `offsets`: I64, 1-D, n + 1 entries: row i is
-//!   `tokens[offsets[i]..offsets[i+1]]` (offsets[0] = 0, non-decreasing,
+//!   `tokens[offsets[i]..offsets[i+1]]` (`offsets[0]` = 0, non-decreasing,
 //!   the last = the number of tokens; an empty row is allowed and, like a
 //!   row of one token, has no target);
 //! - `loss_mask` (optional): U8 or BOOL, 1-D, one per token; 0 = this token

@@ -21,6 +21,14 @@ Trainer does it (CE_sum * W / N_global per rank, then DDP's average).
       step: the loss (the window's token-weighted mean), the total norm
       before clipping and N).
 
+  python lm_ddp_reference.py hf DIR CONFIG_JSON
+      transformers against accrue's files: loads accrue's step folder
+      CONFIG["step_dir"] with LlamaForCausalLM.from_pretrained (offline)
+      and writes the logits it gives for DIR/ids.safetensors's `ids` to
+      DIR/hf-logits.safetensors; then writes a fresh model with
+      save_pretrained to DIR/hf and the loss per target token of its first
+      16 rows (accrue's rows-to-samples rule) to DIR/hf-loss.json.
+
 CONFIG_JSON: seed, batch, k, epochs, seq_len, max_norm, lr, weight_decay,
 pad_id, model (LlamaConfig fields), modes.
 """
@@ -157,4 +165,25 @@ def train():
     dist.destroy_process_group()
 
 
-{"prepare": prepare, "train": train}[mode]()
+def hf():
+    model = LlamaForCausalLM.from_pretrained(cfg["step_dir"], local_files_only=True)
+    model.eval()
+    ids = load_file(f"{out_dir}/ids.safetensors")["ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    save_file({"logits": logits.contiguous()}, f"{out_dir}/hf-logits.safetensors")
+    torch.manual_seed(cfg["seed"] + 2)
+    fresh = build()
+    fresh.save_pretrained(f"{out_dir}/hf")
+    data = load_file(f"{out_dir}/data.safetensors")
+    x, t = rows_to_batch(data, list(range(16)))
+    with torch.no_grad():
+        logits = fresh(input_ids=x).logits.float()
+        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
+                             ignore_index=-100, reduction="sum")
+    n = int((t != -100).sum())
+    with open(f"{out_dir}/hf-loss.json", "w") as f:
+        json.dump({"loss": ce.item() / n, "tokens": n}, f)
+
+
+{"prepare": prepare, "train": train, "hf": hf}[mode]()

@@ -512,6 +512,34 @@ impl LlamaConfig {
         })
     }
 
+    /// The configuration a Hugging Face `config.json` gives (what
+    /// [`LlamaConfig::to_hf_json`] writes, or transformers'), defaults
+    /// filled, with the checks of [`LlamaConfig::resolve`]; errors name
+    /// `model.config` and the fields.
+    pub fn from_hf_json(json: &Value) -> Result<LlamaConfig, SpecErrors> {
+        let path = Path::new("config.json");
+        let mut c = Checker::default();
+        let config = match json.as_object() {
+            Some(map) => Fields::from_json(path, map, &mut c).check(true, &mut c),
+            None => {
+                c.fail(
+                    "model.config",
+                    "config.json",
+                    "must hold a JSON object (a Hugging Face config.json)",
+                );
+                None
+            }
+        };
+        c.finish()?;
+        config.ok_or_else(|| {
+            SpecErrors(vec![crate::spec::FieldError {
+                field: "model.config".into(),
+                value: "config.json".into(),
+                allowed: "an incomplete llama configuration".into(),
+            }])
+        })
+    }
+
     /// Width of one attention head.
     pub fn head_dim(&self) -> i64 {
         self.hidden_size / self.num_attention_heads.max(1)

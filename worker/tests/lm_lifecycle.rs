@@ -1,0 +1,307 @@
+//! Causal language models (issue 30) through the engine's lifecycle: a run
+//! stopped mid-epoch and resumed ends bitwise where the straight run ends
+//! (AdamW state, schedule, shuffled cursor of an llm.c token file), and
+//! ZeRO stages 1 and 2 end where stage 0 ends at W = 2 (threads over the
+//! real loopback ring) on a sequences file of very uneven rows, so every
+//! window's token count differs between the ranks.
+
+mod common;
+
+use accrue_worker::engine::{Engine, Event, RunOptions};
+use accrue_worker::SingleRank;
+use common::*;
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+use tempfile::TempDir;
+
+type Named = Vec<(String, Tensor)>;
+
+/// An llm.c token file (magic 20240520: u16 tokens) of `count` tokens,
+/// a deterministic walk over a vocabulary of 64.
+fn token_file(dir: &Path, count: usize) -> PathBuf {
+    let mut header = [0i32; 256];
+    header[0] = 20240520;
+    header[1] = 1;
+    header[2] = count as i32;
+    let mut bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut x: u32 = 7;
+    for _ in 0..count {
+        x = x.wrapping_mul(1103515245).wrapping_add(12345);
+        bytes.extend_from_slice(&(((x >> 16) % 64) as u16).to_le_bytes());
+    }
+    let p = dir.join("train.bin");
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Row `i` of the sequences file: its tokens and loss mask (24 rows of 1
+/// to 13 tokens, cut to T + 1 = 9 by the reader; the first two tokens of
+/// every third row are not predicted and row 5 is masked whole).
+fn row(i: usize) -> (Vec<u16>, Vec<u8>) {
+    let len = 1 + (i * 7 + i * i) % 13;
+    (0..len)
+        .map(|j| {
+            let t = ((i * 13 + j * 5 + 1) % 64) as u16;
+            (t, u8::from(!(i == 5 || (i.is_multiple_of(3) && j < 2))))
+        })
+        .unzip()
+}
+
+/// Targets row `i` contributes at T = 8: positions 1..=8 whose mask is 1.
+fn row_targets(i: usize) -> u64 {
+    let (_, mask) = row(i);
+    mask.iter().skip(1).take(8).map(|&m| u64::from(m)).sum()
+}
+
+/// The 24 rows as a sequences file (tokens U16, offsets I64, loss_mask
+/// U8), written with the safetensors crate.
+fn sequences_file(dir: &Path) -> PathBuf {
+    let (mut tokens, mut offsets, mut mask) = (Vec::<u16>::new(), vec![0i64], Vec::<u8>::new());
+    for i in 0..24 {
+        let (t, m) = row(i);
+        tokens.extend(t);
+        mask.extend(m);
+        offsets.push(tokens.len() as i64);
+    }
+    let tb: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let ob: Vec<u8> = offsets.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let views = vec![
+        (
+            "tokens",
+            TensorView::new(Dtype::U16, vec![tokens.len()], &tb).unwrap(),
+        ),
+        (
+            "offsets",
+            TensorView::new(Dtype::I64, vec![offsets.len()], &ob).unwrap(),
+        ),
+        (
+            "loss_mask",
+            TensorView::new(Dtype::U8, vec![mask.len()], &mask).unwrap(),
+        ),
+    ];
+    let p = dir.join("rows.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, &None).unwrap()).unwrap();
+    p
+}
+
+/// A tiny Llama (vocab 64, width 16, one layer, GQA 2:1) on `data` (the
+/// [data] table's kind-specific lines), T = 8, b = 2, k = 2, AdamW with
+/// warm-up and cosine, clipping; `extra` is appended.
+fn llama_job(data: &str, epochs: u64, extra: &str) -> String {
+    format!(
+        r#"
+name = "lm"
+seed = 3
+epochs = {epochs}
+device = "cpu"
+threads = 1
+[model]
+kind = "llama"
+vocab_size = 64
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+max_position_embeddings = 16
+[data]
+{data}
+seq_len = 8
+batch_size = 2
+[accumulation]
+steps = 2
+normalize = "global_count"
+[clipping]
+max_norm = 0.5
+[optimizer]
+kind = "adamw"
+lr = 0.01
+weight_decay = 0.1
+[schedule]
+kind = "cosine"
+warmup_steps = 2
+{extra}
+"#
+    )
+}
+
+fn tokens_data(path: &Path) -> String {
+    format!(
+        "kind = \"tokens\"\npath = \"{}\"\nshuffle = true",
+        path.display()
+    )
+}
+
+/// 24 steps straight equal 13 steps (stopped in the second epoch, its
+/// shuffled cursor mid-way), then a resume to 24: bitwise.
+#[test]
+fn lm_resume_mid_epoch_is_bitwise() {
+    let d = TempDir::new().unwrap();
+    // (385 - 1) / 8 = 48 samples: 12 windows of 4 per epoch, 2 epochs.
+    let data = token_file(d.path(), 385);
+    let job = llama_job(&tokens_data(&data), 2, "");
+    let straight = train(spec(&job), &d.path().join("a"));
+
+    let b = d.path().join("b");
+    let opts = |resume, stop| RunOptions {
+        checkpoint_dir: Some(b.clone()),
+        resume,
+        stop_after_steps: stop,
+        ..Default::default()
+    };
+    let mut first = Engine::new(spec(&job), SingleRank, opts(false, Some(13))).unwrap();
+    let s1 = first.run(|_| {}).unwrap();
+    assert!(!s1.finished);
+    assert_eq!(s1.state.step, 13);
+    assert_eq!(s1.state.epoch, 1, "stopped in the second epoch");
+    assert!(s1.state.cursor > 0, "stopped mid-epoch: {:?}", s1.state);
+    let stopped = snapshot(&first);
+    drop(first);
+    let mut second = Engine::new(spec(&job), SingleRank, opts(true, None)).unwrap();
+    assert_eq!(second.state().step, 13);
+    let s2 = second.run(|_| {}).unwrap();
+    assert!(s2.finished);
+    assert_eq!(s2.state.step, 24);
+    let resumed = snapshot(&second);
+    let rel = max_rel_diff(&resumed, &straight);
+    eprintln!("resumed vs straight: {rel:e}");
+    assert_eq!(
+        rel, 0.0,
+        "resumed run differs from the straight run by {rel:e}"
+    );
+    // The comparison sees a difference where there is one.
+    let moved = max_rel_diff(&stopped, &straight);
+    assert!(moved > 1e-4, "steps 14..24 changed nothing: {moved:e}");
+}
+
+/// Beside checkpoint folder `dir` (created by the first checkpoint only):
+/// rank `rank`'s sample log.
+fn sample_log(dir: &Path, rank: usize) -> PathBuf {
+    let name = dir.file_name().unwrap().to_str().unwrap();
+    dir.with_file_name(format!("{name}-samples-{rank}.jsonl"))
+}
+
+/// One rank's end: final parameters, optimizer-state bytes, each step's
+/// reported count of targets (N, over both ranks).
+type RankEnd = (Named, usize, Vec<u64>);
+
+fn run_w(text: &str, world: usize, dir: PathBuf) -> Vec<RankEnd> {
+    let text = text.to_string();
+    on_ring(world, move |rank, ring| {
+        let opts = RunOptions {
+            checkpoint_dir: Some(dir.clone()),
+            sample_log: Some(sample_log(&dir, rank)),
+            ..Default::default()
+        };
+        let mut e = Engine::new(spec(&text), ring, opts).unwrap_or_else(|e| panic!("{e}"));
+        let mut counts = Vec::new();
+        e.run(|ev| {
+            if let Event::Step(r) = ev {
+                counts.push(r.samples);
+            }
+        })
+        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let params = e
+            .parameters()
+            .iter()
+            .map(|(n, t)| (n.clone(), t.detach().copy()))
+            .collect::<Vec<_>>();
+        (params, e.optimizer_state_bytes(), counts)
+    })
+}
+
+fn last_optimizer_state(d: &Path) -> Named {
+    let last = accrue_worker::checkpoint::list_steps(d).unwrap();
+    let file = d.join(format!(
+        "step-{}/optimizer.safetensors",
+        last.last().unwrap()
+    ));
+    let mut t = Tensor::read_safetensors(file).unwrap();
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    t
+}
+
+/// W = 2 on uneven rows (the windows' token counts differ between the
+/// ranks), AdamW and clipping: stages 1 and 2 end at stage 0's parameters
+/// within 1e-6, the same on both ranks, each rank holding half of the
+/// optimizer state, and checkpoints holding the same whole state.
+#[test]
+fn lm_zero_stages_1_and_2_equal_stage_0() {
+    let d = TempDir::new().unwrap();
+    let data = sequences_file(d.path());
+    let text = |stage: u32, normalize: &str| {
+        llama_job(
+            &format!(
+                "kind = \"sequences\"\npath = \"{}\"\nshuffle = true",
+                data.display()
+            ),
+            2,
+            &format!("[sharding]\nstage = {stage}\n"),
+        )
+        .replace("\"global_count\"", &format!("\"{normalize}\""))
+    };
+    let world = 2;
+    let dir = |s: &str| d.path().join(s);
+    let zero = run_w(&text(0, "global_count"), world, dir("s0"));
+    assert_eq!(
+        max_rel_diff(&zero[1].0, &zero[0].0),
+        0.0,
+        "stage 0: ranks differ"
+    );
+    // Each rank's targets per window, from its sample log: they differ.
+    let mut counts = std::collections::BTreeMap::<u64, [u64; 2]>::new();
+    for rank in 0..world {
+        let log = std::fs::read_to_string(sample_log(&dir("s0"), rank)).unwrap();
+        for line in log.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let n = v["indices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| row_targets(x.as_u64().unwrap() as usize))
+                .sum();
+            counts.entry(v["step"].as_u64().unwrap()).or_default()[rank] = n;
+        }
+    }
+    eprintln!("targets per step (rank 0, rank 1): {counts:?}");
+    assert_eq!(counts.len(), 6, "2 epochs of 3 windows");
+    let summed: Vec<u64> = counts.values().map(|c| c[0] + c[1]).collect();
+    assert_eq!(summed, zero[0].2, "the reported N is the ranks' sum");
+    assert!(
+        counts.values().filter(|c| c[0] != c[1]).count() >= 3,
+        "the ranks' counts should differ: {counts:?}"
+    );
+    let whole = zero[0].1;
+    assert!(whole > 0);
+    for stage in [1, 2] {
+        let what = format!("stage {stage}");
+        let s = run_w(&text(stage, "global_count"), world, dir(&what));
+        let diff = max_rel_diff(&s[0].0, &zero[0].0);
+        eprintln!("{what} vs stage 0: {diff:e}");
+        assert!(diff <= 1e-6, "{what}: max relative difference {diff:e}");
+        assert_eq!(max_rel_diff(&s[1].0, &s[0].0), 0.0, "{what}: ranks differ");
+        assert_eq!(s[0].1 + s[1].1, whole, "{what}: the state, split");
+        for (r, x) in s.iter().enumerate() {
+            assert!(
+                x.1 <= whole / world + 16,
+                "{what}: rank {r} holds {} of {whole}",
+                x.1
+            );
+        }
+        let (s0, s1) = (
+            last_optimizer_state(&dir("s0")),
+            last_optimizer_state(&dir(&what)),
+        );
+        assert!(!s0.is_empty());
+        let diff = max_rel_diff(&s1, &s0);
+        assert!(diff <= 1e-6, "{what}: optimizer state off by {diff:e}");
+    }
+    // The counts do differ per rank: the per-micro-batch mean (stage 2)
+    // ends elsewhere than the token-weighted mean.
+    let mean = run_w(&text(2, "mean"), world, dir("mean"));
+    let diff = max_rel_diff(&mean[0].0, &zero[0].0);
+    eprintln!("stage 2 mean vs stage 0 global_count: {diff:e}");
+    assert!(diff > 1e-4, "mean equals global_count: {diff:e}");
+}
