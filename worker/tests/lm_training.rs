@@ -113,7 +113,11 @@ fn llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch() {
         .args(["prepare", d.to_str().unwrap(), &cfg])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut ddp = Torchrun::start(&py, &script(), 2, d, &["train", d.to_str().unwrap(), &cfg]);
     // accrue runs while torchrun starts its two Pythons.
     let mut runs = Vec::new();
@@ -146,11 +150,17 @@ fn llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch() {
     for (normalize, model, steps) in &runs {
         let want = read(&d.join(format!("ddp-{normalize}-rank0.safetensors")));
         // DDP's replicas agree (the reference is sane).
-        let (r1, _) = rel_diff(&read(&d.join(format!("ddp-{normalize}-rank1.safetensors"))), &want);
+        let (r1, _) = rel_diff(
+            &read(&d.join(format!("ddp-{normalize}-rank1.safetensors"))),
+            &want,
+        );
         assert_eq!(r1, 0.0, "{normalize}: DDP replicas differ");
         let (diff, name) = rel_diff(model, &want);
         eprintln!("{normalize}: parameters vs DDP: {diff:.3e} ({name})");
-        assert!(diff <= 1e-5, "{normalize}: {name} differs from DDP by {diff:.3e} (relative)");
+        assert!(
+            diff <= 1e-5,
+            "{normalize}: {name} differs from DDP by {diff:.3e} (relative)"
+        );
         let report: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(d.join(format!("ddp-{normalize}-rank0.json"))).unwrap(),
         )
@@ -179,15 +189,34 @@ fn llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch() {
     let (single_model, single_steps) = single;
     let (diff, name) = rel_diff(&runs[0].1, &single_model);
     eprintln!("global_count W=2,k=4 vs W=1,k=1: {diff:.3e} ({name})");
-    assert!(diff <= 1e-6, "global_count W=2,k=4 vs W=1,k=1: {name} off by {diff:.3e}");
+    assert!(
+        diff <= 1e-6,
+        "global_count W=2,k=4 vs W=1,k=1: {name} off by {diff:.3e}"
+    );
     for (i, (g, s)) in runs[0].2.iter().zip(&single_steps).enumerate() {
-        let (loss, norm) = (g["loss"].as_f64().unwrap(), g["grad_norm"].as_f64().unwrap());
-        assert!((loss - s.0).abs() <= 1e-6 * s.0.abs(), "step {}: loss {loss} vs {}", i + 1, s.0);
-        assert!((norm - s.1).abs() <= 1e-5 * s.1.abs(), "step {}: norm {norm} vs {}", i + 1, s.1);
+        let (loss, norm) = (
+            g["loss"].as_f64().unwrap(),
+            g["grad_norm"].as_f64().unwrap(),
+        );
+        assert!(
+            (loss - s.0).abs() <= 1e-6 * s.0.abs(),
+            "step {}: loss {loss} vs {}",
+            i + 1,
+            s.0
+        );
+        assert!(
+            (norm - s.1).abs() <= 1e-5 * s.1.abs(),
+            "step {}: norm {norm} vs {}",
+            i + 1,
+            s.1
+        );
     }
     let (mean_diff, _) = rel_diff(&runs[1].1, &single_model);
     eprintln!("mean W=2,k=4 vs W=1,k=1: {mean_diff:.3e}");
-    assert!(mean_diff > 1e-3, "mean should differ from one big batch, off by {mean_diff:.3e}");
+    assert!(
+        mean_diff > 1e-3,
+        "mean should differ from one big batch, off by {mean_diff:.3e}"
+    );
 }
 
 fn run_script(mode: &str, d: &Path, cfg: &serde_json::Value) {
@@ -243,7 +272,10 @@ fn checkpoints_are_transformers_folders_both_ways() {
     let theirs = &read(&d.join("hf-logits.safetensors"))[0].1;
     let diff = (&ours - theirs).abs().max().double_value(&[]);
     eprintln!("from_pretrained logits vs accrue's: {diff:.3e}");
-    assert!(diff <= 1e-5, "from_pretrained's logits differ by {diff:.3e}");
+    assert!(
+        diff <= 1e-5,
+        "from_pretrained's logits differ by {diff:.3e}"
+    );
     // Fine-tuning the save_pretrained folder: init + config only.
     let hf = d.join("hf");
     let text = format!(
@@ -302,7 +334,9 @@ fn a_window_without_targets_is_skipped_with_its_reason() {
     // Rows 0-3: one token each, or fully masked: window 1 has N = 0.
     // Rows 4-7: five tokens each, every target counted.
     let lens = [1usize, 1, 4, 1, 5, 5, 5, 5];
-    let tokens: Vec<i64> = (0..lens.iter().sum::<usize>() as i64).map(|t| t % 97).collect();
+    let tokens: Vec<i64> = (0..lens.iter().sum::<usize>() as i64)
+        .map(|t| t % 97)
+        .collect();
     let mut offsets = vec![0i64];
     for l in lens {
         offsets.push(offsets.last().unwrap() + l as i64);
@@ -314,13 +348,25 @@ fn a_window_without_targets_is_skipped_with_its_reason() {
     let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let (tb, ob) = (bytes(&tokens), bytes(&offsets));
     let views = [
-        ("tokens", TensorView::new(Dtype::I64, vec![tokens.len()], &tb).unwrap()),
-        ("offsets", TensorView::new(Dtype::I64, vec![offsets.len()], &ob).unwrap()),
-        ("loss_mask", TensorView::new(Dtype::U8, vec![mask.len()], &mask).unwrap()),
+        (
+            "tokens",
+            TensorView::new(Dtype::I64, vec![tokens.len()], &tb).unwrap(),
+        ),
+        (
+            "offsets",
+            TensorView::new(Dtype::I64, vec![offsets.len()], &ob).unwrap(),
+        ),
+        (
+            "loss_mask",
+            TensorView::new(Dtype::U8, vec![mask.len()], &mask).unwrap(),
+        ),
     ];
     safetensors::serialize_to_file(views, &None, &d.join("data.safetensors")).unwrap();
     let text = job(d, "global_count", 2, 2)
-        .replace(&format!("init = \"{}/init.safetensors\"\n", d.display()), "")
+        .replace(
+            &format!("init = \"{}/init.safetensors\"\n", d.display()),
+            "",
+        )
         .replace("epochs = 2", "epochs = 1")
         .replace("max_norm = 1.0", "max_norm = 1.0\non_nonfinite = \"error\"");
     let mut e = engine(spec(&text), &d.join("ckpt"));
@@ -337,7 +383,10 @@ fn a_window_without_targets_is_skipped_with_its_reason() {
     assert!(first.skipped, "{first:?}");
     assert_eq!(first.skip_reason, Some("no loss terms"));
     assert_eq!((first.samples, first.grad_norm, first.loss), (0, 0.0, 0.0));
-    assert!(!second.skipped && second.skip_reason.is_none(), "{second:?}");
+    assert!(
+        !second.skipped && second.skip_reason.is_none(),
+        "{second:?}"
+    );
     assert_eq!(second.samples, 16);
     // Only the second window stepped the optimizer.
     assert!(rel_diff(&snapshot(&e), &before).0 > 0.0);

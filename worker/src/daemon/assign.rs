@@ -43,8 +43,8 @@ pub(super) fn assigned_spec(
             &mut spec.model.path,
             &mut spec.model.config,
         ]
-            .into_iter()
-            .flatten()
+        .into_iter()
+        .flatten()
         {
             if p.is_relative() {
                 *p = root.join(&*p);

@@ -49,7 +49,7 @@ impl Span {
             Dtype::U16 => u16::from_le_bytes([b[0], b[1]]) as i64,
             Dtype::U32 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64,
             Dtype::I32 => i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64,
-            Dtype::I64 => i64::from_le_bytes(b.try_into().unwrap()),
+            Dtype::I64 => i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
             other => unreachable!("dtype {other:?} is refused at open"),
         }
     }
@@ -240,9 +240,11 @@ impl Sequences {
             Dtype::I32 => bytes
                 .chunks_exact(4)
                 .position(|b| !ok(i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64)),
-            _ => bytes
-                .chunks_exact(8)
-                .position(|b| !ok(i64::from_le_bytes(b.try_into().unwrap()))),
+            _ => bytes.chunks_exact(8).position(|b| {
+                !ok(i64::from_le_bytes([
+                    b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
+                ]))
+            }),
         };
         lm::advise_random(&self.map);
         match bad {

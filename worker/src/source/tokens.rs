@@ -62,7 +62,7 @@ impl TokenStream {
         lm::check_options(opts, false)?;
         let map = lm::map_file(field, path)?;
         let len = map.len();
-        let magic = (len >= 4).then(|| i32::from_le_bytes(map[0..4].try_into().unwrap()));
+        let magic = (len >= 4).then(|| i32::from_le_bytes([map[0], map[1], map[2], map[3]]));
         let is_magic = matches!(magic, Some(MAGIC_U16 | MAGIC_U32));
         let (start, dtype, version, count) = match opts.dtype {
             Some(dtype) => {
@@ -73,7 +73,8 @@ impl TokenStream {
                         format!(
                             "starts with llm.c's magic {} (a header): leave data.dtype out for a \
                              file with a header (data.dtype = {:?} is for headerless files)",
-                            magic.unwrap(),
+                            // is_magic: there is a magic.
+                            magic.unwrap_or_default(),
                             dtype.name()
                         ),
                     ));
@@ -104,8 +105,9 @@ impl TokenStream {
                         ),
                     ));
                 }
-                let header =
-                    |i: usize| i32::from_le_bytes(map[4 * i..4 * i + 4].try_into().unwrap());
+                let header = |i: usize| {
+                    i32::from_le_bytes([map[4 * i], map[4 * i + 1], map[4 * i + 2], map[4 * i + 3]])
+                };
                 let dtype = match header(0) {
                     MAGIC_U16 => TokenDtype::U16,
                     MAGIC_U32 => TokenDtype::U32,

@@ -1,0 +1,213 @@
+//! The writers: llm.c token files, sequences safetensors, held-out splits.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// How many of `n` items a fraction holds out: at least one when the
+/// fraction is above 0, never all.
+pub(super) fn held_out(fraction: f64, n: usize, what: &'static str) -> Result<usize> {
+    if fraction == 0.0 {
+        return Ok(0);
+    }
+    let k = ((fraction * n as f64).round() as usize).max(1);
+    if k >= n {
+        return Err(TokenizeError::SplitLeavesNothing { fraction, n, what });
+    }
+    Ok(k)
+}
+
+pub(super) fn join(docs: &[Vec<u32>], eot: Option<u32>) -> Vec<u32> {
+    let mut out = Vec::with_capacity(docs.iter().map(Vec::len).sum::<usize>() + docs.len());
+    for (i, d) in docs.iter().enumerate() {
+        if i > 0 {
+            out.extend(eot);
+        }
+        out.extend_from_slice(d);
+    }
+    out
+}
+
+pub(super) fn write_tokens_split(
+    out: &Path,
+    docs: Vec<Vec<u32>>,
+    eot: Option<u32>,
+    wide: bool,
+    fraction: f64,
+) -> Result<(Written, Option<Written>)> {
+    let n = docs.len();
+    if n == 1 {
+        let all = &docs[0];
+        let k = held_out(fraction, all.len(), "tokens")?;
+        let cut = all.len() - k;
+        let train = write_llmc(out, &all[..cut], wide, 1)?;
+        let eval = (k > 0)
+            .then(|| write_llmc(&eval_path(out), &all[cut..], wide, 1))
+            .transpose()?;
+        return Ok((train, eval));
+    }
+    let k = held_out(fraction, n, "documents")?;
+    let train = write_llmc(out, &join(&docs[..n - k], eot), wide, n - k)?;
+    let eval = (k > 0)
+        .then(|| write_llmc(&eval_path(out), &join(&docs[n - k..], eot), wide, k))
+        .transpose()?;
+    Ok((train, eval))
+}
+
+/// llm.c's `.bin`: the header, then the tokens, little-endian.
+pub(super) fn write_llmc(path: &Path, tokens: &[u32], wide: bool, items: usize) -> Result<Written> {
+    let count =
+        i32::try_from(tokens.len()).map_err(|_| TokenizeError::TooManyTokens(tokens.len()))?;
+    let mut header = [0i32; HEADER_INTS];
+    header[0] = if wide { MAGIC_U32 } else { MAGIC_U16 };
+    header[1] = 1;
+    header[2] = count;
+    let width = if wide { 4 } else { 2 };
+    let mut buf = Vec::with_capacity(HEADER_INTS * 4 + tokens.len() * width);
+    for h in header {
+        buf.extend_from_slice(&h.to_le_bytes());
+    }
+    push_tokens(&mut buf, tokens, wide);
+    write_file(path, &buf)?;
+    Ok(Written {
+        path: path.to_path_buf(),
+        tokens: tokens.len(),
+        items,
+    })
+}
+
+pub(super) fn push_tokens(buf: &mut Vec<u8>, tokens: &[u32], wide: bool) {
+    if wide {
+        for t in tokens {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+    } else {
+        for t in tokens {
+            // vocab <= 65536: every id fits.
+            buf.extend_from_slice(&(*t as u16).to_le_bytes());
+        }
+    }
+}
+
+pub(super) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let err = |source| TokenizeError::Output {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(err)?);
+    f.write_all(bytes).map_err(err)?;
+    f.flush().map_err(err)
+}
+
+pub(super) fn write_sequences_split(
+    out: &Path,
+    rows: Vec<(Vec<u32>, Vec<u32>)>,
+    tok: &Tok,
+    vocab_size: u64,
+    fraction: f64,
+    seed: u64,
+) -> Result<(Written, Option<Written>)> {
+    let n = rows.len();
+    let k = held_out(fraction, n, "rows")?;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+    let mut is_eval = vec![false; n];
+    for &i in &order[..k] {
+        is_eval[i] = true;
+    }
+    // Both sides keep the input's order.
+    let (mut train, mut eval) = (Vec::with_capacity(n - k), Vec::with_capacity(k));
+    for (i, r) in rows.iter().enumerate() {
+        if is_eval[i] {
+            eval.push(r);
+        } else {
+            train.push(r);
+        }
+    }
+    let wide = vocab_size > 65536;
+    let t = write_sequences(out, &train, tok.eot, wide, vocab_size)?;
+    let e = (k > 0)
+        .then(|| write_sequences(&eval_path(out), &eval, tok.eot, wide, vocab_size))
+        .transpose()?;
+    Ok((t, e))
+}
+
+/// The sequences file: row = prompt + completion + end-of-text, the
+/// prompt's tokens masked.
+pub(super) fn write_sequences(
+    path: &Path,
+    rows: &[&(Vec<u32>, Vec<u32>)],
+    eot: Option<u32>,
+    wide: bool,
+    vocab_size: u64,
+) -> Result<Written> {
+    let mut tokens = Vec::new();
+    let mut mask = Vec::new();
+    let mut offsets: Vec<i64> = vec![0];
+    for (prompt, completion) in rows {
+        tokens.extend_from_slice(prompt);
+        mask.extend(std::iter::repeat_n(0u8, prompt.len()));
+        tokens.extend_from_slice(completion);
+        tokens.extend(eot);
+        mask.extend(std::iter::repeat_n(
+            1u8,
+            completion.len() + usize::from(eot.is_some()),
+        ));
+        offsets.push(tokens.len() as i64);
+    }
+    let mut token_bytes = Vec::with_capacity(tokens.len() * 4);
+    push_tokens(&mut token_bytes, &tokens, wide);
+    let offset_bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+    let mut meta = serde_json::Map::new();
+    meta.insert("format".into(), "accrue-sequences".into());
+    meta.insert("vocab_size".into(), vocab_size.to_string().into());
+    if let Some(e) = eot {
+        meta.insert("eot_id".into(), e.to_string().into());
+    }
+    let tokens_dtype = if wide { "U32" } else { "U16" };
+    write_safetensors(
+        path,
+        &[
+            ("offsets", "I64", offsets.len(), &offset_bytes),
+            ("tokens", tokens_dtype, tokens.len(), &token_bytes),
+            ("loss_mask", "U8", mask.len(), &mask),
+        ],
+        meta,
+    )?;
+    Ok(Written {
+        path: path.to_path_buf(),
+        tokens: tokens.len(),
+        items: rows.len(),
+    })
+}
+
+/// A safetensors file of 1-D tensors, in the given order (8-byte ones
+/// first keeps them aligned), header keys sorted: the same input gives the
+/// same bytes.
+pub(super) fn write_safetensors(
+    path: &Path,
+    tensors: &[(&str, &str, usize, &[u8])],
+    metadata: serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), metadata.into());
+    let mut at = 0usize;
+    for (name, dtype, len, data) in tensors {
+        header.insert(
+            (*name).into(),
+            serde_json::json!({"dtype": dtype, "shape": [len], "data_offsets": [at, at + data.len()]}),
+        );
+        at += data.len();
+    }
+    let mut json = serde_json::to_vec(&header).expect("a JSON map serializes");
+    // The data starts 8-byte aligned.
+    while !json.len().is_multiple_of(8) {
+        json.push(b' ');
+    }
+    let mut buf = Vec::with_capacity(8 + json.len() + at);
+    buf.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    buf.extend_from_slice(&json);
+    for (_, _, _, data) in tensors {
+        buf.extend_from_slice(data);
+    }
+    write_file(path, &buf)
+}
