@@ -146,16 +146,7 @@ pub fn fmt_eta(s: Option<f64>) -> String {
 /// norm, clip coefficient, learning rate, samples/s, samples seen, skipped
 /// steps so far and the ETA.
 pub fn step_line(r: &v1::StepReport, skipped: u64, eta_s: Option<f64>) -> String {
-    format!(
-        "loss {:.4} grad_norm {:.4} clip {:.3} lr {:.3e} samples/s {:.0} seen {} skipped {skipped} ETA {}",
-        r.loss,
-        r.grad_norm,
-        r.clip_coef,
-        r.lr,
-        r.samples_per_sec,
-        r.samples_seen,
-        fmt_eta(eta_s)
-    )
+    line(r, skipped, eta_s, ("samples/s", "seen"), None)
 }
 
 /// A language model's step (issue 30) as [`step_line`] shows others': its
@@ -168,15 +159,35 @@ pub fn lm_step_line(
     eta_s: Option<f64>,
     perplexity: Option<f64>,
 ) -> String {
+    line(
+        r,
+        skipped,
+        eta_s,
+        ("tokens/s", "tokens seen"),
+        Some(perplexity),
+    )
+}
+
+/// A step line: the rate and the count seen under `names` (samples or
+/// tokens), and a language model's perplexity.
+fn line(
+    r: &v1::StepReport,
+    skipped: u64,
+    eta_s: Option<f64>,
+    (rate_name, seen_name): (&str, &str),
+    perplexity: Option<Option<f64>>,
+) -> String {
+    let rate = format!(
+        "{rate_name} {:.0} {seen_name} {}",
+        r.samples_per_sec, r.samples_seen
+    );
+    let ppl = perplexity.map_or(String::new(), |p| format!(" ppl {}", fmt_ppl(p)));
     format!(
-        "loss {:.4} grad_norm {:.4} clip {:.3} lr {:.3e} tokens/s {:.0} tokens seen {} ppl {} skipped {skipped} ETA {}",
+        "loss {:.4} grad_norm {:.4} clip {:.3} lr {:.3e} {rate}{ppl} skipped {skipped} ETA {}",
         r.loss,
         r.grad_norm,
         r.clip_coef,
         r.lr,
-        r.samples_per_sec,
-        r.samples_seen,
-        fmt_ppl(perplexity),
         fmt_eta(eta_s)
     )
 }

@@ -327,16 +327,26 @@ impl Net {
         for l in &self.layers {
             let a = self.attention(l, &l.input_norm.forward(&h)?, &cos, &sin)?;
             h = h.f_add(&a)?;
-            let x = l.post_norm.forward(&h)?;
-            let m = l
-                .down
-                .forward(&l.gate.forward(&x)?.f_silu()?.f_mul(&l.up.forward(&x)?)?)?;
-            h = h.f_add(&m)?;
+            h = self.mlp_block(l, &h)?;
         }
-        let h = self.norm.forward(&h)?;
+        self.logits(&h)
+    }
+
+    /// The residual MLP block: h + down(silu(gate(x)) * up(x)), x the
+    /// post-attention norm of h.
+    fn mlp_block(&self, l: &Layer, h: &Tensor) -> Result<Tensor, TchError> {
+        let x = l.post_norm.forward(h)?;
+        let m = l
+            .down
+            .forward(&l.gate.forward(&x)?.f_silu()?.f_mul(&l.up.forward(&x)?)?)?;
+        h.f_add(&m)
+    }
+
+    /// The final norm and the head: fp32 logits whatever the autocast type
+    /// (transformers' loss upcasts them the same way).
+    fn logits(&self, h: &Tensor) -> Result<Tensor, TchError> {
+        let h = self.norm.forward(h)?;
         let logits = h.f_linear(self.head.as_ref().unwrap_or(&self.embed), None::<&Tensor>)?;
-        // fp32 logits whatever the autocast type (transformers' loss
-        // upcasts them the same way).
         if logits.kind() == Kind::Float {
             Ok(logits)
         } else {
@@ -442,20 +452,10 @@ impl Net {
                 .f_contiguous()?
                 .f_reshape([n, t, -1])?;
             h = h.f_add(&l.o.forward(&out)?)?;
-            let x = l.post_norm.forward(&h)?;
-            let m = l
-                .down
-                .forward(&l.gate.forward(&x)?.f_silu()?.f_mul(&l.up.forward(&x)?)?)?;
-            h = h.f_add(&m)?;
+            h = self.mlp_block(l, &h)?;
         }
         cache.len = past + t;
-        let h = self.norm.forward(&h)?;
-        let logits = h.f_linear(self.head.as_ref().unwrap_or(&self.embed), None::<&Tensor>)?;
-        if logits.kind() == Kind::Float {
-            Ok(logits)
-        } else {
-            logits.f_to_kind(Kind::Float)
-        }
+        self.logits(&h)
     }
 }
 

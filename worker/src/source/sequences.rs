@@ -285,16 +285,6 @@ impl Sequences {
         self
     }
 
-    /// The device batches are moved to.
-    pub fn device(&self) -> Device {
-        self.device
-    }
-
-    /// The file's path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Tokens in the file (all rows).
     pub fn token_count(&self) -> usize {
         self.tokens.len

@@ -224,16 +224,6 @@ impl TokenStream {
         self
     }
 
-    /// The device batches are moved to.
-    pub fn device(&self) -> Device {
-        self.device
-    }
-
-    /// The file's path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Tokens in the file.
     pub fn token_count(&self) -> usize {
         self.count
