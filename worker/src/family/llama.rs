@@ -19,7 +19,7 @@
 //! normal(0, 0.02) for linear and embedding weights, zero biases, unit
 //! norms (transformers' `_init_weights`).
 //!
-//! Generation (`accrue sample`, [`crate::sample`]) builds the same
+//! Generation (`accrue sample`, the sample module) builds the same
 //! [`Net`] and runs [`Net::forward_cached`]: new tokens at positions
 //! after those in a [`KvCache`] (RoPE offset), attending to the cached
 //! keys and values (per layer, appended each call); the training forward
@@ -176,7 +176,7 @@ struct Layer {
 }
 
 /// The model itself: built by the family for training, and by
-/// [`crate::sample`] for generation (with [`Net::forward_cached`]).
+/// the sample module for generation (with [`Net::forward_cached`]).
 #[derive(Debug)]
 pub struct Net {
     embed: Tensor,
