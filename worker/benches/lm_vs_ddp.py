@@ -8,6 +8,12 @@ versions, table) for docs/BENCHMARKS.md.
 Setting: CPU, W = 2 processes, k = 4 micro-batches a window, one intra-op
 thread a rank on both sides (accrue: `threads = 1` in the job and
 `--threads 1`; torchrun: OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
+Both sides get the same thread environment, OMP_NUM_THREADS = 1 (what
+torchrun sets for its children by itself), OPENBLAS_NUM_THREADS and
+MKL_NUM_THREADS = 1; `--accrue-omp-env unset` runs accrue without them, as
+`accrue local` runs when nobody sets them (accrue-worker sets its one
+intra-op thread itself; on the 2-core machine of the smoke run the two made
+no measurable difference).
 Models: Llama (Hugging Face layout) of L = 2 or 4 layers, hidden H = 128 or
 256 (H / 64 heads of 64, no GQA, intermediate 8H/3 rounded up to 64 = 384
 or 704, vocab 4,096, untied lm_head, RMSNorm eps 1e-6, RoPE theta 10,000,
@@ -87,6 +93,9 @@ VOCAB = 4096
 WINDOW_TOKENS = 8192  # W * k * b * T
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_NORM = 1e-3, (0.9, 0.999), 1e-8, 0.1, 1.0
 EPOCHS = (1, 5)
+# Both sides' environment (torchrun sets OMP_NUM_THREADS=1 for its children
+# unless told otherwise; accrue gets the same unless --accrue-omp-env unset).
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MAGIC_U16 = 20240520
 
 ALL_CONFIGS = [f"L{layers}-H{hidden}-T{t}"
@@ -281,7 +290,9 @@ class HwmPoller:
     def _run(self):
         while not self.stop.is_set():
             for pid in _descendants(self.root):
-                if pid not in self.known:
+                # A negative answer is asked again: a child read between
+                # fork and exec still shows its parent's command line.
+                if not self.known.get(pid):
                     try:
                         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                         self.known[pid] = self.is_rank(pid, [c.decode(errors="replace") for c in cmd])
@@ -371,6 +382,11 @@ def run_accrue(binary, cfg, epochs, tmp):
     cmd = [str(binary), "local", str(job), "--workers", str(W), "--threads", "1",
            "--state-dir", str(state), "--json"]
     env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
+    if cfg["accrue_omp_env"]:
+        env.update(THREAD_ENV)
+    else:
+        for key in THREAD_ENV:
+            env.pop(key, None)
     err_path = d / "stderr.txt"
     step_end, norms, tokens, phases = [], [], [], []
     with open(err_path, "w") as err:
@@ -411,8 +427,8 @@ def run_ddp(cfg, epochs, tmp):
     me = str(Path(__file__).resolve())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(W), me, "--_ddp-worker", json.dumps(c)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, **THREAD_ENV, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
     log = d / "log.txt"
     with open(log, "w") as f:
         t0 = time.monotonic()
@@ -494,6 +510,11 @@ def main():
                          "auto: 12 for the smallest model, fewer for larger ones down to 4)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="launch pairs per side and config; medians reported (default: %(default)s)")
+    ap.add_argument("--accrue-omp-env", choices=("1", "unset"), default="1",
+                    help="1: accrue's processes get OMP_NUM_THREADS=1 (and OpenBLAS/MKL = 1) "
+                         "as torchrun's children do; unset: they get none of these, as "
+                         "`accrue local` runs by default (its workers still get threads = 1) "
+                         "(default: %(default)s)")
     ap.add_argument("--_ddp-worker", dest="ddp_worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -529,6 +550,7 @@ def main():
             spe = (auto_steps_per_epoch(cfg) if args.steps_per_epoch == "auto"
                    else int(args.steps_per_epoch))
             cfg["steps_per_epoch"] = spe
+            cfg["accrue_omp_env"] = args.accrue_omp_env == "1"
             cfg["samples"] = W * K * cfg["b"] * spe
             t = cfg["seq_len"]
             if (t, spe) not in data_files:
@@ -578,7 +600,9 @@ def main():
           f"CPUs), load average at start {load:.2f}")
     print(f"- torch {torch.__version__}, transformers {transformers.__version__} (Python "
           f"{platform.python_version()}), gloo; accrue `{args.accrue}`, workspace {git_rev()}")
-    print(f"- W = {W}, k = {K}, 1 intra-op thread a rank on both sides; b = 1024 / T rows, "
+    print(f"- W = {W}, k = {K}, 1 intra-op thread a rank on both sides (OMP_NUM_THREADS=1 "
+          f"for DDP's ranks; for accrue's: "
+          f"{'the same' if args.accrue_omp_env == '1' else 'unset'}); b = 1024 / T rows, "
           f"{WINDOW_TOKENS:,} target tokens a window; windows an epoch: column \"steps/epoch\"; "
           f"synthetic uniform tokens, vocab {VOCAB:,}; same initial weights and windows; "
           f"global-count normalization; AdamW lr {LR} wd {WEIGHT_DECAY}; clip {MAX_NORM}; "
