@@ -647,3 +647,29 @@ fn errors_name_the_input_and_the_flag() {
         "{err}"
     );
 }
+
+/// `accrue sample` is `accrue-worker sample` (the CLI links no libtorch):
+/// its help and its errors are the worker's.
+#[test]
+fn sample_is_forwarded_to_the_worker() {
+    let dir = TempDir::new().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .args(["sample", dir.path().to_str().unwrap(), "--prompt", "In the"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("neither a step folder (no model.safetensors) nor a checkpoint folder"),
+        "{err}"
+    );
+    let help = Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .args(["sample", "--help"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        text.contains("accrue-worker sample") && text.contains("--temperature"),
+        "{text}"
+    );
+}
