@@ -392,3 +392,60 @@ fn a_window_without_targets_is_skipped_with_its_reason() {
     assert!(rel_diff(&snapshot(&e), &before).0 > 0.0);
     assert_eq!((e.state().skipped_steps, e.state().optimizer_steps), (1, 1));
 }
+
+/// `precision = "bf16"` (autocast with fp32 master weights) at W = 2, k = 4
+/// against the same DDP run under `torch.autocast("cpu", bfloat16)`, whose
+/// backward is of CE_sum * W with the gradients divided by N_global after
+/// the all-reduce (accrue's order: 1/N applied inside a bf16 backward
+/// rounds differently, and AdamW turns a flipped near-zero gradient into a
+/// whole lr: 3e-2 apart after 4 steps). Tolerance: 1e-5 relative, as in
+/// fp32 (the model's forward and backward are bit-identical to
+/// transformers' under autocast, worker/tests/llama_model.rs).
+#[test]
+fn llama_in_bf16_at_two_ranks_equals_transformers_ddp_under_autocast() {
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let mut cfg = config();
+    cfg["modes"] = serde_json::json!(["global_count"]);
+    cfg["precision"] = serde_json::json!("bf16");
+    run_script("prepare", d, &cfg);
+    let mut ddp = Torchrun::start(
+        &python(),
+        &script(),
+        2,
+        d,
+        &["train", d.to_str().unwrap(), &cfg.to_string()],
+    );
+    let out = d.join("accrue-bf16");
+    std::fs::create_dir_all(&out).unwrap();
+    let text = job(d, "global_count", 4, 2)
+        .replace("device = \"cpu\"", "device = \"cpu\"\nprecision = \"bf16\"");
+    let ranks = run_ranks(&out, &text, 2, |_| {});
+    let steps = ranks[0].steps();
+    let model = read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
+    let status = ddp
+        .wait(Duration::from_secs(300))
+        .unwrap_or_else(|| panic!("torchrun did not finish:\n{}", ddp.logs()));
+    assert!(status.success(), "torchrun failed:\n{}", ddp.logs());
+    let want = read(&d.join("ddp-bf16-global_count-rank0.safetensors"));
+    let (diff, name) = rel_diff(&model, &want);
+    eprintln!("bf16: parameters vs DDP under autocast: {diff:.3e} ({name})");
+    assert!(diff <= 1e-5, "bf16: {name} differs from DDP by {diff:.3e}");
+    let report: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(d.join("ddp-bf16-global_count-rank0.json")).unwrap(),
+    )
+    .unwrap();
+    let want_steps = report["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), want_steps.len());
+    for (i, (g, w)) in steps.iter().zip(want_steps).enumerate() {
+        for key in ["loss", "grad_norm"] {
+            let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+            eprintln!("bf16, step {}: {key} {g} vs DDP {w}", i + 1);
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs(),
+                "bf16, step {}: {key} {g} vs DDP's {w}",
+                i + 1
+            );
+        }
+    }
+}

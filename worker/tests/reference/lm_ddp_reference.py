@@ -30,7 +30,12 @@ Trainer does it (CE_sum * W / N_global per rank, then DDP's average).
       16 rows (accrue's rows-to-samples rule) to DIR/hf-loss.json.
 
 CONFIG_JSON: seed, batch, k, epochs, seq_len, max_norm, lr, weight_decay,
-pad_id, model (LlamaConfig fields), modes.
+pad_id, model (LlamaConfig fields), modes; optional "precision": "bf16"
+runs the forward and the loss under torch.autocast("cpu", bfloat16)
+(fp32 master weights, as accrue's precision = "bf16") with backward of
+CE_sum * W and the summed gradients divided by N_global after the
+all-reduce (the same gradient, in accrue's order), and its outputs are
+named ddp-bf16-<mode>-rank<r>.*.
 """
 import contextlib
 import json
@@ -122,6 +127,8 @@ def train():
     data = load_file(f"{out_dir}/data.safetensors")
     n = len(data["offsets"]) - 1
     b, k = cfg["batch"], cfg["k"]
+    bf16 = cfg.get("precision") == "bf16"
+    tag = "bf16-" if bf16 else ""
     for norm_mode in cfg["modes"]:
         model = build()
         model.load_state_dict(load_file(f"{out_dir}/init.safetensors"))
@@ -141,26 +148,40 @@ def train():
                 loss_sum = torch.zeros((), dtype=torch.float64)
                 for i, (x, t) in enumerate(window):
                     sync = i + 1 == len(window)
+                    amp = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
+                           else contextlib.nullcontext())
                     with contextlib.nullcontext() if sync else ddp.no_sync():
-                        logits = ddp(input_ids=x).logits.float()
-                        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
-                                             ignore_index=-100, reduction="sum")
-                        loss_sum += ce.detach().double()
-                        if norm_mode == "global_count":
-                            loss = ce * world / n_global
-                        else:
-                            targets = int((t != -100).sum())
-                            loss = (ce / targets if targets else ce * 0.0) / len(window)
+                        with amp:
+                            logits = ddp(input_ids=x).logits.float()
+                            ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
+                                                 ignore_index=-100, reduction="sum")
+                            loss_sum += ce.detach().double()
+                            if norm_mode == "global_count" and bf16:
+                                # accrue's order: backward of the sum (x W
+                                # against DDP's average), 1/N after the
+                                # reduction; 1/N inside a bf16 backward
+                                # rounds differently (and AdamW's first
+                                # steps turn a flipped near-zero gradient
+                                # into a whole lr).
+                                loss = ce * world
+                            elif norm_mode == "global_count":
+                                loss = ce * world / n_global
+                            else:
+                                targets = int((t != -100).sum())
+                                loss = (ce / targets if targets else ce * 0.0) / len(window)
                         loss.backward()
                 dist.all_reduce(loss_sum)
+                if norm_mode == "global_count" and bf16:
+                    for p in model.parameters():
+                        p.grad.div_(n_global)
                 norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=cfg["max_norm"])
                 opt.step()
                 opt.zero_grad()
                 steps.append({"loss": loss_sum.item() / n_global, "grad_norm": norm.item(),
                               "tokens": n_global})
         save_file({k2: v.contiguous() for k2, v in model.state_dict().items()},
-                  f"{out_dir}/ddp-{norm_mode}-rank{rank}.safetensors")
-        with open(f"{out_dir}/ddp-{norm_mode}-rank{rank}.json", "w") as f:
+                  f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.safetensors")
+        with open(f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.json", "w") as f:
             json.dump({"world": world, "steps": steps}, f)
     dist.destroy_process_group()
 
