@@ -9,110 +9,8 @@ mod common;
 
 use accrue_proto::v1::JobState;
 use common::*;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use tempfile::TempDir;
-
-/// One worker daemon with a sample log, slowed so a window lasts long
-/// enough to be interrupted.
-fn spawn_slow_worker(grpc: &str, id: &str, dir: &Path) -> Child {
-    let samples = dir.join(format!("samples-{id}.jsonl"));
-    let samples = samples.to_str().unwrap();
-    common::spawn_worker(
-        grpc,
-        id,
-        dir,
-        &["--micro-step-delay-ms", "12", "--sample-log", samples],
-    )
-}
-
-/// The committed windows of job `name` from every daemon's sample log (as
-/// tests/recovery.rs reads them): step -> (epoch, rank -> indices read).
-/// Of a step's attempts (told apart by world size, then by time) the
-/// newest counts; a (step, rank) logged twice in one attempt (a window
-/// read again after an abort) must hold the same reads.
-fn committed_windows(dir: &Path, name: &str) -> BTreeMap<u64, (u64, BTreeMap<u64, Vec<u64>>)> {
-    type Attempt = (u64, u64, BTreeMap<u64, Vec<u64>>); // newest t, epoch, reads
-    let mut attempts: BTreeMap<(u64, u64), Attempt> = BTreeMap::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let p: PathBuf = entry.unwrap().path();
-        let file = p.file_name().unwrap().to_str().unwrap().to_string();
-        if !file.starts_with("samples-") {
-            continue;
-        }
-        for line in std::fs::read_to_string(&p).unwrap().lines() {
-            let v: serde_json::Value = serde_json::from_str(line).unwrap();
-            if v["job"] != name {
-                continue;
-            }
-            let field = |k: &str| {
-                v[k].as_u64()
-                    .unwrap_or_else(|| panic!("{k} missing in {line}"))
-            };
-            let (step, epoch, world, rank, t) = (
-                field("step"),
-                field("epoch"),
-                field("world"),
-                field("rank"),
-                field("t"),
-            );
-            let idx: Vec<u64> = v["indices"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap())
-                .collect();
-            let a = attempts
-                .entry((step, world))
-                .or_insert_with(|| (0, epoch, BTreeMap::new()));
-            a.0 = a.0.max(t);
-            assert_eq!(a.1, epoch, "ranks disagree on the epoch of step {step}");
-            let prev = a.2.entry(rank).or_insert_with(|| idx.clone());
-            assert_eq!(
-                *prev, idx,
-                "rank {rank}'s reads of step {step} differ ({file})"
-            );
-        }
-    }
-    let mut out: BTreeMap<u64, Attempt> = BTreeMap::new();
-    for ((step, _), a) in attempts {
-        if out.get(&step).is_none_or(|b| a.0 > b.0) {
-            out.insert(step, a);
-        }
-    }
-    out.into_iter()
-        .map(|(step, (_, epoch, reads))| (step, (epoch, reads)))
-        .collect()
-}
-
-/// Every step 1..=steps committed with a record from each of `world`
-/// ranks, and every epoch read each of the `samples` indices exactly once
-/// over all ranks.
-fn assert_exact_accounting(dir: &Path, name: &str, steps: u64, epochs: u64, samples: u64) {
-    let windows = committed_windows(dir, name);
-    assert_eq!(
-        windows.keys().copied().collect::<Vec<_>>(),
-        (1..=steps).collect::<Vec<_>>(),
-        "committed steps"
-    );
-    for (step, (_, reads)) in &windows {
-        assert_eq!(reads.len(), 2, "step {step}: a record from both ranks");
-    }
-    for e in 0..epochs {
-        let mut seen: Vec<u64> = windows
-            .values()
-            .filter(|w| w.0 == e)
-            .flat_map(|w| w.1.values().flatten().copied())
-            .collect();
-        seen.sort_unstable();
-        assert_eq!(
-            seen,
-            (0..samples).collect::<Vec<_>>(),
-            "epoch {e}: every sample exactly once over both ranks' reads"
-        );
-    }
-}
 
 /// An llm.c token file (magic 20240520: u16 tokens) of `count` tokens
 /// over a vocabulary of 64.
@@ -232,7 +130,7 @@ async fn lm_kill_9_mid_run_ends_at_the_undisturbed_parameters() {
     let ids = ["l0", "l1", "l2"];
     let mut w = Workers(
         ids.iter()
-            .map(|id| spawn_slow_worker(&grpc, id, d.path()))
+            .map(|id| audit::spawn_logged_worker(&grpc, id, d.path()))
             .collect(),
     );
     let mut c = client(&grpc).await;
@@ -268,7 +166,7 @@ async fn lm_kill_9_mid_run_ends_at_the_undisturbed_parameters() {
     assert_eq!((counters.step, counters.total_steps), (18, 18));
     // An LM job counts targets (the tokens seen): every sample's 8, once.
     assert_eq!(counters.samples_seen, 3 * 192 * 8);
-    assert_exact_accounting(d.path(), "lmhurt", 18, 3, 192);
+    audit::assert_exact_accounting(d.path(), "lmhurt", 18, 3, 192);
 
     // The same job without the kill, on the two daemons left.
     let calm = submit_text(&mut c, &job("lmcalm", &data, 3)).await;

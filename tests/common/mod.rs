@@ -4,6 +4,7 @@
 //! TLS, mutual TLS for workers and tokens from [`creds`].
 #![allow(dead_code)]
 
+pub mod audit;
 mod creds;
 pub mod etcd;
 #[allow(unused_imports)] // not every test binary uses every helper
