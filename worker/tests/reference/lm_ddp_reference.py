@@ -35,10 +35,15 @@ runs the forward and the loss under torch.autocast("cpu", bfloat16)
 (fp32 master weights, as accrue's precision = "bf16") with backward of
 CE_sum * W and the summed gradients divided by N_global after the
 all-reduce (the same gradient, in accrue's order), and its outputs are
-named ddp-bf16-<mode>-rank<r>.*.
+named ddp-bf16-<mode>-rank<r>.*; "fp16" runs under torch.autocast("cpu",
+float16) with torch.amp.GradScaler("cpu"), each rank's backward of
+CE_sum * scale / k (accrue's order, so fp16 overflows where accrue's
+would), unscale_, the gradients times k * W / N_global, clip, scaler.step
+and update; outputs ddp-fp16-<mode>-rank<r>.*.
 """
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -127,13 +132,17 @@ def train():
     data = load_file(f"{out_dir}/data.safetensors")
     n = len(data["offsets"]) - 1
     b, k = cfg["batch"], cfg["k"]
-    bf16 = cfg.get("precision") == "bf16"
-    tag = "bf16-" if bf16 else ""
+    precision = cfg.get("precision", "fp32")
+    bf16 = precision == "bf16"
+    fp16 = precision == "fp16"
+    tag = "" if precision == "fp32" else precision + "-"
     for norm_mode in cfg["modes"]:
         model = build()
         model.load_state_dict(load_file(f"{out_dir}/init.safetensors"))
         ddp = DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+        scaler = torch.amp.GradScaler("cpu") if fp16 else None
+        scales = []
         sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
         steps = []
         for epoch in range(cfg["epochs"]):
@@ -149,6 +158,7 @@ def train():
                 for i, (x, t) in enumerate(window):
                     sync = i + 1 == len(window)
                     amp = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
+                           else torch.autocast("cpu", dtype=torch.float16) if fp16
                            else contextlib.nullcontext())
                     with contextlib.nullcontext() if sync else ddp.no_sync():
                         with amp:
@@ -156,7 +166,14 @@ def train():
                             ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
                                                  ignore_index=-100, reduction="sum")
                             loss_sum += ce.detach().double()
-                            if norm_mode == "global_count" and bf16:
+                            if norm_mode == "global_count" and fp16:
+                                # accrue's order: each rank's backward of
+                                # the sum * scale / k (GradScaler's scale),
+                                # so fp16 overflows where accrue's would;
+                                # DDP averages, then the gradients are
+                                # unscaled and multiplied by k * W / N.
+                                loss = scaler.scale(ce / len(window))
+                            elif norm_mode == "global_count" and bf16:
                                 # accrue's order: backward of the sum (x W
                                 # against DDP's average), 1/N after the
                                 # reduction; 1/N inside a bf16 backward
@@ -174,11 +191,23 @@ def train():
                 if norm_mode == "global_count" and bf16:
                     for p in model.parameters():
                         p.grad.div_(n_global)
+                if fp16:
+                    scales.append(scaler.get_scale())
+                    scaler.unscale_(opt)
+                    for p in model.parameters():
+                        p.grad.mul_(len(window) * world / n_global)
                 norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=cfg["max_norm"])
-                opt.step()
+                if fp16:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 opt.zero_grad()
-                steps.append({"loss": loss_sum.item() / n_global, "grad_norm": norm.item(),
-                              "tokens": n_global})
+                # JSON has no inf: a non-finite norm (an fp16 overflow) is null.
+                g = norm.item()
+                steps.append({"loss": loss_sum.item() / n_global,
+                              "grad_norm": g if math.isfinite(g) else None,
+                              "tokens": n_global, "loss_scale": scales[-1] if fp16 else 0.0})
         save_file({k2: v.contiguous() for k2, v in model.state_dict().items()},
                   f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.safetensors")
         with open(f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.json", "w") as f:
