@@ -19,9 +19,8 @@ use tempfile::TempDir;
 
 type Named = Vec<(String, Tensor)>;
 
-/// The tests that start torchrun take turns: three torchruns of two
-/// ranks each plus accrue's ranks at once on a 2-core machine once left
-/// one of them unfinished after 300 s.
+/// The tests that start torchrun take turns (two Python ranks each, plus
+/// accrue's two, on a 2-core machine).
 static TORCHRUN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn torchrun_turn() -> std::sync::MutexGuard<'static, ()> {

@@ -212,7 +212,13 @@ def train():
                   f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.safetensors")
         with open(f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.json", "w") as f:
             json.dump({"world": world, "steps": steps}, f)
-    dist.destroy_process_group()
+    # Every file is written: leave without tearing gloo down
+    # (destroy_process_group, or the interpreter's exit, once sat in a
+    # futex for minutes on one rank after both had written everything).
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def hf():
