@@ -227,6 +227,33 @@ pub fn eval_line(e: &v1::EvalResult, lm: bool) -> String {
 
 /// Prints one event of a watched job (a progress bar on a terminal, lines
 /// otherwise, JSON with `json`) and keeps the job it carries in `last`.
+/// A language model's event line for `--json` (issue 30): the same keys,
+/// plus its unit and the numbers under token names (a step's samples are
+/// target tokens) and an evaluation's perplexity.
+fn lm_json(v: &mut serde_json::Value) {
+    let get = |k: &str| v.get(k).cloned().unwrap_or_default();
+    let extra = match v["event"].as_str() {
+        Some("step") => vec![
+            ("tokens", get("samples")),
+            ("tokens_per_sec", get("samples_per_sec")),
+            ("tokens_seen", get("samples_seen")),
+        ],
+        Some("eval") => vec![(
+            "perplexity",
+            serde_json::json!(v["loss"]
+                .as_f64()
+                .and_then(accrue_coordinator::http::perplexity)),
+        )],
+        _ => return,
+    };
+    if let Some(o) = v.as_object_mut() {
+        o.insert("unit".into(), "tokens".into());
+        for (k, x) in extra {
+            o.insert(k.into(), x);
+        }
+    }
+}
+
 fn show_event(
     ev: &v1::JobEvent,
     last: &mut Option<Job>,
@@ -240,7 +267,10 @@ fn show_event(
     // A language model counts tokens (issue 30).
     let lm = last.as_ref().is_some_and(accrue_coordinator::http::is_lm);
     if json {
-        if let Some(v) = event_json(ev) {
+        if let Some(mut v) = event_json(ev) {
+            if lm {
+                lm_json(&mut v);
+            }
             println!("{v}");
         }
         return;
@@ -302,7 +332,9 @@ fn show_event(
 
 #[cfg(test)]
 mod tests {
-    use super::{eval_line, fmt_eta, lm_step_line, rewatch, step_line, Recent, REWATCH_LIMIT};
+    use super::{
+        eval_line, fmt_eta, lm_json, lm_step_line, rewatch, step_line, Recent, REWATCH_LIMIT,
+    };
 
     #[test]
     fn watch_shows_the_numbers_and_an_eta() {
@@ -419,5 +451,33 @@ mod tests {
         for s in [JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
             assert!(!rewatch(None, Some(s), soon), "{s:?}");
         }
+    }
+
+    #[test]
+    fn a_language_model_s_json_lines_name_tokens_and_perplexity() {
+        let mut step = serde_json::json!({
+            "event": "step", "samples": 8192, "samples_per_sec": 5000.0, "samples_seen": 81920,
+        });
+        lm_json(&mut step);
+        assert_eq!(step["unit"], "tokens");
+        assert_eq!(
+            (
+                &step["tokens"],
+                &step["tokens_per_sec"],
+                &step["tokens_seen"]
+            ),
+            (
+                &serde_json::json!(8192),
+                &serde_json::json!(5000.0),
+                &serde_json::json!(81920)
+            )
+        );
+        assert_eq!(step["samples"], 8192, "the existing keys stay");
+        let mut eval = serde_json::json!({"event": "eval", "loss": 2.0});
+        lm_json(&mut eval);
+        assert!((eval["perplexity"].as_f64().unwrap() - 2.0f64.exp()).abs() < 1e-12);
+        let mut other = serde_json::json!({"event": "transition"});
+        lm_json(&mut other);
+        assert!(other.get("unit").is_none());
     }
 }
