@@ -146,6 +146,20 @@ fn message(err: Error, field: &str, path: &Path) -> String {
     msg
 }
 
+/// A sequences file of `entries` is refused at open, the message naming
+/// `field`, the file and `parts`.
+fn assert_sequences_refused(
+    dir: &TempDir,
+    name: &str,
+    entries: &[Entry],
+    field: &'static str,
+    parts: &[&str],
+) {
+    let p = safetensors_file(dir, name, entries);
+    let err = Sequences::open(&p, field, &seq_opts()).unwrap_err();
+    assert_has(&message(err, field, &p), parts);
+}
+
 fn assert_has(msg: &str, parts: &[&str]) {
     for p in parts {
         assert!(msg.contains(p), "message lacks {p:?}: {msg}");
@@ -484,60 +498,51 @@ fn offsets_entry(offsets: &[i64]) -> Entry<'static> {
 #[test]
 fn decreasing_offsets_name_the_index() {
     let dir = TempDir::new().unwrap();
-    let p = safetensors_file(
+    assert_sequences_refused(
         &dir,
         "x.safetensors",
         &[
             tokens_entry(&[1, 2, 3, 4, 5], Dtype::I64),
             offsets_entry(&[0, 3, 2, 5]),
         ],
-    );
-    let err = Sequences::open(&p, "data.path", &seq_opts()).unwrap_err();
-    assert_has(
-        &message(err, "data.path", &p),
+        "data.path",
         &["offsets decrease at index 2: offsets[2] = 2 < offsets[1] = 3"],
     );
     // offsets[0] != 0 and a last offset that is not the token count.
-    let p = safetensors_file(
+    assert_sequences_refused(
         &dir,
         "y.safetensors",
         &[
             tokens_entry(&[1, 2, 3, 4, 5], Dtype::I64),
             offsets_entry(&[1, 3, 5]),
         ],
-    );
-    let err = Sequences::open(&p, "data.path", &seq_opts()).unwrap_err();
-    assert_has(
-        &message(err, "data.path", &p),
+        "data.path",
         &["offsets[0] = 1, must be 0"],
     );
-    let p = safetensors_file(
+    assert_sequences_refused(
         &dir,
         "z.safetensors",
         &[
             tokens_entry(&[1, 2, 3, 4, 5], Dtype::I64),
             offsets_entry(&[0, 3, 4]),
         ],
-    );
-    let err = Sequences::open(&p, "data.eval_path", &seq_opts()).unwrap_err();
-    assert_has(
-        &message(err, "data.eval_path", &p),
+        "data.eval_path",
         &["the last offset (offsets[2]) is 4, but tokens holds 5 tokens"],
     );
     // No row at all.
-    let p = safetensors_file(
+    assert_sequences_refused(
         &dir,
         "w.safetensors",
         &[tokens_entry(&[], Dtype::I64), offsets_entry(&[0])],
+        "data.path",
+        &["offsets has 1 entries"],
     );
-    let err = Sequences::open(&p, "data.path", &seq_opts()).unwrap_err();
-    assert_has(&message(err, "data.path", &p), &["offsets has 1 entries"]);
 }
 
 #[test]
 fn mask_of_another_length_is_refused() {
     let dir = TempDir::new().unwrap();
-    let p = safetensors_file(
+    assert_sequences_refused(
         &dir,
         "x.safetensors",
         &[
@@ -545,10 +550,7 @@ fn mask_of_another_length_is_refused() {
             offsets_entry(&[0, 2, 5]),
             ("loss_mask", Dtype::U8, vec![4], vec![1, 1, 0, 1]),
         ],
-    );
-    let err = Sequences::open(&p, "data.path", &seq_opts()).unwrap_err();
-    assert_has(
-        &message(err, "data.path", &p),
+        "data.path",
         &["loss_mask has 4 entries, tokens has 5"],
     );
 }
@@ -581,32 +583,24 @@ fn wrong_dtypes_name_the_allowed_ones() {
         ),
     ];
     for (name, entries, parts) in cases {
-        let p = safetensors_file(&dir, name, &entries);
-        let err = Sequences::open(&p, "data.path", &seq_opts()).unwrap_err();
-        assert_has(&message(err, "data.path", &p), parts);
+        assert_sequences_refused(&dir, name, &entries, "data.path", parts);
     }
     // A 2-D tokens tensor, a missing offsets tensor, not a safetensors file.
-    let p = safetensors_file(
+    assert_sequences_refused(
         &dir,
         "2d.safetensors",
         &[
             ("tokens", Dtype::I64, vec![1, 3], i64s(&[1, 2, 3])),
             offsets_entry(&[0, 3]),
         ],
-    );
-    let err = Sequences::open(&p, "data.path", &seq_opts()).unwrap_err();
-    assert_has(
-        &message(err, "data.path", &p),
+        "data.path",
         &["shape [1, 3]; it must be 1-D"],
     );
-    let p = safetensors_file(
+    assert_sequences_refused(
         &dir,
         "no-offsets.safetensors",
         &[tokens_entry(&[1], Dtype::I64)],
-    );
-    let err = Sequences::open(&p, "data.path", &seq_opts()).unwrap_err();
-    assert_has(
-        &message(err, "data.path", &p),
+        "data.path",
         &["has no tensor \"offsets\"", "[\"tokens\"]"],
     );
     let p = write(&dir, "junk.safetensors", b"not a safetensors file at all");
@@ -638,14 +632,11 @@ fn sequence_token_out_of_vocab_names_position_and_row() {
     // A negative token in an I32 file, in the last row (after an empty row).
     let (mut tokens, offsets) = flat_rows();
     tokens[11] = -3;
-    let p = safetensors_file(
+    assert_sequences_refused(
         &dir,
         "y.safetensors",
         &[tokens_entry(&tokens, Dtype::I32), offsets_entry(&offsets)],
-    );
-    let err = Sequences::open(&p, "data.eval_path", &seq_opts()).unwrap_err();
-    assert_has(
-        &message(err, "data.eval_path", &p),
+        "data.eval_path",
         &["token -3 at position 11 (row 4) is negative"],
     );
 }
