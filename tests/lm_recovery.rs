@@ -147,17 +147,7 @@ async fn lm_kill_9_mid_run_ends_at_the_undisturbed_parameters() {
         .filter(|x| !running.workers.iter().any(|r| r == x))
         .collect();
     let end = ended(&mut c, &hurt.id).await;
-    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
-    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
-    let r = &end.recoveries[0];
-    assert_eq!(r.lost, std::slice::from_ref(&victim));
-    assert_eq!(r.joined, spare);
-    assert_eq!((r.world_size, r.accumulation_steps), (2, 4));
-    assert_eq!(
-        end.workers[1], spare[0],
-        "the spare takes the lost rank's place"
-    );
-    assert!(r.resumed_step >= 3, "{r:?}");
+    let r = audit::assert_spare_took_over(&end, &victim, &spare);
     eprintln!(
         "lm recovery: killed after step {seen} was seen, resumed after step {}",
         r.resumed_step

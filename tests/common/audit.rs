@@ -149,3 +149,27 @@ pub fn assert_exact_accounting(dir: &Path, name: &str, steps: u64, epochs: u64, 
         );
     }
 }
+
+/// A job that lost `victim` (rank 1 of W = 2, k = 4) and re-formed once
+/// with the spare in its place: succeeded, one recovery naming the lost
+/// and the joined worker, resumed after step 3 or later. Returns that
+/// recovery.
+pub fn assert_spare_took_over<'a>(
+    end: &'a accrue_proto::v1::Job,
+    victim: &str,
+    spare: &[&str],
+) -> &'a accrue_proto::v1::Recovery {
+    use accrue_proto::v1::JobState;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
+    let r = &end.recoveries[0];
+    assert_eq!(r.lost, [victim]);
+    assert_eq!(r.joined, spare);
+    assert_eq!((r.world_size, r.accumulation_steps), (2, 4));
+    assert_eq!(
+        end.workers[1], spare[0],
+        "the spare takes the lost rank's place"
+    );
+    assert!(r.resumed_step >= 3, "{r:?}");
+    r
+}

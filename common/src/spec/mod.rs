@@ -619,4 +619,6 @@ impl JobSpec {
 }
 
 #[cfg(test)]
+mod llama_tests;
+#[cfg(test)]
 mod tests;

@@ -1,0 +1,356 @@
+//! The spec of a language model: llama fields, config files and token
+//! data (issue 30).
+
+use super::tests::{invalid, BASE};
+use super::*;
+
+/// A llama job on `sequences` data with `model` and `data` lines added.
+fn llama_text(model: &str, data: &str) -> String {
+    format!(
+        "name = \"lm\"\n[model]\nkind = \"llama\"\n{model}\n[data]\nkind = \"sequences\"\npath = \"rows.safetensors\"\nbatch_size = 4\n{data}\n[optimizer]\nkind = \"adamw\"\nlr = 0.001\n"
+    )
+}
+
+const TINY: &str = "vocab_size = 97\nhidden_size = 32\nintermediate_size = 64\nnum_hidden_layers = 2\nnum_attention_heads = 4";
+
+fn llama_spec(model: &str, data: &str) -> JobSpec {
+    JobSpec::fields_from_toml_str(&llama_text(model, data), Path::new("t.toml"))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn shown_errors(text: &str) -> Vec<String> {
+    invalid(text).iter().map(ToString::to_string).collect()
+}
+
+#[test]
+fn llama_resolves_with_hugging_face_defaults() {
+    let s = llama_spec(TINY, "seq_len = 12");
+    let c = LlamaConfig::resolve(&s.model).unwrap();
+    assert_eq!(
+        c,
+        LlamaConfig {
+            vocab_size: 97,
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 4,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            max_position_embeddings: 2048,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            mlp_bias: false,
+        }
+    );
+    assert_eq!(c.head_dim(), 8);
+    // transformers' LlamaForCausalLM(...).num_parameters() for these.
+    assert_eq!(c.parameter_count(), 26_848);
+    let other = LlamaConfig {
+        tie_word_embeddings: true,
+        num_key_value_heads: 2,
+        attention_bias: true,
+        mlp_bias: true,
+        ..c.clone()
+    };
+    assert_eq!(other.parameter_count(), 22_208);
+    // The memory estimate counts them: parameter, gradient, buffer and
+    // AdamW's two states.
+    assert_eq!(s.memory_estimate().model, 26_848 * 4 * 5);
+    // Unset fields stay out of the serialized spec (hashes unchanged).
+    let json = toml::to_string(&llama_spec(TINY, "seq_len = 12")).unwrap();
+    assert!(
+        !json.contains("rope_theta") && !json.contains("pad_id"),
+        "{json}"
+    );
+}
+
+#[test]
+fn llama_fields_come_from_a_config_file_and_must_agree() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let path = dir.path().join("config.json");
+    // As transformers 5 writes it: extra keys, rope_parameters.
+    std::fs::write(
+        &path,
+        r#"{"architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 1, "eos_token_id": 2, "head_dim": 8, "hidden_act": "silu", "hidden_size": 32,
+  "initializer_range": 0.02, "intermediate_size": 64, "max_position_embeddings": 128,
+  "mlp_bias": false, "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 2,
+  "num_key_value_heads": 2, "pad_token_id": null, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+  "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+  "tie_word_embeddings": true, "transformers_version": "5.24.0", "use_cache": true, "vocab_size": 97}"#,
+    )
+    .unwrap();
+    let cfg = format!("config = {:?}", path.display().to_string());
+    let s = llama_spec(&cfg, "seq_len = 12");
+    let c = LlamaConfig::resolve(&s.model).unwrap();
+    assert_eq!(
+        (
+            c.num_key_value_heads,
+            c.rope_theta,
+            c.rms_norm_eps,
+            c.tie_word_embeddings
+        ),
+        (2, 500000.0, 1e-5, true)
+    );
+    assert_eq!(c.max_position_embeddings, 128);
+    // The same value in both is fine.
+    let s = llama_spec(
+        &format!("{cfg}\nhidden_size = 32\nrope_theta = 500000.0"),
+        "seq_len = 12",
+    );
+    assert_eq!(LlamaConfig::resolve(&s.model).unwrap(), c);
+    // Another value is refused naming the field and both values.
+    let s = llama_spec(
+        &format!("{cfg}\nhidden_size = 64\nnum_key_value_heads = 4"),
+        "seq_len = 12",
+    );
+    let errs: Vec<String> = LlamaConfig::resolve(&s.model)
+        .unwrap_err()
+        .0
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    assert!(
+        errs[0].starts_with("model.hidden_size = 64: disagrees with model.config (")
+            && errs[0].ends_with("which gives 32"),
+        "{errs:?}"
+    );
+    assert!(
+        errs[1].starts_with("model.num_key_value_heads = 4:") && errs[1].ends_with("which gives 2")
+    );
+    // And found by the full check (files read) as well.
+    let text = llama_text(&format!("{cfg}\nhidden_size = 64"), "seq_len = 12").replace(
+        "path = \"rows.safetensors\"",
+        &format!("path = {:?}", path.display().to_string()),
+    );
+    let err = JobSpec::from_toml_str(&text, Path::new("t.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.hidden_size = 64: disagrees"), "{err}");
+    // seq_len above the file's max_position_embeddings.
+    let text = llama_text(&cfg, "seq_len = 129").replace(
+        "path = \"rows.safetensors\"",
+        &format!("path = {:?}", path.display().to_string()),
+    );
+    let err = JobSpec::from_toml_str(&text, Path::new("t.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("data.seq_len = 129: must be <= model.max_position_embeddings = 128"),
+        "{err}"
+    );
+
+    // What accrue cannot build is refused, naming the key.
+    let bad = dir.path().join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"model_type": "llama", "hidden_act": "gelu", "vocab_size": 97, "hidden_size": 32,
+  "intermediate_size": 64, "num_hidden_layers": "2", "num_attention_heads": 4,
+  "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}"#,
+    )
+    .unwrap();
+    let s = llama_spec(
+        &format!("config = {:?}", bad.display().to_string()),
+        "seq_len = 12",
+    );
+    let err = LlamaConfig::resolve(&s.model).unwrap_err().to_string();
+    for want in [
+        "num_hidden_layers = \"2\" in the file: must be an integer",
+        "hidden_act = \"gelu\" in the file",
+        "rope_parameters.rope_type = \"llama3\" in the file",
+        "model.num_hidden_layers = \"(missing)\"",
+    ] {
+        assert!(err.contains(want), "{want} not in {err}");
+    }
+    // A file that is not there, or not JSON.
+    let s = llama_spec("config = \"/no/such/config.json\"", "seq_len = 12");
+    let err = LlamaConfig::resolve(&s.model).unwrap_err().to_string();
+    assert!(
+        err.contains("model.config = \"/no/such/config.json\": must name a readable"),
+        "{err}"
+    );
+    std::fs::write(&bad, "[1, 2]").unwrap();
+    let s = llama_spec(
+        &format!("config = {:?}", bad.display().to_string()),
+        "seq_len = 12",
+    );
+    let err = LlamaConfig::resolve(&s.model).unwrap_err().to_string();
+    assert!(err.contains("must hold a JSON object"), "{err}");
+}
+
+#[test]
+fn to_hf_json_reads_back_as_the_same_config() {
+    let s = llama_spec(
+        &format!("{TINY}\nnum_key_value_heads = 2\ntie_word_embeddings = true\nrope_theta = 500000.0\nattention_bias = true"),
+        "seq_len = 12",
+    );
+    let c = LlamaConfig::resolve(&s.model).unwrap();
+    let json = c.to_hf_json();
+    assert_eq!(json["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(json["model_type"], "llama");
+    assert_eq!(json["head_dim"], 8);
+    assert_eq!(json["hidden_act"], "silu");
+    assert_eq!(json["rope_parameters"]["rope_theta"], 500000.0);
+    let dir = tempfile::TempDir::new().unwrap();
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
+    let s = llama_spec(
+        &format!("config = {:?}", path.display().to_string()),
+        "seq_len = 12",
+    );
+    assert_eq!(LlamaConfig::resolve(&s.model).unwrap(), c);
+}
+
+#[test]
+fn a_missing_llama_field_names_it_and_the_config_file() {
+    let errs = shown_errors(&llama_text(
+        "vocab_size = 97\nhidden_size = 32",
+        "seq_len = 12",
+    ));
+    let want = "\"(missing)\": required for model.kind = llama (here, or from the config.json of model.config)";
+    assert_eq!(
+        errs,
+        [
+            "model.intermediate_size",
+            "model.num_hidden_layers",
+            "model.num_attention_heads"
+        ]
+        .map(|f| format!("{f} = {want}"))
+    );
+    // With a config file the coordinator cannot read (files unchecked),
+    // the fields given are still checked, the missing ones are not.
+    let errs = shown_errors(&llama_text(
+        "config = \"c.json\"\nhidden_size = 0",
+        "seq_len = 12",
+    ));
+    assert_eq!(
+        errs,
+        ["model.hidden_size = 0: must be an integer in 1..=65536"]
+    );
+    assert!(JobSpec::fields_from_toml_str(
+        &llama_text("config = \"c.json\"", "seq_len = 12"),
+        Path::new("t")
+    )
+    .is_ok());
+}
+
+#[test]
+fn llama_shapes_are_checked() {
+    let errs = shown_errors(&llama_text(
+        "vocab_size = 97\nhidden_size = 30\nintermediate_size = 64\nnum_hidden_layers = 2\nnum_attention_heads = 4\nnum_key_value_heads = 3\nrms_norm_eps = 0.0\nrope_theta = -1.0",
+        "seq_len = 12",
+    ));
+    assert_eq!(
+        errs,
+        [
+            "model.hidden_size = 30: must be a multiple of model.num_attention_heads = 4",
+            "model.num_key_value_heads = 3: must divide model.num_attention_heads = 4",
+            "model.rms_norm_eps = 0.0: must be a finite number > 0",
+            "model.rope_theta = -1.0: must be a finite number > 0",
+        ]
+    );
+    // An odd head width (RoPE rotates halves).
+    let errs = shown_errors(&llama_text(
+        &TINY.replace("hidden_size = 32", "hidden_size = 12"),
+        "seq_len = 12",
+    ));
+    assert_eq!(
+        errs,
+        ["model.hidden_size = 12: must give an even head width for RoPE (hidden_size / num_attention_heads = 3)"]
+    );
+    let errs = shown_errors(&llama_text(
+        &format!("{TINY}\nmax_position_embeddings = 8"),
+        "seq_len = 12",
+    ));
+    assert_eq!(
+        errs,
+        ["data.seq_len = 12: must be <= model.max_position_embeddings = 8"]
+    );
+    let errs = shown_errors(&llama_text(
+        &format!("{TINY}\nnum_classes = 97\npath = \"m.pt\""),
+        "seq_len = 12",
+    ));
+    assert_eq!(
+        errs,
+        [
+            "model.path = \"m.pt\": only allowed with model.kind = torchscript",
+            "model.num_classes = 97: not allowed with model.kind = llama (the classes are model.vocab_size)",
+        ]
+    );
+}
+
+#[test]
+fn language_models_and_token_data_go_together() {
+    // llama on images.
+    let text = llama_text(TINY, "").replace("kind = \"sequences\"", "kind = \"mnist\"");
+    assert_eq!(
+        shown_errors(&text),
+        ["data.kind = \"mnist\": model.kind = llama needs data.kind = sequences or tokens"]
+    );
+    // An MLP on tokens.
+    let text = BASE.replace(
+        "kind = \"synthetic\"",
+        "kind = \"tokens\"\npath = \"t.bin\"\nseq_len = 8",
+    );
+    assert_eq!(
+        shown_errors(&text),
+        ["model.kind = \"mlp\": data.kind = tokens needs model.kind = llama"]
+    );
+    // seq_len: required for token data, refused for the others.
+    assert_eq!(
+        shown_errors(&llama_text(TINY, "")),
+        ["data.seq_len = \"(missing)\": required for data.kind = sequences (an integer in 1..=1048576)"]
+    );
+    assert_eq!(
+        shown_errors(&llama_text(TINY, "seq_len = 0")),
+        ["data.seq_len = 0: must be an integer in 1..=1048576"]
+    );
+    let text = BASE.replace(
+        "batch_size = 8",
+        "batch_size = 8\nseq_len = 8\npad_id = 3\ndtype = \"u16\"",
+    );
+    assert_eq!(
+        shown_errors(&text),
+        [
+            "data.seq_len = 8: only allowed with data.kind = sequences or tokens",
+            "data.pad_id = 3: only allowed with data.kind = sequences",
+            "data.dtype = \"u16\": only allowed with data.kind = tokens (for a file without llm.c's header)",
+        ]
+    );
+    // dtype: tokens only, u16 or u32.
+    let text = llama_text(TINY, "seq_len = 8\ndtype = \"u8\"")
+        .replace("kind = \"sequences\"", "kind = \"tokens\"");
+    assert_eq!(
+        shown_errors(&text),
+        ["data.dtype = \"u8\": must be one of u16, u32"]
+    );
+    let text = llama_text(TINY, "seq_len = 8\ndtype = \"u32\"")
+        .replace("kind = \"sequences\"", "kind = \"tokens\"");
+    let s = JobSpec::fields_from_toml_str(&text, Path::new("t")).unwrap();
+    assert_eq!(
+        (s.data.kind, s.data.dtype, s.data.seq_len),
+        (DataKind::Tokens, Some(TokenDtype::U32), Some(8))
+    );
+    // The llama fields are refused for another kind, like model.hidden.
+    let text = BASE.replace(
+        "kind = \"mlp\"",
+        "kind = \"mlp\"\nvocab_size = 10\nrope_theta = 5.0\nconfig = \"c.json\"",
+    );
+    assert_eq!(
+        shown_errors(&text),
+        ["model.vocab_size", "model.rope_theta", "model.config"]
+            .map(|f| format!("{f} = \"(set)\": only allowed with model.kind = llama"))
+    );
+    // A token data path is required, a pad id in range.
+    let text =
+        llama_text(TINY, "seq_len = 8\npad_id = -1").replace("path = \"rows.safetensors\"\n", "");
+    assert_eq!(
+        shown_errors(&text),
+        [
+            "data.path = \"(missing)\": required for data.kind = sequences",
+            "data.pad_id = -1: must be an integer in 0..=16777215",
+        ]
+    );
+}
