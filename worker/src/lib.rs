@@ -19,6 +19,7 @@ pub mod family;
 pub mod fused;
 pub mod grads;
 pub mod graphs;
+pub mod head_loss;
 pub mod model;
 pub mod objective;
 pub mod optim;

@@ -5,7 +5,7 @@
 //! `llama` (Hugging Face LlamaForCausalLM's names).
 
 use crate::error::{torch_text, Error, Result, TorchContext};
-use crate::family::Built;
+use crate::family::{Built, Headed};
 use crate::spec::{ModelKind, ModelSpec};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -87,7 +87,24 @@ fn quoted(path: &Path) -> String {
 
 enum Net {
     Builtin(Box<dyn ModuleT>),
+    Headed(Box<dyn Headed>),
     Script(CModule),
+}
+
+/// What runs a forward pass: built-in layers (either kind) or a script.
+enum Run<'a> {
+    Layers(&'a dyn ModuleT),
+    Script(&'a CModule),
+}
+
+impl Net {
+    fn run(&self) -> Run<'_> {
+        match self {
+            Net::Builtin(m) => Run::Layers(&**m),
+            Net::Headed(m) => Run::Layers(&**m),
+            Net::Script(m) => Run::Script(m),
+        }
+    }
 }
 
 /// A model with its parameters and buffers listed by PyTorch name.
@@ -141,16 +158,8 @@ impl Model {
             family.build(&to)?
         };
         let model = match built {
-            Built::Layers(net) => {
-                let (params, buffers) = named_state(&vs);
-                Self {
-                    _vs: Some(vs),
-                    net: Net::Builtin(net),
-                    params,
-                    buffers,
-                    kind: spec.kind,
-                }
-            }
+            Built::Layers(net) => Self::of_layers(vs, Net::Builtin(net), spec.kind),
+            Built::Headed(net) => Self::of_layers(vs, Net::Headed(net), spec.kind),
             Built::Script(module, params) => {
                 let model = Self {
                     _vs: None,
@@ -166,6 +175,18 @@ impl Model {
         };
         model.probe(sample_shape, classes, device)?;
         Ok(model)
+    }
+
+    /// Built-in layers with their variables.
+    fn of_layers(vs: nn::VarStore, net: Net, kind: ModelKind) -> Self {
+        let (params, buffers) = named_state(&vs);
+        Self {
+            _vs: Some(vs),
+            net,
+            params,
+            buffers,
+            kind,
+        }
     }
 
     /// A TorchScript module's output must depend on a parameter, or the
@@ -203,9 +224,8 @@ impl Model {
         let family = crate::family::family(self.kind);
         let x = family.probe_input(shape, device)?;
         let _guard = tch::no_grad_guard();
-        let out = match &self.net {
-            Net::Builtin(m) => {
-                let m = &**m;
+        let out = match self.net.run() {
+            Run::Layers(m) => {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.forward_t(&x, false)))
                     .map_err(|p| Error::ModelInput {
                         model: self.kind.to_string(),
@@ -215,7 +235,7 @@ impl Model {
                         ),
                     })?
             }
-            Net::Script(m) => m.forward_ts(&[&x]).map_err(|e| Error::ModelInput {
+            Run::Script(m) => m.forward_ts(&[&x]).map_err(|e| Error::ModelInput {
                 model: "torchscript module".into(),
                 reason: format!(
                     "cannot take samples of shape {shape:?}: {}",
@@ -227,18 +247,28 @@ impl Model {
     }
 
     pub fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        match &self.net {
+        match self.net.run() {
             // tch's layers use panicking ops: a libtorch failure (out of
             // memory, say) becomes an error of the job, not a panic of its
             // thread.
-            Net::Builtin(m) => {
+            Run::Layers(m) => {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.forward_t(xs, train)))
                     .map_err(|p| Error::Torch {
                         context: "running the model's forward pass",
                         message: panic_text(&*p),
                     })
             }
-            Net::Script(m) => m.forward_ts(&[xs]).ctx("running the TorchScript module"),
+            Run::Script(m) => m.forward_ts(&[xs]).ctx("running the TorchScript module"),
+        }
+    }
+
+    /// The model as layers with a linear head over features, where it is
+    /// one (a language model): the training step may then compute the
+    /// head with its loss in one pass.
+    pub fn headed(&self) -> Option<&dyn Headed> {
+        match &self.net {
+            Net::Headed(m) => Some(&**m),
+            _ => None,
         }
     }
 

@@ -63,6 +63,14 @@ pub trait Objective: Send + std::fmt::Debug {
     fn has_perplexity(&self) -> bool {
         false
     }
+
+    /// Whether [`Objective::loss`] is the summed cross-entropy of the
+    /// output against `batch.targets` (-100 ignored, one term per target),
+    /// so that a model whose output is a linear head may have the head
+    /// and this loss computed in one pass (the head_loss module).
+    fn is_summed_cross_entropy(&self) -> bool {
+        false
+    }
 }
 
 /// Classification: cross-entropy of `[N, classes]` logits against i64
@@ -141,6 +149,10 @@ impl Objective for CausalLm {
     }
 
     fn has_perplexity(&self) -> bool {
+        true
+    }
+
+    fn is_summed_cross_entropy(&self) -> bool {
         true
     }
 }

@@ -152,6 +152,12 @@ impl<C: Collective> Engine<C> {
     ) -> Result<u64> {
         let batch = self.train.batch(idx)?;
         let summed = self.spec.accumulation.normalize == Normalize::GlobalCount;
+        if summed && matches!(scale, LossScaleBy::One) && !graph {
+            if let Some(loss_sum) = self.head_loss(&batch)? {
+                self.graph.add_loss(&loss_sum)?;
+                return Ok(batch.count);
+            }
+        }
         let loss = {
             // precision = bf16 | fp16: the forward and the loss under
             // autocast, as in torch.autocast's `with` block.
@@ -182,6 +188,48 @@ impl<C: Collective> Engine<C> {
         .ctx("accumulating the loss")?;
         self.graph.add_loss(&loss_sum)?;
         Ok(batch.count)
+    }
+
+    /// The forward and backward of a model whose output is a linear head
+    /// (a language model) under a summed cross-entropy, in fp32: the head
+    /// and the loss in one pass without the logits (crate::head_loss),
+    /// then the backward of the rest. Returns the batch's loss sum, or
+    /// None (having done nothing) where it does not apply: another model
+    /// or objective, autocast, or a head weight without a gradient buffer.
+    fn head_loss(&mut self, batch: &crate::batch::Batch) -> Result<Option<Tensor>> {
+        let Some(model) = self.model.headed() else {
+            return Ok(None);
+        };
+        let weight = model.head_weight();
+        let weight_grad = weight.grad();
+        if !self.objective.is_summed_cross_entropy()
+            || self.spec.precision != crate::spec::Precision::Fp32
+            || !weight_grad.defined()
+        {
+            return Ok(None);
+        }
+        let features = model.features(&batch.inputs)?;
+        let flat = features
+            .f_detach()
+            .and_then(|f| {
+                let h = f.size().last().copied().unwrap_or(0);
+                f.f_reshape([-1, h])
+            })
+            .and_then(|f| Ok((f, batch.targets.f_reshape([-1])?)))
+            .ctx("computing the loss");
+        let (flat, targets) = flat?;
+        let all_counted = batch.count == targets.numel() as u64;
+        let vocab = weight.size().first().copied().unwrap_or(1);
+        let out = crate::head_loss::linear_cross_entropy(
+            &flat,
+            weight,
+            &weight_grad,
+            &targets,
+            all_counted,
+            crate::head_loss::block_rows(vocab, self.device),
+        )?;
+        crate::head_loss::backward_into(&features, &out.features_grad)?;
+        Ok(Some(out.sum))
     }
 
     /// sync = every_step: all-reduce this micro-step's gradients now and add

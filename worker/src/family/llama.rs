@@ -25,7 +25,7 @@
 //! keys and values (per layer, appended each call); the training forward
 //! is untouched by it.
 
-use super::{BuildTo, Built, Family};
+use super::{BuildTo, Built, Family, Headed};
 use crate::error::{Error, Result, TorchContext};
 use crate::spec::{LlamaConfig, ModelKind};
 use tch::nn::{self, Init, ModuleT};
@@ -72,7 +72,7 @@ impl Family for Llama {
                 ),
             });
         }
-        Ok(Built::Layers(Box::new(Net::new(to.root, &config)?)))
+        Ok(Built::Headed(Box::new(Net::new(to.root, &config)?)))
     }
 
     fn probe_input(&self, shape: &[i64], device: Device) -> Result<Tensor> {
@@ -316,6 +316,11 @@ impl Net {
     }
 
     fn try_forward(&self, ids: &Tensor) -> Result<Tensor, TchError> {
+        self.head(&self.try_features(ids)?)
+    }
+
+    /// The final norm's output `[N, T, H]`: the forward without the head.
+    fn try_features(&self, ids: &Tensor) -> Result<Tensor, TchError> {
         let (_, t) = ids.size2()?;
         let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
         let (cos, sin) = self.rope(t, h.kind())?;
@@ -329,7 +334,7 @@ impl Net {
             h = h.f_add(&a)?;
             h = self.mlp_block(l, &h)?;
         }
-        self.logits(&h)
+        self.norm.forward(&h)
     }
 
     /// The residual MLP block: h + down(silu(gate(x)) * up(x)), x the
@@ -342,11 +347,20 @@ impl Net {
         h.f_add(&m)
     }
 
+    /// The head's weight: lm_head's, or the embedding's when tied.
+    fn head_weight(&self) -> &Tensor {
+        self.head.as_ref().unwrap_or(&self.embed)
+    }
+
     /// The final norm and the head: fp32 logits whatever the autocast type
     /// (transformers' loss upcasts them the same way).
     fn logits(&self, h: &Tensor) -> Result<Tensor, TchError> {
-        let h = self.norm.forward(h)?;
-        let logits = h.f_linear(self.head.as_ref().unwrap_or(&self.embed), None::<&Tensor>)?;
+        self.head(&self.norm.forward(h)?)
+    }
+
+    /// The head over the final norm's output `h`: fp32 logits.
+    fn head(&self, h: &Tensor) -> Result<Tensor, TchError> {
+        let logits = h.f_linear(self.head_weight(), None::<&Tensor>)?;
         if logits.kind() == Kind::Float {
             Ok(logits)
         } else {
@@ -474,6 +488,16 @@ fn inv_freq(head_dim: i64, theta: f64) -> Result<Tensor, TchError> {
     let exponents = Tensor::f_arange_start_step(0, head_dim, 2, (Kind::Float, Device::Cpu))?
         .f_div_scalar(head_dim)?;
     Tensor::f_pow_scalar(theta, &exponents)?.f_reciprocal()
+}
+
+impl Headed for Net {
+    fn features(&self, xs: &Tensor) -> Result<Tensor> {
+        self.try_features(xs).ctx("running the llama forward")
+    }
+
+    fn head_weight(&self) -> &Tensor {
+        Net::head_weight(self)
+    }
 }
 
 impl ModuleT for Net {

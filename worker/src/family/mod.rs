@@ -29,7 +29,23 @@ pub type Named = Vec<(String, tch::Tensor)>;
 /// its own parameters.
 pub enum Built {
     Layers(Box<dyn ModuleT>),
+    /// Layers whose output is a linear head over features ([`Headed`]).
+    Headed(Box<dyn Headed>),
     Script(CModule, Named),
+}
+
+/// Layers whose output is a linear head without bias over features: a
+/// language model's `lm_head`. The training step may then compute the
+/// head together with its loss (the worker's head_loss module) instead of
+/// materializing the output; `forward_t` still gives the output.
+pub trait Headed: ModuleT {
+    /// The forward pass up to the head: features `[.., H]`, with their
+    /// graph.
+    fn features(&self, xs: &Tensor) -> Result<Tensor>;
+
+    /// The head's weight `[outputs, H]` (a parameter; tied weights are
+    /// the shared one).
+    fn head_weight(&self) -> &Tensor;
 }
 
 /// What a builder builds: the spec, where (names and device), for
