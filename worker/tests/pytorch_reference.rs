@@ -4,8 +4,10 @@
 
 mod common;
 
+use accrue_worker::engine::RunOptions;
 use accrue_worker::rng::Mt19937;
 use accrue_worker::sampler::ShardSpec;
+use accrue_worker::{Engine, SingleRank};
 use common::procs::{run_ranks, Torchrun};
 use common::*;
 use std::path::Path;
@@ -87,8 +89,9 @@ enum Clip {
 struct ClipCase {
     world: usize,
     clip: Clip,
-    /// "sgd": the fused CPU pass (crate::fused) clips; "adam": the tensor
-    /// ops over the flat buffer (FlatGrads::prepare) do.
+    /// "sgd": the fused CPU pass (crate::fused) clips; "adam": at W = 1
+    /// the tensor ops over the flat buffer (FlatGrads::prepare, with
+    /// `unfused_step`), at W = 2 the fused Adam pass.
     optimizer: &'static str,
 }
 
@@ -165,7 +168,16 @@ connect_timeout_s = 30
         std::fs::create_dir_all(out).unwrap();
         let text = self.job(d);
         if self.world == 1 {
-            let mut e = engine(spec(&text), &out.join("ckpt"));
+            let mut e = if self.optimizer == "adam" {
+                let opts = RunOptions {
+                    checkpoint_dir: Some(out.join("ckpt")),
+                    unfused_step: true,
+                    ..Default::default()
+                };
+                Engine::new(spec(&text), SingleRank, opts).unwrap_or_else(|e| panic!("{e}"))
+            } else {
+                engine(spec(&text), &out.join("ckpt"))
+            };
             let mut steps = Vec::new();
             e.run(|ev| {
                 if let accrue_worker::Event::Step(r) = ev {

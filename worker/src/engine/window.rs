@@ -425,7 +425,7 @@ impl<C: Collective> Engine<C> {
         };
         let mut clip_s = t_clip.elapsed();
         let mut prep_s = Duration::ZERO;
-        // 4. optimizer step, zero grads. On CPU with SGD: one fused pass per
+        // 4. optimizer step, zero grads. On CPU (SGD, Adam, AdamW): one fused pass per
         // parameter that also applies `prep` and zeroes the gradient
         // (crate::fused); otherwise the same as tensor ops, pass by pass.
         let t_opt = Instant::now();

@@ -20,8 +20,8 @@
 //! staging path too (`RunOptions::copy_through_host`); it has not run on
 //! a GPU yet.
 //!
-//! SGD takes the fused CPU pass (as stage 0), Adam and AdamW (and CUDA)
-//! tensor ops. A lost rank's shard is recovered by rolling every rank
+//! SGD, Adam and AdamW take the fused CPU pass (as stage 0), CUDA tensor
+//! ops. A lost rank's shard is recovered by rolling every rank
 //! back to the last checkpoint (engine/state_sync.rs); shard replicas on a
 //! ring neighbour are not built.
 
@@ -205,8 +205,8 @@ impl<C: Collective> Engine<C> {
     }
 
     /// Prepares this rank's gradient slice, steps its parameters with the
-    /// slice's optimizer state (SGD: the fused CPU pass, as stage 0; Adam
-    /// and AdamW: tensor ops), and all-gathers the parameters. The
+    /// slice's optimizer state (on the CPU the fused pass, as stage 0; on
+    /// CUDA tensor ops), and all-gathers the parameters. The
     /// gradient buffer (zeroed or released right after) is the gather's
     /// buffer, so no whole-model copy is allocated: only the slice's
     /// parameters.
