@@ -68,9 +68,10 @@ pub enum EagerReason {
     /// reduce-scatter and an all-gather (engine/zero.rs).
     ShardedStep,
     /// The data source reads each batch from the host (a language model's
-    /// token files, memory-mapped), and its count of target tokens depends
-    /// on the data: a replay would report the captured batch's count.
-    HostData,
+    /// token files, memory-mapped) and `normalize = "mean" | "sum"`
+    /// divides each micro-batch's loss by its own target count, a host
+    /// number the captured graph would keep from its capture.
+    PerBatchCount,
     /// The sync step: the optimizer makes its state in its first step
     /// (SGD's momentum buffer is a copy of the first gradient), which a
     /// graph cannot keep.
@@ -96,9 +97,9 @@ impl fmt::Display for EagerReason {
                 f,
                 "sharding stage 1 steps a slice between a reduce-scatter and an all-gather"
             ),
-            Self::HostData => write!(
+            Self::PerBatchCount => write!(
                 f,
-                "the data is read from the host per batch and its target count depends on it"
+                "normalize = mean | sum divides each micro-batch by its own target count"
             ),
             Self::NoOptimizerState => {
                 write!(f, "the optimizer makes its state in its first step")

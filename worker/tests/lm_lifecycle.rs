@@ -305,3 +305,92 @@ fn lm_zero_stages_1_and_2_equal_stage_0() {
     eprintln!("stage 2 mean vs stage 0 global_count: {diff:e}");
     assert!(diff > 1e-4, "mean equals global_count: {diff:e}");
 }
+
+/// One in-process run for the staged-graph test: final parameters, per
+/// step (count of targets, loss, micro-step eager reason, replays), and
+/// the graph's addresses after every micro-step.
+type GraphRun = (
+    Named,
+    Vec<(u64, f64, Option<String>)>,
+    Vec<Vec<(String, usize)>>,
+);
+
+fn run_graph_body(text: &str, body_only: bool, dir: &Path) -> GraphRun {
+    let opts = RunOptions {
+        checkpoint_dir: Some(dir.to_path_buf()),
+        graph_body_only: body_only,
+        // The tensor-op step on both sides (what CUDA's graphs run).
+        unfused_step: true,
+        ..Default::default()
+    };
+    let mut e = Engine::new(spec(text), SingleRank, opts).unwrap_or_else(|e| panic!("{e}"));
+    let (mut steps, mut addresses) = (Vec::new(), Vec::new());
+    while !e.is_done() {
+        if let Some(r) = e.micro_step().unwrap_or_else(|e| panic!("{e}")) {
+            let reason = r.eager_reason.as_ref().map(|r| r.to_string());
+            steps.push((r.samples, r.loss, reason));
+        }
+        addresses.push(e.graph_addresses());
+    }
+    (snapshot(&e), steps, addresses)
+}
+
+/// A language model's micro-step as a graph body (`graph_body_only`, the
+/// CPU's stand-in for a capture) reads its batch from the graph's static
+/// buffers, staged from the host before each run, and takes the count of
+/// targets from the host: on uneven, partly masked rows (the windows'
+/// counts differ) it ends bit for bit where
+/// the eager run ends, with the same counts and losses per step and
+/// buffers that never move. Under `normalize = "mean"` micro-steps stay
+/// eager, with the reason.
+#[test]
+fn lm_graph_body_reads_staged_batches() {
+    let d = TempDir::new().unwrap();
+    let data = sequences_file(d.path());
+    let text = |normalize: &str| {
+        llama_job(
+            &format!(
+                "kind = \"sequences\"\npath = \"{}\"\nshuffle = true",
+                data.display()
+            ),
+            2,
+            "",
+        )
+        .replace("\"global_count\"", &format!("\"{normalize}\""))
+    };
+    let (eager, eager_steps, _) = run_graph_body(&text("global_count"), false, &d.path().join("e"));
+    let (body, body_steps, addresses) =
+        run_graph_body(&text("global_count"), true, &d.path().join("b"));
+    assert_eq!(eager_steps.len(), 12, "2 epochs of 6 windows");
+    let counts: Vec<u64> = body_steps.iter().map(|s| s.0).collect();
+    assert!(
+        counts.windows(2).any(|w| w[0] != w[1]),
+        "the windows' counts should differ: {counts:?}"
+    );
+    for (i, (b, e)) in body_steps.iter().zip(&eager_steps).enumerate() {
+        assert_eq!((b.0, b.1), (e.0, e.1), "step {}: (count, loss)", i + 1);
+        assert_eq!(b.2, None, "step {}: the body ran eagerly: {:?}", i + 1, b.2);
+    }
+    let diff = max_rel_diff(&body, &eager);
+    assert_eq!(diff, 0.0, "graph body vs eager: {diff:e}");
+    let staged: Vec<_> = addresses[0]
+        .iter()
+        .filter(|(n, _)| n == "micro.inputs" || n == "micro.targets")
+        .collect();
+    assert_eq!(staged.len(), 2, "staged buffers: {:?}", addresses[0]);
+    // Each tensor keeps the address it had when it was first allocated
+    // (the optimizer's state appears at the first step).
+    let mut first = std::collections::BTreeMap::new();
+    for (i, a) in addresses.iter().enumerate() {
+        for (name, at) in a {
+            let was = *first.entry(name.clone()).or_insert(*at);
+            assert_eq!(was, *at, "{name} moved at micro-step {}", i + 1);
+        }
+    }
+    let (_, mean_steps, _) = run_graph_body(&text("mean"), true, &d.path().join("m"));
+    let reason = mean_steps[0].2.clone().unwrap_or_default();
+    assert!(
+        reason.contains("its own target count"),
+        "mean: eager reason {reason:?}"
+    );
+}

@@ -6,7 +6,10 @@
 //! A graph replays fixed device addresses, so everything the body reads or
 //! writes is a tensor that lives as long as the graph: the index buffer
 //! (this micro-batch's sample indices, copied in before each replay; the
-//! data set is on the device already), fp16's scale / k (filled before
+//! data set is on the device already), or, for a source read on the host
+//! (a language model's token files), the staged batch (its inputs and
+//! targets copied into static buffers before each replay, its count of
+//! loss terms taken on the host), fp16's scale / k (filled before
 //! each replay), the parameters and their `.grad` views of the flat
 //! gradient buffer (backward adds into them in place), BatchNorm's buffers
 //! (updated in place) and the window's loss accumulator (added to in
@@ -131,12 +134,19 @@ pub(super) struct MicroGraph {
     /// the device): eager micro-steps and the body both add into it.
     loss: Option<Tensor>,
     /// The count of loss terms of the batch the graph was captured on
-    /// (every replay consumes a batch of the same shape).
+    /// (every replay consumes a batch of the same shape), or, staged, of
+    /// the batch copied in last.
     count: u64,
+    /// Whether micro-batches are staged (the source reads on the host).
+    staged: bool,
+    /// Staged: the batch's inputs and targets (static buffers on the
+    /// device, filled before each run of the body or replay).
+    inputs: Option<Tensor>,
+    targets: Option<Tensor>,
 }
 
 impl MicroGraph {
-    pub(super) fn new(mode: Mode) -> Self {
+    pub(super) fn new(mode: Mode, staged: bool) -> Self {
         Self {
             mode,
             holder: GraphHolder::default(),
@@ -144,7 +154,45 @@ impl MicroGraph {
             scale: None,
             loss: None,
             count: 0,
+            staged,
+            inputs: None,
+            targets: None,
         }
+    }
+
+    /// Staged: the batch in the static buffers (shallow), with the count
+    /// the host took; None when the source is not staged.
+    pub(super) fn staged_batch(&self) -> Option<crate::batch::Batch> {
+        match (&self.inputs, &self.targets) {
+            (Some(i), Some(t)) if self.staged => Some(crate::batch::Batch {
+                inputs: i.shallow_clone(),
+                targets: t.shallow_clone(),
+                count: self.count,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Staged: copies `batch` into the static buffers (allocating them
+    /// the first time, before any capture) and keeps its count.
+    fn stage(&mut self, batch: crate::batch::Batch) -> Result<()> {
+        for (slot, from) in [
+            (&mut self.inputs, &batch.inputs),
+            (&mut self.targets, &batch.targets),
+        ] {
+            let buffer = match slot {
+                Some(t) => t,
+                slot => slot.insert(
+                    from.f_empty_like()
+                        .ctx("allocating the graph's batch buffers")?,
+                ),
+            };
+            buffer
+                .f_copy_(from)
+                .ctx("copying a batch into the graph's buffers")?;
+        }
+        self.count = batch.count;
+        Ok(())
     }
 
     pub(super) fn mode(&self) -> &Mode {
@@ -197,6 +245,8 @@ impl MicroGraph {
             ("micro.idx", &self.idx),
             ("micro.scale", &self.scale),
             ("micro.loss", &self.loss),
+            ("micro.inputs", &self.inputs),
+            ("micro.targets", &self.targets),
         ]
         .into_iter()
         .filter_map(|(n, t)| t.as_ref().map(|t| (n, t.shallow_clone())))
@@ -303,8 +353,9 @@ impl<C: Collective> Engine<C> {
         self.forward_backward(idx, scale, false)
     }
 
-    /// Copies the micro-batch's indices into the graph's index buffer and
-    /// fp16's scale / k into its scale tensor; returns both (shallow).
+    /// Copies the micro-batch's indices into the graph's index buffer (and,
+    /// staged, its batch into the batch buffers) and fp16's scale / k into
+    /// its scale tensor; returns the index buffer and the scale (shallow).
     fn fill_inputs(&mut self, idx: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
         let opts = |kind| (kind, self.device);
         let buffer = match &mut self.graph.idx {
@@ -318,6 +369,10 @@ impl<C: Collective> Engine<C> {
             .f_copy_(idx)
             .ctx("copying indices into the graph's buffer")?;
         let buffer = buffer.shallow_clone();
+        if self.graph.staged {
+            let batch = self.train.batch(idx)?;
+            self.graph.stage(batch)?;
+        }
         let scale = match self.loss_scale() {
             Some(ls) => {
                 let v = f64::from(ls.scale) / self.plan.k as f64;

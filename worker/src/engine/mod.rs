@@ -240,14 +240,20 @@ impl<C: Collective> Engine<C> {
                 spec.sharding.stage,
             )
         };
-        // A source that is not resident on the device cannot be captured.
+        // A source read on the host is staged: each micro-batch is copied
+        // into the graph's input buffers before the replay (engine/graph.rs).
+        // Per-micro-batch means divide by the batch's own count, which a
+        // replay cannot see.
+        let staged = train.resident().is_empty();
         let graph_mode = match graph_mode {
-            crate::graphs::Mode::Capture { .. } if train.resident().is_empty() => {
-                crate::graphs::Mode::Off(crate::graphs::EagerReason::HostData)
+            crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
+                if staged && spec.accumulation.normalize != crate::spec::Normalize::GlobalCount =>
+            {
+                crate::graphs::Mode::Off(crate::graphs::EagerReason::PerBatchCount)
             }
             m => m,
         };
-        let graph = graph::MicroGraph::new(graph_mode);
+        let graph = graph::MicroGraph::new(graph_mode, staged);
         let mut engine = Self {
             spec,
             collective,

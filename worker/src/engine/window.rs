@@ -150,10 +150,14 @@ impl<C: Collective> Engine<C> {
         scale: LossScaleBy<'_>,
         graph: bool,
     ) -> Result<u64> {
-        let batch = self.train.batch(idx)?;
+        // The graph body of a staged source reads the graph's batch buffers.
+        let batch = match self.graph.staged_batch().filter(|_| graph) {
+            Some(b) => b,
+            None => self.train.batch(idx)?,
+        };
         let summed = self.spec.accumulation.normalize == Normalize::GlobalCount;
-        if summed && matches!(scale, LossScaleBy::One) && !graph {
-            if let Some(loss_sum) = self.head_loss(&batch)? {
+        if summed && matches!(scale, LossScaleBy::One) {
+            if let Some(loss_sum) = self.head_loss(&batch, graph)? {
                 self.graph.add_loss(&loss_sum)?;
                 return Ok(batch.count);
             }
@@ -196,7 +200,9 @@ impl<C: Collective> Engine<C> {
     /// then the backward of the rest. Returns the batch's loss sum, or
     /// None (having done nothing) where it does not apply: another model
     /// or objective, autocast, or a head weight without a gradient buffer.
-    fn head_loss(&mut self, batch: &crate::batch::Batch) -> Result<Option<Tensor>> {
+    /// In a graph's body every batch takes the masked path (a replay's
+    /// batch may have ignored targets where the captured one had none).
+    fn head_loss(&mut self, batch: &crate::batch::Batch, graph: bool) -> Result<Option<Tensor>> {
         let Some(model) = self.model.headed() else {
             return Ok(None);
         };
@@ -218,7 +224,7 @@ impl<C: Collective> Engine<C> {
             .and_then(|f| Ok((f, batch.targets.f_reshape([-1])?)))
             .ctx("computing the loss");
         let (flat, targets) = flat?;
-        let all_counted = batch.count == targets.numel() as u64;
+        let all_counted = !graph && batch.count == targets.numel() as u64;
         let vocab = weight.size().first().copied().unwrap_or(1);
         let out = crate::head_loss::linear_cross_entropy(
             &flat,
