@@ -10,7 +10,7 @@ PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn transformers==5.24.0
 STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
 CARGO ?= cargo
 
-.PHONY: all setup system-packages browser demo demo-lm test ci bench bench-engine bench-allreduce gpu-worker bench-gpu fmt clippy clean-runs
+.PHONY: all setup system-packages browser demo demo-lm test ci bench bench-engine bench-allreduce gpu-worker bench-gpu bench-gpu-lm fmt clippy clean-runs
 
 all: setup
 	$(CARGO) build --workspace
@@ -173,6 +173,9 @@ gpu-worker: setup
 
 bench-gpu:
 	$(GPU_PYTHON) worker/benches/graphs_vs_pytorch.py --binary gpu-bin/accrue-worker $(BENCH_ARGS)
+
+bench-gpu-lm:
+	$(GPU_PYTHON) worker/benches/lm_gpu.py --binary gpu-bin/accrue-worker $(BENCH_ARGS)
 
 fmt:
 	$(CARGO) fmt --all

@@ -3,7 +3,7 @@
 # (docs/OPERATIONS.md, "The CUDA checks on the GPU machine"). Run from the
 # repository root of the carried tree, with gpu-bin/ from `make gpu-worker`:
 #
-#   scripts/gpu-checks.sh [tests|bench|all]     (default: all)
+#   scripts/gpu-checks.sh [tests|bench|bench-lm|all]     (default: all)
 #
 # Each check's output goes to $OUT/<check>.log (the device tool's $OUT;
 # gpu-out/ elsewhere); a summary line per check goes to stdout. The CUDA
@@ -40,11 +40,11 @@ check() {
   if grep -q SKIPPED "$out/$name.log"; then
     why="; FAILED: a check skipped"
     rc=1
-  elif [ $rc = 0 ] && [ "$name" != bench ] && ! grep -Eq '^test result: ok\. [1-9][0-9]* passed' "$out/$name.log"; then
+  elif [ $rc = 0 ] && [ "${name#bench}" = "$name" ] && ! grep -Eq '^test result: ok\. [1-9][0-9]* passed' "$out/$name.log"; then
     why="; FAILED: no test ran"
     rc=1
   fi
-  echo "$name: exit $rc after $((SECONDS - t0)) s; $(grep -E '^test result|SKIPPED|accrue / pytorch' "$out/$name.log" | tr '\n' ' ')$why"
+  echo "$name: exit $rc after $((SECONDS - t0)) s; $(grep -E '^test result|SKIPPED|accrue / pytorch|^\| accrue' "$out/$name.log" | tr '\n' ' ')$why"
   [ $rc = 0 ] || status=1
 }
 
@@ -58,5 +58,11 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   check bench "$py" worker/benches/graphs_vs_pytorch.py --binary gpu-bin/accrue-worker
   cat "$out/bench.log"
+fi
+if [ "$what" = bench-lm ] || [ "$what" = all ]; then
+  # issue 30/31: a ~110 M Llama in bf16, T = 1024, against PyTorch eager
+  # and torch.compile (worker/benches/lm_gpu.py).
+  check bench-lm "$py" worker/benches/lm_gpu.py --binary gpu-bin/accrue-worker
+  cat "$out/bench-lm.log"
 fi
 exit $status
