@@ -32,6 +32,8 @@ mod membership;
 mod recovery;
 mod reports;
 #[cfg(test)]
+mod resume_tests;
+#[cfg(test)]
 mod spec_tests;
 #[cfg(test)]
 mod tests;
