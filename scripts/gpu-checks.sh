@@ -3,7 +3,10 @@
 # (docs/OPERATIONS.md, "The CUDA checks on the GPU machine"). Run from the
 # repository root of the carried tree, with gpu-bin/ from `make gpu-worker`:
 #
-#   scripts/gpu-checks.sh [tests|bench|bench-lm|all]     (default: all)
+#   scripts/gpu-checks.sh [tests|bench|bench-lm|zero|all]     (default: all)
+#
+# The test checks run side by side (16 cores and one GPU hold them; none
+# times anything), the benchmarks one after another and alone.
 #
 # Each check's output goes to $OUT/<check>.log (the device tool's $OUT;
 # gpu-out/ elsewhere); a summary line per check goes to stdout. The CUDA
@@ -29,12 +32,11 @@ mkdir -p "$target/release"
 cmp -s gpu-bin/accrue-worker "$target/release/accrue-worker" ||
   cp gpu-bin/accrue-worker "$target/release/accrue-worker"
 
-status=0
 check() {
   local name=$1
   shift
   local t0=$SECONDS
-  "$@" > "$out/$name.log" 2>&1
+  timeout "${LIMIT:-400}" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   local why=""
   if grep -q SKIPPED "$out/$name.log"; then
@@ -44,25 +46,37 @@ check() {
     why="; FAILED: no test ran"
     rc=1
   fi
-  echo "$name: exit $rc after $((SECONDS - t0)) s; $(grep -E '^test result|SKIPPED|accrue / pytorch|^\| accrue' "$out/$name.log" | tr '\n' ' ')$why"
-  [ $rc = 0 ] || status=1
+  echo "$name: exit $rc after $((SECONDS - t0)) s; $(grep -E '^test result|SKIPPED|accrue / pytorch|^\| accrue' "$out/$name.log" | tr '\n' ' ')$why" > "$out/$name.summary"
+  cat "$out/$name.summary"
+  return $rc
 }
 
+status=0
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  check graphs gpu-bin/graphs --ignored --nocapture --test-threads 1 cuda_graphed
-  check sharding gpu-bin/sharding --ignored --nocapture --test-threads 1 on_cuda
-  check pytorch_reference gpu-bin/pytorch_reference --ignored --nocapture --test-threads 1 on_cuda
-  check distributed gpu-bin/distributed --ignored --nocapture --test-threads 1 on_cuda
+  check graphs gpu-bin/graphs --ignored --nocapture --test-threads 1 cuda_graphed &
+  check sharding gpu-bin/sharding --ignored --nocapture --test-threads 1 on_cuda &
+  check pytorch_reference gpu-bin/pytorch_reference --ignored --nocapture --test-threads 1 on_cuda &
+  check distributed gpu-bin/distributed --ignored --nocapture --test-threads 1 on_cuda &
+  check lm_lifecycle gpu-bin/lm_lifecycle --ignored --nocapture --test-threads 1 cuda &
+  check lm_data gpu-bin/lm_data --ignored --nocapture --test-threads 1 cuda &
+  for job in $(jobs -p); do wait "$job" || status=1; done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  check bench "$py" worker/benches/graphs_vs_pytorch.py --binary gpu-bin/accrue-worker
+  check bench "$py" worker/benches/graphs_vs_pytorch.py --binary gpu-bin/accrue-worker ${BENCH_ARGS:-} || status=1
   cat "$out/bench.log"
 fi
 if [ "$what" = bench-lm ] || [ "$what" = all ]; then
   # issue 30/31: a ~110 M Llama in bf16, T = 1024, against PyTorch eager
   # and torch.compile (worker/benches/lm_gpu.py).
-  check bench-lm "$py" worker/benches/lm_gpu.py --binary gpu-bin/accrue-worker
+  check bench-lm "$py" worker/benches/lm_gpu.py --binary gpu-bin/accrue-worker ${BENCH_LM_ARGS:-} || status=1
   cat "$out/bench-lm.log"
+fi
+if [ "$what" = zero ] || [ "$what" = all ]; then
+  # issue 31: CUDA memory per rank under ZeRO stages 0, 1 and 2, ResNet-34
+  # + Adam, W = 2 ranks sharing the GPU (worker/benches/zero_memory.py).
+  check bench-zero "$py" worker/benches/zero_memory.py --binary gpu-bin/accrue-worker \
+    --device cuda --worlds 2 --steps 6 --batch 32 --k 2 || status=1
+  cat "$out/bench-zero.log"
 fi
 exit $status
