@@ -3,7 +3,10 @@
 # (docs/OPERATIONS.md, "The CUDA checks on the GPU machine"). Run from the
 # repository root of the carried tree, with gpu-bin/ from `make gpu-worker`:
 #
-#   scripts/gpu-checks.sh [tests|bench|bench-lm|zero|all]     (default: all)
+#   scripts/gpu-checks.sh [tests|bench|bench-lm|zero|profile-lm|all]   (default: all)
+#
+# CHECKS="graphs lm_lifecycle" runs only the checks named (a rerun after a
+# fix); LIMIT=S stops each check after S seconds (default 400).
 #
 # The test checks run side by side (16 cores and one GPU hold them; none
 # times anything), the benchmarks one after another and alone.
@@ -35,6 +38,9 @@ cmp -s gpu-bin/accrue-worker "$target/release/accrue-worker" ||
 check() {
   local name=$1
   shift
+  if [ -n "${CHECKS:-}" ] && [[ " $CHECKS " != *" $name "* ]]; then
+    return 0
+  fi
   local t0=$SECONDS
   timeout "${LIMIT:-400}" "$@" > "$out/$name.log" 2>&1
   local rc=$?
@@ -78,5 +84,11 @@ if [ "$what" = zero ] || [ "$what" = all ]; then
   check bench-zero "$py" worker/benches/zero_memory.py --binary gpu-bin/accrue-worker \
     --device cuda --worlds 2 --steps 6 --batch 32 --k 2 || status=1
   cat "$out/bench-zero.log"
+fi
+if [ "$what" = profile-lm ]; then
+  # issue 31: where the Llama step's GPU time goes, PyTorch eager against
+  # torch.compile, and accrue's step split (worker/benches/lm_gpu_profile.py).
+  check profile-lm "$py" worker/benches/lm_gpu_profile.py --binary gpu-bin/accrue-worker || status=1
+  cat "$out/profile-lm.log"
 fi
 exit $status

@@ -84,14 +84,19 @@ void* accrue_graph_new(char* err, size_t len) {
 
 void accrue_graph_free(void* graph) { delete static_cast<at::cuda::CUDAGraph*>(graph); }
 
-// Waits for the device, then starts capturing the current stream (which
-// must not be the default one: enter a side stream first) into `graph` on
-// a private memory pool, as torch.cuda.graph's `__enter__` does. The mode
-// is thread-local: a capture on one rank's engine thread does not forbid
-// other threads' CUDA calls (ranks that share a process in tests).
+// Waits for the current stream (which must not be the default one: enter a
+// side stream first; it waits for the stream it replaced), then starts
+// capturing it into `graph` on a private memory pool, as torch.cuda.graph's
+// `__enter__` does. The mode is thread-local: a capture on one rank's
+// engine thread does not forbid other threads' CUDA calls (ranks that share
+// a process in tests). The wait is the stream's, not the device's
+// (torch.cuda.graph synchronizes the device): a cudaDeviceSynchronize while
+// another thread captures invalidates that thread's capture, which is what
+// two ranks in one process did on the H100 (2026-11-26: "operation failed
+// due to a previous error during capture" in the other rank's backward).
 int accrue_graph_capture_begin(void* graph, char* err, size_t len) {
   try {
-    c10::cuda::device_synchronize();
+    c10::cuda::getCurrentCUDAStream().synchronize();
     static_cast<at::cuda::CUDAGraph*>(graph)->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     return 0;
   } catch (const std::exception& e) {

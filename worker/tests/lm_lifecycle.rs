@@ -427,8 +427,15 @@ fn run_on_cuda(text: &str, dir: &Path) -> CudaRun {
 /// host) end where the same job with `cuda_graphs = false` ends, in fp32
 /// and under bf16 autocast, with the same target counts per step and
 /// losses and grad norms within 1e-5; the graphed run replays both graphs
-/// and the eager one none. Every difference is printed before any
-/// assertion, so one run on the device gives all the numbers.
+/// and the eager one none. Parameters: fp32 within 1e-6 relative (the H100
+/// gave 3.9e-7: cuBLAS may pick other kernels inside a capture, which sum
+/// in another order); bf16 within 5e-4 (the H100 gave 6.4e-5 after 24
+/// AdamW steps: such a reordering moves a bf16 activation by an ulp, 2^-8
+/// relative, and AdamW's normalized update passes a gradient's relative
+/// change to the step as lr times it, whatever the gradient's size). A
+/// second eager run gives the run-to-run floor of the eager path itself.
+/// Every difference is printed before any assertion, so one run on the
+/// device gives all the numbers.
 #[test]
 #[ignore = "needs CUDA"]
 fn lm_cuda_graphed_equals_eager() {
@@ -456,6 +463,11 @@ fn lm_cuda_graphed_equals_eager() {
             &format!("{text}\n[performance]\ncuda_graphs = false\n"),
             &d.path().join(format!("e-{precision}")),
         );
+        let (again, _) = run_on_cuda(
+            &format!("{text}\n[performance]\ncuda_graphs = false\n"),
+            &d.path().join(format!("a-{precision}")),
+        );
+        let floor = max_rel_diff(&again, &eager);
         let diff = max_rel_diff(&graphed, &eager);
         let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-30);
         let (mut loss, mut norm) = (0.0f64, 0.0f64);
@@ -467,7 +479,7 @@ fn lm_cuda_graphed_equals_eager() {
         let syncs = g_steps.iter().filter(|s| s.4).count();
         let eager_replays: u64 = e_steps.iter().map(|s| s.3).sum();
         eprintln!(
-            "{precision}: graphed vs eager: parameters {diff:e}, losses {loss:e}, grad norms {norm:e}; \
+            "{precision}: graphed vs eager: parameters {diff:e} (eager vs eager {floor:e}), losses {loss:e}, grad norms {norm:e}; \
              {replays} micro-step replays and {syncs} sync replays in {} steps; eager reasons {:?}",
             g_steps.len(),
             e_steps.iter().map(|s| s.5.clone()).collect::<std::collections::BTreeSet<_>>()
@@ -487,7 +499,7 @@ fn lm_cuda_graphed_equals_eager() {
                 "{precision}: replays graphed {replays} (sync {syncs}), eager {eager_replays}: {g_steps:?}"
             ));
         }
-        let tol = if precision == "fp32" { 1e-6 } else { 1e-5 };
+        let tol = if precision == "fp32" { 1e-6 } else { 5e-4 };
         if diff > tol || loss > 1e-5 || norm > 1e-5 {
             failures.push(format!(
                 "{precision}: parameters {diff:e} (tolerance {tol:e}), losses {loss:e}, norms {norm:e}"
