@@ -88,7 +88,7 @@ fi
 if [ "$what" = profile-lm ]; then
   # issue 31: where the Llama step's GPU time goes, PyTorch eager against
   # torch.compile, and accrue's step split (worker/benches/lm_gpu_profile.py).
-  check profile-lm "$py" worker/benches/lm_gpu_profile.py --binary gpu-bin/accrue-worker || status=1
-  cat "$out/profile-lm.log"
+  check bench-profile-lm "$py" worker/benches/lm_gpu_profile.py --binary gpu-bin/accrue-worker || status=1
+  cat "$out/bench-profile-lm.log"
 fi
 exit $status
