@@ -4,6 +4,23 @@
 
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_void, CStr};
+use std::sync::{Mutex, MutexGuard};
+
+/// One graph operation at a time in this process. A capture registers the
+/// graph with libtorch's default CUDA generator (its `registered_graphs_`
+/// set, unguarded), a replay advances that generator's offsets and a drop
+/// unregisters the graph; two threads doing these at once (ranks sharing a
+/// process, as the tests run them) corrupt the set: on the H100
+/// (2026-11-26) a graph's destructor then aborted the process with "The
+/// graph should be registered to the state". A worker process has one
+/// engine thread, so this lock is never contended there.
+static GRAPH_OPS: Mutex<()> = Mutex::new(());
+
+fn graph_ops() -> MutexGuard<'static, ()> {
+    // The guarded state is libtorch's, not the unit: a panic while holding
+    // it leaves nothing of ours half-changed.
+    GRAPH_OPS.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 extern "C" {
     fn accrue_side_stream_enter(device: i32, err: *mut c_char, len: usize) -> *mut c_void;
@@ -92,6 +109,9 @@ impl Graph {
             !raw.is_null()
         })?;
         let graph = Self(raw);
+        // Held through the capture: the begin registers the graph, the body
+        // queues nothing that takes the lock (it records; nothing replays).
+        let ops = graph_ops();
         let side = SideStream::enter(device)?;
         // SAFETY (these three): raw is a live CUDAGraph owned by `graph`.
         call("beginning the capture", |e, n| unsafe {
@@ -102,6 +122,7 @@ impl Graph {
             accrue_graph_capture_end(raw, e, n) == 0
         });
         side.exit()?;
+        drop(ops);
         ran?;
         ended?;
         Ok(graph)
@@ -109,6 +130,7 @@ impl Graph {
 
     /// Launches the graph on the current stream.
     pub fn replay(&self) -> Result<()> {
+        let _ops = graph_ops();
         // SAFETY: self.0 is a live, captured CUDAGraph.
         call("replaying", |e, n| unsafe {
             accrue_graph_replay(self.0, e, n) == 0
@@ -118,6 +140,7 @@ impl Graph {
 
 impl Drop for Graph {
     fn drop(&mut self) {
+        let _ops = graph_ops();
         // SAFETY: self.0 came from accrue_graph_new and is freed once, here.
         unsafe { accrue_graph_free(self.0) }
     }
