@@ -4,6 +4,7 @@
 // leaving that context manager does, on the calling thread (autocast
 // state is thread-local, and the engine's thread is the one that runs the
 // forward). Every decision stays on the Rust side (worker/src/amp.rs).
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 
 #include <exception>
@@ -55,4 +56,26 @@ int accrue_autocast_is_enabled(int device) {
     return -1;
   }
 }
+}
+
+// cuDNN's deterministic algorithms on or off, process-wide, as
+// `torch.backends.cudnn.deterministic = ...` (issue 31; kept in this file,
+// which every build compiles, since at::Context needs no CUDA header).
+// Returns 0, or -1 when libtorch threw.
+extern "C" int accrue_set_cudnn_deterministic(int on) {
+  try {
+    at::globalContext().setDeterministicCuDNN(on != 0);
+    return 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+// The setting: 1 on, 0 off, -1 when libtorch threw.
+extern "C" int accrue_cudnn_deterministic() {
+  try {
+    return at::globalContext().deterministicCuDNN() ? 1 : 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
 }

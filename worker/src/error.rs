@@ -83,6 +83,12 @@ pub enum Error {
     Sharding(String),
     #[error("CUDA graph: {what}: {reason}")]
     Graph { what: &'static str, reason: String },
+    /// A process-wide libtorch setting (crate::backends) it refused.
+    #[error("libtorch setting {setting}: {reason}")]
+    Backend {
+        setting: &'static str,
+        reason: String,
+    },
     #[error("window interrupted: {0}")]
     Interrupted(String),
     /// A libtorch failure: what accrue was doing and the first line of

@@ -4,6 +4,7 @@
 //! contract and docs/ARCHITECTURE.md for where this crate sits.
 
 pub mod amp;
+pub mod backends;
 pub mod batch;
 pub mod checkpoint;
 pub mod chunks;

@@ -74,6 +74,11 @@ pub struct PerformanceSpec {
     /// Capture the micro-step once as a CUDA graph and replay it (absent:
     /// on for CUDA jobs; no effect on the CPU, which the step report says).
     pub cuda_graphs: Option<bool>,
+    /// Only cuDNN's deterministic algorithms for convolutions, as
+    /// `torch.backends.cudnn.deterministic = True` (absent: false, cuDNN's
+    /// heuristics, whose choices may add with atomics: a CUDA run of a
+    /// convolutional model is then not bit-for-bit repeatable).
+    pub cudnn_deterministic: Option<bool>,
 }
 
 /// `[loss_scaling]`: dynamic loss scaling for `precision = "fp16"`, as

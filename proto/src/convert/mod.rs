@@ -235,6 +235,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         }),
         performance: Some(v1::PerformanceSpec {
             cuda_graphs: s.performance.cuda_graphs,
+            cudnn_deterministic: s.performance.cudnn_deterministic,
         }),
     }
 }
@@ -458,7 +459,8 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             None => ls_default,
         },
         performance: PerformanceSpec {
-            cuda_graphs: p.performance.and_then(|x| x.cuda_graphs),
+            cuda_graphs: p.performance.as_ref().and_then(|x| x.cuda_graphs),
+            cudnn_deterministic: p.performance.as_ref().and_then(|x| x.cudnn_deterministic),
         },
     };
     let checked = merge_kind_errors(kind_errors, spec.validate_fields());

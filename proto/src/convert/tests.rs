@@ -461,6 +461,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 },
                 performance: PerformanceSpec {
                     cuda_graphs: [None, Some(true), Some(false)][(seed / 9 % 3) as usize],
+                    cudnn_deterministic: [None, Some(true), Some(false)][(seed / 27 % 3) as usize],
                 },
                 checkpoint: CheckpointSpec {
                     dir,

@@ -226,6 +226,12 @@ impl<C: Collective> Engine<C> {
             accumulation_steps: k as u64,
             ..Default::default()
         };
+        // Process-wide, as torch.backends.cudnn.deterministic: set for
+        // every job (absent: libtorch's default, off), so a daemon's next
+        // job does not inherit the last one's.
+        crate::backends::set_cudnn_deterministic(
+            spec.performance.cudnn_deterministic.unwrap_or(false),
+        )?;
         let graph_mode = if opts.graph_body_only {
             crate::graphs::Mode::BodyOnly
         } else if opts.force_graph_capture {
