@@ -228,7 +228,7 @@ fn predict(
         .collect()
 }
 
-/// Asserts every step of `end` reports what [`predict`] says.
+/// Asserts every step of `end` reports what [`predict`] says (batch 4).
 fn assert_predicted(
     end: &End,
     mode: &Mode,
@@ -237,7 +237,20 @@ fn assert_predicted(
     capture_error: Option<&str>,
     what: &str,
 ) {
-    let want = predict(mode, &end.steps, world as u64, 4, stage, capture_error);
+    assert_predicted_at(end, mode, world, 4, stage, capture_error, what)
+}
+
+/// [`assert_predicted`] for micro-batches of `batch`.
+fn assert_predicted_at(
+    end: &End,
+    mode: &Mode,
+    world: usize,
+    batch: usize,
+    stage: u32,
+    capture_error: Option<&str>,
+    what: &str,
+) {
+    let want = predict(mode, &end.steps, world as u64, batch, stage, capture_error);
     for (i, (s, w)) in end.steps.iter().zip(&want).enumerate() {
         assert_eq!(&s.graphs, w, "{what}: step {} under {mode:?}", i + 1);
     }
@@ -464,6 +477,7 @@ fn graphed_equals_eager_on_cuda(text: &str, world: usize, tol: f64) {
 
 /// [`graphed_equals_eager_on_cuda`] with the step tolerance given too.
 fn graphed_against_eager_on_cuda(text: &str, world: usize, tol: f64, steps_tol: f64) {
+    let b = batch_of(text);
     // Eight epochs: at W = 2, k = 4 that is 8 steps, so the sync graph (its
     // first step eager, three warm-ups, then the capture) replays too.
     assert!(text.contains("epochs = 2\n"));
@@ -517,9 +531,33 @@ fn graphed_against_eager_on_cuda(text: &str, world: usize, tol: f64, steps_tol: 
             "{what}: graphed vs eager max relative difference {state:e} (model state), {steps:e} (losses and norms); {replays} micro-step replays, {sync_replays} sync replays in {} steps",
             g.steps.len()
         );
-        assert_predicted(e, &Mode::Off(EagerReason::Disabled), world, 0, None, &what);
-        assert_predicted(g, &Mode::Capture { warmup: WARMUP }, world, 0, None, &what);
+        assert_predicted_at(
+            e,
+            &Mode::Off(EagerReason::Disabled),
+            world,
+            b,
+            0,
+            None,
+            &what,
+        );
+        assert_predicted_at(
+            g,
+            &Mode::Capture { warmup: WARMUP },
+            world,
+            b,
+            0,
+            None,
+            &what,
+        );
     }
+}
+
+/// The job's `batch_size`.
+fn batch_of(text: &str) -> usize {
+    text.lines()
+        .find_map(|l| l.strip_prefix("batch_size = "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no batch_size in {text}"))
 }
 
 #[test]
