@@ -84,15 +84,16 @@ def wait_rss(proc):
     return proc.returncode, usage.ru_maxrss / 1024
 
 
-def run_spec(binary, text, threads, env=None, steps=None):
-    """Runs `accrue-worker train` on the job spec `text`; (the time each
-    step's JSON line was read, peak RSS in MB). Each step's JSON object is
-    appended to the list `steps` when one is given."""
+def run_spec(binary, text, threads, env=None, steps=None, args=()):
+    """Runs `accrue-worker train` on the job spec `text` (with `args`
+    added); (the time each step's JSON line was read, peak RSS in MB).
+    Each step's JSON object is appended to the list `steps` when one is
+    given."""
     with tempfile.TemporaryDirectory(prefix="accrue-bench-") as tmp:
         spec = Path(tmp) / "job.toml"
         spec.write_text(text)
         cmd = [binary, "train", str(spec), "--json", "--threads", str(threads),
-               "--state-dir", str(Path(tmp) / "state")]
+               "--state-dir", str(Path(tmp) / "state"), *args]
         err = open(Path(tmp) / "stderr", "w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
                                 env=env)

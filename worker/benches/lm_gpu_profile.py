@@ -5,17 +5,17 @@ with torch.profiler for a few steps after warm-up; CUDA kernel time summed
 into kinds (matrix products, attention, the fused kernels Inductor
 generates, elementwise, reductions and norms, softmax and cross-entropy,
 the optimizer, copies and casts); and accrue's own split of a step
-(compute, clip, optimizer: the step report's timing) from
-`accrue-worker train`.
+(compute, comm, clip, optimizer: the step report's timing) and its own
+CUDA kernels, from `accrue-worker train --profile` (libtorch's profiler,
+the same Kineto that torch.profiler drives, written as a Chrome trace).
 
-A measurement, not a test. accrue runs the same libtorch kernels as the
-eager loop (its eager side measured 0.97 of PyTorch eager's tokens/s in
-lm_gpu.py), so the eager profile is the picture for accrue's kernels too.
+A measurement, not a test.
 
   python worker/benches/lm_gpu_profile.py --binary gpu-bin/accrue-worker \\
       [--preset 100m] [--seq-len 1024] [--batch 8] [--k 4] [--steps 3] [--warmup 4]
 """
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -95,24 +95,39 @@ def profile_torch(a, c, compile_):
     return wall_ms, kinds, top[:12]
 
 
-def accrue_split(a, c):
-    """accrue's seconds a step (JSON lines' arrival) and the mean of each
-    part of its step reports, over the steps after the warm-up."""
+def accrue_profile(a, c):
+    """accrue's seconds a step (JSON lines' arrival), the mean of each part
+    of its step reports over the steps after the warm-up, and its CUDA
+    kernels' time a step by kind from `--profile`'s trace of --steps steps
+    after --warmup (ms), with its largest kernels."""
     ns = argparse.Namespace(device="cuda", precision="bf16", seq_len=a.seq_len,
-                            batch=a.batch, k=a.k, steps=a.warmup + a.steps)
+                            batch=a.batch, k=a.k, steps=a.warmup + a.steps + 1)
     with tempfile.TemporaryDirectory(prefix="accrue-lm-prof-") as tmp:
         data = Path(tmp) / "train.bin"
         tokens = ns.steps * a.batch * a.seq_len * a.k
         lm_gpu.write_tokens(data, tokens + a.seq_len + 1, c["vocab_size"])
+        trace = Path(tmp) / "trace.json"
         reports = []
-        ends, _ = run_spec(a.binary, lm_gpu.accrue_job(ns, c, data, True), 2, steps=reports)
+        ends, _ = run_spec(a.binary, lm_gpu.accrue_job(ns, c, data, True), 2, steps=reports,
+                           args=["--profile", str(trace), "--profile-after", str(a.warmup),
+                                 "--profile-steps", str(a.steps)])
+        events = json.loads(trace.read_text()).get("traceEvents", [])
     parts = {}
     for s in reports[a.warmup:]:
         for key, val in s.get("timing", {}).items():
             if isinstance(val, (int, float)):
                 parts.setdefault(key, []).append(val)
     wall = (ends[-1] - ends[a.warmup - 1]) / (len(ends) - a.warmup)
-    return wall, {k: statistics.mean(v) for k, v in parts.items()}
+    kinds, by_name = {}, {}
+    for e in events:
+        if e.get("cat") != "kernel" or "dur" not in e:
+            continue
+        ms = e["dur"] / 1000 / a.steps
+        kinds[kind_of(e["name"])] = kinds.get(kind_of(e["name"]), 0.0) + ms
+        t, n = by_name.get(e["name"], (0.0, 0))
+        by_name[e["name"]] = (t + ms, n + 1)
+    top = sorted(((t, n // a.steps, k) for k, (t, n) in by_name.items()), reverse=True)[:12]
+    return wall, {k: statistics.mean(v) for k, v in parts.items()}, kinds, top
 
 
 def main():
@@ -132,6 +147,13 @@ def main():
     for name, comp in (("pytorch-eager", False), ("pytorch-compile", True)):
         results[name] = profile_torch(a, c, comp)
         print(f"{name}: {results[name][0]:.1f} ms a step", file=sys.stderr, flush=True)
+    split = None
+    try:
+        wall, parts, kinds, top = accrue_profile(a, c)
+        results["accrue"] = (1000 * wall, kinds, top)
+        split = parts
+    except Exception as e:  # a measurement: say what failed and keep the rest
+        print(f"accrue: failed: {e}", file=sys.stderr)
     names = sorted({k for r in results.values() for k in r[1]},
                    key=lambda k: -results["pytorch-eager"][1].get(k, 0.0))
     print("| kernels (ms a step) | " + " | ".join(results) + " |")
@@ -139,18 +161,16 @@ def main():
     for k in names:
         print(f"| {k} | " + " | ".join(f"{r[1].get(k, 0.0):.1f}" for r in results.values()) + " |")
     print("| all kernels | " + " | ".join(f"{sum(r[1].values()):.1f}" for r in results.values()) + " |")
-    print("| step (CUDA events) | " + " | ".join(f"{r[0]:.1f}" for r in results.values()) + " |\n")
+    print("| step (PyTorch: CUDA events under the profiler; accrue: JSON lines) | "
+          + " | ".join(f"{r[0]:.1f}" for r in results.values()) + " |\n")
     for name, r in results.items():
         print(f"{name}, the largest kernels (ms a step, launches a step):\n")
         for ms, count, key in r[2]:
             print(f"- {ms:.2f} ms, {count}x: `{key[:110]}`")
         print()
-    try:
-        wall, parts = accrue_split(a, c)
-        print(f"accrue (graphs on): {1000 * wall:.1f} ms a step; step report split (ms): "
-              + ", ".join(f"{k} {1000 * v:.1f}" for k, v in parts.items()))
-    except Exception as e:  # a measurement: say what failed and keep the rest
-        print(f"accrue split: failed: {e}")
+    if split is not None:
+        print("accrue (graphs on), step report split (ms): "
+              + ", ".join(f"{k} {1000 * v:.1f}" for k, v in split.items()))
 
 
 if __name__ == "__main__":

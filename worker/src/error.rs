@@ -83,6 +83,9 @@ pub enum Error {
     Sharding(String),
     #[error("CUDA graph: {what}: {reason}")]
     Graph { what: &'static str, reason: String },
+    /// libtorch's profiler (crate::profiler).
+    #[error("profiler: {0}")]
+    Profiler(String),
     /// A process-wide libtorch setting (crate::backends) it refused.
     #[error("libtorch setting {setting}: {reason}")]
     Backend {

@@ -21,11 +21,14 @@
 //! loops are compiled for AVX2+FMA and chosen at run time, so they
 //! vectorize. Differences from the unfused tensor ops are float rounding
 //! only (tests: `matches_tensor_ops`, `adam_matches_tensor_ops`, and
-//! crate::optim's `fused_*` tests). For Adam that is the square root alone:
-//! the fused loop's is correctly rounded, ATen's vectorized float sqrt
-//! (MKL VML) is an ulp off for some inputs, so a denominator, and through
-//! it an update, may differ by an ulp; the moments are bit for bit the
-//! tensor ops' (without L2 weight decay, which feeds the parameter back).
+//! crate::optim's `fused_*` tests). Adam's square root is the caller's
+//! ([`adam`]'s `sqrt`, over blocks of [`SQRT_BLOCK`] second moments while
+//! they are in cache): ATen's float sqrt (MKL VML on x86) is an ulp off
+//! the correctly rounded root for some inputs, so the engine passes ATen's
+//! own kernel, and the step is then bit for bit the tensor ops'. A
+//! correctly rounded sqrt here once left a denominator an ulp apart, which
+//! bf16 autocast amplified to 8e-5 after four AdamW steps against
+//! PyTorch's AdamW.
 
 /// What happens to the (all-reduced) gradient before the optimizer sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -185,10 +188,27 @@ pub struct Adam {
     pub decay: Option<f32>,
 }
 
+/// Second moments per call of [`adam`]'s `sqrt` (128 KB: they are still
+/// in cache when the second half of the step reads the roots).
+pub const SQRT_BLOCK: usize = 32768;
+
+/// The square root of every element of `src` into `dst` (same length, at
+/// most [`SQRT_BLOCK`]).
+pub type Sqrt<'a> = &'a (dyn Fn(&[f32], &mut [f32]) + Sync);
+
+/// `f32::sqrt` (correctly rounded) as a [`Sqrt`]: tests, and the fallback
+/// when ATen's kernel fails.
+pub fn exact_sqrt(src: &[f32], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.sqrt();
+    }
+}
+
 /// One parameter's Adam/AdamW step, with the gradient prepared on the way in
 /// and zeroed on the way out. All four slices have the same length; the
 /// state (`exp_avg`, `exp_avg_sq`) is updated in place (zeros before the
-/// first step, as PyTorch and the tensor-op step create it).
+/// first step, as PyTorch and the tensor-op step create it). `sqrt` takes
+/// the roots of the new second moments, a block at a time.
 pub fn adam(
     p: &mut [f32],
     g: &mut [f32],
@@ -196,6 +216,7 @@ pub fn adam(
     exp_avg_sq: &mut [f32],
     prep: GradPrep,
     h: Adam,
+    sqrt: Sqrt<'_>,
 ) {
     assert!(
         g.len() == p.len() && exp_avg.len() == p.len() && exp_avg_sq.len() == p.len(),
@@ -206,11 +227,11 @@ pub fn adam(
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            unsafe { adam_avx2_fma(p, g, exp_avg, exp_avg_sq, prep, h) };
+            unsafe { adam_avx2_fma(p, g, exp_avg, exp_avg_sq, prep, h, sqrt) };
             return;
         }
     }
-    adam_generic(p, g, exp_avg, exp_avg_sq, prep, h);
+    adam_generic(p, g, exp_avg, exp_avg_sq, prep, h, sqrt);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -222,8 +243,9 @@ unsafe fn adam_avx2_fma(
     v: &mut [f32],
     prep: GradPrep,
     h: Adam,
+    sqrt: Sqrt<'_>,
 ) {
-    adam_generic(p, g, m, v, prep, h)
+    adam_generic(p, g, m, v, prep, h, sqrt)
 }
 
 /// Which weight decay an Adam loop applies (a const parameter, so each
@@ -242,6 +264,7 @@ fn adam_generic(
     v: &mut [f32],
     prep: GradPrep,
     h: Adam,
+    sqrt: Sqrt<'_>,
 ) {
     // ATen's lerp: `self + w * (end - self)` for |w| < 0.5, else
     // `end - (end - self) * (1 - w)`, each one fused multiply-add.
@@ -254,10 +277,14 @@ fn adam_generic(
     macro_rules! with_prep {
         ($decay:expr, $small:expr) => {
             match prep {
-                GradPrep::Mul(s) => adam_with::<{ $decay }, { $small }>(p, g, m, v, h, |x| x * s),
-                GradPrep::Div(d) => adam_with::<{ $decay }, { $small }>(p, g, m, v, h, |x| x / d),
+                GradPrep::Mul(s) => {
+                    adam_with::<{ $decay }, { $small }>(p, g, m, v, h, sqrt, |x| x * s)
+                }
+                GradPrep::Div(d) => {
+                    adam_with::<{ $decay }, { $small }>(p, g, m, v, h, sqrt, |x| x / d)
+                }
                 GradPrep::DivClamp(..) => {
-                    adam_with::<{ $decay }, { $small }>(p, g, m, v, h, |x| prep.apply(x))
+                    adam_with::<{ $decay }, { $small }>(p, g, m, v, h, sqrt, |x| prep.apply(x))
                 }
             }
         };
@@ -279,6 +306,7 @@ fn adam_with<const DECAY: u8, const SMALL: bool>(
     m: &mut [f32],
     v: &mut [f32],
     h: Adam,
+    sqrt: Sqrt<'_>,
     prep: impl Fn(f32) -> f32,
 ) {
     let n = p.len();
@@ -290,37 +318,53 @@ fn adam_with<const DECAY: u8, const SMALL: bool>(
     let w_minus_1 = w - 1.0;
     let (beta2, omb2) = (h.beta2, h.one_minus_beta2);
     let (bc2_sqrt, eps, step_size) = (h.bias_correction2_sqrt, h.eps, h.step_size);
-    for (((p, g), m), v) in p
-        .iter_mut()
-        .zip(g.iter_mut())
-        .zip(m.iter_mut())
-        .zip(v.iter_mut())
-    {
-        let mut x = *p;
-        let mut d = prep(*g);
-        if DECAY == DECOUPLED_DECAY {
-            // p.mul_(1 - lr * weight_decay)
-            x *= decay;
-        } else if DECAY == L2_DECAY {
-            // grad.add_(p * weight_decay): two roundings, as two ops
-            d += x * wd;
+    let mut roots = vec![0.0f32; n.min(SQRT_BLOCK)];
+    let mut start = 0;
+    while start < n {
+        let end = (start + SQRT_BLOCK).min(n);
+        let (p, g, m, v) = (
+            &mut p[start..end],
+            &mut g[start..end],
+            &mut m[start..end],
+            &mut v[start..end],
+        );
+        for (((p, g), m), v) in p
+            .iter_mut()
+            .zip(g.iter_mut())
+            .zip(m.iter_mut())
+            .zip(v.iter_mut())
+        {
+            let mut x = *p;
+            let mut d = prep(*g);
+            if DECAY == DECOUPLED_DECAY {
+                // p.mul_(1 - lr * weight_decay)
+                x *= decay;
+            } else if DECAY == L2_DECAY {
+                // grad.add_(p * weight_decay): two roundings, as two ops
+                d += x * wd;
+            }
+            *p = x;
+            // exp_avg.lerp_(grad, 1 - beta1)
+            let diff = d - *m;
+            *m = if SMALL {
+                w.mul_add(diff, *m)
+            } else {
+                w_minus_1.mul_add(diff, d)
+            };
+            // exp_avg_sq.mul_(beta2).add_((grad * grad) * (1 - beta2))
+            *v = *v * beta2 + (d * d) * omb2;
+            *g = 0.0;
         }
-        // exp_avg.lerp_(grad, 1 - beta1)
-        let diff = d - *m;
-        let nm = if SMALL {
-            w.mul_add(diff, *m)
-        } else {
-            w_minus_1.mul_add(diff, d)
-        };
-        *m = nm;
-        // exp_avg_sq.mul_(beta2).add_((grad * grad) * (1 - beta2))
-        let nv = *v * beta2 + (d * d) * omb2;
-        *v = nv;
-        // denom = sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-        let denom = nv.sqrt() / bc2_sqrt + eps;
-        // p.sub_((exp_avg / denom) * step_size)
-        *p = x - (nm / denom) * step_size;
-        *g = 0.0;
+        // sqrt(exp_avg_sq), by the caller's kernel
+        let roots = &mut roots[..end - start];
+        sqrt(v, roots);
+        for ((p, m), r) in p.iter_mut().zip(m.iter()).zip(roots.iter()) {
+            // denom = sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+            let denom = r / bc2_sqrt + eps;
+            // p.sub_((exp_avg / denom) * step_size)
+            *p -= (m / denom) * step_size;
+        }
+        start = end;
     }
 }
 
@@ -535,7 +579,7 @@ mod tests {
             let mut m: Vec<f32> = data.iter().map(|x| x.2).collect();
             let mut v: Vec<f32> = data.iter().map(|x| x.3).collect();
             let (mut p2, g2, mut m2, mut v2) = (p.clone(), g.clone(), m.clone(), v.clone());
-            adam(&mut p, &mut g, &mut m, &mut v, prep, h);
+            adam(&mut p, &mut g, &mut m, &mut v, prep, h, &exact_sqrt);
             adam_reference(&mut p2, &g2, &mut m2, &mut v2, prep, h);
             let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             prop_assert_eq!(bits(&p), bits(&p2));
@@ -543,6 +587,51 @@ mod tests {
             prop_assert_eq!(bits(&v), bits(&v2));
             prop_assert!(g.iter().all(|&x| x == 0.0));
         }
+    }
+
+    /// Across blocks of SQRT_BLOCK (two whole ones and a part): the same
+    /// bits as the op-by-op reference, and `sqrt` is asked for each block
+    /// once, in order.
+    #[test]
+    fn adam_in_blocks_equals_the_op_by_op_reference() {
+        let n = 2 * SQRT_BLOCK + 1234;
+        let f = |i: usize, a: f32| ((i as f32) * a).sin();
+        let mut p: Vec<f32> = (0..n).map(|i| f(i, 0.37)).collect();
+        let mut g: Vec<f32> = (0..n).map(|i| f(i, 1.3)).collect();
+        let mut m: Vec<f32> = (0..n).map(|i| f(i, 0.11) * 0.1).collect();
+        let mut v: Vec<f32> = (0..n).map(|i| f(i, 0.07).abs() * 0.01).collect();
+        let (mut p2, g2, mut m2, mut v2) = (p.clone(), g.clone(), m.clone(), v.clone());
+        let h = Adam {
+            lerp_weight: 0.1,
+            beta2: 0.999,
+            one_minus_beta2: 0.001,
+            bias_correction2_sqrt: 0.05,
+            eps: 1e-8,
+            step_size: 0.02,
+            weight_decay: 0.0,
+            decay: Some(0.999),
+        };
+        let calls = std::sync::Mutex::new(Vec::new());
+        let counting = |src: &[f32], dst: &mut [f32]| {
+            calls.lock().unwrap().push(src.len());
+            exact_sqrt(src, dst)
+        };
+        adam(
+            &mut p,
+            &mut g,
+            &mut m,
+            &mut v,
+            GradPrep::Div(3.0),
+            h,
+            &counting,
+        );
+        adam_reference(&mut p2, &g2, &mut m2, &mut v2, GradPrep::Div(3.0), h);
+        let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&p), bits(&p2));
+        assert_eq!(bits(&m), bits(&m2));
+        assert_eq!(bits(&v), bits(&v2));
+        assert!(g.iter().all(|&x| x == 0.0));
+        assert_eq!(*calls.lock().unwrap(), vec![SQRT_BLOCK, SQRT_BLOCK, 1234]);
     }
 
     /// Adam and AdamW against libtorch's own tensor ops in the shape of
@@ -602,6 +691,7 @@ mod tests {
                 &mut fv,
                 GradPrep::Mul(s as f32),
                 h,
+                &exact_sqrt,
             );
             let close = |got: &[f32], want: &Tensor| {
                 Tensor::from_slice(got).allclose(want, 1e-6, 1e-7, false)

@@ -24,6 +24,7 @@ pub mod head_loss;
 pub mod model;
 pub mod objective;
 pub mod optim;
+pub mod profiler;
 mod ring_buckets;
 pub mod rng;
 pub mod sample;

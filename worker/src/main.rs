@@ -141,6 +141,19 @@ struct TrainArgs {
     /// Overrides the spec's device (auto, cpu, cuda:N).
     #[arg(long)]
     device: Option<String>,
+    /// Record libtorch's profiler (CPU ops; CUDA kernels on a GPU) over
+    /// --profile-steps optimizer steps after --profile-after, and write a
+    /// Chrome trace (chrome://tracing, Perfetto) to this file.
+    #[arg(long, value_name = "TRACE.json")]
+    profile: Option<PathBuf>,
+    /// Optimizer steps of this run before the profile starts (warm-up and
+    /// CUDA-graph captures left out).
+    #[arg(long, default_value_t = 3, requires = "profile")]
+    profile_after: u64,
+    /// Optimizer steps the profile covers.
+    #[arg(long, default_value_t = 3, requires = "profile",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    profile_steps: u64,
     /// Overrides the spec's intra-op thread count.
     #[arg(long)]
     threads: Option<u32>,
@@ -268,6 +281,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         state_dir: Some(args.state_dir.clone()),
         resume: args.resume,
         stop_after_steps: args.stop_after_steps,
+        profile: args
+            .profile
+            .clone()
+            .map(|path| accrue_worker::profiler::Profile {
+                path,
+                after_steps: args.profile_after,
+                steps: args.profile_steps,
+            }),
         ..Default::default()
     };
     let summary = if args.world_size <= 1 {

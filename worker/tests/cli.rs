@@ -250,3 +250,65 @@ fn walk(dir: &Path) -> Vec<(String, Vec<u8>)> {
     }
     out
 }
+
+/// `--profile` writes libtorch's profiler trace (a Chrome trace) covering
+/// exactly the steps asked for: an MLP of two linear layers runs one
+/// `aten::addmm` per layer per micro-step forward, so 2 layers x k = 2
+/// micro-steps x 2 profiled steps = 8 of them, out of 6 steps run.
+#[test]
+fn profile_writes_a_trace_of_the_steps_asked_for() {
+    let dir = TempDir::new().unwrap();
+    let job = dir.path().join("job.toml");
+    // 24 samples, b = 2, k = 2: 6 steps an epoch, one epoch.
+    std::fs::write(
+        &job,
+        r#"
+name = "prof"
+seed = 5
+epochs = 1
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [16]
+[data]
+kind = "synthetic"
+samples = 24
+eval_samples = 0
+shape = [6]
+classes = 4
+batch_size = 2
+[accumulation]
+steps = 2
+[optimizer]
+kind = "sgd"
+lr = 0.1
+"#,
+    )
+    .unwrap();
+    let trace = dir.path().join("trace.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_accrue-worker"))
+        .args(["train", job.to_str().unwrap(), "--state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("--profile")
+        .arg(&trace)
+        .args(["--profile-after", "3", "--profile-steps", "2"])
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("profile written"),
+        "no 'profile written' in the log: {stderr}"
+    );
+    let text = std::fs::read_to_string(&trace).unwrap();
+    assert!(
+        text.contains("\"traceEvents\""),
+        "not a Chrome trace: {}",
+        &text[..text.len().min(500)]
+    );
+    let addmm = text.matches("\"name\": \"aten::addmm\"").count()
+        + text.matches("\"name\":\"aten::addmm\"").count();
+    assert_eq!(addmm, 8, "aten::addmm events in the trace");
+}

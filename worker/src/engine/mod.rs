@@ -523,7 +523,12 @@ impl<C: Collective> Engine<C> {
         let every = self.spec.checkpoint.every_steps;
         let eval_every = self.spec.eval.every_epochs;
         let mut stopped = false;
+        let mut profiling = Profiling {
+            from: self.state.step,
+            ..Profiling::default()
+        };
         while !self.is_done() {
+            self.profile_tick(&mut profiling, false)?;
             let Some(report) = self.micro_step()? else {
                 continue;
             };
@@ -571,6 +576,7 @@ impl<C: Collective> Engine<C> {
                 break;
             }
         }
+        self.profile_tick(&mut profiling, true)?;
         tracing::info!(
             rank = self.collective.rank(),
             stage = self.spec.sharding.stage,
@@ -591,5 +597,54 @@ impl<C: Collective> Engine<C> {
             checkpoint,
             finished: !stopped,
         })
+    }
+}
+
+/// The run loop's profiler ([`RunOptions::profile`]): the session while it
+/// records, whether it has been written, and the step this run started at.
+#[derive(Default)]
+struct Profiling {
+    session: Option<crate::profiler::Session>,
+    finished: bool,
+    from: u64,
+}
+
+impl<C: Collective> Engine<C> {
+    /// Starts or stops the profiler as [`crate::profiler::decide`] says,
+    /// between windows; `done`: the run loop has ended.
+    fn profile_tick(&mut self, p: &mut Profiling, done: bool) -> Result<()> {
+        use crate::profiler::{decide, Act, Session};
+        let Some(spec) = &self.opts.profile else {
+            return Ok(());
+        };
+        let steps_run = self.state.step.saturating_sub(p.from);
+        let in_window = !done && self.window.in_flight();
+        match decide(
+            spec,
+            steps_run,
+            in_window,
+            p.session.is_some(),
+            done,
+            p.finished,
+        ) {
+            Act::Start => {
+                p.session = Some(Session::start(self.device.is_cuda())?);
+                tracing::info!(step = self.state.step, path = %spec.path.display(), "profiling");
+            }
+            Act::Stop => {
+                if let Some(session) = p.session.take() {
+                    let events = session.finish(&spec.path)?;
+                    p.finished = true;
+                    tracing::info!(
+                        step = self.state.step,
+                        events,
+                        path = %spec.path.display(),
+                        "profile written"
+                    );
+                }
+            }
+            Act::Nothing => {}
+        }
+        Ok(())
     }
 }

@@ -57,6 +57,10 @@ pub struct RunOptions {
     /// Requests from another thread (the worker daemon), honoured at window
     /// boundaries.
     pub control: Option<std::sync::Arc<Control>>,
+    /// Record libtorch's profiler (CPU ops; CUDA kernels on a GPU) over
+    /// some of this run's optimizer steps and write a Chrome trace
+    /// (`accrue-worker train --profile`).
+    pub profile: Option<crate::profiler::Profile>,
 }
 
 /// Flags another thread sets to steer a running engine.

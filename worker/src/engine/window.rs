@@ -41,6 +41,13 @@ pub(super) struct Window {
     pub(super) sync_eager_reason: Option<EagerReason>,
 }
 
+impl Window {
+    /// Whether a micro-step of this window has run (its sync step has not).
+    pub(super) fn in_flight(&self) -> bool {
+        self.micro > 0
+    }
+}
+
 /// This rank's sample indices of one epoch: on the host (the sample log)
 /// and on the device, copied there once per epoch, so that a micro-step
 /// selects its batch without a host-to-device copy (and a CUDA graph can
