@@ -1,5 +1,8 @@
 //! The real `accrue-worker` binary as a process: the demo job on the real
-//! digits data set, and a refused spec.
+//! digits data set, a refused spec, confined paths, one job per checkpoint
+//! folder, and `--profile`'s trace.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -254,38 +257,13 @@ fn walk(dir: &Path) -> Vec<(String, Vec<u8>)> {
 /// `--profile` writes libtorch's profiler trace (a Chrome trace) covering
 /// exactly the steps asked for: an MLP of two linear layers runs one
 /// `aten::addmm` per layer per micro-step forward, so 2 layers x k = 2
-/// micro-steps x 2 profiled steps = 8 of them, out of 6 steps run.
+/// micro-steps x 2 profiled steps = 8 of them, out of 12 steps run.
 #[test]
 fn profile_writes_a_trace_of_the_steps_asked_for() {
     let dir = TempDir::new().unwrap();
     let job = dir.path().join("job.toml");
-    // 24 samples, b = 2, k = 2: 6 steps an epoch, one epoch.
-    std::fs::write(
-        &job,
-        r#"
-name = "prof"
-seed = 5
-epochs = 1
-device = "cpu"
-threads = 1
-[model]
-kind = "mlp"
-hidden = [16]
-[data]
-kind = "synthetic"
-samples = 24
-eval_samples = 0
-shape = [6]
-classes = 4
-batch_size = 2
-[accumulation]
-steps = 2
-[optimizer]
-kind = "sgd"
-lr = 0.1
-"#,
-    )
-    .unwrap();
+    // 24 samples, b = 2, k = 2: 6 steps an epoch, two epochs.
+    std::fs::write(&job, common::mlp_job(24, 2, 2, "mean", "")).unwrap();
     let trace = dir.path().join("trace.json");
     let out = Command::new(env!("CARGO_BIN_EXE_accrue-worker"))
         .args(["train", job.to_str().unwrap(), "--state-dir"])

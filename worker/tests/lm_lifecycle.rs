@@ -395,9 +395,12 @@ fn lm_graph_body_reads_staged_batches() {
     );
 }
 
-/// One run on the GPU: final parameters and, per step, (count of targets,
-/// loss, grad norm, micro-step replays, sync graph replayed, eager reason).
-type CudaRun = (Named, Vec<(u64, f64, f64, u64, bool, Option<String>)>);
+/// Per step of a run on the GPU: (count of targets, loss, grad norm,
+/// micro-step replays, sync graph replayed, eager reason).
+type CudaStep = (u64, f64, f64, u64, bool, Option<String>);
+
+/// One run on the GPU: final parameters and every step.
+type CudaRun = (Named, Vec<CudaStep>);
 
 fn run_on_cuda(text: &str, dir: &Path) -> CudaRun {
     let opts = RunOptions {
@@ -484,9 +487,7 @@ fn lm_cuda_graphed_equals_eager() {
             g_steps.len(),
             e_steps.iter().map(|s| s.5.clone()).collect::<std::collections::BTreeSet<_>>()
         );
-        let counts = |s: &[(u64, f64, f64, u64, bool, Option<String>)]| {
-            s.iter().map(|s| s.0).collect::<Vec<_>>()
-        };
+        let counts = |s: &[CudaStep]| s.iter().map(|s| s.0).collect::<Vec<_>>();
         if counts(&g_steps) != counts(&e_steps) {
             failures.push(format!(
                 "{precision}: counts {:?} != {:?}",
