@@ -248,34 +248,48 @@ def check_against_transformers(c):
           file=sys.stderr)
 
 
-def torch_child(cfg):
+def torch_step(model, compile_, dev, vocab, batch, seq_len, k, precision, gen=None):
+    """One optimizer step of the PyTorch side, as a function of nothing:
+    k micro-batches of uniform tokens, loss = CE_sum / N (N = the window's
+    targets) under torch.autocast, backward; then clip_grad_norm_, AdamW
+    (fused on CUDA), zero_grad(set_to_none). Used by the benchmark and by
+    lm_gpu_profile.py."""
     import torch
     import torch.nn.functional as F
-    torch.manual_seed(SEED)
-    dev = torch.device(cfg["device"])
-    c = cfg["model"]
-    model = llama(c).to(dev)
-    fwd = torch.compile(model) if cfg["compile"] else model
+    fwd = torch.compile(model) if compile_ else model
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD,
                             fused=dev.type == "cuda")
-    b, t, k, steps = cfg["batch"], cfg["seq_len"], cfg["k"], cfg["steps"]
-    v = c["vocab_size"]
-    kind = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg["precision"])
-    gen = torch.Generator(device=dev).manual_seed(SEED)
-    ends = []
-    for _ in range(steps):
-        rows = torch.randint(0, v, (k, b, t + 1), device=dev, generator=gen)
+    kind = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def step():
+        rows = torch.randint(0, vocab, (k, batch, seq_len + 1), device=dev, generator=gen)
         n = rows[:, :, 1:].numel()
         for m in range(k):
             x, y = rows[m, :, :-1], rows[m, :, 1:]
             with torch.autocast(dev.type, dtype=kind, enabled=kind is not None):
                 logits = fwd(x)
-                loss = F.cross_entropy(logits.reshape(-1, v), y.reshape(-1),
+                loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1),
                                        reduction="sum") / n
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def torch_child(cfg):
+    import torch
+    torch.manual_seed(SEED)
+    dev = torch.device(cfg["device"])
+    c = cfg["model"]
+    model = llama(c).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(SEED)
+    step = torch_step(model, cfg["compile"], dev, c["vocab_size"], cfg["batch"],
+                      cfg["seq_len"], cfg["k"], cfg["precision"], gen)
+    ends = []
+    for _ in range(cfg["steps"]):
+        step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         ends.append(time.perf_counter())

@@ -49,27 +49,12 @@ def kind_of(name):
 
 def profile_torch(a, c, compile_):
     import torch
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(lm_gpu.SEED)
     dev = torch.device("cuda")
     model = lm_gpu.llama(c).to(dev)
-    fwd = torch.compile(model) if compile_ else model
-    opt = torch.optim.AdamW(model.parameters(), lr=lm_gpu.LR, weight_decay=lm_gpu.WD, fused=True)
-    b, t, k, v = a.batch, a.seq_len, a.k, c["vocab_size"]
-
-    def step():
-        rows = torch.randint(0, v, (k, b, t + 1), device=dev)
-        n = rows[:, :, 1:].numel()
-        for m in range(k):
-            x, y = rows[m, :, :-1], rows[m, :, 1:]
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = fwd(x)
-                loss = F.cross_entropy(logits.reshape(-1, v), y.reshape(-1), reduction="sum") / n
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), lm_gpu.MAX_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = lm_gpu.torch_step(model, compile_, dev, c["vocab_size"], a.batch, a.seq_len, a.k,
+                             "bf16")
 
     for _ in range(a.warmup):
         step()

@@ -83,10 +83,10 @@ pub enum Error {
     Sharding(String),
     #[error("CUDA graph: {what}: {reason}")]
     Graph { what: &'static str, reason: String },
-    /// libtorch's profiler (crate::profiler).
+    /// libtorch's profiler refused to start or to write its trace.
     #[error("profiler: {0}")]
     Profiler(String),
-    /// A process-wide libtorch setting (crate::backends) it refused.
+    /// A process-wide libtorch setting that libtorch refused.
     #[error("libtorch setting {setting}: {reason}")]
     Backend {
         setting: &'static str,

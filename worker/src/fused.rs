@@ -318,7 +318,71 @@ fn adam_with<const DECAY: u8, const SMALL: bool>(
     let w_minus_1 = w - 1.0;
     let (beta2, omb2) = (h.beta2, h.one_minus_beta2);
     let (bc2_sqrt, eps, step_size) = (h.bias_correction2_sqrt, h.eps, h.step_size);
-    let mut roots = vec![0.0f32; n.min(SQRT_BLOCK)];
+    ROOTS.with_borrow_mut(|roots| {
+        if roots.len() < n.min(SQRT_BLOCK) {
+            roots.resize(n.min(SQRT_BLOCK), 0.0);
+        }
+        adam_blocks(
+            p,
+            g,
+            m,
+            v,
+            roots,
+            sqrt,
+            |p, g, m, v| {
+                let mut x = *p;
+                let mut d = prep(*g);
+                if DECAY == DECOUPLED_DECAY {
+                    // p.mul_(1 - lr * weight_decay)
+                    x *= decay;
+                } else if DECAY == L2_DECAY {
+                    // grad.add_(p * weight_decay): two roundings, as two ops
+                    d += x * wd;
+                }
+                *p = x;
+                // exp_avg.lerp_(grad, 1 - beta1)
+                let diff = d - *m;
+                *m = if SMALL {
+                    w.mul_add(diff, *m)
+                } else {
+                    w_minus_1.mul_add(diff, d)
+                };
+                // exp_avg_sq.mul_(beta2).add_((grad * grad) * (1 - beta2))
+                *v = *v * beta2 + (d * d) * omb2;
+                *g = 0.0;
+            },
+            |p, m, r| {
+                // denom = sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+                let denom = r / bc2_sqrt + eps;
+                // p.sub_((exp_avg / denom) * step_size)
+                *p -= (m / denom) * step_size;
+            },
+        )
+    });
+}
+
+thread_local! {
+    /// [`adam`]'s block of square roots, kept between calls (a step makes
+    /// one call per parameter): no allocation or zeroing per call.
+    static ROOTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `first` over every element of a block of [`SQRT_BLOCK`], takes the
+/// block's square roots of `v` by `sqrt` into `roots`, then runs `second`
+/// with each root; block after block.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn adam_blocks(
+    p: &mut [f32],
+    g: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    roots: &mut [f32],
+    sqrt: Sqrt<'_>,
+    first: impl Fn(&mut f32, &mut f32, &mut f32, &mut f32),
+    second: impl Fn(&mut f32, f32, f32),
+) {
+    let n = p.len();
     let mut start = 0;
     while start < n {
         let end = (start + SQRT_BLOCK).min(n);
@@ -334,35 +398,13 @@ fn adam_with<const DECAY: u8, const SMALL: bool>(
             .zip(m.iter_mut())
             .zip(v.iter_mut())
         {
-            let mut x = *p;
-            let mut d = prep(*g);
-            if DECAY == DECOUPLED_DECAY {
-                // p.mul_(1 - lr * weight_decay)
-                x *= decay;
-            } else if DECAY == L2_DECAY {
-                // grad.add_(p * weight_decay): two roundings, as two ops
-                d += x * wd;
-            }
-            *p = x;
-            // exp_avg.lerp_(grad, 1 - beta1)
-            let diff = d - *m;
-            *m = if SMALL {
-                w.mul_add(diff, *m)
-            } else {
-                w_minus_1.mul_add(diff, d)
-            };
-            // exp_avg_sq.mul_(beta2).add_((grad * grad) * (1 - beta2))
-            *v = *v * beta2 + (d * d) * omb2;
-            *g = 0.0;
+            first(p, g, m, v);
         }
         // sqrt(exp_avg_sq), by the caller's kernel
         let roots = &mut roots[..end - start];
         sqrt(v, roots);
         for ((p, m), r) in p.iter_mut().zip(m.iter()).zip(roots.iter()) {
-            // denom = sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-            let denom = r / bc2_sqrt + eps;
-            // p.sub_((exp_avg / denom) * step_size)
-            *p -= (m / denom) * step_size;
+            second(p, *m, *r);
         }
         start = end;
     }

@@ -85,32 +85,33 @@ impl Session {
     /// Stops recording and writes the Chrome trace to `path`; returns the
     /// number of events recorded.
     pub fn finish(mut self, path: &std::path::Path) -> Result<u64> {
-        self.open = false;
+        // A path libtorch cannot take leaves the session open: drop stops it.
         let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
             Error::Profiler(format!("the path {} holds a NUL byte", path.display()))
         })?;
-        let mut buf = [0 as c_char; 1024];
-        // SAFETY: as in start; c is a NUL-terminated path that outlives
-        // the call.
-        let n = unsafe { accrue_profiler_stop(c.as_ptr(), buf.as_mut_ptr(), buf.len()) };
-        if n < 0 {
-            return Err(Error::Profiler(format!(
-                "writing {}: {}",
-                path.display(),
-                message(&buf)
-            )));
-        }
-        Ok(n as u64)
+        self.open = false;
+        stop(Some(&c)).map_err(|e| Error::Profiler(format!("writing {}: {e}", path.display())))
     }
+}
+
+/// Stops the profiler, writing its trace to `path` when one is given; the
+/// number of events, or libtorch's message.
+fn stop(path: Option<&CStr>) -> std::result::Result<u64, String> {
+    let mut buf = [0 as c_char; 1024];
+    let path = path.map_or(std::ptr::null(), CStr::as_ptr);
+    // SAFETY: a plain C function of the shim; it catches every C++
+    // exception and writes at most buf.len() bytes into buf; `path` is
+    // null (write nothing) or a NUL-terminated string that outlives the
+    // call.
+    let n = unsafe { accrue_profiler_stop(path, buf.as_mut_ptr(), buf.len()) };
+    u64::try_from(n).map_err(|_| message(&buf))
 }
 
 impl Drop for Session {
     fn drop(&mut self) {
         if self.open {
-            let mut buf = [0 as c_char; 1024];
-            // SAFETY: as in start; a null path writes nothing.
-            if unsafe { accrue_profiler_stop(std::ptr::null(), buf.as_mut_ptr(), buf.len()) } < 0 {
-                tracing::warn!(error = %message(&buf), "stopping the profiler");
+            if let Err(e) = stop(None) {
+                tracing::warn!(error = %e, "stopping the profiler");
             }
         }
     }
