@@ -29,7 +29,11 @@ pub use access::{may_cancel, may_resume};
 
 mod access;
 mod membership;
+#[cfg(test)]
+mod records_tests;
 mod recovery;
+#[cfg(test)]
+mod recovery_tests;
 mod reports;
 #[cfg(test)]
 mod resume_tests;
