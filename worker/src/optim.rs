@@ -2,6 +2,7 @@
 //! as PyTorch's single-tensor (for-loop) implementations so the numbers match,
 //! with state that checkpoints can save by parameter name.
 
+mod aten_fused;
 mod masked;
 
 pub use masked::MaskedCoefs;
@@ -43,6 +44,12 @@ pub struct Optimizer {
     /// Per parameter: scratch tensors of its shape (two for Adam), made on
     /// the first step and reused; not part of the state.
     scratch: Vec<Option<(Tensor, Option<Tensor>)>>,
+    /// `[optimizer] fused = true` (Adam and AdamW: PyTorch's fused kernel,
+    /// optim/aten_fused.rs).
+    fused: bool,
+    /// The fused kernel's float32 step count on the parameters' device,
+    /// made by its first eager step.
+    aten_step: Option<Tensor>,
 }
 
 impl Optimizer {
@@ -74,6 +81,8 @@ impl Optimizer {
             steps: 0,
             state: (0..num_params).map(|_| HashMap::new()).collect(),
             scratch: Vec::new(),
+            fused: spec.fused,
+            aten_step: None,
         }
     }
 
@@ -90,6 +99,9 @@ impl Optimizer {
     /// tensors may be views (a ZeRO slice of the flat parameters), updated
     /// in place; state i belongs to pair i.
     pub fn step_pairs(&mut self, pairs: &[(Tensor, Tensor)], lr: f64) -> Result<()> {
+        if self.is_aten_fused() {
+            return self.step_aten(pairs, lr);
+        }
         let _guard = tch::no_grad_guard();
         self.steps += 1;
         let step = self.steps as i32;
@@ -247,7 +259,8 @@ impl Optimizer {
             t.defined() && t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous()
         };
         let total: usize = params.iter().map(|(_, p)| p.numel()).sum();
-        if total != grads.len()
+        // `fused = true` asks for PyTorch's fused kernel, not this one.
+        if self.is_aten_fused() || total != grads.len()
             || self.state.len() < params.len()
             || !params.iter().all(|(_, p)| flat_f32(p))
         {

@@ -400,7 +400,11 @@ fn variant(text: &str, clipping: &str, optimizer: &str, normalize: &str) -> Stri
 /// The sync body's numbers for every optimizer and clip: Adam (L2 decay)
 /// and AdamW, whose bias corrections change every step; SGD with
 /// dampening and decay under clip_value; nesterov without a clip and
-/// global_count normalization.
+/// global_count normalization; AdamW through PyTorch's fused kernel
+/// (`fused = true`: the learning rate and step as device tensors; the
+/// kernel takes a float32 learning-rate tensor and a float64 number
+/// alike into float64, so the rate is one float32 represents exactly,
+/// 2^-7, for the graph to equal the eager step bit for bit).
 fn sync_variants() -> Vec<String> {
     let base = job("mlp", "[6]", 64, 2, "fp32", "");
     vec![
@@ -414,6 +418,12 @@ fn sync_variants() -> Vec<String> {
             &base,
             "max_norm = 0.5\n",
             "kind = \"adamw\"\nlr = 0.01\nweight_decay = 0.1\n",
+            "global_count",
+        ),
+        variant(
+            &base,
+            "max_norm = 0.5\n",
+            "kind = \"adamw\"\nlr = 0.0078125\nweight_decay = 0.1\nfused = true\n",
             "global_count",
         ),
         variant(
@@ -439,13 +449,16 @@ fn sync_body_equals_eager_for_adam_adamw_sgd_and_every_clip() {
 }
 
 /// fp32 Adam on `d`/nan.safetensors (written here), whose sample 40 is
-/// NaN, with on_nonfinite = "skip".
-fn nan_adam_job(d: &std::path::Path) -> String {
+/// NaN, with on_nonfinite = "skip"; `fused`: PyTorch's fused kernel,
+/// whose skip on the device is its `found_inf` (at lr 2^-7, see
+/// [`sync_variants`]).
+fn nan_adam_job(d: &std::path::Path, fused: bool) -> String {
+    let lr = if fused { 0.0078125 } else { 0.01 };
     let data = poisoned_data(d, "nan.safetensors", 40, 1, f64::NAN);
     let text = variant(
         &job("mlp", "[6]", 64, 2, "fp32", ""),
         "max_norm = 0.5\non_nonfinite = \"skip\"\n",
-        "kind = \"adam\"\nlr = 0.01\n",
+        &format!("kind = \"adam\"\nlr = {lr}\nfused = {fused}\n"),
         "mean",
     );
     on_tensors(&text, &data, false)
@@ -456,7 +469,9 @@ fn a_nonfinite_step_in_the_sync_body_skips_as_eager_does() {
     // Adam's state and the parameters must come through the skipped step
     // untouched.
     let d = TempDir::new().unwrap();
-    skips_and_body_equals_eager(&nan_adam_job(d.path()), 1, 1);
+    for fused in [false, true] {
+        skips_and_body_equals_eager(&nan_adam_job(d.path(), fused), 1, 1);
+    }
 }
 
 /// On the GPU: the graphed job and the same job with `cuda_graphs =
@@ -584,7 +599,9 @@ fn cuda_graphed_runs_equal_eager_runs() {
     // scales; fp32 Adam: its state untouched), and the sync variants.
     let d = TempDir::new().unwrap();
     graphed_equals_eager_on_cuda(&fp16_overflow_job(d.path()), 2, 1e-6);
-    graphed_equals_eager_on_cuda(&nan_adam_job(d.path()), 1, 1e-6);
+    for fused in [false, true] {
+        graphed_equals_eager_on_cuda(&nan_adam_job(d.path(), fused), 1, 1e-6);
+    }
     for text in sync_variants() {
         graphed_equals_eager_on_cuda(&text, 2, 1e-6);
     }
@@ -619,7 +636,7 @@ fn a_failed_capture_falls_back_to_eager_steps_with_its_reason() {
         ("mlp k=1", job("mlp", "[6]", 30, 1, "fp32", ""), 1),
         ("mlp W=2 k=2", job("mlp", "[6]", 64, 2, "fp32", ""), 2),
         ("fp16 overflow", fp16_overflow_job(d.path()), 2),
-        ("adam nan", nan_adam_job(d.path()), 1),
+        ("adam nan", nan_adam_job(d.path(), false), 1),
     ];
     let prefix = "the capture failed: ";
     for (name, text, world) in cases {

@@ -152,6 +152,23 @@ fn optimizer_lr_zero_negative_and_nan_are_refused() {
     accepted(&replace(BASE, "lr = 0.1", "lr = 1e-9"));
 }
 
+/// `fused = true` is PyTorch's fused Adam/AdamW: accepted with adam and
+/// adamw, refused with sgd (naming the allowed kinds); off by default.
+#[test]
+fn optimizer_fused_is_for_adam_and_adamw() {
+    assert!(!accepted(BASE).optimizer.fused);
+    let e = one_error(&with(BASE, "optimizer", "fused = true"), "optimizer.fused");
+    assert_eq!(e.value, "true");
+    assert_eq!(
+        e.allowed,
+        "fused = true is only allowed with optimizer.kind = adam or adamw (sgd: false)"
+    );
+    for kind in ["adam", "adamw"] {
+        let text = replace(BASE, "kind = \"sgd\"", &format!("kind = \"{kind}\""));
+        assert!(accepted(&with(&text, "optimizer", "fused = true")).optimizer.fused);
+    }
+}
+
 #[test]
 fn clipping_max_norm_must_be_positive() {
     for (lit, shown) in [("0.0", "0.0"), ("-1.0", "-1.0"), ("nan", "NaN")] {

@@ -505,6 +505,13 @@ impl JobSpec {
         if let Some(e) = o.eps {
             c.positive_finite("optimizer.eps", e);
         }
+        if o.kind == OptimizerKind::Sgd && o.fused {
+            c.fail(
+                "optimizer.fused",
+                true,
+                "fused = true is only allowed with optimizer.kind = adam or adamw (sgd: false)",
+            );
+        }
         if o.kind == OptimizerKind::Sgd && (o.betas.is_some() || o.eps.is_some()) {
             c.fail(
                 "optimizer.betas",

@@ -313,6 +313,11 @@ pub struct OptimizerSpec {
     pub weight_decay: Option<f64>,
     pub betas: Option<[f64; 2]>,
     pub eps: Option<f64>,
+    /// adam/adamw: PyTorch's fused implementation (`fused=True`,
+    /// libtorch's `_fused_adam_`/`_fused_adamw_`: one multi-tensor kernel
+    /// per step on CUDA) instead of the single-tensor one.
+    #[serde(default)]
+    pub fused: bool,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]

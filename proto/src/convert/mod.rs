@@ -200,6 +200,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             weight_decay: s.optimizer.weight_decay,
             betas: s.optimizer.betas.map(|b| b.to_vec()).unwrap_or_default(),
             eps: s.optimizer.eps,
+            fused: s.optimizer.fused,
         }),
         schedule: Some(v1::ScheduleSpec {
             kind: to_proto(s.schedule.kind),
@@ -409,6 +410,7 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             weight_decay: opt.weight_decay,
             betas,
             eps: opt.eps,
+            fused: opt.fused,
         },
         schedule: ScheduleSpec {
             kind: schedule_kind,

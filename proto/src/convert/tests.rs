@@ -416,6 +416,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 weight_decay: opt.4,
                 betas: opt.5.filter(|_| !sgd).map(|(a, b)| [a, b]),
                 eps: opt.6.filter(|_| !sgd),
+                fused: !sgd && opt.6.is_some(),
             };
             let schedule = ScheduleSpec {
                 kind: sched.0,

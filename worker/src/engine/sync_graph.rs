@@ -138,8 +138,8 @@ impl<C: Collective> Engine<C> {
         fill(inputs, &[0], divisor)?;
         let c = self.optimizer.masked_coefs(lr);
         let n = c.values.len() as i64;
-        // How many numbers there are is the optimizer rule's (3 for SGD, 6
-        // for Adam and AdamW), fixed for the engine's life: the tensor is
+        // How many numbers there are is the optimizer rule's (3 for SGD and
+        // fused Adam/AdamW, 6 for Adam and AdamW), fixed for the engine's life: the tensor is
         // allocated once, before the first capture. Another count would be
         // a bug; it is refused rather than re-allocated under a captured
         // graph, which would then read freed memory.

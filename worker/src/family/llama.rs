@@ -161,8 +161,22 @@ impl RmsNorm {
     }
 
     /// `weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`.
+    ///
+    /// A float32 `x` (the residual stream, also under autocast: the
+    /// embedding's output plus the projections') goes through libtorch's
+    /// `_fused_rms_norm`: on the CPU that is the same composite of ops as
+    /// below (the same numbers to the bit, forward and backward), on CUDA
+    /// one kernel forward and one backward instead of about six and ten
+    /// (docs/SEMANTICS.md). Another type keeps transformers' ops, whose
+    /// result is float32 where the fused op's would be `x`'s type.
     fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let kind = x.kind();
+        if kind == Kind::Float && self.weight.kind() == Kind::Float {
+            let width = self.weight.size();
+            return Ok(x
+                .f_internal_fused_rms_norm(width.as_slice(), Some(&self.weight), self.eps)?
+                .0);
+        }
         let x32 = x.f_to_kind(Kind::Float)?;
         let variance =
             x32.f_pow_tensor_scalar(2)?
@@ -279,7 +293,8 @@ impl Net {
     }
 
     /// RoPE for positions `start..start + t` of hidden states `h` (the
-    /// complex form in fp32 without autocast, Hugging Face's otherwise).
+    /// complex form in fp32 when `h` is fp32, except under autocast on the
+    /// CPU; Hugging Face's otherwise).
     fn rope(&self, start: i64, t: i64, h: &Tensor) -> Result<Rope, TchError> {
         let device = self.inv_freq.device();
         let positions = Tensor::f_arange_start(start, start + t, (Kind::Int64, device))?
@@ -287,9 +302,14 @@ impl Net {
         let freqs = positions
             .f_unsqueeze(-1)?
             .f_mul(&self.inv_freq.f_unsqueeze(0)?)?;
+        // Under autocast on the CPU the real form keeps every rounding
+        // transformers' (its fp32 products round differently from the
+        // complex one's backward, and bf16 casts of the gradients turn a
+        // last-bit difference into a bf16 one); on CUDA the complex form
+        // is the faster one (docs/SEMANTICS.md).
         let complex = h.kind() == Kind::Float
             && self.head_dim % 2 == 0
-            && !crate::amp::Autocast::is_enabled(device);
+            && (device.is_cuda() || !crate::amp::Autocast::is_enabled(device));
         if complex {
             // [T, 1, d/2]: broadcast over rows (before) and heads.
             let rotation = Tensor::f_complex(&freqs.f_cos()?, &freqs.f_sin()?)?.f_unsqueeze(1)?;
@@ -321,6 +341,14 @@ impl Net {
             }
             Rope::Complex { rotation } => {
                 let turn = |y: Tensor| -> Result<Tensor, TchError> {
+                    // Under autocast the projection is bf16 or fp16: its
+                    // values, exactly in fp32, are what transformers'
+                    // `q * cos` (fp32 cos) multiplies too.
+                    let y = if y.kind() == Kind::Float {
+                        y
+                    } else {
+                        y.f_to_kind(Kind::Float)?
+                    };
                     let pairs = y.f_view([n, t, -1, d / 2, 2])?.f_view_as_complex()?;
                     pairs
                         .f_mul(rotation)?
@@ -504,10 +532,12 @@ impl Net {
 ///
 /// - `Real`: Hugging Face's, `q * cos + rotate_half(q) * sin` with
 ///   `rotate_half(x) = cat(-x[d/2:], x[:d/2])` and cos, sin `[1, 1, T, d]`
-///   in the hidden states' type: used under autocast (bf16 and fp16 have
-///   no complex type), where it keeps accrue's roundings those of
-///   transformers.
-/// - `Complex`: in fp32, each pair (x[i], x[i + d/2]) of a head is the
+///   in the hidden states' type: used under autocast on the CPU, where
+///   it keeps accrue's roundings those of transformers, and when the
+///   hidden states are not fp32 or a head has an odd width.
+/// - `Complex`: in fp32 (under autocast the bf16 or fp16 projection is
+///   widened first, as transformers' product with fp32 cos widens it),
+///   each pair (x[i], x[i + d/2]) of a head is the
 ///   complex number x[i] + x[i + d/2]·j, and RoPE is its product with
 ///   cos θ + j sin θ: real part x[i] cos − x[i + d/2] sin, imaginary part
 ///   x[i] sin + x[i + d/2] cos, which are Hugging Face's two halves. q_proj's

@@ -78,6 +78,10 @@ impl Optimizer {
     /// The numbers of step `self.steps + 1` at `lr` in the layout
     /// [`Optimizer::step_masked`] reads.
     pub fn masked_coefs(&self, lr: f64) -> MaskedCoefs {
+        if self.is_aten_fused() {
+            let (values, neutral) = self.aten_coefs(lr);
+            return MaskedCoefs { values, neutral };
+        }
         match self.rule {
             Rule::Sgd {
                 momentum,
@@ -125,6 +129,7 @@ impl Optimizer {
     ) -> Result<()> {
         let _guard = tch::no_grad_guard();
         let want = match self.rule {
+            _ if self.is_aten_fused() => super::aten_fused::at::LEN,
             Rule::Sgd { .. } => at::SGD_LEN,
             Rule::Adam { .. } => at::ADAM_LEN,
         };
@@ -138,6 +143,9 @@ impl Optimizer {
                     self.state.len()
                 ),
             });
+        }
+        if self.is_aten_fused() {
+            return self.step_aten_masked(pairs, coefs);
         }
         let c = |i: i64| coefs.f_select(0, i).ctx("an optimizer coefficient");
         self.make_scratch(pairs)?;
@@ -305,13 +313,22 @@ mod tests {
             spec(Adam, |s| s.weight_decay = Some(0.05)),
             spec(Adamw, |_| {}),
             spec(Adamw, |s| s.weight_decay = Some(0.1)),
+            spec(Adam, |s| {
+                s.weight_decay = Some(0.05);
+                s.fused = true;
+            }),
+            spec(Adamw, |s| {
+                s.weight_decay = Some(0.1);
+                s.fused = true;
+            }),
         ]
     }
 
     /// Four steps at changing learning rates: the masked step ends at the
     /// tensor-op step's parameters and state bit for bit (on the CPU both
-    /// divide truly), and a step with the neutral numbers and zeroed
-    /// gradients changes nothing at all.
+    /// divide truly; with `fused`, both are PyTorch's fused kernel, one
+    /// with the learning rate and step as tensors), and a step with the
+    /// neutral numbers and zeroed gradients changes nothing at all.
     #[test]
     fn equals_the_tensor_op_step_and_a_skipped_step_changes_nothing() {
         for s in every_spec() {
@@ -427,11 +444,12 @@ mod tests {
     /// ([`adam_step`], itself checked bit for bit against `step_pairs`
     /// with the CPU's division), and stay within 1e-6 (relative) of the
     /// CPU's tensor-op step while differing from it in some bits (so the
-    /// data exercise the rounding).
+    /// data exercise the rounding). (The fused kernel divides inside
+    /// itself: `reciprocal` does not apply to it.)
     #[test]
     fn the_reciprocal_step_equals_the_tensor_op_step_with_cudas_division() {
         let mut rounding_differs = false;
-        for s in every_spec() {
+        for s in every_spec().into_iter().filter(|s| !s.fused) {
             let plain_p = pairs(1);
             let masked_p = deep(&plain_p);
             let mut plain = Optimizer::new(&s, 3);

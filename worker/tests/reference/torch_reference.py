@@ -29,6 +29,13 @@ with the project's virtual environment).
       from DIR/init.safetensors with one large batch per step in
       DistributedSampler order, evaluates on test_batch.bin and compares
       with the engine's final DIR/model.safetensors; prints JSON
+  torch_reference.py adam-steps DIR CFG_JSON
+      DIR/start.safetensors holds parameters p.<i> and per-step gradients
+      g.<step>.<i>; takes len(cfg lrs) steps of torch.optim.Adam or AdamW
+      (cfg kind, weight_decay, fused) on cfg device with those gradients
+      and learning rates, and prints, as JSON, how many elements of the
+      parameters and moments differ from accrue's DIR/accrue.safetensors
+      and the largest difference
   torch_reference.py schedules CONFIGS_JSON
       the learning rate of every optimizer step under torch.optim.lr_scheduler
       for each config (kind, lr, warmup, total, step_size, gamma, min_lr)
@@ -102,7 +109,10 @@ def e2e_compare(d, engine_model, cfg):
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"], nesterov=cfg.get("nesterov", False))
     else:
         cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
-        opt = cls(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], foreach=False)
+        # fused: PyTorch's fused kernel (`fused=True`), else its for-loop one.
+        fused = cfg.get("fused", False)
+        opt = cls(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+                  foreach=None if fused else False, fused=fused or None)
     sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=cfg["seed"])
     big_batch = cfg["batch"] * cfg["k"]
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -387,6 +397,33 @@ def script_export(d):
     save_file({k: v.contiguous() for k, v in m.state_dict().items()}, f"{d}/script_init.safetensors")
 
 
+def adam_steps(d, cfg):
+    cfg = json.loads(cfg)
+    dev = torch.device(cfg["device"])
+    start = load_file(f"{d}/start.safetensors", device=str(dev))
+    n = sum(1 for k in start if k.startswith("p."))
+    params = [start[f"p.{i}"].clone() for i in range(n)]
+    cls = torch.optim.Adam if cfg["kind"] == "adam" else torch.optim.AdamW
+    fused = cfg["fused"]
+    opt = cls(params, lr=cfg["lrs"][0], weight_decay=cfg["weight_decay"],
+              foreach=None if fused else False, fused=fused or None)
+    for step, lr in enumerate(cfg["lrs"]):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for i, p in enumerate(params):
+            p.grad = start[f"g.{step}.{i}"].clone()
+        opt.step()
+    ours = load_file(f"{d}/accrue.safetensors", device=str(dev))
+    differ, worst = 0, 0.0
+    for i, p in enumerate(params):
+        st = opt.state[p]
+        for name, t in [("p", p), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])]:
+            o = ours[f"{name}.{i}"]
+            differ += int((o != t).sum())
+            worst = max(worst, float((o - t).abs().max()))
+    print(json.dumps({"differ": differ, "max_abs_diff": worst, "device": str(params[0].device)}))
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "clip-train":
@@ -401,6 +438,8 @@ if __name__ == "__main__":
         model_check(sys.argv[2], *map(int, sys.argv[3:7]), sys.argv[7])
     elif cmd == "cifar-train":
         cifar_train(sys.argv[2], sys.argv[3])
+    elif cmd == "adam-steps":
+        adam_steps(sys.argv[2], sys.argv[3])
     elif cmd == "schedules":
         schedules(sys.argv[2])
     elif cmd == "script-export":

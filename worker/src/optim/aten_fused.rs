@@ -1,0 +1,202 @@
+//! `[optimizer] fused = true`: PyTorch's fused Adam and AdamW
+//! (`torch.optim.AdamW(fused=True)`), libtorch's `_fused_adam_` and
+//! `_fused_adamw_` through the C++ shim (csrc/optim.cpp). On CUDA that is
+//! one multi-tensor kernel launch per step that reads each gradient,
+//! parameter and moment once, instead of about ten tensor ops per
+//! parameter; on the CPU it is ATen's vectorized loop. The numbers are
+//! PyTorch's `fused=True` (tests compare with it), which round differently
+//! from its single-tensor Adam (accrue's default, [`Optimizer::step_pairs`]).
+//!
+//! The step count every parameter reads is one float32 tensor on the
+//! parameters' device (PyTorch keeps one per parameter, all equal). In a
+//! CUDA graph ([`Optimizer::step_masked`]) the learning rate, the step and
+//! the skip flag (`found_inf`: 1 leaves parameters and moments as they
+//! were) are device tensors the host fills before each replay.
+
+use super::{Optimizer, Rule};
+use crate::error::{Error, InPlace, Result, TorchContext};
+use std::ffi::{c_char, c_void, CStr};
+use tch::{Kind, Tensor};
+
+extern "C" {
+    fn accrue_fused_adam(
+        params: *const *mut c_void,
+        grads: *const *mut c_void,
+        exp_avgs: *const *mut c_void,
+        exp_avg_sqs: *const *mut c_void,
+        n: i32,
+        step: *mut c_void,
+        lr_tensor: *mut c_void,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        decoupled: i32,
+        found_inf: *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+}
+
+/// Positions in a fused step's coefficient vector (float32 on the device):
+/// values `[lr, step, 0]`, neutral `[0, step, 1]`.
+pub(super) mod at {
+    pub const LR: i64 = 0;
+    pub const STEP: i64 = 1;
+    pub const FOUND_INF: i64 = 2;
+    pub const LEN: usize = 3;
+}
+
+/// The learning rate of one fused call.
+enum Lr<'a> {
+    Host(f64),
+    /// A float32 tensor on the parameters' device.
+    Device(&'a Tensor),
+}
+
+impl Optimizer {
+    /// Whether steps go through PyTorch's fused kernel.
+    pub fn is_aten_fused(&self) -> bool {
+        self.fused && matches!(self.rule, Rule::Adam { .. })
+    }
+
+    /// The eager fused step of every pair with a gradient, counting it:
+    /// Adam's state is made (zeros) on the first step, as PyTorch's.
+    pub(super) fn step_aten(&mut self, pairs: &[(Tensor, Tensor)], lr: f64) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        for ((p, g), state) in pairs.iter().zip(self.state.iter_mut()) {
+            if g.defined() && !state.contains_key("exp_avg") {
+                state.insert("exp_avg", p.f_zeros_like().ctx("adam state")?);
+                state.insert("exp_avg_sq", p.f_zeros_like().ctx("adam state")?);
+            }
+        }
+        self.steps += 1;
+        let step = self.step_tensor(pairs)?;
+        step.shallow_clone()
+            .f_fill_(self.steps as f64)
+            .ctx_("the fused step's count")?;
+        self.call_aten(pairs, &step, Lr::Host(lr), None)
+    }
+
+    /// The masked fused step (a CUDA graph's): `coefs` in the layout of
+    /// [`at`], already neutral when the step is skipped. Counts nothing.
+    pub(super) fn step_aten_masked(
+        &mut self,
+        pairs: &[(Tensor, Tensor)],
+        coefs: &Tensor,
+    ) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        let c = |i: i64| coefs.f_select(0, i).ctx("an optimizer coefficient");
+        let (lr, step, found_inf) = (c(at::LR)?, c(at::STEP)?, c(at::FOUND_INF)?);
+        self.call_aten(pairs, &step, Lr::Device(&lr), Some(&found_inf))
+    }
+
+    /// The fused step's numbers of step `self.steps + 1` at `lr`:
+    /// (values, neutral).
+    pub(super) fn aten_coefs(&self, lr: f64) -> (Vec<f64>, Vec<f64>) {
+        let step = (self.steps + 1) as f64;
+        (vec![lr, step, 0.0], vec![0.0, step, 1.0])
+    }
+
+    /// The float32 step count on the parameters' device, made once.
+    fn step_tensor(&mut self, pairs: &[(Tensor, Tensor)]) -> Result<Tensor> {
+        if let Some(t) = &self.aten_step {
+            return Ok(t.shallow_clone());
+        }
+        let device = pairs
+            .first()
+            .map(|(p, _)| p.device())
+            .unwrap_or(tch::Device::Cpu);
+        let t = Tensor::f_zeros([], (Kind::Float, device)).ctx("the fused step's count")?;
+        self.aten_step = Some(t.shallow_clone());
+        Ok(t)
+    }
+
+    fn call_aten(
+        &self,
+        pairs: &[(Tensor, Tensor)],
+        step: &Tensor,
+        lr: Lr<'_>,
+        found_inf: Option<&Tensor>,
+    ) -> Result<()> {
+        let Rule::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            decoupled,
+        } = self.rule
+        else {
+            return Err(Error::Torch {
+                context: "the fused optimizer step",
+                message: "fused = true applies to adam and adamw only".into(),
+            });
+        };
+        // The pairs with a gradient, and their moments (made by the first
+        // step, or loaded from a checkpoint).
+        let mut lists: [Vec<*mut c_void>; 4] = Default::default();
+        for (i, ((p, g), state)) in pairs.iter().zip(&self.state).enumerate() {
+            if !g.defined() {
+                continue;
+            }
+            let (Some(m), Some(v)) = (state.get("exp_avg"), state.get("exp_avg_sq")) else {
+                return Err(Error::Torch {
+                    context: "the fused optimizer step",
+                    message: format!("parameter {i} has no exp_avg and exp_avg_sq (Adam's state)"),
+                });
+            };
+            for (list, t) in lists.iter_mut().zip([p, g, m, v]) {
+                list.push(t.as_ptr() as *mut c_void);
+            }
+        }
+        if lists[0].is_empty() {
+            return Ok(());
+        }
+        let (lr_tensor, lr) = match lr {
+            Lr::Host(v) => (std::ptr::null_mut(), v),
+            Lr::Device(t) => (t.as_ptr() as *mut c_void, 0.0),
+        };
+        let found_inf = found_inf.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
+        let mut buf = [0 as c_char; 1024];
+        // SAFETY: every pointer is a live tch tensor handle (`at::Tensor*`)
+        // borrowed from `pairs`, `self.state`, `step`, `lr` or `found_inf`
+        // for the length of the call; the four lists have the same length
+        // n; the shim catches every C++ exception and writes at most
+        // `buf.len()` bytes, NUL-terminated, into `buf`.
+        let rc = unsafe {
+            accrue_fused_adam(
+                lists[0].as_ptr(),
+                lists[1].as_ptr(),
+                lists[2].as_ptr(),
+                lists[3].as_ptr(),
+                lists[0].len() as i32,
+                step.as_ptr() as *mut c_void,
+                lr_tensor,
+                lr,
+                beta1,
+                beta2,
+                weight_decay,
+                eps,
+                i32::from(decoupled),
+                found_inf,
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        // SAFETY: the buffer starts zeroed and the shim NUL-terminates it.
+        let message = unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        Err(Error::Torch {
+            context: "the fused optimizer step",
+            message,
+        })
+    }
+}
