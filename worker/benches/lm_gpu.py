@@ -17,6 +17,8 @@ with fp32 master weights. The sides, rotated every round:
                    PyTorch's fastest on CUDA), zero_grad(set_to_none)
   pytorch-compile  the same with the model wrapped in torch.compile
   accrue           `accrue-worker train` with [performance] cuda_graphs = true
+                   and, on CUDA, [optimizer] fused = true (the same fused
+                   AdamW kernel as PyTorch's side)
   accrue-eager     the same with cuda_graphs = false
 
 tokens/s: target tokens of the steps after --warmup over the time since
@@ -130,6 +132,7 @@ max_norm = {MAX_NORM}
 kind = "adamw"
 lr = {LR}
 weight_decay = {WD}
+fused = {"true" if a.device.startswith("cuda") else "false"}
 
 [performance]
 cuda_graphs = {"true" if graphs else "false"}

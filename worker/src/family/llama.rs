@@ -219,6 +219,13 @@ pub struct Net {
     kv_heads: i64,
     head_dim: i64,
     scale: f64,
+    /// One matrix product for q, k and v and one for gate and up (their
+    /// weights concatenated each forward) instead of five: on CUDA, where
+    /// under autocast it also casts each norm's output to bf16 once
+    /// instead of three and two times, and sums the input's gradient
+    /// inside one product (docs/SEMANTICS.md). Off on the CPU, where the
+    /// separate products keep transformers' roundings.
+    fuse_projections: bool,
 }
 
 impl Net {
@@ -289,7 +296,74 @@ impl Net {
             kv_heads: c.num_key_value_heads,
             head_dim: d,
             scale: (d as f64).powf(-0.5),
+            fuse_projections: root.device().is_cuda(),
         })
+    }
+
+    /// Turns the fused projections ([`Net`]'s `fuse_projections`) on or
+    /// off (tests compare both on the CPU).
+    pub fn set_fused_projections(&mut self, on: bool) {
+        self.fuse_projections = on;
+    }
+
+    /// q, k and v (k and q with their rows in `rows` order when given, for
+    /// the complex RoPE) of `x`, from one product when fused.
+    fn project_qkv(
+        &self,
+        l: &Layer,
+        x: &Tensor,
+        rows: Option<(&Tensor, &Tensor)>,
+    ) -> Result<[Tensor; 3], TchError> {
+        let pick = |lin: &Linear, r: Option<&Tensor>| -> Result<(Tensor, Option<Tensor>), TchError> {
+            Ok(match r {
+                Some(r) => (
+                    lin.weight.f_index_select(0, r)?,
+                    lin.bias.as_ref().map(|b| b.f_index_select(0, r)).transpose()?,
+                ),
+                None => (lin.weight.shallow_clone(), lin.bias.as_ref().map(Tensor::shallow_clone)),
+            })
+        };
+        let (qr, kr) = (rows.map(|r| r.0), rows.map(|r| r.1));
+        if !self.fuse_projections {
+            let one = |lin: &Linear, r: Option<&Tensor>| -> Result<Tensor, TchError> {
+                match r {
+                    Some(r) => lin.forward_rows(x, r),
+                    None => lin.forward(x),
+                }
+            };
+            return Ok([one(&l.q, qr)?, one(&l.k, kr)?, one(&l.v, None)?]);
+        }
+        let (wq, bq) = pick(&l.q, qr)?;
+        let (wk, bk) = pick(&l.k, kr)?;
+        let (wv, bv) = pick(&l.v, None)?;
+        let w = Tensor::f_cat(&[&wq, &wk, &wv], 0)?;
+        let b = match (bq, bk, bv) {
+            (Some(a), Some(b), Some(c)) => Some(Tensor::f_cat(&[&a, &b, &c], 0)?),
+            _ => None,
+        };
+        let y = x.f_linear(&w, b.as_ref())?;
+        let (nq, nk) = (wq.size()[0], wk.size()[0]);
+        let nv = wv.size()[0];
+        Ok([
+            y.f_narrow(-1, 0, nq)?,
+            y.f_narrow(-1, nq, nk)?,
+            y.f_narrow(-1, nq + nk, nv)?,
+        ])
+    }
+
+    /// silu(gate(x)) * up(x), from one product when fused.
+    fn swiglu(&self, l: &Layer, x: &Tensor) -> Result<Tensor, TchError> {
+        if !self.fuse_projections {
+            return l.gate.forward(x)?.f_silu()?.f_mul(&l.up.forward(x)?);
+        }
+        let w = Tensor::f_cat(&[&l.gate.weight, &l.up.weight], 0)?;
+        let b = match (&l.gate.bias, &l.up.bias) {
+            (Some(a), Some(b)) => Some(Tensor::f_cat(&[a, b], 0)?),
+            _ => None,
+        };
+        let y = x.f_linear(&w, b.as_ref())?;
+        let i = l.gate.weight.size()[0];
+        y.f_narrow(-1, 0, i)?.f_silu()?.f_mul(&y.f_narrow(-1, i, i)?)
     }
 
     /// RoPE for positions `start..start + t` of hidden states `h` (the
@@ -332,12 +406,12 @@ impl Net {
         let d = self.head_dim;
         let split =
             |y: Tensor| -> Result<Tensor, TchError> { y.f_view([n, t, -1, d])?.f_transpose(1, 2) };
-        let v = split(l.v.forward(x)?)?;
         match rope {
             Rope::Real { cos, sin } => {
-                let q = rotate(&split(l.q.forward(x)?)?, cos, sin)?;
-                let k = rotate(&split(l.k.forward(x)?)?, cos, sin)?;
-                Ok([q, k, v])
+                let [q, k, v] = self.project_qkv(l, x, None)?;
+                let q = rotate(&split(q)?, cos, sin)?;
+                let k = rotate(&split(k)?, cos, sin)?;
+                Ok([q, k, split(v)?])
             }
             Rope::Complex { rotation } => {
                 let turn = |y: Tensor| -> Result<Tensor, TchError> {
@@ -356,9 +430,9 @@ impl Net {
                         .f_reshape([n, t, -1, d])?
                         .f_transpose(1, 2)
                 };
-                let q = turn(l.q.forward_rows(x, &self.q_rows)?)?;
-                let k = turn(l.k.forward_rows(x, &self.k_rows)?)?;
-                Ok([q, k, v])
+                let [q, k, v] =
+                    self.project_qkv(l, x, Some((&self.q_rows, &self.k_rows)))?;
+                Ok([turn(q)?, turn(k)?, split(v)?])
             }
         }
     }
@@ -404,10 +478,7 @@ impl Net {
     /// post-attention norm of h.
     fn mlp_block(&self, l: &Layer, h: &Tensor) -> Result<Tensor, TchError> {
         let x = l.post_norm.forward(h)?;
-        let m = l
-            .down
-            .forward(&l.gate.forward(&x)?.f_silu()?.f_mul(&l.up.forward(&x)?)?)?;
-        h.f_add(&m)
+        h.f_add(&l.down.forward(&self.swiglu(l, &x)?)?)
     }
 
     /// The head's weight: lm_head's, or the embedding's when tied.
@@ -598,6 +669,91 @@ impl ModuleT for Net {
         match self.try_forward(xs) {
             Ok(t) => t,
             Err(e) => panic!("called `Result::unwrap()` on an `Err` value: {e:?}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amp::Autocast;
+    use crate::spec::Precision;
+
+    fn config(kv_heads: i64, bias: bool) -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 50,
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: kv_heads,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            max_position_embeddings: 64,
+            tie_word_embeddings: false,
+            attention_bias: bias,
+            mlp_bias: bias,
+        }
+    }
+
+    /// Logits and every gradient of a summed loss, with the projections
+    /// fused or not (biases made non-zero so their concatenation counts).
+    fn run(c: &LlamaConfig, fused: bool, bf16: bool) -> (Tensor, Vec<Tensor>) {
+        tch::manual_seed(3);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut net = Net::new(&vs.root(), c).unwrap();
+        tch::no_grad(|| {
+            // In name order: the same values on every run.
+            let mut vars: Vec<_> = vs.variables().into_iter().collect();
+            vars.sort_by(|a, b| a.0.cmp(&b.0));
+            for (name, mut t) in vars {
+                if name.ends_with(".bias") {
+                    let _ = t.uniform_(-0.1, 0.1);
+                }
+            }
+        });
+        net.set_fused_projections(fused);
+        let ids = Tensor::randint(c.vocab_size, [3, 9], (Kind::Int64, Device::Cpu));
+        let logits = {
+            let _amp = bf16.then(|| Autocast::enter(Device::Cpu, Precision::Bf16).unwrap());
+            net.forward(&ids).unwrap()
+        };
+        let weights = Tensor::randn(logits.size(), (Kind::Float, Device::Cpu));
+        (&logits * &weights).sum(Kind::Float).backward();
+        let mut vars: Vec<_> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let grads = vars.iter().map(|(_, t)| t.grad().copy()).collect();
+        (logits.detach(), grads)
+    }
+
+    fn rel(a: &Tensor, b: &Tensor) -> f64 {
+        let scale = b.abs().max().double_value(&[]).max(1e-30);
+        (a - b).abs().max().double_value(&[]) / scale
+    }
+
+    /// One product for q, k, v and one for gate, up computes the separate
+    /// products' function: in fp32 (complex RoPE) within float rounding,
+    /// with GQA and biases too; under bf16 autocast (the real RoPE on the
+    /// CPU) within bf16's rounding, since the input's gradient is then
+    /// summed inside one product instead of over three bf16 ones.
+    #[test]
+    fn fused_projections_compute_the_separate_ones() {
+        for (kv, bias) in [(4, false), (2, true)] {
+            let c = config(kv, bias);
+            for (bf16, tol) in [(false, 1e-5), (true, 2e-2)] {
+                let (la, ga) = run(&c, false, bf16);
+                let (lb, gb) = run(&c, true, bf16);
+                let d = rel(&lb, &la);
+                assert!(d <= tol, "kv {kv} bias {bias} bf16 {bf16}: logits {d:e}");
+                assert_eq!(ga.len(), gb.len());
+                let mut worst = 0f64;
+                for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+                    let d = rel(b, a);
+                    assert!(d <= tol, "kv {kv} bias {bias} bf16 {bf16}: gradient {i}: {d:e}");
+                    worst = worst.max(d);
+                }
+                eprintln!("kv {kv} bias {bias} bf16 {bf16}: logits {d:e}, gradients {worst:e}");
+            }
         }
     }
 }
