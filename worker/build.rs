@@ -37,7 +37,46 @@ fn main() {
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .warnings(false)
         .compile("accrue_amp");
-    if std::env::var("ACCRUE_CUDA").as_deref() == Ok("1") {
+    // The Llama family's fused operations as autograd functions
+    // (csrc/fused_ops.cpp): ATen's chain everywhere, and with ACCRUE_CUDA=1
+    // accrue's CUDA kernels (csrc/kernels.cu, compiled by nvcc from the
+    // nvidia-cuda-nvcc wheel: `make gpu-worker` installs it).
+    let cuda = std::env::var("ACCRUE_CUDA").as_deref() == Ok("1");
+    println!("cargo:rerun-if-changed=csrc/fused_ops.cpp");
+    println!("cargo:rerun-if-changed=csrc/kernels.cu");
+    println!("cargo:rerun-if-env-changed=NVCC");
+    let mut ops = cc::Build::new();
+    ops.cpp(true)
+        .file("csrc/fused_ops.cpp")
+        .include(libtorch.join("include"))
+        .include(libtorch.join("include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .warnings(false);
+    if cuda {
+        ops.include(libtorch.join("../nvidia/cu13/include"))
+            .define("ACCRUE_CUDA_KERNELS", None);
+    }
+    ops.compile("accrue_ops");
+    if cuda {
+        let nvcc = std::env::var_os("NVCC")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| libtorch.join("../nvidia/cu13/bin/nvcc"));
+        cc::Build::new()
+            .cuda(true)
+            // libcudart.so.13 is linked below, as for the graph shim.
+            .cudart("none")
+            .compiler(&nvcc)
+            .file("csrc/kernels.cu")
+            .flag("-std=c++17")
+            .flag("-O3")
+            // H100 and H200 (sm_90), and PTX for later GPUs to compile.
+            .flag("-gencode=arch=compute_90,code=sm_90")
+            .flag("-gencode=arch=compute_90,code=compute_90")
+            .warnings(false)
+            .compile("accrue_kernels");
+    }
+    if cuda {
         println!("cargo:rustc-link-search=native={}", lib.display());
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
         // The graph shim (issue 19): CUDA's headers come with the wheel

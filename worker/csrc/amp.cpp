@@ -48,6 +48,21 @@ int accrue_autocast_exit(int device) {
   }
 }
 
+// The lower-precision type autocast casts to on the device (a
+// c10::ScalarType, tch's Kind::c_int) when it is on; -1 when it is off or
+// libtorch threw.
+int accrue_autocast_dtype(int device) {
+  try {
+    const auto d = device_of(device);
+    if (!at::autocast::is_autocast_enabled(d)) {
+      return -1;
+    }
+    return static_cast<int>(at::autocast::get_autocast_dtype(d));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
 // Whether autocast is on for the device (for tests).
 int accrue_autocast_is_enabled(int device) {
   try {

@@ -15,6 +15,7 @@ extern "C" {
     fn accrue_autocast_enter(device: i32, dtype: i32, cache: i32) -> i32;
     fn accrue_autocast_exit(device: i32) -> i32;
     fn accrue_autocast_is_enabled(device: i32) -> i32;
+    fn accrue_autocast_dtype(device: i32) -> i32;
 }
 
 /// The autocast type of `precision` (None: fp32, no autocast).
@@ -72,6 +73,17 @@ impl Autocast {
             )));
         }
         Ok(Some(Self { device: code }))
+    }
+
+    /// The type autocast casts to on `device` on this thread (None: off).
+    pub fn kind(device: Device) -> Option<Kind> {
+        let code = device_code(device).ok()?;
+        // SAFETY: as in `enter`; reads thread-local state only.
+        match unsafe { accrue_autocast_dtype(code) } {
+            5 => Some(Kind::Half),
+            15 => Some(Kind::BFloat16),
+            _ => None,
+        }
     }
 
     /// Whether autocast is on for `device` on this thread.

@@ -18,6 +18,7 @@ pub mod engine;
 pub mod error;
 pub mod family;
 pub mod fused;
+pub mod fused_ops;
 pub mod grads;
 pub mod graphs;
 pub mod head_loss;

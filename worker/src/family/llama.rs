@@ -226,6 +226,12 @@ pub struct Net {
     /// inside one product (docs/SEMANTICS.md). Off on the CPU, where the
     /// separate products keep transformers' roundings.
     fuse_projections: bool,
+    /// Under autocast, the norms, RoPE and SwiGLU of the training forward
+    /// through crate::fused_ops (with the fused projections), and with
+    /// `kernels` their CUDA kernels: on CUDA in a build that has them,
+    /// unless `ACCRUE_FUSED_KERNELS=0` (docs/OPERATIONS.md).
+    fused_ops: bool,
+    kernels: bool,
 }
 
 impl Net {
@@ -297,7 +303,87 @@ impl Net {
             head_dim: d,
             scale: (d as f64).powf(-0.5),
             fuse_projections: root.device().is_cuda(),
+            fused_ops: root.device().is_cuda() && d % 2 == 0,
+            kernels: root.device().is_cuda()
+                && crate::fused_ops::kernels_built()
+                && std::env::var("ACCRUE_FUSED_KERNELS").as_deref() != Ok("0"),
         })
+    }
+
+    /// Turns the fused operations under autocast on or off, and their CUDA
+    /// kernels (tests compare them with transformers' op chains).
+    pub fn set_fused_ops(&mut self, on: bool, kernels: bool) {
+        self.fused_ops = on && self.head_dim % 2 == 0;
+        self.kernels = on && kernels;
+        if on {
+            self.fuse_projections = true;
+        }
+    }
+
+    /// The autocast type when this forward takes the fused operations.
+    fn fused_kind(&self, device: Device) -> Option<Kind> {
+        if self.fused_ops {
+            crate::amp::Autocast::kind(device)
+        } else {
+            None
+        }
+    }
+
+    /// cos and sin `[T, D/2]` (fp32) of positions 0..T: transformers'
+    /// tables (whose two halves are equal) without the repeat.
+    fn rope_table(&self, t: i64) -> Result<(Tensor, Tensor), TchError> {
+        let device = self.inv_freq.device();
+        let freqs = Tensor::f_arange(t, (Kind::Int64, device))?
+            .f_to_kind(Kind::Float)?
+            .f_unsqueeze(-1)?
+            .f_mul(&self.inv_freq.f_unsqueeze(0)?)?;
+        Ok((freqs.f_cos()?, freqs.f_sin()?))
+    }
+
+    /// The training forward under autocast through the fused operations
+    /// (`kind` the autocast type): per layer, the input norm cast for the
+    /// projection, one q/k/v product, RoPE and the split into heads,
+    /// attention, the output projection and residual; the post-attention
+    /// norm, one gate/up product, SwiGLU, the down projection and
+    /// residual; then the final norm, cast for the head.
+    fn try_features_fused(&self, ids: &Tensor, kind: Kind) -> Result<Tensor, TchError> {
+        let (n, t) = ids.size2()?;
+        let k = self.kernels;
+        let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
+        let (cos, sin) = self.rope_table(t)?;
+        let cat_weights = |ls: &[&Linear]| -> Result<(Tensor, Option<Tensor>), TchError> {
+            let w = Tensor::f_cat(&ls.iter().map(|l| &l.weight).collect::<Vec<_>>(), 0)?;
+            let b = ls
+                .iter()
+                .map(|l| l.bias.as_ref())
+                .collect::<Option<Vec<_>>>()
+                .map(|bs| Tensor::f_cat(&bs, 0))
+                .transpose()?;
+            Ok((w, b))
+        };
+        for l in &self.layers {
+            let x = crate::fused_ops::rms_norm_cast(&h, &l.input_norm.weight, l.input_norm.eps, kind, k)?;
+            let (w, b) = cat_weights(&[&l.q, &l.k, &l.v])?;
+            let y = x.f_linear(&w, b.as_ref())?;
+            let [q, kk, v] = crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
+            let out = Tensor::f_scaled_dot_product_attention(
+                &q,
+                &kk,
+                &v,
+                None::<&Tensor>,
+                0.0,
+                true,
+                Some(self.scale),
+                self.kv_heads < self.heads,
+            )?;
+            let out = out.f_transpose(1, 2)?.f_contiguous()?.f_reshape([n, t, -1])?;
+            h = h.f_add(&l.o.forward(&out)?)?;
+            let x = crate::fused_ops::rms_norm_cast(&h, &l.post_norm.weight, l.post_norm.eps, kind, k)?;
+            let (w, b) = cat_weights(&[&l.gate, &l.up])?;
+            let m = crate::fused_ops::swiglu(&x.f_linear(&w, b.as_ref())?, k)?;
+            h = h.f_add(&l.down.forward(&m)?)?;
+        }
+        crate::fused_ops::rms_norm_cast(&h, &self.norm.weight, self.norm.eps, kind, k)
     }
 
     /// Turns the fused projections ([`Net`]'s `fuse_projections`) on or
@@ -463,6 +549,9 @@ impl Net {
 
     /// The final norm's output `[N, T, H]`: the forward without the head.
     fn try_features(&self, ids: &Tensor) -> Result<Tensor, TchError> {
+        if let Some(kind) = self.fused_kind(ids.device()) {
+            return self.try_features_fused(ids, kind);
+        }
         let (_, t) = ids.size2()?;
         let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
         let rope = self.rope(0, t, &h)?;
@@ -699,6 +788,16 @@ mod tests {
     /// Logits and every gradient of a summed loss, with the projections
     /// fused or not (biases made non-zero so their concatenation counts).
     fn run(c: &LlamaConfig, fused: bool, bf16: bool) -> (Tensor, Vec<Tensor>) {
+        run_with(c, fused, false, bf16)
+    }
+
+    /// [`run`], with the fused operations (their reference implementation:
+    /// no CUDA here) when `ops`.
+    fn run_with(c: &LlamaConfig, fused: bool, ops: bool, bf16: bool) -> (Tensor, Vec<Tensor>) {
+        // libtorch's generator is global: one run at a time, or tests on
+        // other threads draw from it in between.
+        static DRAWS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _draws = DRAWS.lock().unwrap_or_else(|p| p.into_inner());
         tch::manual_seed(3);
         let vs = nn::VarStore::new(Device::Cpu);
         let mut net = Net::new(&vs.root(), c).unwrap();
@@ -713,6 +812,9 @@ mod tests {
             }
         });
         net.set_fused_projections(fused);
+        if ops {
+            net.set_fused_ops(true, false);
+        }
         let ids = Tensor::randint(c.vocab_size, [3, 9], (Kind::Int64, Device::Cpu));
         let logits = {
             let _amp = bf16.then(|| Autocast::enter(Device::Cpu, Precision::Bf16).unwrap());
@@ -753,6 +855,32 @@ mod tests {
                     worst = worst.max(d);
                 }
                 eprintln!("kv {kv} bias {bias} bf16 {bf16}: logits {d:e}, gradients {worst:e}");
+            }
+        }
+    }
+
+    /// Under bf16 autocast the fused operations (norm cast for the
+    /// projection, RoPE with the split into heads, SwiGLU; their ATen
+    /// reference here) compute the model the fused projections compute
+    /// without them: the logits to the bit (the operations equal
+    /// transformers' chains: tests/fused_ops.rs), the gradients within
+    /// float rounding (the norm's hand-written backward). Without autocast
+    /// they are not taken: the fp32 run is the same to the bit.
+    #[test]
+    fn fused_ops_compute_the_model() {
+        for (kv, bias) in [(4, false), (2, true)] {
+            let c = config(kv, bias);
+            let (la, ga) = run_with(&c, true, false, true);
+            let (lb, gb) = run_with(&c, true, true, true);
+            let d = rel(&lb, &la);
+            let worst = ga.iter().zip(&gb).map(|(a, b)| rel(b, a)).fold(0f64, f64::max);
+            eprintln!("kv {kv} bias {bias}: fused ops under bf16: logits {d:e}, gradients {worst:e}");
+            assert!(d == 0.0 && worst <= 1e-5, "logits {d:e}, gradients {worst:e}");
+            let (la, ga) = run_with(&c, true, false, false);
+            let (lb, gb) = run_with(&c, true, true, false);
+            assert_eq!(rel(&lb, &la), 0.0);
+            for (a, b) in ga.iter().zip(&gb) {
+                assert_eq!(rel(b, a), 0.0);
             }
         }
     }

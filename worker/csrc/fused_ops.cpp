@@ -1,0 +1,364 @@
+// The Llama family's fused operations (docs/SEMANTICS.md, "Fused
+// kernels") as autograd functions: rms_norm_cast, rope_qkv and swiglu.
+// Each has two implementations of the same function and gradient:
+//
+//   - ATen's ops, chained as transformers' computation chains them under
+//     autocast (the reference; on the CPU, and on CUDA when asked);
+//   - accrue's CUDA kernels (csrc/kernels.cu), one launch forward and one
+//     backward, compiled only with ACCRUE_CUDA=1 (ACCRUE_CUDA_KERNELS).
+//
+// worker/src/fused_ops.rs calls these through the C functions at the end;
+// every decision (when to use them) is on the Rust side.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#ifdef ACCRUE_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <string>
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+#ifdef ACCRUE_CUDA_KERNELS
+extern "C" {
+int accrue_k_rms_norm_cast_fwd(int dtype, const float* x, const float* w, void* y, float* rstd,
+                               int64_t rows, int64_t h, float eps, void* stream);
+int accrue_k_rms_norm_cast_bwd(int dtype, const void* gy, const float* x, const float* w,
+                               const float* rstd, float* gx, float* gw_part, int64_t rows,
+                               int64_t h, int blocks, void* stream);
+int accrue_k_rope_qkv_fwd(int dtype, const void* y, const float* cos, const float* sin, void* q,
+                          void* k, void* v, int64_t n, int64_t t, int64_t hq, int64_t hkv,
+                          int64_t d, void* stream);
+int accrue_k_rope_qkv_bwd(int dtype, const void* gq, const void* gk, const void* gv,
+                          const float* cos, const float* sin, void* gy, int64_t n, int64_t t,
+                          int64_t hq, int64_t hkv, int64_t d, void* stream);
+int accrue_k_swiglu_fwd(int dtype, const void* y, void* out, int64_t m, int64_t inner,
+                        void* stream);
+int accrue_k_swiglu_bwd(int dtype, const void* y, const void* go, void* gy, int64_t m,
+                        int64_t inner, void* stream);
+}
+#endif
+
+namespace {
+
+// The most columns the norm's backward kernel keeps in shared memory
+// (48 KiB of floats, less the block's reduction scratch).
+constexpr int64_t kMaxNormWidth = 12000;
+
+// Whether this call runs accrue's kernels: CUDA tensors, a build with
+// them, and the caller asking.
+bool kernels_for(const at::Tensor& t, bool want) {
+#ifdef ACCRUE_CUDA_KERNELS
+  return want && t.is_cuda();
+#else
+  (void)t;
+  (void)want;
+  return false;
+#endif
+}
+
+#ifdef ACCRUE_CUDA_KERNELS
+void* stream_of(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+int dtype_code(at::ScalarType s) {
+  TORCH_CHECK(s == at::kBFloat16 || s == at::kHalf,
+              "accrue's fused kernels take bf16 or fp16 activations, not ", s);
+  return s == at::kBFloat16 ? 0 : 1;
+}
+
+void check_launch(int rc, const char* what) {
+  TORCH_CHECK(rc == 0, what, ": CUDA error ", rc, " (",
+              cudaGetErrorString(static_cast<cudaError_t>(rc)), ")");
+}
+#endif
+
+// y = cast(w * (x * rsqrt(mean(x^2) + eps))) over the last dimension; x
+// and w float32.
+struct RmsNormCast : public torch::autograd::Function<RmsNormCast> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            double eps, int64_t dtype, bool kernels) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+                "rms_norm_cast takes float32 input and weight");
+    const int64_t h = x.size(-1);
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == h, "rms_norm_cast: weight of ", w.sizes(),
+                " for rows of ", h);
+    const auto out_type = static_cast<at::ScalarType>(dtype);
+    const auto x2 = x.contiguous().view({-1, h});
+    const auto wc = w.contiguous();
+    at::Tensor y, rstd;
+    const bool fast = kernels_for(x, kernels) && h <= kMaxNormWidth;
+    if (fast) {
+#ifdef ACCRUE_CUDA_KERNELS
+      y = at::empty(x2.sizes(), x2.options().dtype(out_type));
+      rstd = at::empty({x2.size(0)}, x2.options());
+      check_launch(accrue_k_rms_norm_cast_fwd(dtype_code(out_type), x2.data_ptr<float>(),
+                                              wc.data_ptr<float>(), y.data_ptr(),
+                                              rstd.data_ptr<float>(), x2.size(0), h,
+                                              static_cast<float>(eps), stream_of(x2)),
+                   "rms_norm_cast forward");
+#endif
+    } else {
+      // transformers: variance = x.pow(2).mean(-1); x * rsqrt(variance +
+      // eps); weight * that; then autocast's cast.
+      rstd = at::rsqrt(x2.pow(2).mean(-1) + eps);
+      y = (wc * (x2 * rstd.unsqueeze(-1))).to(out_type);
+    }
+    ctx->save_for_backward({x2, wc, rstd});
+    ctx->saved_data["fast"] = fast;
+    return y.view(x.sizes());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &w = saved[1], &rstd = saved[2];
+    const int64_t rows = x2.size(0), h = x2.size(1);
+    const auto gy = grads[0].contiguous().view({rows, h});
+    at::Tensor gx, gw;
+    if (ctx->saved_data["fast"].toBool()) {
+#ifdef ACCRUE_CUDA_KERNELS
+      const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, 512)));
+      gx = at::empty_like(x2);
+      auto part = at::empty({blocks, h}, x2.options());
+      check_launch(accrue_k_rms_norm_cast_bwd(dtype_code(gy.scalar_type()), gy.data_ptr(),
+                                              x2.data_ptr<float>(), w.data_ptr<float>(),
+                                              rstd.data_ptr<float>(), gx.data_ptr<float>(),
+                                              part.data_ptr<float>(), rows, h, blocks,
+                                              stream_of(x2)),
+                   "rms_norm_cast backward");
+      gw = part.sum(0);
+#endif
+    } else {
+      const auto g = gy.to(at::kFloat);
+      const auto r = rstd.unsqueeze(-1);
+      const auto gn = g * w;
+      const auto dot = (gn * x2).sum(-1, true);
+      gx = r * gn - (r * r * r / static_cast<double>(h)) * x2 * dot;
+      gw = (g * (x2 * r)).sum(0);
+    }
+    const auto shape = grads[0].sizes();
+    return {gx.view(shape), gw, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// transformers' apply_rotary_pos_emb on halves x1 = x[..., :D/2] and
+// x2 = x[..., D/2:] (float32), with cos and sin broadcast to them.
+std::pair<at::Tensor, at::Tensor> rotate(const at::Tensor& x1, const at::Tensor& x2,
+                                         const at::Tensor& c, const at::Tensor& s) {
+  return {x1 * c + (-x2) * s, x2 * c + x1 * s};
+}
+
+// y [N, T, (hq + 2 hkv) D] -> q [N, hq, T, D], k and v [N, hkv, T, D],
+// contiguous, in y's type; q and k rotated (cos and sin [T, D/2] fp32).
+struct RopeQkv : public torch::autograd::Function<RopeQkv> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& cos,
+                               const at::Tensor& sin, int64_t hq, int64_t hkv, bool kernels) {
+    TORCH_CHECK(y.dim() == 3, "rope_qkv takes [N, T, features], not ", y.sizes());
+    const int64_t n = y.size(0), t = y.size(1), heads = hq + 2 * hkv;
+    TORCH_CHECK(heads > 0 && y.size(2) % heads == 0, "rope_qkv: ", y.size(2),
+                " features for ", heads, " heads");
+    const int64_t d = y.size(2) / heads, half = d / 2;
+    TORCH_CHECK(d % 2 == 0, "rope_qkv: odd head width ", d);
+    TORCH_CHECK(cos.sizes() == at::IntArrayRef({t, half}) && sin.sizes() == cos.sizes() &&
+                    cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                "rope_qkv: cos and sin must be float32 [", t, ", ", half, "]");
+    const auto yc = y.contiguous();
+    const auto cc = cos.contiguous(), sc = sin.contiguous();
+    at::Tensor q, k, v;
+    const bool fast = kernels_for(y, kernels);
+    if (fast) {
+#ifdef ACCRUE_CUDA_KERNELS
+      q = at::empty({n, hq, t, d}, yc.options());
+      k = at::empty({n, hkv, t, d}, yc.options());
+      v = at::empty({n, hkv, t, d}, yc.options());
+      check_launch(accrue_k_rope_qkv_fwd(dtype_code(yc.scalar_type()), yc.data_ptr(),
+                                         cc.data_ptr<float>(), sc.data_ptr<float>(),
+                                         q.data_ptr(), k.data_ptr(), v.data_ptr(), n, t, hq,
+                                         hkv, d, stream_of(yc)),
+                   "rope_qkv forward");
+#endif
+    } else {
+      const auto yv = yc.view({n, t, heads, d});
+      const auto c = cc.view({1, t, 1, half}), s = sc.view({1, t, 1, half});
+      const auto turn = [&](const at::Tensor& part) {
+        const auto x = part.to(at::kFloat);
+        const auto [o1, o2] = rotate(x.narrow(-1, 0, half), x.narrow(-1, half, half), c, s);
+        return at::cat({o1, o2}, -1).to(yc.scalar_type()).permute({0, 2, 1, 3}).contiguous();
+      };
+      q = turn(yv.narrow(2, 0, hq));
+      k = turn(yv.narrow(2, hq, hkv));
+      v = yv.narrow(2, hq + hkv, hkv).permute({0, 2, 1, 3}).contiguous();
+    }
+    ctx->save_for_backward({cc, sc});
+    ctx->saved_data["fast"] = fast;
+    ctx->saved_data["hq"] = hq;
+    ctx->saved_data["hkv"] = hkv;
+    return {q, k, v};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &cos = saved[0], &sin = saved[1];
+    const int64_t hq = ctx->saved_data["hq"].toInt(), hkv = ctx->saved_data["hkv"].toInt();
+    // A head without a gradient (unused output) contributes zeros.
+    const auto& any = grads[0].defined() ? grads[0] : grads[1].defined() ? grads[1] : grads[2];
+    const int64_t n = any.size(0), t = any.size(2), d = any.size(3), half = d / 2;
+    const auto opts = any.options();
+    const auto grad = [&](int i, int64_t heads) {
+      return grads[i].defined() ? grads[i].contiguous() : at::zeros({n, heads, t, d}, opts);
+    };
+    const auto gq = grad(0, hq), gk = grad(1, hkv), gv = grad(2, hkv);
+    at::Tensor gy;
+    if (ctx->saved_data["fast"].toBool()) {
+#ifdef ACCRUE_CUDA_KERNELS
+      gy = at::empty({n, t, (hq + 2 * hkv) * d}, opts);
+      check_launch(accrue_k_rope_qkv_bwd(dtype_code(opts.dtype().toScalarType()),
+                                         gq.data_ptr(), gk.data_ptr(), gv.data_ptr(),
+                                         cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                         gy.data_ptr(), n, t, hq, hkv, d, stream_of(gq)),
+                   "rope_qkv backward");
+#endif
+    } else {
+      // autograd's chain through transformers' ops: the T-typed input
+      // times fp32 cos gives cast_T(g * cos); rotate_half's side gives
+      // cast_T(g * sin) moved back with its sign; added as T tensors.
+      const auto type = opts.dtype().toScalarType();
+      const auto c = cos.view({1, 1, t, half}), s = sin.view({1, 1, t, half});
+      const auto back = [&](const at::Tensor& g) {
+        const auto gf = g.to(at::kFloat);
+        const auto g1 = gf.narrow(-1, 0, half), g2 = gf.narrow(-1, half, half);
+        const auto a1 = (g1 * c).to(type), a2 = (g2 * c).to(type);
+        const auto r1 = (g1 * s).to(type), r2 = (g2 * s).to(type);
+        return at::cat({a1 + r2, a2 + (-r1)}, -1).permute({0, 2, 1, 3});
+      };
+      gy = at::cat({back(gq), back(gk), gv.permute({0, 2, 1, 3})}, 2)
+               .reshape({n, t, (hq + 2 * hkv) * d});
+    }
+    return {gy, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// y [..., 2I] (gate | up) -> silu(gate) * up [..., I], in y's type.
+struct Swiglu : public torch::autograd::Function<Swiglu> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, bool kernels) {
+    TORCH_CHECK(y.size(-1) % 2 == 0, "swiglu: ", y.size(-1), " features are not gate | up");
+    const int64_t inner = y.size(-1) / 2;
+    const auto yc = y.contiguous();
+    at::Tensor out;
+    const bool fast = kernels_for(y, kernels);
+    if (fast) {
+#ifdef ACCRUE_CUDA_KERNELS
+      auto sizes = yc.sizes().vec();
+      sizes.back() = inner;
+      out = at::empty(sizes, yc.options());
+      check_launch(accrue_k_swiglu_fwd(dtype_code(yc.scalar_type()), yc.data_ptr(),
+                                       out.data_ptr(), yc.numel() / (2 * inner), inner,
+                                       stream_of(yc)),
+                   "swiglu forward");
+#endif
+    } else {
+      out = at::silu(yc.narrow(-1, 0, inner)) * yc.narrow(-1, inner, inner);
+    }
+    ctx->save_for_backward({yc});
+    ctx->saved_data["fast"] = fast;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto yc = ctx->get_saved_variables()[0];
+    const int64_t inner = yc.size(-1) / 2;
+    const auto go = grads[0].contiguous();
+    at::Tensor gy;
+    if (ctx->saved_data["fast"].toBool()) {
+#ifdef ACCRUE_CUDA_KERNELS
+      gy = at::empty_like(yc);
+      check_launch(accrue_k_swiglu_bwd(dtype_code(yc.scalar_type()), yc.data_ptr(),
+                                       go.data_ptr(), gy.data_ptr(), yc.numel() / (2 * inner),
+                                       inner, stream_of(yc)),
+                   "swiglu backward");
+#endif
+    } else {
+      const auto g = yc.narrow(-1, 0, inner), u = yc.narrow(-1, inner, inner);
+      const auto gs = go * u;
+      const auto gu = go * at::silu(g);
+      gy = at::cat({at::silu_backward(gs, g), gu}, -1);
+    }
+    return {gy, at::Tensor()};
+  }
+};
+
+void write_error(const char* what, char* err, size_t len) {
+  if (err == nullptr || len == 0) {
+    return;
+  }
+  const size_t n = std::min(std::strlen(what), len - 1);
+  std::memcpy(err, what, n);
+  err[n] = '\0';
+}
+
+// Runs `f`, turning a C++ exception into -1 and its message.
+template <typename F>
+int guarded(F f, char* err, size_t len) {
+  try {
+    f();
+    return 0;
+  } catch (const c10::Error& e) {
+    write_error(e.what_without_backtrace(), err, len);
+  } catch (const std::exception& e) {
+    write_error(e.what(), err, len);
+  }
+  return -1;
+}
+
+const at::Tensor& tensor(void* p) { return *static_cast<at::Tensor*>(p); }
+
+}  // namespace
+
+// Tensor handles are tch's (`at::Tensor*`); each output is a new handle
+// the caller owns. kernels: 1 runs accrue's CUDA kernels on CUDA tensors
+// (when built), 0 the ATen chain. Each returns 0, or -1 with libtorch's
+// message (without its backtrace) in err.
+extern "C" {
+
+int accrue_ops_have_kernels() {
+#ifdef ACCRUE_CUDA_KERNELS
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int accrue_op_rms_norm_cast(void* x, void* w, double eps, int dtype, int kernels, void** out,
+                            char* err, size_t len) {
+  return guarded(
+      [&] {
+        *out = new at::Tensor(
+            RmsNormCast::apply(tensor(x), tensor(w), eps, static_cast<int64_t>(dtype), kernels != 0));
+      },
+      err, len);
+}
+
+int accrue_op_rope_qkv(void* y, void* cos, void* sin, int64_t hq, int64_t hkv, int kernels,
+                       void** q, void** k, void** v, char* err, size_t len) {
+  return guarded(
+      [&] {
+        auto outs = RopeQkv::apply(tensor(y), tensor(cos), tensor(sin), hq, hkv, kernels != 0);
+        *q = new at::Tensor(outs[0]);
+        *k = new at::Tensor(outs[1]);
+        *v = new at::Tensor(outs[2]);
+      },
+      err, len);
+}
+
+int accrue_op_swiglu(void* y, int kernels, void** out, char* err, size_t len) {
+  return guarded([&] { *out = new at::Tensor(Swiglu::apply(tensor(y), kernels != 0)); }, err,
+                 len);
+}
+}

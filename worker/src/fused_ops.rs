@@ -1,0 +1,167 @@
+//! The Llama family's fused operations under autocast (csrc/fused_ops.cpp,
+//! docs/SEMANTICS.md "Fused kernels"): autograd functions that compute
+//! what a chain of transformers' ops computes, with its roundings, in one
+//! CUDA kernel forward and one backward (csrc/kernels.cu, built with
+//! `ACCRUE_CUDA=1`), or through ATen's ops (the reference: the CPU, and
+//! CUDA when `kernels` is false).
+//!
+//! - [`rms_norm_cast`]: LlamaRMSNorm of the fp32 residual stream, then
+//!   autocast's cast for the next projection;
+//! - [`rope_qkv`]: the fused q/k/v projection's output split into heads,
+//!   q and k rotated (transformers' `apply_rotary_pos_emb` in fp32), cast
+//!   as autocast casts them for the attention;
+//! - [`swiglu`]: `silu(gate) * up` of the fused gate/up projection's
+//!   output, in the activation type.
+
+use std::ffi::{c_char, c_void, CStr};
+use tch::{Kind, TchError, Tensor};
+
+extern "C" {
+    fn accrue_ops_have_kernels() -> i32;
+    fn accrue_op_rms_norm_cast(
+        x: *mut c_void,
+        w: *mut c_void,
+        eps: f64,
+        dtype: i32,
+        kernels: i32,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn accrue_op_rope_qkv(
+        y: *mut c_void,
+        cos: *mut c_void,
+        sin: *mut c_void,
+        hq: i64,
+        hkv: i64,
+        kernels: i32,
+        q: *mut *mut c_void,
+        k: *mut *mut c_void,
+        v: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn accrue_op_swiglu(
+        y: *mut c_void,
+        kernels: i32,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+}
+
+/// Whether this build has accrue's CUDA kernels (`ACCRUE_CUDA=1`).
+pub fn kernels_built() -> bool {
+    // SAFETY: a plain C function returning a constant.
+    unsafe { accrue_ops_have_kernels() == 1 }
+}
+
+fn handle(t: &Tensor) -> *mut c_void {
+    t.as_ptr() as *mut c_void
+}
+
+/// Calls a shim function with an error buffer.
+fn call(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), TchError> {
+    let mut buf = [0 as c_char; 1024];
+    if f(buf.as_mut_ptr(), buf.len()) == 0 {
+        return Ok(());
+    }
+    // SAFETY: the buffer starts zeroed and the shim NUL-terminates what it
+    // writes into it.
+    let text = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
+    Err(TchError::Torch(text))
+}
+
+/// Takes ownership of a tensor handle the shim made.
+///
+/// # Safety
+/// `p` is a live `at::Tensor*` allocated by the shim with `new`, owned by
+/// nobody else.
+unsafe fn owned(p: *mut c_void) -> Tensor {
+    Tensor::from_ptr(p.cast())
+}
+
+/// c10::ScalarType's number of an autocast type (as amp.rs maps it).
+fn dtype_code(kind: Kind) -> Result<i32, TchError> {
+    match kind {
+        Kind::BFloat16 => Ok(15),
+        Kind::Half => Ok(5),
+        other => Err(TchError::Kind(format!(
+            "fused operations cast to bf16 or fp16, not {other:?}"
+        ))),
+    }
+}
+
+/// `cast_kind(w * (x * rsqrt(mean(x^2) + eps)))` over the last dimension
+/// of float32 `x` with float32 weight `w`.
+pub fn rms_norm_cast(
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    kind: Kind,
+    kernels: bool,
+) -> Result<Tensor, TchError> {
+    let dtype = dtype_code(kind)?;
+    let mut out = std::ptr::null_mut();
+    // SAFETY: live tensor handles borrowed for the call; the shim catches
+    // every C++ exception and writes at most `len` bytes into `err`.
+    call(|err, len| unsafe {
+        accrue_op_rms_norm_cast(
+            handle(x),
+            handle(w),
+            eps,
+            dtype,
+            i32::from(kernels),
+            &mut out,
+            err,
+            len,
+        )
+    })?;
+    // SAFETY: on success the shim set `out` to a new handle.
+    Ok(unsafe { owned(out) })
+}
+
+/// q `[N, hq, T, D]`, k and v `[N, hkv, T, D]` (contiguous, in `y`'s
+/// type) of the fused projection's output `y` `[N, T, (hq + 2 hkv) D]`,
+/// q and k rotated with float32 `cos` and `sin` `[T, D/2]`.
+pub fn rope_qkv(
+    y: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    hq: i64,
+    hkv: i64,
+    kernels: bool,
+) -> Result<[Tensor; 3], TchError> {
+    let (mut q, mut k, mut v) = (
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+    );
+    // SAFETY: as in rms_norm_cast.
+    call(|err, len| unsafe {
+        accrue_op_rope_qkv(
+            handle(y),
+            handle(cos),
+            handle(sin),
+            hq,
+            hkv,
+            i32::from(kernels),
+            &mut q,
+            &mut k,
+            &mut v,
+            err,
+            len,
+        )
+    })?;
+    // SAFETY: on success the shim set all three to new handles.
+    Ok(unsafe { [owned(q), owned(k), owned(v)] })
+}
+
+/// `silu(gate) * up` of `y` `[..., 2I]` (gate | up), in `y`'s type.
+pub fn swiglu(y: &Tensor, kernels: bool) -> Result<Tensor, TchError> {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: as in rms_norm_cast.
+    call(|err, len| unsafe { accrue_op_swiglu(handle(y), i32::from(kernels), &mut out, err, len) })?;
+    // SAFETY: on success the shim set `out` to a new handle.
+    Ok(unsafe { owned(out) })
+}
