@@ -157,11 +157,12 @@ bench-lm: setup
 # a skip fails) and then `make bench-gpu` (docs/OPERATIONS.md, "The CUDA
 # checks").
 # The graph shim's CUDA headers: the wheel's nvidia/cu13/include lacks
-# crt/ and nv/, which these two (the same CUDA 13.0) add.
+# crt/ and nv/, which these two (the same CUDA 13.0) add; nvcc and its
+# cicc (nvvm) compile accrue's kernels (csrc/kernels.cu) for sm_90.
 GPU_PYTHON ?= /opt/torch/.venv/bin/python
-CUDA_HEADERS := nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
+CUDA_HEADERS := nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88
 CUDA_TARGET ?= target/cuda
-GPU_TESTS := graphs sharding pytorch_reference distributed lm_lifecycle lm_data
+GPU_TESTS := graphs sharding pytorch_reference distributed lm_lifecycle lm_data fused_ops
 gpu-worker: setup
 	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps $(CUDA_HEADERS)
 	ACCRUE_CUDA=1 ACCRUE_PYTHON=$(GPU_PYTHON) $(CARGO) build --release -p accrue-worker --target-dir $(CUDA_TARGET)

@@ -66,6 +66,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   check distributed gpu-bin/distributed --ignored --nocapture --test-threads 1 on_cuda &
   check lm_lifecycle gpu-bin/lm_lifecycle --ignored --nocapture --test-threads 1 cuda &
   check lm_data gpu-bin/lm_data --ignored --nocapture --test-threads 1 cuda &
+  check fused_ops gpu-bin/fused_ops --ignored --nocapture --test-threads 1 cuda &
   for job in $(jobs -p); do wait "$job" || status=1; done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -67,7 +67,10 @@ fn main() {
             // libcudart.so.13 is linked below, as for the graph shim.
             .cudart("none")
             .compiler(&nvcc)
+            // cc's default host flags are gcc's, which nvcc refuses.
+            .no_default_flags(true)
             .file("csrc/kernels.cu")
+            .flag("-Xcompiler=-fPIC")
             .flag("-std=c++17")
             .flag("-O3")
             // H100 and H200 (sm_90), and PTX for later GPUs to compile.

@@ -20,6 +20,9 @@ with fp32 master weights. The sides, rotated every round:
                    and, on CUDA, [optimizer] fused = true (the same fused
                    AdamW kernel as PyTorch's side)
   accrue-eager     the same with cuda_graphs = false
+  accrue-aten      `accrue` with ACCRUE_FUSED_KERNELS=0: the fused
+                   operations through ATen's ops instead of accrue's CUDA
+                   kernels (what the kernels are worth)
 
 tokens/s: target tokens of the steps after --warmup over the time since
 the warm-up ended (accrue: when each step's JSON line is read). MFU:
@@ -50,7 +53,7 @@ sys.path.insert(0, str(HERE))
 
 from amp_vs_pytorch import run_spec  # noqa: E402
 
-SIDES = ["pytorch-eager", "pytorch-compile", "accrue", "accrue-eager"]
+SIDES = ["pytorch-eager", "pytorch-compile", "accrue", "accrue-eager", "accrue-aten"]
 PRESETS = {
     # ~110 M parameters (tied embeddings): GPT-2 small's shape, Llama's blocks.
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048,
@@ -354,8 +357,11 @@ def main():
                 if s.startswith("pytorch"):
                     ends = run_torch(a, c, s == "pytorch-compile")
                 else:
-                    ends, _ = run_spec(a.binary, accrue_job(a, c, data, s == "accrue"),
-                                       a.threads)
+                    env = dict(os.environ)
+                    if s == "accrue-aten":
+                        env["ACCRUE_FUSED_KERNELS"] = "0"
+                    ends, _ = run_spec(a.binary, accrue_job(a, c, data, s != "accrue-eager"),
+                                       a.threads, env=env)
                 tps = rate(ends, tokens_per_step, a.warmup)
                 results[s].append(tps)
                 print(f"[round {r + 1}] {s}: {tps:,.0f} tokens/s, MFU "

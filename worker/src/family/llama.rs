@@ -428,13 +428,14 @@ impl Net {
             _ => None,
         };
         let y = x.f_linear(&w, b.as_ref())?;
-        let (nq, nk) = (wq.size()[0], wk.size()[0]);
-        let nv = wv.size()[0];
-        Ok([
-            y.f_narrow(-1, 0, nq)?,
-            y.f_narrow(-1, nq, nk)?,
-            y.f_narrow(-1, nq + nk, nv)?,
-        ])
+        // A split, whose backward is one concatenation (narrow's would be
+        // a zeroed full-width gradient per part, then their sum).
+        let sizes = [wq.size()[0], wk.size()[0], wv.size()[0]];
+        let mut parts = y.f_split_with_sizes(sizes, -1)?.into_iter();
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(q), Some(k), Some(v)) => Ok([q, k, v]),
+            _ => Err(TchError::Shape("splitting the q/k/v product".into())),
+        }
     }
 
     /// silu(gate(x)) * up(x), from one product when fused.
@@ -449,12 +450,14 @@ impl Net {
         };
         let y = x.f_linear(&w, b.as_ref())?;
         let i = l.gate.weight.size()[0];
-        y.f_narrow(-1, 0, i)?.f_silu()?.f_mul(&y.f_narrow(-1, i, i)?)
+        match y.f_split_with_sizes([i, i], -1)?.as_slice() {
+            [g, u] => g.f_silu()?.f_mul(u),
+            _ => Err(TchError::Shape("splitting the gate/up product".into())),
+        }
     }
 
     /// RoPE for positions `start..start + t` of hidden states `h` (the
-    /// complex form in fp32 when `h` is fp32, except under autocast on the
-    /// CPU; Hugging Face's otherwise).
+    /// complex form in fp32 without autocast, Hugging Face's otherwise).
     fn rope(&self, start: i64, t: i64, h: &Tensor) -> Result<Rope, TchError> {
         let device = self.inv_freq.device();
         let positions = Tensor::f_arange_start(start, start + t, (Kind::Int64, device))?
@@ -462,14 +465,14 @@ impl Net {
         let freqs = positions
             .f_unsqueeze(-1)?
             .f_mul(&self.inv_freq.f_unsqueeze(0)?)?;
-        // Under autocast on the CPU the real form keeps every rounding
-        // transformers' (its fp32 products round differently from the
-        // complex one's backward, and bf16 casts of the gradients turn a
-        // last-bit difference into a bf16 one); on CUDA the complex form
-        // is the faster one (docs/SEMANTICS.md).
+        // Under autocast the real form keeps every rounding transformers'
+        // (the complex form's fp32 products round differently in its
+        // backward, and the bf16 casts of the gradients turn a last-bit
+        // difference into a bf16 one). On CUDA the training forward under
+        // autocast takes the fused operations instead (rope_qkv).
         let complex = h.kind() == Kind::Float
             && self.head_dim % 2 == 0
-            && (device.is_cuda() || !crate::amp::Autocast::is_enabled(device));
+            && !crate::amp::Autocast::is_enabled(device);
         if complex {
             // [T, 1, d/2]: broadcast over rows (before) and heads.
             let rotation = Tensor::f_complex(&freqs.f_cos()?, &freqs.f_sin()?)?.f_unsqueeze(1)?;
@@ -501,14 +504,6 @@ impl Net {
             }
             Rope::Complex { rotation } => {
                 let turn = |y: Tensor| -> Result<Tensor, TchError> {
-                    // Under autocast the projection is bf16 or fp16: its
-                    // values, exactly in fp32, are what transformers'
-                    // `q * cos` (fp32 cos) multiplies too.
-                    let y = if y.kind() == Kind::Float {
-                        y
-                    } else {
-                        y.f_to_kind(Kind::Float)?
-                    };
                     let pairs = y.f_view([n, t, -1, d / 2, 2])?.f_view_as_complex()?;
                     pairs
                         .f_mul(rotation)?
@@ -692,12 +687,10 @@ impl Net {
 ///
 /// - `Real`: Hugging Face's, `q * cos + rotate_half(q) * sin` with
 ///   `rotate_half(x) = cat(-x[d/2:], x[:d/2])` and cos, sin `[1, 1, T, d]`
-///   in the hidden states' type: used under autocast on the CPU, where
-///   it keeps accrue's roundings those of transformers, and when the
-///   hidden states are not fp32 or a head has an odd width.
-/// - `Complex`: in fp32 (under autocast the bf16 or fp16 projection is
-///   widened first, as transformers' product with fp32 cos widens it),
-///   each pair (x[i], x[i + d/2]) of a head is the
+///   in the hidden states' type: used under autocast (bf16 and fp16 have
+///   no complex type), where it keeps accrue's roundings those of
+///   transformers.
+/// - `Complex`: in fp32, each pair (x[i], x[i + d/2]) of a head is the
 ///   complex number x[i] + x[i + d/2]·j, and RoPE is its product with
 ///   cos θ + j sin θ: real part x[i] cos − x[i + d/2] sin, imaginary part
 ///   x[i] sin + x[i + d/2] cos, which are Hugging Face's two halves. q_proj's
