@@ -220,3 +220,68 @@ fn cuda_kernels_equal_the_reference() {
         }
     }
 }
+
+/// A small Llama on CUDA under bf16 autocast, its training forward and
+/// backward through accrue's kernels against the same through the
+/// reference: the loss within 1e-3 (relative), logits and every gradient
+/// within a few units of bf16's last place of the largest element (the
+/// norm's reduction order moves a rounding, which later layers carry);
+/// a kernel that indexed or rounded wrongly would be off by far more.
+#[test]
+#[ignore = "needs CUDA"]
+fn cuda_llama_with_kernels_equals_the_reference() {
+    use accrue_worker::amp::Autocast;
+    use accrue_worker::family::llama::Net;
+    use accrue_worker::spec::{LlamaConfig, Precision};
+    if !cuda_or_skip("cuda_llama_with_kernels_equals_the_reference") {
+        return;
+    }
+    let c = LlamaConfig {
+        vocab_size: 256,
+        hidden_size: 128,
+        intermediate_size: 352,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        max_position_embeddings: 128,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        mlp_bias: false,
+    };
+    let device = Device::Cuda(0);
+    let run = |kernels: bool| {
+        tch::manual_seed(21);
+        let vs = tch::nn::VarStore::new(device);
+        let mut net = Net::new(&vs.root(), &c).unwrap();
+        net.set_fused_ops(true, kernels);
+        let ids = Tensor::randint(c.vocab_size, [2, 64], (Kind::Int64, device));
+        let logits = {
+            let _amp = Autocast::enter(device, Precision::Bf16).unwrap();
+            net.forward(&ids).unwrap()
+        };
+        let targets = ids.roll([-1], [1]);
+        let loss = logits
+            .view([-1, c.vocab_size])
+            .cross_entropy_loss::<Tensor>(&targets.view([-1]), None, tch::Reduction::Mean, -100, 0.0);
+        loss.backward();
+        let mut vars: Vec<_> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let grads: Vec<(String, Tensor)> =
+            vars.iter().map(|(n, t)| (n.clone(), t.grad().copy())).collect();
+        (loss.double_value(&[]), logits.detach(), grads)
+    };
+    let (loss_k, logits_k, grads_k) = run(true);
+    let (loss_r, logits_r, grads_r) = run(false);
+    let dl = (loss_k - loss_r).abs() / loss_r.abs();
+    let d = rel(&logits_k, &logits_r);
+    eprintln!("cuda llama: loss {loss_k} against {loss_r} ({dl:e}), logits {d:e}");
+    assert!(dl <= 1e-3, "loss {loss_k} against {loss_r}");
+    assert!(d <= 5e-2, "logits {d:e}");
+    for ((n, a), (_, b)) in grads_k.iter().zip(&grads_r) {
+        let r = rel(a, b);
+        eprintln!("  {n}: {r:e}");
+        assert!(r <= 5e-2, "gradient of {n}: {r:e}");
+    }
+}
