@@ -42,6 +42,12 @@ int accrue_k_swiglu_fwd(int dtype, const void* y, void* out, int64_t m, int64_t 
                         void* stream);
 int accrue_k_swiglu_bwd(int dtype, const void* y, const void* go, void* gy, int64_t m,
                         int64_t inner, void* stream);
+int accrue_k_cross_entropy_fwd(int dtype, const void* x, const int64_t* target, float* loss,
+                               float* row_max, float* row_logsum, int64_t m, int64_t v,
+                               void* stream);
+int accrue_k_cross_entropy_bwd(int dtype, const void* x, const int64_t* target,
+                               const float* row_max, const float* row_logsum, const float* g,
+                               void* gx, int64_t m, int64_t v, void* stream);
 }
 #endif
 
@@ -294,6 +300,69 @@ struct Swiglu : public torch::autograd::Function<Swiglu> {
   }
 };
 
+// sum over rows of -log_softmax(float(x))[target] (-100 ignored), x
+// [..., V] in bf16 or fp16, targets int64 [...]: transformers' loss on the
+// head's logits (`logits.float()`, cross_entropy with reduction sum),
+// whose gradient comes back in x's type.
+struct CrossEntropySum : public torch::autograd::Function<CrossEntropySum> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& targets,
+                            bool kernels) {
+    const int64_t v = x.size(-1);
+    const auto x2 = x.contiguous().view({-1, v});
+    const auto t = targets.to(at::kLong).contiguous().view({-1});
+    TORCH_CHECK(t.size(0) == x2.size(0), "cross_entropy_sum: ", t.size(0), " targets for ",
+                x2.size(0), " rows of logits");
+    ctx->saved_data["type"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["shape"] = x.sizes().vec();
+    const bool fast = kernels_for(x, kernels);
+    ctx->saved_data["fast"] = fast;
+    if (fast) {
+#ifdef ACCRUE_CUDA_KERNELS
+      const int64_t m = x2.size(0);
+      const auto f = x2.options().dtype(at::kFloat);
+      auto loss = at::empty({m}, f), row_max = at::empty({m}, f), row_logsum = at::empty({m}, f);
+      check_launch(accrue_k_cross_entropy_fwd(dtype_code(x2.scalar_type()), x2.data_ptr(),
+                                              t.data_ptr<int64_t>(), loss.data_ptr<float>(),
+                                              row_max.data_ptr<float>(),
+                                              row_logsum.data_ptr<float>(), m, v,
+                                              stream_of(x2)),
+                   "cross_entropy_sum forward");
+      ctx->save_for_backward({x2, t, row_max, row_logsum});
+      return loss.sum();
+#endif
+    }
+    const auto ls = at::log_softmax(x2.to(at::kFloat), -1);
+    auto [out, total_weight] = at::nll_loss_forward(ls, t, {}, at::Reduction::Sum, -100);
+    ctx->save_for_backward({ls, t, total_weight});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto type = static_cast<at::ScalarType>(ctx->saved_data["type"].toInt());
+    const auto g = grads[0].to(at::kFloat).contiguous();
+    at::Tensor gx;
+    if (ctx->saved_data["fast"].toBool()) {
+#ifdef ACCRUE_CUDA_KERNELS
+      const auto &x2 = saved[0], &t = saved[1], &row_max = saved[2], &row_logsum = saved[3];
+      gx = at::empty_like(x2);
+      check_launch(accrue_k_cross_entropy_bwd(dtype_code(x2.scalar_type()), x2.data_ptr(),
+                                              t.data_ptr<int64_t>(), row_max.data_ptr<float>(),
+                                              row_logsum.data_ptr<float>(), g.data_ptr<float>(),
+                                              gx.data_ptr(), x2.size(0), x2.size(1),
+                                              stream_of(x2)),
+                   "cross_entropy_sum backward");
+#endif
+    } else {
+      const auto &ls = saved[0], &t = saved[1], &total_weight = saved[2];
+      const auto gls =
+          at::nll_loss_backward(g, ls, t, {}, at::Reduction::Sum, -100, total_weight);
+      gx = at::_log_softmax_backward_data(gls, ls, -1, at::kFloat).to(type);
+    }
+    return {gx.view(ctx->saved_data["shape"].toIntVector()), at::Tensor(), at::Tensor()};
+  }
+};
+
 void write_error(const char* what, char* err, size_t len) {
   if (err == nullptr || len == 0) {
     return;
@@ -353,6 +422,15 @@ int accrue_op_rope_qkv(void* y, void* cos, void* sin, int64_t hq, int64_t hkv, i
         *q = new at::Tensor(outs[0]);
         *k = new at::Tensor(outs[1]);
         *v = new at::Tensor(outs[2]);
+      },
+      err, len);
+}
+
+int accrue_op_cross_entropy_sum(void* logits, void* targets, int kernels, void** out, char* err,
+                                size_t len) {
+  return guarded(
+      [&] {
+        *out = new at::Tensor(CrossEntropySum::apply(tensor(logits), tensor(targets), kernels != 0));
       },
       err, len);
 }

@@ -13,7 +13,10 @@
 //                   (x * cos + rotate_half(x) * sin), then cast as autocast
 //                   casts them for the attention;
 //   swiglu          silu(gate) * up of the gate/up projection's output
-//                   [M, 2I], in the activation type.
+//                   [M, 2I], in the activation type;
+//   cross_entropy   the head's T-typed logits [M, V] widened to fp32,
+//                   log_softmax and the summed negative log-likelihood of
+//                   the targets (-100 ignored), without the fp32 logits.
 //
 // Backward kernels give the gradients autograd gives for those chains,
 // with the same roundings to the activation type. Nothing here knows
@@ -258,6 +261,77 @@ __global__ void swiglu_bwd(const T* __restrict__ y, const T* __restrict__ go,
   }
 }
 
+// The block's maximum of `v` (every thread gets it).
+__device__ float block_max(float v, float* scratch) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    scratch[warp] = v;
+  }
+  __syncthreads();
+  float m = scratch[0];
+  for (int i = 1; i < kThreads / 32; ++i) {
+    m = fmaxf(m, scratch[i]);
+  }
+  return m;
+}
+
+// One block a row of logits x [M, V]: the row's max and log(sum(exp(x -
+// max))) (kept for the backward), and its loss term -log_softmax(x)[t]
+// as ATen's epilogue computes log_softmax, (x - max) - logsum; 0 for an
+// ignored target.
+template <typename T>
+__global__ void cross_entropy_fwd(const T* __restrict__ x, const int64_t* __restrict__ target,
+                                  float* __restrict__ loss, float* __restrict__ row_max,
+                                  float* __restrict__ row_logsum, int64_t v) {
+  __shared__ float scratch[kThreads / 32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * v;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < v; j += kThreads) {
+    m = fmaxf(m, to_f<T>(xr[j]));
+  }
+  m = block_max(m, scratch);
+  float s = 0.f;
+  for (int64_t j = threadIdx.x; j < v; j += kThreads) {
+    s += expf(__fsub_rn(to_f<T>(xr[j]), m));
+  }
+  s = block_sum(s, scratch);
+  const float logsum = logf(s);
+  if (threadIdx.x == 0) {
+    row_max[row] = m;
+    row_logsum[row] = logsum;
+    const int64_t t = target[row];
+    loss[row] = (t < 0 || t >= v) ? 0.f : -__fsub_rn(__fsub_rn(to_f<T>(xr[t]), m), logsum);
+  }
+}
+
+// The backward of the summed loss with upstream gradient *g: autograd's
+// chain, nll_loss's gradient (-g at the target) through log_softmax's
+// backward, gI = gO - exp(log_softmax) * sum(gO), then the cast of the
+// widened logits' gradient to T. An ignored row's gradient is 0.
+template <typename T>
+__global__ void cross_entropy_bwd(const T* __restrict__ x, const int64_t* __restrict__ target,
+                                  const float* __restrict__ row_max,
+                                  const float* __restrict__ row_logsum,
+                                  const float* __restrict__ g, T* __restrict__ gx, int64_t v) {
+  const int64_t row = blockIdx.x;
+  const int64_t t = target[row];
+  const T* xr = x + row * v;
+  T* gr = gx + row * v;
+  const bool counted = t >= 0 && t < v;
+  const float go = counted ? -*g : 0.f;  // the target's gO; the row's sum(gO)
+  const float m = row_max[row], logsum = row_logsum[row];
+  for (int64_t j = threadIdx.x; j < v; j += kThreads) {
+    const float ls = __fsub_rn(__fsub_rn(to_f<T>(xr[j]), m), logsum);
+    const float at = j == t ? go : 0.f;
+    gr[j] = from_f<T>(__fsub_rn(at, __fmul_rn(expf(ls), go)));
+  }
+}
+
 int grid_for(int64_t total) {
   const int64_t blocks = (total + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < 65535 * 8 ? (blocks > 0 ? blocks : 1) : 65535 * 8);
@@ -354,6 +428,46 @@ int accrue_k_swiglu_fwd(int dtype, const void* y, void* out, int64_t m, int64_t 
     using T = __half;
     swiglu_fwd<T><<<grid, kThreads, 0, s>>>(static_cast<const T*>(y), static_cast<T*>(out), m,
                                             inner);
+  }
+  return last_error();
+}
+
+int accrue_k_cross_entropy_fwd(int dtype, const void* x, const int64_t* target, float* loss,
+                               float* row_max, float* row_logsum, int64_t m, int64_t v,
+                               void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (m == 0) {
+    return 0;
+  }
+  if (dtype == 0) {
+    using T = __nv_bfloat16;
+    cross_entropy_fwd<T><<<m, kThreads, 0, s>>>(static_cast<const T*>(x), target, loss, row_max,
+                                                row_logsum, v);
+  } else {
+    using T = __half;
+    cross_entropy_fwd<T><<<m, kThreads, 0, s>>>(static_cast<const T*>(x), target, loss, row_max,
+                                                row_logsum, v);
+  }
+  return last_error();
+}
+
+// g: the upstream gradient, one float on the device (no host read, so a
+// CUDA graph can hold the launch).
+int accrue_k_cross_entropy_bwd(int dtype, const void* x, const int64_t* target,
+                               const float* row_max, const float* row_logsum, const float* g,
+                               void* gx, int64_t m, int64_t v, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (m == 0) {
+    return 0;
+  }
+  if (dtype == 0) {
+    using T = __nv_bfloat16;
+    cross_entropy_bwd<T><<<m, kThreads, 0, s>>>(static_cast<const T*>(x), target, row_max,
+                                                row_logsum, g, static_cast<T*>(gx), v);
+  } else {
+    using T = __half;
+    cross_entropy_bwd<T><<<m, kThreads, 0, s>>>(static_cast<const T*>(x), target, row_max,
+                                                row_logsum, g, static_cast<T*>(gx), v);
   }
   return last_error();
 }

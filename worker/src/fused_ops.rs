@@ -11,7 +11,10 @@
 //!   q and k rotated (transformers' `apply_rotary_pos_emb` in fp32), cast
 //!   as autocast casts them for the attention;
 //! - [`swiglu`]: `silu(gate) * up` of the fused gate/up projection's
-//!   output, in the activation type.
+//!   output, in the activation type;
+//! - [`cross_entropy_sum`]: the summed cross-entropy of the head's bf16
+//!   or fp16 logits as transformers computes it on `logits.float()`,
+//!   without the fp32 logits (their gradient comes back in their type).
 
 use std::ffi::{c_char, c_void, CStr};
 use tch::{Kind, TchError, Tensor};
@@ -41,6 +44,14 @@ extern "C" {
         err: *mut c_char,
         len: usize,
     ) -> i32;
+    fn accrue_op_cross_entropy_sum(
+        logits: *mut c_void,
+        targets: *mut c_void,
+        kernels: i32,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
     fn accrue_op_swiglu(
         y: *mut c_void,
         kernels: i32,
@@ -54,6 +65,13 @@ extern "C" {
 pub fn kernels_built() -> bool {
     // SAFETY: a plain C function returning a constant.
     unsafe { accrue_ops_have_kernels() == 1 }
+}
+
+/// Whether the fused operations on `device` run accrue's kernels: CUDA,
+/// a build that has them, and not `ACCRUE_FUSED_KERNELS=0` in the
+/// environment (the reference then, docs/OPERATIONS.md).
+pub fn use_kernels(device: tch::Device) -> bool {
+    device.is_cuda() && kernels_built() && std::env::var("ACCRUE_FUSED_KERNELS").as_deref() != Ok("0")
 }
 
 fn handle(t: &Tensor) -> *mut c_void {
@@ -162,6 +180,20 @@ pub fn swiglu(y: &Tensor, kernels: bool) -> Result<Tensor, TchError> {
     let mut out = std::ptr::null_mut();
     // SAFETY: as in rms_norm_cast.
     call(|err, len| unsafe { accrue_op_swiglu(handle(y), i32::from(kernels), &mut out, err, len) })?;
+    // SAFETY: on success the shim set `out` to a new handle.
+    Ok(unsafe { owned(out) })
+}
+
+/// `sum(-log_softmax(logits.float())[target])` over the targets that are
+/// not -100: `logits` `[..., V]` bf16 or fp16, `targets` int64 `[...]`; a
+/// float32 0-dim tensor whose gradient flows back to `logits` in their
+/// type.
+pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor, kernels: bool) -> Result<Tensor, TchError> {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: as in rms_norm_cast.
+    call(|err, len| unsafe {
+        accrue_op_cross_entropy_sum(handle(logits), handle(targets), i32::from(kernels), &mut out, err, len)
+    })?;
     // SAFETY: on success the shim set `out` to a new handle.
     Ok(unsafe { owned(out) })
 }

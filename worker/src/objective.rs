@@ -106,13 +106,23 @@ impl Objective for Classification {
 /// Causal language modelling: cross-entropy of fp32 `[N, T, vocab]` logits
 /// against i64 `[N, T]` next-token targets, summed over the targets that
 /// are not -100 (padding, masked prompt tokens), one term per target;
-/// accuracy is next-token argmax accuracy over those targets.
+/// accuracy is next-token argmax accuracy over those targets. Logits in
+/// bf16 or fp16 (the Llama forward under autocast with its fused
+/// operations) are widened as transformers' `logits.float()` does; the
+/// summed loss of such logits is one fused operation
+/// (crate::fused_ops::cross_entropy_sum: on CUDA without the fp32 logits).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CausalLm;
 
 impl CausalLm {
     fn cross_entropy(output: &Tensor, batch: &Batch, reduction: Reduction) -> Result<Tensor> {
         let vocab = output.size().last().copied().unwrap_or(0);
+        let low = matches!(output.kind(), Kind::BFloat16 | Kind::Half);
+        if low && matches!(reduction, Reduction::Sum) {
+            let kernels = crate::fused_ops::use_kernels(output.device());
+            return crate::fused_ops::cross_entropy_sum(output, &batch.targets, kernels)
+                .ctx("computing the loss");
+        }
         output
             .f_to_kind(Kind::Float)
             .and_then(|o| o.f_reshape([-1, vocab]))

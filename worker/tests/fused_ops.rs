@@ -6,7 +6,7 @@
 
 mod common;
 
-use accrue_worker::fused_ops::{kernels_built, rms_norm_cast, rope_qkv, swiglu};
+use accrue_worker::fused_ops::{cross_entropy_sum, kernels_built, rms_norm_cast, rope_qkv, swiglu};
 use common::cuda_or_skip;
 use tch::{Device, Kind, Tensor};
 
@@ -56,6 +56,19 @@ fn rope_chain(y: &Tensor, cos: &Tensor, sin: &Tensor, hq: i64, hkv: i64) -> [Ten
     [turn(heads(0, hq)), turn(heads(hq, hkv)), heads(hq + hkv, hkv).contiguous()]
 }
 
+/// transformers' loss on the head's logits: `logits.float()`, then
+/// cross_entropy with reduction sum (-100 ignored).
+fn cross_entropy_chain(logits: &Tensor, targets: &Tensor) -> Tensor {
+    let v = logits.size().last().copied().unwrap();
+    logits.to_kind(Kind::Float).view([-1, v]).cross_entropy_loss::<Tensor>(
+        &targets.view([-1]),
+        None,
+        tch::Reduction::Sum,
+        -100,
+        0.0,
+    )
+}
+
 fn swiglu_chain(y: &Tensor) -> Tensor {
     let i = y.size().last().copied().unwrap() / 2;
     y.narrow(-1, 0, i).silu() * y.narrow(-1, i, i)
@@ -87,6 +100,8 @@ struct Case {
     cos: Tensor,
     sin: Tensor,
     y_mlp: Tensor,
+    logits: Tensor,
+    targets: Tensor,
     hq: i64,
     hkv: i64,
 }
@@ -105,6 +120,12 @@ fn case(device: Device, kind: Kind) -> Case {
         cos: freqs.cos(),
         sin: freqs.sin(),
         y_mlp: leaf(Tensor::randn([n, t, 2 * inner], f).to_kind(kind)),
+        // A vocabulary wider than a block's threads, some targets ignored.
+        logits: leaf((Tensor::randn([n, t, 1000], f) * 4.0).to_kind(kind)),
+        targets: Tensor::randint(1000, [n, t], (Kind::Int64, device)).where_scalarother(
+            &Tensor::rand([n, t], f).ge(0.2),
+            -100,
+        ),
         hq,
         hkv,
     }
@@ -143,14 +164,20 @@ fn outputs(c: &Case, kind: Kind, fused: bool, kernels: bool) -> Vec<(String, Ten
         swiglu_chain(&c.y_mlp)
     };
     record("swiglu", vec![mlp], &[&c.y_mlp]);
+    let loss = if fused {
+        cross_entropy_sum(&c.logits, &c.targets, kernels).unwrap()
+    } else {
+        cross_entropy_chain(&c.logits, &c.targets)
+    };
+    record("cross_entropy_sum", vec![loss], &[&c.logits]);
     got
 }
 
-/// On the CPU, the reference implementation is transformers' chain: RoPE
-/// and SwiGLU forward and backward bit for bit (autograd's roundings to
-/// the activation type reproduced), the norm's output bit for bit and its
-/// hand-written backward within float rounding of autograd's; bf16 and
-/// fp16.
+/// On the CPU, the reference implementation is transformers' chain: RoPE,
+/// SwiGLU and the loss forward and backward bit for bit (autograd's
+/// roundings to the activation type reproduced), the norm's output bit
+/// for bit and its hand-written backward within float rounding of
+/// autograd's; bf16 and fp16.
 #[test]
 fn reference_ops_are_transformers_chains_on_the_cpu() {
     for kind in [Kind::BFloat16, Kind::Half] {
@@ -193,7 +220,9 @@ fn bad_input_is_a_clear_error() {
 /// without contraction, the same casts), SwiGLU and the norm's output
 /// within one unit of the last place of the activation type (a different
 /// exp contraction or reduction order can move a rounding), the norm's
-/// gradients within float rounding (summed in another order).
+/// gradients within float rounding (summed in another order); the loss
+/// within float rounding (its rows summed in another order) and its
+/// gradient within one unit of the type's last place.
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_kernels_equal_the_reference() {
@@ -212,7 +241,10 @@ fn cuda_kernels_equal_the_reference() {
             eprintln!("cuda {kind:?} {name}: {n} of {} differ, {r:e}", a.numel());
             if name.starts_with("rope_qkv") {
                 assert_eq!(n, 0, "{kind:?} {name}: {r:e}");
-            } else if name == "rms_norm_cast.grad0" || name == "rms_norm_cast.grad1" {
+            } else if name == "rms_norm_cast.grad0"
+                || name == "rms_norm_cast.grad1"
+                || name == "cross_entropy_sum.out0"
+            {
                 assert!(r <= 1e-5, "{kind:?} {name}: {r:e}");
             } else {
                 assert!(r <= ulp, "{kind:?} {name}: {r:e}");
@@ -221,8 +253,8 @@ fn cuda_kernels_equal_the_reference() {
     }
 }
 
-/// A small Llama on CUDA under bf16 autocast, its training forward and
-/// backward through accrue's kernels against the same through the
+/// A small Llama on CUDA under bf16 autocast, its training forward, loss
+/// and backward through accrue's kernels against the same through the
 /// reference: the loss within 1e-3 (relative), logits and every gradient
 /// within a few units of bf16's last place of the largest element (the
 /// norm's reduction order moves a rounding, which later layers carry);
@@ -261,10 +293,10 @@ fn cuda_llama_with_kernels_equals_the_reference() {
             let _amp = Autocast::enter(device, Precision::Bf16).unwrap();
             net.forward(&ids).unwrap()
         };
+        // The loss as the LM objective takes it: summed over the targets,
+        // through the fused loss (kernel or reference alike).
         let targets = ids.roll([-1], [1]);
-        let loss = logits
-            .view([-1, c.vocab_size])
-            .cross_entropy_loss::<Tensor>(&targets.view([-1]), None, tch::Reduction::Mean, -100, 0.0);
+        let loss = cross_entropy_sum(&logits, &targets, kernels).unwrap() / targets.numel() as f64;
         loss.backward();
         let mut vars: Vec<_> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));

@@ -304,9 +304,7 @@ impl Net {
             scale: (d as f64).powf(-0.5),
             fuse_projections: root.device().is_cuda(),
             fused_ops: root.device().is_cuda() && d % 2 == 0,
-            kernels: root.device().is_cuda()
-                && crate::fused_ops::kernels_built()
-                && std::env::var("ACCRUE_FUSED_KERNELS").as_deref() != Ok("0"),
+            kernels: crate::fused_ops::use_kernels(root.device()),
         })
     }
 
@@ -538,7 +536,14 @@ impl Net {
         l.o.forward(&out)
     }
 
+    /// Logits: fp32, or under autocast with the fused operations in the
+    /// autocast type (the loss widens them, crate::objective: transformers'
+    /// `logits.float()`).
     fn try_forward(&self, ids: &Tensor) -> Result<Tensor, TchError> {
+        if let Some(kind) = self.fused_kind(ids.device()) {
+            let features = self.try_features_fused(ids, kind)?;
+            return features.f_linear(self.head_weight(), None::<&Tensor>);
+        }
         self.head(&self.try_features(ids)?)
     }
 
