@@ -349,15 +349,20 @@ impl Net {
         let k = self.kernels;
         let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
         let (cos, sin) = self.rope_table(t)?;
+        // Each weight cast to the autocast type as autocast would cast it
+        // for its own product, then concatenated: the same values, and
+        // half the bytes a concatenation in fp32 would move.
         let cat_weights = |ls: &[&Linear]| -> Result<(Tensor, Option<Tensor>), TchError> {
-            let w = Tensor::f_cat(&ls.iter().map(|l| &l.weight).collect::<Vec<_>>(), 0)?;
-            let b = ls
-                .iter()
-                .map(|l| l.bias.as_ref())
-                .collect::<Option<Vec<_>>>()
-                .map(|bs| Tensor::f_cat(&bs, 0))
-                .transpose()?;
-            Ok((w, b))
+            let cast = |t: &Tensor| t.f_to_kind(kind);
+            let w = ls.iter().map(|l| cast(&l.weight)).collect::<Result<Vec<_>, _>>()?;
+            let b = match ls.iter().map(|l| l.bias.as_ref()).collect::<Option<Vec<_>>>() {
+                Some(bs) => {
+                    let bs = bs.into_iter().map(cast).collect::<Result<Vec<_>, _>>()?;
+                    Some(Tensor::f_cat(&bs, 0)?)
+                }
+                None => None,
+            };
+            Ok((Tensor::f_cat(&w, 0)?, b))
         };
         for l in &self.layers {
             let x = crate::fused_ops::rms_norm_cast(&h, &l.input_norm.weight, l.input_norm.eps, kind, k)?;
