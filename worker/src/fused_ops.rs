@@ -71,7 +71,9 @@ pub fn kernels_built() -> bool {
 /// a build that has them, and not `ACCRUE_FUSED_KERNELS=0` in the
 /// environment (the reference then, docs/OPERATIONS.md).
 pub fn use_kernels(device: tch::Device) -> bool {
-    device.is_cuda() && kernels_built() && std::env::var("ACCRUE_FUSED_KERNELS").as_deref() != Ok("0")
+    device.is_cuda()
+        && kernels_built()
+        && std::env::var("ACCRUE_FUSED_KERNELS").as_deref() != Ok("0")
 }
 
 fn handle(t: &Tensor) -> *mut c_void {
@@ -86,7 +88,9 @@ fn call(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), TchError> {
     }
     // SAFETY: the buffer starts zeroed and the shim NUL-terminates what it
     // writes into it.
-    let text = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
+    let text = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
     Err(TchError::Torch(text))
 }
 
@@ -179,7 +183,9 @@ pub fn rope_qkv(
 pub fn swiglu(y: &Tensor, kernels: bool) -> Result<Tensor, TchError> {
     let mut out = std::ptr::null_mut();
     // SAFETY: as in rms_norm_cast.
-    call(|err, len| unsafe { accrue_op_swiglu(handle(y), i32::from(kernels), &mut out, err, len) })?;
+    call(|err, len| unsafe {
+        accrue_op_swiglu(handle(y), i32::from(kernels), &mut out, err, len)
+    })?;
     // SAFETY: on success the shim set `out` to a new handle.
     Ok(unsafe { owned(out) })
 }
@@ -188,11 +194,22 @@ pub fn swiglu(y: &Tensor, kernels: bool) -> Result<Tensor, TchError> {
 /// not -100: `logits` `[..., V]` bf16 or fp16, `targets` int64 `[...]`; a
 /// float32 0-dim tensor whose gradient flows back to `logits` in their
 /// type.
-pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor, kernels: bool) -> Result<Tensor, TchError> {
+pub fn cross_entropy_sum(
+    logits: &Tensor,
+    targets: &Tensor,
+    kernels: bool,
+) -> Result<Tensor, TchError> {
     let mut out = std::ptr::null_mut();
     // SAFETY: as in rms_norm_cast.
     call(|err, len| unsafe {
-        accrue_op_cross_entropy_sum(handle(logits), handle(targets), i32::from(kernels), &mut out, err, len)
+        accrue_op_cross_entropy_sum(
+            handle(logits),
+            handle(targets),
+            i32::from(kernels),
+            &mut out,
+            err,
+            len,
+        )
     })?;
     // SAFETY: on success the shim set `out` to a new handle.
     Ok(unsafe { owned(out) })

@@ -260,7 +260,8 @@ impl Optimizer {
         };
         let total: usize = params.iter().map(|(_, p)| p.numel()).sum();
         // `fused = true` asks for PyTorch's fused kernel, not this one.
-        if self.is_aten_fused() || total != grads.len()
+        if self.is_aten_fused()
+            || total != grads.len()
             || self.state.len() < params.len()
             || !params.iter().all(|(_, p)| flat_f32(p))
         {

@@ -33,7 +33,9 @@ fn leaf(t: Tensor) -> Tensor {
 
 /// transformers' LlamaRMSNorm and autocast's cast of its output.
 fn norm_chain(x: &Tensor, w: &Tensor, kind: Kind) -> Tensor {
-    let variance = x.pow_tensor_scalar(2).mean_dim(Some([-1i64].as_slice()), true, None::<Kind>);
+    let variance = x
+        .pow_tensor_scalar(2)
+        .mean_dim(Some([-1i64].as_slice()), true, None::<Kind>);
     (w * (x * (variance + EPS).rsqrt())).to_kind(kind)
 }
 
@@ -44,7 +46,11 @@ fn rope_chain(y: &Tensor, cos: &Tensor, sin: &Tensor, hq: i64, hkv: i64) -> [Ten
     let (n, t, f) = y.size3().unwrap();
     let d = f / (hq + 2 * hkv);
     let kind = y.kind();
-    let heads = |from: i64, count: i64| y.narrow(-1, from * d, count * d).view([n, t, count, d]).transpose(1, 2);
+    let heads = |from: i64, count: i64| {
+        y.narrow(-1, from * d, count * d)
+            .view([n, t, count, d])
+            .transpose(1, 2)
+    };
     let emb = |c: &Tensor| Tensor::cat(&[c, c], -1).view([1, 1, t, d]);
     let (c, s) = (emb(cos), emb(sin));
     let turn = |x: Tensor| {
@@ -53,20 +59,21 @@ fn rope_chain(y: &Tensor, cos: &Tensor, sin: &Tensor, hq: i64, hkv: i64) -> [Ten
         let half = Tensor::cat(&[&x2.neg(), &x1], -1);
         (&x * &c + &half * &s).to_kind(kind).contiguous()
     };
-    [turn(heads(0, hq)), turn(heads(hq, hkv)), heads(hq + hkv, hkv).contiguous()]
+    [
+        turn(heads(0, hq)),
+        turn(heads(hq, hkv)),
+        heads(hq + hkv, hkv).contiguous(),
+    ]
 }
 
 /// transformers' loss on the head's logits: `logits.float()`, then
 /// cross_entropy with reduction sum (-100 ignored).
 fn cross_entropy_chain(logits: &Tensor, targets: &Tensor) -> Tensor {
     let v = logits.size().last().copied().unwrap();
-    logits.to_kind(Kind::Float).view([-1, v]).cross_entropy_loss::<Tensor>(
-        &targets.view([-1]),
-        None,
-        tch::Reduction::Sum,
-        -100,
-        0.0,
-    )
+    logits
+        .to_kind(Kind::Float)
+        .view([-1, v])
+        .cross_entropy_loss::<Tensor>(&targets.view([-1]), None, tch::Reduction::Sum, -100, 0.0)
 }
 
 fn swiglu_chain(y: &Tensor) -> Tensor {
@@ -122,10 +129,8 @@ fn case(device: Device, kind: Kind) -> Case {
         y_mlp: leaf(Tensor::randn([n, t, 2 * inner], f).to_kind(kind)),
         // A vocabulary wider than a block's threads, some targets ignored.
         logits: leaf((Tensor::randn([n, t, 1000], f) * 4.0).to_kind(kind)),
-        targets: Tensor::randint(1000, [n, t], (Kind::Int64, device)).where_scalarother(
-            &Tensor::rand([n, t], f).ge(0.2),
-            -100,
-        ),
+        targets: Tensor::randint(1000, [n, t], (Kind::Int64, device))
+            .where_scalarother(&Tensor::rand([n, t], f).ge(0.2), -100),
         hq,
         hkv,
     }
@@ -229,12 +234,19 @@ fn cuda_kernels_equal_the_reference() {
     if !cuda_or_skip("cuda_kernels_equal_the_reference") {
         return;
     }
-    assert!(kernels_built(), "this test binary was built without ACCRUE_CUDA=1");
+    assert!(
+        kernels_built(),
+        "this test binary was built without ACCRUE_CUDA=1"
+    );
     for kind in [Kind::BFloat16, Kind::Half] {
         let c = case(Device::Cuda(0), kind);
         let fast = outputs(&c, kind, true, true);
         let reference = outputs(&c, kind, true, false);
-        let ulp = if kind == Kind::BFloat16 { 1.0 / 128.0 } else { 1.0 / 1024.0 };
+        let ulp = if kind == Kind::BFloat16 {
+            1.0 / 128.0
+        } else {
+            1.0 / 1024.0
+        };
         for ((name, a), (_, b)) in fast.iter().zip(&reference) {
             assert_eq!(a.size(), b.size(), "{kind:?} {name}");
             let (n, r) = (differing(a, b), rel(a, b));
@@ -300,8 +312,10 @@ fn cuda_llama_with_kernels_equals_the_reference() {
         loss.backward();
         let mut vars: Vec<_> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let grads: Vec<(String, Tensor)> =
-            vars.iter().map(|(n, t)| (n.clone(), t.grad().copy())).collect();
+        let grads: Vec<(String, Tensor)> = vars
+            .iter()
+            .map(|(n, t)| (n.clone(), t.grad().copy()))
+            .collect();
         (loss.double_value(&[]), logits.detach(), grads)
     };
     let (loss_k, logits_k, grads_k) = run(true);

@@ -711,7 +711,11 @@ fn adam_steps(kind: &str, fused: bool, torch_fused: bool, device: tch::Device) -
         ours.push((format!("{state}.{param}"), t.to_device(tch::Device::Cpu)));
     }
     Tensor::write_safetensors(&ours, d.join("accrue.safetensors")).unwrap();
-    let torch_device = if device == tch::Device::Cpu { "cpu" } else { "cuda" };
+    let torch_device = if device == tch::Device::Cpu {
+        "cpu"
+    } else {
+        "cuda"
+    };
     let cfg = format!(
         r#"{{"kind":"{kind}","weight_decay":0.05,"fused":{torch_fused},"lrs":{lrs:?},"device":"{torch_device}"}}"#
     );
@@ -735,7 +739,10 @@ fn adam_steps(kind: &str, fused: bool, torch_fused: bool, device: tch::Device) -
 fn fused_adam_and_adamw_steps_are_pytorchs_fused_steps_to_the_bit() {
     for kind in ["adam", "adamw"] {
         let (differ, worst) = adam_steps(kind, true, true, tch::Device::Cpu);
-        assert_eq!(differ, 0, "{kind}: {differ} elements differ, by up to {worst:e}");
+        assert_eq!(
+            differ, 0,
+            "{kind}: {differ} elements differ, by up to {worst:e}"
+        );
         let (differ, worst) = adam_steps(kind, true, false, tch::Device::Cpu);
         assert!(
             differ > 0 && worst < 1e-6,

@@ -165,7 +165,11 @@ fn optimizer_fused_is_for_adam_and_adamw() {
     );
     for kind in ["adam", "adamw"] {
         let text = replace(BASE, "kind = \"sgd\"", &format!("kind = \"{kind}\""));
-        assert!(accepted(&with(&text, "optimizer", "fused = true")).optimizer.fused);
+        assert!(
+            accepted(&with(&text, "optimizer", "fused = true"))
+                .optimizer
+                .fused
+        );
     }
 }
 

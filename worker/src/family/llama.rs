@@ -354,8 +354,15 @@ impl Net {
         // half the bytes a concatenation in fp32 would move.
         let cat_weights = |ls: &[&Linear]| -> Result<(Tensor, Option<Tensor>), TchError> {
             let cast = |t: &Tensor| t.f_to_kind(kind);
-            let w = ls.iter().map(|l| cast(&l.weight)).collect::<Result<Vec<_>, _>>()?;
-            let b = match ls.iter().map(|l| l.bias.as_ref()).collect::<Option<Vec<_>>>() {
+            let w = ls
+                .iter()
+                .map(|l| cast(&l.weight))
+                .collect::<Result<Vec<_>, _>>()?;
+            let b = match ls
+                .iter()
+                .map(|l| l.bias.as_ref())
+                .collect::<Option<Vec<_>>>()
+            {
                 Some(bs) => {
                     let bs = bs.into_iter().map(cast).collect::<Result<Vec<_>, _>>()?;
                     Some(Tensor::f_cat(&bs, 0)?)
@@ -365,10 +372,17 @@ impl Net {
             Ok((Tensor::f_cat(&w, 0)?, b))
         };
         for l in &self.layers {
-            let x = crate::fused_ops::rms_norm_cast(&h, &l.input_norm.weight, l.input_norm.eps, kind, k)?;
+            let x = crate::fused_ops::rms_norm_cast(
+                &h,
+                &l.input_norm.weight,
+                l.input_norm.eps,
+                kind,
+                k,
+            )?;
             let (w, b) = cat_weights(&[&l.q, &l.k, &l.v])?;
             let y = x.f_linear(&w, b.as_ref())?;
-            let [q, kk, v] = crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
+            let [q, kk, v] =
+                crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
             let out = Tensor::f_scaled_dot_product_attention(
                 &q,
                 &kk,
@@ -379,9 +393,13 @@ impl Net {
                 Some(self.scale),
                 self.kv_heads < self.heads,
             )?;
-            let out = out.f_transpose(1, 2)?.f_contiguous()?.f_reshape([n, t, -1])?;
+            let out = out
+                .f_transpose(1, 2)?
+                .f_contiguous()?
+                .f_reshape([n, t, -1])?;
             h = h.f_add(&l.o.forward(&out)?)?;
-            let x = crate::fused_ops::rms_norm_cast(&h, &l.post_norm.weight, l.post_norm.eps, kind, k)?;
+            let x =
+                crate::fused_ops::rms_norm_cast(&h, &l.post_norm.weight, l.post_norm.eps, kind, k)?;
             let (w, b) = cat_weights(&[&l.gate, &l.up])?;
             let m = crate::fused_ops::swiglu(&x.f_linear(&w, b.as_ref())?, k)?;
             h = h.f_add(&l.down.forward(&m)?)?;
@@ -403,15 +421,22 @@ impl Net {
         x: &Tensor,
         rows: Option<(&Tensor, &Tensor)>,
     ) -> Result<[Tensor; 3], TchError> {
-        let pick = |lin: &Linear, r: Option<&Tensor>| -> Result<(Tensor, Option<Tensor>), TchError> {
-            Ok(match r {
-                Some(r) => (
-                    lin.weight.f_index_select(0, r)?,
-                    lin.bias.as_ref().map(|b| b.f_index_select(0, r)).transpose()?,
-                ),
-                None => (lin.weight.shallow_clone(), lin.bias.as_ref().map(Tensor::shallow_clone)),
-            })
-        };
+        let pick =
+            |lin: &Linear, r: Option<&Tensor>| -> Result<(Tensor, Option<Tensor>), TchError> {
+                Ok(match r {
+                    Some(r) => (
+                        lin.weight.f_index_select(0, r)?,
+                        lin.bias
+                            .as_ref()
+                            .map(|b| b.f_index_select(0, r))
+                            .transpose()?,
+                    ),
+                    None => (
+                        lin.weight.shallow_clone(),
+                        lin.bias.as_ref().map(Tensor::shallow_clone),
+                    ),
+                })
+            };
         let (qr, kr) = (rows.map(|r| r.0), rows.map(|r| r.1));
         if !self.fuse_projections {
             let one = |lin: &Linear, r: Option<&Tensor>| -> Result<Tensor, TchError> {
@@ -514,8 +539,7 @@ impl Net {
                         .f_reshape([n, t, -1, d])?
                         .f_transpose(1, 2)
                 };
-                let [q, k, v] =
-                    self.project_qkv(l, x, Some((&self.q_rows, &self.k_rows)))?;
+                let [q, k, v] = self.project_qkv(l, x, Some((&self.q_rows, &self.k_rows)))?;
                 Ok([turn(q)?, turn(k)?, split(v)?])
             }
         }
@@ -854,7 +878,10 @@ mod tests {
                 let mut worst = 0f64;
                 for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
                     let d = rel(b, a);
-                    assert!(d <= tol, "kv {kv} bias {bias} bf16 {bf16}: gradient {i}: {d:e}");
+                    assert!(
+                        d <= tol,
+                        "kv {kv} bias {bias} bf16 {bf16}: gradient {i}: {d:e}"
+                    );
                     worst = worst.max(d);
                 }
                 eprintln!("kv {kv} bias {bias} bf16 {bf16}: logits {d:e}, gradients {worst:e}");
@@ -876,9 +903,18 @@ mod tests {
             let (la, ga) = run_with(&c, true, false, true);
             let (lb, gb) = run_with(&c, true, true, true);
             let d = rel(&lb, &la);
-            let worst = ga.iter().zip(&gb).map(|(a, b)| rel(b, a)).fold(0f64, f64::max);
-            eprintln!("kv {kv} bias {bias}: fused ops under bf16: logits {d:e}, gradients {worst:e}");
-            assert!(d == 0.0 && worst <= 1e-5, "logits {d:e}, gradients {worst:e}");
+            let worst = ga
+                .iter()
+                .zip(&gb)
+                .map(|(a, b)| rel(b, a))
+                .fold(0f64, f64::max);
+            eprintln!(
+                "kv {kv} bias {bias}: fused ops under bf16: logits {d:e}, gradients {worst:e}"
+            );
+            assert!(
+                d == 0.0 && worst <= 1e-5,
+                "logits {d:e}, gradients {worst:e}"
+            );
             let (la, ga) = run_with(&c, true, false, false);
             let (lb, gb) = run_with(&c, true, true, false);
             assert_eq!(rel(&lb, &la), 0.0);
