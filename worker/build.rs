@@ -1,7 +1,8 @@
 //! Bakes libtorch's lib/ folder into the rpath of every binary, test and
 //! example of this crate, so they run without LD_LIBRARY_PATH (SETUP-NOTES).
 //! Compiles the autocast shim (csrc/amp.cpp), the profiler's
-//! (csrc/profile.cpp) and the fused optimizer's (csrc/optim.cpp). `ACCRUE_CUDA=1` also links
+//! (csrc/profile.cpp) and the fused operations' (csrc/fused_ops.cpp, with
+//! PyTorch's fused Adam/AdamW; with ACCRUE_CUDA=1 also csrc/kernels.cu). `ACCRUE_CUDA=1` also links
 //! libtorch_cuda explicitly (rustc passes `--as-needed`, which would
 //! otherwise drop it and CUDA would never register), compiles the CUDA-graph
 //! shim (csrc/graph.cpp, host code against the wheel's headers: no nvcc)
@@ -26,19 +27,17 @@ fn main() {
     // torch-sys links after this crate.
     println!("cargo:rerun-if-changed=csrc/amp.cpp");
     println!("cargo:rerun-if-changed=csrc/profile.cpp");
-    println!("cargo:rerun-if-changed=csrc/optim.cpp");
     cc::Build::new()
         .cpp(true)
         .file("csrc/amp.cpp")
         .file("csrc/profile.cpp")
-        .file("csrc/optim.cpp")
         .include(libtorch.join("include"))
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .warnings(false)
         .compile("accrue_amp");
-    // The Llama family's fused operations as autograd functions
-    // (csrc/fused_ops.cpp): ATen's chain everywhere, and with ACCRUE_CUDA=1
+    // The Llama family's fused operations as autograd functions and the
+    // fused optimizer (csrc/fused_ops.cpp): ATen everywhere, and with ACCRUE_CUDA=1
     // accrue's CUDA kernels (csrc/kernels.cu, compiled by nvcc from the
     // nvidia-cuda-nvcc wheel: `make gpu-worker` installs it).
     let cuda = std::env::var("ACCRUE_CUDA").as_deref() == Ok("1");

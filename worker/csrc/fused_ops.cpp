@@ -1,5 +1,7 @@
-// The Llama family's fused operations (docs/SEMANTICS.md, "Fused
-// kernels") as autograd functions: rms_norm_cast, rope_qkv and swiglu.
+// The Llama family's fused operations (docs/SEMANTICS.md, "On CUDA") as
+// autograd functions: rms_norm_cast, rope_qkv, swiglu and
+// cross_entropy_sum; and PyTorch's fused Adam/AdamW for the optimizer
+// (accrue_fused_adam, at the end).
 // Each has two implementations of the same function and gradient:
 //
 //   - ATen's ops, chained as transformers' computation chains them under
@@ -10,6 +12,8 @@
 // worker/src/fused_ops.rs calls these through the C functions at the end;
 // every decision (when to use them) is on the Rust side.
 #include <ATen/ATen.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -438,5 +442,54 @@ int accrue_op_cross_entropy_sum(void* logits, void* targets, int kernels, void**
 int accrue_op_swiglu(void* y, int kernels, void** out, char* err, size_t len) {
   return guarded([&] { *out = new at::Tensor(Swiglu::apply(tensor(y), kernels != 0)); }, err,
                  len);
+}
+
+// PyTorch's fused Adam and AdamW (`torch.optim.AdamW(fused=True)`):
+// libtorch's `_fused_adam_` / `_fused_adamw_`, which tch does not wrap
+// (tensor-list operators); worker/src/optim/aten_fused.rs decides the
+// step, the learning rate and the skip. One step of `n` parameters:
+// `step` is the float32 step count every parameter reads (PyTorch's
+// per-parameter `state["step"]`, the same number for all of them here);
+// `lr_tensor`, when not null, is the learning rate as a float32 device
+// tensor (what a CUDA graph replays), else `lr` is; `found_inf`, when not
+// null, is a float32 tensor whose 1 makes the kernel leave everything as
+// it was. decoupled: 1 AdamW, 0 Adam.
+int accrue_fused_adam(void* const* params, void* const* grads, void* const* exp_avgs,
+                      void* const* exp_avg_sqs, int n, void* step, void* lr_tensor, double lr,
+                      double beta1, double beta2, double weight_decay, double eps, int decoupled,
+                      void* found_inf, char* err, size_t len) {
+  return guarded(
+      [&] {
+        const auto list = [n](void* const* ptrs) {
+          std::vector<at::Tensor> out;
+          for (int i = 0; i < n; ++i) {
+            out.push_back(tensor(ptrs[i]));
+          }
+          return out;
+        };
+        const auto p = list(params), g = list(grads), m = list(exp_avgs), v = list(exp_avg_sqs);
+        const std::vector<at::Tensor> steps(static_cast<size_t>(n), tensor(step));
+        const std::vector<at::Tensor> none;
+        const std::optional<at::Tensor> scale = std::nullopt;
+        const auto inf =
+            found_inf == nullptr ? std::optional<at::Tensor>() : std::optional(tensor(found_inf));
+        if (lr_tensor != nullptr) {
+          const auto& lr_t = tensor(lr_tensor);
+          if (decoupled != 0) {
+            at::_fused_adamw_(p, g, m, v, none, steps, lr_t, beta1, beta2, weight_decay, eps,
+                              false, false, scale, inf);
+          } else {
+            at::_fused_adam_(p, g, m, v, none, steps, lr_t, beta1, beta2, weight_decay, eps,
+                             false, false, scale, inf);
+          }
+        } else if (decoupled != 0) {
+          at::_fused_adamw_(p, g, m, v, none, steps, lr, beta1, beta2, weight_decay, eps, false,
+                            false, scale, inf);
+        } else {
+          at::_fused_adam_(p, g, m, v, none, steps, lr, beta1, beta2, weight_decay, eps, false,
+                           false, scale, inf);
+        }
+      },
+      err, len);
 }
 }

@@ -76,22 +76,32 @@ pub fn use_kernels(device: tch::Device) -> bool {
         && std::env::var("ACCRUE_FUSED_KERNELS").as_deref() != Ok("0")
 }
 
-fn handle(t: &Tensor) -> *mut c_void {
+/// A tensor's handle as the shim takes it (`at::Tensor*`).
+pub(crate) fn handle(t: &Tensor) -> *mut c_void {
     t.as_ptr() as *mut c_void
 }
 
-/// Calls a shim function with an error buffer.
-fn call(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), TchError> {
+/// Calls a shim function with an error buffer: Err carries the first
+/// line of libtorch's message.
+pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), TchError> {
     let mut buf = [0 as c_char; 1024];
     if f(buf.as_mut_ptr(), buf.len()) == 0 {
         return Ok(());
     }
     // SAFETY: the buffer starts zeroed and the shim NUL-terminates what it
     // writes into it.
-    let text = unsafe { CStr::from_ptr(buf.as_ptr()) }
-        .to_string_lossy()
-        .into_owned();
-    Err(TchError::Torch(text))
+    let text = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy();
+    Err(TchError::Torch(
+        text.lines().next().unwrap_or_default().to_string(),
+    ))
+}
+
+/// Calls a shim function that makes one tensor.
+fn one(f: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> i32) -> Result<Tensor, TchError> {
+    let mut out = std::ptr::null_mut();
+    call(|err, len| f(&mut out, err, len))?;
+    // SAFETY: on success the shim set `out` to a new handle.
+    Ok(unsafe { owned(out) })
 }
 
 /// Takes ownership of a tensor handle the shim made.
@@ -124,23 +134,20 @@ pub fn rms_norm_cast(
     kernels: bool,
 ) -> Result<Tensor, TchError> {
     let dtype = dtype_code(kind)?;
-    let mut out = std::ptr::null_mut();
     // SAFETY: live tensor handles borrowed for the call; the shim catches
     // every C++ exception and writes at most `len` bytes into `err`.
-    call(|err, len| unsafe {
+    one(|out, err, len| unsafe {
         accrue_op_rms_norm_cast(
             handle(x),
             handle(w),
             eps,
             dtype,
             i32::from(kernels),
-            &mut out,
+            out,
             err,
             len,
         )
-    })?;
-    // SAFETY: on success the shim set `out` to a new handle.
-    Ok(unsafe { owned(out) })
+    })
 }
 
 /// q `[N, hq, T, D]`, k and v `[N, hkv, T, D]` (contiguous, in `y`'s
@@ -181,13 +188,8 @@ pub fn rope_qkv(
 
 /// `silu(gate) * up` of `y` `[..., 2I]` (gate | up), in `y`'s type.
 pub fn swiglu(y: &Tensor, kernels: bool) -> Result<Tensor, TchError> {
-    let mut out = std::ptr::null_mut();
     // SAFETY: as in rms_norm_cast.
-    call(|err, len| unsafe {
-        accrue_op_swiglu(handle(y), i32::from(kernels), &mut out, err, len)
-    })?;
-    // SAFETY: on success the shim set `out` to a new handle.
-    Ok(unsafe { owned(out) })
+    one(|out, err, len| unsafe { accrue_op_swiglu(handle(y), i32::from(kernels), out, err, len) })
 }
 
 /// `sum(-log_softmax(logits.float())[target])` over the targets that are
@@ -199,18 +201,15 @@ pub fn cross_entropy_sum(
     targets: &Tensor,
     kernels: bool,
 ) -> Result<Tensor, TchError> {
-    let mut out = std::ptr::null_mut();
     // SAFETY: as in rms_norm_cast.
-    call(|err, len| unsafe {
+    one(|out, err, len| unsafe {
         accrue_op_cross_entropy_sum(
             handle(logits),
             handle(targets),
             i32::from(kernels),
-            &mut out,
+            out,
             err,
             len,
         )
-    })?;
-    // SAFETY: on success the shim set `out` to a new handle.
-    Ok(unsafe { owned(out) })
+    })
 }

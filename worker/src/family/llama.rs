@@ -381,23 +381,8 @@ impl Net {
             )?;
             let (w, b) = cat_weights(&[&l.q, &l.k, &l.v])?;
             let y = x.f_linear(&w, b.as_ref())?;
-            let [q, kk, v] =
-                crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
-            let out = Tensor::f_scaled_dot_product_attention(
-                &q,
-                &kk,
-                &v,
-                None::<&Tensor>,
-                0.0,
-                true,
-                Some(self.scale),
-                self.kv_heads < self.heads,
-            )?;
-            let out = out
-                .f_transpose(1, 2)?
-                .f_contiguous()?
-                .f_reshape([n, t, -1])?;
-            h = h.f_add(&l.o.forward(&out)?)?;
+            let qkv = crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
+            h = h.f_add(&self.attend(l, &qkv, n, t)?)?;
             let x =
                 crate::fused_ops::rms_norm_cast(&h, &l.post_norm.weight, l.post_norm.eps, kind, k)?;
             let (w, b) = cat_weights(&[&l.gate, &l.up])?;
@@ -547,22 +532,33 @@ impl Net {
 
     fn attention(&self, l: &Layer, x: &Tensor, rope: &Rope) -> Result<Tensor, TchError> {
         let (n, t, _) = x.size3()?;
-        let [q, k, v] = self.qkv(l, x, rope)?;
+        self.attend(l, &self.qkv(l, x, rope)?, n, t)
+    }
+
+    /// Causal attention of q, k, v (`[N, heads, T, D]`, k and v with
+    /// kv_heads) through libtorch's SDPA, then the output projection.
+    fn attend(
+        &self,
+        l: &Layer,
+        [q, k, v]: &[Tensor; 3],
+        n: i64,
+        t: i64,
+    ) -> Result<Tensor, TchError> {
         let out = Tensor::f_scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
+            q,
+            k,
+            v,
             None::<&Tensor>,
             0.0,
             true,
             Some(self.scale),
             self.kv_heads < self.heads,
         )?;
-        let out = out
-            .f_transpose(1, 2)?
-            .f_contiguous()?
-            .f_reshape([n, t, -1])?;
-        l.o.forward(&out)
+        l.o.forward(
+            &out.f_transpose(1, 2)?
+                .f_contiguous()?
+                .f_reshape([n, t, -1])?,
+        )
     }
 
     /// Logits: fp32, or under autocast with the fused operations in the

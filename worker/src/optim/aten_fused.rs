@@ -1,6 +1,6 @@
 //! `[optimizer] fused = true`: PyTorch's fused Adam and AdamW
 //! (`torch.optim.AdamW(fused=True)`), libtorch's `_fused_adam_` and
-//! `_fused_adamw_` through the C++ shim (csrc/optim.cpp). On CUDA that is
+//! `_fused_adamw_` through the C++ shim (csrc/fused_ops.cpp). On CUDA that is
 //! one multi-tensor kernel launch per step that reads each gradient,
 //! parameter and moment once, instead of about ten tensor ops per
 //! parameter; on the CPU it is ATen's vectorized loop. The numbers are
@@ -15,7 +15,8 @@
 
 use super::{Optimizer, Rule};
 use crate::error::{Error, InPlace, Result, TorchContext};
-use std::ffi::{c_char, c_void, CStr};
+use crate::fused_ops::handle;
+use std::ffi::{c_char, c_void};
 use tch::{Kind, Tensor};
 
 extern "C" {
@@ -35,7 +36,7 @@ extern "C" {
         decoupled: i32,
         found_inf: *mut c_void,
         err: *mut c_char,
-        err_len: usize,
+        len: usize,
     ) -> i32;
 }
 
@@ -147,7 +148,7 @@ impl Optimizer {
                 });
             };
             for (list, t) in lists.iter_mut().zip([p, g, m, v]) {
-                list.push(t.as_ptr() as *mut c_void);
+                list.push(handle(t));
             }
         }
         if lists[0].is_empty() {
@@ -155,23 +156,22 @@ impl Optimizer {
         }
         let (lr_tensor, lr) = match lr {
             Lr::Host(v) => (std::ptr::null_mut(), v),
-            Lr::Device(t) => (t.as_ptr() as *mut c_void, 0.0),
+            Lr::Device(t) => (handle(t), 0.0),
         };
-        let found_inf = found_inf.map_or(std::ptr::null_mut(), |t| t.as_ptr() as *mut c_void);
-        let mut buf = [0 as c_char; 1024];
+        let found_inf = found_inf.map_or(std::ptr::null_mut(), handle);
         // SAFETY: every pointer is a live tch tensor handle (`at::Tensor*`)
         // borrowed from `pairs`, `self.state`, `step`, `lr` or `found_inf`
         // for the length of the call; the four lists have the same length
-        // n; the shim catches every C++ exception and writes at most
-        // `buf.len()` bytes, NUL-terminated, into `buf`.
-        let rc = unsafe {
+        // n; the shim catches every C++ exception and writes at most `len`
+        // bytes, NUL-terminated, into `err`.
+        crate::fused_ops::call(|err, len| unsafe {
             accrue_fused_adam(
                 lists[0].as_ptr(),
                 lists[1].as_ptr(),
                 lists[2].as_ptr(),
                 lists[3].as_ptr(),
                 lists[0].len() as i32,
-                step.as_ptr() as *mut c_void,
+                handle(step),
                 lr_tensor,
                 lr,
                 beta1,
@@ -180,23 +180,13 @@ impl Optimizer {
                 eps,
                 i32::from(decoupled),
                 found_inf,
-                buf.as_mut_ptr(),
-                buf.len(),
+                err,
+                len,
             )
-        };
-        if rc == 0 {
-            return Ok(());
-        }
-        // SAFETY: the buffer starts zeroed and the shim NUL-terminates it.
-        let message = unsafe { CStr::from_ptr(buf.as_ptr()) }
-            .to_string_lossy()
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        Err(Error::Torch {
+        })
+        .map_err(|e| Error::Torch {
             context: "the fused optimizer step",
-            message,
+            message: e.to_string(),
         })
     }
 }
