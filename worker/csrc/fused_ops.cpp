@@ -24,18 +24,23 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 #ifdef ACCRUE_CUDA_KERNELS
 extern "C" {
-int accrue_k_rms_norm_cast_fwd(int dtype, const float* x, const float* w, void* y, float* rstd,
-                               int64_t rows, int64_t h, float eps, void* stream);
+int accrue_k_rms_norm_cast_fwd(int dtype, const float* x, const void* a, float* xa,
+                               const float* w, void* y, float* rstd, int64_t rows, int64_t h,
+                               float eps, void* stream);
 int accrue_k_rms_norm_cast_bwd(int dtype, const void* gy, const float* x, const float* w,
-                               const float* rstd, float* gx, float* gw_part, int64_t rows,
-                               int64_t h, int blocks, void* stream);
+                               const float* rstd, const float* gx_extra, float* gx, void* ga,
+                               float* gw_part, int64_t rows, int64_t h, int blocks,
+                               void* stream);
 int accrue_k_rope_qkv_fwd(int dtype, const void* y, const float* cos, const float* sin, void* q,
                           void* k, void* v, int64_t n, int64_t t, int64_t hq, int64_t hkv,
                           int64_t d, void* stream);
@@ -90,71 +95,154 @@ void check_launch(int rc, const char* what) {
 }
 #endif
 
+// The norm's forward on rows x2 [rows, h] (float32), after the residual
+// add x2 + a2 when a2 (T-typed [rows, h]) is defined: (y in out_type, the
+// normalized rows (x2, or the sum), their rstd).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x2,
+                                                            const at::Tensor& a2,
+                                                            const at::Tensor& w, double eps,
+                                                            at::ScalarType out_type, bool fast) {
+  at::Tensor y, src = x2, rstd;
+  if (fast) {
+#ifdef ACCRUE_CUDA_KERNELS
+    y = at::empty(x2.sizes(), x2.options().dtype(out_type));
+    rstd = at::empty({x2.size(0)}, x2.options());
+    if (a2.defined()) {
+      TORCH_CHECK(a2.scalar_type() == out_type, "add_rms_norm_cast: the residual is ",
+                  a2.scalar_type(), ", the output ", out_type);
+      src = at::empty_like(x2);
+    }
+    check_launch(accrue_k_rms_norm_cast_fwd(
+                     dtype_code(out_type), x2.data_ptr<float>(),
+                     a2.defined() ? a2.data_ptr() : nullptr,
+                     a2.defined() ? src.data_ptr<float>() : nullptr, w.data_ptr<float>(),
+                     y.data_ptr(), rstd.data_ptr<float>(), x2.size(0), x2.size(1),
+                     static_cast<float>(eps), stream_of(x2)),
+                 "rms_norm_cast forward");
+#endif
+  } else {
+    // The residual stream's add (fp32 + T: T widened, one rounding);
+    // then transformers: variance = x.pow(2).mean(-1); x * rsqrt(variance
+    // + eps); weight * that; then autocast's cast.
+    if (a2.defined()) {
+      src = x2 + a2;
+    }
+    rstd = at::rsqrt(src.pow(2).mean(-1) + eps);
+    y = (w * (src * rstd.unsqueeze(-1))).to(out_type);
+  }
+  return {y, src, rstd};
+}
+
+// The norm's backward: (the input's gradient plus `extra` when defined,
+// that cast to `residual_type` when given (the residual's gradient),
+// the weight's gradient).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
+    const at::Tensor& gy, const at::Tensor& src, const at::Tensor& w, const at::Tensor& rstd,
+    const at::Tensor& extra, std::optional<at::ScalarType> residual_type, bool fast) {
+  const int64_t rows = src.size(0), h = src.size(1);
+  at::Tensor gx, ga, gw;
+  if (fast) {
+#ifdef ACCRUE_CUDA_KERNELS
+    const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, 512)));
+    gx = at::empty_like(src);
+    if (residual_type) {
+      ga = at::empty(src.sizes(), src.options().dtype(*residual_type));
+    }
+    auto part = at::empty({blocks, h}, src.options());
+    const auto ex = extra.defined() ? extra.to(at::kFloat).contiguous() : extra;
+    check_launch(accrue_k_rms_norm_cast_bwd(
+                     dtype_code(gy.scalar_type()), gy.data_ptr(), src.data_ptr<float>(),
+                     w.data_ptr<float>(), rstd.data_ptr<float>(),
+                     ex.defined() ? ex.data_ptr<float>() : nullptr, gx.data_ptr<float>(),
+                     ga.defined() ? ga.data_ptr() : nullptr, part.data_ptr<float>(), rows, h,
+                     blocks, stream_of(src)),
+                 "rms_norm_cast backward");
+    gw = part.sum(0);
+#endif
+  } else {
+    const auto g = gy.to(at::kFloat);
+    const auto r = rstd.unsqueeze(-1);
+    const auto gn = g * w;
+    const auto dot = (gn * src).sum(-1, true);
+    gx = r * gn - (r * r * r / static_cast<double>(h)) * src * dot;
+    if (extra.defined()) {
+      gx = extra + gx;
+    }
+    if (residual_type) {
+      ga = gx.to(*residual_type);
+    }
+    gw = (g * (src * r)).sum(0);
+  }
+  return {gx, ga, gw};
+}
+
+// Checks the norm's input and weight; the input as rows [rows, h].
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "rms_norm_cast takes float32 input and weight");
+  const int64_t h = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == h, "rms_norm_cast: weight of ", w.sizes(),
+              " for rows of ", h);
+  return x.contiguous().view({-1, h});
+}
+
 // y = cast(w * (x * rsqrt(mean(x^2) + eps))) over the last dimension; x
 // and w float32.
 struct RmsNormCast : public torch::autograd::Function<RmsNormCast> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             double eps, int64_t dtype, bool kernels) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-                "rms_norm_cast takes float32 input and weight");
-    const int64_t h = x.size(-1);
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == h, "rms_norm_cast: weight of ", w.sizes(),
-                " for rows of ", h);
-    const auto out_type = static_cast<at::ScalarType>(dtype);
-    const auto x2 = x.contiguous().view({-1, h});
+    const auto x2 = norm_rows(x, w);
     const auto wc = w.contiguous();
-    at::Tensor y, rstd;
-    const bool fast = kernels_for(x, kernels) && h <= kMaxNormWidth;
-    if (fast) {
-#ifdef ACCRUE_CUDA_KERNELS
-      y = at::empty(x2.sizes(), x2.options().dtype(out_type));
-      rstd = at::empty({x2.size(0)}, x2.options());
-      check_launch(accrue_k_rms_norm_cast_fwd(dtype_code(out_type), x2.data_ptr<float>(),
-                                              wc.data_ptr<float>(), y.data_ptr(),
-                                              rstd.data_ptr<float>(), x2.size(0), h,
-                                              static_cast<float>(eps), stream_of(x2)),
-                   "rms_norm_cast forward");
-#endif
-    } else {
-      // transformers: variance = x.pow(2).mean(-1); x * rsqrt(variance +
-      // eps); weight * that; then autocast's cast.
-      rstd = at::rsqrt(x2.pow(2).mean(-1) + eps);
-      y = (wc * (x2 * rstd.unsqueeze(-1))).to(out_type);
-    }
-    ctx->save_for_backward({x2, wc, rstd});
+    const bool fast = kernels_for(x, kernels) && x2.size(1) <= kMaxNormWidth;
+    auto [y, src, rstd] =
+        norm_forward(x2, at::Tensor(), wc, eps, static_cast<at::ScalarType>(dtype), fast);
+    ctx->save_for_backward({src, wc, rstd});
     ctx->saved_data["fast"] = fast;
     return y.view(x.sizes());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &x2 = saved[0], &w = saved[1], &rstd = saved[2];
-    const int64_t rows = x2.size(0), h = x2.size(1);
-    const auto gy = grads[0].contiguous().view({rows, h});
-    at::Tensor gx, gw;
-    if (ctx->saved_data["fast"].toBool()) {
-#ifdef ACCRUE_CUDA_KERNELS
-      const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, 512)));
-      gx = at::empty_like(x2);
-      auto part = at::empty({blocks, h}, x2.options());
-      check_launch(accrue_k_rms_norm_cast_bwd(dtype_code(gy.scalar_type()), gy.data_ptr(),
-                                              x2.data_ptr<float>(), w.data_ptr<float>(),
-                                              rstd.data_ptr<float>(), gx.data_ptr<float>(),
-                                              part.data_ptr<float>(), rows, h, blocks,
-                                              stream_of(x2)),
-                   "rms_norm_cast backward");
-      gw = part.sum(0);
-#endif
-    } else {
-      const auto g = gy.to(at::kFloat);
-      const auto r = rstd.unsqueeze(-1);
-      const auto gn = g * w;
-      const auto dot = (gn * x2).sum(-1, true);
-      gx = r * gn - (r * r * r / static_cast<double>(h)) * x2 * dot;
-      gw = (g * (x2 * r)).sum(0);
-    }
-    const auto shape = grads[0].sizes();
-    return {gx.view(shape), gw, at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto& src = saved[0];
+    const auto gy = grads[0].contiguous().view(src.sizes());
+    auto [gx, ga, gw] = norm_backward(gy, src, saved[1], saved[2], at::Tensor(), std::nullopt,
+                                      ctx->saved_data["fast"].toBool());
+    return {gx.view(grads[0].sizes()), gw, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The residual stream's add and the next norm: s = x + a (x float32, a
+// the T-typed branch), y = cast_T(w * (s * rsqrt(mean(s^2) + eps))); both
+// s and y are outputs.
+struct AddRmsNormCast : public torch::autograd::Function<AddRmsNormCast> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& a,
+                               const at::Tensor& w, double eps, bool kernels) {
+    const auto x2 = norm_rows(x, w);
+    TORCH_CHECK(a.sizes() == x.sizes(), "add_rms_norm_cast: a residual of ", a.sizes(),
+                " for ", x.sizes());
+    const auto a2 = a.contiguous().view(x2.sizes());
+    const auto wc = w.contiguous();
+    const auto type = a.scalar_type();
+    const bool fast = kernels_for(x, kernels) && x2.size(1) <= kMaxNormWidth;
+    auto [y, src, rstd] = norm_forward(x2, a2, wc, eps, type, fast);
+    ctx->save_for_backward({src, wc, rstd});
+    ctx->saved_data["fast"] = fast;
+    ctx->saved_data["type"] = static_cast<int64_t>(type);
+    return {src.view(x.sizes()), y.view(x.sizes())};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& src = saved[0];
+    const auto type = static_cast<at::ScalarType>(ctx->saved_data["type"].toInt());
+    const auto shape = grads[1].defined() ? grads[1].sizes() : grads[0].sizes();
+    const auto gy = grads[1].defined()
+                        ? grads[1].contiguous().view(src.sizes())
+                        : at::zeros(src.sizes(), src.options().dtype(type));
+    const auto extra = grads[0].defined() ? grads[0].contiguous().view(src.sizes()) : at::Tensor();
+    auto [gx, ga, gw] = norm_backward(gy, src, saved[1], saved[2], extra, type,
+                                      ctx->saved_data["fast"].toBool());
+    return {gx.view(shape), ga.view(shape), gw, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -414,6 +502,17 @@ int accrue_op_rms_norm_cast(void* x, void* w, double eps, int dtype, int kernels
       [&] {
         *out = new at::Tensor(
             RmsNormCast::apply(tensor(x), tensor(w), eps, static_cast<int64_t>(dtype), kernels != 0));
+      },
+      err, len);
+}
+
+int accrue_op_add_rms_norm_cast(void* x, void* a, void* w, double eps, int kernels, void** sum,
+                                void** out, char* err, size_t len) {
+  return guarded(
+      [&] {
+        auto outs = AddRmsNormCast::apply(tensor(x), tensor(a), tensor(w), eps, kernels != 0);
+        *sum = new at::Tensor(outs[0]);
+        *out = new at::Tensor(outs[1]);
       },
       err, len);
 }

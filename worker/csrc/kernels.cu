@@ -6,7 +6,8 @@
 //
 //   rms_norm_cast   LlamaRMSNorm on the fp32 residual stream followed by
 //                   autocast's cast of its output for the next projection:
-//                   y = cast(w * (x * rsqrt(mean(x^2) + eps)));
+//                   y = cast(w * (x * rsqrt(mean(x^2) + eps))), optionally
+//                   after the residual add x + a of a T-typed branch;
 //   rope_qkv        the q/k/v projection's output [N, T, (Hq + 2 Hkv) D]
 //                   split into heads [N, H, T, D], q and k rotated as
 //                   transformers' apply_rotary_pos_emb does in fp32
@@ -79,40 +80,57 @@ __device__ float block_sum(float v, float* scratch) {
   return total;
 }
 
-// One block a row: the row's mean square, its reciprocal root (kept for
-// the backward) and the normalized, weighted row rounded to T.
+// One block a row: with a residual `a` (T-typed; may be null), the row
+// of x + a (one fp32 rounding, as the residual stream's add; written to
+// xa), else of x; its mean square, reciprocal root (kept for the
+// backward) and the normalized, weighted row rounded to T.
 template <typename T>
-__global__ void rms_norm_cast_fwd(const float* __restrict__ x, const float* __restrict__ w,
+__global__ void rms_norm_cast_fwd(const float* __restrict__ x, const T* __restrict__ a,
+                                  float* __restrict__ xa, const float* __restrict__ w,
                                   T* __restrict__ y, float* __restrict__ rstd, int64_t h,
                                   float eps) {
   __shared__ float scratch[kThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * h;
+  const T* ar = a == nullptr ? nullptr : a + row * h;
+  float* xar = xa == nullptr ? nullptr : xa + row * h;
   float s = 0.f;
   for (int64_t j = threadIdx.x; j < h; j += kThreads) {
-    s += xr[j] * xr[j];
+    float v = xr[j];
+    if (ar != nullptr) {
+      v = __fadd_rn(v, to_f<T>(ar[j]));
+      xar[j] = v;
+    }
+    s += v * v;
   }
   s = block_sum(s, scratch);
   const float r = rsqrtf(__fadd_rn(__fdiv_rn(s, static_cast<float>(h)), eps));
   if (threadIdx.x == 0) {
     rstd[row] = r;
   }
+  // The summed row is read back by the thread that wrote it.
+  const float* src = ar != nullptr ? xar : xr;
   T* yr = y + row * h;
   for (int64_t j = threadIdx.x; j < h; j += kThreads) {
     // transformers: hs = x * r (fp32), then weight * hs (fp32), then the
     // cast: two roundings in fp32, one to T.
-    yr[j] = from_f<T>(__fmul_rn(w[j], __fmul_rn(xr[j], r)));
+    yr[j] = from_f<T>(__fmul_rn(w[j], __fmul_rn(src[j], r)));
   }
 }
 
-// Rows b, b + gridDim.x, ... of the backward: the input's gradient per
-// row, and this block's share of the weight's gradient (summed over its
-// rows, in shared memory; the host adds the blocks' shares).
+// Rows b, b + gridDim.x, ... of the backward, x the normalized input (the
+// summed row with a residual): the input's gradient per row, plus the
+// gradient `gx_extra` from the input's other uses (may be null), into gx;
+// with `ga` (may be null) also cast to T there (the residual's gradient,
+// as autograd casts an add's gradient to a T-typed input); and this
+// block's share of the weight's gradient (summed over its rows, in shared
+// memory; the host adds the blocks' shares).
 template <typename T>
 __global__ void rms_norm_cast_bwd(const T* __restrict__ gy, const float* __restrict__ x,
                                   const float* __restrict__ w, const float* __restrict__ rstd,
-                                  float* __restrict__ gx, float* __restrict__ gw_part,
-                                  int64_t rows, int64_t h) {
+                                  const float* __restrict__ gx_extra, float* __restrict__ gx,
+                                  T* __restrict__ ga, float* __restrict__ gw_part, int64_t rows,
+                                  int64_t h) {
   extern __shared__ float acc[];  // h floats
   __shared__ float scratch[kThreads / 32];
   for (int64_t j = threadIdx.x; j < h; j += kThreads) {
@@ -133,7 +151,14 @@ __global__ void rms_norm_cast_bwd(const T* __restrict__ gy, const float* __restr
     const float c = r * r * r * dot / static_cast<float>(h);
     float* gxr = gx + row * h;
     for (int64_t j = threadIdx.x; j < h; j += kThreads) {
-      gxr[j] = r * __fmul_rn(to_f<T>(gr[j]), w[j]) - c * xr[j];
+      float v = r * __fmul_rn(to_f<T>(gr[j]), w[j]) - c * xr[j];
+      if (gx_extra != nullptr) {
+        v = __fadd_rn(gx_extra[row * h + j], v);
+      }
+      gxr[j] = v;
+      if (ga != nullptr) {
+        ga[row * h + j] = from_f<T>(v);
+      }
     }
   }
   for (int64_t j = threadIdx.x; j < h; j += kThreads) {
@@ -344,34 +369,43 @@ int last_error() { return static_cast<int>(cudaGetLastError()); }
 // dtype: 0 bf16, 1 fp16 (csrc/fused_ops.cpp maps libtorch's types).
 extern "C" {
 
-int accrue_k_rms_norm_cast_fwd(int dtype, const float* x, const float* w, void* y, float* rstd,
-                               int64_t rows, int64_t h, float eps, void* stream) {
+// a and xa: both null, or the residual (T) and where x + a goes (fp32).
+int accrue_k_rms_norm_cast_fwd(int dtype, const float* x, const void* a, float* xa,
+                               const float* w, void* y, float* rstd, int64_t rows, int64_t h,
+                               float eps, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   if (rows == 0) {
     return 0;
   }
   if (dtype == 0) {
-    rms_norm_cast_fwd<__nv_bfloat16><<<rows, kThreads, 0, s>>>(
-        x, w, static_cast<__nv_bfloat16*>(y), rstd, h, eps);
+    using T = __nv_bfloat16;
+    rms_norm_cast_fwd<T><<<rows, kThreads, 0, s>>>(x, static_cast<const T*>(a), xa, w,
+                                                   static_cast<T*>(y), rstd, h, eps);
   } else {
-    rms_norm_cast_fwd<__half><<<rows, kThreads, 0, s>>>(x, w, static_cast<__half*>(y), rstd, h,
-                                                        eps);
+    using T = __half;
+    rms_norm_cast_fwd<T><<<rows, kThreads, 0, s>>>(x, static_cast<const T*>(a), xa, w,
+                                                   static_cast<T*>(y), rstd, h, eps);
   }
   return last_error();
 }
 
-// gw_part: [blocks, h]; blocks > 0.
+// gw_part: [blocks, h]; blocks > 0. gx_extra and ga may be null.
 int accrue_k_rms_norm_cast_bwd(int dtype, const void* gy, const float* x, const float* w,
-                               const float* rstd, float* gx, float* gw_part, int64_t rows,
-                               int64_t h, int blocks, void* stream) {
+                               const float* rstd, const float* gx_extra, float* gx, void* ga,
+                               float* gw_part, int64_t rows, int64_t h, int blocks,
+                               void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   const size_t shared = static_cast<size_t>(h) * sizeof(float);
   if (dtype == 0) {
-    rms_norm_cast_bwd<__nv_bfloat16><<<blocks, kThreads, shared, s>>>(
-        static_cast<const __nv_bfloat16*>(gy), x, w, rstd, gx, gw_part, rows, h);
+    using T = __nv_bfloat16;
+    rms_norm_cast_bwd<T><<<blocks, kThreads, shared, s>>>(
+        static_cast<const T*>(gy), x, w, rstd, gx_extra, gx, static_cast<T*>(ga), gw_part, rows,
+        h);
   } else {
-    rms_norm_cast_bwd<__half><<<blocks, kThreads, shared, s>>>(
-        static_cast<const __half*>(gy), x, w, rstd, gx, gw_part, rows, h);
+    using T = __half;
+    rms_norm_cast_bwd<T><<<blocks, kThreads, shared, s>>>(
+        static_cast<const T*>(gy), x, w, rstd, gx_extra, gx, static_cast<T*>(ga), gw_part, rows,
+        h);
   }
   return last_error();
 }

@@ -6,7 +6,8 @@
 //! CUDA when `kernels` is false).
 //!
 //! - [`rms_norm_cast`]: LlamaRMSNorm of the fp32 residual stream, then
-//!   autocast's cast for the next projection;
+//!   autocast's cast for the next projection; [`add_rms_norm_cast`] the
+//!   same after the residual add of a bf16 or fp16 branch;
 //! - [`rope_qkv`]: the fused q/k/v projection's output split into heads,
 //!   q and k rotated (transformers' `apply_rotary_pos_emb` in fp32), cast
 //!   as autocast casts them for the attention;
@@ -27,6 +28,17 @@ extern "C" {
         eps: f64,
         dtype: i32,
         kernels: i32,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn accrue_op_add_rms_norm_cast(
+        x: *mut c_void,
+        a: *mut c_void,
+        w: *mut c_void,
+        eps: f64,
+        kernels: i32,
+        sum: *mut *mut c_void,
         out: *mut *mut c_void,
         err: *mut c_char,
         len: usize,
@@ -148,6 +160,35 @@ pub fn rms_norm_cast(
             len,
         )
     })
+}
+
+/// The residual stream's add `s = x + a` (float32 `x`, `a` the branch in
+/// the autocast type) and the next norm cast to `a`'s type: `(s,
+/// cast(w * (s * rsqrt(mean(s^2) + eps))))`, both with gradients.
+pub fn add_rms_norm_cast(
+    x: &Tensor,
+    a: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    kernels: bool,
+) -> Result<(Tensor, Tensor), TchError> {
+    let (mut sum, mut out) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: as in rms_norm_cast.
+    call(|err, len| unsafe {
+        accrue_op_add_rms_norm_cast(
+            handle(x),
+            handle(a),
+            handle(w),
+            eps,
+            i32::from(kernels),
+            &mut sum,
+            &mut out,
+            err,
+            len,
+        )
+    })?;
+    // SAFETY: on success the shim set both to new handles.
+    Ok(unsafe { (owned(sum), owned(out)) })
 }
 
 /// q `[N, hq, T, D]`, k and v `[N, hkv, T, D]` (contiguous, in `y`'s

@@ -6,7 +6,9 @@
 
 mod common;
 
-use accrue_worker::fused_ops::{cross_entropy_sum, kernels_built, rms_norm_cast, rope_qkv, swiglu};
+use accrue_worker::fused_ops::{
+    add_rms_norm_cast, cross_entropy_sum, kernels_built, rms_norm_cast, rope_qkv, swiglu,
+};
 use common::cuda_or_skip;
 use tch::{Device, Kind, Tensor};
 
@@ -99,9 +101,20 @@ fn probes_like(outs: &[Tensor]) -> Vec<Tensor> {
         .collect()
 }
 
-/// Inputs of the three operations on `device`, `kind` activations.
+/// One unit in the last place of `kind` at 1 (relative tolerance).
+fn ulp(kind: Kind) -> f64 {
+    if kind == Kind::BFloat16 {
+        1.0 / 128.0
+    } else {
+        1.0 / 1024.0
+    }
+}
+
+/// Inputs of the operations on `device`, `kind` activations.
 struct Case {
     x: Tensor,
+    /// A residual branch in the activation type, x's shape.
+    a: Tensor,
     w: Tensor,
     y_qkv: Tensor,
     cos: Tensor,
@@ -122,6 +135,7 @@ fn case(device: Device, kind: Kind) -> Case {
     let freqs = positions * inv.unsqueeze(0);
     Case {
         x: leaf(Tensor::randn([n, t, h], f) * 3.0),
+        a: leaf(Tensor::randn([n, t, h], f).to_kind(kind)),
         w: leaf(Tensor::randn([h], f) * 0.1 + 1.0),
         y_qkv: leaf(Tensor::randn([n, t, (hq + 2 * hkv) * d], f).to_kind(kind)),
         cos: freqs.cos(),
@@ -157,6 +171,15 @@ fn outputs(c: &Case, kind: Kind, fused: bool, kernels: bool) -> Vec<(String, Ten
         norm_chain(&c.x, &c.w, kind)
     };
     record("rms_norm_cast", vec![norm], &[&c.x, &c.w]);
+    let (sum, norm) = if fused {
+        add_rms_norm_cast(&c.x, &c.a, &c.w, EPS, kernels).unwrap()
+    } else {
+        // transformers: residual + hidden_states (fp32 + T), then the norm.
+        let sum = &c.x + &c.a;
+        let norm = norm_chain(&sum, &c.w, kind);
+        (sum, norm)
+    };
+    record("add_rms_norm_cast", vec![sum, norm], &[&c.x, &c.a, &c.w]);
     let qkv = if fused {
         rope_qkv(&c.y_qkv, &c.cos, &c.sin, c.hq, c.hkv, kernels).unwrap()
     } else {
@@ -194,8 +217,16 @@ fn reference_ops_are_transformers_chains_on_the_cpu() {
             assert_eq!(a.kind(), b.kind(), "{kind:?} {name}");
             let r = rel(a, b);
             eprintln!("{kind:?} {name}: {} differ, {r:e}", differing(a, b));
-            if name == "rms_norm_cast.grad0" || name == "rms_norm_cast.grad1" {
+            if name.ends_with("rms_norm_cast.grad0")
+                || name == "rms_norm_cast.grad1"
+                || name == "add_rms_norm_cast.grad2"
+            {
+                // The norm's hand-written backward (input and weight).
                 assert!(r <= 1e-5, "{kind:?} {name}: {r:e}");
+            } else if name == "add_rms_norm_cast.grad1" {
+                // The residual's gradient: the fp32 sum of the two paths
+                // (rounded in another order) cast to the type.
+                assert!(r <= ulp(kind), "{kind:?} {name}: {r:e}");
             } else {
                 assert_eq!(differing(a, b), 0, "{kind:?} {name}: {r:e}");
             }
@@ -242,24 +273,21 @@ fn cuda_kernels_equal_the_reference() {
         let c = case(Device::Cuda(0), kind);
         let fast = outputs(&c, kind, true, true);
         let reference = outputs(&c, kind, true, false);
-        let ulp = if kind == Kind::BFloat16 {
-            1.0 / 128.0
-        } else {
-            1.0 / 1024.0
-        };
         for ((name, a), (_, b)) in fast.iter().zip(&reference) {
             assert_eq!(a.size(), b.size(), "{kind:?} {name}");
             let (n, r) = (differing(a, b), rel(a, b));
             eprintln!("cuda {kind:?} {name}: {n} of {} differ, {r:e}", a.numel());
             if name.starts_with("rope_qkv") {
                 assert_eq!(n, 0, "{kind:?} {name}: {r:e}");
-            } else if name == "rms_norm_cast.grad0"
+            } else if name.ends_with("rms_norm_cast.grad0")
                 || name == "rms_norm_cast.grad1"
+                || name == "add_rms_norm_cast.grad2"
+                || name == "add_rms_norm_cast.out0"
                 || name == "cross_entropy_sum.out0"
             {
                 assert!(r <= 1e-5, "{kind:?} {name}: {r:e}");
             } else {
-                assert!(r <= ulp, "{kind:?} {name}: {r:e}");
+                assert!(r <= ulp(kind), "{kind:?} {name}: {r:e}");
             }
         }
     }

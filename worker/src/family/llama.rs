@@ -339,11 +339,12 @@ impl Net {
     }
 
     /// The training forward under autocast through the fused operations
-    /// (`kind` the autocast type): per layer, the input norm cast for the
-    /// projection, one q/k/v product, RoPE and the split into heads,
-    /// attention, the output projection and residual; the post-attention
-    /// norm, one gate/up product, SwiGLU, the down projection and
-    /// residual; then the final norm, cast for the head.
+    /// (`kind` the autocast type): per layer, one q/k/v product of the
+    /// normed input, RoPE and the split into heads, attention and the
+    /// output projection; its residual add with the post-attention norm;
+    /// one gate/up product, SwiGLU and the down projection; its residual
+    /// add with the next norm (the next layer's input norm, or the final
+    /// norm), cast for the next product or the head.
     fn try_features_fused(&self, ids: &Tensor, kind: Kind) -> Result<Tensor, TchError> {
         let (n, t) = ids.size2()?;
         let k = self.kernels;
@@ -371,25 +372,35 @@ impl Net {
             };
             Ok((Tensor::f_cat(&w, 0)?, b))
         };
-        for l in &self.layers {
-            let x = crate::fused_ops::rms_norm_cast(
-                &h,
-                &l.input_norm.weight,
-                l.input_norm.eps,
-                kind,
-                k,
-            )?;
+        // Each residual add goes with the norm after it (the next
+        // layer's input norm, or the final norm after the last layer).
+        let norm_after = |i: usize| {
+            self.layers
+                .get(i)
+                .map(|l| &l.input_norm)
+                .unwrap_or(&self.norm)
+        };
+        let first = norm_after(0);
+        let mut x = crate::fused_ops::rms_norm_cast(&h, &first.weight, first.eps, kind, k)?;
+        for (i, l) in self.layers.iter().enumerate() {
             let (w, b) = cat_weights(&[&l.q, &l.k, &l.v])?;
             let y = x.f_linear(&w, b.as_ref())?;
             let qkv = crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
-            h = h.f_add(&self.attend(l, &qkv, n, t)?)?;
-            let x =
-                crate::fused_ops::rms_norm_cast(&h, &l.post_norm.weight, l.post_norm.eps, kind, k)?;
+            let a = self.attend(l, &qkv, n, t)?;
+            let post = &l.post_norm;
+            (h, x) = crate::fused_ops::add_rms_norm_cast(&h, &a, &post.weight, post.eps, k)?;
             let (w, b) = cat_weights(&[&l.gate, &l.up])?;
             let m = crate::fused_ops::swiglu(&x.f_linear(&w, b.as_ref())?, k)?;
-            h = h.f_add(&l.down.forward(&m)?)?;
+            let next = norm_after(i + 1);
+            (h, x) = crate::fused_ops::add_rms_norm_cast(
+                &h,
+                &l.down.forward(&m)?,
+                &next.weight,
+                next.eps,
+                k,
+            )?;
         }
-        crate::fused_ops::rms_norm_cast(&h, &self.norm.weight, self.norm.eps, kind, k)
+        Ok(x)
     }
 
     /// Turns the fused projections ([`Net`]'s `fuse_projections`) on or
