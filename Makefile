@@ -158,7 +158,7 @@ bench-lm: setup
 # checks").
 # The graph shim's CUDA headers: the wheel's nvidia/cu13/include lacks
 # crt/ and nv/, which these two (the same CUDA 13.0) add; nvcc and its
-# cicc (nvvm) compile accrue's kernels (csrc/kernels.cu) for sm_90.
+# cicc (nvvm) compile accrue's kernels (csrc/kernels.cu) for sm_75 to sm_120.
 GPU_PYTHON ?= /opt/torch/.venv/bin/python
 CUDA_HEADERS := nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88
 CUDA_TARGET ?= target/cuda

@@ -61,7 +61,8 @@ fn main() {
         let nvcc = std::env::var_os("NVCC")
             .map(PathBuf::from)
             .unwrap_or_else(|| libtorch.join("../nvidia/cu13/bin/nvcc"));
-        cc::Build::new()
+        let mut kernels = cc::Build::new();
+        kernels
             .cuda(true)
             // libcudart.so.13 is linked below, as for the graph shim.
             .cudart("none")
@@ -72,11 +73,15 @@ fn main() {
             .flag("-Xcompiler=-fPIC")
             .flag("-std=c++17")
             .flag("-O3")
-            // H100 and H200 (sm_90), and PTX for later GPUs to compile.
-            .flag("-gencode=arch=compute_90,code=sm_90")
-            .flag("-gencode=arch=compute_90,code=compute_90")
-            .warnings(false)
-            .compile("accrue_kernels");
+            .warnings(false);
+        // Every GPU generation CUDA 13 and PyTorch's cu130 wheel support
+        // (Turing to Blackwell: T4, A100, A10, L4, H100/H200, B200,
+        // RTX 50), and PTX for later ones to compile.
+        for arch in ["75", "80", "86", "89", "90", "100", "120"] {
+            kernels.flag(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
+        }
+        kernels.flag("-gencode=arch=compute_120,code=compute_120");
+        kernels.compile("accrue_kernels");
     }
     if cuda {
         println!("cargo:rustc-link-search=native={}", lib.display());

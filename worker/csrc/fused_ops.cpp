@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #ifdef ACCRUE_CUDA_KERNELS
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -79,9 +80,15 @@ bool kernels_for(const at::Tensor& t, bool want) {
 }
 
 #ifdef ACCRUE_CUDA_KERNELS
-void* stream_of(const at::Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
+// Where a kernel launches: the tensor's device made current while this
+// lives (as ATen's ops guard it), and that device's current stream (a
+// capture's, inside a CUDA graph capture).
+struct Launch {
+  c10::cuda::CUDAGuard guard;
+  void* stream;
+  explicit Launch(const at::Tensor& t)
+      : guard(t.device()), stream(c10::cuda::getCurrentCUDAStream(t.device().index()).stream()) {}
+};
 
 int dtype_code(at::ScalarType s) {
   TORCH_CHECK(s == at::kBFloat16 || s == at::kHalf,
@@ -112,12 +119,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x2
                   a2.scalar_type(), ", the output ", out_type);
       src = at::empty_like(x2);
     }
+    const Launch on(x2);
     check_launch(accrue_k_rms_norm_cast_fwd(
                      dtype_code(out_type), x2.data_ptr<float>(),
                      a2.defined() ? a2.data_ptr() : nullptr,
                      a2.defined() ? src.data_ptr<float>() : nullptr, w.data_ptr<float>(),
                      y.data_ptr(), rstd.data_ptr<float>(), x2.size(0), x2.size(1),
-                     static_cast<float>(eps), stream_of(x2)),
+                     static_cast<float>(eps), on.stream),
                  "rms_norm_cast forward");
 #endif
   } else {
@@ -150,12 +158,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
     }
     auto part = at::empty({blocks, h}, src.options());
     const auto ex = extra.defined() ? extra.to(at::kFloat).contiguous() : extra;
+    const Launch on(src);
     check_launch(accrue_k_rms_norm_cast_bwd(
                      dtype_code(gy.scalar_type()), gy.data_ptr(), src.data_ptr<float>(),
                      w.data_ptr<float>(), rstd.data_ptr<float>(),
                      ex.defined() ? ex.data_ptr<float>() : nullptr, gx.data_ptr<float>(),
                      ga.defined() ? ga.data_ptr() : nullptr, part.data_ptr<float>(), rows, h,
-                     blocks, stream_of(src)),
+                     blocks, on.stream),
                  "rms_norm_cast backward");
     gw = part.sum(0);
 #endif
@@ -276,10 +285,11 @@ struct RopeQkv : public torch::autograd::Function<RopeQkv> {
       q = at::empty({n, hq, t, d}, yc.options());
       k = at::empty({n, hkv, t, d}, yc.options());
       v = at::empty({n, hkv, t, d}, yc.options());
+      const Launch on(yc);
       check_launch(accrue_k_rope_qkv_fwd(dtype_code(yc.scalar_type()), yc.data_ptr(),
                                          cc.data_ptr<float>(), sc.data_ptr<float>(),
                                          q.data_ptr(), k.data_ptr(), v.data_ptr(), n, t, hq,
-                                         hkv, d, stream_of(yc)),
+                                         hkv, d, on.stream),
                    "rope_qkv forward");
 #endif
     } else {
@@ -317,10 +327,11 @@ struct RopeQkv : public torch::autograd::Function<RopeQkv> {
     if (ctx->saved_data["fast"].toBool()) {
 #ifdef ACCRUE_CUDA_KERNELS
       gy = at::empty({n, t, (hq + 2 * hkv) * d}, opts);
+      const Launch on(gq);
       check_launch(accrue_k_rope_qkv_bwd(dtype_code(opts.dtype().toScalarType()),
                                          gq.data_ptr(), gk.data_ptr(), gv.data_ptr(),
                                          cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                         gy.data_ptr(), n, t, hq, hkv, d, stream_of(gq)),
+                                         gy.data_ptr(), n, t, hq, hkv, d, on.stream),
                    "rope_qkv backward");
 #endif
     } else {
@@ -356,9 +367,10 @@ struct Swiglu : public torch::autograd::Function<Swiglu> {
       auto sizes = yc.sizes().vec();
       sizes.back() = inner;
       out = at::empty(sizes, yc.options());
+      const Launch on(yc);
       check_launch(accrue_k_swiglu_fwd(dtype_code(yc.scalar_type()), yc.data_ptr(),
                                        out.data_ptr(), yc.numel() / (2 * inner), inner,
-                                       stream_of(yc)),
+                                       on.stream),
                    "swiglu forward");
 #endif
     } else {
@@ -377,9 +389,10 @@ struct Swiglu : public torch::autograd::Function<Swiglu> {
     if (ctx->saved_data["fast"].toBool()) {
 #ifdef ACCRUE_CUDA_KERNELS
       gy = at::empty_like(yc);
+      const Launch on(yc);
       check_launch(accrue_k_swiglu_bwd(dtype_code(yc.scalar_type()), yc.data_ptr(),
                                        go.data_ptr(), gy.data_ptr(), yc.numel() / (2 * inner),
-                                       inner, stream_of(yc)),
+                                       inner, on.stream),
                    "swiglu backward");
 #endif
     } else {
@@ -413,11 +426,12 @@ struct CrossEntropySum : public torch::autograd::Function<CrossEntropySum> {
       const int64_t m = x2.size(0);
       const auto f = x2.options().dtype(at::kFloat);
       auto loss = at::empty({m}, f), row_max = at::empty({m}, f), row_logsum = at::empty({m}, f);
+      const Launch on(x2);
       check_launch(accrue_k_cross_entropy_fwd(dtype_code(x2.scalar_type()), x2.data_ptr(),
                                               t.data_ptr<int64_t>(), loss.data_ptr<float>(),
                                               row_max.data_ptr<float>(),
                                               row_logsum.data_ptr<float>(), m, v,
-                                              stream_of(x2)),
+                                              on.stream),
                    "cross_entropy_sum forward");
       ctx->save_for_backward({x2, t, row_max, row_logsum});
       return loss.sum();
@@ -438,11 +452,12 @@ struct CrossEntropySum : public torch::autograd::Function<CrossEntropySum> {
 #ifdef ACCRUE_CUDA_KERNELS
       const auto &x2 = saved[0], &t = saved[1], &row_max = saved[2], &row_logsum = saved[3];
       gx = at::empty_like(x2);
+      const Launch on(x2);
       check_launch(accrue_k_cross_entropy_bwd(dtype_code(x2.scalar_type()), x2.data_ptr(),
                                               t.data_ptr<int64_t>(), row_max.data_ptr<float>(),
                                               row_logsum.data_ptr<float>(), g.data_ptr<float>(),
                                               gx.data_ptr(), x2.size(0), x2.size(1),
-                                              stream_of(x2)),
+                                              on.stream),
                    "cross_entropy_sum backward");
 #endif
     } else {

@@ -92,6 +92,9 @@ fn job(normalize: &str, tables: &str, stage: u32) -> String {
 const SGD: &str = "[optimizer]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\nweight_decay = 0.001\n[clipping]\nmax_norm = 0.5\n";
 const ADAM: &str = "[optimizer]\nkind = \"adam\"\nlr = 0.01\nweight_decay = 0.01\n[clipping]\nmax_norm = 0.2\nnorm_type = inf\n";
 const ADAMW: &str = "[optimizer]\nkind = \"adamw\"\nlr = 0.01\n[clipping]\nclip_value = 0.05\n";
+/// PyTorch's fused AdamW kernel (`fused = true`), on each rank's slice.
+const FUSED_ADAMW: &str =
+    "[optimizer]\nkind = \"adamw\"\nlr = 0.01\nfused = true\n[clipping]\nmax_norm = 0.5\n";
 
 fn assert_same(a: &[(String, Tensor)], b: &[(String, Tensor)], what: &str) {
     let d = max_rel_diff(a, b);
@@ -119,6 +122,30 @@ fn stages_1_and_2_equal_stage_0_for_w_1_to_4() {
                 assert_sharded(&zero, &one, d0.path(), d1.path(), world, &what);
             }
         }
+    }
+}
+
+/// `fused = true` under stages 1 and 2: the fused kernel on each rank's
+/// slice ends where it does on the whole parameters (W = 2; the kernel is
+/// elementwise, so a slice changes nothing but the grouping).
+#[test]
+fn stages_1_and_2_with_fused_adamw_equal_stage_0() {
+    let world = 2;
+    let d0 = TempDir::new().unwrap();
+    let zero = run(
+        &job("global_count", FUSED_ADAMW, 0),
+        world,
+        in_dir(d0.path().into()),
+    );
+    for stage in [1, 2] {
+        let d1 = TempDir::new().unwrap();
+        let one = run(
+            &job("global_count", FUSED_ADAMW, stage),
+            world,
+            in_dir(d1.path().into()),
+        );
+        let what = format!("W={world} stage {stage} fused adamw");
+        assert_sharded(&zero, &one, d0.path(), d1.path(), world, &what);
     }
 }
 
@@ -173,7 +200,7 @@ fn assert_sharded(
 /// Issue 17 on the GPU (ignored: needs CUDA and a worker built with
 /// ACCRUE_CUDA=1): two ranks sharing cuda:0, the ring through the pinned
 /// host mirror, stages 1 and 2 end at stage 0's parameters with 1/W of its
-/// optimizer state, for SGD and Adam.
+/// optimizer state, for SGD, Adam and fused AdamW.
 #[test]
 #[ignore = "needs CUDA"]
 fn stages_1_and_2_on_cuda_equal_stage_0() {
@@ -181,7 +208,7 @@ fn stages_1_and_2_on_cuda_equal_stage_0() {
         return;
     }
     let world = 2;
-    for (normalize, tables) in [("global_count", SGD), ("mean", ADAM)] {
+    for (normalize, tables) in [("global_count", SGD), ("mean", ADAM), ("sum", FUSED_ADAMW)] {
         let text = |stage| {
             job(normalize, tables, stage).replace("device = \"cpu\"", "device = \"cuda:0\"")
         };
