@@ -509,3 +509,195 @@ fn lm_cuda_graphed_equals_eager() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// Runs worker/tests/reference/lm_cuda_reference.py `cmd` on `dir`.
+fn cuda_reference(cmd: &str, dir: &Path, cfg: &serde_json::Value) -> serde_json::Value {
+    let script = reference_script().with_file_name("lm_cuda_reference.py");
+    let out = std::process::Command::new(python())
+        .arg(script)
+        .args([cmd, dir.to_str().unwrap(), &cfg.to_string()])
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "lm_cuda_reference.py {cmd} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    serde_json::from_str(text.lines().last().unwrap_or("null")).unwrap_or(serde_json::Value::Null)
+}
+
+/// The relative L2 distance of two sets of named tensors (same names).
+fn l2_rel(a: &Named, b: &Named) -> f64 {
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        let (ta, tb) = (
+            ta.to_device(tch::Device::Cpu).to_kind(tch::Kind::Double),
+            tb.to_kind(tch::Kind::Double),
+        );
+        diff += (&ta - &tb)
+            .square()
+            .sum(tch::Kind::Double)
+            .double_value(&[]);
+        norm += tb.square().sum(tch::Kind::Double).double_value(&[]);
+    }
+    (diff / norm.max(1e-300)).sqrt()
+}
+
+/// On the GPU (issues 30 and 31): accrue's Llama under bf16 autocast on
+/// CUDA (the fused operations with accrue's kernels, one product for q/k/v
+/// and for gate/up, fused AdamW, CUDA graphs) against PyTorch's eager loop
+/// on the same GPU from the same initial weights and batches
+/// (lm_cuda_reference.py: transformers' model in plain PyTorch,
+/// torch.autocast, fused AdamW), 6 steps of 2 micro-batches. bf16 has no
+/// single right answer: the floor is PyTorch against itself with the
+/// division by the window's token count moved (accrue's order, after the
+/// window, against transformers' order, before each backward), which
+/// changes only roundings. accrue must be as close to PyTorch (accrue's
+/// order) as that floor, within a factor 4, or within 2e-3 for the first
+/// step's loss (the same weights: forward roundings only). Every number is
+/// printed before the assertions.
+#[test]
+#[ignore = "needs CUDA"]
+fn lm_bf16_on_cuda_equals_pytorch() {
+    if !common::cuda_or_skip("lm_bf16_on_cuda_equals_pytorch") {
+        return;
+    }
+    lm_bf16_equals_pytorch("cuda");
+}
+
+/// The same on the CPU, where accrue computes transformers' chain of ops
+/// itself (no fused operations): it checks the comparison's harness (the
+/// reference script, the shared weights, batches and order) wherever the
+/// tests run, so the GPU run can only fail on the GPU's numbers.
+#[test]
+fn lm_bf16_on_the_cpu_equals_pytorch() {
+    lm_bf16_equals_pytorch("cpu");
+}
+
+fn lm_bf16_equals_pytorch(device: &str) {
+    let d = TempDir::new().unwrap();
+    // N = k * b * T = 192 targets a window: not a power of two, so moving
+    // the division by N changes roundings (the floor below is not 0).
+    let (t, b, k, steps) = (24usize, 4usize, 2usize, 6usize);
+    token_file(d.path(), steps * k * b * t + 1);
+    let model = serde_json::json!({
+        "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    });
+    let cfg = |order: &str| {
+        serde_json::json!({
+            "seed": 0, "model": model, "seq_len": t, "batch": b, "k": k, "steps": steps,
+            "lr": 3e-3, "weight_decay": 0.1, "max_norm": 1.0, "order": order,
+            "device": device,
+        })
+    };
+    cuda_reference("init", d.path(), &cfg("after"));
+    let text = format!(
+        r#"
+name = "lm-cuda"
+seed = 0
+max_steps = {steps}
+device = "{device}"
+threads = 1
+precision = "bf16"
+[model]
+kind = "llama"
+init = "{init}"
+vocab_size = 64
+hidden_size = 64
+intermediate_size = 96
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = {t}
+tie_word_embeddings = true
+[data]
+kind = "tokens"
+path = "{data}"
+seq_len = {t}
+batch_size = {b}
+shuffle = false
+[accumulation]
+steps = {k}
+normalize = "global_count"
+[clipping]
+max_norm = 1.0
+[optimizer]
+kind = "adamw"
+lr = 3e-3
+weight_decay = 0.1
+fused = true
+"#,
+        init = d.path().join("init.safetensors").display(),
+        data = d.path().join("train.bin").display(),
+    );
+    let (ours, our_steps) = run_on_cuda(&text, &d.path().join("ckpt"));
+    let after = cuda_reference("train", d.path(), &cfg("after"));
+    let before = cuda_reference("train", d.path(), &cfg("before"));
+    let series = |v: &serde_json::Value, key: &str| -> Vec<f64> {
+        v[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-30);
+    let worst = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| rel(*x, *y))
+            .fold(0f64, f64::max)
+    };
+    let (l_after, l_before) = (series(&after, "losses"), series(&before, "losses"));
+    let (n_after, n_before) = (series(&after, "norms"), series(&before, "norms"));
+    let l_ours: Vec<f64> = our_steps.iter().map(|s| s.1).collect();
+    let n_ours: Vec<f64> = our_steps.iter().map(|s| s.2).collect();
+    let read = |name: &str| {
+        let mut v = Tensor::read_safetensors(d.path().join(name)).unwrap();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let (p_after, p_before) = (
+        read("torch-after.safetensors"),
+        read("torch-before.safetensors"),
+    );
+    let mut p_ours = ours;
+    p_ours.sort_by(|a, b| a.0.cmp(&b.0));
+    let floor = (
+        worst(&l_before, &l_after),
+        worst(&n_before, &n_after),
+        l2_rel(&p_before, &p_after),
+    );
+    let got = (
+        worst(&l_ours, &l_after),
+        worst(&n_ours, &n_after),
+        l2_rel(&p_ours, &p_after),
+    );
+    eprintln!(
+        "{device} bf16 llama against PyTorch: losses {l_ours:?} vs {l_after:?}; norms {n_ours:?} vs {n_after:?}; \
+         accrue (losses, norms, parameters L2) {got:?}, PyTorch's floor {floor:?}"
+    );
+    assert_eq!(l_ours.len(), steps, "accrue's steps");
+    assert!(
+        rel(l_ours[0], l_after[0]) <= 2e-3,
+        "first loss {} vs {}",
+        l_ours[0],
+        l_after[0]
+    );
+    assert!(
+        got.0 <= (4.0 * floor.0).max(2e-3),
+        "losses {got:?} vs floor {floor:?}"
+    );
+    assert!(
+        got.1 <= (4.0 * floor.1).max(1e-2),
+        "grad norms {got:?} vs floor {floor:?}"
+    );
+    assert!(
+        got.2 <= (4.0 * floor.2).max(1e-3),
+        "parameters {got:?} vs floor {floor:?}"
+    );
+}
