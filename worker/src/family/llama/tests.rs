@@ -1,0 +1,133 @@
+//! The fused projections and operations against the separate ones, on
+//! the CPU.
+
+use super::*;
+use crate::amp::Autocast;
+use crate::spec::Precision;
+
+fn config(kv_heads: i64, bias: bool) -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 50,
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: kv_heads,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        max_position_embeddings: 64,
+        tie_word_embeddings: false,
+        attention_bias: bias,
+        mlp_bias: bias,
+    }
+}
+
+/// Logits and every gradient of a summed loss, with the projections
+/// fused or not (biases made non-zero so their concatenation counts).
+fn run(c: &LlamaConfig, fused: bool, bf16: bool) -> (Tensor, Vec<Tensor>) {
+    run_with(c, fused, false, bf16)
+}
+
+/// [`run`], with the fused operations (their reference implementation:
+/// no CUDA here) when `ops`.
+fn run_with(c: &LlamaConfig, fused: bool, ops: bool, bf16: bool) -> (Tensor, Vec<Tensor>) {
+    // libtorch's generator is global: one run at a time, or tests on
+    // other threads draw from it in between.
+    static DRAWS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _draws = DRAWS.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut net = Net::new(&vs.root(), c).unwrap();
+    tch::no_grad(|| {
+        // In name order: the same values on every run.
+        let mut vars: Vec<_> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, mut t) in vars {
+            if name.ends_with(".bias") {
+                let _ = t.uniform_(-0.1, 0.1);
+            }
+        }
+    });
+    net.set_fused_projections(fused);
+    if ops {
+        net.set_fused_ops(true, false);
+    }
+    let ids = Tensor::randint(c.vocab_size, [3, 9], (Kind::Int64, Device::Cpu));
+    let logits = {
+        let _amp = bf16.then(|| Autocast::enter(Device::Cpu, Precision::Bf16).unwrap());
+        net.forward(&ids).unwrap()
+    };
+    let weights = Tensor::randn(logits.size(), (Kind::Float, Device::Cpu));
+    (&logits * &weights).sum(Kind::Float).backward();
+    let mut vars: Vec<_> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let grads = vars.iter().map(|(_, t)| t.grad().copy()).collect();
+    (logits.detach(), grads)
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let scale = b.abs().max().double_value(&[]).max(1e-30);
+    (a - b).abs().max().double_value(&[]) / scale
+}
+
+/// One product for q, k, v and one for gate, up computes the separate
+/// products' function: in fp32 (complex RoPE) within float rounding,
+/// with GQA and biases too; under bf16 autocast (the real RoPE on the
+/// CPU) within bf16's rounding, since the input's gradient is then
+/// summed inside one product instead of over three bf16 ones.
+#[test]
+fn fused_projections_compute_the_separate_ones() {
+    for (kv, bias) in [(4, false), (2, true)] {
+        let c = config(kv, bias);
+        for (bf16, tol) in [(false, 1e-5), (true, 2e-2)] {
+            let (la, ga) = run(&c, false, bf16);
+            let (lb, gb) = run(&c, true, bf16);
+            let d = rel(&lb, &la);
+            assert!(d <= tol, "kv {kv} bias {bias} bf16 {bf16}: logits {d:e}");
+            assert_eq!(ga.len(), gb.len());
+            let mut worst = 0f64;
+            for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+                let d = rel(b, a);
+                assert!(
+                    d <= tol,
+                    "kv {kv} bias {bias} bf16 {bf16}: gradient {i}: {d:e}"
+                );
+                worst = worst.max(d);
+            }
+            eprintln!("kv {kv} bias {bias} bf16 {bf16}: logits {d:e}, gradients {worst:e}");
+        }
+    }
+}
+
+/// Under bf16 autocast the fused operations (norm cast for the
+/// projection, RoPE with the split into heads, SwiGLU; their ATen
+/// reference here) compute the model the fused projections compute
+/// without them: the logits to the bit (the operations equal
+/// transformers' chains: tests/fused_ops.rs), the gradients within
+/// float rounding (the norm's hand-written backward). Without autocast
+/// they are not taken: the fp32 run is the same to the bit.
+#[test]
+fn fused_ops_compute_the_model() {
+    for (kv, bias) in [(4, false), (2, true)] {
+        let c = config(kv, bias);
+        let (la, ga) = run_with(&c, true, false, true);
+        let (lb, gb) = run_with(&c, true, true, true);
+        let d = rel(&lb, &la);
+        let worst = ga
+            .iter()
+            .zip(&gb)
+            .map(|(a, b)| rel(b, a))
+            .fold(0f64, f64::max);
+        eprintln!("kv {kv} bias {bias}: fused ops under bf16: logits {d:e}, gradients {worst:e}");
+        assert!(
+            d == 0.0 && worst <= 1e-5,
+            "logits {d:e}, gradients {worst:e}"
+        );
+        let (la, ga) = run_with(&c, true, false, false);
+        let (lb, gb) = run_with(&c, true, true, false);
+        assert_eq!(rel(&lb, &la), 0.0);
+        for (a, b) in ga.iter().zip(&gb) {
+            assert_eq!(rel(b, a), 0.0);
+        }
+    }
+}
