@@ -18,6 +18,17 @@ extern "C" {
     fn accrue_autocast_dtype(device: i32) -> i32;
 }
 
+/// c10::ScalarType's number of an autocast type (tch keeps its own
+/// mapping private): bf16 15, fp16 5; None for any other kind. The shims'
+/// tests check the ops then run in the type asked for.
+pub fn scalar_type(kind: Kind) -> Option<i32> {
+    match kind {
+        Kind::BFloat16 => Some(15),
+        Kind::Half => Some(5),
+        _ => None,
+    }
+}
+
 /// The autocast type of `precision` (None: fp32, no autocast).
 pub fn autocast_kind(precision: Precision) -> Option<Kind> {
     match precision {
@@ -59,14 +70,10 @@ impl Autocast {
             return Ok(None);
         };
         let code = device_code(device)?;
+        // autocast_kind gives bf16 or fp16 only, which scalar_type maps.
+        let dtype = scalar_type(kind).unwrap_or(15);
         // SAFETY: a plain C function of the shim; it only sets libtorch's
         // thread-local autocast state and catches every C++ exception.
-        // c10::ScalarType's numbers (tch keeps its mapping private); the
-        // test below checks the ops then run in the type asked for.
-        let dtype = match kind {
-            Kind::Half => 5,
-            _ => 15, // BFloat16
-        };
         if unsafe { accrue_autocast_enter(code, dtype, i32::from(cache)) } != 0 {
             return Err(Error::Precision(format!(
                 "libtorch refused autocast to {kind:?} on {device:?}"
@@ -79,11 +86,10 @@ impl Autocast {
     pub fn kind(device: Device) -> Option<Kind> {
         let code = device_code(device).ok()?;
         // SAFETY: as in `enter`; reads thread-local state only.
-        match unsafe { accrue_autocast_dtype(code) } {
-            5 => Some(Kind::Half),
-            15 => Some(Kind::BFloat16),
-            _ => None,
-        }
+        let dtype = unsafe { accrue_autocast_dtype(code) };
+        [Kind::BFloat16, Kind::Half]
+            .into_iter()
+            .find(|&k| scalar_type(k) == Some(dtype))
     }
 
     /// Whether autocast is on for `device` on this thread.

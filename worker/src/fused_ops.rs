@@ -83,9 +83,11 @@ pub fn kernels_built() -> bool {
 /// a build that has them, and not `ACCRUE_FUSED_KERNELS=0` in the
 /// environment (the reference then, docs/OPERATIONS.md).
 pub fn use_kernels(device: tch::Device) -> bool {
-    device.is_cuda()
-        && kernels_built()
-        && std::env::var("ACCRUE_FUSED_KERNELS").as_deref() != Ok("0")
+    // Read once: the loss asks in every micro-step.
+    static SWITCHED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off =
+        *SWITCHED_OFF.get_or_init(|| std::env::var("ACCRUE_FUSED_KERNELS").as_deref() == Ok("0"));
+    device.is_cuda() && kernels_built() && !off
 }
 
 /// A tensor's handle as the shim takes it (`at::Tensor*`).
@@ -127,13 +129,11 @@ unsafe fn owned(p: *mut c_void) -> Tensor {
 
 /// c10::ScalarType's number of an autocast type (as amp.rs maps it).
 fn dtype_code(kind: Kind) -> Result<i32, TchError> {
-    match kind {
-        Kind::BFloat16 => Ok(15),
-        Kind::Half => Ok(5),
-        other => Err(TchError::Kind(format!(
-            "fused operations cast to bf16 or fp16, not {other:?}"
-        ))),
-    }
+    crate::amp::scalar_type(kind).ok_or_else(|| {
+        TchError::Kind(format!(
+            "fused operations cast to bf16 or fp16, not {kind:?}"
+        ))
+    })
 }
 
 /// `cast_kind(w * (x * rsqrt(mean(x^2) + eps)))` over the last dimension

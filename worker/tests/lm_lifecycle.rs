@@ -513,17 +513,7 @@ fn lm_cuda_graphed_equals_eager() {
 /// Runs worker/tests/reference/lm_cuda_reference.py `cmd` on `dir`.
 fn cuda_reference(cmd: &str, dir: &Path, cfg: &serde_json::Value) -> serde_json::Value {
     let script = reference_script().with_file_name("lm_cuda_reference.py");
-    let out = std::process::Command::new(python())
-        .arg(script)
-        .args([cmd, dir.to_str().unwrap(), &cfg.to_string()])
-        .output()
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "lm_cuda_reference.py {cmd} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = run_reference(&script, &[cmd, dir.to_str().unwrap(), &cfg.to_string()]);
     serde_json::from_str(text.lines().last().unwrap_or("null")).unwrap_or(serde_json::Value::Null)
 }
 

@@ -15,14 +15,7 @@ fn a_failed_recovery_leaves_no_record_of_a_re_formation() {
     attach_all(&mut c, &["w0", "w1"], 0);
     let job = submit(&mut c, spec("j", 2, ""), 0);
     deliver(&mut c, "w0", step_report(&job, 1, 0, 1), 10);
-    c.step(
-        Input::Lost {
-            worker: "w1".into(),
-            conn: None,
-            reason: "gone".into(),
-        },
-        20,
-    );
+    lose(&mut c, "w1", None, 20);
     let open = c.job(&job).unwrap().recoveries.clone();
     assert_eq!(open.len(), 1, "open while it waits");
     assert_eq!(
@@ -48,14 +41,7 @@ fn a_failed_recovery_leaves_no_record_of_a_re_formation() {
     let mut c = cluster();
     attach_all(&mut c, &["w0", "w1"], 0);
     let job = submit(&mut c, spec("j", 2, ""), 0);
-    c.step(
-        Input::Lost {
-            worker: "w1".into(),
-            conn: None,
-            reason: "gone".into(),
-        },
-        20,
-    );
+    lose(&mut c, "w1", None, 20);
     c.step(
         Input::Cancel {
             job: job.clone(),
@@ -76,22 +62,12 @@ fn a_worker_lost_twice_is_recorded_once() {
     attach_all(&mut c, &["w0", "w1"], 0);
     let job = submit(&mut c, spec("j", 2, ""), 0);
     deliver(&mut c, "w0", step_report(&job, 1, 0, 1), 10);
-    let lose = |c: &mut Cluster, now| {
-        c.step(
-            Input::Lost {
-                worker: "w1".into(),
-                conn: None,
-                reason: "gone".into(),
-            },
-            now,
-        )
-    };
-    lose(&mut c, 20);
+    lose(&mut c, "w1", None, 20);
     // It comes back naming its place, and is lost again.
     let mut h = hello("w1");
     (h.job_id, h.generation, h.rank) = (job.clone(), 1, 1);
     c.step(Input::Attach { conn: 50, hello: h }, 30);
-    lose(&mut c, 40);
+    lose(&mut c, "w1", None, 40);
     assert_eq!(c.job(&job).unwrap().recoveries[0].lost, ["w1"]);
     attach(&mut c, "w2", 60, 50);
     deliver(&mut c, "w0", interrupted(&job, 1, 0), 60);

@@ -23,14 +23,7 @@ fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
         1,
         "w0 and w2 have not confirmed"
     );
-    c.step(
-        Input::Lost {
-            worker: "w2".into(),
-            conn: None,
-            reason: "gone".into(),
-        },
-        20,
-    );
+    lose(&mut c, "w2", None, 20);
     assert_eq!(c.job(&job).unwrap().generation, 1, "w0 has not confirmed");
     deliver(&mut c, "w0", interrupted(&job, 1, 0), 30);
     let j = c.job(&job).unwrap();
@@ -43,14 +36,7 @@ fn a_recovery_waits_for_the_survivors_to_leave_the_broken_ring() {
     assert_eq!(j.workers, ["w0", "w1", "w3"]);
     // A survivor that never confirms holds it only for the grace.
     deliver(&mut c, "w0", step_report(&job, 2, 0, 1), 40);
-    c.step(
-        Input::Lost {
-            worker: "w3".into(),
-            conn: None,
-            reason: "gone".into(),
-        },
-        50,
-    );
+    lose(&mut c, "w3", None, 50);
     attach(&mut c, "w4", 9, 60);
     deliver(&mut c, "w0", interrupted(&job, 2, 0), 70);
     c.step(Input::Tick, 50 + ACK_GRACE_MS - 1);
@@ -82,14 +68,7 @@ fn a_recovery_record_counts_the_steps_a_rollback_does_again() {
                 10 + step as i64,
             );
         }
-        c.step(
-            Input::Lost {
-                worker: "w1".into(),
-                conn: Some(2),
-                reason: "gone".into(),
-            },
-            20,
-        );
+        lose(&mut c, "w1", Some(2), 20);
         deliver(&mut c, "w0", interrupted(&job, 1, 0), 25);
         assert_eq!(c.job(&job).unwrap().generation, 2);
         deliver(&mut c, "w0", step_report(&job, 2, 0, first), 30);
@@ -154,11 +133,10 @@ fn replaced(c: &mut Cluster) -> String {
     job
 }
 
-/// Defect 1: a worker whose stream blipped re-attaches naming a job it
-/// is no longer a member of. It must not abort the healthy generation,
-/// must be told to stop, and must be free once it has.
-#[test]
-fn a_stale_member_reattaching_is_stopped_and_freed_without_a_recovery() {
+/// The job of [`replaced`] after its step 2, and `w` attaching on a new
+/// connection (9) at t = 40 as rank 1 of `generation`: the cluster, the
+/// job and the attach's effects.
+fn reattach(w: &str, generation: u64) -> (Cluster, String, Vec<Effect>) {
     let mut c = cluster();
     let job = replaced(&mut c);
     deliver(&mut c, "w0", step_report(&job, 2, 0, 2), 30);
@@ -167,13 +145,22 @@ fn a_stale_member_reattaching_is_stopped_and_freed_without_a_recovery() {
             conn: 9,
             hello: v1::WorkerHello {
                 job_id: job.clone(),
-                generation: 1,
+                generation,
                 rank: 1,
-                ..hello("w1")
+                ..hello(w)
             },
         },
         40,
     );
+    (c, job, fx)
+}
+
+/// Defect 1: a worker whose stream blipped re-attaches naming a job it
+/// is no longer a member of. It must not abort the healthy generation,
+/// must be told to stop, and must be free once it has.
+#[test]
+fn a_stale_member_reattaching_is_stopped_and_freed_without_a_recovery() {
+    let (mut c, job, fx) = reattach("w1", 1);
     let j = c.job(&job).unwrap();
     assert_eq!(
         j.state(),
@@ -228,21 +215,7 @@ fn reports_from_outside_the_current_generation_are_refused() {
 
 #[test]
 fn a_member_reattaching_in_place_keeps_its_generation() {
-    let mut c = cluster();
-    let job = replaced(&mut c);
-    deliver(&mut c, "w0", step_report(&job, 2, 0, 2), 30);
-    let fx = c.step(
-        Input::Attach {
-            conn: 9,
-            hello: v1::WorkerHello {
-                job_id: job.clone(),
-                generation: 2,
-                rank: 1,
-                ..hello("w2")
-            },
-        },
-        40,
-    );
+    let (c, job, fx) = reattach("w2", 2);
     assert_eq!(aborts(&fx), 0);
     // The old connection is closed, the new one serves.
     assert!(fx.contains(&Effect::Close {
@@ -313,14 +286,7 @@ fn a_job_shrinks_after_the_rendezvous_timeout_with_k_recomputed() {
     );
     assert_eq!(c.job(&job).unwrap().accumulation_steps, 2);
     deliver(&mut c, "w0", step_report(&job, 1, 0, 1), 10);
-    c.step(
-        Input::Lost {
-            worker: "w2".into(),
-            conn: None,
-            reason: "gone".into(),
-        },
-        20,
-    );
+    lose(&mut c, "w2", None, 20);
     deliver(&mut c, "w0", interrupted(&job, 1, 0), 30);
     deliver(&mut c, "w1", interrupted(&job, 1, 1), 30);
     assert_eq!(
@@ -368,14 +334,7 @@ fn a_job_that_keeps_re_forming_without_a_step_fails() {
     let job = submit(&mut c, spec("st", 1, ""), 0);
     for t in 1..=MAX_STALLED_REFORMS as i64 + 1 {
         let member = c.job(&job).unwrap().workers[0].clone();
-        c.step(
-            Input::Lost {
-                worker: member,
-                conn: None,
-                reason: "gone".into(),
-            },
-            t * 100,
-        );
+        lose(&mut c, &member, None, t * 100);
     }
     let j = c.job(&job).unwrap();
     assert_eq!(j.state(), JobState::Failed, "{:?}", j.history);

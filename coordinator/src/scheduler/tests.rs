@@ -63,14 +63,7 @@ fn each_generation_gets_its_own_derived_key() {
             ("w1".to_string(), 1, k1.clone())
         ]
     );
-    c.step(
-        Input::Lost {
-            worker: "w1".into(),
-            conn: Some(2),
-            reason: "gone".into(),
-        },
-        20,
-    );
+    lose(&mut c, "w1", Some(2), 20);
     let fx = deliver(&mut c, "w0", interrupted(&job, 1, 0), 25);
     let k2 = test_key(&job, 2);
     assert_ne!(k1, k2);
@@ -578,6 +571,19 @@ pub(super) fn attach(c: &mut Cluster, w: &str, conn: u64, now: i64) -> Vec<Effec
         Input::Attach {
             conn,
             hello: hello(w),
+        },
+        now,
+    )
+}
+
+/// Worker `w` lost (its connection `conn`, or the worker whatever its
+/// connection) at `now`, for the reason "gone".
+pub(super) fn lose(c: &mut Cluster, w: &str, conn: Option<u64>, now: i64) -> Vec<Effect> {
+    c.step(
+        Input::Lost {
+            worker: w.into(),
+            conn,
+            reason: "gone".into(),
         },
         now,
     )

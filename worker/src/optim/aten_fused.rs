@@ -13,7 +13,7 @@
 //! the skip flag (`found_inf`: 1 leaves parameters and moments as they
 //! were) are device tensors the host fills before each replay.
 
-use super::{Optimizer, Rule};
+use super::{MaskedCoefs, Optimizer, Rule};
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::fused_ops::handle;
 use std::ffi::{c_char, c_void};
@@ -93,11 +93,14 @@ impl Optimizer {
         self.call_aten(pairs, &step, Lr::Device(&lr), Some(&found_inf))
     }
 
-    /// The fused step's numbers of step `self.steps + 1` at `lr`:
-    /// (values, neutral).
-    pub(super) fn aten_coefs(&self, lr: f64) -> (Vec<f64>, Vec<f64>) {
+    /// The fused step's numbers of step `self.steps + 1` at `lr` in the
+    /// layout of [`at`], and their neutral values.
+    pub(super) fn aten_coefs(&self, lr: f64) -> MaskedCoefs {
         let step = (self.steps + 1) as f64;
-        (vec![lr, step, 0.0], vec![0.0, step, 1.0])
+        MaskedCoefs {
+            values: vec![lr, step, 0.0],
+            neutral: vec![0.0, step, 1.0],
+        }
     }
 
     /// The float32 step count on the parameters' device, made once.

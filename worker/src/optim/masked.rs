@@ -79,8 +79,7 @@ impl Optimizer {
     /// [`Optimizer::step_masked`] reads.
     pub fn masked_coefs(&self, lr: f64) -> MaskedCoefs {
         if self.is_aten_fused() {
-            let (values, neutral) = self.aten_coefs(lr);
-            return MaskedCoefs { values, neutral };
+            return self.aten_coefs(lr);
         }
         match self.rule {
             Rule::Sgd {

@@ -28,14 +28,21 @@ pub fn reference_script() -> PathBuf {
 
 /// Runs the PyTorch reference script and returns its stdout.
 pub fn torch_reference(args: &[&str]) -> String {
+    run_reference(&reference_script(), args)
+}
+
+/// Runs a reference script (tests/reference/) with the project's Python;
+/// its stdout, after it succeeded.
+pub fn run_reference(script: &Path, args: &[&str]) -> String {
     let out = Command::new(python())
-        .arg(reference_script())
+        .arg(script)
         .args(args)
         .output()
         .expect("run python");
     assert!(
         out.status.success(),
-        "reference script {args:?} failed:\n{}",
+        "reference script {} {args:?} failed:\n{}",
+        script.display(),
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).expect("utf-8 output")

@@ -52,25 +52,7 @@ impl Net {
         // Each weight cast to the autocast type as autocast would cast it
         // for its own product, then concatenated: the same values, and
         // half the bytes a concatenation in fp32 would move.
-        let cat_weights = |ls: &[&Linear]| -> Result<(Tensor, Option<Tensor>), TchError> {
-            let cast = |t: &Tensor| t.f_to_kind(kind);
-            let w = ls
-                .iter()
-                .map(|l| cast(&l.weight))
-                .collect::<Result<Vec<_>, _>>()?;
-            let b = match ls
-                .iter()
-                .map(|l| l.bias.as_ref())
-                .collect::<Option<Vec<_>>>()
-            {
-                Some(bs) => {
-                    let bs = bs.into_iter().map(cast).collect::<Result<Vec<_>, _>>()?;
-                    Some(Tensor::f_cat(&bs, 0)?)
-                }
-                None => None,
-            };
-            Ok((Tensor::f_cat(&w, 0)?, b))
-        };
+        let cast = Some(kind);
         // Each residual add goes with the norm after it (the next
         // layer's input norm, or the final norm after the last layer).
         let norm_after = |i: usize| {
@@ -82,13 +64,13 @@ impl Net {
         let first = norm_after(0);
         let mut x = crate::fused_ops::rms_norm_cast(&h, &first.weight, first.eps, kind, k)?;
         for (i, l) in self.layers.iter().enumerate() {
-            let (w, b) = cat_weights(&[&l.q, &l.k, &l.v])?;
+            let (w, b) = concat(&[(&l.q, None), (&l.k, None), (&l.v, None)], cast)?;
             let y = x.f_linear(&w, b.as_ref())?;
             let qkv = crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
             let a = self.attend(l, &qkv, n, t)?;
             let post = &l.post_norm;
             (h, x) = crate::fused_ops::add_rms_norm_cast(&h, &a, &post.weight, post.eps, k)?;
-            let (w, b) = cat_weights(&[&l.gate, &l.up])?;
+            let (w, b) = concat(&[(&l.gate, None), (&l.up, None)], cast)?;
             let m = crate::fused_ops::swiglu(&x.f_linear(&w, b.as_ref())?, k)?;
             let next = norm_after(i + 1);
             (h, x) = crate::fused_ops::add_rms_norm_cast(
@@ -116,22 +98,6 @@ impl Net {
         x: &Tensor,
         rows: Option<(&Tensor, &Tensor)>,
     ) -> Result<[Tensor; 3], TchError> {
-        let pick =
-            |lin: &Linear, r: Option<&Tensor>| -> Result<(Tensor, Option<Tensor>), TchError> {
-                Ok(match r {
-                    Some(r) => (
-                        lin.weight.f_index_select(0, r)?,
-                        lin.bias
-                            .as_ref()
-                            .map(|b| b.f_index_select(0, r))
-                            .transpose()?,
-                    ),
-                    None => (
-                        lin.weight.shallow_clone(),
-                        lin.bias.as_ref().map(Tensor::shallow_clone),
-                    ),
-                })
-            };
         let (qr, kr) = (rows.map(|r| r.0), rows.map(|r| r.1));
         if !self.fuse_projections {
             let one = |lin: &Linear, r: Option<&Tensor>| -> Result<Tensor, TchError> {
@@ -142,23 +108,14 @@ impl Net {
             };
             return Ok([one(&l.q, qr)?, one(&l.k, kr)?, one(&l.v, None)?]);
         }
-        let (wq, bq) = pick(&l.q, qr)?;
-        let (wk, bk) = pick(&l.k, kr)?;
-        let (wv, bv) = pick(&l.v, None)?;
-        let w = Tensor::f_cat(&[&wq, &wk, &wv], 0)?;
-        let b = match (bq, bk, bv) {
-            (Some(a), Some(b), Some(c)) => Some(Tensor::f_cat(&[&a, &b, &c], 0)?),
-            _ => None,
-        };
-        let y = x.f_linear(&w, b.as_ref())?;
-        // A split, whose backward is one concatenation (narrow's would be
-        // a zeroed full-width gradient per part, then their sum).
-        let sizes = [wq.size()[0], wk.size()[0], wv.size()[0]];
-        let mut parts = y.f_split_with_sizes(sizes, -1)?.into_iter();
-        match (parts.next(), parts.next(), parts.next()) {
-            (Some(q), Some(k), Some(v)) => Ok([q, k, v]),
-            _ => Err(TchError::Shape("splitting the q/k/v product".into())),
-        }
+        let (w, b) = concat(&[(&l.q, qr), (&l.k, kr), (&l.v, None)], None)?;
+        let rows = |lin: &Linear| lin.weight.size()[0];
+        let parts = split(
+            &x.f_linear(&w, b.as_ref())?,
+            &[rows(&l.q), rows(&l.k), rows(&l.v)],
+        )?;
+        <[Tensor; 3]>::try_from(parts)
+            .map_err(|_| TchError::Shape("splitting the q/k/v product".into()))
     }
 
     /// silu(gate(x)) * up(x), from one product when fused.
@@ -166,16 +123,51 @@ impl Net {
         if !self.fuse_projections {
             return l.gate.forward(x)?.f_silu()?.f_mul(&l.up.forward(x)?);
         }
-        let w = Tensor::f_cat(&[&l.gate.weight, &l.up.weight], 0)?;
-        let b = match (&l.gate.bias, &l.up.bias) {
-            (Some(a), Some(b)) => Some(Tensor::f_cat(&[a, b], 0)?),
-            _ => None,
-        };
-        let y = x.f_linear(&w, b.as_ref())?;
+        let (w, b) = concat(&[(&l.gate, None), (&l.up, None)], None)?;
         let i = l.gate.weight.size()[0];
-        match y.f_split_with_sizes([i, i], -1)?.as_slice() {
+        match split(&x.f_linear(&w, b.as_ref())?, &[i, i])?.as_slice() {
             [g, u] => g.f_silu()?.f_mul(u),
             _ => Err(TchError::Shape("splitting the gate/up product".into())),
         }
     }
+}
+
+/// The weights (and the biases, when every part has one) of `parts`
+/// concatenated for one product: each part a layer and, optionally, the
+/// rows to take from it (q and k in pair order for the complex RoPE);
+/// each cast to `cast` first when given.
+fn concat(
+    parts: &[(&Linear, Option<&Tensor>)],
+    cast: Option<Kind>,
+) -> Result<(Tensor, Option<Tensor>), TchError> {
+    let prepare = |t: &Tensor, rows: Option<&Tensor>| -> Result<Tensor, TchError> {
+        let t = match rows {
+            Some(r) => t.f_index_select(0, r)?,
+            None => t.shallow_clone(),
+        };
+        match cast {
+            Some(kind) => t.f_to_kind(kind),
+            None => Ok(t),
+        }
+    };
+    let weights = parts
+        .iter()
+        .map(|(l, r)| prepare(&l.weight, *r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let biases = parts
+        .iter()
+        .map(|(l, r)| l.bias.as_ref().map(|b| prepare(b, *r)))
+        .collect::<Option<Result<Vec<_>, _>>>()
+        .transpose()?;
+    Ok((
+        Tensor::f_cat(&weights, 0)?,
+        biases.map(|b| Tensor::f_cat(&b, 0)).transpose()?,
+    ))
+}
+
+/// A product's output split along its features into parts of `sizes`: a
+/// split, whose backward is one concatenation (narrow's would be a zeroed
+/// full-width gradient per part, then their sum).
+fn split(y: &Tensor, sizes: &[i64]) -> Result<Vec<Tensor>, TchError> {
+    y.f_split_with_sizes(sizes, -1)
 }
