@@ -19,7 +19,7 @@
 #
 # The tree is self-contained (its own glibc and loader): it runs on an empty
 # base (FROM scratch), and a test starts the binaries from it with nothing
-# but its own libraries (tests/images.rs).
+# but its own libraries (tests/images/).
 #
 # Libraries are found as the loader finds them (as ldd does),
 # libtorch's own dependencies included. CUDA builds (a binary loading

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Semantic checks of rendered accrue manifests (tests/deploy.rs runs this).
+"""Semantic checks of rendered accrue manifests (tests/deploy/ runs this).
 
     check_manifests.py --bin-dir DIR --etcd-flags FILE --expect cpu|gpu \
         [--namespace accrue] [--facts OUT.json] RENDERED.yaml [MORE.yaml ...]

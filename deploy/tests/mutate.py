@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Breaks rendered manifests in named ways, for the negative cases of
-tests/deploy.rs: each mutation must make check_manifests.py (or
+tests/deploy/: each mutation must make check_manifests.py (or
 kubernetes-validate) report the problem it introduces.
 
     mutate.py IN.yaml OUT_DIR MUTATION...   (writes OUT_DIR/MUTATION.yaml each)

@@ -1,7 +1,7 @@
 //! Mixed precision (issue 18) on one rank: a run stopped mid-way and
 //! resumed from its checkpoint continues fp16's loss scale (and its growth
 //! tracker) exactly where the uninterrupted run has it, and ends at the
-//! same parameters. (Against PyTorch: worker/tests/pytorch_reference.rs.)
+//! same parameters. (Against PyTorch: worker/tests/pytorch_reference/.)
 
 mod common;
 
