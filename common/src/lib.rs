@@ -1,6 +1,7 @@
 //! accrue's shared domain types: the job spec (DESIGN section 12) and its
 //! validation. No libtorch: the coordinator and the CLI use this crate too.
 pub mod ringkey;
+pub mod small_file;
 pub mod spec;
 
 pub use spec::JobSpec;

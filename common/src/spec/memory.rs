@@ -113,6 +113,7 @@ impl JobSpec {
     /// Refuses a job whose estimate is above `limit` bytes, naming the field
     /// that asks for the most.
     pub fn check_memory(&self, limit: u64) -> Result<(), SpecErrors> {
+        family(self.model.kind).check_sizable(&self.model)?;
         let e = self.memory_estimate();
         if e.total() <= limit {
             return Ok(());

@@ -23,8 +23,6 @@ pub(super) fn assigned_spec(
     }
     spec.accumulation.steps = Some(u64::from(a.accumulation_steps));
     spec.accumulation.global_batch = None;
-    spec.check_memory(cfg.max_job_memory)
-        .map_err(|e| format!("{e} (this worker's limit)"))?;
     if let Some(d) = &cfg.device {
         spec.device = d.clone();
     }
@@ -51,6 +49,10 @@ pub(super) fn assigned_spec(
             }
         }
     }
+    // The estimate reads `model.config`: only once the paths are confined
+    // (a file outside --model-root is never opened).
+    spec.check_memory(cfg.max_job_memory)
+        .map_err(|e| format!("{e} (this worker's limit)"))?;
     Ok(spec)
 }
 

@@ -447,13 +447,17 @@ impl Fields {
 /// A HF config.json's top-level object (errors name `model.config`).
 fn read_config(path: &Path, c: &mut Checker) -> Option<Map<String, Value>> {
     let shown = path.display().to_string();
-    let text = match std::fs::read(path) {
+    use crate::small_file::{read_small, MAX_CONFIG_BYTES};
+    let text = match read_small(path, MAX_CONFIG_BYTES, "config.json") {
         Ok(t) => t,
         Err(e) => {
             c.fail(
                 "model.config",
                 shown,
-                format!("must name a readable Hugging Face config.json ({e})"),
+                format!(
+                    "must name a readable Hugging Face config.json, a regular file of at most {MAX_CONFIG_BYTES} bytes: it {}",
+                    e.reason()
+                ),
             );
             return None;
         }
@@ -650,6 +654,20 @@ impl ModelFamily for Llama {
                 );
             }
         }
+    }
+
+    fn check_sizable(&self, model: &ModelSpec) -> Result<(), SpecErrors> {
+        // A config this host cannot see is the workers' to check (the
+        // coordinator's view of their files may differ); one it sees must
+        // resolve, or the estimate would leave the model out.
+        let Some(path) = &model.config else {
+            return Ok(());
+        };
+        if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+        {
+            return Ok(());
+        }
+        LlamaConfig::resolve(model).map(|_| ())
     }
 
     fn size(&self, model: &ModelSpec, shape: &[u64], _classes: u64) -> ModelSize {

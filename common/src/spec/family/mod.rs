@@ -16,7 +16,7 @@ mod mlp;
 mod resnet;
 mod torchscript;
 
-use super::{Checker, DataSpec, ModelKind, ModelSpec};
+use super::{Checker, DataSpec, ModelKind, ModelSpec, SpecErrors};
 pub use llama::LlamaConfig;
 use std::path::Path;
 
@@ -63,6 +63,14 @@ pub(super) trait ModelFamily: Sync {
     /// The size of `model` for samples of `shape` (without the batch
     /// dimension) and `classes` outputs; zero where the spec does not say.
     fn size(&self, model: &ModelSpec, shape: &[u64], classes: u64) -> ModelSize;
+
+    /// Refuses a model whose size cannot be known from the files this
+    /// host sees (a `config.json` that exists here but cannot be read or
+    /// resolved): checked before [`ModelFamily::size`], which counts such
+    /// a model as zero.
+    fn check_sizable(&self, _model: &ModelSpec) -> Result<(), SpecErrors> {
+        Ok(())
+    }
 }
 
 /// Every family, one line each.
