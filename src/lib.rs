@@ -99,6 +99,11 @@ pub enum Command {
         /// with their timing split and byte counters) instead of text.
         #[arg(long)]
         json: bool,
+        /// Continue the newest job of this spec (by its name) in
+        /// --state-dir, interrupted, failed or cancelled, from its newest
+        /// checkpoint, instead of submitting a new one.
+        #[arg(long)]
+        resume: bool,
     },
     /// Write a cluster CA, the coordinator's certificate, worker client
     /// certificates, etcd server and client certificates and a tokens file
@@ -323,6 +328,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             worker_bin,
             threads,
             json,
+            resume,
         } => {
             let opts = local::LocalOptions {
                 workers,
@@ -331,6 +337,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 threads,
                 json,
                 insecure: cli.insecure,
+                resume,
             };
             local::local(&job, opts).await
         }
@@ -400,6 +407,19 @@ fn exit_for(j: &Job) -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
+    }
+}
+
+/// An evaluation's numbers in words: accuracy and loss, or a language
+/// model's loss per token and perplexity (`-` when it had no target).
+pub(crate) fn eval_words(e: &v1::EvalResult, lm: bool) -> String {
+    if lm {
+        match accrue_coordinator::http::perplexity(e.loss) {
+            Some(p) => format!("perplexity {p:.2} (loss {:.4} per token)", e.loss),
+            None => "perplexity - (no target token evaluated)".to_string(),
+        }
+    } else {
+        format!("accuracy {:.2}% (loss {:.4})", 100.0 * e.accuracy, e.loss)
     }
 }
 
@@ -476,21 +496,19 @@ fn print_job(j: &Job) {
         j.generation,
         j.accumulation_steps
     );
+    // A language model counts target tokens where others count samples.
+    let lm = accrue_coordinator::http::is_lm(j);
+    let unit = if lm { "tokens" } else { "samples" };
     println!(
-        "progress   step {}/{} epoch {} samples {} skipped {}",
+        "progress   step {}/{} epoch {} {unit} {} skipped {}",
         c.step, c.total_steps, c.epoch, c.samples_seen, c.skipped_steps
     );
     println!(
-        "last step  loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} samples/s {:.0}",
+        "last step  loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} {unit}/s {:.0}",
         c.loss, c.grad_norm, c.clip_coef, c.lr, c.samples_per_sec
     );
     if let Some(e) = &j.eval {
-        println!(
-            "eval       accuracy {:.2}% loss {:.4} (step {})",
-            100.0 * e.accuracy,
-            e.loss,
-            e.step
-        );
+        println!("eval       {} (step {})", eval_words(e, lm), e.step);
     }
     if !j.checkpoint.is_empty() {
         println!("checkpoint {}", j.checkpoint);

@@ -60,6 +60,8 @@ pub(crate) struct LocalOptions {
     pub(crate) json: bool,
     /// Plaintext instead of throw-away certificates.
     pub(crate) insecure: bool,
+    /// Continue the newest job of the spec's name in the state dir.
+    pub(crate) resume: bool,
 }
 
 /// `accrue local`'s throw-away credentials under `state_dir/tls`.
@@ -183,8 +185,14 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
-    // Refuse a bad spec before starting anything.
-    JobSpec::load(job)?;
+    // Refuse a bad spec before starting anything, with --workers as the
+    // coordinator will see it (a number it refuses must not start a
+    // process).
+    let mut spec = JobSpec::load(job)?;
+    let name = spec.name.clone();
+    spec.workers = workers;
+    spec.validate_fields()
+        .map_err(|e| anyhow::anyhow!("with --workers {workers}: {e}"))?;
     let threads = opts.threads.unwrap_or_else(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         threads_per_worker(cores, workers)
@@ -207,7 +215,7 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
         StopSignals::listen().context("cannot listen for SIGINT, SIGTERM and SIGHUP")?;
     let mut started = Started::default();
     let outcome = tokio::select! {
-        r = start_and_watch(job, &opts, &bin, threads, &mut started) => Ok(r),
+        r = start_and_watch(job, &name, &opts, &bin, threads, &mut started) => Ok(r),
         s = signals.recv() => Err(s),
     };
     let end = match outcome {
@@ -217,37 +225,33 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
             return Err(e);
         }
         Err(signal) => {
-            let job = started.job.clone();
+            let id = started.job.clone();
             started.stop(true, &mut signals).await;
-            match job {
-                Some(id) => bail!("interrupted by {signal}; job {id} cancelled"),
+            match id {
+                Some(id) => bail!(
+                    "interrupted by {signal}; job {id} cancelled (continue it from its newest checkpoint with: {})",
+                    resume_hint(job, &opts)
+                ),
                 None => bail!("interrupted by {signal} before the job was submitted"),
             }
         }
     };
     let c = end.counters.unwrap_or_default();
+    let lm = accrue_coordinator::http::is_lm(&end);
     println!(
-        "{} {}: step {}/{}, {} samples, loss {:.4}",
+        "{} {}: step {}/{}, {} {}, loss {:.4}",
         end.id,
         state_name(end.state()),
         c.step,
         c.total_steps,
         c.samples_seen,
+        if lm { "tokens" } else { "samples" },
         c.loss
     );
-    // A failed or cancelled job has no final accuracy, only its last eval.
+    // A failed or cancelled job has no final numbers, only its last eval.
     match (&end.eval, end.state() == v1::JobState::Succeeded) {
-        (Some(e), true) => println!(
-            "final accuracy {:.2}% (loss {:.4})",
-            100.0 * e.accuracy,
-            e.loss
-        ),
-        (Some(e), false) => println!(
-            "last eval (step {}): accuracy {:.2}% (loss {:.4})",
-            e.step,
-            100.0 * e.accuracy,
-            e.loss
-        ),
+        (Some(e), true) => println!("final {}", crate::eval_words(e, lm)),
+        (Some(e), false) => println!("last eval (step {}): {}", e.step, crate::eval_words(e, lm)),
         (None, _) => {}
     }
     if !end.checkpoint.is_empty() {
@@ -255,6 +259,12 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
     }
     if !end.error.is_empty() {
         println!("error {}", end.error);
+    }
+    if matches!(end.state(), v1::JobState::Failed | v1::JobState::Cancelled) {
+        println!(
+            "continue it from its newest checkpoint with: {}",
+            resume_hint(job, &opts)
+        );
     }
     started.stop(false, &mut signals).await;
     Ok(exit_for(&end))
@@ -265,6 +275,7 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
 /// is to be stopped.
 async fn start_and_watch(
     job: &Path,
+    name: &str,
     opts: &LocalOptions,
     bin: &Path,
     threads: u32,
@@ -346,10 +357,80 @@ async fn start_and_watch(
         None => connect_client(&url, None, &BearerToken::default()).await?,
     };
     let client = started.client.insert(client);
-    let submitted = submit(client, job, Some(workers)).await?;
-    println!("job {}", submitted.id);
+    let submitted = if opts.resume {
+        let j = resume_newest(client, name, state_dir).await?;
+        println!("job {} resumed", j.id);
+        j
+    } else {
+        let j = submit(client, job, Some(workers)).await?;
+        println!("job {}", j.id);
+        j
+    };
     started.job = Some(submitted.id.clone());
     watch(client, &submitted.id, opts.json).await
+}
+
+/// The command that continues this run's job.
+fn resume_hint(job: &Path, opts: &LocalOptions) -> String {
+    format!(
+        "accrue local {} --workers {} --state-dir {} --resume",
+        job.display(),
+        opts.workers,
+        opts.state_dir.display()
+    )
+}
+
+/// `--resume`: the newest job named after spec `name` in the embedded
+/// coordinator's store, resumed when it failed or was cancelled (its
+/// workers continue from its newest verified checkpoint, sweeping what a
+/// killed write left), watched as it is when it is still scheduled (the
+/// run before was killed without a chance to cancel it).
+async fn resume_newest(client: &mut Client, name: &str, state_dir: &Path) -> anyhow::Result<Job> {
+    let mut newest: Option<Job> = None;
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_jobs(v1::ListJobsRequest {
+                page_size: accrue_proto::layout::MAX_PAGE_SIZE as i32,
+                page_token: page_token.clone(),
+            })
+            .await
+            .map_err(crate::status_err)?
+            .into_inner();
+        for j in page.jobs {
+            let same = j.spec.as_ref().is_some_and(|s| s.name == name);
+            if same
+                && newest
+                    .as_ref()
+                    .is_none_or(|n| j.created_unix_ms >= n.created_unix_ms)
+            {
+                newest = Some(j);
+            }
+        }
+        if page.next_page_token.is_empty() || page.next_page_token == page_token {
+            break;
+        }
+        page_token = page.next_page_token;
+    }
+    let Some(j) = newest else {
+        bail!(
+            "--resume: state dir {} holds no job of spec {name:?}; run without --resume to start one",
+            state_dir.display()
+        );
+    };
+    match j.state() {
+        v1::JobState::Failed | v1::JobState::Cancelled => Ok(client
+            .resume_job(v1::ResumeJobRequest { id: j.id })
+            .await
+            .map_err(crate::status_err)?
+            .into_inner()),
+        v1::JobState::Succeeded => bail!(
+            "--resume: the newest job of spec {name:?} in state dir {}, {}, already succeeded; run without --resume to start a new one",
+            state_dir.display(),
+            j.id
+        ),
+        _ => Ok(j),
+    }
 }
 
 #[cfg(test)]

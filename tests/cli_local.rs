@@ -104,3 +104,27 @@ fn local_refuses_a_bad_spec_before_starting_anything() {
     );
     assert!(!state.exists(), "nothing may be created for a refused job");
 }
+
+/// Issue 37, item 8: `--workers` beyond what a job may ask for is refused
+/// with the spec's words before anything starts (before: about 1,150
+/// worker processes started, then the coordinator refused the number).
+#[test]
+fn local_refuses_a_workers_override_before_starting_anything() {
+    let d = TempDir::new().unwrap();
+    let job = common::write(d.path(), "ok.toml", &common::job_toml("ok", 2, 5, ""));
+    let state = d.path().join("state");
+    let out = Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .args(["local"])
+        .arg(&job)
+        .args(["--workers", "1025", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--workers 1025") && err.contains("workers = 1025: must be"),
+        "{err}"
+    );
+    assert!(!state.exists(), "nothing may be created for a refused job");
+}

@@ -343,3 +343,88 @@ fn sighup_stops_local_and_its_workers() {
 fn sigkill_of_local_takes_its_workers_with_it() {
     stopped_local_leaves_nothing_behind(libc::SIGKILL, "SIGKILL");
 }
+
+/// The folder under `dir` holding a `LATEST` (a job's checkpoints).
+fn checkpoint_folder(dir: &Path) -> Option<PathBuf> {
+    for e in std::fs::read_dir(dir).ok()? {
+        let p = e.ok()?.path();
+        if p.join("LATEST").is_file() {
+            return Some(p);
+        }
+        if p.is_dir() {
+            if let Some(f) = checkpoint_folder(&p) {
+                return Some(f);
+            }
+        }
+    }
+    None
+}
+
+/// Issue 37, item 12: an interrupted `accrue local` says how to continue,
+/// and `--resume` continues the same job from its newest checkpoint
+/// (before: a rerun started a new job from step 1), sweeping what a
+/// killed write left in its folder (before: never swept).
+#[test]
+fn an_interrupted_local_resumes_its_job() {
+    let d = TempDir::new().unwrap();
+    let state = d.path().join("state");
+    let _reaper = Reaper(state.display().to_string());
+    let job = common::write(
+        d.path(),
+        "job.toml",
+        &common::job_toml("long", 2, 1_000_000, ""),
+    );
+    let mut local = Local::start(d.path(), "first", &job, &state, &[]);
+    assert!(
+        poll_until(Duration::from_secs(60), || local
+            .stdout()
+            .lines()
+            .any(|l| l.starts_with("step "))),
+        "the job did not start training\n{}",
+        local.report(&state)
+    );
+    // SAFETY: kill(2) on our own child, not yet waited for.
+    let pid = libc::pid_t::try_from(local.child.id()).unwrap();
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    assert_eq!(
+        local
+            .exit_within(Duration::from_secs(20))
+            .and_then(|s| s.code()),
+        Some(2),
+        "{}",
+        local.report(&state)
+    );
+    let hint = format!(
+        "continue it from its newest checkpoint with: accrue local {} --workers 2 --state-dir {} --resume",
+        job.display(),
+        state.display()
+    );
+    assert!(local.stderr().contains(&hint), "{}", local.report(&state));
+    let folder = checkpoint_folder(&state).expect("the cancelled job left a checkpoint");
+    let left = folder.join(".step-999.tmp-4242");
+    std::fs::create_dir(&left).unwrap();
+    std::fs::write(left.join("model.safetensors"), b"half").unwrap();
+
+    let mut again = Local::start(d.path(), "again", &job, &state, &[Path::new("--resume")]);
+    let resumed = |l: &Local| {
+        (0..2).any(|i| {
+            std::fs::read_to_string(state.join(format!("logs/worker-{i}.log")))
+                .is_ok_and(|t| t.contains(" resumed"))
+        }) && l.stdout().lines().any(|l| l.starts_with("step "))
+    };
+    assert!(
+        poll_until(Duration::from_secs(60), || resumed(&again)),
+        "the job did not resume\n{}",
+        again.report(&state)
+    );
+    assert!(
+        again.stdout().contains("job long-1 resumed"),
+        "{}",
+        again.report(&state)
+    );
+    assert!(!left.exists(), "the killed write's folder was not swept");
+    let pid = libc::pid_t::try_from(again.child.id()).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    assert!(again.exit_within(Duration::from_secs(20)).is_some());
+}

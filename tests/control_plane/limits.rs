@@ -324,3 +324,127 @@ async fn a_garbage_protobuf_body_is_invalid_argument() {
     }
     h.stop().await;
 }
+
+/// The peak resident memory (VmHWM) of process `pid`, bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// A language-model spec whose `model.config` is `config`.
+fn llama_with_config(name: &str, config: &str) -> v1::JobSpec {
+    // Fields only: the file is the coordinator's to judge.
+    let text = format!(
+        "name = \"{name}\"\nmax_steps = 2\ndevice = \"cpu\"\nthreads = 1\n[model]\nkind = \"llama\"\nconfig = \"{config}\"\n[data]\nkind = \"tokens\"\npath = \"train.bin\"\nseq_len = 8\nbatch_size = 2\n[optimizer]\nkind = \"adamw\"\nlr = 0.001\n"
+    );
+    let s = accrue_common::JobSpec::fields_from_toml_str(&text, std::path::Path::new("t.toml"))
+        .unwrap();
+    accrue_proto::spec_to_proto(&s)
+}
+
+/// Issue 37, item 1: a `model.config` naming `/dev/zero` or a 1 GB file
+/// is refused at submit without being read (before: the coordinator read
+/// `/dev/zero` to 11.7 GB, and a 1 GB file whole), and so is one that is
+/// not JSON (before: ignored by the estimate, the job accepted). A daemon
+/// confines the path before it reads it (before: it read a 1 GB file
+/// outside `--model-root`, then refused). Both processes' peak memory is
+/// measured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_configs_cannot_exhaust_the_coordinator_or_a_daemon() {
+    const LIMIT: u64 = 600 << 20;
+    let d = TempDir::new().unwrap();
+    let coord = spawn_coordinator(
+        &coordinator_args(&d.path().join("state"), &[]),
+        &d.path().join("coordinator.log"),
+    );
+    let mut c = client(&coord.grpc).await;
+    // Sparse: 1 GiB long, no disk used.
+    let big = d.path().join("big.json");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    let not_json = d.path().join("bad.json");
+    std::fs::write(&not_json, "{\"vocab_size\": 12,").unwrap();
+    for (config, needle) in [
+        (
+            big.display().to_string(),
+            "is 1073741824 bytes, above the 4194304-byte limit for a config.json",
+        ),
+        (
+            "/dev/zero".to_string(),
+            "is not a regular file (it is a character device)",
+        ),
+        (not_json.display().to_string(), "not valid JSON"),
+    ] {
+        let err = c
+            .submit_job(v1::SubmitJobRequest {
+                spec: Some(llama_with_config("cfg", &config)),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{config}");
+        assert!(
+            err.message().contains("model.config") && err.message().contains(needle),
+            "{config}: {}",
+            err.message()
+        );
+        let peak = peak_rss(coord.child.id());
+        assert!(
+            peak < LIMIT,
+            "the coordinator peaked at {peak} bytes after {config}"
+        );
+    }
+
+    // The daemon's root holds a link to the 1 GB file; the coordinator
+    // (another folder) does not see the relative path and leaves it to
+    // the workers.
+    let root = d.path().join("models");
+    std::fs::create_dir(&root).unwrap();
+    std::os::unix::fs::symlink(&big, root.join("cfg-37.json")).unwrap();
+    let log = std::fs::File::create(d.path().join("w.log")).unwrap();
+    let mut daemon = std::process::Command::new(worker_bin())
+        .current_dir(&root)
+        .args([
+            "daemon",
+            "--coordinator",
+            &coord.grpc,
+            "--id",
+            "w",
+            "--heartbeat",
+            "0.2",
+        ])
+        .args(creds().worker_args("w"))
+        .arg("--model-root")
+        .arg(&root)
+        .env("RUST_LOG", "info")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let job = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(llama_with_config("linked", "cfg-37.json")),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let end = wait_state(
+        &mut c,
+        &job.id,
+        &[JobState::Failed, JobState::Succeeded],
+        Duration::from_secs(60),
+    )
+    .await;
+    let peak = peak_rss(daemon.id());
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    assert_eq!(end.state(), JobState::Failed, "{end:?}");
+    assert!(end.error.contains("model.config"), "{}", end.error);
+    assert!(peak < LIMIT, "the daemon peaked at {peak} bytes");
+}

@@ -276,6 +276,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if args.threads.is_some() {
         spec.threads = args.threads;
     }
+    // A language model counts target tokens where others count samples.
+    let lm = spec.model.kind == accrue_worker::spec::ModelKind::Llama;
     let opts = RunOptions {
         checkpoint_dir,
         state_dir: Some(args.state_dir.clone()),
@@ -292,7 +294,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         ..Default::default()
     };
     let summary = if args.world_size <= 1 {
-        train(spec, SingleRank, opts, args.json)?
+        train(spec, SingleRank, opts, args.json, lm)?
     } else {
         let Some(secret_file) = &args.secret_file else {
             bail!("--secret-file is required when --world-size > 1");
@@ -314,12 +316,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         cfg.timeout = Duration::from_secs_f64(spec.comm.timeout_s);
         cfg.connect_timeout = Duration::from_secs_f64(spec.comm.connect_timeout_s);
         let ring = TcpRing::start(None, cfg).context("cannot join the ring")?;
-        train(spec, ring, opts, args.json)?
+        train(spec, ring, opts, args.json, lm)?
     };
     if !args.json {
         let s = &summary.state;
         println!(
-            "{} at step {}: {} samples, {} skipped steps, checkpoint {}",
+            "{} at step {}: {} {}, {} skipped steps, checkpoint {}",
             if summary.finished {
                 "finished"
             } else {
@@ -327,15 +329,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             },
             s.step,
             s.samples_seen,
+            if lm { "tokens" } else { "samples" },
             s.skipped_steps,
             summary.checkpoint.display()
         );
-        if let Some(e) = &summary.eval {
-            println!(
+        match &summary.eval {
+            Some(e) if lm => match e.perplexity {
+                Some(p) => println!("final perplexity {p:.2} (loss {:.4} per token)", e.loss),
+                None => println!("final perplexity - (no target token evaluated)"),
+            },
+            Some(e) => println!(
                 "final accuracy {:.2}% (loss {:.4})",
                 100.0 * e.accuracy,
                 e.loss
-            );
+            ),
+            None => {}
         }
     }
     Ok(())
@@ -438,7 +446,9 @@ fn train<C: Collective>(
     collective: C,
     opts: RunOptions,
     json: bool,
+    lm: bool,
 ) -> anyhow::Result<Summary> {
+    let unit = if lm { "tokens" } else { "samples" };
     let mut engine = Engine::new(spec, collective, opts).context("cannot start the job")?;
     engine
         .run(|event| match (json, event) {
@@ -446,7 +456,7 @@ fn train<C: Collective>(
             (true, Event::Eval(e)) => println!("{}", serde_json::json!({ "event": "eval", "eval": e })),
             (true, Event::Checkpoint(p)) => println!("{}", serde_json::json!({ "event": "checkpoint", "path": p })),
             (false, Event::Step(r)) => println!(
-                "step {}/{} epoch {} loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} samples/s {:.0}{}",
+                "step {}/{} epoch {} loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} {unit}/s {:.0}{}",
                 r.step,
                 r.total_steps,
                 r.epoch,
@@ -455,12 +465,18 @@ fn train<C: Collective>(
                 r.clip_coef,
                 r.lr,
                 r.samples_per_sec,
-                if r.skipped { " SKIPPED (non-finite gradient)" } else { "" }
+                r.skip_reason.map_or(String::new(), |why| format!(" SKIPPED ({why})"))
             ),
-            (false, Event::Eval(e)) => println!(
-                "eval epoch {} step {} loss {:.4} accuracy {:.4} ({} samples)",
-                e.epoch, e.step, e.loss, e.accuracy, e.samples
-            ),
+            (false, Event::Eval(e)) => match e.perplexity {
+                Some(p) => println!(
+                    "eval epoch {} step {} loss {:.4} perplexity {p:.2} accuracy {:.4} ({} tokens)",
+                    e.epoch, e.step, e.loss, e.accuracy, e.samples
+                ),
+                None => println!(
+                    "eval epoch {} step {} loss {:.4} accuracy {:.4} ({} {unit})",
+                    e.epoch, e.step, e.loss, e.accuracy, e.samples
+                ),
+            },
             (false, Event::Checkpoint(p)) => println!("checkpoint {}", p.display()),
         })
         .context("training failed")

@@ -2,7 +2,13 @@
 //! prompt from a llama checkpoint. A step folder holds `model.safetensors`
 //! (Hugging Face names), `config.json` ([`LlamaConfig::to_hf_json`]) and,
 //! when the data had one, `tokenizer.json`; a checkpoint folder's `LATEST`
-//! names its newest step. The prompt is encoded without special tokens,
+//! names its newest step. A checkpoint folder is read as training recovers
+//! ([`checkpoint::choose`]): LATEST's step when its files verify against
+//! its manifest, else the newest step that does, looking again when
+//! training pruned the step between reading LATEST and reading its files;
+//! the files are read once, into memory. Token ids the tokenizer does not
+//! know (a vocabulary padded past the tokenizer's) are never sampled. The
+//! prompt is encoded without special tokens,
 //! run once through the model (causal attention), then every new token
 //! is one step of the KV-cached forward ([`Net::forward_cached`]): the
 //! last position's logits divided by the temperature, cut to the top k,
@@ -11,7 +17,7 @@
 //! the tokenizer's `<|endoftext|>` (not printed) or when the sequence
 //! fills `max_position_embeddings`.
 
-use crate::checkpoint::{LATEST, MODEL_FILE};
+use crate::checkpoint::{self, manifest, Choice, LATEST, MODEL_FILE};
 use crate::family::llama::{KvCache, Net};
 use crate::spec::LlamaConfig;
 use std::collections::HashMap;
@@ -26,6 +32,14 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// The token that ends generation when the tokenizer has it.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
+/// The temperatures allowed besides 0 (greedy): from the logits divided
+/// by at most 1000 (finite in f32 for any logit a model gives) up to 100
+/// (nearly uniform already).
+pub const MIN_TEMPERATURE: f64 = 1e-3;
+pub const MAX_TEMPERATURE: f64 = 100.0;
+/// How often a checkpoint folder is read again when it changed while it
+/// was read (training wrote a step and pruned the one LATEST named).
+const TRIES: usize = 5;
 
 /// Why sampling cannot start or go on; every message names the file or
 /// the flag.
@@ -37,11 +51,12 @@ pub enum SampleError {
     )]
     NotAFolder { path: PathBuf },
     #[error(
-        "{dir}: neither a step folder (no {MODEL_FILE}) nor a checkpoint folder (no {LATEST})"
+        "{dir}: neither a step folder (no {MODEL_FILE}) nor a checkpoint folder (no {LATEST}, \
+         no step-N folders)"
     )]
     NoStep { dir: PathBuf },
-    #[error("{path}: {reason}")]
-    Latest { path: PathBuf, reason: String },
+    #[error("{dir}: no step to sample: {reason}")]
+    NoReadableStep { dir: PathBuf, reason: String },
     #[error("model config {path}: {reason}")]
     Config { path: PathBuf, reason: String },
     #[error("weights {path}: {reason}")]
@@ -56,6 +71,10 @@ pub enum SampleError {
         value: String,
         reason: String,
     },
+    #[error(
+        "every token id of the model's vocab_size = {vocab_size} is excluded: nothing to sample"
+    )]
+    NothingToSample { vocab_size: i64 },
     #[error("writing the sample: {0}")]
     Output(std::io::Error),
     #[error(transparent)]
@@ -73,18 +92,21 @@ pub struct SampleArgs {
     /// The text to continue (encoded without special tokens).
     #[arg(long)]
     pub prompt: String,
-    /// Tokens to generate at most.
-    #[arg(long, default_value_t = 100)]
-    pub max_tokens: usize,
-    /// Divides the logits before sampling; 0 = greedy (argmax).
-    #[arg(long, default_value_t = 1.0)]
+    // The numbers take a leading '-' so that a negative one gets its
+    // range in words, not the parser's "unexpected argument".
+    /// Tokens to generate at most (0 or more).
+    #[arg(long, default_value_t = 100, allow_negative_numbers = true)]
+    pub max_tokens: i64,
+    /// Divides the logits before sampling: 0 = greedy (argmax), else from
+    /// 0.001 to 100.
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     pub temperature: f64,
-    /// Sample among the K most likely tokens only.
-    #[arg(long, value_name = "K")]
+    /// Sample among the K most likely tokens only (1 or more).
+    #[arg(long, value_name = "K", allow_negative_numbers = true)]
     pub top_k: Option<i64>,
-    /// Seed of the sampling generator (default: a random one, printed on
-    /// stderr).
-    #[arg(long)]
+    /// Seed of the sampling generator, 0 to 2^64 - 1 (default: a random
+    /// one, printed on stderr).
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_seed)]
     pub seed: Option<u64>,
     /// cpu, cuda:N or auto.
     #[arg(long, default_value = "cpu")]
@@ -94,11 +116,17 @@ pub struct SampleArgs {
     pub tokenizer: Option<PathBuf>,
 }
 
+/// `--seed`: a u64, its range in words otherwise.
+fn parse_seed(text: &str) -> std::result::Result<u64, String> {
+    text.parse()
+        .map_err(|_| format!("must be a whole number from 0 to {}", u64::MAX))
+}
+
 /// How tokens are chosen and when generation stops.
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
     pub max_tokens: usize,
-    /// 0: greedy.
+    /// 0: greedy; else from [`MIN_TEMPERATURE`] to [`MAX_TEMPERATURE`].
     pub temperature: f64,
     pub top_k: Option<i64>,
     /// Seeds libtorch's generator before the first draw (None: left as
@@ -106,6 +134,9 @@ pub struct GenerateOptions {
     pub seed: Option<u64>,
     /// A token that ends generation (not returned).
     pub stop: Option<i64>,
+    /// Token ids never chosen (ids outside the vocabulary are ignored):
+    /// those the tokenizer has no token for.
+    pub exclude: Vec<i64>,
 }
 
 impl Default for GenerateOptions {
@@ -116,6 +147,7 @@ impl Default for GenerateOptions {
             top_k: None,
             seed: None,
             stop: None,
+            exclude: Vec::new(),
         }
     }
 }
@@ -138,55 +170,205 @@ pub struct Generated {
     pub stop: Stop,
 }
 
-/// The step folder `path` names: itself when it holds `model.safetensors`,
-/// else the step its `LATEST` names.
-pub fn resolve_step_dir(path: &Path) -> Result<PathBuf> {
+/// What sampling reads from a step folder, read once into memory:
+/// training may prune the folder right after.
+#[derive(Clone, Debug)]
+pub struct StepFiles {
+    /// The step folder they come from.
+    pub dir: PathBuf,
+    pub config: Vec<u8>,
+    pub weights: Vec<u8>,
+    /// None: the folder has no tokenizer.json.
+    pub tokenizer: Option<Vec<u8>>,
+    /// Set when a checkpoint folder's LATEST step was not taken: why.
+    pub fallback: Option<String>,
+}
+
+/// The files of the step folder `path` names: itself when it holds
+/// `model.safetensors`, else (a checkpoint folder) the step training would
+/// recover from, verified against its manifest (see the module
+/// documentation).
+pub fn read_step_files(path: &Path) -> Result<StepFiles> {
     if !path.is_dir() {
         return Err(SampleError::NotAFolder {
             path: path.to_path_buf(),
         });
     }
     if path.join(MODEL_FILE).is_file() {
-        return Ok(path.to_path_buf());
+        return read_plain(path);
     }
-    let latest = path.join(LATEST);
-    if !latest.is_file() {
-        return Err(SampleError::NoStep {
-            dir: path.to_path_buf(),
-        });
-    }
-    let err = |reason: String| SampleError::Latest {
-        path: latest.clone(),
-        reason,
+    read_newest(path)
+}
+
+/// The files of a step folder named directly (a manifest is not needed:
+/// transformers' `save_pretrained` writes none).
+fn read_plain(dir: &Path) -> Result<StepFiles> {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read(&path).map_err(|e| (path, e))
     };
-    let text = std::fs::read_to_string(&latest).map_err(|e| err(format!("cannot read it: {e}")))?;
-    let name = text.trim();
-    let well_formed = name
-        .strip_prefix("step-")
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-    if !well_formed {
-        return Err(err(format!("names {name:?}, not a step-N folder")));
+    let config = read(CONFIG_FILE).map_err(|(path, e)| SampleError::Config {
+        path,
+        reason: format!("cannot read it: {e}"),
+    })?;
+    let weights = read(MODEL_FILE).map_err(|(path, e)| SampleError::Weights {
+        path,
+        reason: format!("cannot read it: {e}"),
+    })?;
+    let tokenizer = match read(TOKENIZER_FILE) {
+        Ok(bytes) => Some(bytes),
+        Err((_, e)) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err((path, e)) => {
+            return Err(SampleError::Tokenizer {
+                path,
+                reason: format!("cannot read it: {e}"),
+            })
+        }
+    };
+    Ok(StepFiles {
+        dir: dir.to_path_buf(),
+        config,
+        weights,
+        tokenizer,
+        fallback: None,
+    })
+}
+
+/// The files of step `step` of checkpoint folder `dir` that sampling
+/// uses, each checked against the step's manifest. The error is one line.
+fn read_verified(dir: &Path, step: u64) -> std::result::Result<StepFiles, String> {
+    let folder = dir.join(checkpoint::step_name(step));
+    if !folder.is_dir() {
+        return Err("no such folder".into());
     }
-    let step = path.join(name);
-    if !step.join(MODEL_FILE).is_file() {
-        return Err(err(format!(
-            "names {name}, which has no {MODEL_FILE} ({})",
-            step.display()
-        )));
+    let mut files = manifest::read_verified_only(&folder, step, |name| {
+        [CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE].contains(&name)
+    })?;
+    let mut take = |name: &str| {
+        files
+            .remove(name)
+            .ok_or_else(|| format!("{} lists no {name}", manifest::MANIFEST_FILE))
+    };
+    Ok(StepFiles {
+        config: take(CONFIG_FILE)?,
+        weights: take(MODEL_FILE)?,
+        tokenizer: take(TOKENIZER_FILE).ok(),
+        dir: folder,
+        fallback: None,
+    })
+}
+
+/// "step-4: no such folder; step-2: ..."
+fn list_skipped(skipped: &[(u64, String)]) -> String {
+    skipped
+        .iter()
+        .map(|(s, e)| format!("{}: {e}", checkpoint::step_name(*s)))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The step of checkpoint folder `dir` that training would recover from
+/// ([`checkpoint::choose`]), its files read and verified. When LATEST's
+/// step does not read and the folder changed meanwhile (LATEST or the step
+/// folders: training wrote a step and pruned the one LATEST named), it is
+/// read again, up to [`TRIES`] times.
+fn read_newest(dir: &Path) -> Result<StepFiles> {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let latest = checkpoint::latest_name(dir);
+        let steps = checkpoint::list_steps(dir)?;
+        let mut read: Option<(u64, StepFiles)> = None;
+        let choice = checkpoint::choose(&latest, &steps, |s| {
+            read = Some((s, read_verified(dir, s)?));
+            Ok(())
+        });
+        // Anything but LATEST's step: look again if the folder changed.
+        let fell_back = !matches!(
+            choice,
+            Choice::Take {
+                fell_back: false,
+                ..
+            }
+        );
+        if fell_back && tries < TRIES {
+            let changed =
+                checkpoint::latest_name(dir) != latest || checkpoint::list_steps(dir)? != steps;
+            if changed {
+                continue;
+            }
+        }
+        return match choice {
+            Choice::Take {
+                step,
+                skipped,
+                fell_back,
+            } => {
+                let mut files = match read {
+                    Some((s, files)) if s == step => files,
+                    // choose() stops at the first step that verifies,
+                    // the last one read; read again only if that changes.
+                    _ => {
+                        read_verified(dir, step).map_err(|reason| SampleError::NoReadableStep {
+                            dir: dir.to_path_buf(),
+                            reason: format!("step-{step}: {reason}"),
+                        })?
+                    }
+                };
+                if fell_back {
+                    let latest_text = match &latest {
+                        Ok(Some(n)) => format!("LATEST names step-{n}, which does not verify"),
+                        Ok(None) => format!("no {LATEST}"),
+                        Err(e) => format!("{LATEST} unreadable ({e})"),
+                    };
+                    let skipped = if skipped.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (skipped {})", list_skipped(&skipped))
+                    };
+                    files.fallback = Some(format!(
+                        "{latest_text}; the newest step that verifies{skipped}"
+                    ));
+                }
+                Ok(files)
+            }
+            Choice::NoneReadable { latest, skipped } => Err(SampleError::NoReadableStep {
+                dir: dir.to_path_buf(),
+                reason: format!(
+                    "{latest}; {}",
+                    if skipped.is_empty() {
+                        "no step folders".to_string()
+                    } else {
+                        list_skipped(&skipped)
+                    }
+                ),
+            }),
+            Choice::Nothing => Err(SampleError::NoStep {
+                dir: dir.to_path_buf(),
+            }),
+        };
     }
-    Ok(step)
 }
 
 /// The configuration in `step_dir`'s config.json.
 pub fn load_config(step_dir: &Path) -> Result<LlamaConfig> {
     let path = step_dir.join(CONFIG_FILE);
-    let err = |reason: String| SampleError::Config {
+    let bytes = std::fs::read(&path).map_err(|e| SampleError::Config {
         path: path.clone(),
+        reason: format!("cannot read it: {e}"),
+    })?;
+    parse_config(&bytes, &path)
+}
+
+/// The configuration in the config.json `bytes` (`path` names them in
+/// errors).
+pub fn parse_config(bytes: &[u8], path: &Path) -> Result<LlamaConfig> {
+    let err = |reason: String| SampleError::Config {
+        path: path.to_path_buf(),
         reason,
     };
-    let bytes = std::fs::read(&path).map_err(|e| err(format!("cannot read it: {e}")))?;
     let json: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| err(format!("not valid JSON: {e}")))?;
+        serde_json::from_slice(bytes).map_err(|e| err(format!("not valid JSON: {e}")))?;
     LlamaConfig::from_hf_json(&json).map_err(|e| {
         let reasons: Vec<String> =
             e.0.iter()
@@ -205,30 +387,50 @@ pub fn load_config(step_dir: &Path) -> Result<LlamaConfig> {
     })
 }
 
-/// The tokenizer: `explicit`, else `step_dir`'s tokenizer.json.
-pub fn load_tokenizer(step_dir: &Path, explicit: Option<&Path>) -> Result<Tokenizer> {
-    let path = match explicit {
-        Some(p) => p.to_path_buf(),
-        None => {
-            let p = step_dir.join(TOKENIZER_FILE);
-            if !p.is_file() {
-                return Err(SampleError::NoTokenizer {
-                    dir: step_dir.to_path_buf(),
-                });
-            }
-            p
-        }
+/// The tokenizer and its path: `explicit`, else the step folder's
+/// tokenizer.json.
+pub fn load_tokenizer(files: &StepFiles, explicit: Option<&Path>) -> Result<(Tokenizer, PathBuf)> {
+    let Some(path) = explicit else {
+        let path = files.dir.join(TOKENIZER_FILE);
+        let Some(bytes) = &files.tokenizer else {
+            return Err(SampleError::NoTokenizer {
+                dir: files.dir.clone(),
+            });
+        };
+        return match Tokenizer::from_bytes(bytes) {
+            Ok(t) => Ok((t, path)),
+            Err(e) => Err(SampleError::Tokenizer {
+                reason: format!("cannot load it: {e}"),
+                path,
+            }),
+        };
     };
+    let path = path.to_path_buf();
     if !path.is_file() {
         return Err(SampleError::Tokenizer {
             path,
             reason: "no such file (--tokenizer)".into(),
         });
     }
-    Tokenizer::from_file(&path).map_err(|e| SampleError::Tokenizer {
-        reason: format!("cannot load it: {e}"),
-        path,
-    })
+    match Tokenizer::from_file(&path) {
+        Ok(t) => Ok((t, path)),
+        Err(e) => Err(SampleError::Tokenizer {
+            reason: format!("cannot load it: {e}"),
+            path,
+        }),
+    }
+}
+
+/// The token ids in `0..vocab_size` that `tokenizer` has no token for.
+pub fn unknown_ids(tokenizer: &Tokenizer, vocab_size: i64) -> Vec<i64> {
+    (0..vocab_size)
+        .filter(|&id| {
+            u32::try_from(id)
+                .ok()
+                .and_then(|id| tokenizer.id_to_token(id))
+                .is_none()
+        })
+        .collect()
 }
 
 /// A llama with the weights of a step folder, for inference.
@@ -263,19 +465,44 @@ impl LoadedModel {
     /// safetensors file with Hugging Face names), strictly: every
     /// parameter there with its shape, nothing else.
     pub fn load(config: LlamaConfig, weights: &Path, device: Device) -> Result<Self> {
-        let err = |reason: String| SampleError::Weights {
+        let bytes = std::fs::read(weights).map_err(|e| SampleError::Weights {
             path: weights.to_path_buf(),
+            reason: if e.kind() == std::io::ErrorKind::NotFound {
+                "no such file".into()
+            } else {
+                format!("cannot read it: {e}")
+            },
+        })?;
+        Self::from_safetensors(config, &bytes, weights, device)
+    }
+
+    /// [`LoadedModel::load`] from the file's contents (`path` names them
+    /// in errors).
+    pub fn from_safetensors(
+        config: LlamaConfig,
+        bytes: &[u8],
+        path: &Path,
+        device: Device,
+    ) -> Result<Self> {
+        let err = |reason: String| SampleError::Weights {
+            path: path.to_path_buf(),
             reason,
         };
-        if !weights.is_file() {
-            return Err(err("no such file".into()));
-        }
         let vs = nn::VarStore::new(device);
         // Drawn initial weights, all overwritten below.
         let net = tch::no_grad(|| Net::new(&vs.root(), &config))?;
-        let tensors = Tensor::read_safetensors(weights)
-            .map_err(|e| err(crate::error::torch_text("reading the weights", &e)))?;
-        let by_name: HashMap<String, Tensor> = tensors.into_iter().collect();
+        // safetensors' errors print as Debug: named in words here.
+        let file = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| err(format!("not a valid safetensors file ({e})")))?;
+        let by_name = file
+            .tensors()
+            .into_iter()
+            .map(|(n, view)| {
+                Tensor::try_from(view)
+                    .map(|t| (n, t))
+                    .map_err(|e| err(crate::error::torch_text("reading the weights", &e)))
+            })
+            .collect::<Result<HashMap<String, Tensor>>>()?;
         let mut ours: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         ours.sort_by(|a, b| a.0.cmp(&b.0));
         let missing: Vec<&str> = ours
@@ -327,6 +554,31 @@ impl LoadedModel {
     pub fn from_step_dir(step_dir: &Path, device: Device) -> Result<Self> {
         let config = load_config(step_dir)?;
         Self::load(config, &step_dir.join(MODEL_FILE), device)
+    }
+
+    /// The model of files read from a step folder.
+    pub fn from_files(files: &StepFiles, device: Device) -> Result<Self> {
+        let config = parse_config(&files.config, &files.dir.join(CONFIG_FILE))?;
+        Self::from_safetensors(config, &files.weights, &files.dir.join(MODEL_FILE), device)
+    }
+
+    /// `[vocab]` true at the ids `exclude` names (None: none); an error
+    /// when it names them all.
+    pub fn exclusion_mask(&self, exclude: &[i64]) -> Result<Option<Tensor>> {
+        let vocab = self.config.vocab_size;
+        let mut mask = vec![false; vocab as usize];
+        for &t in exclude.iter().filter(|&&t| (0..vocab).contains(&t)) {
+            mask[t as usize] = true;
+        }
+        match mask.iter().filter(|&&m| m).count() {
+            0 => Ok(None),
+            n if n == mask.len() => Err(SampleError::NothingToSample { vocab_size: vocab }),
+            _ => Ok(Some(
+                Tensor::from_slice(&mask)
+                    .f_to_device(self.device)
+                    .map_err(|e| crate::error::torch_error("moving the token mask", &e))?,
+            )),
+        }
     }
 
     /// Generates after `prompt` with the KV cache; `on_token` sees each
@@ -381,6 +633,7 @@ impl LoadedModel {
     ) -> Result<Generated> {
         check_prompt(&self.config, prompt)?;
         check_options(opts)?;
+        let mask = self.exclusion_mask(&opts.exclude)?;
         if let Some(seed) = opts.seed {
             tch::manual_seed(seed as i64);
         }
@@ -404,7 +657,7 @@ impl LoadedModel {
                 .f_select(0, 0)
                 .and_then(|l| l.f_select(0, -1))
                 .map_err(|e| crate::error::torch_error("reading the logits", &e))?;
-            let token = choose(&last, opts)?;
+            let token = choose(&last, opts, mask.as_ref())?;
             out.last_logits = Some(last);
             if opts.stop == Some(token) {
                 out.stop = Stop::EndOfText;
@@ -454,26 +707,49 @@ fn check_prompt(config: &LlamaConfig, prompt: &[i64]) -> Result<()> {
     Ok(())
 }
 
+/// `x` as written on a command line: plain, or in exponent form when
+/// that is long (1e-45).
+fn number(x: f64) -> String {
+    let plain = x.to_string();
+    if plain.len() > 12 {
+        format!("{x:e}")
+    } else {
+        plain
+    }
+}
+
 fn check_options(opts: &GenerateOptions) -> Result<()> {
     let t = opts.temperature;
-    if !(t.is_finite() && t >= 0.0) {
+    if !(t == 0.0 || (MIN_TEMPERATURE..=MAX_TEMPERATURE).contains(&t)) {
         return Err(flag(
             "--temperature",
-            t,
-            "must be a finite number >= 0 (0 = greedy)",
+            number(t),
+            format!(
+                "must be 0 (greedy) or from {MIN_TEMPERATURE} to {MAX_TEMPERATURE} \
+                 (the logits are divided by it)"
+            ),
         ));
     }
     if let Some(k) = opts.top_k {
         if k < 1 {
-            return Err(flag("--top-k", k, "must be at least 1"));
+            return Err(flag("--top-k", k, "must be 1 or more"));
         }
     }
     Ok(())
 }
 
-/// The next token from the last position's logits `[vocab]`.
-fn choose(logits: &Tensor, opts: &GenerateOptions) -> Result<i64> {
+/// The next token from the last position's logits `[vocab]`, never one
+/// where `mask` is true.
+fn choose(logits: &Tensor, opts: &GenerateOptions, mask: Option<&Tensor>) -> Result<i64> {
     let pick = || -> Result<i64, tch::TchError> {
+        let masked;
+        let logits = match mask {
+            Some(m) => {
+                masked = logits.f_masked_fill(m, f64::NEG_INFINITY)?;
+                &masked
+            }
+            None => logits,
+        };
         if opts.temperature == 0.0 {
             return Ok(logits.f_argmax(-1, false)?.int64_value(&[]));
         }
@@ -572,6 +848,8 @@ impl<'a> Detokenizer<'a> {
 /// newline at the end); notes (the seed drawn, an early stop) go to
 /// stderr.
 pub fn run(args: &SampleArgs, out: &mut dyn Write) -> Result<Generated> {
+    let max_tokens = usize::try_from(args.max_tokens)
+        .map_err(|_| flag("--max-tokens", args.max_tokens, "must be 0 or more"))?;
     check_options(&GenerateOptions {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -581,15 +859,16 @@ pub fn run(args: &SampleArgs, out: &mut dyn Write) -> Result<Generated> {
         crate::Error::Device { reason, .. } => flag("--device", &args.device, reason),
         other => other.into(),
     })?;
-    let step_dir = resolve_step_dir(&args.step_dir)?;
-    let config = load_config(&step_dir)?;
+    let files = read_step_files(&args.step_dir)?;
+    if let Some(why) = &files.fallback {
+        eprintln!("note: sampling {}: {why}", files.dir.display());
+    }
+    let config = parse_config(&files.config, &files.dir.join(CONFIG_FILE))?;
     // The tokenizer before the weights: a missing one fails fast.
-    let tokenizer = load_tokenizer(&step_dir, args.tokenizer.as_deref())?;
-    let tokenizer_path = args
-        .tokenizer
-        .clone()
-        .unwrap_or_else(|| step_dir.join(TOKENIZER_FILE));
-    let model = LoadedModel::load(config, &step_dir.join(MODEL_FILE), device)?;
+    let (tokenizer, tokenizer_path) = load_tokenizer(&files, args.tokenizer.as_deref())?;
+    let model =
+        LoadedModel::from_safetensors(config, &files.weights, &files.dir.join(MODEL_FILE), device)?;
+    drop(files);
     let encoding =
         tokenizer
             .encode(args.prompt.as_str(), false)
@@ -599,15 +878,26 @@ pub fn run(args: &SampleArgs, out: &mut dyn Write) -> Result<Generated> {
             })?;
     let prompt_u32 = encoding.get_ids().to_vec();
     let prompt: Vec<i64> = prompt_u32.iter().map(|&t| t as i64).collect();
+    let vocab_size = model.config.vocab_size;
     let mut opts = GenerateOptions {
-        max_tokens: args.max_tokens,
+        max_tokens,
         temperature: args.temperature,
         top_k: args.top_k,
         seed: args.seed,
         stop: tokenizer.token_to_id(END_OF_TEXT).map(i64::from),
+        exclude: unknown_ids(&tokenizer, vocab_size),
     };
     // Refused before anything is printed.
     check_prompt(&model.config, &prompt)?;
+    model.exclusion_mask(&opts.exclude)?;
+    if !opts.exclude.is_empty() {
+        eprintln!(
+            "note: the model's vocab_size = {vocab_size}; the tokenizer {} knows {} of its ids: \
+             sampling only among those",
+            tokenizer_path.display(),
+            vocab_size - opts.exclude.len() as i64
+        );
+    }
     if opts.seed.is_none() && opts.temperature > 0.0 {
         let seed = rand::random::<u32>() as u64;
         eprintln!("seed {seed} (--seed {seed} draws this sample again)");

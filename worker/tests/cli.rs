@@ -213,8 +213,11 @@ fn a_checkpoint_folder_serves_one_job_and_one_optimizer_kind() {
     assert!(ok, "{err}");
     let owner = std::fs::read_to_string(ck.join("OWNER.json")).unwrap();
     assert!(owner.contains("\"job_id\": \"first\""), "{owner}");
+    // The writer lock's file names its last holder (the refused resume
+    // below takes it before it reads the checkpoint): not compared.
     let snapshot = || {
         let mut v: Vec<(String, Vec<u8>)> = walk(&ck);
+        v.retain(|(p, _)| !p.ends_with(".accrue-writer.lock"));
         v.sort();
         v
     };
@@ -238,6 +241,106 @@ fn a_checkpoint_folder_serves_one_job_and_one_optimizer_kind() {
     let (ok, err) = run(&job("first", "sgd", 4), true);
     assert!(ok, "{err}");
     assert!(ck.join("step-4/MANIFEST.json").exists());
+}
+
+/// Issue 37, items 2 and 3, with the real binary: a second run of one job
+/// on one folder, started while the first trains, is refused naming the
+/// first (before: both ran, one result); a run another job's folder
+/// refuses removes nothing there (before: it swept `.step-6.tmp-<pid>` of
+/// a writer in progress, a user's `.thesis.tmp-2024/` and `.cache.tmp-1`);
+/// the owner's next run sweeps accrue's own temporary names only.
+#[test]
+fn one_run_writes_a_folder_and_refused_runs_remove_nothing() {
+    use std::time::{Duration, Instant};
+    let dir = TempDir::new().unwrap();
+    let ck = dir.path().join("ck");
+    let job = |name: &str, steps: u64| {
+        let p = dir.path().join(format!("{name}-{steps}.toml"));
+        std::fs::write(
+            &p,
+            format!(
+                "name = \"{name}\"\nmax_steps = {steps}\ndevice = \"cpu\"\nthreads = 1\n[model]\nkind = \"mlp\"\nhidden = [4]\n[data]\nkind = \"synthetic\"\nsamples = 64\nshape = [4]\nclasses = 2\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n"
+            ),
+        )
+        .unwrap();
+        p
+    };
+    let train = |spec: &Path, resume: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_accrue-worker"));
+        cmd.arg("train").arg(spec).arg("--checkpoint-dir").arg(&ck);
+        if resume {
+            cmd.arg("--resume");
+        }
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        cmd
+    };
+    // Bounded: a run that is not refused would train for minutes.
+    let finish = |mut child: std::process::Child| {
+        let start = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if start.elapsed() > Duration::from_secs(60) {
+                let _ = child.kill();
+                panic!("the run was not refused within 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let long = job("one", 5_000_000);
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut first = KillOnDrop(train(&long, false).spawn().unwrap());
+    let lock = ck.join(".accrue-writer.lock");
+    let pid = format!("\"pid\":{}", first.0.id());
+    let start = Instant::now();
+    while !std::fs::read_to_string(&lock).is_ok_and(|t| t.contains(&pid)) {
+        assert!(first.0.try_wait().unwrap().is_none(), "the first run ended");
+        assert!(start.elapsed() < Duration::from_secs(60), "no lock taken");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (ok, err) = finish(train(&long, false).spawn().unwrap());
+    assert!(!ok, "a second run of the job on the folder was not refused");
+    assert!(
+        err.contains("is in use by another run: job one")
+            && err.contains(&format!("pid {}", first.0.id())),
+        "{err}"
+    );
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+
+    // A folder job `one` owns, with a write in progress and a user's files.
+    let (ok, err) = finish(train(&job("one", 2), false).spawn().unwrap());
+    assert!(ok, "{err}");
+    let in_progress = ck.join(format!(".step-6.tmp-{}", std::process::id()));
+    std::fs::create_dir(&in_progress).unwrap();
+    std::fs::write(in_progress.join("model.safetensors"), b"half").unwrap();
+    let thesis = ck.join(".thesis.tmp-2024");
+    std::fs::create_dir(&thesis).unwrap();
+    std::fs::write(thesis.join("chapter1.tex"), b"words").unwrap();
+    std::fs::write(ck.join(".cache.tmp-1"), b"c").unwrap();
+    for resume in [false, true] {
+        let (ok, err) = finish(train(&job("two", 4), resume).spawn().unwrap());
+        assert!(!ok && err.contains("belongs to job one"), "{err}");
+        assert!(in_progress.join("model.safetensors").exists());
+        assert!(thesis.join("chapter1.tex").exists());
+        assert!(ck.join(".cache.tmp-1").exists());
+    }
+    // The owner's next run holds the lock: it sweeps accrue's names only.
+    let (ok, err) = finish(train(&job("one", 4), true).spawn().unwrap());
+    assert!(ok, "{err}");
+    assert!(!in_progress.exists());
+    assert!(thesis.join("chapter1.tex").exists());
+    assert!(ck.join(".cache.tmp-1").exists());
 }
 
 /// Every file under `dir` with its contents.

@@ -325,6 +325,37 @@ fn nan_data(dir: &Path) -> String {
     on_tensors(&mlp_job(64, 8, 2, "global_count", ""), &path, false)
 }
 
+/// Issue 37, item 6: a job that applies no optimizer step, or skips more
+/// than `max_skipped_fraction` of its steps, fails with that reason (before:
+/// it ended as "finished"). Sample 5 holds a NaN: one window in 4 of each
+/// epoch is skipped (2 of 8 steps), every window when a window is the
+/// whole epoch.
+#[test]
+fn too_many_skipped_steps_or_none_applied_fail_the_job() {
+    let dir = TempDir::new().unwrap();
+    let quarter = format!("max_skipped_fraction = 0.2\n{}", nan_data(dir.path()));
+    let mut e = engine(spec(&quarter), &dir.path().join("a"));
+    let msg = e.run(|_| {}).expect_err("must fail").to_string();
+    assert!(
+        msg.starts_with("2 of its 8 optimizer steps were skipped (the last for non-finite gradients), more than max_skipped_fraction = 0.2 allows (1)"),
+        "{msg}"
+    );
+    // At the default (0.5) the same job finishes.
+    let mut e = engine(spec(&nan_data(dir.path())), &dir.path().join("b"));
+    assert_eq!(e.run(|_| {}).unwrap().state.skipped_steps, 2);
+    let path = dir.path().join("nan.safetensors");
+    let all = format!(
+        "max_skipped_fraction = 1.0\n{}",
+        on_tensors(&mlp_job(64, 64, 1, "global_count", ""), &path, false)
+    );
+    let mut e = engine(spec(&all), &dir.path().join("c"));
+    let msg = e.run(|_| {}).expect_err("must fail").to_string();
+    assert!(
+        msg.starts_with("no optimizer step was applied: all 2 steps were skipped (the last for non-finite gradients)"),
+        "{msg}"
+    );
+}
+
 #[test]
 fn nonfinite_gradient_step_is_skipped_and_counted() {
     let dir = TempDir::new().unwrap();
@@ -375,6 +406,8 @@ fn nonfinite_gradient_with_error_fails_clearly() {
         msg.contains("non-finite gradient norm") && msg.contains("step 1"),
         "{msg}"
     );
+    // The run's writer lock on the folder (made for it) goes with it.
+    drop(e);
     assert!(
         !dir.path().join("ckpt").exists(),
         "a failed step must not write a checkpoint"

@@ -10,8 +10,9 @@
 //! 0.02 init, whose near-uniform logits would make greedy choices ties
 //! to within rounding), so the argmax is decided by clear margins.
 
+use accrue_worker::checkpoint::{self, owner::Owner, TrainerState, WriteOptions};
 use accrue_worker::family::llama::{KvCache, Net};
-use accrue_worker::sample::{GenerateOptions, LoadedModel, Stop};
+use accrue_worker::sample::{load_tokenizer, read_step_files, GenerateOptions, LoadedModel, Stop};
 use accrue_worker::spec::LlamaConfig;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -35,6 +36,7 @@ fn config(kv_heads: i64, tied: bool, biases: bool) -> LlamaConfig {
         tie_word_embeddings: tied,
         attention_bias: biases,
         mlp_bias: biases,
+        initializer_range: 0.02,
     }
 }
 
@@ -53,9 +55,9 @@ fn pattern(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// A step-like folder: model.safetensors (HF names) and config.json.
-fn write_step(dir: &Path, c: &LlamaConfig, seed: u64) {
-    std::fs::create_dir_all(dir).unwrap();
+/// A model's parameters with Hugging Face names, sorted, from a fixed
+/// pattern of unit scale.
+fn weights(c: &LlamaConfig, seed: u64) -> Vec<(String, Tensor)> {
     let vs = nn::VarStore::new(Device::Cpu);
     let _net = Net::new(&vs.root(), c).unwrap();
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
@@ -81,6 +83,13 @@ fn write_step(dir: &Path, c: &LlamaConfig, seed: u64) {
             t.shallow_clone().copy_(&value);
         }
     });
+    vars
+}
+
+/// A step-like folder: model.safetensors (HF names) and config.json.
+fn write_step(dir: &Path, c: &LlamaConfig, seed: u64) {
+    std::fs::create_dir_all(dir).unwrap();
+    let vars = weights(c, seed);
     let named: Vec<(&str, &Tensor)> = vars.iter().map(|(n, t)| (n.as_str(), t)).collect();
     Tensor::write_safetensors(&named, dir.join("model.safetensors")).unwrap();
     std::fs::write(
@@ -88,6 +97,36 @@ fn write_step(dir: &Path, c: &LlamaConfig, seed: u64) {
         serde_json::to_vec_pretty(&c.to_hf_json()).unwrap(),
     )
     .unwrap();
+}
+
+/// Step `step` of checkpoint folder `ckpt` as training writes it
+/// (checkpoint::write: the manifest, LATEST, pruning to the newest
+/// `keep`), with config.json and a tokenizer.json of VOCAB words.
+fn write_checkpoint(ckpt: &Path, step: u64, c: &LlamaConfig, seed: u64, keep: usize) {
+    let state = TrainerState {
+        job: "sample-test".into(),
+        job_id: "sample-test".into(),
+        step,
+        ..Default::default()
+    };
+    let extra = vec![
+        (
+            "config.json".to_string(),
+            serde_json::to_vec_pretty(&c.to_hf_json()).unwrap(),
+        ),
+        ("tokenizer.json".to_string(), tokenizer_json(VOCAB)),
+    ];
+    let opts = WriteOptions {
+        keep,
+        owner: Owner {
+            job_id: "sample-test".into(),
+            cluster: String::new(),
+            spec_hash: String::new(),
+            created_unix_ms: 0,
+        },
+        protect_upto: None,
+    };
+    checkpoint::write(ckpt, &state, &weights(c, seed), &[], &extra, &opts).unwrap();
 }
 
 /// max |a - b| / max(1, max |b|).
@@ -173,7 +212,7 @@ fn kv_cache_generation_equals_full_forward_generation() {
             temperature: 0.9,
             top_k: Some(8),
             seed: Some(11),
-            stop: None,
+            ..Default::default()
         };
         let a = model.generate(&PROMPT, &sampled, none).unwrap();
         let b = model.generate(&PROMPT, &sampled, none).unwrap();
@@ -284,11 +323,11 @@ fn greedy_continuation_equals_transformers_generate() {
     }
 }
 
-/// A word-level tokenizer.json: "w0" .. "w96", split on whitespace,
-/// decoded joined by spaces.
-fn write_tokenizer(path: &Path) {
+/// A word-level tokenizer.json of `n` words: "w0" .. "w{n-1}", split on
+/// whitespace, decoded joined by spaces.
+fn tokenizer_json(n: i64) -> Vec<u8> {
     let vocab: serde_json::Map<String, serde_json::Value> =
-        (0..VOCAB).map(|i| (format!("w{i}"), i.into())).collect();
+        (0..n).map(|i| (format!("w{i}"), i.into())).collect();
     let json = serde_json::json!({
         "version": "1.0",
         "truncation": null,
@@ -300,7 +339,7 @@ fn write_tokenizer(path: &Path) {
         "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"},
     });
-    std::fs::write(path, serde_json::to_vec_pretty(&json).unwrap()).unwrap();
+    serde_json::to_vec_pretty(&json).unwrap()
 }
 
 fn sample_cli(args: &[&std::ffi::OsStr]) -> std::process::Output {
@@ -320,9 +359,7 @@ fn sample_command_prints_prompt_and_continuation() {
     // A checkpoint folder: LATEST names step-3.
     let ckpt = tmp.path().join("ckpt");
     let step = ckpt.join("step-3");
-    write_step(&step, &c, 3);
-    write_tokenizer(&step.join("tokenizer.json"));
-    std::fs::write(ckpt.join("LATEST"), "step-3\n").unwrap();
+    write_checkpoint(&ckpt, 3, &c, 3, 5);
 
     let model = LoadedModel::from_step_dir(&step, Device::Cpu).unwrap();
     let want = model.generate(&PROMPT, &greedy(10), none).unwrap().tokens;
@@ -408,7 +445,7 @@ fn sample_command_prints_prompt_and_continuation() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
 
     // Other clear errors: a folder with neither weights nor LATEST, a
-    // LATEST naming a missing step, a negative temperature.
+    // LATEST naming a missing step (and no other), a negative temperature.
     let empty = tmp.path().join("empty");
     std::fs::create_dir_all(&empty).unwrap();
     let out = sample_cli(&[empty.as_os_str(), "--prompt".as_ref(), "w1".as_ref()]);
@@ -421,7 +458,11 @@ fn sample_command_prints_prompt_and_continuation() {
     let out = sample_cli(&[empty.as_os_str(), "--prompt".as_ref(), "w1".as_ref()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("names step-9, which has no model.safetensors"),
+        !out.status.success()
+            && err.contains(
+                "no step to sample: LATEST names step-9, which does not verify; \
+                 step-9: no such folder"
+            ),
         "{err}"
     );
     let out = sample_cli(&[
@@ -432,7 +473,8 @@ fn sample_command_prints_prompt_and_continuation() {
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("--temperature -1: must be a finite number >= 0"),
+        !out.status.success()
+            && err.contains("--temperature -1: must be 0 (greedy) or from 0.001 to 100"),
         "{err}"
     );
 }
@@ -477,4 +519,270 @@ fn bad_checkpoint_files_are_named() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("config.json: not valid JSON"), "{err}");
+}
+
+/// `accrue-worker sample` that must fail before printing anything: its
+/// stderr, one line.
+fn refused(args: &[&std::ffi::OsStr]) -> String {
+    let out = sample_cli(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} succeeded: {err}");
+    assert!(out.stdout.is_empty(), "{args:?} printed {:?}", out.stdout);
+    err
+}
+
+/// The words of a sample's output.
+fn words(out: &std::process::Output) -> Vec<String> {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Issue 37, item 11: a temperature that is not finite or whose use would
+/// overflow f32 logits, and negative numbers, are refused naming the flag
+/// and its range, before any output; the ends of the range work.
+#[test]
+fn out_of_range_numbers_are_refused_naming_the_flag_and_range() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::TempDir::new().unwrap();
+    let c = config(2, false, false);
+    let ckpt = tmp.path().join("ckpt");
+    write_checkpoint(&ckpt, 1, &c, 1, 5);
+    let step = ckpt.join("step-1");
+
+    // The library refuses it too, before the first token.
+    let model = LoadedModel::from_step_dir(&step, Device::Cpu).unwrap();
+    let tiny = GenerateOptions {
+        temperature: 1e-45,
+        seed: Some(1),
+        ..greedy(3)
+    };
+    let mut seen = 0;
+    let err = model
+        .generate(&PROMPT, &tiny, |_| {
+            seen += 1;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert_eq!(seen, 0);
+    assert!(
+        err.contains("--temperature 1e-45: must be 0 (greedy) or from 0.001 to 100"),
+        "{err}"
+    );
+
+    let temperature = "must be 0 (greedy) or from 0.001 to 100";
+    for (flag, value, allowed) in [
+        ("--temperature", "1e-45", temperature),
+        ("--temperature", "0.0009", temperature),
+        ("--temperature", "101", temperature),
+        ("--temperature", "-1", temperature),
+        ("--temperature", "inf", temperature),
+        ("--temperature", "-inf", temperature),
+        ("--temperature", "NaN", temperature),
+        ("--max-tokens", "-1", "must be 0 or more"),
+        ("--top-k", "-1", "must be 1 or more"),
+        ("--top-k", "0", "must be 1 or more"),
+    ] {
+        let err = refused(&[
+            step.as_os_str(),
+            "--prompt".as_ref(),
+            "w1".as_ref(),
+            flag.as_ref(),
+            value.as_ref(),
+        ]);
+        assert!(
+            err.contains(&format!("{flag} {value}: {allowed}")),
+            "{flag} {value}: {err}"
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    }
+    let err = refused(&[
+        step.as_os_str(),
+        "--prompt".as_ref(),
+        "w1".as_ref(),
+        "--seed".as_ref(),
+        "-1".as_ref(),
+    ]);
+    assert!(
+        err.contains(
+            "'-1' for '--seed <SEED>': must be a whole number from 0 to 18446744073709551615"
+        ),
+        "{err}"
+    );
+
+    // The ends of the range sample.
+    for t in ["0.001", "100"] {
+        let out = sample_cli(&[
+            step.as_os_str(),
+            "--prompt".as_ref(),
+            "w1".as_ref(),
+            "--max-tokens".as_ref(),
+            "4".as_ref(),
+            "--temperature".as_ref(),
+            t.as_ref(),
+            "--seed".as_ref(),
+            "2".as_ref(),
+        ]);
+        assert_eq!(words(&out).len(), 5, "--temperature {t}");
+    }
+}
+
+/// Issue 37, item 11: a tokenizer with fewer ids than the model's
+/// vocab_size (a vocabulary padded past the tokenizer's) samples only
+/// among the ids it knows, saying so with both sizes; no sampled token
+/// is dropped from the text.
+#[test]
+fn a_smaller_tokenizer_samples_only_its_ids() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::TempDir::new().unwrap();
+    let step = tmp.path().join("step-1");
+    write_step(&step, &config(2, false, false), 5);
+    let small = tmp.path().join("tokenizer64.json");
+    std::fs::write(&small, tokenizer_json(64)).unwrap();
+    // Temperature 100: nearly uniform over the ids allowed, so a third of
+    // the draws would be ids 64..97 if they were not excluded.
+    let out = sample_cli(&[
+        step.as_os_str(),
+        "--prompt".as_ref(),
+        "w5 w17 w42".as_ref(),
+        "--max-tokens".as_ref(),
+        "40".as_ref(),
+        "--temperature".as_ref(),
+        "100".as_ref(),
+        "--seed".as_ref(),
+        "3".as_ref(),
+        "--tokenizer".as_ref(),
+        small.as_os_str(),
+    ]);
+    let got = words(&out);
+    assert_eq!(got.len(), 3 + 40, "{got:?}");
+    for w in &got {
+        let id: i64 = w.strip_prefix('w').unwrap().parse().unwrap();
+        assert!((0..64).contains(&id), "{w} in {got:?}");
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("vocab_size = 97") && err.contains("knows 64 of its ids"),
+        "{err}"
+    );
+}
+
+fn greedy_text(dir: &Path, n: &str) -> std::process::Output {
+    sample_cli(&[
+        dir.as_os_str(),
+        "--prompt".as_ref(),
+        "w5 w17 w42".as_ref(),
+        "--max-tokens".as_ref(),
+        n.as_ref(),
+        "--temperature".as_ref(),
+        "0".as_ref(),
+    ])
+}
+
+/// Issue 37, item 11: a checkpoint folder whose LATEST names a step that
+/// is gone (training pruned it after LATEST was read) or does not verify,
+/// or that has no LATEST, is sampled at its newest step that verifies (a
+/// note on stderr says which and why); with none, one line in words.
+#[test]
+fn a_checkpoint_folder_falls_back_to_its_newest_verified_step() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::TempDir::new().unwrap();
+    let c = config(2, false, false);
+    let ckpt = tmp.path().join("ckpt");
+    write_checkpoint(&ckpt, 2, &c, 21, 5);
+    write_checkpoint(&ckpt, 4, &c, 41, 5);
+    let step2 = words(&greedy_text(&ckpt.join("step-2"), "12"));
+    let step4 = words(&greedy_text(&ckpt, "12"));
+    assert_ne!(step2, step4, "two models that continue alike");
+
+    // LATEST names step-4, which is gone.
+    std::fs::remove_dir_all(ckpt.join("step-4")).unwrap();
+    let out = greedy_text(&ckpt, "12");
+    assert_eq!(words(&out), step2);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("step-2") && err.contains("LATEST names step-4, which does not verify"),
+        "{err}"
+    );
+
+    // No LATEST: the newest step folder.
+    std::fs::remove_file(ckpt.join("LATEST")).unwrap();
+    let out = greedy_text(&ckpt, "12");
+    assert_eq!(words(&out), step2);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no LATEST"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // LATEST names a step whose weights were damaged after the write.
+    write_checkpoint(&ckpt, 6, &c, 61, 5);
+    let weights = ckpt.join("step-6").join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x55;
+    std::fs::write(&weights, bytes).unwrap();
+    let out = greedy_text(&ckpt, "12");
+    assert_eq!(words(&out), step2);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("model.safetensors: checksum"), "{err}");
+
+    // Nothing readable: one line naming the folder and each step's fault.
+    std::fs::remove_dir_all(ckpt.join("step-2")).unwrap();
+    let err = refused(&[ckpt.as_os_str(), "--prompt".as_ref(), "w1".as_ref()]);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&ckpt.display().to_string())
+            && err.contains("LATEST names step-6, which does not verify")
+            && err.contains("step-6: model.safetensors: checksum"),
+        "{err}"
+    );
+}
+
+/// Issue 37, item 11: sampling a checkpoint folder while training writes
+/// to it and prunes to the newest step (keep = 1): every load succeeds.
+#[test]
+fn sampling_while_training_prunes_never_fails() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::TempDir::new().unwrap();
+    let c = config(2, false, false);
+    let ckpt = tmp.path().join("ckpt");
+    write_checkpoint(&ckpt, 1, &c, 1, 1);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (ckpt, c, done) = (ckpt.clone(), c.clone(), done.clone());
+        std::thread::spawn(move || {
+            for step in 2..=40 {
+                write_checkpoint(&ckpt, step, &c, step, 1);
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+    };
+    let (mut loads, mut failures) = (0, Vec::new());
+    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+        loads += 1;
+        let r = (|| -> accrue_worker::sample::Result<()> {
+            let files = read_step_files(&ckpt)?;
+            load_tokenizer(&files, None)?;
+            LoadedModel::from_files(&files, Device::Cpu)?;
+            Ok(())
+        })();
+        if let Err(e) = r {
+            failures.push(e.to_string());
+        }
+    }
+    writer.join().unwrap();
+    assert!(loads >= 20, "{loads} loads only");
+    assert!(
+        failures.is_empty(),
+        "{} of {loads} failed: {failures:?}",
+        failures.len()
+    );
 }

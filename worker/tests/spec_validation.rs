@@ -419,7 +419,13 @@ fn unknown_field_is_refused_at_parse_time() {
 fn wrong_type_is_refused_at_parse_time() {
     let text = replace(BASE, "lr = 0.1", r#"lr = "fast""#);
     match JobSpec::from_toml_str(&text, Path::new(ORIGIN)).unwrap_err() {
-        LoadError::Parse { message, .. } => assert!(message.contains("lr"), "{message}"),
+        // One line (issue 37): where, the line itself, and what is wrong.
+        LoadError::Parse { message, .. } => assert!(
+            message.starts_with("line ")
+                && message.contains(r#"(`lr = "fast"`): invalid type: string "fast""#)
+                && !message.contains('\n'),
+            "{message}"
+        ),
         other => panic!("expected LoadError::Parse, got {other:?}"),
     }
 }

@@ -169,6 +169,11 @@ impl JobSpec {
         if let Some(m) = self.max_steps {
             c.int_in("max_steps", m, 1, MAX_STEPS.into());
         }
+        if let Some(f) = self.max_skipped_fraction {
+            if !(f.is_finite() && (0.0..=1.0).contains(&f)) {
+                c.fail("max_skipped_fraction", f, "must be a number in [0, 1]");
+            }
+        }
         let d = self.device.as_str();
         let cuda_ok = d.strip_prefix("cuda:").is_some_and(|n| {
             n.chars().all(|ch| ch.is_ascii_digit())

@@ -65,6 +65,11 @@ pub struct JobSpec {
     /// How the worker runs the job on its device (issue 19).
     #[serde(default)]
     pub performance: PerformanceSpec,
+    /// The largest share of the job's optimizer steps that may be skipped
+    /// (no loss term in the window, non-finite gradients, fp16 overflow)
+    /// before the job fails with that reason (default 0.5); a job that
+    /// applies no optimizer step at all fails whatever this says.
+    pub max_skipped_fraction: Option<f64>,
 }
 
 /// `[performance]`: execution choices that leave the numbers as they are.
@@ -434,6 +439,9 @@ pub const JOB_NAME_RULE: &str = "must be 1 to 63 characters of a-z, 0-9, '.', '_
 pub const MAX_TIMEOUT_S: f64 = 86_400.0;
 /// The largest accepted gradient bucket, MiB.
 pub const MAX_BUCKET_CAP_MB: f64 = 4096.0;
+/// The default `max_skipped_fraction`.
+pub const DEFAULT_MAX_SKIPPED_FRACTION: f64 = 0.5;
+
 /// The most ranks a job may ask for (`workers`, `max_workers`).
 pub const MAX_WORKERS: u32 = 1024;
 /// The most optimizer steps (`max_steps`, and every step count of the
@@ -507,6 +515,31 @@ pub enum LoadError {
     Invalid { path: PathBuf, source: SpecErrors },
 }
 
+/// A TOML error in one line: "line L, column C: what" (toml's own
+/// message spans several lines with the source and a caret).
+fn toml_error_line(e: &toml::de::Error, text: &str) -> String {
+    let what = e.message().split_whitespace().collect::<Vec<_>>().join(" ");
+    match e.span() {
+        Some(span) => {
+            let at = span.start.min(text.len());
+            let before = text.get(..at).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let start = before.rfind('\n').map_or(0, |i| i + 1);
+            let column = before.len() - start + 1;
+            let source: String = text[start..]
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .chars()
+                .take(80)
+                .collect();
+            format!("line {line}, column {column} (`{source}`): {what}")
+        }
+        None => what,
+    }
+}
+
 /// A spec file's text; at most [`MAX_SPEC_BYTES`] are read (a bigger
 /// file, or an endless one such as a device, is [`LoadError::TooLarge`]).
 fn read_spec(path: &Path) -> Result<String, LoadError> {
@@ -543,7 +576,7 @@ impl JobSpec {
         }
         let parse_err = |e: toml::de::Error| LoadError::Parse {
             path: origin.to_path_buf(),
-            message: e.to_string(),
+            message: toml_error_line(&e, text),
         };
         let (spec, kind_errors) = match toml::from_str::<JobSpec>(text) {
             Ok(spec) => (spec, Vec::new()),
@@ -613,6 +646,12 @@ impl JobSpec {
 
     pub fn norm_type(&self) -> f64 {
         self.clipping.norm_type.unwrap_or(2.0)
+    }
+
+    /// `max_skipped_fraction` or its default.
+    pub fn max_skipped_fraction(&self) -> f64 {
+        self.max_skipped_fraction
+            .unwrap_or(DEFAULT_MAX_SKIPPED_FRACTION)
     }
 
     /// Checks every field, and that the named files exist; file contents are

@@ -143,6 +143,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         max_steps: s.max_steps,
         device: s.device.clone(),
         threads: s.threads,
+        max_skipped_fraction: s.max_skipped_fraction,
         model: Some(v1::ModelSpec {
             kind: to_proto(s.model.kind),
             hidden: s.model.hidden.clone(),
@@ -353,6 +354,7 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         max_steps: p.max_steps,
         device: non_empty(&p.device, "auto"),
         threads: p.threads,
+        max_skipped_fraction: p.max_skipped_fraction,
         model: ModelSpec {
             kind: model_kind,
             hidden: model.hidden,

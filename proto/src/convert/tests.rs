@@ -460,6 +460,8 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 } else {
                     LossScalingSpec::default()
                 },
+                max_skipped_fraction: [None, Some(0.0), Some(0.25), Some(1.0)]
+                    [(seed / 81 % 4) as usize],
                 performance: PerformanceSpec {
                     cuda_graphs: [None, Some(true), Some(false)][(seed / 9 % 3) as usize],
                     cudnn_deterministic: [None, Some(true), Some(false)][(seed / 27 % 3) as usize],

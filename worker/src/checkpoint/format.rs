@@ -76,8 +76,13 @@ pub(super) fn tensors_from(
     bytes: &[u8],
     path: &Path,
 ) -> std::result::Result<Vec<(String, Tensor)>, String> {
-    let st = safetensors::SafeTensors::deserialize(bytes)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| {
+        format!(
+            "{}: {}",
+            path.display(),
+            crate::error::safetensors_words(&e)
+        )
+    })?;
     st.tensors()
         .into_iter()
         .map(|(n, v)| {

@@ -47,6 +47,17 @@ impl Manifest {
 /// and checksums; returns the files' contents by name. The error is one
 /// line naming what does not match.
 pub fn read_verified(folder: &Path, step: u64) -> Result<BTreeMap<String, Vec<u8>>, String> {
+    read_verified_only(folder, step, |_| true)
+}
+
+/// [`read_verified`] for the listed files `wanted` takes only (`accrue
+/// sample` reads the model, not the optimizer state); the others are
+/// neither read nor checked.
+pub fn read_verified_only(
+    folder: &Path,
+    step: u64,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<BTreeMap<String, Vec<u8>>, String> {
     let text = match std::fs::read(folder.join(MANIFEST_FILE)) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -69,6 +80,9 @@ pub fn read_verified(folder: &Path, step: u64) -> Result<BTreeMap<String, Vec<u8
                 "{MANIFEST_FILE} lists {:?}, not a file name",
                 e.name
             ));
+        }
+        if !wanted(&e.name) {
+            continue;
         }
         let bytes =
             std::fs::read(folder.join(&e.name)).map_err(|err| format!("{}: {err}", e.name))?;

@@ -15,6 +15,7 @@
 
 pub mod disk;
 mod format;
+pub mod lock;
 pub mod manifest;
 pub mod owner;
 
@@ -332,12 +333,16 @@ fn prune(
     Ok(())
 }
 
-/// Removes the temporary files and folders (`.step-*.tmp-<pid>`,
-/// `.LATEST.tmp-<pid>`, `.OWNER.json.tmp-<pid>`) that dead writers left:
-/// their pid is no longer alive, or they are older than `started` (this
-/// job's start: no live writer of this job made them). Returns what it
-/// removed.
-pub fn sweep(dir: &Path, started: std::time::SystemTime) -> Result<Vec<PathBuf>> {
+/// Removes the temporary files and folders accrue's writers leave when
+/// they die mid-write (`.step-<N>.tmp-<pid>`, `.LATEST.tmp-<pid>`,
+/// `.OWNER.json.tmp-<pid>`; [`lock::is_our_temporary`]), and nothing else.
+/// Only the holder of the folder's writer lock may sweep (`held` is the
+/// proof): while it holds the lock no other writer of the folder lives, on
+/// any host, so every such entry is a dead writer's. The caller checked
+/// that the folder is its job's (or has no owner) before taking the lock.
+/// Returns what it removed.
+pub fn sweep(held: &lock::FolderLock) -> Result<Vec<PathBuf>> {
+    let dir = held.dir();
     let mut removed = Vec::new();
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
@@ -346,42 +351,26 @@ pub fn sweep(dir: &Path, started: std::time::SystemTime) -> Result<Vec<PathBuf>>
     };
     for entry in entries {
         let entry = entry.map_err(crate::error::io_err(dir))?;
-        let name = entry.file_name();
-        let Some(pid) = name
+        if !entry
+            .file_name()
             .to_str()
-            .filter(|n| n.starts_with('.'))
-            .and_then(|n| n.rsplit_once(".tmp-"))
-            .and_then(|(_, pid)| pid.parse::<i32>().ok())
-        else {
+            .is_some_and(lock::is_our_temporary)
+        {
             continue;
-        };
-        let older = entry
-            .metadata()
-            .and_then(|m| m.modified())
-            .is_ok_and(|m| m < started);
-        if older || !pid_alive(pid) {
-            let path = entry.path();
-            let r = if path.is_dir() {
-                std::fs::remove_dir_all(&path)
-            } else {
-                std::fs::remove_file(&path)
-            };
-            r.map_err(crate::error::io_err(&path))?;
-            removed.push(path);
         }
+        let path = entry.path();
+        // Not followed: a symlink named like ours is removed as a link.
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        let r = if is_dir {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        r.map_err(crate::error::io_err(&path))?;
+        removed.push(path);
     }
+    removed.sort();
     Ok(removed)
-}
-
-/// Whether a process `pid` runs on this machine.
-fn pid_alive(pid: i32) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    // SAFETY: kill with signal 0 sends nothing; it only checks that the
-    // process exists (EPERM: it exists, owned by another user).
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 /// A loaded checkpoint.
@@ -440,7 +429,7 @@ pub fn read_latest(dir: &Path) -> Result<Option<Loaded>> {
 }
 
 /// The step LATEST names; None when there is no LATEST.
-fn latest_name(dir: &Path) -> std::result::Result<Option<u64>, String> {
+pub fn latest_name(dir: &Path) -> std::result::Result<Option<u64>, String> {
     let text = match std::fs::read_to_string(dir.join(LATEST)) {
         Ok(s) => s,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),

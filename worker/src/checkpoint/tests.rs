@@ -306,27 +306,37 @@ fn choose_prefers_latest_then_the_newest_that_verifies() {
     ));
 }
 
+/// Issue 37, item 2: the sweep removes accrue's own temporary names only
+/// (a user's `.thesis.tmp-2024/` and `.cache.tmp-1` stay), and only under
+/// the folder's writer lock, whatever pid the names carry.
 #[test]
-fn stale_temporary_folders_of_dead_writers_are_swept() {
+fn the_lock_holder_sweeps_only_accrues_temporary_names() {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
     write_on(&mut disk::Local, dir, 1, &payload(1), &opts(3)).unwrap();
-    // A dead pid's, and an old one of a live pid (ours, made before start).
     let dead = dir.join(".step-2.tmp-999999999");
     std::fs::create_dir(&dead).unwrap();
-    let mine = dir.join(format!(".step-3.tmp-{}", std::process::id()));
-    std::fs::create_dir(&mine).unwrap();
-    let fresh = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
-    let removed = sweep(dir, fresh).unwrap();
-    assert_eq!(removed, vec![dead.clone()]);
-    assert!(mine.exists());
-    let removed = sweep(
-        dir,
-        std::time::SystemTime::now() + std::time::Duration::from_secs(1),
-    )
-    .unwrap();
-    assert_eq!(removed, vec![mine]);
-    assert_eq!(names(dir), vec!["LATEST", "OWNER.json", "step-1"]);
+    let live_pid = dir.join(format!(".LATEST.tmp-{}", std::process::id()));
+    std::fs::write(&live_pid, b"x").unwrap();
+    let thesis = dir.join(".thesis.tmp-2024");
+    std::fs::create_dir(&thesis).unwrap();
+    std::fs::write(thesis.join("chapter1.tex"), b"words").unwrap();
+    std::fs::write(dir.join(".cache.tmp-1"), b"c").unwrap();
+    let held = lock::FolderLock::acquire(dir, &me("j"), std::time::Duration::ZERO).unwrap();
+    let removed = sweep(&held).unwrap();
+    assert_eq!(removed, vec![live_pid, dead]);
+    assert_eq!(
+        names(dir),
+        vec![
+            ".accrue-writer.lock",
+            ".cache.tmp-1",
+            ".thesis.tmp-2024",
+            "LATEST",
+            "OWNER.json",
+            "step-1"
+        ]
+    );
+    assert!(thesis.join("chapter1.tex").exists());
 }
 
 proptest! {
@@ -370,7 +380,10 @@ proptest! {
                 _ => renamed,
             };
             // The next process: sweep, then resume.
-            sweep(&dir, std::time::SystemTime::now() + std::time::Duration::from_secs(1)).unwrap();
+            if dir.exists() {
+                let held = lock::FolderLock::acquire(&dir, &me("j"), std::time::Duration::ZERO).unwrap();
+                sweep(&held).unwrap();
+            }
             if let Ok(Some(n)) = latest_name(&dir) {
                 prop_assert!(read(&dir.join(step_name(n))).is_ok(), "LATEST names step-{} which does not verify", n);
             }

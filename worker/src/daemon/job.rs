@@ -12,6 +12,12 @@ use accrue_proto::v1::{self, worker_message, WorkerMessage};
 use std::net::TcpListener;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+
+/// How long a new generation's rank 0 waits for the checkpoint folder's
+/// writer lock: the previous generation's rank 0 (a daemon the coordinator
+/// gave up on, still tearing its engine down) lets go within it, or the
+/// assignment fails naming it and the coordinator recovers again.
+const FOLDER_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -249,6 +255,7 @@ impl JobThread<'_> {
                     sample_log: self.cfg.sample_log.clone(),
                     micro_step_delay: self.cfg.micro_step_delay,
                     control: Some(self.control.clone()),
+                    lock_wait: FOLDER_LOCK_WAIT,
                     ..Default::default()
                 };
                 Engine::new(spec, ring, opts).map(|e| {

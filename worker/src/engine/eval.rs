@@ -16,7 +16,7 @@ impl<C: Collective> Engine<C> {
         let _guard = tch::no_grad_guard();
         self.model.set_train(false)?;
         let n = eval.len() as i64;
-        let bs = self.spec.eval.batch_size as i64;
+        let bs = eval_chunk(&self.spec, self.objective.has_perplexity());
         let mut sums = EvalSums::default();
         let mut start = 0;
         while start < n {
@@ -27,13 +27,39 @@ impl<C: Collective> Engine<C> {
             start += len;
         }
         self.model.set_train(true)?;
+        // No loss term (a held-out set whose rows have no target within
+        // T + 1 tokens): no loss, accuracy or perplexity, never 0 and 1.0.
+        let (loss, accuracy) = if sums.count == 0 {
+            (f64::NAN, f64::NAN)
+        } else {
+            (sums.loss(), sums.accuracy())
+        };
         Ok(Some(EvalReport {
             epoch: self.state.epoch,
             step: self.state.step,
-            loss: sums.loss(),
-            accuracy: sums.accuracy(),
-            perplexity: self.objective.has_perplexity().then(|| sums.loss().exp()),
+            loss,
+            accuracy,
+            perplexity: self
+                .objective
+                .has_perplexity()
+                .then(|| loss.exp())
+                .filter(|p| p.is_finite()),
             samples: sums.count,
         }))
     }
+}
+
+/// Rows per evaluation forward. A language model's logits (rows x T x
+/// vocab) dominate its memory: it evaluates in chunks of at most the
+/// training micro-batch (`data.batch_size`), whose logits the memory
+/// estimate counts, so `eval.batch_size` (256 by default) never asks for
+/// more (issue 37). Other models take `eval.batch_size` rows at once.
+/// The sums, and so the metrics, do not depend on the chunking.
+pub(crate) fn eval_chunk(spec: &crate::spec::JobSpec, language_model: bool) -> i64 {
+    let rows = if language_model {
+        spec.eval.batch_size.min(spec.data.batch_size)
+    } else {
+        spec.eval.batch_size
+    };
+    rows.max(1) as i64
 }

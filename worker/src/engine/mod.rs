@@ -22,6 +22,7 @@ mod report;
 mod setup;
 mod state_sync;
 mod sync_graph;
+mod verdict;
 mod window;
 mod workload;
 mod zero;
@@ -108,6 +109,8 @@ pub struct Engine<C: Collective> {
     /// (its parameters not all-gathered): its state is ahead of the
     /// committed step.
     zero_dirty: bool,
+    /// Rank 0's writer lock on the checkpoint folder (None on other ranks).
+    folder_lock: Option<checkpoint::lock::FolderLock>,
 }
 
 impl<C: Collective> Engine<C> {
@@ -293,13 +296,11 @@ impl<C: Collective> Engine<C> {
             holds_committed: false,
             zero_layout: None,
             zero_dirty: false,
+            folder_lock: None,
         };
         engine.check_sharding()?;
-        let started = std::time::SystemTime::now();
         if rank == 0 {
-            for p in checkpoint::sweep(&engine.checkpoint_dir, started)? {
-                tracing::warn!(path = %p.display(), "removed a temporary checkpoint file of a writer that died");
-            }
+            engine.take_folder_lock()?;
         }
         if engine.opts.resume || engine.opts.resume_if_present {
             // Reads only after the owner check inside load_newest. Without
@@ -344,6 +345,15 @@ impl<C: Collective> Engine<C> {
         self.graph.holder.reset();
         self.sync_graph.holder.reset();
         self.collective = collective;
+        // Rank 0 of the new generation writes the folder: it holds the
+        // lock; a rank that is no longer 0 lets go.
+        if self.collective.rank() == 0 {
+            if self.folder_lock.is_none() {
+                self.take_folder_lock()?;
+            }
+        } else {
+            self.folder_lock = None;
+        }
         let world = self.collective.world_size();
         if let Some(k) = accumulation_steps {
             if k == 0 {
@@ -379,6 +389,25 @@ impl<C: Collective> Engine<C> {
     pub fn collective_mut(&mut self) -> &mut C {
         &mut self.collective
     }
+    /// Rank 0's claim on the checkpoint folder, in this order: the
+    /// folder's owner record must name this job (or be absent), then the
+    /// writer lock (refused naming the holder when another run keeps it),
+    /// then the temporary files of dead writers are swept. A folder
+    /// another job owns is never touched.
+    fn take_folder_lock(&mut self) -> Result<()> {
+        self.check_owner()?;
+        let held = checkpoint::lock::FolderLock::acquire(
+            &self.checkpoint_dir,
+            &self.owner,
+            self.opts.lock_wait,
+        )?;
+        for p in checkpoint::sweep(&held)? {
+            tracing::warn!(path = %p.display(), "removed a temporary checkpoint file of a writer that died");
+        }
+        self.folder_lock = Some(held);
+        Ok(())
+    }
+
     /// Refuses a checkpoint folder another job owns.
     fn check_owner(&self) -> Result<()> {
         let dir = &self.checkpoint_dir;
@@ -495,6 +524,9 @@ impl<C: Collective> Engine<C> {
         // Under sharding every rank takes part in gathering the state.
         let opt = self.optimizer_state()?;
         let path = if self.collective.rank() == 0 {
+            if self.folder_lock.is_none() {
+                self.take_folder_lock()?;
+            }
             let model = self.model_state();
             checkpoint::write(
                 &self.checkpoint_dir,
@@ -527,12 +559,25 @@ impl<C: Collective> Engine<C> {
             from: self.state.step,
             ..Profiling::default()
         };
+        let mut last_skip: Option<&'static str> = None;
         while !self.is_done() {
             self.profile_tick(&mut profiling, false)?;
             let Some(report) = self.micro_step()? else {
                 continue;
             };
             on_event(Event::Step(&report));
+            if report.skipped {
+                last_skip = report.skip_reason.or(last_skip);
+                // Every rank agreed on the skip: all stop at this step.
+                if let Some(why) = verdict::too_many_skipped(
+                    self.state.skipped_steps,
+                    self.total_steps,
+                    self.spec.max_skipped_fraction(),
+                    last_skip,
+                ) {
+                    return Err(Error::Skipped(why));
+                }
+            }
             let epoch_ended = self.state.cursor == 0;
             if eval_every > 0
                 && epoch_ended
@@ -577,6 +622,13 @@ impl<C: Collective> Engine<C> {
             }
         }
         self.profile_tick(&mut profiling, true)?;
+        if !stopped {
+            if let Some(why) =
+                verdict::nothing_applied(self.state.optimizer_steps, self.state.step, last_skip)
+            {
+                return Err(Error::Skipped(why));
+            }
+        }
         tracing::info!(
             rank = self.collective.rank(),
             stage = self.spec.sharding.stage,

@@ -61,6 +61,11 @@ pub struct RunOptions {
     /// some of this run's optimizer steps and write a Chrome trace
     /// (`accrue-worker train --profile`).
     pub profile: Option<crate::profiler::Profile>,
+    /// How long rank 0 waits for the checkpoint folder's writer lock
+    /// (checkpoint/lock.rs) before it refuses: zero for `accrue-worker
+    /// train` (a second run is refused at once); the daemon waits a while
+    /// for a previous generation's rank 0 to let go.
+    pub lock_wait: Duration,
 }
 
 /// Flags another thread sets to steer a running engine.
