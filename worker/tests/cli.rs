@@ -444,7 +444,14 @@ fn a_language_models_evaluation_stays_inside_its_estimate() {
     assert_eq!(r, pid);
     let (stdout, stderr) = out.join().unwrap();
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{stdout}\n{stderr}");
-    assert!(stdout.contains("final perplexity"), "{stdout}");
+    // In a language model's words (issue 37, item 13): tokens, perplexity.
+    assert!(
+        stdout.contains("final perplexity")
+            && stdout.contains(" tokens/s ")
+            && stdout.contains(" tokens, 0 skipped steps")
+            && !stdout.contains("samples"),
+        "{stdout}"
+    );
     let peak = usage.ru_maxrss as u64 * 1024;
     assert!(peak < 700 << 20, "peaked at {peak} bytes\n{stdout}");
 }
