@@ -40,7 +40,9 @@ impl SmallFileError {
             Self::NotRegular { kind, .. } => {
                 format!("is not a regular file (it is a {kind}); name a file")
             }
-            Self::TooLarge { size, cap, what, .. } => {
+            Self::TooLarge {
+                size, cap, what, ..
+            } => {
                 format!("is {size} bytes, above the {cap}-byte limit for a {what}")
             }
         }

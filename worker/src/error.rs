@@ -221,6 +221,39 @@ impl InPlace for std::result::Result<tch::Tensor, tch::TchError> {
     }
 }
 
+/// A safetensors error in words (the crate's Display is its Debug:
+/// `InvalidOffset("tokens")`, `IoError(Os { .. })`).
+pub fn safetensors_words(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::InvalidHeader => "its header is not UTF-8 text".into(),
+        E::InvalidHeaderStart => {
+            "its header does not start with '{' (not a safetensors file)".into()
+        }
+        E::InvalidHeaderDeserialization => "its header is not valid safetensors JSON".into(),
+        E::HeaderTooLarge => "its header is larger than safetensors allows (100 MB)".into(),
+        E::HeaderTooSmall => "it is shorter than a safetensors header (8 bytes)".into(),
+        E::InvalidHeaderLength => "its header length is larger than the file".into(),
+        E::TensorNotFound(n) => format!("it has no tensor {n:?}"),
+        E::TensorInvalidInfo => "a tensor's shape, dtype and offsets disagree".into(),
+        E::InvalidOffset(n) => format!(
+            "the offsets of tensor {n:?} are invalid (out of the file, overlapping or out of order)"
+        ),
+        E::IoError(io) => format!("cannot read it: {io}"),
+        E::JsonError(j) => format!("its header is not valid JSON: {j}"),
+        E::InvalidTensorView(dtype, shape, len) => {
+            format!("a {dtype:?} tensor of shape {shape:?} cannot be {len} bytes")
+        }
+        E::MetadataIncompleteBuffer => {
+            "its tensors do not cover the data that follows the header (truncated or padded)".into()
+        }
+        E::ValidationOverflow => "a tensor's shape overflows (a corrupt header)".into(),
+        // Kept total for variants of later versions.
+        #[allow(unreachable_patterns)]
+        other => format!("{other:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,35 +290,3 @@ mod tests {
     }
 }
 
-/// A safetensors error in words (the crate's Display is its Debug:
-/// `InvalidOffset("tokens")`, `IoError(Os { .. })`).
-pub fn safetensors_words(e: &safetensors::SafeTensorError) -> String {
-    use safetensors::SafeTensorError as E;
-    match e {
-        E::InvalidHeader => "its header is not UTF-8 text".into(),
-        E::InvalidHeaderStart => {
-            "its header does not start with '{' (not a safetensors file)".into()
-        }
-        E::InvalidHeaderDeserialization => "its header is not valid safetensors JSON".into(),
-        E::HeaderTooLarge => "its header is larger than safetensors allows (100 MB)".into(),
-        E::HeaderTooSmall => "it is shorter than a safetensors header (8 bytes)".into(),
-        E::InvalidHeaderLength => "its header length is larger than the file".into(),
-        E::TensorNotFound(n) => format!("it has no tensor {n:?}"),
-        E::TensorInvalidInfo => "a tensor's shape, dtype and offsets disagree".into(),
-        E::InvalidOffset(n) => format!(
-            "the offsets of tensor {n:?} are invalid (out of the file, overlapping or out of order)"
-        ),
-        E::IoError(io) => format!("cannot read it: {io}"),
-        E::JsonError(j) => format!("its header is not valid JSON: {j}"),
-        E::InvalidTensorView(dtype, shape, len) => {
-            format!("a {dtype:?} tensor of shape {shape:?} cannot be {len} bytes")
-        }
-        E::MetadataIncompleteBuffer => {
-            "its tensors do not cover the data that follows the header (truncated or padded)".into()
-        }
-        E::ValidationOverflow => "a tensor's shape overflows (a corrupt header)".into(),
-        // Kept total for variants of later versions.
-        #[allow(unreachable_patterns)]
-        other => format!("{other:?}"),
-    }
-}

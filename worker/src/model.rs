@@ -297,15 +297,23 @@ impl Model {
 
     /// Loads weights by name, strictly: every parameter and buffer must be
     /// there with the same shape, and nothing else (BatchNorm's
-    /// `num_batches_tracked` aside). Weights of another architecture are
-    /// refused naming their source (the `model.init` file or the checkpoint
-    /// folder) and the first difference in the model's order, with shapes.
+    /// `num_batches_tracked` aside; a `model.init` file first fitted by its
+    /// family, [`crate::family::Family::fit_init`]). Weights of another
+    /// architecture are refused naming their source (the `model.init` file
+    /// or the checkpoint folder) and the first difference in the model's
+    /// order, with shapes.
     pub fn load_named(
         &mut self,
         from: WeightsFrom<'_>,
         tensors: Vec<(String, Tensor)>,
     ) -> Result<()> {
         let mut by_name: HashMap<String, Tensor> = tensors.into_iter().collect();
+        if let WeightsFrom::Init(_) = from {
+            let ours: HashSet<&str> = self.state().map(|(n, _)| n.as_str()).collect();
+            crate::family::family(self.kind)
+                .fit_init(&|n| ours.contains(n), &mut by_name)
+                .map_err(|reason| from.error(reason))?;
+        }
         if let Some(reason) = self.mismatch(from.noun(), &by_name) {
             return Err(from.error(reason));
         }

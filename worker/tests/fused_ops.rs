@@ -321,6 +321,7 @@ fn cuda_llama_with_kernels_equals_the_reference() {
         tie_word_embeddings: true,
         attention_bias: false,
         mlp_bias: false,
+        initializer_range: 0.02,
     };
     let device = Device::Cuda(0);
     let run = |kernels: bool| {

@@ -385,3 +385,106 @@ fn llama_builds_for_token_rows_only() {
         "{err}"
     );
 }
+
+/// The std of a tensor's values.
+fn std_of(t: &Tensor) -> f64 {
+    t.to_kind(Kind::Double).std(true).double_value(&[])
+}
+
+/// The initial weights are transformers' `_init_weights`: normal(0,
+/// initializer_range) for the embedding and the linear weights, with the
+/// config.json's initializer_range (0.02 without one).
+#[test]
+fn llama_draws_its_initial_weights_with_the_config_initializer_range() {
+    let tmp = tempfile::TempDir::new().unwrap();
+    let path = tmp.path().join("config.json");
+    let mut config = LlamaConfig::resolve(&spec("")).unwrap().to_hf_json();
+    config["initializer_range"] = serde_json::json!(0.2);
+    std::fs::write(&path, serde_json::to_vec(&config).unwrap()).unwrap();
+    let from_file = spec(&format!("config = {:?}", path.display().to_string()));
+    for (spec, want) in [(spec(""), 0.02), (from_file, 0.2)] {
+        let m = Model::build(&spec, &[T], VOCAB, Device::Cpu, 1).unwrap();
+        for (name, t) in &m.params {
+            if name.ends_with("embed_tokens.weight") || name.ends_with("proj.weight") {
+                let got = std_of(t);
+                assert!(
+                    (got / want - 1.0).abs() < 0.15,
+                    "{name}: std {got}, initializer_range {want}"
+                );
+            }
+        }
+    }
+}
+
+/// A folder transformers loads loads: RoPE's `inv_freq` buffers (saved
+/// by older versions) are ignored, and a tied model's `lm_head.weight`
+/// (a `state_dict()` holds it) is accepted when it equals the embedding,
+/// refused naming it when it does not.
+#[test]
+fn llama_init_folder_with_rope_buffers_and_a_tied_head_loads_as_transformers_loads_it() {
+    let tied = spec("tie_word_embeddings = true");
+    let source = Model::build(&tied, &[T], VOCAB, Device::Cpu, 2).unwrap();
+    let embed = &source
+        .params
+        .iter()
+        .find(|(n, _)| n == "model.embed_tokens.weight")
+        .unwrap()
+        .1;
+    let tmp = tempfile::TempDir::new().unwrap();
+    let file = tmp.path().join("model.safetensors");
+    let write = |head: &Tensor| {
+        let buffer = Tensor::from_slice(&[1.0f32, 0.1, 0.01, 0.001]);
+        let mut named: Vec<(String, Tensor)> = source
+            .params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.detach().copy()))
+            .collect();
+        named.push(("lm_head.weight".into(), head.copy()));
+        named.push(("model.rotary_emb.inv_freq".into(), buffer.copy()));
+        for i in 0..2 {
+            let name = format!("model.layers.{i}.self_attn.rotary_emb.inv_freq");
+            named.push((name, buffer.copy()));
+        }
+        Tensor::write_safetensors(&named, &file).unwrap();
+        Tensor::read_safetensors(&file).unwrap()
+    };
+    let mut model = Model::build(&tied, &[T], VOCAB, Device::Cpu, 1).unwrap();
+    model
+        .load_named(WeightsFrom::Init(&file), write(&embed.detach()))
+        .unwrap_or_else(|e| panic!("{e}"));
+    for ((n, a), (_, b)) in model.params.iter().zip(&source.params) {
+        assert!(a.equal(b), "{n} not loaded");
+    }
+    let ids = Tensor::from_slice(&[5i64, 17, 42]).view([1, 3]);
+    let want = source.forward(&ids, false).unwrap();
+    assert!(model.forward(&ids, false).unwrap().equal(&want));
+
+    // Another head than the embedding: refused, naming both.
+    let err = model
+        .load_named(WeightsFrom::Init(&file), write(&(embed.detach() + 1e-3)))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        format!(
+            "initial weights {}: lm_head.weight (Float [97, 32]) differs from \
+             model.embed_tokens.weight (Float [97, 32]), which the model ties it to \
+             (tie_word_embeddings = true): lm_head.weight must be absent or equal \
+             model.embed_tokens.weight (weights with their own head need \
+             tie_word_embeddings = false)",
+            file.display()
+        )
+    );
+    // An untied model takes the file's head as its own.
+    let mut untied = Model::build(&spec(""), &[T], VOCAB, Device::Cpu, 1).unwrap();
+    let head = embed.detach() + 1e-3;
+    untied
+        .load_named(WeightsFrom::Init(&file), write(&head))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (_, got) = untied
+        .params
+        .iter()
+        .find(|(n, _)| n == "lm_head.weight")
+        .unwrap();
+    assert!(got.equal(&head));
+}

@@ -41,6 +41,7 @@ fn llama_resolves_with_hugging_face_defaults() {
             tie_word_embeddings: false,
             attention_bias: false,
             mlp_bias: false,
+            initializer_range: 0.02,
         }
     );
     assert_eq!(c.head_dim(), 8);
@@ -159,7 +160,7 @@ fn llama_fields_come_from_a_config_file_and_must_agree() {
     for want in [
         "num_hidden_layers = \"2\" in the file: must be an integer",
         "hidden_act = \"gelu\" in the file",
-        "rope_parameters.rope_type = \"llama3\" in the file",
+        "rope_scaling.rope_type = \"llama3\" in the file: must be \"default\"",
         "model.num_hidden_layers = \"(missing)\"",
     ] {
         assert!(err.contains(want), "{want} not in {err}");
@@ -353,4 +354,241 @@ fn language_models_and_token_data_go_together() {
             "data.pad_id = -1: must be an integer in 0..=16777215",
         ]
     );
+}
+
+/// The tiny model's config.json with `extra`'s keys added (a null value
+/// removes the key).
+fn hf_config(extra: &serde_json::Value) -> serde_json::Value {
+    let mut c = serde_json::json!({"model_type": "llama", "vocab_size": 97, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4});
+    for (k, v) in extra.as_object().unwrap() {
+        c[k] = v.clone();
+    }
+    c
+}
+
+/// What transformers' `LlamaConfig.from_dict` (how `from_pretrained`
+/// reads a config.json) resolves each of `configs` to: the fields accrue
+/// resolves, the RoPE parameters it standardized, the head width and the
+/// initial weights' std its `_init_weights` uses. One Python process.
+fn transformers_resolves(configs: &[serde_json::Value]) -> Vec<serde_json::Value> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    const SCRIPT: &str = r#"
+import json, sys
+import transformers
+transformers.logging.set_verbosity_error()
+from transformers import LlamaConfig
+assert transformers.__version__ == "5.24.0", transformers.__version__
+out = []
+for d in json.load(sys.stdin):
+    c = LlamaConfig.from_dict(d)
+    r = c.rope_parameters
+    out.append({k: getattr(c, k) for k in ["vocab_size", "hidden_size", "intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+        "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
+        "head_dim", "attention_dropout"]}
+        | {"rope_theta": r["rope_theta"], "rope_type": r["rope_type"],
+           "initializer_range": c.initializer_range or 0.02})
+json.dump(out, sys.stdout)
+"#;
+    let python = env!("ACCRUE_PYTHON");
+    let mut child = Command::new(python)
+        .args(["-c", SCRIPT])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{python}: {e} (run `make setup` first)"));
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(&serde_json::to_vec(configs).unwrap())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// accrue's resolution in transformers' terms (what accrue implements:
+/// default RoPE, no attention dropout, head_dim = hidden / heads).
+fn as_transformers(c: &LlamaConfig) -> serde_json::Value {
+    serde_json::json!({"vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias,
+        "mlp_bias": c.mlp_bias, "head_dim": c.head_dim(), "attention_dropout": 0.0,
+        "rope_theta": c.rope_theta, "rope_type": "default",
+        "initializer_range": c.initializer_range})
+}
+
+#[test]
+fn hf_config_fields_resolve_as_transformers_resolves_them() {
+    use serde_json::json;
+    // (what it exercises, keys added to the tiny config).
+    let accepted = [
+        (
+            "rope_parameters (5.x)",
+            json!({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
+        ),
+        ("top-level rope_theta (4.x)", json!({"rope_theta": 250000})),
+        (
+            "rope_parameters' theta over the top-level one",
+            json!({"rope_theta": 1000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
+        ),
+        (
+            "the top-level theta when the dict has none",
+            json!({"rope_theta": 1000.0, "rope_parameters": {"rope_type": "default"}}),
+        ),
+        (
+            "rope_scaling replaces rope_parameters whole",
+            json!({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
+        ),
+        (
+            "rope_scaling's old `type`",
+            json!({"rope_scaling": {"type": "default"}, "rope_theta": 123.0}),
+        ),
+        (
+            "an empty rope_scaling does not",
+            json!({"rope_scaling": {}, "rope_parameters": {"rope_theta": 7.0}}),
+        ),
+        (
+            "head_dim, null kv heads, no dropout",
+            json!({"head_dim": 8, "num_key_value_heads": null, "attention_dropout": 0.0}),
+        ),
+        ("initializer_range", json!({"initializer_range": 0.05})),
+        (
+            "initializer_range 0 (the init's 0.02)",
+            json!({"initializer_range": 0.0}),
+        ),
+        (
+            "the other fields",
+            json!({"num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 128,
+            "tie_word_embeddings": true, "attention_bias": true, "mlp_bias": true}),
+        ),
+    ];
+    // (what accrue does not implement, keys added, transformers' field
+    // and value, accrue's error).
+    let refused = [
+        ("llama3 under rope_scaling beside rope_parameters", json!({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024}}),
+            ("rope_type", json!("llama3")), "rope_scaling.rope_type = \"llama3\" in the file: must be \"default\""),
+        ("linear under the old `type`", json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+            ("rope_type", json!("linear")), "rope_scaling.type = \"linear\" in the file: must be \"default\""),
+        ("dynamic under rope_parameters", json!({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
+            ("rope_type", json!("dynamic")), "rope_parameters.rope_type = \"dynamic\" in the file: must be \"default\""),
+        ("attention dropout", json!({"attention_dropout": 0.1}),
+            ("attention_dropout", json!(0.1)), "attention_dropout = 0.1 in the file: must be 0"),
+        ("another head width", json!({"head_dim": 16}),
+            ("head_dim", json!(16)), "head_dim = 16 in the file: accrue's llama needs head_dim = hidden_size / num_attention_heads = 32 / 4 = 8"),
+    ];
+    let configs: Vec<_> = accepted
+        .iter()
+        .map(|(_, extra)| hf_config(extra))
+        .chain(refused.iter().map(|(_, extra, _, _)| hf_config(extra)))
+        .collect();
+    let theirs = transformers_resolves(&configs);
+    assert_eq!(theirs.len(), configs.len());
+    let mut wrong = Vec::new();
+    for (((what, _), json), t) in accepted.iter().zip(&configs).zip(&theirs) {
+        let ours = match LlamaConfig::from_hf_json(json) {
+            Ok(c) => as_transformers(&c),
+            Err(e) => {
+                wrong.push(format!("{what}: refused ({e}), transformers gives {t}"));
+                continue;
+            }
+        };
+        for (field, want) in t.as_object().unwrap() {
+            let got = &ours[field];
+            let same = match (got.as_f64(), want.as_f64()) {
+                (Some(a), Some(b)) => a == b,
+                _ => got == want,
+            };
+            if !same {
+                wrong.push(format!("{what}: {field} = {got}, transformers {want}"));
+            }
+        }
+    }
+    let offset = accepted.len();
+    for (i, (what, _, (field, value), error)) in refused.iter().enumerate() {
+        let t = &theirs[offset + i];
+        assert_eq!(&t[*field], value, "{what}: transformers resolves {t}");
+        match LlamaConfig::from_hf_json(&configs[offset + i]) {
+            Ok(c) => wrong.push(format!(
+                "{what}: accepted as {c:?}, transformers gives {field} = {value}"
+            )),
+            Err(e) => {
+                let e: Vec<String> = e.0.iter().map(ToString::to_string).collect();
+                let want = format!("model.config = \"config.json\": {error}");
+                if !(e.len() == 1 && e[0].starts_with(&want)) {
+                    wrong.push(format!("{what}: {e:?}"));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+#[test]
+fn a_head_dim_in_the_file_is_checked_against_the_spec_width() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let path = dir.path().join("config.json");
+    let cfg = format!("config = {:?}", path.display().to_string());
+    // The file has no hidden_size: the spec gives it.
+    let model = "hidden_size = 32\nintermediate_size = 64\nnum_hidden_layers = 2";
+    let file = |head_dim: i64| {
+        format!(
+            r#"{{"model_type": "llama", "vocab_size": 97, "num_attention_heads": 4, "head_dim": {head_dim}}}"#
+        )
+    };
+    std::fs::write(&path, file(16)).unwrap();
+    let s = llama_spec(&format!("{cfg}\n{model}"), "seq_len = 12");
+    let err = LlamaConfig::resolve(&s.model).unwrap_err().0;
+    assert_eq!(
+        err.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        [format!(
+            "model.config = {:?}: head_dim = 16 in the file: accrue's llama needs head_dim = \
+             hidden_size / num_attention_heads = 32 / 4 = 8",
+            path.display().to_string()
+        )]
+    );
+    std::fs::write(&path, file(8)).unwrap();
+    let c = LlamaConfig::resolve(&s.model).unwrap();
+    assert_eq!((c.hidden_size, c.head_dim()), (32, 8));
+}
+
+#[test]
+fn hf_config_values_accrue_cannot_use_are_refused_naming_the_key() {
+    use serde_json::json;
+    for (extra, want) in [
+        (json!({"initializer_range": 1.5}), "initializer_range = 1.5 in the file: must be a number in [0, 1] (the standard deviation of the initial weights)"),
+        (json!({"initializer_range": "x"}), "initializer_range = \"x\" in the file: must be a number"),
+        (json!({"attention_dropout": -0.5}), "attention_dropout = -0.5 in the file: must be 0: accrue's llama trains without attention dropout"),
+        (json!({"attention_dropout": true}), "attention_dropout = true in the file: must be a number"),
+        // transformers resolves these to a None theta (no RoPE).
+        (json!({"rope_theta": null}), "rope_theta = null in the file: must be a number"),
+        (json!({"rope_parameters": {"rope_type": "default", "rope_theta": null}, "rope_theta": 5.0}),
+            "rope_parameters.rope_theta = null in the file: must be a number"),
+        (json!({"rope_parameters": {"rope_type": null}}), "rope_parameters.rope_type = null in the file: must be \"default\": accrue's llama has no RoPE scaling (linear, dynamic, yarn, longrope, llama3 and the others are refused)"),
+        (json!({"rope_scaling": "llama3"}), "rope_scaling = \"llama3\" in the file: must be an object (the RoPE parameters) or null"),
+    ] {
+        let err = LlamaConfig::from_hf_json(&hf_config(&extra)).unwrap_err().0;
+        assert_eq!(
+            err.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            [format!("model.config = \"config.json\": {want}")],
+            "{extra}"
+        );
+    }
+    // The std the weights are drawn with is written back.
+    let c = LlamaConfig::from_hf_json(&hf_config(&json!({"initializer_range": 0.05}))).unwrap();
+    assert_eq!(c.initializer_range, 0.05);
+    assert_eq!(c.to_hf_json()["initializer_range"], 0.05);
+    assert_eq!(LlamaConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
 }

@@ -17,6 +17,7 @@ mod torchscript;
 
 use crate::error::{Error, Result, TorchContext};
 use crate::spec::{ModelKind, ModelSpec};
+use std::collections::HashMap;
 use tch::nn::{self, ModuleT};
 use tch::{CModule, Device, Kind, Tensor};
 
@@ -80,6 +81,18 @@ pub trait Family: Sync {
         let mut dims = vec![2];
         dims.extend_from_slice(shape);
         Tensor::f_zeros(dims.as_slice(), (Kind::Float, device)).ctx("probing the model")
+    }
+
+    /// Fits the tensors of a `model.init` file (one transformers saved) to
+    /// the model's names before the strict load (`has`: whether the model
+    /// has a name), as transformers' loading would; `Err` is why the file
+    /// is refused. Unchanged by default.
+    fn fit_init(
+        &self,
+        _has: &dyn Fn(&str) -> bool,
+        _tensors: &mut HashMap<String, Tensor>,
+    ) -> std::result::Result<(), String> {
+        Ok(())
     }
 
     /// The output contract, checked on the probe batch of 2 samples of

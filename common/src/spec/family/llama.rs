@@ -22,6 +22,7 @@ pub const MAX_HEADS: i64 = 1024;
 pub const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
 pub const DEFAULT_MAX_POSITION_EMBEDDINGS: i64 = 2048;
+pub const DEFAULT_INITIALIZER_RANGE: f64 = 0.02;
 
 /// A llama model's configuration with every field filled.
 #[derive(Clone, Debug, PartialEq)]
@@ -39,6 +40,9 @@ pub struct LlamaConfig {
     pub tie_word_embeddings: bool,
     pub attention_bias: bool,
     pub mlp_bias: bool,
+    /// The standard deviation of the initial weights' normal(0, std)
+    /// (from a config.json only; transformers' default 0.02).
+    pub initializer_range: f64,
 }
 
 /// The fields as given (spec, config file or both merged).
@@ -56,6 +60,11 @@ struct Fields {
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
+    /// From a config.json only (the spec has no such fields).
+    head_dim: Option<i64>,
+    initializer_range: Option<f64>,
+    /// The config.json the file-only fields came from, as errors show it.
+    source: Option<String>,
 }
 
 /// Every llama field's spec name, for the "only allowed with llama" check.
@@ -106,12 +115,16 @@ impl Fields {
             tie_word_embeddings: m.tie_word_embeddings,
             attention_bias: m.attention_bias,
             mlp_bias: m.mlp_bias,
+            head_dim: None,
+            initializer_range: None,
+            source: None,
         }
     }
 
-    /// The fields of a HF config.json (other keys ignored); keys it has
-    /// that accrue cannot build (another `model_type`, activation, head
-    /// width or RoPE type) are refused.
+    /// The fields of a HF config.json (other keys ignored), resolved as
+    /// transformers' `LlamaConfig` resolves them; keys it has that accrue
+    /// cannot build (another `model_type`, activation or RoPE type,
+    /// attention dropout) are refused.
     fn from_json(path: &Path, map: &Map<String, Value>, c: &mut Checker) -> Self {
         let shown = path.display().to_string();
         let mut bad = |key: &str, v: &Value, want: &str| {
@@ -138,6 +151,23 @@ impl Fields {
         let num_key_value_heads = int("num_key_value_heads");
         let max_position_embeddings = int("max_position_embeddings");
         let head_dim = int("head_dim");
+        // transformers' convert_rope_params_to_dict: a (non-empty)
+        // `rope_scaling` (4.x) replaces `rope_parameters` (5.x) whole; the
+        // dict's `rope_theta`, else the top-level `rope_theta`, else
+        // 10000; its `rope_type`, else its `type`, else "default".
+        let mut rope_dict = |key: &'static str| match map.get(key) {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(o)) => Some((key, o)),
+            Some(v) => {
+                bad(key, v, "must be an object (the RoPE parameters) or null");
+                None
+            }
+        };
+        let scaling = rope_dict("rope_scaling").filter(|(_, o)| !o.is_empty());
+        let rope = match scaling {
+            Some(s) => Some(s),
+            None => rope_dict("rope_parameters"),
+        };
         let mut float = |key: &str, v: Option<&Value>| {
             let v = v?;
             let f = v.as_f64();
@@ -147,14 +177,14 @@ impl Fields {
             f
         };
         let rms_norm_eps = float("rms_norm_eps", present("rms_norm_eps"));
-        // transformers 5 writes rope_parameters.rope_theta, 4.x rope_theta.
-        let rope_params = present("rope_parameters").or_else(|| present("rope_scaling"));
-        let rope_theta = float("rope_theta", present("rope_theta")).or_else(|| {
-            float(
-                "rope_parameters.rope_theta",
-                rope_params.and_then(|p| p.get("rope_theta")),
-            )
-        });
+        let initializer_range = float("initializer_range", present("initializer_range"));
+        let attention_dropout = float("attention_dropout", present("attention_dropout"));
+        let (theta_key, theta) = match rope.and_then(|(k, o)| Some((k, o.get("rope_theta")?))) {
+            Some((k, v)) => (format!("{k}.rope_theta"), Some(v)),
+            None => ("rope_theta".to_string(), map.get("rope_theta")),
+        };
+        // A null theta is transformers' None (its RoPE cannot be built).
+        let rope_theta = float(&theta_key, theta);
         let mut flag = |key: &str| {
             let v = present(key)?;
             let b = v.as_bool();
@@ -172,25 +202,35 @@ impl Fields {
         if let Some(v) = present("hidden_act").filter(|v| v.as_str() != Some("silu")) {
             bad("hidden_act", v, "accrue's llama uses \"silu\" only");
         }
-        if let Some(p) = rope_params {
-            let kind = p.get("rope_type").or_else(|| p.get("type"));
+        if let Some((key, p)) = rope {
+            let (name, kind) = match p.get("rope_type") {
+                Some(k) => ("rope_type", Some(k)),
+                None => ("type", p.get("type")),
+            };
             if let Some(k) = kind.filter(|k| k.as_str() != Some("default")) {
                 bad(
-                    "rope_parameters.rope_type",
+                    &format!("{key}.{name}"),
                     k,
-                    "accrue's llama uses the \"default\" RoPE only (no scaling)",
+                    "must be \"default\": accrue's llama has no RoPE scaling \
+                     (linear, dynamic, yarn, longrope, llama3 and the others are refused)",
                 );
             }
         }
-        if let (Some(d), Some(h), Some(n)) = (head_dim, hidden_size, num_attention_heads) {
-            if n > 0 && d * n != h {
+        if let Some(v) = present("attention_dropout") {
+            if attention_dropout.is_some_and(|p| p != 0.0) {
                 bad(
-                    "head_dim",
-                    &json!(d),
-                    &format!(
-                        "accrue's llama needs hidden_size / num_attention_heads = {}",
-                        h / n
-                    ),
+                    "attention_dropout",
+                    v,
+                    "must be 0: accrue's llama trains without attention dropout",
+                );
+            }
+        }
+        if let (Some(v), Some(r)) = (present("initializer_range"), initializer_range) {
+            if !(0.0..=1.0).contains(&r) {
+                bad(
+                    "initializer_range",
+                    v,
+                    "must be a number in [0, 1] (the standard deviation of the initial weights)",
                 );
             }
         }
@@ -207,6 +247,9 @@ impl Fields {
             tie_word_embeddings,
             attention_bias,
             mlp_bias,
+            head_dim,
+            initializer_range,
+            source: Some(shown),
         }
     }
 
@@ -235,6 +278,13 @@ impl Fields {
                 (s, f) => s.or(f),
             }
         }
+        // A head_dim is checked against the width the spec and the file
+        // agree on (a disagreement is reported as such).
+        let agree = |s: Option<i64>, f: Option<i64>| s.is_none() || f.is_none() || s == f;
+        let head_dim = file.head_dim.filter(|_| {
+            agree(self.hidden_size, file.hidden_size)
+                && agree(self.num_attention_heads, file.num_attention_heads)
+        });
         Fields {
             vocab_size: one(
                 "model.vocab_size",
@@ -314,6 +364,9 @@ impl Fields {
                 c,
             ),
             mlp_bias: one("model.mlp_bias", self.mlp_bias, file.mlp_bias, path, c),
+            head_dim,
+            initializer_range: file.initializer_range,
+            source: file.source,
         }
     }
 
@@ -404,6 +457,22 @@ impl Fields {
                 good = false;
             }
         }
+        // transformers builds q_proj with num_attention_heads * head_dim
+        // rows; accrue's head width is hidden_size / num_attention_heads.
+        if let (Some(d), Some(h), Some(n)) = (self.head_dim, hidden, heads) {
+            if h % n == 0 && d != h / n {
+                c.fail(
+                    "model.config",
+                    self.source.as_deref().unwrap_or("config.json"),
+                    format!(
+                        "head_dim = {d} in the file: accrue's llama needs head_dim = \
+                         hidden_size / num_attention_heads = {h} / {n} = {}",
+                        h / n
+                    ),
+                );
+                good = false;
+            }
+        }
         if let (Some(n), Some(kv)) = (heads, kv) {
             if n % kv != 0 {
                 c.fail(
@@ -440,6 +509,11 @@ impl Fields {
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             attention_bias: self.attention_bias.unwrap_or(false),
             mlp_bias: self.mlp_bias.unwrap_or(false),
+            // transformers' _init_weights: `initializer_range or 0.02`.
+            initializer_range: self
+                .initializer_range
+                .filter(|&r| r != 0.0)
+                .unwrap_or(DEFAULT_INITIALIZER_RANGE),
         })
     }
 }
@@ -596,7 +670,7 @@ impl LlamaConfig {
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim(),
             "hidden_act": "silu",
-            "initializer_range": 0.02,
+            "initializer_range": self.initializer_range,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},

@@ -16,8 +16,9 @@
 //! causal attention through libtorch's `scaled_dot_product_attention`
 //! (grouped-query through its `enable_gqa`, as transformers' SDPA path
 //! does), MLP `down(silu(gate(x)) * up(x))`, no dropout. Initial weights:
-//! normal(0, 0.02) for linear and embedding weights, zero biases, unit
-//! norms (transformers' `_init_weights`).
+//! normal(0, initializer_range) (0.02 unless the config.json says
+//! otherwise) for linear and embedding weights, zero biases, unit norms
+//! (transformers' `_init_weights`).
 //!
 //! Generation (`accrue sample`, the sample module) builds the same
 //! [`Net`] and runs [`Net::forward_cached`]: new tokens at positions
@@ -28,13 +29,11 @@
 use super::{BuildTo, Built, Family, Headed};
 use crate::error::{Error, Result, TorchContext};
 use crate::spec::{LlamaConfig, ModelKind};
+use std::collections::HashMap;
 use tch::nn::{self, Init, ModuleT};
 use tch::{Device, Kind, TchError, Tensor};
 
 mod fused;
-
-/// transformers' `initializer_range` default.
-const INIT_STD: f64 = 0.02;
 
 pub(super) struct Llama;
 
@@ -83,6 +82,46 @@ impl Family for Llama {
         Tensor::f_zeros(dims.as_slice(), (Kind::Int64, device)).ctx("probing the model")
     }
 
+    /// As transformers loads a folder: RoPE's `inv_freq` buffers (which
+    /// older versions saved, `model.rotary_emb.inv_freq` and per layer
+    /// `model.layers.{i}.self_attn.rotary_emb.inv_freq`) are computed from
+    /// the config, not loaded; a tied model's `lm_head.weight` (a
+    /// `state_dict()` holds it) is the embedding, so it must equal it.
+    fn fit_init(
+        &self,
+        has: &dyn Fn(&str) -> bool,
+        tensors: &mut HashMap<String, Tensor>,
+    ) -> std::result::Result<(), String> {
+        tensors.retain(|name, _| has(name) || !is_rope_buffer(name));
+        const HEAD: &str = "lm_head.weight";
+        const EMBED: &str = "model.embed_tokens.weight";
+        if has(HEAD) {
+            return Ok(());
+        }
+        let (Some(head), Some(embed)) = (tensors.get(HEAD), tensors.get(EMBED)) else {
+            // Without the embedding the strict load names both.
+            return Ok(());
+        };
+        let same = head.size() == embed.size()
+            && head.kind() == embed.kind()
+            && head.f_equal(embed).map_err(|e| {
+                crate::error::torch_text("comparing lm_head with the embedding", &e)
+            })?;
+        if !same {
+            return Err(format!(
+                "{HEAD} ({:?} {:?}) differs from {EMBED} ({:?} {:?}), which the model \
+                 ties it to (tie_word_embeddings = true): {HEAD} must be absent or equal \
+                 {EMBED} (weights with their own head need tie_word_embeddings = false)",
+                head.kind(),
+                head.size(),
+                embed.kind(),
+                embed.size()
+            ));
+        }
+        tensors.remove(HEAD);
+        Ok(())
+    }
+
     /// Logits per position and token: `[2, T, vocab]`.
     fn check_output(
         &self,
@@ -114,16 +153,10 @@ struct Linear {
 }
 
 impl Linear {
-    fn new(p: nn::Path<'_>, input: i64, output: i64, bias: bool) -> Result<Self> {
+    /// Weight drawn from `init`, zero bias.
+    fn new(p: nn::Path<'_>, input: i64, output: i64, bias: bool, init: Init) -> Result<Self> {
         let weight = p
-            .f_var(
-                "weight",
-                &[output, input],
-                Init::Randn {
-                    mean: 0.0,
-                    stdev: INIT_STD,
-                },
-            )
+            .f_var("weight", &[output, input], init)
             .ctx("creating the llama parameters")?;
         let bias = bias
             .then(|| p.f_var("bias", &[output], Init::Const(0.0)))
@@ -242,15 +275,12 @@ impl Net {
         let (h, d) = (c.hidden_size, c.head_dim());
         let kv = c.num_key_value_heads * d;
         let model = root / "model";
+        let normal = Init::Randn {
+            mean: 0.0,
+            stdev: c.initializer_range,
+        };
         let embed = (&model / "embed_tokens")
-            .f_var(
-                "weight",
-                &[c.vocab_size, h],
-                Init::Randn {
-                    mean: 0.0,
-                    stdev: INIT_STD,
-                },
-            )
+            .f_var("weight", &[c.vocab_size, h], normal)
             .ctx("creating the llama parameters")?;
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
@@ -259,13 +289,25 @@ impl Net {
                 let mlp = &l / "mlp";
                 let ab = c.attention_bias;
                 Ok(Layer {
-                    q: Linear::new(&attn / "q_proj", h, c.num_attention_heads * d, ab)?,
-                    k: Linear::new(&attn / "k_proj", h, kv, ab)?,
-                    v: Linear::new(&attn / "v_proj", h, kv, ab)?,
-                    o: Linear::new(&attn / "o_proj", c.num_attention_heads * d, h, ab)?,
-                    gate: Linear::new(&mlp / "gate_proj", h, c.intermediate_size, c.mlp_bias)?,
-                    up: Linear::new(&mlp / "up_proj", h, c.intermediate_size, c.mlp_bias)?,
-                    down: Linear::new(&mlp / "down_proj", c.intermediate_size, h, c.mlp_bias)?,
+                    q: Linear::new(&attn / "q_proj", h, c.num_attention_heads * d, ab, normal)?,
+                    k: Linear::new(&attn / "k_proj", h, kv, ab, normal)?,
+                    v: Linear::new(&attn / "v_proj", h, kv, ab, normal)?,
+                    o: Linear::new(&attn / "o_proj", c.num_attention_heads * d, h, ab, normal)?,
+                    gate: Linear::new(
+                        &mlp / "gate_proj",
+                        h,
+                        c.intermediate_size,
+                        c.mlp_bias,
+                        normal,
+                    )?,
+                    up: Linear::new(&mlp / "up_proj", h, c.intermediate_size, c.mlp_bias, normal)?,
+                    down: Linear::new(
+                        &mlp / "down_proj",
+                        c.intermediate_size,
+                        h,
+                        c.mlp_bias,
+                        normal,
+                    )?,
                     input_norm: RmsNorm::new(&l / "input_layernorm", h, c.rms_norm_eps)?,
                     post_norm: RmsNorm::new(&l / "post_attention_layernorm", h, c.rms_norm_eps)?,
                 })
@@ -273,16 +315,7 @@ impl Net {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(&model / "norm", h, c.rms_norm_eps)?;
         let head = (!c.tie_word_embeddings)
-            .then(|| {
-                (root / "lm_head").f_var(
-                    "weight",
-                    &[c.vocab_size, h],
-                    Init::Randn {
-                        mean: 0.0,
-                        stdev: INIT_STD,
-                    },
-                )
-            })
+            .then(|| (root / "lm_head").f_var("weight", &[c.vocab_size, h], normal))
             .transpose()
             .ctx("creating the llama parameters")?;
         let inv_freq = inv_freq(d, c.rope_theta)
@@ -598,6 +631,18 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, TchError> {
 
 /// transformers' default RoPE: `1 / theta ** (arange(0, d, 2).float() / d)`,
 /// fp32 on the CPU.
+/// A RoPE buffer transformers saved with older versions' state_dicts
+/// (`model.rotary_emb.inv_freq`, `model.layers.{i}.self_attn.rotary_emb.inv_freq`).
+fn is_rope_buffer(name: &str) -> bool {
+    name == "model.rotary_emb.inv_freq"
+        || name
+            .strip_prefix("model.layers.")
+            .and_then(|rest| rest.split_once('.'))
+            .is_some_and(|(i, rest)| {
+                i.parse::<u64>().is_ok() && rest == "self_attn.rotary_emb.inv_freq"
+            })
+}
+
 fn inv_freq(head_dim: i64, theta: f64) -> Result<Tensor, TchError> {
     let exponents = Tensor::f_arange_start_step(0, head_dim, 2, (Kind::Float, Device::Cpu))?
         .f_div_scalar(head_dim)?;

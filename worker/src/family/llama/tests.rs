@@ -19,6 +19,7 @@ fn config(kv_heads: i64, bias: bool) -> LlamaConfig {
         tie_word_embeddings: false,
         attention_bias: bias,
         mlp_bias: bias,
+        initializer_range: 0.02,
     }
 }
 
