@@ -138,6 +138,45 @@ pub enum Command {
     },
 }
 
+/// The CLI's command: [`Cli`] with the coordinator's connection flags
+/// hidden from the help of the verbs that talk to no coordinator
+/// (`tokenize`, `dev-certs`). Each gets hidden flags of the same names,
+/// which clap then does not propagate the global ones over; the values
+/// are never read there.
+pub fn command() -> clap::Command {
+    use clap::{Arg, ArgAction, CommandFactory};
+    let hidden = |sub: clap::Command| {
+        sub.arg(
+            Arg::new("coordinator")
+                .long("coordinator")
+                .hide(true)
+                .default_value("127.0.0.1:50051"),
+        )
+        .arg(Arg::new("token").long("token").hide(true))
+        .arg(
+            Arg::new("token_file")
+                .long("token-file")
+                .hide(true)
+                .value_parser(clap::value_parser!(PathBuf)),
+        )
+        .arg(
+            Arg::new("ca")
+                .long("ca")
+                .hide(true)
+                .value_parser(clap::value_parser!(PathBuf)),
+        )
+        .arg(
+            Arg::new("insecure")
+                .long("insecure")
+                .hide(true)
+                .action(ArgAction::SetTrue),
+        )
+    };
+    Cli::command()
+        .mut_subcommand("tokenize", hidden)
+        .mut_subcommand("dev-certs", hidden)
+}
+
 /// The CLI's transport from `--ca` / `--insecure` (one of them is needed);
 /// plaintext warns.
 pub fn transport(ca: Option<PathBuf>, insecure: bool) -> anyhow::Result<Option<ClientTls>> {

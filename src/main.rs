@@ -1,7 +1,7 @@
 //! accrue: the command-line client (submit, status, list, cancel, resume,
 //! watch, local). Parses flags, sets up tracing, calls the library.
 use accrue::Cli;
-use clap::Parser;
+use clap::FromArgMatches;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -13,7 +13,10 @@ async fn main() -> std::process::ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&accrue::command().get_matches()) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     match accrue::run(cli).await {
         Ok(code) => code,
         Err(e) => {
