@@ -649,3 +649,32 @@ pub fn event_json(ev: &v1::JobEvent) -> Option<serde_json::Value> {
         }),
     })
 }
+
+#[cfg(test)]
+mod words_tests {
+    use super::*;
+
+    /// Issue 37, item 13: a language model's evaluation is a perplexity
+    /// (none when it saw no target), never a "final accuracy".
+    #[test]
+    fn an_evaluation_in_its_models_words() {
+        let e = v1::EvalResult {
+            loss: 2.0,
+            accuracy: 0.25,
+            ..Default::default()
+        };
+        assert_eq!(eval_words(&e, false), "accuracy 25.00% (loss 2.0000)");
+        assert_eq!(
+            eval_words(&e, true),
+            "perplexity 7.39 (loss 2.0000 per token)"
+        );
+        let none = v1::EvalResult {
+            loss: f64::NAN,
+            ..e
+        };
+        assert_eq!(
+            eval_words(&none, true),
+            "perplexity - (no target token evaluated)"
+        );
+    }
+}

@@ -58,52 +58,119 @@ pub(super) fn is_jsonl(p: &Path) -> bool {
     p.extension().is_some_and(|e| e == "jsonl")
 }
 
-/// The files to read, in order.
-pub(super) fn collect_inputs(inputs: &[PathBuf], format: Format) -> Result<Vec<InputFile>> {
-    let mut files = Vec::new();
+/// The files to read, in order, and those left out.
+#[derive(Default)]
+pub(super) struct Collected {
+    pub(super) files: Vec<InputFile>,
+    /// Files under the given folders that are this run's outputs (a rerun
+    /// on a folder that holds them).
+    pub(super) outputs: Vec<PathBuf>,
+    /// Files and folders reached again (a symlink, the same input twice, a
+    /// folder inside another given one): read once.
+    pub(super) repeated: Vec<PathBuf>,
+}
+
+/// The files to read, in order: each file once (by identity, whatever the
+/// path it is reached by), each folder walked once (a symlink to a folder
+/// already walked, a loop included, is not followed again), this run's
+/// outputs never: an earlier run's in a folder are left out, a file named
+/// on the command line that is an output is refused, and so is a text
+/// file in a folder that `--out` or its split would overwrite.
+pub(super) fn collect_inputs(
+    inputs: &[PathBuf],
+    format: Format,
+    outputs: &Outputs,
+) -> Result<Collected> {
+    let mut walk = Walk {
+        format,
+        outputs,
+        files: HashSet::new(),
+        dirs: HashSet::new(),
+        found: Collected::default(),
+    };
     for input in inputs {
         let meta = std::fs::metadata(input).map_err(io_err(input))?;
         if meta.is_dir() {
-            let mut found = Vec::new();
-            walk(input, &mut found)?;
-            found.sort();
-            files.extend(
-                found
-                    .into_iter()
-                    .filter(|p| format == Format::Tokens || is_jsonl(p))
-                    .map(|path| InputFile { path, named: false }),
-            );
-        } else {
-            if format == Format::Sequences && !is_jsonl(input) {
-                return Err(TokenizeError::NotJsonLines {
-                    path: input.clone(),
-                });
-            }
-            files.push(InputFile {
-                path: input.clone(),
-                named: true,
-            });
-        }
-    }
-    Ok(files)
-}
-
-/// Every regular file under `dir`, hidden entries left out.
-pub(super) fn walk(dir: &Path, found: &mut Vec<PathBuf>) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
-        let entry = entry.map_err(io_err(dir))?;
-        if entry.file_name().to_string_lossy().starts_with('.') {
+            walk.dir(input, file_id(&meta))?;
             continue;
         }
-        let path = entry.path();
-        let meta = std::fs::metadata(&path).map_err(io_err(&path))?;
-        if meta.is_dir() {
-            walk(&path, found)?;
-        } else if meta.is_file() {
-            found.push(path);
+        if format == Format::Sequences && !is_jsonl(input) {
+            return Err(TokenizeError::NotJsonLines {
+                path: input.clone(),
+            });
+        }
+        if let Some(output) = outputs.find(file_id(&meta)) {
+            return Err(TokenizeError::InputIsOutput {
+                input: input.clone(),
+                output: output.to_path_buf(),
+            });
+        }
+        walk.file(input, file_id(&meta), true);
+    }
+    Ok(walk.found)
+}
+
+struct Walk<'a> {
+    format: Format,
+    outputs: &'a Outputs,
+    /// The files and the folders met so far.
+    files: HashSet<FileId>,
+    dirs: HashSet<FileId>,
+    found: Collected,
+}
+
+impl Walk<'_> {
+    fn file(&mut self, path: &Path, id: FileId, named: bool) {
+        if self.files.insert(id) {
+            self.found.files.push(InputFile {
+                path: path.to_path_buf(),
+                named,
+            });
+        } else {
+            self.found.repeated.push(path.to_path_buf());
         }
     }
-    Ok(())
+
+    /// Every regular file under `dir`, in sorted order, hidden entries left
+    /// out.
+    fn dir(&mut self, dir: &Path, id: FileId) -> Result<()> {
+        if !self.dirs.insert(id) {
+            self.found.repeated.push(dir.to_path_buf());
+            return Ok(());
+        }
+        let mut entries = std::fs::read_dir(dir)
+            .map_err(io_err(dir))?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(io_err(dir))?;
+        // Name by name at each level: the order of sorting the whole paths.
+        entries.sort();
+        for name in entries {
+            if name.to_string_lossy().starts_with('.') {
+                continue;
+            }
+            let path = dir.join(name);
+            let meta = std::fs::metadata(&path).map_err(io_err(&path))?;
+            let id = file_id(&meta);
+            if meta.is_dir() {
+                self.dir(&path, id)?;
+            } else if meta.is_file() && (self.format == Format::Tokens || is_jsonl(&path)) {
+                match self.outputs.find(id) {
+                    // An earlier run's token file or split is binary; a
+                    // text file there is an input --out would overwrite.
+                    Some(output) if output != self.outputs.tokenizer && !looks_binary(&path) => {
+                        return Err(TokenizeError::InputIsOutput {
+                            input: path,
+                            output: output.to_path_buf(),
+                        })
+                    }
+                    Some(_) => self.found.outputs.push(path),
+                    None => self.file(&path, id, false),
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A file's text, or None for a folder's file that is not UTF-8 text (a

@@ -18,23 +18,27 @@
 
 mod gpt2;
 mod input;
+mod place;
 mod tok;
 mod write;
 
 use gpt2::*;
 use input::*;
+use place::*;
 use tok::*;
 use write::*;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::{seq::SliceRandom, SeedableRng};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BpeTrainer, BPE};
 use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::fixed_length::FixedLength;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::{AddedToken, Tokenizer};
 
 /// GPT-2's (and a trained BPE's) end-of-text token.
@@ -55,6 +59,10 @@ const EOT_NAMES: [&str; 4] = [ENDOFTEXT, "</s>", "<|end_of_text|>", "<eos>"];
 /// tokenizers only: their pre-tokens never cross the cut points).
 const CHUNK_BYTES: usize = 64 * 1024;
 
+/// A BPE is trained on pre-tokens cut to at most this many bytes (see
+/// `Tok::trained`); text's words and runs of spaces are far shorter.
+const MAX_TRAIN_PRE_TOKEN: usize = 256;
+
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     /// llm.c's flat token stream (.bin).
@@ -72,7 +80,10 @@ pub struct TokenizeArgs {
     #[arg(required_unless_present = "dump_gpt2_files", value_name = "INPUT")]
     pub inputs: Vec<PathBuf>,
     /// The file to write; the tokenizer is written beside it as
-    /// tokenizer.json, a held-out split as <stem>.eval.<ext>.
+    /// tokenizer.json, a held-out split as <stem>.eval.<ext>. All are
+    /// written under temporary names and renamed into place together (a
+    /// job reading the old files keeps them); they are never read as
+    /// inputs.
     #[arg(long, required_unless_present = "dump_gpt2_files", value_name = "FILE")]
     pub out: Option<PathBuf>,
     /// tokens: llm.c's .bin stream, documents separated by the end-of-text
@@ -108,6 +119,14 @@ pub enum TokenizeError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("--out {}: {why}", path.display())]
+    BadOut { path: PathBuf, why: &'static str },
+    #[error(
+        "input {} is an output of this run ({}): it would be overwritten; write --out elsewhere",
+        input.display(),
+        output.display()
+    )]
+    InputIsOutput { input: PathBuf, output: PathBuf },
     #[error("input {} is not UTF-8 text", path.display())]
     NotText { path: PathBuf },
     #[error("input {}: --format sequences reads JSON lines (.jsonl) with `prompt` and `completion`", path.display())]
@@ -179,6 +198,12 @@ pub struct Summary {
     pub eot: Option<u32>,
     /// Files under the given folders skipped as not UTF-8 text.
     pub skipped: Vec<PathBuf>,
+    /// Files under the given folders left out as this run's outputs.
+    pub outputs_left_out: Vec<PathBuf>,
+    /// Files and folders reached again by another path, read once.
+    pub repeated: Vec<PathBuf>,
+    /// An earlier run's held-out split, removed (this run holds none out).
+    pub removed_eval: Option<PathBuf>,
 }
 
 impl Summary {
@@ -189,12 +214,21 @@ impl Summary {
             Format::Sequences => "rows",
         };
         let mut v = Vec::new();
-        if !self.skipped.is_empty() {
-            v.push(format!(
-                "skipped {} files that are not UTF-8 text (first: {})",
-                self.skipped.len(),
-                self.skipped[0].display()
-            ));
+        for (paths, what) in [
+            (&self.skipped, "files that are not UTF-8 text"),
+            (&self.outputs_left_out, "files that this run writes"),
+            (
+                &self.repeated,
+                "files or folders reached again by another path (read once)",
+            ),
+        ] {
+            if let Some(first) = paths.first() {
+                v.push(format!(
+                    "skipped {} {what} (first: {})",
+                    paths.len(),
+                    first.display()
+                ));
+            }
         }
         let eot = match self.eot {
             Some(id) => format!("end-of-text id {id}"),
@@ -213,6 +247,12 @@ impl Summary {
                 w.path.display(),
                 w.tokens,
                 w.items
+            ));
+        }
+        if let Some(p) = &self.removed_eval {
+            v.push(format!(
+                "removed {}, an earlier run's held-out split",
+                p.display()
             ));
         }
         v
@@ -254,12 +294,14 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
         .out
         .clone()
         .expect("clap requires --out unless --dump-gpt2-files");
-    // Inputs first: a missing file fails before any work.
-    let files = collect_inputs(&args.inputs, args.format)?;
+    // Every refusal before anything is written; inputs before any work.
+    let outputs = Outputs::new(&out)?;
+    let found = collect_inputs(&args.inputs, args.format, &outputs)?;
+    let files = &found.files;
     let mut skipped = Vec::new();
     let docs = match args.format {
-        Format::Tokens => Input::Docs(read_docs(&files, &mut skipped)?),
-        Format::Sequences => Input::Pairs(read_pairs(&files, &mut skipped)?),
+        Format::Tokens => Input::Docs(read_docs(files, &mut skipped)?),
+        Format::Sequences => Input::Pairs(read_pairs(files, &mut skipped)?),
     };
     if docs.is_empty() {
         return Err(TokenizeError::Empty(match args.format {
@@ -275,15 +317,8 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
     };
     let vocab_size = tok.vocab_size()?;
     let wide = vocab_size > 65536;
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|source| TokenizeError::Output {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-    }
-    let tokenizer_json = tokenizer_path(&out);
-    tok.write(&tokenizer_json)?;
-
+    // Nothing replaced until all were written: the tokenizer last.
+    let mut stage = Staged::default();
     let bar = progress(docs.bytes() as u64);
     let (train, eval) = match &docs {
         Input::Docs(docs) => {
@@ -292,7 +327,7 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
                 .map(|d| tok.encode(d, &bar))
                 .collect::<Result<Vec<_>>>()?;
             bar.finish_and_clear();
-            write_tokens_split(&out, encoded, tok.eot, wide, args.eval_fraction)?
+            write_tokens_split(&mut stage, &out, encoded, tok.eot, wide, args.eval_fraction)?
         }
         Input::Pairs(pairs) => {
             let texts: Vec<&str> = pairs
@@ -305,17 +340,42 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
                 rows.push((prompt, completion));
             }
             bar.finish_and_clear();
-            write_sequences_split(&out, rows, &tok, vocab_size, args.eval_fraction, args.seed)?
+            write_sequences_split(
+                &mut stage,
+                &out,
+                rows,
+                &tok,
+                vocab_size,
+                args.eval_fraction,
+                args.seed,
+            )?
         }
+    };
+    stage.write(&outputs.tokenizer, &tok.json()?)?;
+    stage.commit()?;
+    // An earlier run's split beside the new files would hold another
+    // tokenizer's ids.
+    let removed_eval = match eval {
+        None if outputs.eval.is_file() && looks_binary(&outputs.eval) => {
+            std::fs::remove_file(&outputs.eval).map_err(|source| TokenizeError::Output {
+                path: outputs.eval.clone(),
+                source,
+            })?;
+            Some(outputs.eval.clone())
+        }
+        _ => None,
     };
     Ok(Summary {
         format: args.format,
         train,
         eval,
-        tokenizer_json,
+        tokenizer_json: outputs.tokenizer,
         vocab_size,
         eot: tok.eot,
         skipped,
+        outputs_left_out: found.outputs,
+        repeated: found.repeated,
+        removed_eval,
     })
 }
 

@@ -90,9 +90,19 @@ impl Tok {
             .build();
         let mut trainer = TrainerWrapper::from(trainer);
         let mut tk = byte_level(BPE::default());
+        // Trained on pre-tokens of at most MAX_TRAIN_PRE_TOKEN bytes: the
+        // trainer's merges cost the square of a word's length (400 KB of
+        // letters without a space is one pre-token, and took minutes).
+        // Text whose pre-tokens are all shorter trains as before; encoding
+        // uses the byte-level pre-tokenizer alone.
+        tk.with_pre_tokenizer(Some(PreTokenizerSequence::new(vec![
+            ByteLevel::default().add_prefix_space(false).into(),
+            FixedLength::new(MAX_TRAIN_PRE_TOKEN).into(),
+        ])));
         let texts = input.texts();
         tk.train(&mut trainer, texts.into_iter())
             .map_err(tk_err("training the BPE"))?;
+        tk.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
         spinner.finish_and_clear();
         let eot = tk.token_to_id(ENDOFTEXT);
         Ok(Tok {
@@ -117,29 +127,18 @@ impl Tok {
         Ok(n)
     }
 
-    pub(super) fn write(&self, dest: &Path) -> Result<()> {
-        let out = |source| TokenizeError::Output {
-            path: dest.to_path_buf(),
-            source,
-        };
+    /// The bytes of tokenizer.json: a given file's own, else `tk` saved.
+    pub(super) fn json(&self) -> Result<Vec<u8>> {
         match &self.source {
-            Some(src) => {
-                let same = match (src.canonicalize(), dest.canonicalize()) {
-                    (Ok(a), Ok(b)) => a == b,
-                    _ => false,
-                };
-                if !same {
-                    std::fs::copy(src, dest).map_err(out)?;
-                }
-                Ok(())
-            }
-            None => {
-                let text = self
-                    .tk
-                    .to_string(true)
-                    .map_err(tk_err("serializing the tokenizer"))?;
-                std::fs::write(dest, text).map_err(out)
-            }
+            Some(src) => std::fs::read(src).map_err(|e| TokenizeError::TokenizerFile {
+                path: src.clone(),
+                source: Box::new(e),
+            }),
+            None => Ok(self
+                .tk
+                .to_string(true)
+                .map_err(tk_err("serializing the tokenizer"))?
+                .into_bytes()),
         }
     }
 

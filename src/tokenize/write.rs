@@ -1,4 +1,5 @@
-//! The writers: llm.c token files, sequences safetensors, held-out splits.
+//! The writers: llm.c token files, sequences safetensors, held-out splits
+//! (staged: see place.rs).
 
 #[allow(unused_imports)]
 use super::*;
@@ -28,6 +29,7 @@ pub(super) fn join(docs: &[Vec<u32>], eot: Option<u32>) -> Vec<u32> {
 }
 
 pub(super) fn write_tokens_split(
+    stage: &mut Staged,
     out: &Path,
     docs: Vec<Vec<u32>>,
     eot: Option<u32>,
@@ -39,22 +41,28 @@ pub(super) fn write_tokens_split(
         let all = &docs[0];
         let k = held_out(fraction, all.len(), "tokens")?;
         let cut = all.len() - k;
-        let train = write_llmc(out, &all[..cut], wide, 1)?;
+        let train = write_llmc(stage, out, &all[..cut], wide, 1)?;
         let eval = (k > 0)
-            .then(|| write_llmc(&eval_path(out), &all[cut..], wide, 1))
+            .then(|| write_llmc(stage, &eval_path(out), &all[cut..], wide, 1))
             .transpose()?;
         return Ok((train, eval));
     }
     let k = held_out(fraction, n, "documents")?;
-    let train = write_llmc(out, &join(&docs[..n - k], eot), wide, n - k)?;
+    let train = write_llmc(stage, out, &join(&docs[..n - k], eot), wide, n - k)?;
     let eval = (k > 0)
-        .then(|| write_llmc(&eval_path(out), &join(&docs[n - k..], eot), wide, k))
+        .then(|| write_llmc(stage, &eval_path(out), &join(&docs[n - k..], eot), wide, k))
         .transpose()?;
     Ok((train, eval))
 }
 
 /// llm.c's `.bin`: the header, then the tokens, little-endian.
-pub(super) fn write_llmc(path: &Path, tokens: &[u32], wide: bool, items: usize) -> Result<Written> {
+pub(super) fn write_llmc(
+    stage: &mut Staged,
+    path: &Path,
+    tokens: &[u32],
+    wide: bool,
+    items: usize,
+) -> Result<Written> {
     let count =
         i32::try_from(tokens.len()).map_err(|_| TokenizeError::TooManyTokens(tokens.len()))?;
     let mut header = [0i32; HEADER_INTS];
@@ -67,7 +75,7 @@ pub(super) fn write_llmc(path: &Path, tokens: &[u32], wide: bool, items: usize) 
         buf.extend_from_slice(&h.to_le_bytes());
     }
     push_tokens(&mut buf, tokens, wide);
-    write_file(path, &buf)?;
+    stage.write(path, &buf)?;
     Ok(Written {
         path: path.to_path_buf(),
         tokens: tokens.len(),
@@ -88,17 +96,8 @@ pub(super) fn push_tokens(buf: &mut Vec<u8>, tokens: &[u32], wide: bool) {
     }
 }
 
-pub(super) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let err = |source| TokenizeError::Output {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(err)?);
-    f.write_all(bytes).map_err(err)?;
-    f.flush().map_err(err)
-}
-
 pub(super) fn write_sequences_split(
+    stage: &mut Staged,
     out: &Path,
     rows: Vec<(Vec<u32>, Vec<u32>)>,
     tok: &Tok,
@@ -124,9 +123,9 @@ pub(super) fn write_sequences_split(
         }
     }
     let wide = vocab_size > 65536;
-    let t = write_sequences(out, &train, tok.eot, wide, vocab_size)?;
+    let t = write_sequences(stage, out, &train, tok.eot, wide, vocab_size)?;
     let e = (k > 0)
-        .then(|| write_sequences(&eval_path(out), &eval, tok.eot, wide, vocab_size))
+        .then(|| write_sequences(stage, &eval_path(out), &eval, tok.eot, wide, vocab_size))
         .transpose()?;
     Ok((t, e))
 }
@@ -134,6 +133,7 @@ pub(super) fn write_sequences_split(
 /// The sequences file: row = prompt + completion + end-of-text, the
 /// prompt's tokens masked.
 pub(super) fn write_sequences(
+    stage: &mut Staged,
     path: &Path,
     rows: &[&(Vec<u32>, Vec<u32>)],
     eot: Option<u32>,
@@ -165,6 +165,7 @@ pub(super) fn write_sequences(
     }
     let tokens_dtype = if wide { "U32" } else { "U16" };
     write_safetensors(
+        stage,
         path,
         &[
             ("offsets", "I64", offsets.len(), &offset_bytes),
@@ -184,6 +185,7 @@ pub(super) fn write_sequences(
 /// first keeps them aligned), header keys sorted: the same input gives the
 /// same bytes.
 pub(super) fn write_safetensors(
+    stage: &mut Staged,
     path: &Path,
     tensors: &[(&str, &str, usize, &[u8])],
     metadata: serde_json::Map<String, serde_json::Value>,
@@ -209,5 +211,5 @@ pub(super) fn write_safetensors(
     for (_, _, _, data) in tensors {
         buf.extend_from_slice(data);
     }
-    write_file(path, &buf)
+    stage.write(path, &buf)
 }

@@ -273,3 +273,55 @@ fn a_checkpoint_of_another_architecture_names_the_checkpoint() {
     );
     assert!(!line.contains("initial weights"), "{line}");
 }
+
+/// The tokenizer.json beside token data goes into every checkpoint: one
+/// that does not load, or whose ids reach past model.vocab_size (another
+/// run's, issue 37), is refused naming the file and both sizes.
+#[test]
+fn a_tokenizer_beside_the_data_that_does_not_fit_the_model_is_refused() {
+    let d = TempDir::new().unwrap();
+    let mut bytes: Vec<u8> = [20240520i32, 1, 64]
+        .iter()
+        .chain(&[0i32; 253])
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    bytes.extend((0..64u16).flat_map(|t| t.to_le_bytes()));
+    let file = d.path().join("train.bin");
+    std::fs::write(&file, bytes).unwrap();
+    let model = "kind = \"llama\"\nvocab_size = 64\nhidden_size = 16\nintermediate_size = 32\n\
+                 num_hidden_layers = 1\nnum_attention_heads = 2\nnum_key_value_heads = 1\n\
+                 max_position_embeddings = 16";
+    let data = format!(
+        "kind = \"tokens\"\npath = \"{}\"\nseq_len = 8",
+        file.display()
+    );
+    let job = job(d.path(), "tok", model, &data);
+    let tokenizer = d.path().join("tokenizer.json");
+    // A word-level tokenizer of 100 words.
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..100).map(|i| (format!("w{i}"), i.into())).collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"},
+    });
+    std::fs::write(&tokenizer, json.to_string()).unwrap();
+    let line = refusal(train(d.path(), &job, &[]));
+    assert!(
+        line.contains(&format!(
+            "data file {}: its vocabulary has 100 ids",
+            tokenizer.display()
+        )) && line.contains("model.vocab_size = 64"),
+        "{line}"
+    );
+    std::fs::write(&tokenizer, "{\"model\": 1}").unwrap();
+    let line = refusal(train(d.path(), &job, &[]));
+    assert!(
+        line.contains(&format!(
+            "data file {}: is not a tokenizer",
+            tokenizer.display()
+        )),
+        "{line}"
+    );
+}

@@ -246,6 +246,37 @@ fn headerless_u16_and_u32_with_dtype() {
     assert_eq!(rows_of(&b.targets), [[70_005, 70_006]]);
 }
 
+/// A token file truncated under an open reader (an in-place rewrite): the
+/// next batch is an error naming the file and both sizes, not SIGBUS on
+/// the pages past the new end (issue 37).
+#[test]
+fn a_file_that_shrinks_under_the_reader_is_an_error_not_a_signal() {
+    let dir = TempDir::new().unwrap();
+    let toks: Vec<u16> = (0..20_000).map(|k| (k % 50) as u16).collect();
+    let bytes = llmc(MAGIC_U16, 1, 20_000, &u16s(&toks));
+    let p = write(&dir, "train.bin", &bytes);
+    let s = TokenStream::open(&p, "data.path", &opts(8, 50)).unwrap();
+    let last = s.len() as i64 - 1;
+    s.batch(&idx(&[last])).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(2048)
+        .unwrap();
+    let err = s.batch(&idx(&[last])).unwrap_err();
+    assert_has(
+        &message(err, "data.path", &p),
+        &[
+            &format!(
+                "shrank from {} to 2048 bytes while the job read it",
+                bytes.len()
+            ),
+            "renaming it (accrue tokenize does)",
+        ],
+    );
+}
+
 #[test]
 fn bad_magic_names_the_value_the_magics_and_dtype() {
     let dir = TempDir::new().unwrap();
@@ -609,6 +640,22 @@ fn wrong_dtypes_name_the_allowed_ones() {
         &message(err, "data.path", &p),
         &["not a readable safetensors file"],
     );
+    // In words, not the crate's Debug names (issue 37, item 13): a header
+    // whose tensor lies past the end of the file.
+    let header = br#"{"tokens":{"dtype":"I64","shape":[4],"data_offsets":[0,32]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0u8; 8]);
+    let p = write(&dir, "short.safetensors", &bytes);
+    let msg = Sequences::open(&p, "data.path", &seq_opts())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("not a readable safetensors file: its tensors do not cover")
+            && !msg.contains("Metadata")
+            && !msg.contains("Invalid"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -683,4 +730,56 @@ fn cuda_indices_and_device_batches() {
         rows_of(&b.targets.to_device(Device::Cpu)),
         [ALL_TARGETS[2], ALL_TARGETS[0]]
     );
+}
+
+/// Issue 37, item 6: a file no row of which has a target within its first
+/// T + 1 tokens is refused at open (before: every step was skipped and
+/// the job "finished"): all rows masked, and prompts longer than T whose
+/// completions are all cut off. One row with a target is enough.
+#[test]
+fn sequences_without_a_target_within_t_plus_1_are_refused() {
+    let dir = TempDir::new().unwrap();
+    let (tokens, offsets) = flat_rows();
+    let masked = vec![0u8; tokens.len()];
+    assert_sequences_refused(
+        &dir,
+        "masked.safetensors",
+        &[
+            tokens_entry(&tokens, Dtype::U16),
+            offsets_entry(&offsets),
+            ("loss_mask", Dtype::U8, vec![masked.len()], masked.clone()),
+        ],
+        "data.eval_path",
+        &["no row has a target within its first data.seq_len + 1 = 5 tokens (5 rows"],
+    );
+    // Prompt (mask 0) of 6 tokens, completion after it: cut off at T = 4.
+    let long: Vec<i64> = (1..=8).collect();
+    let mask: Vec<u8> = (0..8).map(|i| u8::from(i >= 6)).collect();
+    assert_sequences_refused(
+        &dir,
+        "cut.safetensors",
+        &[
+            tokens_entry(&long, Dtype::U16),
+            offsets_entry(&[0, 8]),
+            ("loss_mask", Dtype::U8, vec![8], mask.clone()),
+        ],
+        "data.path",
+        &["no row has a target", "raise data.seq_len"],
+    );
+    // The same row at T = 6 has its first completion token as a target.
+    let p = safetensors_file(
+        &dir,
+        "ok.safetensors",
+        &[
+            tokens_entry(&long, Dtype::U16),
+            offsets_entry(&[0, 8]),
+            ("loss_mask", Dtype::U8, vec![8], mask),
+        ],
+    );
+    let o = TokenOptions {
+        seq_len: 6,
+        ..seq_opts()
+    };
+    let s = Sequences::open(&p, "data.path", &o).unwrap();
+    assert_eq!(s.batch(&idx(&[0])).unwrap().count, 1);
 }

@@ -13,7 +13,7 @@
 
 use super::setup::{check_eval_shape, data_error, split_name};
 use crate::data;
-use crate::error::{io_err, Result};
+use crate::error::{Error, Result};
 use crate::objective::{CausalLm, Classification, Objective};
 use crate::source::DataSource;
 use crate::spec::{DataKind, JobSpec, LlamaConfig};
@@ -109,10 +109,11 @@ fn causal_lm(spec: &JobSpec, device: Device) -> Result<Workload> {
         "config.json".to_string(),
         serde_json::to_vec_pretty(&config.to_hf_json()).unwrap_or_default(),
     )];
-    // `accrue tokenize` writes the tokenizer beside the data.
+    // `accrue tokenize` writes the tokenizer beside the data; checked
+    // before every checkpoint carries it.
     let tokenizer = path.with_file_name("tokenizer.json");
     if tokenizer.is_file() {
-        let bytes = std::fs::read(&tokenizer).map_err(io_err(&tokenizer))?;
+        let bytes = checked_tokenizer(&tokenizer, config.vocab_size)?;
         extra_files.push(("tokenizer.json".to_string(), bytes));
     }
     Ok(Workload {
@@ -123,4 +124,39 @@ fn causal_lm(spec: &JobSpec, device: Device) -> Result<Workload> {
         objective: Box::new(CausalLm),
         extra_files,
     })
+}
+
+/// The bytes of the `tokenizer.json` at `path` (read with a cap) when
+/// Hugging Face's tokenizers loads it and its ids (added tokens included)
+/// all lie in `0..vocab_size`: another tokenizer than the data's (a failed
+/// `accrue tokenize` rerun left one, issue 37) would make every checkpoint
+/// decode garbage.
+fn checked_tokenizer(path: &std::path::Path, vocab_size: i64) -> Result<Vec<u8>> {
+    use accrue_common::small_file::{read_small, MAX_TOKENIZER_BYTES};
+    let refuse = |reason: String| Error::Data {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let bytes =
+        read_small(path, MAX_TOKENIZER_BYTES, "tokenizer.json").map_err(|e| refuse(e.reason()))?;
+    let tk = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+        refuse(format!(
+            "is not a tokenizer Hugging Face's tokenizers loads: {e}; the checkpoints would carry \
+             it (rewrite it with accrue tokenize, or remove it)"
+        ))
+    })?;
+    let size = tk
+        .get_vocab(true)
+        .values()
+        .max()
+        .map_or(0, |m| i64::from(*m) + 1);
+    if size > vocab_size {
+        return Err(refuse(format!(
+            "its vocabulary has {size} ids (the largest is {}), more than model.vocab_size = \
+             {vocab_size}: it is not the tokenizer the data was written with, or \
+             model.vocab_size is too small",
+            size - 1
+        )));
+    }
+    Ok(bytes)
 }

@@ -41,9 +41,51 @@ pub(crate) fn token_err(
     )
 }
 
+/// A file mapped read-only, with the open file kept to check its length.
+#[derive(Debug)]
+pub(crate) struct Mapped {
+    map: Mmap,
+    file: std::fs::File,
+}
+
+impl std::ops::Deref for Mapped {
+    type Target = Mmap;
+
+    fn deref(&self) -> &Mmap {
+        &self.map
+    }
+}
+
+impl Mapped {
+    /// Refuses a file that became shorter than the map: reading a page
+    /// past its end would kill the process with SIGBUS (an in-place
+    /// rewrite truncates it). Called before a batch touches the map. A
+    /// file replaced by a rename is not seen: the map and the open file
+    /// keep the old inode.
+    pub(crate) fn check_len(&self, field: &'static str, path: &Path) -> Result<()> {
+        let now = self
+            .file
+            .metadata()
+            .map_err(|e| file_err(field, path, format!("cannot stat: {e}")))?
+            .len();
+        let mapped = self.map.len() as u64;
+        if now < mapped {
+            return Err(file_err(
+                field,
+                path,
+                format!(
+                    "shrank from {mapped} to {now} bytes while the job read it; rewrite token \
+                     files by writing a new file and renaming it (accrue tokenize does)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Maps `path` read-only. The map is not read here: pages come in as the
 /// reader touches them.
-pub(crate) fn map_file(field: &'static str, path: &Path) -> Result<Mmap> {
+pub(crate) fn map_file(field: &'static str, path: &Path) -> Result<Mapped> {
     let file = std::fs::File::open(path)
         .map_err(|e| file_err(field, path, format!("cannot open: {e}")))?;
     let len = file
@@ -53,13 +95,14 @@ pub(crate) fn map_file(field: &'static str, path: &Path) -> Result<Mmap> {
     if len == 0 {
         return Err(file_err(field, path, "is empty (0 bytes)"));
     }
-    // SAFETY: the map is read-only; like every reader of a memory-mapped
-    // file, we rely on nobody truncating or rewriting the data file while
-    // the job runs (a truncation would fault, not corrupt memory safety
-    // beyond that file's contents).
+    // SAFETY: the map is read-only. A file truncated under it faults
+    // (SIGBUS) on the pages past its new end rather than corrupting memory;
+    // the readers check the length (`Mapped::check_len`) before each batch,
+    // which leaves only a truncation between that check and the copy, and
+    // `accrue tokenize` replaces its files by a rename, never in place.
     let map = unsafe { Mmap::map(&file) }
         .map_err(|e| file_err(field, path, format!("cannot map: {e}")))?;
-    Ok(map)
+    Ok(Mapped { map, file })
 }
 
 /// Hints the kernel that the map is about to be read front to back (the

@@ -18,7 +18,6 @@ use super::lm::{self, file_err};
 use super::{DataSource, TokenOptions, IGNORE_INDEX};
 use crate::batch::Batch;
 use crate::error::Result;
-use memmap2::Mmap;
 use safetensors::tensor::{Dtype, TensorInfo};
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
@@ -35,13 +34,13 @@ struct Span {
 }
 
 impl Span {
-    fn bytes<'m>(&self, map: &'m Mmap) -> &'m [u8] {
+    fn bytes<'m>(&self, map: &'m [u8]) -> &'m [u8] {
         &map[self.start..self.start + self.len * self.dtype.size()]
     }
 
     /// Element `i` as an i64 (integer dtypes of at most 64 bits; U64 is
     /// never accepted).
-    fn get(&self, map: &Mmap, i: usize) -> i64 {
+    fn get(&self, map: &[u8], i: usize) -> i64 {
         let w = self.dtype.size();
         let b = &map[self.start + i * w..self.start + (i + 1) * w];
         match self.dtype {
@@ -62,7 +61,7 @@ impl Span {
 pub struct Sequences {
     path: PathBuf,
     field: &'static str,
-    map: Mmap,
+    map: lm::Mapped,
     tokens: Span,
     offsets: Span,
     mask: Option<Span>,
@@ -88,7 +87,10 @@ impl Sequences {
             file_err(
                 field,
                 path,
-                format!("is not a readable safetensors file: {e:?}"),
+                format!(
+                    "is not a readable safetensors file: {}",
+                    crate::error::safetensors_words(&e)
+                ),
             )
         })?;
         let base = 8 + header;
@@ -221,7 +223,63 @@ impl Sequences {
             device: opts.device,
         };
         seqs.check_vocab(opts.vocab_size)?;
+        seqs.check_targets()?;
         Ok(seqs)
+    }
+
+    /// Refuses a file no row of which has a target within its first
+    /// T + 1 tokens (every loss_mask 0 there, rows of fewer than 2
+    /// tokens, prompts longer than T): nothing would be trained or
+    /// evaluated, and every step would be skipped (issue 37). Rows without
+    /// a target, and rows longer than T + 1 (cut), are reported when they
+    /// are a large share.
+    fn check_targets(&self) -> Result<()> {
+        let t = self.seq_len;
+        let (mut without, mut cut) = (0usize, 0usize);
+        for i in 0..self.rows {
+            let start = self.offsets.get(&self.map, i) as usize;
+            let len = self.row_len(i);
+            let pairs = len.min(t + 1).saturating_sub(1);
+            let has = match &self.mask {
+                None => pairs > 0,
+                Some(m) => (start + 1..start + 1 + pairs).any(|k| m.get(&self.map, k) != 0),
+            };
+            without += usize::from(!has);
+            cut += usize::from(len > t + 1);
+        }
+        if self.rows > 0 && without == self.rows {
+            return Err(file_err(
+                self.field,
+                &self.path,
+                format!(
+                    "no row has a target within its first data.seq_len + 1 = {} tokens ({} rows: every loss_mask is 0 there, or the row has fewer than 2 tokens): nothing to train or evaluate on; raise data.seq_len or put the completions first",
+                    t + 1,
+                    self.rows
+                ),
+            ));
+        }
+        let share = |n: usize| 100.0 * n as f64 / self.rows.max(1) as f64;
+        if without > 0 {
+            tracing::warn!(
+                path = %self.path.display(),
+                rows = self.rows,
+                without_target = without,
+                "{:.1}% of the rows have no target within data.seq_len + 1 = {} tokens: they add nothing",
+                share(without),
+                t + 1
+            );
+        }
+        if share(cut) >= 25.0 {
+            tracing::warn!(
+                path = %self.path.display(),
+                rows = self.rows,
+                cut,
+                "{:.1}% of the rows are longer than data.seq_len + 1 = {} tokens and are cut",
+                share(cut),
+                t + 1
+            );
+        }
+        Ok(())
     }
 
     /// One sequential pass: the first token outside `0..vocab_size` is
@@ -314,6 +372,7 @@ impl DataSource for Sequences {
 
     fn batch(&self, indices: &Tensor) -> Result<Batch> {
         let idx = lm::host_indices(indices, self.rows, self.field, &self.path)?;
+        self.map.check_len(self.field, &self.path)?;
         let t = self.seq_len;
         let mut inputs = vec![self.pad_id; idx.len() * t];
         let mut targets = vec![IGNORE_INDEX; idx.len() * t];

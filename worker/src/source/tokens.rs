@@ -15,7 +15,6 @@ use super::lm::{self, file_err};
 use super::{DataSource, TokenDtype, TokenOptions};
 use crate::batch::Batch;
 use crate::error::Result;
-use memmap2::Mmap;
 use std::path::{Path, PathBuf};
 use tch::{Device, Tensor};
 
@@ -38,7 +37,7 @@ pub const HEADER_BYTES: usize = 256 * 4;
 pub struct TokenStream {
     path: PathBuf,
     field: &'static str,
-    map: Mmap,
+    map: lm::Mapped,
     /// Byte offset of token 0 (the header's size, or 0).
     start: usize,
     dtype: TokenDtype,
@@ -252,6 +251,7 @@ impl DataSource for TokenStream {
 
     fn batch(&self, indices: &Tensor) -> Result<Batch> {
         let idx = lm::host_indices(indices, self.samples, self.field, &self.path)?;
+        self.map.check_len(self.field, &self.path)?;
         let t = self.seq_len;
         let mut inputs = Vec::with_capacity(idx.len() * t);
         let mut targets = Vec::with_capacity(idx.len() * t);
