@@ -965,9 +965,31 @@ fn tokenize_help_shows_no_coordinator_flags() {
     };
     let t = help("tokenize");
     assert!(t.contains("--train-bpe"), "{t}");
-    for flag in ["--coordinator", "--token", "--ca", "--insecure"] {
+    for flag in ["--coordinator", "--token <", "--token-file", "--ca <", "--insecure"] {
         assert!(!t.contains(flag), "{flag} in\n{t}");
     }
     let s = help("status");
     assert!(s.contains("--coordinator") && s.contains("--ca"), "{s}");
+}
+
+/// Issue 37, item 13: JSON lines opened by a UTF-8 byte order mark (as
+/// Windows editors write them) tokenize as the same rows without it
+/// (before: "line 1: not JSON").
+#[test]
+fn json_lines_with_a_byte_order_mark_read_as_without() {
+    let t = tempfile::TempDir::new().unwrap();
+    let line = "{\"prompt\": \"Q: 2 + 2?\", \"completion\": \" 4\"}\n";
+    let tokens = |name: &str, text: String| {
+        let jsonl = t.path().join(format!("{name}.jsonl"));
+        std::fs::write(&jsonl, text).unwrap();
+        let out = t.path().join(name).join("train.safetensors");
+        ok(&[s(&jsonl), "--out", s(&out), "--format", "sequences"]);
+        let bytes = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensor("tokens").unwrap().data().to_vec()
+    };
+    let plain = tokens("plain", line.repeat(2));
+    let bom = tokens("bom", format!("\u{feff}{}", line.repeat(2)));
+    assert!(!plain.is_empty());
+    assert_eq!(plain, bom);
 }

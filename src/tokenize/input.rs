@@ -205,6 +205,9 @@ pub(super) fn read_pairs(files: &[InputFile], skipped: &mut Vec<PathBuf>) -> Res
             skipped.push(f.path.clone());
             continue;
         };
+        // A UTF-8 byte order mark (Windows editors, Excel exports) opens
+        // the file, not the first object: skipped as Python's utf-8-sig.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
