@@ -21,8 +21,10 @@ fn cudnn_deterministic_follows_the_job() {
         "mean",
         "[performance]\ncudnn_deterministic = true\n",
     );
-    let _e = Engine::new(spec(&on), SingleRank, RunOptions::default()).unwrap();
+    let e = Engine::new(spec(&on), SingleRank, RunOptions::default()).unwrap();
     assert_eq!(cudnn_deterministic(), Some(true));
+    // One run at a time writes the job's checkpoint folder (its lock).
+    drop(e);
     let _e = Engine::new(spec(&plain), SingleRank, RunOptions::default()).unwrap();
     assert_eq!(cudnn_deterministic(), Some(false));
 }

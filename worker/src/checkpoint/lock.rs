@@ -58,12 +58,14 @@ impl std::fmt::Display for Holder {
 pub struct FolderLock {
     _file: File,
     dir: PathBuf,
-    created: bool,
+    /// The folders acquire created, innermost first (the folder and any
+    /// missing parents).
+    created: Vec<PathBuf>,
 }
 
 impl Drop for FolderLock {
     fn drop(&mut self) {
-        if !self.created {
+        if self.created.is_empty() {
             return;
         }
         let only_the_lock = std::fs::read_dir(&self.dir).is_ok_and(|entries| {
@@ -78,7 +80,12 @@ impl Drop for FolderLock {
             // sees its file is no longer the folder's and opens anew
             // (acquire's identity check), so no two runs ever hold it.
             let _ = std::fs::remove_file(self.dir.join(LOCK_FILE));
-            let _ = std::fs::remove_dir(&self.dir);
+            // Innermost first; a parent something else was put into stays.
+            for d in &self.created {
+                if std::fs::remove_dir(d).is_err() {
+                    break;
+                }
+            }
         }
     }
 }
@@ -100,7 +107,11 @@ impl FolderLock {
             path: dir.to_path_buf(),
             reason,
         };
-        let created = !dir.exists();
+        let created: Vec<PathBuf> = dir
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .map(Path::to_path_buf)
+            .collect();
         let path = dir.join(LOCK_FILE);
         let open = || -> Result<File> {
             std::fs::create_dir_all(dir).map_err(|e| err(format!("creating the folder: {e}")))?;
@@ -270,10 +281,11 @@ mod tests {
     fn a_folder_the_lock_made_and_nothing_used_is_removed_with_it() {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path().join("ck");
-        let held = FolderLock::acquire(&dir, &owner("j"), Duration::ZERO).unwrap();
-        assert!(dir.join(LOCK_FILE).is_file());
+        let deep = d.path().join("a/b/ck");
+        let held = FolderLock::acquire(&deep, &owner("j"), Duration::ZERO).unwrap();
+        assert!(deep.join(LOCK_FILE).is_file());
         drop(held);
-        assert!(!dir.exists(), "an unused folder the lock made stays");
+        assert!(!d.path().join("a").exists(), "unused folders the lock made stay");
         let held = FolderLock::acquire(&dir, &owner("j"), Duration::ZERO).unwrap();
         std::fs::write(dir.join("OWNER.json"), b"{}").unwrap();
         drop(held);
