@@ -87,8 +87,14 @@ fn checkpoint_layout_keep_and_latest() {
     entries.sort();
     assert_eq!(
         entries,
-        ["LATEST", "OWNER.json", "step-12", "step-14"],
-        "keep = 2, no temporary folders left"
+        [
+            ".accrue-writer.lock",
+            "LATEST",
+            "OWNER.json",
+            "step-12",
+            "step-14"
+        ],
+        "keep = 2, no temporary folders left (the writer lock's file stays)"
     );
     assert_eq!(
         std::fs::read_to_string(dir.path().join("LATEST"))
