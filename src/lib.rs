@@ -292,17 +292,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 "JOB", "OWNER", "STATE", "STEP", "LOSS", "SAMPLES/S"
             );
             // Every page, in creation order, printed as it comes.
-            let mut page_token = String::new();
-            loop {
-                let page = client
-                    .list_jobs(v1::ListJobsRequest {
-                        page_size: accrue_proto::layout::MAX_PAGE_SIZE as i32,
-                        page_token: page_token.clone(),
-                    })
-                    .await
-                    .map_err(status_err)?
-                    .into_inner();
-                for j in page.jobs {
+            let mut pages = Pages::default();
+            while let Some(jobs) = pages.next(&mut client).await? {
+                for j in jobs {
                     let c = j.counters.unwrap_or_default();
                     println!(
                         "{:<28} {:<16} {:<11} {:>12} {:>10.4} {:>10.0}",
@@ -314,13 +306,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         c.samples_per_sec
                     );
                 }
-                if page.next_page_token.is_empty() {
-                    break;
-                }
-                if page.next_page_token == page_token {
-                    bail!("the coordinator answered the same page token twice");
-                }
-                page_token = page.next_page_token;
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -446,6 +431,37 @@ fn exit_for(j: &Job) -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
+    }
+}
+
+/// The coordinator's job list, page by page, in creation order.
+#[derive(Default)]
+pub(crate) struct Pages {
+    token: String,
+    done: bool,
+}
+
+impl Pages {
+    /// The next page's jobs; None after the last.
+    pub(crate) async fn next(&mut self, client: &mut Client) -> anyhow::Result<Option<Vec<Job>>> {
+        if self.done {
+            return Ok(None);
+        }
+        let page = client
+            .list_jobs(v1::ListJobsRequest {
+                page_size: accrue_proto::layout::MAX_PAGE_SIZE as i32,
+                page_token: self.token.clone(),
+            })
+            .await
+            .map_err(status_err)?
+            .into_inner();
+        if page.next_page_token.is_empty() {
+            self.done = true;
+        } else if page.next_page_token == self.token {
+            bail!("the coordinator answered the same page token twice");
+        }
+        self.token = page.next_page_token;
+        Ok(Some(page.jobs))
     }
 }
 

@@ -4,9 +4,9 @@
 //! this process's life (`PR_SET_PDEATHSIG`), so they die with it even when
 //! it is killed with SIGKILL.
 
+use accrue_common::flock::try_lock_exclusive;
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::{mpsc, Mutex};
@@ -42,25 +42,6 @@ pub enum StateDirError {
         path: PathBuf,
         source: std::io::Error,
     },
-}
-
-/// `flock(fd, LOCK_EX | LOCK_NB)`: Ok(false) when another open file
-/// description holds a lock on the file.
-fn try_lock_exclusive(file: &File) -> std::io::Result<bool> {
-    loop {
-        // SAFETY: flock(2) on a descriptor `file` owns and keeps open for
-        // the duration of the call; it touches no memory.
-        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if r == 0 {
-            return Ok(true);
-        }
-        let e = std::io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EWOULDBLOCK) => return Ok(false),
-            Some(libc::EINTR) => continue,
-            _ => return Err(e),
-        }
-    }
 }
 
 /// An exclusive lock on `<state-dir>/local.lock` for as long as it lives

@@ -387,17 +387,9 @@ fn resume_hint(job: &Path, opts: &LocalOptions) -> String {
 /// run before was killed without a chance to cancel it).
 async fn resume_newest(client: &mut Client, name: &str, state_dir: &Path) -> anyhow::Result<Job> {
     let mut newest: Option<Job> = None;
-    let mut page_token = String::new();
-    loop {
-        let page = client
-            .list_jobs(v1::ListJobsRequest {
-                page_size: accrue_proto::layout::MAX_PAGE_SIZE as i32,
-                page_token: page_token.clone(),
-            })
-            .await
-            .map_err(crate::status_err)?
-            .into_inner();
-        for j in page.jobs {
+    let mut pages = crate::Pages::default();
+    while let Some(jobs) = pages.next(client).await? {
+        for j in jobs {
             let same = j.spec.as_ref().is_some_and(|s| s.name == name);
             if same
                 && newest
@@ -407,10 +399,6 @@ async fn resume_newest(client: &mut Client, name: &str, state_dir: &Path) -> any
                 newest = Some(j);
             }
         }
-        if page.next_page_token.is_empty() || page.next_page_token == page_token {
-            break;
-        }
-        page_token = page.next_page_token;
     }
     let Some(j) = newest else {
         bail!(

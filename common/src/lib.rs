@@ -1,5 +1,6 @@
 //! accrue's shared domain types: the job spec (DESIGN section 12) and its
 //! validation. No libtorch: the coordinator and the CLI use this crate too.
+pub mod flock;
 pub mod ringkey;
 pub mod small_file;
 pub mod spec;

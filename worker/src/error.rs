@@ -289,4 +289,3 @@ mod tests {
         assert_eq!(first_line("", 10), "");
     }
 }
-

@@ -413,7 +413,10 @@ fn a_language_models_evaluation_stays_inside_its_estimate() {
         std::fs::write(&p, bytes).unwrap();
         p
     };
-    let (train, eval) = (tokens("train.bin", 4 * 64 + 1), tokens("eval.bin", 256 * 64 + 1));
+    let (train, eval) = (
+        tokens("train.bin", 4 * 64 + 1),
+        tokens("eval.bin", 256 * 64 + 1),
+    );
     let spec = dir.path().join("lm.toml");
     std::fs::write(
         &spec,
@@ -443,7 +446,10 @@ fn a_language_models_evaluation_stays_inside_its_estimate() {
     let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
     assert_eq!(r, pid);
     let (stdout, stderr) = out.join().unwrap();
-    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{stdout}\n{stderr}");
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{stdout}\n{stderr}"
+    );
     // In a language model's words (issue 37, item 13): tokens, perplexity.
     assert!(
         stdout.contains("final perplexity")

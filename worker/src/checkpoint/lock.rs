@@ -15,9 +15,9 @@
 
 use super::owner::Owner;
 use crate::error::{Error, Result};
+use accrue_common::flock::try_lock_exclusive as try_lock;
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -181,25 +181,6 @@ impl FolderLock {
     }
 }
 
-/// `flock(LOCK_EX | LOCK_NB)`: Ok(false) when another open file
-/// description holds it.
-fn try_lock(file: &File) -> std::io::Result<bool> {
-    loop {
-        // SAFETY: flock(2) on a descriptor `file` owns and keeps open for
-        // the duration of the call; it touches no memory.
-        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if r == 0 {
-            return Ok(true);
-        }
-        let e = std::io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EWOULDBLOCK) => return Ok(false),
-            Some(libc::EINTR) => continue,
-            _ => return Err(e),
-        }
-    }
-}
-
 fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into buf.
@@ -285,7 +266,10 @@ mod tests {
         let held = FolderLock::acquire(&deep, &owner("j"), Duration::ZERO).unwrap();
         assert!(deep.join(LOCK_FILE).is_file());
         drop(held);
-        assert!(!d.path().join("a").exists(), "unused folders the lock made stay");
+        assert!(
+            !d.path().join("a").exists(),
+            "unused folders the lock made stay"
+        );
         let held = FolderLock::acquire(&dir, &owner("j"), Duration::ZERO).unwrap();
         std::fs::write(dir.join("OWNER.json"), b"{}").unwrap();
         drop(held);
