@@ -965,7 +965,13 @@ fn tokenize_help_shows_no_coordinator_flags() {
     };
     let t = help("tokenize");
     assert!(t.contains("--train-bpe"), "{t}");
-    for flag in ["--coordinator", "--token <", "--token-file", "--ca <", "--insecure"] {
+    for flag in [
+        "--coordinator",
+        "--token <",
+        "--token-file",
+        "--ca <",
+        "--insecure",
+    ] {
         assert!(!t.contains(flag), "{flag} in\n{t}");
     }
     let s = help("status");
