@@ -169,6 +169,7 @@ impl JobSpec {
         if let Some(m) = self.max_steps {
             c.int_in("max_steps", m, 1, MAX_STEPS.into());
         }
+        self.validate_parallel(&mut c);
         if let Some(f) = self.max_skipped_fraction {
             if !(f.is_finite() && (0.0..=1.0).contains(&f)) {
                 c.fail("max_skipped_fraction", f, "must be a number in [0, 1]");
@@ -381,6 +382,44 @@ impl JobSpec {
                 if set {
                     c.fail(field, "(set)", "only allowed with data.kind = synthetic");
                 }
+            }
+        }
+    }
+
+    /// `[parallel]`: degrees whose product is `workers`, and (until the
+    /// strategies exist) no split model; an elastic job's bounds in whole
+    /// replicas.
+    fn validate_parallel(&self, c: &mut Checker) {
+        let dims = match self.parallel_dims() {
+            Ok(d) => d,
+            Err(e) => {
+                c.errors.push(e);
+                return;
+            }
+        };
+        for (field, degree, what) in [
+            ("parallel.pipeline", dims.pipeline, "pipeline parallelism"),
+            ("parallel.tensor", dims.tensor, "tensor parallelism"),
+        ] {
+            if degree > 1 {
+                c.fail(
+                    field,
+                    degree,
+                    format!("must be 1: {what} is not built yet (data parallelism only)"),
+                );
+            }
+        }
+        let replica = dims.replica();
+        for (field, bound) in [
+            ("min_workers", self.min_workers),
+            ("max_workers", self.max_workers),
+        ] {
+            if let Some(n) = bound.filter(|n| n % replica != 0) {
+                c.fail(
+                    field,
+                    n,
+                    format!("must be a multiple of pipeline x tensor = {replica} (whole replicas)"),
+                );
             }
         }
     }

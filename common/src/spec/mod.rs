@@ -8,11 +8,13 @@ mod check;
 mod family;
 mod kinds;
 mod memory;
+mod parallel;
 mod paths;
 pub use check::{shown, Checker, MAX_SHOWN_CHARS};
 pub use family::LlamaConfig;
 pub use kinds::*;
 pub use memory::{host_memory_bytes, MemoryEstimate, GIB};
+pub use parallel::{Axis, Coords, ParallelDims};
 pub use paths::{
     confine_field, confine_lexically, normalize, Area, Lexical, LocalFs, RootError, Roots, View,
 };
@@ -70,6 +72,20 @@ pub struct JobSpec {
     /// before the job fails with that reason (default 0.5); a job that
     /// applies no optimizer step at all fails whatever this says.
     pub max_skipped_fraction: Option<f64>,
+    /// The device mesh's degrees (issue 38).
+    #[serde(default)]
+    pub parallel: ParallelSpec,
+}
+
+/// `[parallel]`: how the workers split into data, pipeline and tensor
+/// ranks ([`ParallelDims`]). Pipeline and tensor default to 1, data to
+/// workers / (pipeline x tensor); their product must be `workers`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSpec {
+    pub data: Option<u32>,
+    pub pipeline: Option<u32>,
+    pub tensor: Option<u32>,
 }
 
 /// `[performance]`: execution choices that leave the numbers as they are.
@@ -621,19 +637,50 @@ impl JobSpec {
         Self::from_toml_str(&read_spec(path)?, path)
     }
 
-    /// k for a world of `world` ranks: `steps`, or global_batch / (W*b).
+    /// The mesh's degrees for `workers` ranks (errors name `parallel`).
+    pub fn parallel_dims(&self) -> Result<ParallelDims, FieldError> {
+        self.parallel_dims_for(self.workers)
+    }
+
+    /// The mesh's degrees for a world of `world` ranks (an elastic job's
+    /// generation): pipeline and tensor as the spec says, data the rest.
+    /// An explicit `parallel.data` speaks of `workers`, so it is left to
+    /// follow the world here.
+    pub fn parallel_dims_for(&self, world: u32) -> Result<ParallelDims, FieldError> {
+        let data = (world == self.workers)
+            .then_some(self.parallel.data)
+            .flatten();
+        ParallelDims::resolve(world, data, self.parallel.pipeline, self.parallel.tensor)
+    }
+
+    /// Ranks of one model replica (pipeline x tensor; 1 when the model is
+    /// not split).
+    pub fn replica_size(&self) -> u64 {
+        u64::from(self.parallel.pipeline.unwrap_or(1).max(1))
+            * u64::from(self.parallel.tensor.unwrap_or(1).max(1))
+    }
+
+    /// k for a world of `world` ranks: `steps`, or global_batch / (D*b)
+    /// with D the data ranks (world / replica size; the world when the
+    /// model is not split).
     pub fn accumulation_steps(&self, world: u64) -> Result<u64, FieldError> {
         let b = self.data.batch_size.max(1);
         match (self.accumulation.steps, self.accumulation.global_batch) {
             (Some(k), _) => Ok(k),
             (None, Some(g)) => {
-                let per_window = world.max(1) * b;
+                let replica = self.replica_size();
+                let per_window = (world / replica).max(1) * b;
+                let ranks = if replica == 1 {
+                    "workers"
+                } else {
+                    "data ranks (workers / (pipeline x tensor))"
+                };
                 if g % per_window != 0 || g == 0 {
                     Err(FieldError {
                         field: "accumulation.global_batch".into(),
                         value: g.to_string(),
                         allowed: format!(
-                            "must be a positive multiple of workers * data.batch_size = {per_window}"
+                            "must be a positive multiple of {ranks} * data.batch_size = {per_window}"
                         ),
                     })
                 } else {

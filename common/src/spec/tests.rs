@@ -505,3 +505,58 @@ fn spec_files_are_capped_at_64_kib() {
         Err(LoadError::TooLarge { .. })
     ));
 }
+
+/// Issue 38: `[parallel]`'s degrees multiply to `workers` (refused naming
+/// all four numbers otherwise); a split model is refused until its
+/// strategies exist; data defaults to the rest.
+#[test]
+fn parallel_degrees_multiply_to_workers_and_split_models_wait() {
+    let base = BASE.replace("name = \"unit\"\n", "name = \"unit\"\nworkers = 4\n");
+    let s = JobSpec::fields_from_toml_str(
+        &format!("{base}[parallel]\ndata = 4\n"),
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    assert_eq!(s.parallel_dims().unwrap(), ParallelDims::data_only(4));
+    let plain = JobSpec::fields_from_toml_str(&base, Path::new("t.toml")).unwrap();
+    assert_eq!(plain.parallel_dims().unwrap(), ParallelDims::data_only(4));
+    let e = invalid(&format!("{base}[parallel]\ndata = 3\n"));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert_eq!(
+        e[0].to_string(),
+        "parallel = {data = 3, pipeline = 1, tensor = 1}: data x pipeline x tensor = 3 must equal workers = 4"
+    );
+    let e = invalid(&format!("{base}[parallel]\npipeline = 2\n"));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert_eq!(e[0].field, "parallel.pipeline");
+    assert!(
+        e[0].allowed
+            .contains("pipeline parallelism is not built yet"),
+        "{e:?}"
+    );
+    let e = invalid(&format!("{base}[parallel]\ntensor = 3\n"));
+    assert_eq!(e[0].field, "parallel");
+    assert!(
+        e[0].allowed.contains("tensor = 3 must divide workers = 4"),
+        "{e:?}"
+    );
+}
+
+/// Issue 38: a global batch is split over the data ranks, not the world:
+/// W = 8 as 4 data x 2 pipeline ranks with b = 2 and 32 in a step is
+/// k = 32 / (4 x 2) = 4 (the world would say 2).
+#[test]
+fn the_global_batch_follows_the_data_degree() {
+    let mut s = JobSpec::fields_from_toml_str(BASE, Path::new("t.toml")).unwrap();
+    s.data.batch_size = 2;
+    s.accumulation.global_batch = Some(32);
+    assert_eq!(s.accumulation_steps(8).unwrap(), 2);
+    s.parallel.pipeline = Some(2);
+    assert_eq!(s.accumulation_steps(8).unwrap(), 4);
+    let e = s.accumulation_steps(12).unwrap_err();
+    assert!(
+        e.allowed
+            .contains("data ranks (workers / (pipeline x tensor)) * data.batch_size = 12"),
+        "{e:?}"
+    );
+}

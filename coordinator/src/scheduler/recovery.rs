@@ -189,7 +189,12 @@ impl Cluster {
                 }
                 Err(_) => continue,
             };
-            let valid = |n: usize| domain.accumulation_steps(n as u64).is_ok();
+            // A generation is whole replicas (pipeline x tensor workers,
+            // issue 38) whose data degree gives a valid k.
+            let valid = |n: usize| {
+                u32::try_from(n).is_ok_and(|w| domain.parallel_dims_for(w).is_ok())
+                    && domain.accumulation_steps(n as u64).is_ok()
+            };
             let members = entry.job.workers.clone();
             let survivors: Vec<String> = members
                 .iter()
@@ -288,6 +293,22 @@ impl Cluster {
             Err(e) => return self.fail(job_id, e.to_string(), now, fx),
         };
         let world = workers.len();
+        // The mesh of this generation: whole replicas of pipeline x tensor
+        // ranks, the data axis what the world leaves.
+        let dims = match u32::try_from(world)
+            .map_err(|_| format!("{world} workers"))
+            .and_then(|w| domain.parallel_dims_for(w).map_err(|e| e.to_string()))
+        {
+            Ok(d) => d,
+            Err(e) => {
+                return self.fail(
+                    job_id,
+                    format!("cannot form generation of {world} workers: {e}"),
+                    now,
+                    fx,
+                )
+            }
+        };
         // k is decided here, once; the workers take the assignment's value.
         let k = match domain
             .accumulation_steps(world as u64)
@@ -400,6 +421,17 @@ impl Cluster {
                 accumulation_steps: k,
                 resume_step: committed,
                 checkpoint_dir: ckpt.display().to_string(),
+                coords: Some({
+                    let c = dims.coords(rank as u32);
+                    v1::MeshCoords {
+                        data: c.data,
+                        pipeline: c.pipeline,
+                        tensor: c.tensor,
+                        data_degree: dims.data,
+                        pipeline_degree: dims.pipeline,
+                        tensor_degree: dims.tensor,
+                    }
+                }),
             };
             if let Some(we) = self.workers.get_mut(w) {
                 we.job = Some((job_id.to_string(), rank as u32));

@@ -76,6 +76,42 @@ fn each_generation_gets_its_own_derived_key() {
     );
 }
 
+/// Issue 38: every rank's assignment carries its place in the mesh of its
+/// generation (data parallelism: data = rank, degree = world), and a
+/// re-formation hands out the new world's places.
+#[test]
+fn assignments_carry_each_ranks_mesh_coordinates() {
+    let mut c = cluster();
+    for (i, w) in ["w0", "w1", "w2"].iter().enumerate() {
+        attach(&mut c, w, i as u64 + 1, 0);
+    }
+    let fx = c.step(
+        Input::Submit {
+            spec: spec("j", 2, ""),
+            owner: String::new(),
+        },
+        0,
+    );
+    let job = reply(&fx).unwrap().id;
+    let fx = c.step(Input::Admit { job: job.clone() }, 0);
+    let coords: Vec<(u32, Option<v1::MeshCoords>)> = sends(&fx)
+        .into_iter()
+        .filter_map(|(_, m)| match m {
+            coordinator_message::Msg::Assign(a) => Some((a.rank, a.coords)),
+            _ => None,
+        })
+        .collect();
+    let place = |data| v1::MeshCoords {
+        data,
+        pipeline: 0,
+        tensor: 0,
+        data_degree: 2,
+        pipeline_degree: 1,
+        tensor_degree: 1,
+    };
+    assert_eq!(coords, vec![(0, Some(place(0))), (1, Some(place(1)))]);
+}
+
 pub(super) fn spec(name: &str, workers: u32, extra: &str) -> v1::JobSpec {
     let text = format!(
         "name = \"{name}\"\nworkers = {workers}\nmax_steps = 6\n{extra}\n[model]\nkind = \"mlp\"\nhidden = [8]\n[data]\nkind = \"synthetic\"\nsamples = 64\nshape = [4]\nclasses = 2\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n"

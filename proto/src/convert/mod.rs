@@ -144,6 +144,11 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         device: s.device.clone(),
         threads: s.threads,
         max_skipped_fraction: s.max_skipped_fraction,
+        parallel: Some(v1::ParallelSpec {
+            data: s.parallel.data,
+            pipeline: s.parallel.pipeline,
+            tensor: s.parallel.tensor,
+        }),
         model: Some(v1::ModelSpec {
             kind: to_proto(s.model.kind),
             hidden: s.model.hidden.clone(),
@@ -355,6 +360,15 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         device: non_empty(&p.device, "auto"),
         threads: p.threads,
         max_skipped_fraction: p.max_skipped_fraction,
+        parallel: p
+            .parallel
+            .as_ref()
+            .map(|q| ParallelSpec {
+                data: q.data,
+                pipeline: q.pipeline,
+                tensor: q.tensor,
+            })
+            .unwrap_or_default(),
         model: ModelSpec {
             kind: model_kind,
             hidden: model.hidden,

@@ -462,6 +462,13 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 },
                 max_skipped_fraction: [None, Some(0.0), Some(0.25), Some(1.0)]
                     [(seed / 81 % 4) as usize],
+                // Data parallelism only (split models are refused for now):
+                // the degree given or left to its default.
+                parallel: ParallelSpec {
+                    data: (seed % 2 == 1).then_some(workers),
+                    pipeline: (seed % 3 == 1).then_some(1),
+                    tensor: (seed % 5 == 1).then_some(1),
+                },
                 performance: PerformanceSpec {
                     cuda_graphs: [None, Some(true), Some(false)][(seed / 9 % 3) as usize],
                     cudnn_deterministic: [None, Some(true), Some(false)][(seed / 27 % 3) as usize],

@@ -21,6 +21,7 @@ pub(super) fn assigned_spec(
             a.job_id, a.generation
         ));
     }
+    check_coords(a, &spec)?;
     spec.accumulation.steps = Some(u64::from(a.accumulation_steps));
     spec.accumulation.global_batch = None;
     if let Some(d) = &cfg.device {
@@ -54,6 +55,38 @@ pub(super) fn assigned_spec(
     spec.check_memory(cfg.max_job_memory)
         .map_err(|e| format!("{e} (this worker's limit)"))?;
     Ok(spec)
+}
+
+/// The assignment's mesh coordinates (issue 38) must be where the spec's
+/// `[parallel]` puts this rank in a world of this size: a coordinator and
+/// a worker that disagree on the layout would exchange the wrong tensors.
+/// An assignment without them (an older coordinator) is data parallel.
+pub(super) fn check_coords(a: &v1::Assignment, spec: &crate::spec::JobSpec) -> Result<(), String> {
+    let Some(c) = &a.coords else {
+        return Ok(());
+    };
+    let dims = spec.parallel_dims_for(a.world_size).map_err(|e| {
+        format!(
+            "assignment of job {} generation {}: {e}",
+            a.job_id, a.generation
+        )
+    })?;
+    let ours = dims.coords(a.rank);
+    let theirs = (
+        (c.data, c.pipeline, c.tensor),
+        (c.data_degree, c.pipeline_degree, c.tensor_degree),
+    );
+    let expected = (
+        (ours.data, ours.pipeline, ours.tensor),
+        (dims.data, dims.pipeline, dims.tensor),
+    );
+    if theirs != expected {
+        return Err(format!(
+            "assignment of job {} generation {}: rank {} of {} is at (data, pipeline, tensor) = {:?} of a {:?} mesh by the spec's [parallel], the coordinator says {:?} of {:?}",
+            a.job_id, a.generation, a.rank, a.world_size, expected.0, expected.1, theirs.0, theirs.1
+        ));
+    }
+    Ok(())
 }
 
 /// Where this generation checkpoints: the assignment's folder (the spec's

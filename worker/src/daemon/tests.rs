@@ -256,3 +256,29 @@ fn assignments_are_confined_under_the_daemons_roots() {
         Some("sneaky/new".into())
     );
 }
+
+/// Issue 38: an assignment whose mesh coordinates are not where the
+/// spec's `[parallel]` puts its rank is refused naming both; matching or
+/// absent ones (an older coordinator) are taken.
+#[test]
+fn mesh_coordinates_must_match_the_spec() {
+    let mut a = assignment(2, 6);
+    a.rank = 1;
+    assert!(assigned_spec(&a, &cfg()).is_ok());
+    let at = |data| v1::MeshCoords {
+        data,
+        pipeline: 0,
+        tensor: 0,
+        data_degree: 2,
+        pipeline_degree: 1,
+        tensor_degree: 1,
+    };
+    a.coords = Some(at(1));
+    assert!(assigned_spec(&a, &cfg()).is_ok());
+    a.coords = Some(at(0));
+    let e = assigned_spec(&a, &cfg()).unwrap_err();
+    assert_eq!(
+        e,
+        "assignment of job j1 generation 2: rank 1 of 2 is at (data, pipeline, tensor) = (1, 0, 0) of a (2, 1, 1) mesh by the spec's [parallel], the coordinator says (0, 0, 0) of (2, 1, 1)"
+    );
+}
