@@ -80,29 +80,35 @@ fn local_runs_the_demo_with_two_workers() {
     );
 }
 
-#[test]
-fn local_refuses_a_bad_spec_before_starting_anything() {
+/// `accrue local` on the job `text` with `extra` flags: refused, with
+/// nothing created in its state dir; its stderr.
+fn refused_before_anything(text: &str, extra: &[&str]) -> String {
     let d = TempDir::new().unwrap();
-    let job = common::write(
-        d.path(),
-        "bad.toml",
-        &common::job_toml("bad", 2, 5, "").replace("lr = 0.1", "lr = -1"),
-    );
+    let job = common::write(d.path(), "job.toml", text);
     let state = d.path().join("state");
     let out = Command::new(env!("CARGO_BIN_EXE_accrue"))
         .args(["local"])
         .arg(&job)
+        .args(extra)
         .arg("--state-dir")
         .arg(&state)
         .output()
         .unwrap();
     assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!state.exists(), "nothing may be created for a refused job");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn local_refuses_a_bad_spec_before_starting_anything() {
+    let err = refused_before_anything(
+        &common::job_toml("bad", 2, 5, "").replace("lr = 0.1", "lr = -1"),
+        &[],
+    );
     assert!(
         err.contains("optimizer.lr = -1.0: must be a finite number > 0"),
         "{err}"
     );
-    assert!(!state.exists(), "nothing may be created for a refused job");
 }
 
 /// Issue 37, item 8: `--workers` beyond what a job may ask for is refused
@@ -110,21 +116,9 @@ fn local_refuses_a_bad_spec_before_starting_anything() {
 /// worker processes started, then the coordinator refused the number).
 #[test]
 fn local_refuses_a_workers_override_before_starting_anything() {
-    let d = TempDir::new().unwrap();
-    let job = common::write(d.path(), "ok.toml", &common::job_toml("ok", 2, 5, ""));
-    let state = d.path().join("state");
-    let out = Command::new(env!("CARGO_BIN_EXE_accrue"))
-        .args(["local"])
-        .arg(&job)
-        .args(["--workers", "1025", "--state-dir"])
-        .arg(&state)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused_before_anything(&common::job_toml("ok", 2, 5, ""), &["--workers", "1025"]);
     assert!(
         err.contains("--workers 1025") && err.contains("workers = 1025: must be"),
         "{err}"
     );
-    assert!(!state.exists(), "nothing may be created for a refused job");
 }

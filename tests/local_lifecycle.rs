@@ -241,6 +241,22 @@ fn a_second_local_on_a_busy_state_dir_is_refused_and_changes_nothing() {
     );
 }
 
+/// `accrue local` on a job of a million steps (`long`, W = 2) written into
+/// `dir`, once it prints its first step: the job file and the process.
+fn start_long_job(dir: &Path, name: &str, state: &Path) -> (PathBuf, Local) {
+    let job = common::write(dir, "job.toml", &common::job_toml("long", 2, 1_000_000, ""));
+    let local = Local::start(dir, name, &job, state, &[]);
+    assert!(
+        poll_until(Duration::from_secs(60), || local
+            .stdout()
+            .lines()
+            .any(|l| l.starts_with("step "))),
+        "the job did not start training\n{}",
+        local.report(state)
+    );
+    (job, local)
+}
+
 /// Starts `accrue local` on a job far longer than the test, waits until
 /// its workers are training, sends it `sig` and checks that, within 10 s,
 /// no process it started is left.
@@ -249,20 +265,7 @@ fn stopped_local_leaves_nothing_behind(sig: libc::c_int, name: &str) {
     let state = d.path().join("state");
     let needle = state.display().to_string();
     let _reaper = Reaper(needle.clone());
-    let job = common::write(
-        d.path(),
-        "job.toml",
-        &common::job_toml("long", 2, 1_000_000, ""),
-    );
-    let mut local = Local::start(d.path(), "local", &job, &state, &[]);
-    assert!(
-        poll_until(Duration::from_secs(60), || local
-            .stdout()
-            .lines()
-            .any(|l| l.starts_with("step "))),
-        "the job did not start training\n{}",
-        local.report(&state)
-    );
+    let (job, mut local) = start_long_job(d.path(), "local", &state);
     // Its two workers are running (the processes that mention the state
     // dir, besides `accrue local` itself).
     let pid = local.child.id();
@@ -369,20 +372,7 @@ fn an_interrupted_local_resumes_its_job() {
     let d = TempDir::new().unwrap();
     let state = d.path().join("state");
     let _reaper = Reaper(state.display().to_string());
-    let job = common::write(
-        d.path(),
-        "job.toml",
-        &common::job_toml("long", 2, 1_000_000, ""),
-    );
-    let mut local = Local::start(d.path(), "first", &job, &state, &[]);
-    assert!(
-        poll_until(Duration::from_secs(60), || local
-            .stdout()
-            .lines()
-            .any(|l| l.starts_with("step "))),
-        "the job did not start training\n{}",
-        local.report(&state)
-    );
+    let (job, mut local) = start_long_job(d.path(), "first", &state);
     // SAFETY: kill(2) on our own child, not yet waited for.
     let pid = libc::pid_t::try_from(local.child.id()).unwrap();
     assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
