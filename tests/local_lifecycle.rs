@@ -265,7 +265,7 @@ fn stopped_local_leaves_nothing_behind(sig: libc::c_int, name: &str) {
     let state = d.path().join("state");
     let needle = state.display().to_string();
     let _reaper = Reaper(needle.clone());
-    let (job, mut local) = start_long_job(d.path(), "local", &state);
+    let (_job, mut local) = start_long_job(d.path(), "local", &state);
     // Its two workers are running (the processes that mention the state
     // dir, besides `accrue local` itself).
     let pid = local.child.id();
