@@ -1,7 +1,7 @@
-//! etcd mode end to end (DESIGN sections 7 and 9): a real etcd process on
+//! etcd mode end to end (docs/OPERATIONS.md, "etcd mode" and "Recovery"): a real etcd process on
 //! free ports, coordinator replicas and worker daemons as real processes.
 //! Coordinators are killed with SIGKILL; etcd is stopped and restarted.
-//! Secure as by default (DESIGN section 11): etcd serves TLS and requires
+//! Secure as by default (docs/SECURITY.md): etcd serves TLS and requires
 //! client certificates from the test CA, which every process shows.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Fault tolerance end to end (DESIGN section 9): real worker daemons are
+//! Fault tolerance end to end (docs/OPERATIONS.md, "Recovery"): real worker daemons are
 //! killed with SIGKILL in the middle of a window; the job re-forms and
 //! finishes. Every daemon writes an audit log: for each committed window,
 //! the sample indices its rank read (recorded where the data reader fetched

@@ -1,4 +1,4 @@
-//! Bearer tokens with scopes (DESIGN section 11, docs/SECURITY.md "Tokens
+//! Bearer tokens with scopes (docs/SECURITY.md "Tokens
 //! and scopes").
 //!
 //! The tokens file holds SHA-256 digests of tokens, never tokens:

@@ -1,4 +1,4 @@
-//! etcd mode (DESIGN section 7): jobs live under `/accrue/<cluster>/jobs/`,
+//! etcd mode (docs/OPERATIONS.md, "etcd mode"): jobs live under `/accrue/<cluster>/jobs/`,
 //! workers register under `/accrue/<cluster>/workers/<id>` with a lease
 //! they keep alive, and coordinator replicas elect a leader on
 //! `/accrue/<cluster>/leader` (its value: the leader's gRPC address; the

@@ -1,5 +1,5 @@
 //! accrue-coordinator: schedules jobs onto worker daemons and owns their
-//! counters (DESIGN sections 6, 7 and 10). No libtorch.
+//! counters (docs/ARCHITECTURE.md, docs/OPERATIONS.md "etcd mode" and "The status page"). No libtorch.
 
 pub mod auth;
 pub mod domain;

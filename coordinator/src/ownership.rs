@@ -1,4 +1,4 @@
-//! One owner per checkpoint folder (issue 27; DESIGN section 9): the rule
+//! One owner per checkpoint folder (issue 27; docs/OPERATIONS.md, "Recovery"): the rule
 //! the coordinator applies at submit, as pure functions.
 //!
 //! **Decision.** A job's effective checkpoint folder is its spec's

@@ -1,4 +1,4 @@
-//! A job's training curve (DESIGN section 10), as pure functions over
+//! A job's training curve (docs/OPERATIONS.md, "The status page"), as pure functions over
 //! [`JobSeries`].
 //!
 //! **Bounded whatever the job's length.** Steps go into buckets of

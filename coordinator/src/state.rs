@@ -1,5 +1,5 @@
 //! Job state machine and gang scheduling, as pure functions with time passed
-//! in (DESIGN section 6).
+//! in (docs/ARCHITECTURE.md, "The coordinator core").
 
 pub use crate::domain::state_name;
 pub use crate::error::NotResumable;
@@ -149,7 +149,7 @@ pub enum Reform {
     Fail(String),
 }
 
-/// The recovery decision (DESIGN section 9), pure: `survivors` ranks still
+/// The recovery decision (docs/OPERATIONS.md, "Recovery"), pure: `survivors` ranks still
 /// hold the job's state, `free` idle workers could join. The job wants
 /// `want` ranks and accepts down to `min`; after `timeout_ms` of waiting it
 /// shrinks to what is there, or fails below `min`. `valid(n)` says whether

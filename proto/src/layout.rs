@@ -45,7 +45,7 @@ pub const MAX_LIST_PAGE_BYTES: usize = MAX_RESPONSE_BYTES - (1 + 2 + MAX_PAGE_TO
 // Every answer fits a standard client.
 const _: () = assert!(MAX_RESPONSE_BYTES <= STANDARD_CLIENT_LIMIT);
 
-/// The etcd key layout (DESIGN section 7): everything of one cluster lives
+/// The etcd key layout (docs/OPERATIONS.md, "etcd mode"): everything of one cluster lives
 /// under `/accrue/<cluster>/`.
 pub mod etcd {
     /// `/accrue/<cluster>/jobs/`: one key per job, its protobuf encoding.

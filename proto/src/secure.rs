@@ -1,4 +1,4 @@
-//! Secure by default (DESIGN section 11): a binary runs without TLS,
+//! Secure by default (docs/SECURITY.md): a binary runs without TLS,
 //! tokens or TLS to etcd only when `--insecure` says so. The decision is
 //! one pure function of what is missing; each binary says what that is.
 

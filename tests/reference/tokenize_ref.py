@@ -1,4 +1,4 @@
-"""transformers' side of tests/tokenize.rs (`accrue tokenize`).
+"""transformers' side of tests/tokenize/ (`accrue tokenize`).
 
     tokenize_ref.py gpt2-ids GPT2_DIR TEXT_FILE
         GPT2TokenizerFast.from_pretrained(GPT2_DIR) (vocab.json and

@@ -361,7 +361,7 @@ fn daemon(d: DaemonArgs) -> anyhow::Result<()> {
     for w in decide("the worker daemon", &pieces, d.insecure)? {
         tracing::warn!(waived = ?w, "--insecure: {}; give {} to close it", w.risk(), w.flags());
     }
-    let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+    let host = accrue_worker::checkpoint::lock::hostname();
     let cfg = accrue_worker::daemon::DaemonConfig {
         coordinator: d.coordinator,
         worker_id: d

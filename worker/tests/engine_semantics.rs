@@ -1,4 +1,4 @@
-//! Accumulation semantics of the engine (DESIGN section 3), W = 1.
+//! Accumulation semantics of the engine (docs/SEMANTICS.md), W = 1.
 
 mod common;
 

@@ -110,7 +110,7 @@ spec_enum!(
 );
 
 spec_enum!(
-    /// `accumulation.normalize` (DESIGN section 3.2).
+    /// `accumulation.normalize` (docs/SEMANTICS.md, "Normalization").
     #[derive(Default)]
     Normalize, "accumulation.normalize", {
         /// Summed losses, gradients divided by the global sample count.

@@ -1,4 +1,4 @@
-//! The job spec (DESIGN section 12): TOML parsed with `deny_unknown_fields`,
+//! The job spec (docs/OPERATIONS.md, "Job specs"): TOML parsed with `deny_unknown_fields`,
 //! then validated as a whole so that every bad value is reported at once with
 //! its field path, the value and the allowed range.
 
@@ -7,12 +7,14 @@ use serde::{Deserialize, Serialize};
 mod check;
 mod family;
 mod kinds;
+mod load;
 mod memory;
 mod parallel;
 mod paths;
 pub use check::{shown, Checker, MAX_SHOWN_CHARS};
 pub use family::LlamaConfig;
 pub use kinds::*;
+pub use load::LoadError;
 pub use memory::{host_memory_bytes, MemoryEstimate, GIB};
 pub use parallel::{Axis, Coords, ParallelDims};
 pub use paths::{
@@ -513,130 +515,7 @@ impl fmt::Display for FieldError {
 #[error("invalid job spec:\n  {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  "))]
 pub struct SpecErrors(pub Vec<FieldError>);
 
-/// Parse errors that are not about one value (syntax, unknown field, type).
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error("cannot read job spec {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error(
-        "job spec {path} is larger than {MAX_SPEC_BYTES} bytes (64 KiB), the most a spec may be"
-    )]
-    TooLarge { path: PathBuf },
-    #[error("job spec {path} is not valid: {message}")]
-    Parse { path: PathBuf, message: String },
-    #[error("job spec {path}: {source}")]
-    Invalid { path: PathBuf, source: SpecErrors },
-}
-
-/// A TOML error in one line: "line L, column C: what" (toml's own
-/// message spans several lines with the source and a caret).
-fn toml_error_line(e: &toml::de::Error, text: &str) -> String {
-    let what = e.message().split_whitespace().collect::<Vec<_>>().join(" ");
-    match e.span() {
-        Some(span) => {
-            let at = span.start.min(text.len());
-            let before = text.get(..at).unwrap_or(text);
-            let line = before.matches('\n').count() + 1;
-            let start = before.rfind('\n').map_or(0, |i| i + 1);
-            let column = before.len() - start + 1;
-            let source: String = text[start..]
-                .lines()
-                .next()
-                .unwrap_or("")
-                .trim()
-                .chars()
-                .take(80)
-                .collect();
-            format!("line {line}, column {column} (`{source}`): {what}")
-        }
-        None => what,
-    }
-}
-
-/// A spec file's text; at most [`MAX_SPEC_BYTES`] are read (a bigger
-/// file, or an endless one such as a device, is [`LoadError::TooLarge`]).
-fn read_spec(path: &Path) -> Result<String, LoadError> {
-    use std::io::Read;
-    let read = |source| LoadError::Read {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .map_err(read)?
-        .take(MAX_SPEC_BYTES as u64 + 1)
-        .read_to_end(&mut bytes)
-        .map_err(read)?;
-    if bytes.len() > MAX_SPEC_BYTES {
-        return Err(LoadError::TooLarge {
-            path: path.to_path_buf(),
-        });
-    }
-    String::from_utf8(bytes)
-        .map_err(|e| read(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
-}
-
 impl JobSpec {
-    /// Parses a spec: syntax, unknown fields and wrong types are a
-    /// [`LoadError::Parse`]; every refused value (unknown kinds included) is
-    /// reported at once in [`LoadError::Invalid`]. `files`: whether the
-    /// named files and folders must exist.
-    fn parse(text: &str, origin: &Path, files: bool) -> Result<Self, LoadError> {
-        if text.len() > MAX_SPEC_BYTES {
-            return Err(LoadError::TooLarge {
-                path: origin.to_path_buf(),
-            });
-        }
-        let parse_err = |e: toml::de::Error| LoadError::Parse {
-            path: origin.to_path_buf(),
-            message: toml_error_line(&e, text),
-        };
-        let (spec, kind_errors) = match toml::from_str::<JobSpec>(text) {
-            Ok(spec) => (spec, Vec::new()),
-            Err(first) => {
-                // Maybe only kinds are refused: check them all, put valid
-                // placeholders in their place and try again. Anything else
-                // is reported with the original (located) message.
-                let mut doc: toml::Table = toml::from_str(text).map_err(parse_err)?;
-                let errors = check_kinds(&mut doc);
-                if errors.is_empty() {
-                    return Err(parse_err(first));
-                }
-                let spec = toml::Value::Table(doc)
-                    .try_into::<JobSpec>()
-                    .map_err(|_| parse_err(first))?;
-                (spec, errors)
-            }
-        };
-        merge_kind_errors(kind_errors, spec.check(files)).map_err(|source| LoadError::Invalid {
-            path: origin.to_path_buf(),
-            source,
-        })?;
-        Ok(spec)
-    }
-
-    pub fn from_toml_str(text: &str, origin: &Path) -> Result<Self, LoadError> {
-        Self::parse(text, origin, true)
-    }
-
-    /// Parses and checks the fields only (not the file system).
-    pub fn fields_from_toml_str(text: &str, origin: &Path) -> Result<Self, LoadError> {
-        Self::parse(text, origin, false)
-    }
-
-    /// Reads and checks the fields only (not the file system): for clients
-    /// that submit a job whose files live on the workers.
-    pub fn load_fields(path: &Path) -> Result<Self, LoadError> {
-        Self::fields_from_toml_str(&read_spec(path)?, path)
-    }
-
-    pub fn load(path: &Path) -> Result<Self, LoadError> {
-        Self::from_toml_str(&read_spec(path)?, path)
-    }
-
     /// The mesh's degrees for `workers` ranks (errors name `parallel`).
     pub fn parallel_dims(&self) -> Result<ParallelDims, FieldError> {
         self.parallel_dims_for(self.workers)

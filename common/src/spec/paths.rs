@@ -1,4 +1,4 @@
-//! Confined paths (DESIGN section 11): every path field of a spec must lie,
+//! Confined paths (docs/SECURITY.md): every path field of a spec must lie,
 //! after `..` and symlinks, under the root configured for its kind.
 //!
 //! Two parts:

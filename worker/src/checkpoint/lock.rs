@@ -181,7 +181,8 @@ impl FolderLock {
     }
 }
 
-fn hostname() -> String {
+/// This host's name (gethostname(2)); empty when it cannot be read.
+pub fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into buf.
     let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };

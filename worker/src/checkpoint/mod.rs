@@ -523,7 +523,8 @@ pub fn choose(
     }
 }
 
-fn list_skipped(skipped: &[(u64, String)]) -> String {
+/// Skipped steps and why, in one line (`step-N: why; ...`).
+pub fn list_skipped(skipped: &[(u64, String)]) -> String {
     skipped
         .iter()
         .map(|(s, e)| format!("step-{s}: {e}"))

@@ -1,4 +1,4 @@
-//! The worker-to-worker data plane (DESIGN section 8): the TCP ring and its
+//! The worker-to-worker data plane (docs/ARCHITECTURE.md, "The data plane"): the TCP ring and its
 //! wire format. It builds on the pure arithmetic below it ([`crate::chunks`],
 //! [`crate::shard`]) and implements [`crate::collective::Collective`]; its
 //! errors are its own ([`CommError`]), which the worker's `error::Error`

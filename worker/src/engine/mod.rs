@@ -19,6 +19,7 @@ mod graph;
 mod options;
 mod plan;
 mod report;
+mod resume;
 mod setup;
 mod state_sync;
 mod sync_graph;
@@ -388,103 +389,6 @@ impl<C: Collective> Engine<C> {
     /// The collective in use (for replacing it between generations).
     pub fn collective_mut(&mut self) -> &mut C {
         &mut self.collective
-    }
-    /// Rank 0's claim on the checkpoint folder, in this order: the
-    /// folder's owner record must name this job (or be absent), then the
-    /// writer lock (refused naming the holder when another run keeps it),
-    /// then the temporary files of dead writers are swept. A folder
-    /// another job owns is never touched.
-    fn take_folder_lock(&mut self) -> Result<()> {
-        self.check_owner()?;
-        let held = checkpoint::lock::FolderLock::acquire(
-            &self.checkpoint_dir,
-            &self.owner,
-            self.opts.lock_wait,
-        )?;
-        for p in checkpoint::sweep(&held)? {
-            tracing::warn!(path = %p.display(), "removed a temporary checkpoint file of a writer that died");
-        }
-        self.folder_lock = Some(held);
-        Ok(())
-    }
-
-    /// Refuses a checkpoint folder another job owns.
-    fn check_owner(&self) -> Result<()> {
-        let dir = &self.checkpoint_dir;
-        let found = checkpoint::owner::read(dir).map_err(|reason| Error::Checkpoint {
-            path: dir.clone(),
-            reason,
-        })?;
-        match found.and_then(|o| checkpoint::owner::refusal(dir, &o, &self.owner)) {
-            Some(reason) => Err(Error::Checkpoint {
-                path: dir.clone(),
-                reason,
-            }),
-            None => Ok(()),
-        }
-    }
-
-    /// Loads the newest verified checkpoint (LATEST's step, else the
-    /// newest step whose manifest verifies); false when the folder holds
-    /// none. Weights, optimizer state and counters come from one folder.
-    fn resume(&mut self) -> Result<bool> {
-        let Some(found) = checkpoint::load_newest(&self.checkpoint_dir, &self.owner)? else {
-            return Ok(false);
-        };
-        let loaded = found.loaded;
-        self.check_resumable(&loaded)?;
-        if found.fell_back {
-            self.protect_upto = Some(loaded.state.step);
-        }
-        self.resumed_from = Some(format!("checkpoint {}", found.why));
-        self.model.load_named(
-            WeightsFrom::Checkpoint(&loaded.path),
-            checkpoint::to_device(loaded.model, self.device)?,
-        )?;
-        self.load_optimizer_state(loaded.optimizer, loaded.state.optimizer_steps)?;
-        self.last_checkpoint = Some((loaded.state.step, loaded.path.clone()));
-        // The counters come from the folder the weights came from; this
-        // run's identity (job id, spec hash, kinds) is what it writes next.
-        let mut state = loaded.state;
-        if state.spec_hash != self.owner.spec_hash && !state.spec_hash.is_empty() {
-            tracing::info!(was = %state.spec_hash, now = %self.owner.spec_hash, "resuming with a changed spec");
-        }
-        state.job_id = self.owner.job_id.clone();
-        state.spec_hash = self.owner.spec_hash.clone();
-        state.model_kind = self.spec.model.kind.as_str().to_string();
-        state.optimizer_kind = self.spec.optimizer.kind.as_str().to_string();
-        self.state = state;
-        self.holds_committed = true;
-        tracing::info!(step = self.state.step, path = %loaded.path.display(), why = %found.why, "resumed");
-        Ok(true)
-    }
-
-    /// A checkpoint of another model or optimizer kind is refused naming
-    /// the field (shapes and names: [`Model::load_named`] names them).
-    fn check_resumable(&self, loaded: &checkpoint::Loaded) -> Result<()> {
-        let ours = [
-            (
-                "model.kind",
-                self.spec.model.kind.as_str(),
-                &loaded.state.model_kind,
-            ),
-            (
-                "optimizer.kind",
-                self.spec.optimizer.kind.as_str(),
-                &loaded.state.optimizer_kind,
-            ),
-        ];
-        for (field, now, then) in ours {
-            if !then.is_empty() && then != now {
-                return Err(Error::Checkpoint {
-                    path: loaded.path.clone(),
-                    reason: format!(
-                        "was written with {field} = \"{then}\", the spec says \"{now}\": a resume keeps the {field} (its state would not carry over)"
-                    ),
-                });
-            }
-        }
-        Ok(())
     }
     pub fn parameters(&self) -> &[(String, Tensor)] {
         &self.model.params

@@ -134,7 +134,7 @@ connect_timeout_s = 30
 ///
 /// Tolerance: 1e-5 relative per tensor and per norm (f32; the engine sums
 /// per micro-batch, then over ranks, and applies 1/count and the clip
-/// coefficient as one factor, so only rounding differs: DESIGN 3.6's bound).
+/// coefficient as one factor, so only rounding differs: the f32 bound of docs/SEMANTICS.md).
 #[test]
 fn clipping_equals_pytorch() {
     let dir = TempDir::new().unwrap();

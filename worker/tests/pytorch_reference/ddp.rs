@@ -11,7 +11,7 @@ use super::*;
 /// per epoch). Parameters are compared tensor by tensor, and every step's
 /// grad norm with clip_grad_norm_'s.
 ///
-/// Tolerance: 1e-5 relative (DESIGN 3.6). Both sides sum the same 32
+/// Tolerance: 1e-5 relative (docs/SEMANTICS.md's f32 bound). Both sides sum the same 32
 /// per-sample gradients per step in f32, in different orders (backward per
 /// micro-batch, then ring vs gloo all-reduce), so only rounding differs.
 #[test]
