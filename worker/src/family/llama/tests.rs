@@ -32,11 +32,22 @@ fn run(c: &LlamaConfig, fused: bool, bf16: bool) -> (Tensor, Vec<Tensor>) {
 /// [`run`], with the fused operations (their reference implementation:
 /// no CUDA here) when `ops`.
 fn run_with(c: &LlamaConfig, fused: bool, ops: bool, bf16: bool) -> (Tensor, Vec<Tensor>) {
-    // libtorch's generator is global: one run at a time, or tests on
-    // other threads draw from it in between.
-    static DRAWS: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _draws = DRAWS.lock().unwrap_or_else(|p| p.into_inner());
-    tch::manual_seed(3);
+    // Every value from a generator of its own: libtorch's is global, and
+    // tests on other threads draw from it at any time.
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let mut values = |shape: &[i64], draw: &mut dyn FnMut(&mut rand::rngs::StdRng) -> f32| {
+        let n: i64 = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| draw(&mut rng)).collect();
+        Tensor::from_slice(&v).view(shape)
+    };
+    // Box-Muller: normal(0, std).
+    let normal = |std: f64| {
+        move |r: &mut rand::rngs::StdRng| {
+            let (u, v): (f64, f64) = (r.gen_range(f64::EPSILON..1.0), r.gen());
+            (std * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        }
+    };
     let vs = nn::VarStore::new(Device::Cpu);
     let mut net = Net::new(&vs.root(), c).unwrap();
     tch::no_grad(|| {
@@ -44,21 +55,27 @@ fn run_with(c: &LlamaConfig, fused: bool, ops: bool, bf16: bool) -> (Tensor, Vec
         let mut vars: Vec<_> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, mut t) in vars {
-            if name.ends_with(".bias") {
-                let _ = t.uniform_(-0.1, 0.1);
-            }
+            let shape = t.size();
+            let fresh = if name.ends_with(".bias") {
+                values(&shape, &mut |r| r.gen_range(-0.1f32..0.1))
+            } else if name.ends_with("norm.weight") {
+                continue;
+            } else {
+                values(&shape, &mut normal(c.initializer_range))
+            };
+            t.copy_(&fresh);
         }
     });
     net.set_fused_projections(fused);
     if ops {
         net.set_fused_ops(true, false);
     }
-    let ids = Tensor::randint(c.vocab_size, [3, 9], (Kind::Int64, Device::Cpu));
+    let ids = values(&[3, 9], &mut |r| r.gen_range(0..c.vocab_size) as f32).to_kind(Kind::Int64);
     let logits = {
         let _amp = bf16.then(|| Autocast::enter(Device::Cpu, Precision::Bf16).unwrap());
         net.forward(&ids).unwrap()
     };
-    let weights = Tensor::randn(logits.size(), (Kind::Float, Device::Cpu));
+    let weights = values(&logits.size(), &mut normal(1.0));
     (&logits * &weights).sum(Kind::Float).backward();
     let mut vars: Vec<_> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
