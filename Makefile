@@ -46,12 +46,12 @@ $(BROWSER_STAMP): tests/browser/package.json tests/browser/package-lock.json
 	touch $@
 
 system-packages:
-	@if ! command -v etcd >/dev/null || ! command -v protoc >/dev/null || ! command -v patchelf >/dev/null; then \
-	  echo "installing etcd-server, protobuf-compiler and patchelf (Debian packages)"; \
+	@if ! command -v etcd >/dev/null || ! command -v protoc >/dev/null || ! command -v patchelf >/dev/null || [ ! -f /usr/include/gloo/context.h ]; then \
+	  echo "installing etcd-server, protobuf-compiler, patchelf and libgloo-dev (Debian packages)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get install -y etcd-server protobuf-compiler patchelf >/dev/null || \
-	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y etcd-server protobuf-compiler patchelf >/dev/null; } || \
-	  { echo "cannot install etcd-server, protobuf-compiler and patchelf; install them and retry"; exit 1; }; \
+	  $$SUDO apt-get install -y etcd-server protobuf-compiler patchelf libgloo-dev >/dev/null || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y etcd-server protobuf-compiler patchelf libgloo-dev >/dev/null; } || \
+	  { echo "cannot install etcd-server, protobuf-compiler, patchelf and libgloo-dev; install them and retry"; exit 1; }; \
 	fi
 
 $(STAMP):

@@ -36,6 +36,34 @@ fn main() {
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
         .warnings(false)
         .compile("accrue_amp");
+    // libtorch's c10d process groups (csrc/c10d.cpp, issue 38): gloo's
+    // ProcessGroupGloo from libtorch_cpu. Its header includes gloo's own
+    // headers, which the wheel does not ship: Debian's libgloo-dev (`make
+    // setup` installs it; GLOO_INCLUDE overrides the folder). Only the
+    // declarations are used: the gloo code that runs is libtorch's.
+    println!("cargo:rerun-if-changed=csrc/c10d.cpp");
+    println!("cargo:rerun-if-env-changed=GLOO_INCLUDE");
+    let gloo = std::env::var_os("GLOO_INCLUDE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/include"));
+    if !gloo.join("gloo/context.h").is_file() {
+        panic!(
+            "gloo's headers are missing ({} has no gloo/context.h): run `make setup` \
+             (it installs Debian's libgloo-dev) or set GLOO_INCLUDE",
+            gloo.display()
+        );
+    }
+    cc::Build::new()
+        .cpp(true)
+        .file("csrc/c10d.cpp")
+        .include(libtorch.join("include"))
+        .include(libtorch.join("include/torch/csrc/api/include"))
+        .include(&gloo)
+        .define("USE_C10D_GLOO", None)
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .warnings(false)
+        .compile("accrue_c10d");
     // The Llama family's fused operations as autograd functions and the
     // fused optimizer (csrc/fused_ops.cpp): ATen everywhere, and with ACCRUE_CUDA=1
     // accrue's CUDA kernels (csrc/kernels.cu, compiled by nvcc from the

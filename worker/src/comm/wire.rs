@@ -402,6 +402,33 @@ pub fn handshake_accept(
     generation: u64,
     expected_rank: u32,
 ) -> Result<Hello, HandshakeError> {
+    accept(s, key, job, generation, |r| {
+        (r != expected_rank).then(|| expected_rank.to_string())
+    })
+}
+
+/// [`handshake_accept`] for a server any rank below `world` may reach (the
+/// c10d store): the same proofs, any rank of the generation.
+pub fn handshake_accept_any(
+    s: &mut (impl Read + Write),
+    key: &[u8],
+    job: &str,
+    generation: u64,
+    world: u32,
+) -> Result<Hello, HandshakeError> {
+    accept(s, key, job, generation, |r| {
+        (r >= world).then(|| format!("a rank below {world}"))
+    })
+}
+
+/// `bad_rank` says what was expected when the hello's rank is not.
+fn accept(
+    s: &mut (impl Read + Write),
+    key: &[u8],
+    job: &str,
+    generation: u64,
+    bad_rank: impl Fn(u32) -> Option<String>,
+) -> Result<Hello, HandshakeError> {
     let (hello, nonce_c) = Hello::read(s)?;
     let nonce_a = nonce();
     s.write_all(&nonce_a).map_err(io_err("sending challenge"))?;
@@ -417,8 +444,8 @@ pub fn handshake_accept(
             hello.generation.to_string(),
             generation.to_string(),
         )
-    } else if hello.rank != expected_rank {
-        unexpected("rank", hello.rank.to_string(), expected_rank.to_string())
+    } else if let Some(want) = bad_rank(hello.rank) {
+        unexpected("rank", hello.rank.to_string(), want)
     } else if !verify(key, Role::Connector, &nonce_a, &nonce_c, &hello, &got) {
         Some(HandshakeError::BadProof)
     } else {

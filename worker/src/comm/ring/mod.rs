@@ -467,6 +467,20 @@ impl TcpRing {
     }
 }
 
+impl TcpRing {
+    /// Cuts both links without a goodbye: the operation in flight (here
+    /// and at the neighbours) fails as for a lost peer, and so does every
+    /// later one.
+    pub fn abort(&mut self) {
+        for s in [self.prev_stream.as_ref(), self.next_stream.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
 impl Drop for TcpRing {
     fn drop(&mut self) {
         self.closing.store(true, Ordering::SeqCst);

@@ -1,0 +1,274 @@
+// libtorch's c10d process groups for accrue (worker/src/comm/c10d): gloo on
+// the CPU (ProcessGroupGloo, the engine torch.distributed runs on), through a
+// plain C interface. The rendezvous store is accrue's own: a c10d::Store
+// whose every call goes to Rust callbacks (an authenticated key-value server
+// hosted by world rank 0, worker/src/comm/c10d/store.rs), so no process
+// without the generation's key can add itself to a group.
+//
+// Tensor handles are tch's (`at::Tensor*`); groups, works and stores are
+// opaque pointers the Rust side owns and frees. Every function returns 0, or
+// -1 with the exception's message (without its backtrace) in err.
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+void write_error(const char* what, char* err, size_t len) {
+  if (err == nullptr || len == 0) {
+    return;
+  }
+  const size_t n = std::min(std::strlen(what), len - 1);
+  std::memcpy(err, what, n);
+  err[n] = '\0';
+}
+
+template <typename F>
+int guarded(F f, char* err, size_t len) {
+  try {
+    f();
+    return 0;
+  } catch (const c10::Error& e) {
+    write_error(e.what_without_backtrace(), err, len);
+  } catch (const std::exception& e) {
+    write_error(e.what(), err, len);
+  }
+  return -1;
+}
+
+at::Tensor& tensor(void* p) { return *static_cast<at::Tensor*>(p); }
+
+// The Rust side of a store. Each callback returns 0 or -1 with a message in
+// err; `get` and `add` answer through `out` (bytes) or `value`.
+struct StoreCallbacks {
+  void* ctx;
+  // kind 0 set, 1 get (blocks until the key exists or the timeout),
+  // 2 add, 3 check, 4 delete, 5 count. out/out_len: a buffer the Rust side
+  // allocated with malloc (get), which this side frees.
+  int (*call)(void* ctx, int kind, const char* key, size_t key_len, const uint8_t* value,
+              size_t value_len, int64_t arg, int64_t timeout_ms, uint8_t** out, size_t* out_len,
+              int64_t* number, char* err, size_t len);
+};
+
+class RustStore : public c10d::Store {
+ public:
+  explicit RustStore(StoreCallbacks cb) : cb_(cb) {}
+
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    return c10::intrusive_ptr<c10d::Store>::reclaim_copy(this);
+  }
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    call(0, key, value.data(), value.size(), 0);
+  }
+
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>&,
+                                  const std::vector<uint8_t>&) override {
+    TORCH_CHECK(false, "accrue's store does not offer compareSet (key ", key, ")");
+  }
+
+  std::vector<uint8_t> get(const std::string& key) override {
+    return call(1, key, nullptr, 0, 0).first;
+  }
+
+  int64_t add(const std::string& key, int64_t value) override {
+    return call(2, key, nullptr, 0, value).second;
+  }
+
+  bool deleteKey(const std::string& key) override { return call(4, key, nullptr, 0, 0).second != 0; }
+
+  bool check(const std::vector<std::string>& keys) override {
+    for (const auto& k : keys) {
+      if (call(3, k, nullptr, 0, 0).second == 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  int64_t getNumKeys() override { return call(5, "", nullptr, 0, 0).second; }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    for (const auto& k : keys) {
+      callWithTimeout(1, k, nullptr, 0, 0, timeout.count());
+    }
+  }
+
+ private:
+  std::pair<std::vector<uint8_t>, int64_t> call(int kind, const std::string& key, const uint8_t* value,
+                                                size_t value_len, int64_t arg) {
+    return callWithTimeout(kind, key, value, value_len, arg, timeout_.count());
+  }
+
+  std::pair<std::vector<uint8_t>, int64_t> callWithTimeout(int kind, const std::string& key,
+                                                           const uint8_t* value, size_t value_len,
+                                                           int64_t arg, int64_t timeout_ms) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint8_t* out = nullptr;
+    size_t out_len = 0;
+    int64_t number = 0;
+    char err[512] = {0};
+    int rc = cb_.call(cb_.ctx, kind, key.data(), key.size(), value, value_len, arg, timeout_ms, &out,
+                      &out_len, &number, err, sizeof(err));
+    std::vector<uint8_t> bytes;
+    if (out != nullptr) {
+      bytes.assign(out, out + out_len);
+      std::free(out);
+    }
+    if (rc != 0) {
+      throw std::runtime_error(std::string("accrue c10d store: ") + err);
+    }
+    return {std::move(bytes), number};
+  }
+
+  StoreCallbacks cb_;
+  std::mutex mu_;
+};
+
+struct Group {
+  c10::intrusive_ptr<c10d::Backend> backend;
+};
+
+struct Work {
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+c10d::ReduceOp reduce_op(int op) {
+  switch (op) {
+    case 0:
+      return c10d::ReduceOp::SUM;
+    case 1:
+      return c10d::ReduceOp::MAX;
+    default:
+      TORCH_CHECK(false, "unknown reduce op ", op, " (0 sum, 1 max)");
+  }
+}
+
+int start(void* g, void** work, char* err, size_t len,
+          const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& f) {
+  return guarded(
+      [&] {
+        auto* group = static_cast<Group*>(g);
+        *work = new Work{f(*group->backend)};
+      },
+      err, len);
+}
+
+}  // namespace
+
+extern "C" {
+
+// A store whose calls go to `call` with `ctx`; freed with accrue_c10d_store_free.
+void* accrue_c10d_store_new(void* ctx, void* call) {
+  StoreCallbacks cb{ctx, reinterpret_cast<decltype(StoreCallbacks::call)>(call)};
+  auto store = c10::make_intrusive<RustStore>(cb);
+  return store.release();
+}
+
+void accrue_c10d_store_free(void* store) {
+  if (store != nullptr) {
+    c10::intrusive_ptr<RustStore>::reclaim(static_cast<RustStore*>(store));
+  }
+}
+
+// A gloo group of `size` ranks over `store` (keys are the caller's to scope),
+// its pairs on the interface of `hostname`. Returns once every rank joined,
+// or fails after `timeout_ms`, the timeout of every operation too.
+int accrue_c10d_gloo_new(void* store, const char* hostname, int rank, int size, int64_t timeout_ms,
+                         void** group, char* err, size_t len) {
+  return guarded(
+      [&] {
+        auto s = c10::intrusive_ptr<c10d::Store>::reclaim_copy(static_cast<RustStore*>(store));
+        auto opts = c10d::ProcessGroupGloo::Options::create_default(std::chrono::milliseconds(timeout_ms));
+        opts->devices.clear();
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+        opts->threads = 2;
+        auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, opts);
+        *group = new Group{pg};
+      },
+      err, len);
+}
+
+void accrue_c10d_group_free(void* g) { delete static_cast<Group*>(g); }
+
+// Aborts the group's communicator: pending and later operations fail.
+int accrue_c10d_group_abort(void* g, char* err, size_t len) {
+  return guarded([&] { static_cast<Group*>(g)->backend->abort(); }, err, len);
+}
+
+int accrue_c10d_all_reduce(void* g, void* t, int op, void** work, char* err, size_t len) {
+  return start(g, work, err, len, [&](c10d::Backend& b) {
+    std::vector<at::Tensor> ts{tensor(t)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = reduce_op(op);
+    return b.allreduce(ts, o);
+  });
+}
+
+// `out` (this rank's 1/size of `in`) receives the reduction of every rank's
+// matching slice of `in`.
+int accrue_c10d_reduce_scatter(void* g, void* out, void* in, int op, void** work, char* err,
+                               size_t len) {
+  return start(g, work, err, len, [&](c10d::Backend& b) {
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = reduce_op(op);
+    return b._reduce_scatter_base(tensor(out), tensor(in), o);
+  });
+}
+
+// `out` (size times `in`) receives every rank's `in`, in rank order.
+int accrue_c10d_all_gather(void* g, void* out, void* in, void** work, char* err, size_t len) {
+  return start(g, work, err, len, [&](c10d::Backend& b) {
+    return b._allgather_base(tensor(out), tensor(in), c10d::AllgatherOptions());
+  });
+}
+
+int accrue_c10d_broadcast(void* g, void* t, int root, void** work, char* err, size_t len) {
+  return start(g, work, err, len, [&](c10d::Backend& b) {
+    std::vector<at::Tensor> ts{tensor(t)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    return b.broadcast(ts, o);
+  });
+}
+
+int accrue_c10d_send(void* g, void* t, int dst, int tag, void** work, char* err, size_t len) {
+  return start(g, work, err, len, [&](c10d::Backend& b) {
+    std::vector<at::Tensor> ts{tensor(t)};
+    return b.send(ts, dst, tag);
+  });
+}
+
+int accrue_c10d_recv(void* g, void* t, int src, int tag, void** work, char* err, size_t len) {
+  return start(g, work, err, len, [&](c10d::Backend& b) {
+    std::vector<at::Tensor> ts{tensor(t)};
+    return b.recv(ts, src, tag);
+  });
+}
+
+// Waits for the operation, at most timeout_ms; a failed or timed-out
+// operation is -1 with its message.
+int accrue_c10d_work_wait(void* w, int64_t timeout_ms, char* err, size_t len) {
+  return guarded(
+      [&] {
+        auto* work = static_cast<Work*>(w);
+        bool done = work->work->wait(std::chrono::milliseconds(timeout_ms));
+        TORCH_CHECK(done, "the operation did not complete within ", timeout_ms, " ms");
+      },
+      err, len);
+}
+
+// 1 when the operation has finished (successfully or not), 0 otherwise.
+int accrue_c10d_work_done(void* w) { return static_cast<Work*>(w)->work->isCompleted() ? 1 : 0; }
+
+void accrue_c10d_work_free(void* w) { delete static_cast<Work*>(w); }
+
+}  // extern "C"

@@ -1,0 +1,345 @@
+//! Forms a generation's process groups, one per mesh axis and one for the
+//! world, on the transport `[comm] backend` picks for each
+//! ([`Transport::for_axis`]). The world ring (authenticated, formed first)
+//! is the bootstrap: it carries the c10d store's address and each ring
+//! group's listening address, so nothing unauthenticated decides who joins.
+
+use crate::collective::Collective;
+use crate::comm::c10d::store::{StoreClient, StoreServer};
+use crate::comm::c10d::C10dGroup;
+use crate::comm::group::{Group, GroupError, RingGroup};
+use crate::comm::{RingConfig, TcpRing};
+use crate::spec::{Axis, ParallelDims};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+
+/// `[comm] backend` as resolved for one axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Ring,
+    C10d,
+}
+
+/// What `[comm] backend` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The ring for the data axis on the CPU, c10d for every other axis
+    /// and for everything on CUDA.
+    Auto,
+    Ring,
+    C10d,
+}
+
+impl Backend {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "auto" => Backend::Auto,
+            "ring" => Backend::Ring,
+            "c10d" => Backend::C10d,
+            _ => return None,
+        })
+    }
+}
+
+impl Transport {
+    /// The transport of `axis` (None: the world group) under `backend`.
+    /// The ring has no point-to-point, so pipeline and tensor groups are
+    /// c10d whatever the backend says.
+    pub fn for_axis(backend: Backend, axis: Option<Axis>, cuda: bool) -> Self {
+        match (backend, axis) {
+            (_, Some(Axis::Pipeline | Axis::Tensor)) => Transport::C10d,
+            (Backend::Ring, _) => Transport::Ring,
+            (Backend::C10d, _) => Transport::C10d,
+            (Backend::Auto, _) if cuda => Transport::C10d,
+            (Backend::Auto, _) => Transport::Ring,
+        }
+    }
+}
+
+/// What forming a mesh needs beyond the world ring.
+#[derive(Clone, Debug)]
+pub struct MeshConfig {
+    pub dims: ParallelDims,
+    pub backend: Backend,
+    /// Whether the model lives on CUDA (auto picks c10d then).
+    pub cuda: bool,
+    /// This rank's interface: ring groups listen and gloo binds here.
+    pub host: String,
+}
+
+impl MeshConfig {
+    /// The transport of `axis`'s groups (None: the world's). A group of one
+    /// rank is a ring of one, which needs no sockets and no store.
+    pub fn transport(&self, axis: Option<Axis>) -> Transport {
+        let size = match axis {
+            Some(a) => self.dims.degree(a),
+            None => self.dims.world(),
+        };
+        if size == 1 {
+            Transport::Ring
+        } else {
+            Transport::for_axis(self.backend, axis, self.cuda)
+        }
+    }
+}
+
+/// One generation's groups.
+pub struct Mesh {
+    dims: ParallelDims,
+    rank: u32,
+    world: Box<dyn Group>,
+    axes: Vec<(Axis, Box<dyn Group>)>,
+    // Kept for the groups' lifetime: world rank 0 serves the store.
+    _store: Option<StoreServer>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh")
+            .field("dims", &self.dims)
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+/// The name of `rank`'s group on `axis`: the axis and its first member
+/// (unique in the generation).
+pub fn group_name(dims: &ParallelDims, rank: u32, axis: Option<Axis>) -> String {
+    match axis {
+        None => "world".into(),
+        Some(a) => format!("{}@{}", a.name(), dims.group(rank, a)[0]),
+    }
+}
+
+fn setup(m: impl Into<String>) -> GroupError {
+    GroupError::Setup(m.into())
+}
+
+impl Mesh {
+    /// Forms every group of `ring`'s generation: `ring` is the formed world
+    /// ring (its config names the job, generation, key and timeouts).
+    pub fn form(ring: TcpRing, cfg: &MeshConfig) -> Result<Self, GroupError> {
+        let world_cfg = ring.config().clone();
+        let (rank, world) = (world_cfg.rank as u32, world_cfg.world as u32);
+        if cfg.dims.world() != world {
+            return Err(setup(format!(
+                "the mesh {:?} has {} ranks but the ring has {world}",
+                cfg.dims,
+                cfg.dims.world()
+            )));
+        }
+        let mut world_ring = RingGroup::new(ring);
+        let wants_c10d = std::iter::once(None)
+            .chain(Axis::ALL.map(Some))
+            .any(|a| cfg.transport(a) == Transport::C10d);
+        // The c10d store: rank 0 serves, its address goes over the ring.
+        let (store, client) = if wants_c10d {
+            let server = if rank == 0 {
+                Some(
+                    StoreServer::start(
+                        &cfg.host,
+                        world_cfg.secret.clone(),
+                        &world_cfg.job,
+                        world_cfg.generation,
+                        world,
+                    )
+                    .map_err(|e| setup(e.to_string()))?,
+                )
+            } else {
+                None
+            };
+            let mut addr = server
+                .as_ref()
+                .map(|s| s.addr().to_string().into_bytes())
+                .unwrap_or_default();
+            world_ring.ring().broadcast_bytes(&mut addr, 0)?;
+            let addr = String::from_utf8_lossy(&addr)
+                .parse()
+                .map_err(|e| setup(format!("the c10d store's address: {e}")))?;
+            let client = StoreClient::connect(
+                addr,
+                &world_cfg.secret,
+                &world_cfg.job,
+                world_cfg.generation,
+                rank,
+                world_cfg.connect_timeout,
+            )
+            .map_err(|e| setup(e.to_string()))?;
+            (server, Some(Arc::new(Mutex::new(client))))
+        } else {
+            (None, None)
+        };
+        let mut axes = Vec::new();
+        for axis in Axis::ALL {
+            let t = cfg.transport(Some(axis));
+            let g = Self::group(
+                &mut world_ring,
+                client.as_ref(),
+                cfg,
+                &world_cfg,
+                Some(axis),
+                t,
+            )?;
+            axes.push((axis, g));
+        }
+        let world_group: Box<dyn Group> = match cfg.transport(None) {
+            Transport::Ring => Box::new(world_ring),
+            Transport::C10d => {
+                let g = Self::group(
+                    &mut world_ring,
+                    client.as_ref(),
+                    cfg,
+                    &world_cfg,
+                    None,
+                    Transport::C10d,
+                )?;
+                drop(world_ring);
+                g
+            }
+        };
+        Ok(Self {
+            dims: cfg.dims,
+            rank,
+            world: world_group,
+            axes,
+            _store: store,
+        })
+    }
+
+    /// Forms this rank's group on `axis` (None: the world) over `t`.
+    fn group(
+        world_ring: &mut RingGroup,
+        client: Option<&Arc<Mutex<StoreClient>>>,
+        cfg: &MeshConfig,
+        world_cfg: &RingConfig,
+        axis: Option<Axis>,
+        t: Transport,
+    ) -> Result<Box<dyn Group>, GroupError> {
+        let rank = world_cfg.rank as u32;
+        let members: Vec<u32> = match axis {
+            Some(a) => cfg.dims.group(rank, a),
+            None => (0..cfg.dims.world()).collect(),
+        };
+        let me = members.iter().position(|&r| r == rank).unwrap_or(0);
+        let name = group_name(&cfg.dims, rank, axis);
+        match t {
+            Transport::C10d => {
+                let client = client.ok_or_else(|| setup("no c10d store in this generation"))?;
+                let g = C10dGroup::gloo(
+                    client.clone(),
+                    &name,
+                    &cfg.host,
+                    me,
+                    members.len(),
+                    world_cfg.timeout,
+                )?;
+                Ok(Box::new(g))
+            }
+            Transport::Ring if members.len() == 1 => {
+                let mut rc = world_cfg.clone();
+                rc.job = format!("{}#{name}", world_cfg.job);
+                (rc.rank, rc.world, rc.peers) = (0, 1, Vec::new());
+                Ok(Box::new(RingGroup::new(TcpRing::start(None, rc)?)))
+            }
+            Transport::Ring => {
+                // Every rank binds a listener and learns every other's
+                // address over the world ring (the groups' members among them).
+                let listener = TcpListener::bind((cfg.host.as_str(), 0))
+                    .map_err(|e| setup(format!("ring group {name} cannot listen: {e}")))?;
+                let mine = listener
+                    .local_addr()
+                    .map_err(|e| setup(e.to_string()))?
+                    .to_string();
+                let all = all_gather_strings(world_ring.ring(), &mine)?;
+                let peers = members
+                    .iter()
+                    .map(|&r| all[r as usize].clone())
+                    .collect::<Vec<_>>();
+                let mut rc = world_cfg.clone();
+                rc.job = format!("{}#{name}", world_cfg.job);
+                rc.rank = me;
+                rc.world = members.len();
+                rc.peers = peers;
+                let ring = TcpRing::start(Some(listener), rc)?;
+                Ok(Box::new(RingGroup::new(ring)))
+            }
+        }
+    }
+
+    pub fn dims(&self) -> &ParallelDims {
+        &self.dims
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The whole world (agreement: votes, the loss tally's owner group).
+    pub fn world(&mut self) -> &mut dyn Group {
+        self.world.as_mut()
+    }
+
+    /// This rank's group along `axis`.
+    pub fn axis(&mut self, axis: Axis) -> &mut dyn Group {
+        // Mesh::form made one group per axis, in Axis::ALL order.
+        let i = Axis::ALL.iter().position(|a| *a == axis).unwrap_or(0);
+        self.axes[i].1.as_mut()
+    }
+
+    /// Takes this rank's group along `axis` out of the mesh.
+    pub fn take_axis(self, axis: Axis) -> Box<dyn Group> {
+        let i = Axis::ALL.iter().position(|a| *a == axis).unwrap_or(0);
+        let mut axes = self.axes;
+        axes.swap_remove(i).1
+    }
+}
+
+/// Every rank's string over the ring, in rank order (one byte broadcast
+/// per rank).
+fn all_gather_strings(ring: &mut TcpRing, mine: &str) -> Result<Vec<String>, GroupError> {
+    let world = ring.world_size();
+    let me = ring.rank();
+    let mut out = Vec::with_capacity(world);
+    for root in 0..world {
+        let mut b = if root == me {
+            mine.as_bytes().to_vec()
+        } else {
+            Vec::new()
+        };
+        ring.broadcast_bytes(&mut b, root)?;
+        out.push(String::from_utf8_lossy(&b).into_owned());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_keeps_the_ring_for_the_cpu_data_axis_only() {
+        use Transport::*;
+        let t = |b, a, cuda| Transport::for_axis(b, a, cuda);
+        assert_eq!(t(Backend::Auto, Some(Axis::Data), false), Ring);
+        assert_eq!(t(Backend::Auto, None, false), Ring);
+        assert_eq!(t(Backend::Auto, Some(Axis::Data), true), C10d);
+        assert_eq!(t(Backend::Auto, Some(Axis::Tensor), false), C10d);
+        assert_eq!(t(Backend::Ring, Some(Axis::Pipeline), false), C10d);
+        assert_eq!(t(Backend::Ring, Some(Axis::Data), true), Ring);
+        assert_eq!(t(Backend::C10d, Some(Axis::Data), false), C10d);
+        assert_eq!(Backend::parse("nccl"), None);
+    }
+
+    #[test]
+    fn group_names_are_unique_per_group() {
+        let d = ParallelDims {
+            data: 2,
+            pipeline: 2,
+            tensor: 1,
+        };
+        assert_eq!(group_name(&d, 3, Some(Axis::Data)), "data@1");
+        assert_eq!(group_name(&d, 1, Some(Axis::Data)), "data@1");
+        assert_eq!(group_name(&d, 3, Some(Axis::Pipeline)), "pipeline@2");
+        assert_eq!(group_name(&d, 0, None), "world");
+    }
+}
