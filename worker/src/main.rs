@@ -1,5 +1,7 @@
 //! accrue-worker: `train JOB.toml` runs one rank of a job: alone (W = 1), or
 //! with static rendezvous (`--rank R --world-size W --peers ...`).
+use accrue_worker::comm::mesh::{Mesh, MeshConfig};
+use accrue_worker::comm::mesh_collective::MeshCollective;
 use accrue_worker::comm::{RingConfig, TcpRing};
 use accrue_worker::engine::{Event, RunOptions, Summary};
 use accrue_worker::{Collective, Engine, JobSpec, SingleRank};
@@ -316,7 +318,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         cfg.timeout = Duration::from_secs_f64(spec.comm.timeout_s);
         cfg.connect_timeout = Duration::from_secs_f64(spec.comm.connect_timeout_s);
         let ring = TcpRing::start(None, cfg).context("cannot join the ring")?;
-        train(spec, ring, opts, args.json, lm)?
+        let mesh_cfg = MeshConfig::for_job(&spec, args.world_size as u32, &args.peers, args.rank)
+            .map_err(anyhow::Error::msg)?;
+        let mesh = Mesh::form(ring, &mesh_cfg).context("cannot form the process groups")?;
+        train(spec, MeshCollective::new(mesh), opts, args.json, lm)?
     };
     if !args.json {
         let s = &summary.state;

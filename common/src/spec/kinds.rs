@@ -161,6 +161,19 @@ spec_enum!(
 );
 
 spec_enum!(
+    /// `comm.backend` (issue 38): which transport carries the groups. auto:
+    /// the TCP ring for the data axis on the CPU, libtorch's c10d (gloo on
+    /// the CPU) for every other axis and for everything on CUDA.
+    #[derive(Default)]
+    CommBackend, "comm.backend", {
+        #[default]
+        Auto = "auto",
+        Ring = "ring",
+        C10d = "c10d",
+    }
+);
+
+spec_enum!(
     /// `optimizer.kind`.
     OptimizerKind, "optimizer.kind", {
         Sgd = "sgd",
@@ -205,7 +218,7 @@ fn kind_field<E: SpecEnum>(section: &'static str, key: &'static str, placeholder
     }
 }
 
-fn kind_fields() -> [KindField; 9] {
+fn kind_fields() -> [KindField; 10] {
     [
         // Placeholders with the fewest requirements of their own (synthetic
         // data names no files); what still depends on a refused kind is
@@ -220,6 +233,7 @@ fn kind_fields() -> [KindField; 9] {
         kind_field("schedule", "kind", ScheduleKind::Constant),
         // A top-level key: section "" is the document itself.
         kind_field("", "precision", Precision::Fp32),
+        kind_field("comm", "backend", CommBackend::Auto),
     ]
 }
 

@@ -180,6 +180,10 @@ pub struct CommSpec {
     /// before shrinking to `min_workers` (or failing below it), seconds.
     #[serde(default = "thirty")]
     pub rendezvous_timeout_s: f64,
+    /// Which transport carries the process groups (docs/ARCHITECTURE.md,
+    /// "The device mesh").
+    #[serde(default)]
+    pub backend: CommBackend,
 }
 
 impl Default for CommSpec {
@@ -189,6 +193,7 @@ impl Default for CommSpec {
             connect_timeout_s: sixty(),
             bucket_cap_mb: bucket_cap(),
             rendezvous_timeout_s: thirty(),
+            backend: CommBackend::Auto,
         }
     }
 }

@@ -81,6 +81,11 @@ kind_map!(Precision, Precision, {
     Bf16 <=> Bf16,
     Fp16 <=> Fp16,
 });
+kind_map!(CommBackend, CommBackend, {
+    Auto <=> Auto,
+    Ring <=> Ring,
+    C10d <=> C10d,
+});
 kind_map!(OptimizerKind, OptimizerKind, {
     Sgd <=> Sgd,
     Adam <=> Adam,
@@ -229,6 +234,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             connect_timeout_s: Some(s.comm.connect_timeout_s),
             bucket_cap_mb: Some(s.comm.bucket_cap_mb),
             rendezvous_timeout_s: Some(s.comm.rendezvous_timeout_s),
+            backend: s.comm.backend.to_proto().into(),
         }),
         sharding: Some(v1::ShardingSpec {
             stage: s.sharding.stage,
@@ -325,6 +331,12 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         sched.kind,
         Unspecified::Default(ScheduleKind::default()),
         ScheduleKind::default(),
+        e,
+    );
+    let comm_backend = from_proto(
+        p.comm.as_ref().map_or(0, |c| c.backend),
+        Unspecified::Default(CommBackend::default()),
+        CommBackend::default(),
         e,
     );
     let precision = from_proto(
@@ -460,6 +472,7 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
                 rendezvous_timeout_s: c
                     .rendezvous_timeout_s
                     .unwrap_or(comm_default.rendezvous_timeout_s),
+                backend: comm_backend,
             },
             None => comm_default,
         },

@@ -149,6 +149,10 @@ impl RingGroup {
         &mut self.ring
     }
 
+    pub fn ring_ref(&self) -> &TcpRing {
+        &self.ring
+    }
+
     fn host_f32(t: &Tensor) -> Result<Vec<f32>, GroupError> {
         let flat = t.f_to_kind(Kind::Float)?.f_flatten(0, -1)?;
         Ok(Vec::<f32>::try_from(&flat)?)

@@ -9,7 +9,7 @@ use crate::comm::c10d::store::{StoreClient, StoreServer};
 use crate::comm::c10d::C10dGroup;
 use crate::comm::group::{Group, GroupError, RingGroup};
 use crate::comm::{RingConfig, TcpRing};
-use crate::spec::{Axis, ParallelDims};
+use crate::spec::{Axis, CommBackend, ParallelDims};
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 
@@ -68,6 +68,35 @@ pub struct MeshConfig {
 }
 
 impl MeshConfig {
+    /// The mesh of a job of `world` ranks: the spec's degrees, its
+    /// backend, and this rank's interface (the host of its ring address,
+    /// `peers[rank]`).
+    pub fn for_job(
+        spec: &crate::JobSpec,
+        world: u32,
+        peers: &[String],
+        rank: usize,
+    ) -> Result<Self, String> {
+        let dims = spec.parallel_dims_for(world).map_err(|e| e.to_string())?;
+        let backend = match spec.comm.backend {
+            CommBackend::Auto => Backend::Auto,
+            CommBackend::Ring => Backend::Ring,
+            CommBackend::C10d => Backend::C10d,
+        };
+        let cuda = crate::engine::resolve_device(&spec.device).is_ok_and(|d| d.is_cuda());
+        let host = peers
+            .get(rank)
+            .and_then(|p| p.rsplit_once(':'))
+            .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
+            .unwrap_or_else(|| "127.0.0.1".into());
+        Ok(Self {
+            dims,
+            backend,
+            cuda,
+            host,
+        })
+    }
+
     /// The transport of `axis`'s groups (None: the world's). A group of one
     /// rank is a ring of one, which needs no sockets and no store.
     pub fn transport(&self, axis: Option<Axis>) -> Transport {
@@ -83,12 +112,17 @@ impl MeshConfig {
     }
 }
 
-/// One generation's groups.
+/// One generation's groups. The world ring formed first stays as the
+/// control ring (byte broadcasts, barriers, the bootstrap of the rest); a
+/// group that spans the world on the ring is that ring itself.
 pub struct Mesh {
     dims: ParallelDims,
     rank: u32,
-    world: Box<dyn Group>,
-    axes: Vec<(Axis, Box<dyn Group>)>,
+    control: RingGroup,
+    /// The world's group when it is not the control ring (c10d).
+    world: Option<Box<dyn Group>>,
+    /// Per axis in Axis::ALL order; None: the world's group.
+    axes: Vec<Option<Box<dyn Group>>>,
     // Kept for the groups' lifetime: world rank 0 serves the store.
     _store: Option<StoreServer>,
 }
@@ -128,7 +162,7 @@ impl Mesh {
                 cfg.dims.world()
             )));
         }
-        let mut world_ring = RingGroup::new(ring);
+        let mut control = RingGroup::new(ring);
         let wants_c10d = std::iter::once(None)
             .chain(Axis::ALL.map(Some))
             .any(|a| cfg.transport(a) == Transport::C10d);
@@ -152,7 +186,7 @@ impl Mesh {
                 .as_ref()
                 .map(|s| s.addr().to_string().into_bytes())
                 .unwrap_or_default();
-            world_ring.ring().broadcast_bytes(&mut addr, 0)?;
+            control.ring().broadcast_bytes(&mut addr, 0)?;
             let addr = String::from_utf8_lossy(&addr)
                 .parse()
                 .map_err(|e| setup(format!("the c10d store's address: {e}")))?;
@@ -169,37 +203,51 @@ impl Mesh {
         } else {
             (None, None)
         };
-        let mut axes = Vec::new();
-        for axis in Axis::ALL {
-            let t = cfg.transport(Some(axis));
-            let g = Self::group(
-                &mut world_ring,
+        let world_group = match cfg.transport(None) {
+            Transport::Ring => None,
+            Transport::C10d => Some(Self::group(
+                &mut control,
                 client.as_ref(),
                 cfg,
                 &world_cfg,
-                Some(axis),
-                t,
-            )?;
-            axes.push((axis, g));
-        }
-        let world_group: Box<dyn Group> = match cfg.transport(None) {
-            Transport::Ring => Box::new(world_ring),
-            Transport::C10d => {
-                let g = Self::group(
-                    &mut world_ring,
+                None,
+                Transport::C10d,
+            )?),
+        };
+        let mut axes = Vec::new();
+        for axis in Axis::ALL {
+            let t = cfg.transport(Some(axis));
+            let spans_world = cfg.dims.degree(axis) == world && world > 1;
+            let same_as_world = spans_world && t == cfg.transport(None);
+            axes.push(if same_as_world {
+                None
+            } else {
+                Some(Self::group(
+                    &mut control,
                     client.as_ref(),
                     cfg,
                     &world_cfg,
-                    None,
-                    Transport::C10d,
-                )?;
-                drop(world_ring);
-                g
-            }
+                    Some(axis),
+                    t,
+                )?)
+            });
+        }
+        let name = |a: Option<Axis>| match cfg.transport(a) {
+            Transport::Ring => "ring",
+            Transport::C10d => "c10d",
         };
+        tracing::info!(
+            world = name(None),
+            data = name(Some(Axis::Data)),
+            pipeline = name(Some(Axis::Pipeline)),
+            tensor = name(Some(Axis::Tensor)),
+            dims = ?cfg.dims,
+            "process groups formed"
+        );
         Ok(Self {
             dims: cfg.dims,
             rank,
+            control,
             world: world_group,
             axes,
             _store: store,
@@ -208,7 +256,7 @@ impl Mesh {
 
     /// Forms this rank's group on `axis` (None: the world) over `t`.
     fn group(
-        world_ring: &mut RingGroup,
+        control: &mut RingGroup,
         client: Option<&Arc<Mutex<StoreClient>>>,
         cfg: &MeshConfig,
         world_cfg: &RingConfig,
@@ -243,14 +291,14 @@ impl Mesh {
             }
             Transport::Ring => {
                 // Every rank binds a listener and learns every other's
-                // address over the world ring (the groups' members among them).
+                // address over the control ring (the group's members among them).
                 let listener = TcpListener::bind((cfg.host.as_str(), 0))
                     .map_err(|e| setup(format!("ring group {name} cannot listen: {e}")))?;
                 let mine = listener
                     .local_addr()
                     .map_err(|e| setup(e.to_string()))?
                     .to_string();
-                let all = all_gather_strings(world_ring.ring(), &mine)?;
+                let all = all_gather_strings(control.ring(), &mine)?;
                 let peers = members
                     .iter()
                     .map(|&r| all[r as usize].clone())
@@ -274,23 +322,59 @@ impl Mesh {
         self.rank
     }
 
-    /// The whole world (agreement: votes, the loss tally's owner group).
+    /// The world ring: byte broadcasts, barriers, agreement.
+    pub fn control(&mut self) -> &mut TcpRing {
+        self.control.ring()
+    }
+
+    /// Bytes (sent, received) on the control ring (c10d's own traffic is
+    /// not counted).
+    pub fn control_bytes(&self) -> (u64, u64) {
+        Collective::bytes(self.control.ring_ref())
+    }
+
+    /// The whole world's group.
     pub fn world(&mut self) -> &mut dyn Group {
-        self.world.as_mut()
+        match self.world.as_mut() {
+            Some(g) => g.as_mut(),
+            None => &mut self.control,
+        }
+    }
+
+    /// Whether `axis`'s group is the control ring itself.
+    pub fn on_control(&self, axis: Axis) -> bool {
+        self.world.is_none() && self.axes[axis_index(axis)].is_none()
     }
 
     /// This rank's group along `axis`.
     pub fn axis(&mut self, axis: Axis) -> &mut dyn Group {
-        // Mesh::form made one group per axis, in Axis::ALL order.
-        let i = Axis::ALL.iter().position(|a| *a == axis).unwrap_or(0);
-        self.axes[i].1.as_mut()
+        if self.axes[axis_index(axis)].is_none() {
+            return self.world();
+        }
+        match self.axes[axis_index(axis)].as_mut() {
+            Some(g) => g.as_mut(),
+            // Checked just above.
+            None => unreachable!(),
+        }
     }
 
-    /// Takes this rank's group along `axis` out of the mesh.
-    pub fn take_axis(self, axis: Axis) -> Box<dyn Group> {
-        let i = Axis::ALL.iter().position(|a| *a == axis).unwrap_or(0);
-        let mut axes = self.axes;
-        axes.swap_remove(i).1
+    /// Fails every group's pending and later operations.
+    pub fn abort(&mut self) {
+        for g in self.axes.iter_mut().flatten() {
+            g.abort();
+        }
+        if let Some(g) = self.world.as_mut() {
+            g.abort();
+        }
+        self.control.abort();
+    }
+}
+
+fn axis_index(axis: Axis) -> usize {
+    match axis {
+        Axis::Data => 0,
+        Axis::Pipeline => 1,
+        Axis::Tensor => 2,
     }
 }
 

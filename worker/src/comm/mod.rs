@@ -9,6 +9,7 @@ pub use crate::chunks;
 pub mod c10d;
 pub mod group;
 pub mod mesh;
+pub mod mesh_collective;
 pub mod ring;
 pub mod wire;
 

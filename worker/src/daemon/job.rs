@@ -4,7 +4,8 @@
 
 use super::assign::{assigned_checkpoint_dir, assigned_spec};
 use super::{wrap, DaemonConfig};
-use crate::collective::{Collective, CollectiveError};
+use crate::comm::mesh::{Mesh, MeshConfig};
+use crate::comm::mesh_collective::MeshCollective;
 use crate::comm::{RingConfig, TcpRing};
 use crate::engine::{Control, Event, RunOptions, StepReport};
 use crate::Engine;
@@ -132,69 +133,10 @@ pub(super) fn start(
 /// re-attach).
 pub(super) type Current = Arc<Mutex<Option<(String, u64, u32)>>>;
 
-/// The ring of the current generation; empty between generations (so the
-/// old ring's listener thread is gone before the next ring forms).
-pub struct DaemonRing {
-    ring: Option<TcpRing>,
-    rank: usize,
-    world: usize,
-}
-
-impl DaemonRing {
-    fn closed(&self) -> Self {
-        Self {
-            ring: None,
-            rank: self.rank,
-            world: self.world,
-        }
-    }
-    fn ring(&mut self) -> Result<&mut TcpRing, CollectiveError> {
-        self.ring.as_mut().ok_or_else(|| {
-            CollectiveError::Interrupted("the ring of this generation is closed".into())
-        })
-    }
-}
-
-impl Collective for DaemonRing {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world_size(&self) -> usize {
-        self.world
-    }
-    fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> Result<(), CollectiveError> {
-        Collective::all_reduce_sum(self.ring()?, buf)
-    }
-    fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> Result<(), CollectiveError> {
-        Collective::broadcast(self.ring()?, buf, root)
-    }
-    fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError> {
-        Collective::broadcast_bytes(self.ring()?, buf, root)
-    }
-    fn barrier(&mut self) -> Result<(), CollectiveError> {
-        Collective::barrier(self.ring()?)
-    }
-    fn all_reduce_buckets<E>(
-        &mut self,
-        buckets: &mut [&mut [f32]],
-        copy_in: crate::collective::BucketCopy<'_, E>,
-        copy_out: crate::collective::BucketCopy<'_, E>,
-    ) -> Result<(), E>
-    where
-        E: From<CollectiveError>,
-    {
-        Collective::all_reduce_buckets(self.ring()?, buckets, copy_in, copy_out)
-    }
-    fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
-        Collective::reduce_scatter_sum(self.ring()?, buf)
-    }
-    fn all_gather(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
-        Collective::all_gather(self.ring()?, buf)
-    }
-    fn bytes(&self) -> (u64, u64) {
-        self.ring.as_ref().map_or((0, 0), Collective::bytes)
-    }
-}
+/// The groups of the current generation ([`MeshCollective`]); closed
+/// between generations (so the old rings' listener threads are gone before
+/// the next generation forms).
+pub type DaemonRing = MeshCollective;
 
 /// What one generation of a job ended with.
 enum Outcome {
@@ -239,10 +181,13 @@ impl JobThread<'_> {
             Ok(r) => r,
             Err(e) => return Outcome::Interrupted(e.to_string()),
         };
-        let ring = DaemonRing {
-            ring: Some(ring),
-            rank: rank as usize,
-            world: a.world_size as usize,
+        let mesh_cfg = match MeshConfig::for_job(&spec, a.world_size, &a.peers, a.rank as usize) {
+            Ok(c) => c,
+            Err(e) => return Outcome::Failed(e),
+        };
+        let ring = match Mesh::form(ring, &mesh_cfg) {
+            Ok(m) => MeshCollective::new(m),
+            Err(e) => return Outcome::Interrupted(e.to_string()),
         };
         let ready = match self.engine.as_mut() {
             Some(engine) => engine.reconfigure(ring, spec.accumulation.steps),

@@ -1,0 +1,208 @@
+//! The engine's [`Collective`] over a generation's [`Mesh`]: the gradient
+//! and ZeRO traffic goes over the data axis's group (the control ring
+//! itself when the data axis is the world on the ring, as before issue 38;
+//! a c10d group otherwise), byte broadcasts and barriers over the control
+//! ring. Between generations it is closed: every call is an interruption.
+
+use crate::collective::{BucketCopy, Collective, CollectiveError};
+use crate::comm::group::{Group, GroupError, ReduceOp};
+use crate::comm::mesh::Mesh;
+use crate::spec::Axis;
+use tch::{Device, Kind, Tensor};
+
+impl From<GroupError> for CollectiveError {
+    fn from(e: GroupError) -> Self {
+        CollectiveError::Transport(Box::new(e))
+    }
+}
+
+pub struct MeshCollective {
+    mesh: Option<Mesh>,
+    rank: usize,
+    world: usize,
+}
+
+impl MeshCollective {
+    pub fn new(mesh: Mesh) -> Self {
+        let rank = mesh.rank() as usize;
+        let world = mesh.dims().world() as usize;
+        Self {
+            mesh: Some(mesh),
+            rank,
+            world,
+        }
+    }
+
+    /// The same place without its groups (dropping them says goodbye to
+    /// the peers and stops their threads).
+    pub fn closed(&self) -> Self {
+        Self {
+            mesh: None,
+            rank: self.rank,
+            world: self.world,
+        }
+    }
+
+    pub fn mesh(&mut self) -> Result<&mut Mesh, CollectiveError> {
+        self.mesh.as_mut().ok_or_else(|| {
+            CollectiveError::Interrupted("the groups of this generation are closed".into())
+        })
+    }
+
+    /// The data group when it is not the control ring.
+    fn data_group(&mut self) -> Result<Option<&mut dyn Group>, CollectiveError> {
+        let mesh = self.mesh()?;
+        if mesh.on_control(Axis::Data) {
+            return Ok(None);
+        }
+        Ok(Some(mesh.axis(Axis::Data)))
+    }
+}
+
+/// A CPU tensor over `buf`'s memory (no copy).
+///
+/// # Safety
+/// The tensor must not outlive `buf` nor be used while `buf` is borrowed
+/// elsewhere: callers wait for the operation before returning.
+unsafe fn over(buf: &mut [f32]) -> Result<Tensor, CollectiveError> {
+    Tensor::f_from_blob(
+        buf.as_mut_ptr() as *const u8,
+        &[buf.len() as i64],
+        &[1],
+        Kind::Float,
+        Device::Cpu,
+    )
+    .map_err(|e| CollectiveError::Transport(Box::new(e)))
+}
+
+fn sum(g: &mut dyn Group, buf: &mut [f32]) -> Result<(), CollectiveError> {
+    // SAFETY: waited on before `buf` is released.
+    let t = unsafe { over(buf)? };
+    g.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+    Ok(())
+}
+
+impl Collective for MeshCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> Result<(), CollectiveError> {
+        match self.data_group()? {
+            Some(g) => sum(g, buf),
+            None => Collective::all_reduce_sum(self.mesh()?.control(), buf),
+        }
+    }
+    fn broadcast(&mut self, buf: &mut Vec<f32>, root: usize) -> Result<(), CollectiveError> {
+        match self.data_group()? {
+            Some(g) => {
+                // SAFETY: waited on before `buf` is released.
+                let t = unsafe { over(buf)? };
+                g.broadcast(&t, root)?.wait()?;
+                Ok(())
+            }
+            None => Collective::broadcast(self.mesh()?.control(), buf, root),
+        }
+    }
+    fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError> {
+        Collective::broadcast_bytes(self.mesh()?.control(), buf, root)
+    }
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        Collective::barrier(self.mesh()?.control())
+    }
+    fn all_reduce_buckets<E>(
+        &mut self,
+        buckets: &mut [&mut [f32]],
+        copy_in: BucketCopy<'_, E>,
+        copy_out: BucketCopy<'_, E>,
+    ) -> Result<(), E>
+    where
+        E: From<CollectiveError>,
+    {
+        match self.data_group()? {
+            // Each bucket is reduced once copied in; the next bucket's copy
+            // overlaps the previous one's reduction.
+            Some(g) => {
+                let mut pending: Option<(usize, crate::comm::group::Pending, Tensor)> = None;
+                let n = buckets.len();
+                for i in 0..=n {
+                    if i < n {
+                        copy_in(i, &mut *buckets[i])?;
+                    }
+                    if let Some((j, p, _t)) = pending.take() {
+                        p.wait().map_err(CollectiveError::from)?;
+                        copy_out(j, &mut *buckets[j])?;
+                    }
+                    if i < n {
+                        // SAFETY: waited on (above, next round) before
+                        // the bucket is touched again or released.
+                        let t = unsafe { over(&mut *buckets[i])? };
+                        let p = g
+                            .all_reduce(&t, ReduceOp::Sum)
+                            .map_err(CollectiveError::from)?;
+                        pending = Some((i, p, t));
+                    }
+                }
+                Ok(())
+            }
+            None => {
+                Collective::all_reduce_buckets(self.mesh()?.control(), buckets, copy_in, copy_out)
+            }
+        }
+    }
+    fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let (rank, world) = (self.rank, self.world);
+        match self.data_group()? {
+            Some(g) => {
+                // ZeRO's slices (shard::slice) may be uneven; a c10d
+                // reduce-scatter needs even ones, so sum the whole buffer
+                // unless they are even.
+                let len = buf.len();
+                if len % world != 0 {
+                    return sum(g, buf);
+                }
+                let own = crate::shard::slice(len, world, rank);
+                // SAFETY: waited on before `buf` is released.
+                let whole = unsafe { over(buf)? };
+                let out = Tensor::zeros([own.len() as i64], (Kind::Float, Device::Cpu));
+                g.reduce_scatter(&out, &whole, ReduceOp::Sum)?.wait()?;
+                let v = Vec::<f32>::try_from(&out)
+                    .map_err(|e| CollectiveError::Transport(Box::new(e)))?;
+                buf[own].copy_from_slice(&v);
+                Ok(())
+            }
+            None => Collective::reduce_scatter_sum(self.mesh()?.control(), buf),
+        }
+    }
+    fn all_gather(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let (rank, world) = (self.rank, self.world);
+        match self.data_group()? {
+            Some(g) => {
+                let len = buf.len();
+                let own = crate::shard::slice(len, world, rank);
+                if len % world != 0 {
+                    // Uneven slices: zeros outside this rank's, summed.
+                    let mut v = vec![0f32; len];
+                    v[own.clone()].copy_from_slice(&buf[own]);
+                    sum(g, &mut v)?;
+                    buf.copy_from_slice(&v);
+                    return Ok(());
+                }
+                let mine = Tensor::from_slice(&buf[own]);
+                // SAFETY: waited on before `buf` is released.
+                let whole = unsafe { over(buf)? };
+                g.all_gather(&whole, &mine)?.wait()?;
+                Ok(())
+            }
+            None => Collective::all_gather(self.mesh()?.control(), buf),
+        }
+    }
+    fn bytes(&self) -> (u64, u64) {
+        match self.mesh.as_ref() {
+            Some(m) => m.control_bytes(),
+            None => (0, 0),
+        }
+    }
+}
