@@ -95,6 +95,19 @@ fn index_of(ids: &[&str], id: &str) -> usize {
 /// uninterrupted run of the same job, and no sample is skipped or repeated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_worker_is_replaced_and_the_result_is_unchanged() {
+    replaced_and_unchanged("").await;
+}
+
+/// The same under `[comm] backend = "c10d"` (issue 38): the survivor's
+/// gloo group fails within the timeout, the next generation forms new
+/// groups, and the result equals the undisturbed run's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_worker_is_replaced_under_c10d_and_the_result_is_unchanged() {
+    replaced_and_unchanged("backend = \"c10d\"\n").await;
+}
+
+/// `comm`: lines appended to the job's [comm] table.
+async fn replaced_and_unchanged(comm: &str) {
     let d = TempDir::new().unwrap();
     let h = coordinator(d.path()).await;
     let grpc = h.grpc_addr.to_string();
@@ -103,7 +116,7 @@ async fn lost_worker_is_replaced_and_the_result_is_unchanged() {
     let mut c = client(&grpc).await;
     // W = 2, k = 4, b = 8: 384 samples give 24 micro-steps per rank and
     // 6 windows per epoch; 3 epochs = 18 steps.
-    let text = |name: &str| job(name, "workers = 2", 3, 384, "steps = 4");
+    let text = |name: &str| job(name, "workers = 2", 3, 384, "steps = 4") + comm;
     let hurt = submit_text(&mut c, &text("hurt")).await;
     let running = wait_step(&mut c, &hurt.id, 4).await;
     let victim = running.workers[1].clone();
