@@ -955,6 +955,14 @@ def check_network_policies(m, probs):
         for rule in spec.get("ingress") or []:
             for port in rule.get("ports") or []:
                 pv = port.get("port")
+                if "endPort" in port:
+                    # A range (the process groups' ephemeral ports, picked
+                    # by the kernel at run time): no container declares it;
+                    # it must be a numeric, ordered, unprivileged range.
+                    end = port["endPort"]
+                    if not (isinstance(pv, int) and isinstance(end, int) and 1024 <= pv <= end <= 65535):
+                        probs.add(where, f"port range {pv!r}-{end!r} is not an unprivileged numeric range")
+                    continue
                 for w in pods:
                     if not any(pv in (cp.get("name"), cp.get("containerPort")) for cp in w.all_ports()):
                         probs.add(where, f"port {pv!r} is no port of {w.kind}/{w.name}")

@@ -64,6 +64,7 @@ MUTATIONS = {
     "missing-pvc": lambda d: drop(d, "PersistentVolumeClaim", "accrue-checkpoints"),
     "service-target-port": lambda d: find(d, "Service", "coordinator")["spec"]["ports"][1].update(targetPort="https"),
     "netpol-port": lambda d: find(d, "NetworkPolicy", "worker")["spec"]["ingress"][0]["ports"][0].update(port="ring"),
+    "netpol-range": lambda d: find(d, "NetworkPolicy", "worker")["spec"]["ingress"][0]["ports"][1].update(port=80),
     "no-default-deny": lambda d: drop(d, "NetworkPolicy", "default-deny-ingress"),
     "namespace": lambda d: find(d, "Deployment", "coordinator")["metadata"].update(namespace="default"),
     # flags against the binaries

@@ -104,6 +104,11 @@ const BROKEN: &[(&str, &str, &str)] = &[
         "cpu",
         "port 'ring' is no port of StatefulSet/worker",
     ),
+    (
+        "netpol-range",
+        "cpu",
+        "port range 80-60999 is not an unprivileged numeric range",
+    ),
     ("no-default-deny", "cpu", "no default-deny ingress policy"),
     ("namespace", "cpu", "namespace 'default', not 'accrue'"),
     (

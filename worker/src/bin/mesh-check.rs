@@ -13,8 +13,10 @@
 //!   stdout `REFORMED <sum>`
 use accrue_worker::comm::group::{Group, ReduceOp, KINDS};
 use accrue_worker::comm::mesh::{Backend, Mesh, MeshConfig};
+use accrue_worker::comm::mesh_collective::MeshCollective;
 use accrue_worker::comm::{RingConfig, TcpRing};
 use accrue_worker::spec::{Axis, ParallelDims};
+use accrue_worker::Collective;
 use anyhow::{bail, Context};
 use clap::Parser;
 use std::io::BufRead;
@@ -102,7 +104,7 @@ fn main() -> anyhow::Result<()> {
     let peers: Vec<String> = line()?.split(',').map(str::to_string).collect();
     let mut mesh = form(&cli, l1, 1, cli.rank, peers, dims)?;
     if cli.bench {
-        return bench(&cli, &mut mesh);
+        return bench(&cli, mesh);
     }
     match check_all(&mut mesh, &dims) {
         Ok(()) => println!("OPS OK"),
@@ -267,18 +269,25 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
     Ok(num.parse::<usize>()? * mult)
 }
 
-/// All-reduce throughput of the data group: one CSV line per size from rank 0.
-fn bench(cli: &Cli, mesh: &mut Mesh) -> anyhow::Result<()> {
-    let g = mesh.axis(Axis::Data);
-    let w = g.size();
-    if g.rank() == 0 {
+/// All-reduce throughput of the data group the engine's way (the sync
+/// step's `Collective::all_reduce_sum` on a flat f32 buffer, through
+/// [`MeshCollective`]): one CSV line per size from rank 0.
+fn bench(cli: &Cli, mesh: Mesh) -> anyhow::Result<()> {
+    let transport = if mesh.on_control(Axis::Data) {
+        "ring"
+    } else {
+        "c10d"
+    };
+    let mut c = MeshCollective::new(mesh);
+    let (rank, w) = (c.rank(), c.world_size());
+    if rank == 0 {
         println!("transport,world,bytes,iters,latency_us,busbw_GBps");
     }
     for s in &cli.sizes {
         let bytes = parse_size(s)?;
-        let t = Tensor::ones([(bytes / 4) as i64], (Kind::Float, tch::Device::Cpu));
+        let mut buf: Vec<f32> = (0..bytes / 4).map(|i| (i % 7) as f32).collect();
         for _ in 0..2 {
-            g.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+            c.all_reduce_sum(&mut buf)?;
         }
         let iters = if bytes >= 64 << 20 {
             cli.iters.min(5)
@@ -287,14 +296,13 @@ fn bench(cli: &Cli, mesh: &mut Mesh) -> anyhow::Result<()> {
         };
         let start = Instant::now();
         for _ in 0..iters {
-            g.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+            c.all_reduce_sum(&mut buf)?;
         }
         let per = start.elapsed().as_secs_f64() / iters as f64;
         let busbw = bytes as f64 * 2.0 * (w as f64 - 1.0) / w as f64 / per / 1e9;
-        if g.rank() == 0 {
+        if rank == 0 {
             println!(
-                "{},{w},{bytes},{iters},{:.1},{busbw:.3}",
-                g.transport(),
+                "{transport},{w},{bytes},{iters},{:.1},{busbw:.3}",
                 per * 1e6
             );
         }
