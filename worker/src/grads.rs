@@ -14,7 +14,7 @@
 
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
-use crate::fused::GradPrep;
+use crate::optim::GradPrep;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 

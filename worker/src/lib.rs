@@ -17,7 +17,6 @@ pub mod data;
 pub mod engine;
 pub mod error;
 pub mod family;
-pub mod fused;
 pub mod fused_ops;
 pub mod grads;
 pub mod graphs;

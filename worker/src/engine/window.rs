@@ -5,8 +5,8 @@
 use super::{Engine, StepReport, Timing};
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
-use crate::fused::GradPrep;
 use crate::graphs::EagerReason;
+use crate::optim::GradPrep;
 use crate::spec::{Normalize, OnNonfinite, SyncMode};
 use crate::tally::WindowTally;
 use std::path::Path;
@@ -440,7 +440,7 @@ impl<C: Collective> Engine<C> {
         let mut prep_s = Duration::ZERO;
         // 4. optimizer step, zero grads. On CPU (SGD, Adam, AdamW): one fused pass per
         // parameter that also applies `prep` and zeroes the gradient
-        // (crate::fused); otherwise the same as tensor ops, pass by pass.
+        // (crate::optim's CPU loop); otherwise the same as tensor ops, pass by pass.
         let t_opt = Instant::now();
         if on_device.is_some() {
             // The device did it all: count the step it took.

@@ -29,7 +29,7 @@ use super::flat::flatten;
 use super::Engine;
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
-use crate::fused::GradPrep;
+use crate::optim::GradPrep;
 use crate::shard;
 use std::ops::Range;
 use tch::{Device, Tensor};

@@ -1,11 +1,15 @@
-//! `[optimizer] fused = true`: PyTorch's fused Adam and AdamW
-//! (`torch.optim.AdamW(fused=True)`), libtorch's `_fused_adam_` and
-//! `_fused_adamw_` through the C++ shim (csrc/fused_ops.cpp). On CUDA that is
+//! `[optimizer] fused = true`: PyTorch's fused Adam/AdamW kernel as a back-end of the rule.
+//!
+//! PyTorch's fused Adam and AdamW (`torch.optim.AdamW(fused=True)`) are
+//! libtorch's `_fused_adam_` and `_fused_adamw_`, called through the C++
+//! shim (csrc/fused_ops.cpp). On CUDA that is
 //! one multi-tensor kernel launch per step that reads each gradient,
 //! parameter and moment once, instead of about ten tensor ops per
 //! parameter; on the CPU it is ATen's vectorized loop. The numbers are
 //! PyTorch's `fused=True` (tests compare with it), which round differently
 //! from its single-tensor Adam (accrue's default, [`Optimizer::step_pairs`]).
+//! The kernel takes the rule's hyper-parameters (rule.rs), the learning
+//! rate and the step, and computes the bias corrections itself.
 //!
 //! The step count every parameter reads is one float32 tensor on the
 //! parameters' device (PyTorch keeps one per parameter, all equal). In a
@@ -13,6 +17,7 @@
 //! the skip flag (`found_inf`: 1 leaves parameters and moments as they
 //! were) are device tensors the host fills before each replay.
 
+use super::rule::{EXP_AVG, EXP_AVG_SQ};
 use super::{MaskedCoefs, Optimizer, Rule};
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::fused_ops::handle;
@@ -40,13 +45,30 @@ extern "C" {
     ) -> i32;
 }
 
-/// Positions in a fused step's coefficient vector (float32 on the device):
-/// values `[lr, step, 0]`, neutral `[0, step, 1]`.
-pub(super) mod at {
-    pub const LR: i64 = 0;
-    pub const STEP: i64 = 1;
-    pub const FOUND_INF: i64 = 2;
-    pub const LEN: usize = 3;
+/// A fused step's numbers, in their order in its coefficient vector
+/// (float32 on the device): the learning rate, the step (1 for the first)
+/// and `found_inf` (1: skip the step).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct AtenCoefs<N> {
+    lr: N,
+    step: N,
+    found_inf: N,
+}
+
+impl<N> AtenCoefs<N> {
+    pub(super) const LEN: usize = 3;
+
+    fn into_array(self) -> [N; 3] {
+        [self.lr, self.step, self.found_inf]
+    }
+
+    fn from_array([lr, step, found_inf]: [N; 3]) -> Self {
+        AtenCoefs {
+            lr,
+            step,
+            found_inf,
+        }
+    }
 }
 
 /// The learning rate of one fused call.
@@ -59,7 +81,7 @@ enum Lr<'a> {
 impl Optimizer {
     /// Whether steps go through PyTorch's fused kernel.
     pub fn is_aten_fused(&self) -> bool {
-        self.fused && matches!(self.rule, Rule::Adam { .. })
+        self.fused && matches!(self.rule, Rule::Adam(_))
     }
 
     /// The eager fused step of every pair with a gradient, counting it:
@@ -67,9 +89,9 @@ impl Optimizer {
     pub(super) fn step_aten(&mut self, pairs: &[(Tensor, Tensor)], lr: f64) -> Result<()> {
         let _guard = tch::no_grad_guard();
         for ((p, g), state) in pairs.iter().zip(self.state.iter_mut()) {
-            if g.defined() && !state.contains_key("exp_avg") {
-                state.insert("exp_avg", p.f_zeros_like().ctx("adam state")?);
-                state.insert("exp_avg_sq", p.f_zeros_like().ctx("adam state")?);
+            if g.defined() && !state.contains_key(EXP_AVG) {
+                state.insert(EXP_AVG, p.f_zeros_like().ctx("adam state")?);
+                state.insert(EXP_AVG_SQ, p.f_zeros_like().ctx("adam state")?);
             }
         }
         self.steps += 1;
@@ -81,7 +103,8 @@ impl Optimizer {
     }
 
     /// The masked fused step (a CUDA graph's): `coefs` in the layout of
-    /// [`at`], already neutral when the step is skipped. Counts nothing.
+    /// [`AtenCoefs`], already neutral when the step is skipped. Counts
+    /// nothing.
     pub(super) fn step_aten_masked(
         &mut self,
         pairs: &[(Tensor, Tensor)],
@@ -89,17 +112,27 @@ impl Optimizer {
     ) -> Result<()> {
         let _guard = tch::no_grad_guard();
         let c = |i: i64| coefs.f_select(0, i).ctx("an optimizer coefficient");
-        let (lr, step, found_inf) = (c(at::LR)?, c(at::STEP)?, c(at::FOUND_INF)?);
-        self.call_aten(pairs, &step, Lr::Device(&lr), Some(&found_inf))
+        let c = AtenCoefs::from_array([c(0)?, c(1)?, c(2)?]);
+        self.call_aten(pairs, &c.step, Lr::Device(&c.lr), Some(&c.found_inf))
     }
 
     /// The fused step's numbers of step `self.steps + 1` at `lr` in the
-    /// layout of [`at`], and their neutral values.
+    /// layout of [`AtenCoefs`], and their neutral values.
     pub(super) fn aten_coefs(&self, lr: f64) -> MaskedCoefs {
         let step = (self.steps + 1) as f64;
+        let values = AtenCoefs {
+            lr,
+            step,
+            found_inf: 0.0,
+        };
+        let neutral = AtenCoefs {
+            lr: 0.0,
+            found_inf: 1.0,
+            ..values
+        };
         MaskedCoefs {
-            values: vec![lr, step, 0.0],
-            neutral: vec![0.0, step, 1.0],
+            values: values.into_array().to_vec(),
+            neutral: neutral.into_array().to_vec(),
         }
     }
 
@@ -124,14 +157,7 @@ impl Optimizer {
         lr: Lr<'_>,
         found_inf: Option<&Tensor>,
     ) -> Result<()> {
-        let Rule::Adam {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            decoupled,
-        } = self.rule
-        else {
+        let Rule::Adam(rule) = self.rule else {
             return Err(Error::Torch {
                 context: "the fused optimizer step",
                 message: "fused = true applies to adam and adamw only".into(),
@@ -144,7 +170,7 @@ impl Optimizer {
             if !g.defined() {
                 continue;
             }
-            let (Some(m), Some(v)) = (state.get("exp_avg"), state.get("exp_avg_sq")) else {
+            let (Some(m), Some(v)) = (state.get(EXP_AVG), state.get(EXP_AVG_SQ)) else {
                 return Err(Error::Torch {
                     context: "the fused optimizer step",
                     message: format!("parameter {i} has no exp_avg and exp_avg_sq (Adam's state)"),
@@ -177,11 +203,11 @@ impl Optimizer {
                 handle(step),
                 lr_tensor,
                 lr,
-                beta1,
-                beta2,
-                weight_decay,
-                eps,
-                i32::from(decoupled),
+                rule.beta1,
+                rule.beta2,
+                rule.weight_decay,
+                rule.eps,
+                i32::from(rule.decoupled),
                 found_inf,
                 err,
                 len,

@@ -1,35 +1,25 @@
-//! The optimizer step whose skip is decided on the device (issue 19): the
-//! sync step as a CUDA graph cannot read the gradient norm back to decide
-//! whether to step, so every per-step number (the learning rate, Adam's
-//! bias corrections, the momentum and decay factors) comes from a device
-//! tensor that the graph reads, and a non-finite step turns each of them
-//! into its *neutral* value: the one that leaves the parameters and the
+//! The masked step (CUDA graphs): the rule's numbers as device tensors, neutral if skipped.
+//!
+//! Issue 19: the sync step as a CUDA graph cannot read the gradient norm
+//! back to decide whether to step, so every per-step number (the learning
+//! rate, Adam's bias corrections, the momentum and decay factors: the
+//! rule's [`Coefs`]) comes from a device tensor that the graph reads, and a
+//! non-finite step turns each of them into its *neutral* value
+//! ([`Coefs::skipped`]): the one that leaves the parameters and the
 //! optimizer state exactly as they were (a factor 1, an addend 0).
 //!
-//! Op for op it is [`Optimizer::step_pairs`] with those numbers as 0-dim
-//! float32 device tensors instead of host scalars. ATen computes both the
-//! same way (the scalar is rounded to float32 first), except one division:
-//! on CUDA a tensor divided by a host scalar is multiplied by the scalar's
-//! float32 reciprocal, so there `reciprocal` makes this step do the same.
+//! The step itself is the tensor-op back-end's (tensor.rs) with those
+//! numbers as 0-dim float32 device tensors instead of host scalars. ATen
+//! computes both the same way (the scalar is rounded to float32 first),
+//! except one division: on CUDA a tensor divided by a host scalar is
+//! multiplied by the scalar's float32 reciprocal, so there `reciprocal`
+//! makes this step do the same.
 
+use super::rule::{AdamCoefs, Coefs, SgdCoefs};
+use super::tensor::Num;
 use super::{Optimizer, Rule};
-use crate::error::{Error, InPlace, Result, TorchContext};
-use tch::Tensor;
-
-/// Positions in the coefficient vector, per rule.
-mod at {
-    pub const SGD_DECAY: i64 = 0;
-    pub const SGD_MOMENTUM: i64 = 1;
-    pub const SGD_NEG_LR: i64 = 2;
-    pub const SGD_LEN: usize = 3;
-    pub const ADAM_DECAY: i64 = 0;
-    pub const ADAM_ONE_MINUS_BETA1: i64 = 1;
-    pub const ADAM_BETA2: i64 = 2;
-    pub const ADAM_ONE_MINUS_BETA2: i64 = 3;
-    pub const ADAM_BC2_SQRT: i64 = 4;
-    pub const ADAM_LR_OVER_BC1: i64 = 5;
-    pub const ADAM_LEN: usize = 6;
-}
+use crate::error::{Error, Result, TorchContext};
+use tch::{TchError, Tensor};
 
 /// The per-step numbers of a masked step and what each becomes when the
 /// step is skipped.
@@ -39,17 +29,66 @@ pub struct MaskedCoefs {
     pub neutral: Vec<f64>,
 }
 
+/// A per-step number as a 0-dim float32 tensor on the device (a view of
+/// the coefficient vector).
+struct Dev {
+    t: Tensor,
+    /// `t` holds the number's reciprocal, and dividing by the number
+    /// multiplies by it (ATen's division by a host scalar on CUDA).
+    reciprocal: bool,
+}
+
+impl Num for Dev {
+    fn tensor(&self, _like: &Tensor) -> Result<Tensor> {
+        Ok(self.t.shallow_clone())
+    }
+
+    fn mul_(&self, t: &mut Tensor) -> Result<Tensor, TchError> {
+        t.f_mul_(&self.t)
+    }
+
+    fn mul_out(&self, out: &Tensor, t: &Tensor) -> Result<Tensor, TchError> {
+        t.f_mul_out(out, &self.t)
+    }
+
+    fn lerp_(&self, t: &mut Tensor, end: &Tensor) -> Result<Tensor, TchError> {
+        t.f_lerp_tensor_(end, &self.t)
+    }
+
+    fn div_(&self, t: &mut Tensor) -> Result<Tensor, TchError> {
+        if self.reciprocal {
+            t.f_mul_(&self.t)
+        } else {
+            t.f_div_(&self.t)
+        }
+    }
+}
+
+/// The `K` elements of the coefficient vector `coefs`, as views.
+fn views<const K: usize>(coefs: &Tensor) -> Result<[Dev; K]> {
+    let mut out: [Dev; K] = std::array::from_fn(|_| Dev {
+        t: Tensor::new(),
+        reciprocal: false,
+    });
+    for (i, d) in out.iter_mut().enumerate() {
+        d.t = coefs
+            .f_select(0, i as i64)
+            .ctx("an optimizer coefficient")?;
+    }
+    Ok(out)
+}
+
 impl Optimizer {
     /// Whether every parameter has its state, which the masked step needs
     /// (SGD's first step copies the gradient into a new momentum buffer;
     /// a graph cannot allocate state it then keeps).
     pub fn has_state(&self) -> bool {
-        let key = match self.rule {
-            Rule::Sgd { momentum: 0.0, .. } => return !self.state.is_empty(),
-            Rule::Sgd { .. } => "momentum_buffer",
-            Rule::Adam { .. } => "exp_avg",
-        };
-        !self.state.is_empty() && self.state.iter().all(|s| s.contains_key(key))
+        let keys = self.rule.state_keys();
+        !self.state.is_empty()
+            && self
+                .state
+                .iter()
+                .all(|s| keys.iter().all(|k| s.contains_key(k)))
     }
 
     /// The state and scratch tensors the masked step reads and writes
@@ -58,10 +97,8 @@ impl Optimizer {
     pub fn graph_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for (i, state) in self.state.iter().enumerate() {
-            let mut keys: Vec<_> = state.keys().copied().collect();
-            keys.sort_unstable();
-            for k in keys {
-                out.push((format!("optimizer.{i}.{k}"), state[k].shallow_clone()));
+            for (k, t) in super::sorted(state) {
+                out.push((format!("optimizer.{i}.{k}"), t));
             }
         }
         for (i, scratch) in self.scratch.iter().enumerate() {
@@ -76,40 +113,16 @@ impl Optimizer {
     }
 
     /// The numbers of step `self.steps + 1` at `lr` in the layout
-    /// [`Optimizer::step_masked`] reads.
+    /// [`Optimizer::step_masked`] reads: the rule's
+    /// ([`Coefs::to_vec`]), and those of a skipped step.
     pub fn masked_coefs(&self, lr: f64) -> MaskedCoefs {
         if self.is_aten_fused() {
             return self.aten_coefs(lr);
         }
-        match self.rule {
-            Rule::Sgd {
-                momentum,
-                weight_decay,
-                ..
-            } => MaskedCoefs {
-                values: vec![weight_decay, momentum, -lr],
-                neutral: vec![0.0, 1.0, 0.0],
-            },
-            Rule::Adam {
-                beta1,
-                beta2,
-                weight_decay,
-                decoupled,
-                ..
-            } => {
-                let step = (self.steps + 1) as i32;
-                let bc1 = 1.0 - beta1.powi(step);
-                let bc2_sqrt = (1.0 - beta2.powi(step)).sqrt();
-                let (decay, keep) = if decoupled {
-                    (1.0 - lr * weight_decay, 1.0)
-                } else {
-                    (weight_decay, 0.0)
-                };
-                MaskedCoefs {
-                    values: vec![decay, 1.0 - beta1, beta2, 1.0 - beta2, bc2_sqrt, lr / bc1],
-                    neutral: vec![keep, 0.0, 1.0, 0.0, bc2_sqrt, 0.0],
-                }
-            }
+        let c = self.rule.coefs(self.steps + 1, lr);
+        MaskedCoefs {
+            values: c.to_vec(),
+            neutral: c.skipped().to_vec(),
         }
     }
 
@@ -127,10 +140,10 @@ impl Optimizer {
         reciprocal: bool,
     ) -> Result<()> {
         let _guard = tch::no_grad_guard();
-        let want = match self.rule {
-            _ if self.is_aten_fused() => super::aten_fused::at::LEN,
-            Rule::Sgd { .. } => at::SGD_LEN,
-            Rule::Adam { .. } => at::ADAM_LEN,
+        let want = if self.is_aten_fused() {
+            super::aten_fused::AtenCoefs::<f64>::LEN
+        } else {
+            self.rule.coef_count()
         };
         if coefs.numel() != want || !self.has_state() || self.state.len() != pairs.len() {
             return Err(Error::Graph {
@@ -146,105 +159,22 @@ impl Optimizer {
         if self.is_aten_fused() {
             return self.step_aten_masked(pairs, coefs);
         }
-        let c = |i: i64| coefs.f_select(0, i).ctx("an optimizer coefficient");
-        self.make_scratch(pairs)?;
-        let adam = matches!(self.rule, Rule::Adam { .. });
-        // Adam's sqrt(v) / bc2_sqrt, as ATen divides by a host scalar on
-        // this device.
-        let bc2 = if adam {
-            let t = c(at::ADAM_BC2_SQRT)?;
-            Some(if reciprocal {
-                t.f_reciprocal().ctx("adam bias correction")?
-            } else {
-                t
-            })
-        } else {
-            None
-        };
-        for (((p, grad), state), scratch) in
-            pairs.iter().zip(self.state.iter()).zip(self.scratch.iter())
-        {
-            // No scratch: a pair without a gradient.
-            let Some((tmp, tmp2)) = scratch else {
-                continue;
-            };
-            let mut grad = grad.shallow_clone();
-            let mut p = p.shallow_clone();
-            match self.rule {
-                Rule::Sgd {
-                    momentum,
-                    dampening,
-                    nesterov,
-                    weight_decay,
-                } => {
-                    if weight_decay != 0.0 {
-                        grad.f_addcmul_(&p, &c(at::SGD_DECAY)?)
-                            .ctx_("sgd weight decay")?;
-                    }
-                    let mut d_p = grad.shallow_clone();
-                    if momentum != 0.0 {
-                        let mut buf = state["momentum_buffer"].shallow_clone();
-                        buf.f_mul_(&c(at::SGD_MOMENTUM)?).ctx_("sgd momentum")?;
-                        if dampening != 0.0 {
-                            d_p.f_mul_scalar_out(tmp, 1.0 - dampening)
-                                .ctx_("sgd momentum")?;
-                            buf.f_add_(tmp).ctx_("sgd momentum")?;
-                        } else {
-                            buf.f_add_(&d_p).ctx_("sgd momentum")?;
-                        }
-                        d_p = if nesterov {
-                            buf.f_mul_scalar_out(tmp, momentum).ctx_("sgd nesterov")?;
-                            grad.f_add_(tmp).ctx_("sgd nesterov")?;
-                            grad.shallow_clone()
-                        } else {
-                            buf
-                        };
-                    }
-                    p.f_addcmul_(&d_p, &c(at::SGD_NEG_LR)?).ctx_("sgd update")?;
+        let on_device = match self.rule {
+            Rule::Sgd(rule) => Coefs::Sgd(rule, SgdCoefs::from_array(views(coefs)?)),
+            Rule::Adam(rule) => {
+                let mut c = AdamCoefs::from_array(views(coefs)?);
+                // sqrt(v) / bc2_sqrt, as ATen divides by a host scalar on
+                // this device.
+                if reciprocal {
+                    c.bc2_sqrt = Dev {
+                        t: c.bc2_sqrt.t.f_reciprocal().ctx("adam bias correction")?,
+                        reciprocal: true,
+                    };
                 }
-                Rule::Adam {
-                    eps,
-                    weight_decay,
-                    decoupled,
-                    ..
-                } => {
-                    if weight_decay != 0.0 {
-                        if decoupled {
-                            p.f_mul_(&c(at::ADAM_DECAY)?).ctx_("adamw decay")?;
-                        } else {
-                            p.f_mul_out(tmp, &c(at::ADAM_DECAY)?).ctx_("adam decay")?;
-                            grad.f_add_(tmp).ctx_("adam decay")?;
-                        }
-                    }
-                    let mut m = state["exp_avg"].shallow_clone();
-                    let mut v = state["exp_avg_sq"].shallow_clone();
-                    m.f_lerp_tensor_(&grad, &c(at::ADAM_ONE_MINUS_BETA1)?)
-                        .ctx_("adam moments")?;
-                    v.f_mul_(&c(at::ADAM_BETA2)?).ctx_("adam moments")?;
-                    grad.f_mul_out(tmp, &grad).ctx_("adam moments")?;
-                    tmp.shallow_clone()
-                        .f_mul_(&c(at::ADAM_ONE_MINUS_BETA2)?)
-                        .ctx_("adam moments")?;
-                    v.f_add_(tmp).ctx_("adam moments")?;
-                    let denom = tmp2.as_ref().unwrap_or(tmp);
-                    v.f_sqrt_out(denom).ctx_("adam update")?;
-                    let mut d = denom.shallow_clone();
-                    match &bc2 {
-                        Some(b) if reciprocal => d.f_mul_(b),
-                        Some(b) => d.f_div_(b),
-                        None => Ok(d.shallow_clone()), // unreachable: set for Adam
-                    }
-                    .ctx_("adam update")?;
-                    d.f_add_scalar_(eps).ctx_("adam update")?;
-                    m.f_div_out(tmp, denom).ctx_("adam update")?;
-                    tmp.shallow_clone()
-                        .f_mul_(&c(at::ADAM_LR_OVER_BC1)?)
-                        .ctx_("adam update")?;
-                    p.f_sub_(tmp).ctx_("adam update")?;
-                }
+                Coefs::Adam(rule, c)
             }
-        }
-        Ok(())
+        };
+        self.tensor_ops(pairs, &on_device)
     }
 }
 
@@ -396,13 +326,13 @@ mod tests {
         lr: f64,
         cuda_division: bool,
     ) {
-        let Rule::Adam {
+        let Rule::Adam(crate::optim::rule::Adam {
             beta1,
             beta2,
             eps,
             weight_decay,
             decoupled,
-        } = *rule
+        }) = *rule
         else {
             panic!("not adam: {rule:?}");
         };
@@ -453,8 +383,8 @@ mod tests {
             let masked_p = deep(&plain_p);
             let mut plain = Optimizer::new(&s, 3);
             let mut masked = Optimizer::new(&s, 3);
-            let rule = plain.rule.clone();
-            let adam = matches!(rule, Rule::Adam { .. });
+            let rule = plain.rule;
+            let adam = matches!(rule, Rule::Adam(_));
             // The references: the CPU's division throughout, and CUDA's
             // from the second step on (the masked run's first step is the
             // tensor-op step, which makes the state).

@@ -1,3 +1,6 @@
+//! The optimizer's back-ends against each other: the CPU loop against the tensor ops.
+
+use super::cpu_step::PARALLEL_MIN;
 use super::*;
 use crate::grads::FlatGrads;
 use crate::spec::OptimizerSpec;
@@ -189,7 +192,7 @@ fn ulps(a: &Tensor, b: &Tensor) -> u32 {
 /// two lerp formulas): the same state keys and step count, gradients
 /// zeroed by the fused step, and the same numbers bit for bit: the
 /// fused loop does the tensor ops' arithmetic, one rounding per op, and
-/// takes its square roots from ATen's kernel ([`aten_sqrt`]; with a
+/// takes its square roots from ATen's kernel (cpu_step.rs's `aten_sqrt`; with a
 /// correctly rounded sqrt instead, parameters were an ulp apart where
 /// ATen's vectorized float sqrt, MKL VML, is not correctly rounded).
 #[test]

@@ -7,7 +7,7 @@ use super::*;
 struct ClipCase {
     world: usize,
     clip: Clip,
-    /// "sgd": the fused CPU pass (crate::fused) clips; "adam": at W = 1
+    /// "sgd": the fused CPU pass (crate::optim's CPU loop) clips; "adam": at W = 1
     /// the tensor ops over the flat buffer (FlatGrads::prepare, with
     /// `unfused_step`), at W = 2 the fused Adam pass.
     optimizer: &'static str,

@@ -1,4 +1,4 @@
-//! The sync step's elementwise tail in one pass over memory (CPU, float32).
+//! The CPU loop back-end: the rule's step with the gradient's preparation, one pass (f32).
 //!
 //! After the all-reduce and the norm, PyTorch's pipeline walks the gradients
 //! several times: scale by the clip coefficient (clip_grad_norm_), add weight
@@ -10,25 +10,28 @@
 //! once (SGD with momentum: 24 bytes per element instead of about 48; Adam:
 //! 32 instead of about 120).
 //!
-//! The arithmetic per element is what accrue's tensor-op step
-//! (crate::optim) computes, op for op, in float32: for SGD that is
-//! PyTorch's single-tensor SGD with `x.add(y, alpha=a)` as one fused
-//! multiply-add (what ATen's vectorized `add` does on CPUs with FMA); for
-//! Adam/AdamW it is PyTorch's single-tensor Adam as optim.rs writes it
-//! (one rounding per tensor op, `lerp` as ATen's vectorized kernel: one
-//! fused multiply-add). Every scalar an op takes is computed in f64 and
-//! rounded to f32 once, as ATen does with a Python scalar. On x86_64 the
-//! loops are compiled for AVX2+FMA and chosen at run time, so they
-//! vectorize. Differences from the unfused tensor ops are float rounding
-//! only (tests: `matches_tensor_ops`, `adam_matches_tensor_ops`, and
-//! crate::optim's `fused_*` tests). Adam's square root is the caller's
-//! ([`adam`]'s `sqrt`, over blocks of [`SQRT_BLOCK`] second moments while
-//! they are in cache): ATen's float sqrt (MKL VML on x86) is an ulp off
-//! the correctly rounded root for some inputs, so the engine passes ATen's
-//! own kernel, and the step is then bit for bit the tensor ops'. A
-//! correctly rounded sqrt here once left a denominator an ulp apart, which
-//! bf16 autocast amplified to 8e-5 after four AdamW steps against
-//! PyTorch's AdamW.
+//! The operations per element are the rule's (rule.rs), in its order, in
+//! float32, and their numbers are the rule's ([`Sgd::from_rule`],
+//! [`Adam::from_rule`]: each computed in f64 by the rule and rounded to
+//! f32 once, as ATen does with a Python scalar). For SGD each
+//! `x + y * a` line is one fused multiply-add (PyTorch's `x.add(y,
+//! alpha=a)`: what ATen's vectorized `add` does on CPUs with FMA); the
+//! tensor-op back-end (tensor.rs) rounds some of them twice. For
+//! Adam/AdamW it is the tensor-op back-end's arithmetic exactly (one
+//! rounding per tensor op, `lerp` as ATen's vectorized kernel: one fused
+//! multiply-add). On x86_64 the loops are compiled for AVX2+FMA and chosen
+//! at run time, so they vectorize. Differences from the tensor ops are
+//! float rounding only (tests: `matches_tensor_ops`,
+//! `adam_matches_tensor_ops`, and crate::optim's `fused_*` tests). Adam's
+//! square root is the caller's ([`adam`]'s `sqrt`, over blocks of
+//! [`SQRT_BLOCK`] second moments while they are in cache): ATen's float
+//! sqrt (MKL VML on x86) is an ulp off the correctly rounded root for some
+//! inputs, so the engine passes ATen's own kernel, and the step is then
+//! bit for bit the tensor ops'. A correctly rounded sqrt here once left a
+//! denominator an ulp apart, which bf16 autocast amplified to 8e-5 after
+//! four AdamW steps against PyTorch's AdamW.
+
+use super::rule::{self, AdamCoefs, Decay, SgdCoefs};
 
 /// What happens to the (all-reduced) gradient before the optimizer sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -62,7 +65,8 @@ impl GradPrep {
     }
 }
 
-/// SGD hyper-parameters for one step, in the element type.
+/// SGD hyper-parameters for one step, in the element type
+/// ([`Sgd::from_rule`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sgd {
     pub lr: f32,
@@ -75,6 +79,21 @@ pub struct Sgd {
     /// The momentum buffer is created by this step (`buf = d_p`, PyTorch's
     /// `torch.clone(d_p)`); its old contents are ignored.
     pub first: bool,
+}
+
+impl Sgd {
+    /// The loop's numbers of a step of `rule` with the rule's numbers `c`;
+    /// `first`: the optimizer's first step (the momentum buffer is made).
+    pub fn from_rule(rule: &rule::Sgd, c: &SgdCoefs<f64>, first: bool) -> Self {
+        Sgd {
+            lr: (-c.neg_lr) as f32,
+            momentum: c.momentum as f32,
+            one_minus_dampening: rule.one_minus_dampening() as f32,
+            nesterov: rule.nesterov,
+            weight_decay: c.weight_decay as f32,
+            first: rule.momentum != 0.0 && first,
+        }
+    }
 }
 
 /// One parameter's SGD step, with the gradient prepared on the way in and
@@ -166,8 +185,8 @@ fn sgd_with(p: &mut [f32], g: &mut [f32], buf: &mut [f32], h: Sgd, prep: impl Fn
 }
 
 /// Adam/AdamW hyper-parameters for one step, in the element type. Each is
-/// the scalar one tensor op of accrue's tensor-op Adam (crate::optim)
-/// takes, computed in f64 from the f64 hyper-parameters and rounded once.
+/// the scalar one tensor op of the rule takes ([`Adam::from_rule`]),
+/// computed in f64 by the rule and rounded once.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Adam {
     /// `1 - beta1`: the weight of `exp_avg.lerp_(grad, 1 - beta1)`.
@@ -186,6 +205,27 @@ pub struct Adam {
     pub weight_decay: f32,
     /// AdamW's decoupled decay, `p *= 1 - lr * weight_decay` (None: none).
     pub decay: Option<f32>,
+}
+
+impl Adam {
+    /// The loop's numbers of a step of `rule` with the rule's numbers `c`.
+    pub fn from_rule(rule: &rule::Adam, c: &AdamCoefs<f64>) -> Self {
+        let decay = rule.decay();
+        Adam {
+            lerp_weight: c.one_minus_beta1 as f32,
+            beta2: c.beta2 as f32,
+            one_minus_beta2: c.one_minus_beta2 as f32,
+            bias_correction2_sqrt: c.bc2_sqrt as f32,
+            eps: rule.eps as f32,
+            step_size: c.step_size as f32,
+            weight_decay: if decay == Decay::L2 {
+                c.decay as f32
+            } else {
+                0.0
+            },
+            decay: (decay == Decay::Decoupled).then_some(c.decay as f32),
+        }
+    }
 }
 
 /// Second moments per call of [`adam`]'s `sqrt` (128 KB: they are still

@@ -1,3 +1,5 @@
+//! The CPU loops against op-by-op references and libtorch's own tensor ops.
+
 use super::*;
 use proptest::prelude::*;
 
@@ -107,14 +109,13 @@ fn matches_tensor_ops() {
         let mut p = Vec::<f32>::try_from(&p0).unwrap();
         let mut g = Vec::<f32>::try_from(&g0).unwrap();
         let mut b = Vec::<f32>::try_from(&b0).unwrap();
-        let h = Sgd {
-            lr: lr as f32,
-            momentum: m as f32,
-            one_minus_dampening: (1.0 - damp) as f32,
+        let rule = rule::Sgd {
+            momentum: m,
+            dampening: damp,
             nesterov,
-            weight_decay: wd as f32,
-            first: false,
+            weight_decay: wd,
         };
+        let h = Sgd::from_rule(&rule, &rule.coefs(lr), false);
         sgd(&mut p, &mut g, &mut b, GradPrep::Mul(s as f32), h);
         let got_p = Tensor::from_slice(&p);
         let got_b = Tensor::from_slice(&b);
@@ -130,7 +131,7 @@ fn matches_tensor_ops() {
     }
 }
 
-/// Accrue's tensor-op Adam (crate::optim) written the slow way, one
+/// Accrue's tensor-op Adam (tensor.rs) written the slow way, one
 /// rounding per op, `lerp` as ATen's (one fused multiply-add).
 fn adam_reference(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], prep: GradPrep, h: Adam) {
     for i in 0..p.len() {
@@ -170,18 +171,15 @@ fn adam_hyper() -> impl Strategy<Value = Adam> {
         prop_oneof![Just(0.0f64), 1e-4f64..0.1],
         any::<bool>(),
     )
-        .prop_map(|(beta1, beta2, eps, step, lr, wd, decoupled)| {
-            let step = step as i32;
-            Adam {
-                lerp_weight: (1.0 - beta1) as f32,
-                beta2: beta2 as f32,
-                one_minus_beta2: (1.0 - beta2) as f32,
-                bias_correction2_sqrt: (1.0 - beta2.powi(step)).sqrt() as f32,
-                eps: eps as f32,
-                step_size: (lr / (1.0 - beta1.powi(step))) as f32,
-                weight_decay: if decoupled { 0.0 } else { wd as f32 },
-                decay: (decoupled && wd != 0.0).then_some((1.0 - lr * wd) as f32),
-            }
+        .prop_map(|(beta1, beta2, eps, step, lr, weight_decay, decoupled)| {
+            let rule = rule::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+            };
+            Adam::from_rule(&rule, &rule.coefs(u64::from(step), lr))
         })
 }
 
@@ -295,16 +293,14 @@ fn adam_matches_tensor_ops() {
         let mut fg = Vec::<f32>::try_from(&g0).unwrap();
         let mut fm = Vec::<f32>::try_from(&m0).unwrap();
         let mut fv = Vec::<f32>::try_from(&v0).unwrap();
-        let h = Adam {
-            lerp_weight: (1.0 - beta1) as f32,
-            beta2: beta2 as f32,
-            one_minus_beta2: (1.0 - beta2) as f32,
-            bias_correction2_sqrt: bc2_sqrt as f32,
-            eps: eps as f32,
-            step_size: (lr / bc1) as f32,
-            weight_decay: if decoupled { 0.0 } else { wd as f32 },
-            decay: decoupled.then_some((1.0 - lr * wd) as f32),
+        let rule = rule::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay: wd,
+            decoupled,
         };
+        let h = Adam::from_rule(&rule, &rule.coefs(step as u64, lr));
         adam(
             &mut fp,
             &mut fg,
