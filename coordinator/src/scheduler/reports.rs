@@ -150,12 +150,13 @@ impl Cluster {
         if let Some(w) = self.workers.get_mut(worker) {
             w.step = Some((r.step, r.samples_per_sec / world as f64));
         }
-        if r.rank != 0 {
-            return;
-        }
         let Some(entry) = self.jobs.get_mut(&r.job_id) else {
             return;
         };
+        // The loss and the reports belong to the rank that computes the loss.
+        if r.rank != loss_owner(&entry.job) {
+            return;
+        }
         crate::series::push_step(&mut entry.series, &r, now);
         let c = entry.job.counters.get_or_insert_with(Default::default);
         let reported = c.step;
@@ -259,7 +260,11 @@ impl Cluster {
                 );
                 self.fail(&d.job_id, reason, now, fx);
             }
-            None if d.rank == 0 => {
+            None if self
+                .jobs
+                .get(&d.job_id)
+                .is_some_and(|e| d.rank == loss_owner(&e.job)) =>
+            {
                 if let Some(entry) = self.jobs.get_mut(&d.job_id) {
                     entry.job.checkpoint = d.checkpoint.clone();
                     if d.eval.is_some() {
@@ -290,5 +295,45 @@ impl Cluster {
             None => {}
         }
         self.schedule(now, fx);
+    }
+}
+
+/// The rank whose reports (loss, counters, eval, its end) speak for `job`:
+/// the last pipeline stage's tensor rank 0 of data replica 0
+/// (`ParallelDims::loss_owner`; rank 0 while the model is not split). It
+/// depends on the pipeline and tensor degrees only, which a job keeps for
+/// its whole life.
+pub(crate) fn loss_owner(job: &Job) -> u32 {
+    let p = job.spec.as_ref().and_then(|s| s.parallel.as_ref());
+    accrue_common::spec::ParallelDims {
+        data: 1,
+        pipeline: p.and_then(|p| p.pipeline).unwrap_or(1).max(1),
+        tensor: p.and_then(|p| p.tensor).unwrap_or(1).max(1),
+    }
+    .loss_owner()
+}
+
+#[cfg(test)]
+mod loss_owner_tests {
+    use super::*;
+
+    #[test]
+    fn the_loss_owner_is_the_last_stage_of_the_first_replica() {
+        let job = |pipeline, tensor| Job {
+            spec: Some(v1::JobSpec {
+                parallel: Some(v1::ParallelSpec {
+                    data: None,
+                    pipeline,
+                    tensor,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(loss_owner(&Job::default()), 0);
+        assert_eq!(loss_owner(&job(None, None)), 0);
+        assert_eq!(loss_owner(&job(Some(2), Some(2))), 2);
+        assert_eq!(loss_owner(&job(Some(4), None)), 3);
+        assert_eq!(loss_owner(&job(None, Some(4))), 0);
     }
 }

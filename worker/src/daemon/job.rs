@@ -185,6 +185,7 @@ impl JobThread<'_> {
             Ok(c) => c,
             Err(e) => return Outcome::Failed(e),
         };
+        let mesh_dims = mesh_cfg.dims;
         let ring = match Mesh::form(ring, &mesh_cfg) {
             Ok(m) => MeshCollective::new(m),
             Err(e) => return Outcome::Interrupted(e.to_string()),
@@ -219,10 +220,12 @@ impl JobThread<'_> {
             return Outcome::Failed("no engine".into());
         };
         let out = self.out;
+        // The evaluation reports come from the rank that owns the loss.
+        let loss_owner = mesh_dims.loss_owner();
         let result = engine.run(|ev| {
             let m = match ev {
                 Event::Step(r) => step_msg(&job, generation, rank, r),
-                Event::Eval(_) if rank != 0 => return,
+                Event::Eval(_) if rank != loss_owner => return,
                 Event::Eval(e) => WorkerMessage {
                     msg: Some(worker_message::Msg::Eval(eval_proto(e))),
                     job_id: job.clone(),
