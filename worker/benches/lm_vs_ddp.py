@@ -371,6 +371,9 @@ kind = "constant"
 [checkpoint]
 every_steps = 0
 keep = 1
+
+[comm]
+backend = "{cfg.get('backend', 'auto')}"
 """
 
 
@@ -515,6 +518,9 @@ def main():
                          "as torchrun's children do; unset: they get none of these, as "
                          "`accrue local` runs by default (its workers still get threads = 1) "
                          "(default: %(default)s)")
+    ap.add_argument("--backend", choices=("auto", "ring", "c10d"), default="auto",
+                    help="accrue's [comm] backend: the ring or libtorch's gloo for the "
+                         "gradients (default: %(default)s, the ring on the CPU)")
     ap.add_argument("--_ddp-worker", dest="ddp_worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -551,6 +557,7 @@ def main():
                    else int(args.steps_per_epoch))
             cfg["steps_per_epoch"] = spe
             cfg["accrue_omp_env"] = args.accrue_omp_env == "1"
+            cfg["backend"] = args.backend
             cfg["samples"] = W * K * cfg["b"] * spe
             t = cfg["seq_len"]
             if (t, spe) not in data_files:

@@ -1,4 +1,4 @@
-//! The data set readers (worker/src/data.rs) on small files written in the
+//! The data set readers (worker/src/source/data.rs) on small files written in the
 //! real formats: MNIST IDX files, CIFAR-10 binary batches and safetensors
 //! files with `x` and `y`. Every failure must name the file and say what is
 //! wrong with it.

@@ -1,4 +1,4 @@
-//! The Llama family's fused operations (worker/src/fused_ops.rs) against
+//! The Llama family's fused operations (worker/src/cuda/fused_ops.rs) against
 //! the chains of ops transformers runs under autocast, through autograd:
 //! on the CPU their reference implementation (ATen's ops, with a
 //! hand-written backward), on CUDA accrue's kernels against that

@@ -225,7 +225,7 @@ impl Group for RingGroup {
         op: ReduceOp,
     ) -> Result<Pending, GroupError> {
         check_scatter(out, input, self.size())?;
-        let (rank, size) = (self.rank(), self.size());
+        let rank = self.rank();
         let n = out.numel() as i64;
         if op == ReduceOp::Sum && input.kind() != Kind::Int64 {
             let mut v = Self::host_f32(input)?;
@@ -240,7 +240,6 @@ impl Group for RingGroup {
             out.shallow_clone()
                 .f_copy_(&mine.f_view(out.size().as_slice())?)?;
         }
-        let _ = size;
         Ok(Pending::done())
     }
     fn all_gather(&mut self, out: &Tensor, input: &Tensor) -> Result<Pending, GroupError> {

@@ -5,12 +5,15 @@
 //! [`crate::shard`]) and implements [`crate::collective::Collective`]; its
 //! errors are its own ([`CommError`]), which the worker's `error::Error`
 //! wraps from above.
-pub use crate::chunks;
 pub mod c10d;
+pub mod chunks;
+pub mod collective;
 pub mod group;
 pub mod mesh;
 pub mod mesh_collective;
 pub mod ring;
+pub(crate) mod ring_buckets;
+pub mod shard;
 pub mod wire;
 
 pub use ring::{bind, CommError, RingConfig, TcpRing};

@@ -15,7 +15,11 @@ use crate::batch::Batch;
 use crate::error::{Result, TorchContext};
 use tch::{Device, Kind, Tensor};
 
+pub mod batch;
+pub mod data;
 mod lm;
+pub mod rng;
+pub mod sampler;
 pub mod sequences;
 pub mod tokens;
 

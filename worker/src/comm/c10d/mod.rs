@@ -5,8 +5,9 @@
 //! name in the store world rank 0 hosts for the generation.
 //!
 //! Every operation returns a handle ([`Work`]) at once; waiting is bounded
-//! by the group's timeout, and a failed or timed-out wait aborts the group,
-//! so a lost peer is an error on every survivor, never a hang.
+//! by the group's timeout (gloo's own operation timeout is the same), so a
+//! lost peer is an error on every survivor, never a hang; the group is then
+//! done (the generation drops it, or `abort` fails what is still pending).
 
 pub mod store;
 
