@@ -126,7 +126,7 @@ impl<C: Collective> Engine<C> {
         if self.collective.world_size() == 1 {
             // A sharded job shrunk to one rank holds half a state: it too
             // must roll back (or fail naming the lost shard).
-            if self.sharded() && !self.shard_in_place() {
+            if !self.placement.holds_whole_state() && !self.shard_in_place() {
                 let mine = self.state.step + 1;
                 return self.sync_sharded(&[mine], mine);
             }
@@ -144,7 +144,7 @@ impl<C: Collective> Engine<C> {
         if best == 0 {
             return self.broadcast_state(0);
         }
-        if self.sharded() {
+        if !self.placement.holds_whole_state() {
             return self.sync_sharded(&steps, best);
         }
         let mut bytes = if rank == source {
