@@ -502,4 +502,3 @@ pub(super) enum LossScaleBy<'a> {
     /// A 0-dim device tensor (the graph body: a value the graph reads).
     Tensor(&'a Tensor),
 }
-

@@ -45,9 +45,7 @@ impl WindowSums {
             return Ok(false);
         };
         for ((_, t), a) in p.params.iter().zip(&acc) {
-            t.grad()
-                .f_copy_(a)
-                .ctx("restoring accumulated gradients")?;
+            t.grad().f_copy_(a).ctx("restoring accumulated gradients")?;
         }
         Ok(true)
     }

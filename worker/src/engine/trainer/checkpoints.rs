@@ -41,5 +41,4 @@ impl<C: Collective> Engine<C> {
         self.last_checkpoint = Some((self.state.step, path.clone()));
         Ok(path)
     }
-
 }

@@ -105,10 +105,7 @@ impl<'e, C: Collective> Trainer<'e, C> {
         let every = e.spec.checkpoint.every_steps;
         let eval_every = e.spec.eval.every_epochs;
         let epoch_ended = e.state.cursor == 0;
-        if eval_every > 0
-            && epoch_ended
-            && e.state.epoch.is_multiple_of(eval_every)
-            && !e.is_done()
+        if eval_every > 0 && epoch_ended && e.state.epoch.is_multiple_of(eval_every) && !e.is_done()
         {
             if let Some(r) = e.evaluate()? {
                 on_event(Event::Eval(&r));
