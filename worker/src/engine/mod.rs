@@ -242,7 +242,7 @@ impl<C: Collective> Engine<C> {
                 spec.performance.cuda_graphs,
                 device.is_cuda(),
                 cfg!(accrue_cuda),
-                spec.sharding.stage,
+                placement.stage(),
             )
         };
         // A source read on the host is staged: each micro-batch is copied

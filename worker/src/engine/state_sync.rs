@@ -201,7 +201,7 @@ impl<C: Collective> Engine<C> {
         }
         Err(Error::Sharding(format!(
             "a re-formed ring of a job with sharding.stage = {} needs every rank's optimizer shard for its place in the new ring, and ranks hold committed steps {steps:?} with shards in place {placed:?} (a lost rank's shard is gone; shard replicas are not built yet) and no common checkpoint to roll back to (checkpoint steps + 1 by rank: {at:?}); set checkpoint.every_steps so a sharded job can recover",
-            self.spec.sharding.stage
+            self.placement.stage()
         )))
     }
 

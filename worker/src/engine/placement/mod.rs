@@ -283,3 +283,51 @@ impl<C: Collective> super::Engine<C> {
         placement.load_optimizer_state(&mut parts, saved, steps)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::SingleRank;
+
+    #[test]
+    fn each_stage_has_its_strategy_and_state_shape() {
+        for stage in 0..3 {
+            let p = for_stage::<SingleRank>(stage);
+            assert_eq!(p.stage(), stage);
+            // Stage 0 steps every parameter; sharded stages one flat slice.
+            let want = if stage == 0 { 7 } else { 1 };
+            assert_eq!(p.stepped_tensors(7), want);
+            assert_eq!(p.holds_whole_state(), stage == 0);
+            // A fresh strategy holds no state that could be out of place.
+            assert!(p.state_in_place((4, 2)));
+        }
+    }
+
+    #[test]
+    fn the_norm_is_combined_over_exactly_the_distinct_axes() {
+        // Replicated: no axis holds distinct elements (counted once).
+        let replicated = for_stage::<SingleRank>(0);
+        assert!(replicated.norm_axes().is_empty());
+        for stage in 1..3 {
+            assert_eq!(for_stage::<SingleRank>(stage).norm_axes(), &[Axis::Data]);
+        }
+        let mut c = SingleRank;
+        // Over no axis: this rank's partial alone (sum of squares -> sqrt).
+        assert_eq!(combine_norm(&mut c, 25.0, &[], 2.0).unwrap(), 5.0);
+        // Over the data axis of one rank: the same; inf takes the max.
+        assert_eq!(combine_norm(&mut c, 25.0, &[Axis::Data], 2.0).unwrap(), 5.0);
+        assert_eq!(
+            combine_norm(&mut c, 3.0, &[Axis::Data], f64::INFINITY).unwrap(),
+            3.0
+        );
+    }
+
+    #[test]
+    fn the_tally_is_reduced_over_the_loss_owner() {
+        assert_eq!(LOSS_OWNER, &[Axis::Data]);
+        let mut c = SingleRank;
+        let mut tally = vec![1.0, 2.0];
+        reduce_tally(&mut c, &mut tally).unwrap();
+        assert_eq!(tally, vec![1.0, 2.0]);
+    }
+}
