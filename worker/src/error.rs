@@ -87,6 +87,9 @@ pub enum Error {
     Sharding(String),
     #[error("CUDA graph: {what}: {reason}")]
     Graph { what: &'static str, reason: String },
+    /// The step schedule yielded an operation the engine cannot run there.
+    #[error("step schedule: {0}")]
+    Schedule(String),
     /// libtorch's profiler refused to start or to write its trace.
     #[error("profiler: {0}")]
     Profiler(String),

@@ -2,31 +2,34 @@
 //!
 //! Micro-step: forward, loss, backward; gradients add into the parameters'
 //! `.grad` (the accumulation buffers) and nothing is communicated (`sync =
-//! "boundary"`). Sync step (the k-th micro-step or the epoch's last): one
-//! pipeline, [`Engine::sync_step`]: reduce(grads, counts) -> normalize -> clip
-//! -> optimizer step -> schedule -> zero grads -> commit.
+//! "boundary"`). Sync step (the schedule's, after k micro-steps or the
+//! epoch's last): one pipeline, [`Engine::sync_step`]: reduce(grads, tally)
+//! -> normalize -> clip -> optimizer step -> schedule -> zero grads ->
+//! commit.
 //!
-//! One concern per module: [`window`] (micro-steps, the sync step and the
-//! window's accounting), [`plan`] (sharding and the window plan for the
-//! current world size and k), [`state_sync`] (bringing every rank to the
-//! newest committed state), [`eval`] (the held-out split) and [`flat`]
-//! (tensors to and from flat host buffers). This file holds the engine, its
-//! set-up and the run loop.
+//! One concern per module: [`window`] (micro-steps and the sync step),
+//! [`placement`] (who owns which parameters, gradients and optimizer
+//! state: ZeRO stages 0, 1, 2 as strategies behind one trait),
+//! [`trainer`] (the step schedule, the run loop, accounting, events,
+//! evaluation and checkpoints), [`plan`] (sharding the data and the window
+//! plan for the current world size and k), [`state_sync`] (bringing every
+//! rank to the newest committed state) and [`flat`] (tensors to and from
+//! flat host buffers). This file holds the engine and its set-up.
 
-mod eval;
 mod flat;
 mod graph;
 mod options;
+mod placement;
 mod plan;
 mod report;
 mod resume;
 mod setup;
 mod state_sync;
 mod sync_graph;
+mod trainer;
 mod verdict;
 mod window;
 mod workload;
-mod zero;
 
 pub use flat::{flatten, unflatten};
 use options::Agreed;
@@ -76,11 +79,11 @@ pub struct Engine<C: Collective> {
     /// The sync step's CUDA graph.
     sync_graph: sync_graph::SyncGraph,
     window: Window,
-    /// sync = every_step: the reduced gradients of the window so far.
-    acc: Option<Vec<Tensor>>,
-    /// ZeRO stage 2 with sync = every_step: this rank's slice of the
-    /// window's reduced gradients so far (the buffer is released).
-    zero_acc: Option<Tensor>,
+    /// Who owns which parameters, gradients and optimizer state
+    /// (engine/placement/): ZeRO stage 0, 1 or 2.
+    placement: Box<dyn placement::Placement<C>>,
+    /// The micro-step / sync-step sequence of a window (engine/trainer/).
+    step_schedule: Box<dyn trainer::StepSchedule>,
     /// The most gradient bytes held after a micro-step that was not a
     /// sync step ([`Engine::gradient_bytes`]; for the logs and benchmarks).
     most_grad_between: usize,
@@ -103,13 +106,6 @@ pub struct Engine<C: Collective> {
     /// Whether this rank holds the job's committed state (it resumed or
     /// committed a step), as opposed to fresh initial weights.
     holds_committed: bool,
-    /// Under sharding: the (world size, rank) whose slice the optimizer
-    /// state holds (None: no state yet).
-    zero_layout: Option<(usize, usize)>,
-    /// Under sharding: the slice was stepped but the step not finished
-    /// (its parameters not all-gathered): its state is ahead of the
-    /// committed step.
-    zero_dirty: bool,
     /// Rank 0's writer lock on the checkpoint folder (None on other ranks).
     folder_lock: Option<checkpoint::lock::FolderLock>,
 }
@@ -188,14 +184,13 @@ impl<C: Collective> Engine<C> {
             .max_steps
             .unwrap_or(spec.epochs.unwrap_or(1) * plan.windows() as u64);
         let schedule = Schedule::from_spec(&spec, total_steps);
-        // ZeRO stages 1 and 2 step one flat slice: one parameter's worth of
-        // state.
-        let stepped = if spec.sharding.stage >= 1 {
-            1
-        } else {
-            model.params.len()
-        };
-        let optimizer = Optimizer::new(&spec.optimizer, stepped);
+        // The placement decides the optimizer state's shape (ZeRO stages 1
+        // and 2 step one flat slice: one parameter's worth of state).
+        let placement = placement::for_stage::<C>(spec.sharding.stage);
+        let optimizer = Optimizer::new(
+            &spec.optimizer,
+            placement.stepped_tensors(model.params.len()),
+        );
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
         let grads = FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?;
         let checkpoint_dir = opts
@@ -247,7 +242,7 @@ impl<C: Collective> Engine<C> {
                 spec.performance.cuda_graphs,
                 device.is_cuda(),
                 cfg!(accrue_cuda),
-                spec.sharding.stage,
+                placement.stage(),
             )
         };
         // A source read on the host is staged: each micro-batch is copied
@@ -283,8 +278,8 @@ impl<C: Collective> Engine<C> {
             graph,
             sync_graph: sync_graph::SyncGraph::default(),
             window: Window::default(),
-            acc: None,
-            zero_acc: None,
+            placement,
+            step_schedule: Box::new(trainer::AccumulateThenSync),
             most_grad_between: 0,
             agreed: Agreed::default(),
             grads,
@@ -295,8 +290,6 @@ impl<C: Collective> Engine<C> {
             opts,
             last_checkpoint: None,
             holds_committed: false,
-            zero_layout: None,
-            zero_dirty: false,
             folder_lock: None,
         };
         engine.check_sharding()?;
@@ -416,191 +409,5 @@ impl<C: Collective> Engine<C> {
 
     pub fn is_done(&self) -> bool {
         self.state.step >= self.total_steps
-    }
-    /// Writes a checkpoint of the committed state (rank 0 writes; the
-    /// others hold identical parameters).
-    pub fn checkpoint(&mut self) -> Result<PathBuf> {
-        if let Some((step, path)) = &self.last_checkpoint {
-            if *step == self.state.step {
-                return Ok(path.clone());
-            }
-        }
-        // Under sharding every rank takes part in gathering the state.
-        let opt = self.optimizer_state()?;
-        let path = if self.collective.rank() == 0 {
-            if self.folder_lock.is_none() {
-                self.take_folder_lock()?;
-            }
-            let model = self.model_state();
-            checkpoint::write(
-                &self.checkpoint_dir,
-                &self.state,
-                &model,
-                &opt,
-                &self.extra_files,
-                &checkpoint::WriteOptions {
-                    keep: self.spec.checkpoint.keep as usize,
-                    owner: self.owner.clone(),
-                    protect_upto: self.protect_upto,
-                },
-            )?
-        } else {
-            self.checkpoint_dir
-                .join(format!("step-{}", self.state.step))
-        };
-        self.last_checkpoint = Some((self.state.step, path.clone()));
-        Ok(path)
-    }
-
-    /// Trains to the end (or `stop_after_steps`), checkpointing and
-    /// evaluating as the spec says; always leaves a checkpoint of the last step.
-    pub fn run(&mut self, mut on_event: impl FnMut(Event<'_>)) -> Result<Summary> {
-        self.model.set_train(true)?;
-        let every = self.spec.checkpoint.every_steps;
-        let eval_every = self.spec.eval.every_epochs;
-        let mut stopped = false;
-        let mut profiling = Profiling {
-            from: self.state.step,
-            ..Profiling::default()
-        };
-        let mut last_skip: Option<&'static str> = None;
-        while !self.is_done() {
-            self.profile_tick(&mut profiling, false)?;
-            let Some(report) = self.micro_step()? else {
-                continue;
-            };
-            on_event(Event::Step(&report));
-            if report.skipped {
-                last_skip = report.skip_reason.or(last_skip);
-                // Every rank agreed on the skip: all stop at this step.
-                if let Some(why) = verdict::too_many_skipped(
-                    self.state.skipped_steps,
-                    self.total_steps,
-                    self.spec.max_skipped_fraction(),
-                    last_skip,
-                ) {
-                    return Err(Error::Skipped(why));
-                }
-            }
-            let epoch_ended = self.state.cursor == 0;
-            if eval_every > 0
-                && epoch_ended
-                && self.state.epoch.is_multiple_of(eval_every)
-                && !self.is_done()
-            {
-                if let Some(e) = self.evaluate()? {
-                    on_event(Event::Eval(&e));
-                }
-            }
-            if every > 0 && self.state.step.is_multiple_of(every) && !self.is_done() {
-                let p = self.checkpoint()?;
-                on_event(Event::Checkpoint(&p));
-            }
-            let requested = self.opts.control.clone();
-            if std::mem::take(&mut self.agreed.checkpoint) && !self.is_done() {
-                let p = self.checkpoint()?;
-                on_event(Event::Checkpoint(&p));
-            }
-            if requested
-                .as_ref()
-                .is_some_and(|c| c.reform.load(std::sync::atomic::Ordering::SeqCst))
-                && !self.is_done()
-            {
-                return Err(Error::Interrupted(format!(
-                    "leaving at step {} for a new generation",
-                    self.state.step
-                )));
-            }
-            // A stop asked of any rank, agreed at this step's reduction, or
-            // this rank's leave (after the agreed checkpoint above).
-            if (self.agreed.stop
-                || self.agreed.leave
-                || self
-                    .opts
-                    .stop_after_steps
-                    .is_some_and(|s| self.state.step >= s))
-                && !self.is_done()
-            {
-                stopped = true;
-                break;
-            }
-        }
-        self.profile_tick(&mut profiling, true)?;
-        if !stopped {
-            if let Some(why) =
-                verdict::nothing_applied(self.state.optimizer_steps, self.state.step, last_skip)
-            {
-                return Err(Error::Skipped(why));
-            }
-        }
-        tracing::info!(
-            rank = self.collective.rank(),
-            stage = self.spec.sharding.stage,
-            optimizer_state_bytes = self.optimizer_state_bytes(),
-            gradient_bytes_between_micro_steps = self.most_grad_between,
-            gradient_bytes_after_sync = self.gradient_bytes(),
-            "optimizer state held by this rank"
-        );
-        let checkpoint = self.checkpoint()?;
-        on_event(Event::Checkpoint(&checkpoint));
-        let eval = if stopped { None } else { self.evaluate()? };
-        if let Some(e) = &eval {
-            on_event(Event::Eval(e));
-        }
-        Ok(Summary {
-            state: self.state.clone(),
-            eval,
-            checkpoint,
-            finished: !stopped,
-        })
-    }
-}
-
-/// The run loop's profiler ([`RunOptions::profile`]): the session while it
-/// records, whether it has been written, and the step this run started at.
-#[derive(Default)]
-struct Profiling {
-    session: Option<crate::profiler::Session>,
-    finished: bool,
-    from: u64,
-}
-
-impl<C: Collective> Engine<C> {
-    /// Starts or stops the profiler as [`crate::profiler::decide`] says,
-    /// between windows; `done`: the run loop has ended.
-    fn profile_tick(&mut self, p: &mut Profiling, done: bool) -> Result<()> {
-        use crate::profiler::{decide, Act, Session};
-        let Some(spec) = &self.opts.profile else {
-            return Ok(());
-        };
-        let steps_run = self.state.step.saturating_sub(p.from);
-        let in_window = !done && self.window.in_flight();
-        match decide(
-            spec,
-            steps_run,
-            in_window,
-            p.session.is_some(),
-            done,
-            p.finished,
-        ) {
-            Act::Start => {
-                p.session = Some(Session::start(self.device.is_cuda())?);
-                tracing::info!(step = self.state.step, path = %spec.path.display(), "profiling");
-            }
-            Act::Stop => {
-                if let Some(session) = p.session.take() {
-                    let events = session.finish(&spec.path)?;
-                    p.finished = true;
-                    tracing::info!(
-                        step = self.state.step,
-                        events,
-                        path = %spec.path.display(),
-                        "profile written"
-                    );
-                }
-            }
-            Act::Nothing => {}
-        }
-        Ok(())
     }
 }

@@ -126,7 +126,7 @@ impl<C: Collective> Engine<C> {
         if self.collective.world_size() == 1 {
             // A sharded job shrunk to one rank holds half a state: it too
             // must roll back (or fail naming the lost shard).
-            if self.sharded() && !self.shard_in_place() {
+            if !self.placement.holds_whole_state() && !self.shard_in_place() {
                 let mine = self.state.step + 1;
                 return self.sync_sharded(&[mine], mine);
             }
@@ -144,7 +144,7 @@ impl<C: Collective> Engine<C> {
         if best == 0 {
             return self.broadcast_state(0);
         }
-        if self.sharded() {
+        if !self.placement.holds_whole_state() {
             return self.sync_sharded(&steps, best);
         }
         let mut bytes = if rank == source {
@@ -201,7 +201,7 @@ impl<C: Collective> Engine<C> {
         }
         Err(Error::Sharding(format!(
             "a re-formed ring of a job with sharding.stage = {} needs every rank's optimizer shard for its place in the new ring, and ranks hold committed steps {steps:?} with shards in place {placed:?} (a lost rank's shard is gone; shard replicas are not built yet) and no common checkpoint to roll back to (checkpoint steps + 1 by rank: {at:?}); set checkpoint.every_steps so a sharded job can recover",
-            self.spec.sharding.stage
+            self.placement.stage()
         )))
     }
 

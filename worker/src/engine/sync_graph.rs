@@ -62,7 +62,7 @@ impl<C: Collective> Engine<C> {
     /// norm is not finite; the gradients zeroed either way), None when the
     /// caller runs the eager path (the reason is in the window's report).
     pub(super) fn sync_on_device(&mut self, divisor: f64, lr: f64) -> Result<Option<f64>> {
-        let blocked = graphs::sync_blocker(self.spec.sharding.stage, self.optimizer.has_state());
+        let blocked = graphs::sync_blocker(self.placement.stage(), self.optimizer.has_state());
         let action =
             graphs::decide_unless(self.graph.mode(), &self.sync_graph.holder.phase, blocked);
         let mut failure = None;

@@ -1,14 +1,18 @@
 //! The window: micro-steps (forward, loss, backward into the accumulation
-//! buffers), the sync step that commits them as one optimizer step, and the
-//! window's accounting (counts, loss, timing, the sample audit log).
+//! buffers) in the step schedule's order, and the sync step that commits
+//! them as one optimizer step (the reductions, norm and step are the
+//! placement's: engine/placement/; the commit is the trainer's accounting:
+//! engine/trainer/accounting.rs), and the sample audit log.
 
-use super::{Engine, StepReport, Timing};
+use super::trainer::{Op, SyncOutcome};
+use super::{Engine, StepReport};
 use crate::collective::Collective;
-use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::error::{Error, Result, TorchContext};
 use crate::graphs::EagerReason;
 use crate::optim::GradPrep;
 use crate::spec::{Normalize, OnNonfinite, SyncMode};
 use crate::tally::WindowTally;
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -18,16 +22,19 @@ use tch::Tensor;
 #[derive(Debug, Default)]
 pub(super) struct Window {
     /// Micro-steps run in this window (the cursor advances by this).
-    micro: usize,
+    pub(super) micro: usize,
+    /// What the step schedule says is left of this window
+    /// (engine/trainer/step_schedule.rs), made at its first micro-step.
+    ops: VecDeque<Op>,
     /// Non-empty micro-batches among them (`mean` divides by their global sum).
     batches: usize,
     /// Loss terms of the window's batches ([`crate::batch::Batch::count`]).
     count: u64,
-    started: Option<Instant>,
-    compute: Duration,
-    comm: Duration,
+    pub(super) started: Option<Instant>,
+    pub(super) compute: Duration,
+    pub(super) comm: Duration,
     /// Collective byte counters when the window started.
-    bytes_at_start: (u64, u64),
+    pub(super) bytes_at_start: (u64, u64),
     /// With a sample log: the data set indices this rank's reads fetched in
     /// this window, recorded where the reader is called, in reading order.
     read: Vec<i64>,
@@ -65,8 +72,7 @@ impl<C: Collective> Engine<C> {
     pub fn discard_window(&mut self) -> Result<()> {
         let w = std::mem::take(&mut self.window);
         self.state.micro_step = self.state.micro_step.saturating_sub(w.micro as u64);
-        self.acc = None;
-        self.zero_acc = None;
+        self.placement.discard();
         self.grads.zero()
     }
 
@@ -118,8 +124,18 @@ impl<C: Collective> Engine<C> {
             self.window.started = Some(started);
             self.window.bytes_at_start = self.collective.bytes();
             self.graph.zero_loss(self.device)?;
+            self.window.ops = self
+                .step_schedule
+                .window(&self.plan, self.state.cursor as usize);
         }
-        let m = self.state.cursor as usize + self.window.micro;
+        let m = match self.window.ops.pop_front() {
+            Some(Op::Micro { index }) => index,
+            other => {
+                return Err(Error::Schedule(format!(
+                    "a micro-step expected, the schedule has {other:?}"
+                )))
+            }
+        };
         let (a, b) = self.plan.micro_batch_range(m);
         // ZeRO stage 2 freed the buffer after the last reduction.
         self.grads.restore(&self.model.params)?;
@@ -139,7 +155,8 @@ impl<C: Collective> Engine<C> {
             self.reduce_micro_step()?;
             self.window.comm += t.elapsed();
         }
-        if self.plan.is_sync(m) {
+        if self.window.ops.front() == Some(&Op::Sync) {
+            self.window.ops.pop_front();
             return self.sync_step().map(Some);
         }
         self.most_grad_between = self.most_grad_between.max(self.gradient_bytes());
@@ -245,32 +262,11 @@ impl<C: Collective> Engine<C> {
         Ok(Some(out.sum))
     }
 
-    /// sync = every_step: all-reduce this micro-step's gradients now and add
-    /// them to the window's accumulation buffers.
+    /// sync = every_step: reduce this micro-step's gradients now and add
+    /// them to the window's sums (as the placement keeps them).
     fn reduce_micro_step(&mut self) -> Result<()> {
-        if self.spec.sharding.stage >= 2 {
-            return self.zero_reduce_micro_step();
-        }
-        let grads = self.model.grads();
-        self.grads.all_reduce(&mut self.collective, &mut [])?;
-        let _guard = tch::no_grad_guard();
-        match &mut self.acc {
-            None => {
-                self.acc = Some(
-                    grads
-                        .iter()
-                        .map(|g| g.f_detach_copy())
-                        .collect::<Result<_, _>>()
-                        .ctx("accumulating")?,
-                )
-            }
-            Some(acc) => {
-                for (a, g) in acc.iter_mut().zip(&grads) {
-                    a.f_add_(g).ctx_("accumulating")?;
-                }
-            }
-        }
-        self.grads.zero()
+        let (placement, mut parts) = self.placed();
+        placement.reduce_micro_step(&mut parts)
     }
 
     /// The sync-step pipeline.
@@ -283,8 +279,8 @@ impl<C: Collective> Engine<C> {
         if let Some(path) = self.opts.sample_log.clone() {
             self.log_window(&path)?;
         }
-        let grads = self.model.grads();
-        // 1. reduce gradients and the window's counts over all ranks.
+        // 1. reduce the gradients over the data axis and the window's
+        // tally over the loss owner's group (engine/placement/).
         let t_comm = Instant::now();
         let loss_sum = if self.window.batches > 0 {
             self.graph.loss_sum()?
@@ -314,22 +310,9 @@ impl<C: Collective> Engine<C> {
         }
         .encode()
         .to_vec();
-        match self.acc.take() {
-            Some(acc) => {
-                for (g, a) in grads.iter().zip(&acc) {
-                    g.shallow_clone()
-                        .f_copy_(a)
-                        .ctx("restoring accumulated gradients")?;
-                }
-                self.collective.all_reduce_sum(&mut stats)?;
-            }
-            None if self.sharded() => {
-                self.collective.all_reduce_sum(&mut stats)?;
-                if self.zero_acc.is_none() {
-                    self.zero_reduce()?;
-                }
-            }
-            None => self.grads.all_reduce(&mut self.collective, &mut stats)?,
+        {
+            let (placement, mut parts) = self.placed();
+            placement.reduce(&mut parts, &mut stats)?;
         }
         let comm = self.window.comm + t_comm.elapsed();
         let global = WindowTally::decode(&stats);
@@ -379,12 +362,10 @@ impl<C: Collective> Engine<C> {
         let norm = match on_device {
             _ if no_terms => 0.0,
             Some(norm) => norm,
-            None if self.sharded() => self.zero_norm(norm_type)?,
-            None => self
-                .grads
-                .norm(norm_type)?
-                .f_double_value(&[])
-                .ctx("reading the gradient norm")?,
+            None => {
+                let (placement, mut parts) = self.placed();
+                placement.clip_norm(&mut parts, norm_type)?
+            }
         };
         let grad_norm = if no_terms { 0.0 } else { norm / divisor };
         let mut clip_coef = 1.0;
@@ -438,104 +419,38 @@ impl<C: Collective> Engine<C> {
         };
         let mut clip_s = t_clip.elapsed();
         let mut prep_s = Duration::ZERO;
-        // 4. optimizer step, zero grads. On CPU (SGD, Adam, AdamW): one fused pass per
-        // parameter that also applies `prep` and zeroes the gradient
-        // (crate::optim's CPU loop); otherwise the same as tensor ops, pass by pass.
+        // 4. optimizer step of what this rank owns, parameters back on
+        // every rank, gradients cleared: the placement's (engine/placement/).
         let t_opt = Instant::now();
         if on_device.is_some() {
             // The device did it all: count the step it took.
             self.optimizer.steps += u64::from(prep.is_some());
             clip_s = Duration::ZERO;
         } else {
-            let fused = match prep {
-                // Under sharding: this rank's slice only (engine/zero.rs).
-                Some(prep) if self.sharded() => {
-                    self.zero_step(prep, lr)?;
-                    self.clear_grads()?;
-                    true
-                }
-                Some(prep) => match self.grads.cpu_mut() {
-                    Some(g) if !self.opts.unfused_step => {
-                        self.optimizer.step_fused(&self.model.params, g, lr, prep)?
-                    }
-                    _ => false,
-                },
-                None => false,
-            };
-            if fused {
-                self.grads.zero_extra()?;
-            } else {
-                if let Some(prep) = prep {
-                    let t = Instant::now();
-                    self.grads.prepare(prep)?;
-                    prep_s = t.elapsed();
-                    clip_s += prep_s;
-                    self.optimizer.step(&self.model.params, lr)?;
-                }
-                self.clear_grads()?;
-            }
+            let (placement, mut parts) = self.placed();
+            prep_s = placement.step(&mut parts, prep, lr)?;
+            clip_s += prep_s;
         }
         let optimizer_s = match on_device {
             Some(_) => device_s,
             None => t_opt.elapsed().saturating_sub(prep_s),
         };
-        // 5. commit.
-        self.holds_committed = true;
-        let s = &mut self.state;
-        s.step += 1;
-        s.samples_seen += global_count;
-        s.skipped_steps += skipped as u64;
-        s.optimizer_steps = self.optimizer.steps;
-        // GradScaler backs off on an overflow only.
-        let overflow = skipped && !no_terms;
-        s.loss_scale = scaler.map(|ls| ls.update(&self.spec.loss_scaling, overflow));
-        s.lr = lr;
-        s.cursor += self.window.micro as u64;
-        if s.cursor as usize >= self.plan.micro_batches() {
-            s.epoch += 1;
-            s.cursor = 0;
-            if s.epoch_offset > 0 {
-                // The next epoch is sharded whole again.
-                s.epoch_offset = 0;
-                let (world, rank) = (self.collective.world_size(), self.collective.rank());
-                self.set_plan(world, rank, 0);
-            }
-        }
-        let s = &mut self.state;
-        let wall = self.window.started.map(|t| t.elapsed()).unwrap_or_default();
-        let window = std::mem::take(&mut self.window);
-        let (sent, received) = self.collective.bytes();
-        Ok(StepReport {
-            step: s.step,
-            total_steps: self.total_steps,
-            epoch: s.epoch,
-            micro_step: s.micro_step,
-            loss: loss_sum_global(global.loss_sum, global_count),
+        // 5. commit: the trainer's accounting (engine/trainer/accounting.rs).
+        Ok(self.commit(SyncOutcome {
+            global_count,
+            loss_sum: global.loss_sum,
             grad_norm,
             clip_coef,
             skipped,
             skip_reason,
-            samples: global_count,
-            samples_seen: s.samples_seen,
+            // GradScaler backs off on an overflow only.
+            overflow: skipped && !no_terms,
+            scaler,
             lr,
-            samples_per_sec: global_count as f64 / wall.as_secs_f64().max(1e-9),
-            timing: Timing {
-                compute_s: window.compute.as_secs_f64(),
-                comm_s: comm.as_secs_f64(),
-                clip_s: clip_s.as_secs_f64(),
-                optimizer_s: optimizer_s.as_secs_f64(),
-            },
-            bytes_sent: sent - window.bytes_at_start.0,
-            bytes_received: received - window.bytes_at_start.1,
-            job_bytes_sent: sent,
-            job_bytes_received: received,
-            loss_scale: scaler.map_or(0.0, |ls| f64::from(ls.scale)),
-            graph_replays: window.graph_replays,
-            eager_reason: window.eager_reason,
-            sync_graph_replayed: window.sync_replayed,
-            sync_eager_reason: window.sync_eager_reason,
-            resumed_from: self.resumed_from.take().unwrap_or_default(),
-        })
+            comm,
+            clip: clip_s,
+            optimizer: optimizer_s,
+        }))
     }
 
     /// fp16's loss scale now (the state's, or the spec's initial one for a
@@ -586,8 +501,4 @@ pub(super) enum LossScaleBy<'a> {
     Scalar(f64),
     /// A 0-dim device tensor (the graph body: a value the graph reads).
     Tensor(&'a Tensor),
-}
-
-fn loss_sum_global(sum: f64, count: u64) -> f64 {
-    sum / count.max(1) as f64
 }

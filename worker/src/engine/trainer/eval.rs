@@ -1,8 +1,8 @@
 //! Evaluation on the held-out split: the objective's metrics summed over
 //! its batches.
 
-use super::{Engine, EvalReport};
 use crate::collective::Collective;
+use crate::engine::{Engine, EvalReport};
 use crate::error::Result;
 use crate::objective::EvalSums;
 

@@ -1,0 +1,44 @@
+//! The trainer's checkpoints: the committed state written by rank 0 (every rank gathers what it owns).
+
+use crate::checkpoint;
+use crate::collective::Collective;
+use crate::engine::Engine;
+use crate::error::Result;
+use std::path::PathBuf;
+
+impl<C: Collective> Engine<C> {
+    /// Writes a checkpoint of the committed state (rank 0 writes; the
+    /// others hold identical parameters).
+    pub fn checkpoint(&mut self) -> Result<PathBuf> {
+        if let Some((step, path)) = &self.last_checkpoint {
+            if *step == self.state.step {
+                return Ok(path.clone());
+            }
+        }
+        // Under sharding every rank takes part in gathering the state.
+        let opt = self.optimizer_state()?;
+        let path = if self.collective.rank() == 0 {
+            if self.folder_lock.is_none() {
+                self.take_folder_lock()?;
+            }
+            let model = self.model_state();
+            checkpoint::write(
+                &self.checkpoint_dir,
+                &self.state,
+                &model,
+                &opt,
+                &self.extra_files,
+                &checkpoint::WriteOptions {
+                    keep: self.spec.checkpoint.keep as usize,
+                    owner: self.owner.clone(),
+                    protect_upto: self.protect_upto,
+                },
+            )?
+        } else {
+            self.checkpoint_dir
+                .join(format!("step-{}", self.state.step))
+        };
+        self.last_checkpoint = Some((self.state.step, path.clone()));
+        Ok(path)
+    }
+}
