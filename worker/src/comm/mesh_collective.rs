@@ -160,7 +160,7 @@ impl Collective for MeshCollective {
                 // reduce-scatter needs even ones, so sum the whole buffer
                 // unless they are even.
                 let len = buf.len();
-                if len % world != 0 {
+                if !len.is_multiple_of(world) {
                     return sum(g, buf);
                 }
                 let own = crate::shard::slice(len, world, rank);
@@ -182,7 +182,7 @@ impl Collective for MeshCollective {
             Some(g) => {
                 let len = buf.len();
                 let own = crate::shard::slice(len, world, rank);
-                if len % world != 0 {
+                if !len.is_multiple_of(world) {
                     // Uneven slices: zeros outside this rank's, summed.
                     let mut v = vec![0f32; len];
                     v[own.clone()].copy_from_slice(&buf[own]);
