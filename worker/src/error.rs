@@ -85,6 +85,9 @@ pub enum Error {
     Device { device: String, reason: String },
     #[error("sharding: {0}")]
     Sharding(String),
+    /// A family's blocks do not name its model's parameters.
+    #[error("model plan: {0}")]
+    Plan(#[from] crate::family::PlanError),
     #[error("CUDA graph: {what}: {reason}")]
     Graph { what: &'static str, reason: String },
     /// The step schedule yielded an operation the engine cannot run there.

@@ -1,7 +1,7 @@
 //! Validation: every field checked, every refused value reported at once
 //! with its field path, the value and the allowed range.
 
-use super::family::family;
+use super::family::{family, refuse_foreign_fields};
 use super::*;
 
 /// Collects field errors during validation.
@@ -135,14 +135,13 @@ impl JobSpec {
         if !is_valid_job_name(&self.name) {
             c.fail("name", &self.name, JOB_NAME_RULE);
         }
-        for (field, path) in [
-            ("model.path", &self.model.path),
-            ("model.init", &self.model.init),
-            ("model.config", &self.model.config),
-            ("data.path", &self.data.path),
-            ("data.eval_path", &self.data.eval_path),
-            ("checkpoint.dir", &self.checkpoint.dir),
-        ] {
+        let mut paths = self.model.paths();
+        paths.extend([
+            ("data.path", self.data.path.as_deref()),
+            ("data.eval_path", self.data.eval_path.as_deref()),
+            ("checkpoint.dir", self.checkpoint.dir.as_deref()),
+        ]);
+        for (field, path) in paths {
             if let Some(p) = path {
                 c.path_at_most(field, p, MAX_PATH_BYTES);
             }
@@ -253,6 +252,7 @@ impl JobSpec {
             c.int_in("model.num_classes", n, 1, MAX_CLASSES.into());
         }
         family.check_path(m.path.as_deref(), c);
+        refuse_foreign_fields(m, c);
         family.check_fields(m, &self.data, c);
         if let Some(p) = &m.init {
             // A folder (transformers' save_pretrained) holds model.safetensors.

@@ -65,7 +65,7 @@ impl JobSpec {
             // a sample is T token ids, the classes are the vocabulary.
             DataKind::Sequences | DataKind::Tokens => Some((
                 vec![d.seq_len.unwrap_or(0)],
-                self.model.vocab_size.map_or(0, pos),
+                family(self.model.kind).classes(&self.model).map_or(0, pos),
                 0,
             )),
         }

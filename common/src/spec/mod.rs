@@ -9,13 +9,15 @@ mod family;
 mod kinds;
 mod load;
 mod memory;
+mod model;
 mod parallel;
 mod paths;
 pub use check::{shown, Checker, MAX_SHOWN_CHARS};
-pub use family::LlamaConfig;
+pub use family::{FamilyFields, FieldSet, LlamaConfig, LlamaSpec};
 pub use kinds::*;
 pub use load::LoadError;
 pub use memory::{host_memory_bytes, MemoryEstimate, GIB};
+pub use model::ModelSpec;
 pub use parallel::{Axis, Coords, ParallelDims};
 pub use paths::{
     confine_field, confine_lexically, normalize, Area, Lexical, LocalFs, RootError, Roots, View,
@@ -206,63 +208,6 @@ fn sixty() -> f64 {
 }
 fn bucket_cap() -> f64 {
     25.0
-}
-
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct ModelSpec {
-    pub kind: ModelKind,
-    /// mlp hidden layer widths.
-    #[serde(default)]
-    pub hidden: Vec<i64>,
-    /// Output classes; inferred from the labels when absent.
-    pub num_classes: Option<i64>,
-    /// torchscript: the module file (torch.jit.save).
-    pub path: Option<PathBuf>,
-    /// Initial weights by name (strict), a safetensors file.
-    pub init: Option<PathBuf>,
-    // llama (issue 30): named as in Hugging Face's LlamaConfig; resolved,
-    // with `config` and the defaults, by [`LlamaConfig::resolve`].
-    /// llama: tokens in the vocabulary (embedding rows, logits per position).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vocab_size: Option<i64>,
-    /// llama: the model width.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hidden_size: Option<i64>,
-    /// llama: the MLP's inner width.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub intermediate_size: Option<i64>,
-    /// llama: decoder layers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub num_hidden_layers: Option<i64>,
-    /// llama: query heads.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub num_attention_heads: Option<i64>,
-    /// llama: key/value heads (default: `num_attention_heads`; fewer is GQA).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub num_key_value_heads: Option<i64>,
-    /// llama: RMSNorm's epsilon (default 1e-6).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rms_norm_eps: Option<f64>,
-    /// llama: RoPE's base (default 10000).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rope_theta: Option<f64>,
-    /// llama: the longest sequence (default: `data.seq_len`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_position_embeddings: Option<i64>,
-    /// llama: the output head is the embedding (default false).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tie_word_embeddings: Option<bool>,
-    /// llama: biases on q, k, v and o (default false).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attention_bias: Option<bool>,
-    /// llama: biases on the MLP's projections (default false).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mlp_bias: Option<bool>,
-    /// llama: a Hugging Face `config.json` giving the fields above (a field
-    /// given here too must agree).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub config: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -598,7 +543,5 @@ impl JobSpec {
     }
 }
 
-#[cfg(test)]
-mod llama_tests;
 #[cfg(test)]
 mod tests;

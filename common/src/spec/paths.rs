@@ -242,14 +242,18 @@ impl JobSpec {
     pub fn confined(&self, roots: &Roots, view: &dyn View) -> Result<JobSpec, SpecErrors> {
         let mut spec = self.clone();
         let mut errors = Vec::new();
-        for (area, field, value) in [
+        let mut fields = vec![
             (Area::Data, "data.path", &mut spec.data.path),
             (Area::Data, "data.eval_path", &mut spec.data.eval_path),
-            (Area::Model, "model.path", &mut spec.model.path),
-            (Area::Model, "model.init", &mut spec.model.init),
-            (Area::Model, "model.config", &mut spec.model.config),
-            (Area::Checkpoint, "checkpoint.dir", &mut spec.checkpoint.dir),
-        ] {
+        ];
+        fields.extend(
+            spec.model
+                .paths_mut()
+                .into_iter()
+                .map(|(field, value)| (Area::Model, field, value)),
+        );
+        fields.push((Area::Checkpoint, "checkpoint.dir", &mut spec.checkpoint.dir));
+        for (area, field, value) in fields {
             let Some(p) = value.as_mut() else { continue };
             match confine_field(roots, area, field, p, view) {
                 Ok(Some(real)) => *p = real,

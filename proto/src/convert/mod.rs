@@ -1,6 +1,8 @@
 //! JobSpec <-> proto JobSpec. Absent sections take the TOML defaults, so a
 //! spec survives the round trip unchanged (tested below).
 
+mod family;
+
 use crate::v1;
 use accrue_common::spec::*;
 use std::path::PathBuf;
@@ -137,6 +139,20 @@ fn from_proto<K: KindMap>(
     }
 }
 
+/// `[model]`: the generic fields, then each family's own message.
+fn model_to_proto(m: &ModelSpec) -> v1::ModelSpec {
+    let mut p = v1::ModelSpec {
+        kind: to_proto(m.kind),
+        hidden: m.hidden.clone(),
+        num_classes: m.num_classes,
+        path: path(&m.path),
+        init: path(&m.init),
+        ..Default::default()
+    };
+    family::fields_to_proto(&m.fields, &mut p);
+    p
+}
+
 pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
     v1::JobSpec {
         name: s.name.clone(),
@@ -154,26 +170,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             pipeline: s.parallel.pipeline,
             tensor: s.parallel.tensor,
         }),
-        model: Some(v1::ModelSpec {
-            kind: to_proto(s.model.kind),
-            hidden: s.model.hidden.clone(),
-            num_classes: s.model.num_classes,
-            path: path(&s.model.path),
-            init: path(&s.model.init),
-            vocab_size: s.model.vocab_size,
-            hidden_size: s.model.hidden_size,
-            intermediate_size: s.model.intermediate_size,
-            num_hidden_layers: s.model.num_hidden_layers,
-            num_attention_heads: s.model.num_attention_heads,
-            num_key_value_heads: s.model.num_key_value_heads,
-            rms_norm_eps: s.model.rms_norm_eps,
-            rope_theta: s.model.rope_theta,
-            max_position_embeddings: s.model.max_position_embeddings,
-            tie_word_embeddings: s.model.tie_word_embeddings,
-            attention_bias: s.model.attention_bias,
-            mlp_bias: s.model.mlp_bias,
-            config: path(&s.model.config),
-        }),
+        model: Some(model_to_proto(&s.model)),
         data: Some(v1::DataSpec {
             kind: to_proto(s.data.kind),
             path: path(&s.data.path),
@@ -383,23 +380,11 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             .unwrap_or_default(),
         model: ModelSpec {
             kind: model_kind,
+            fields: family::fields_from_proto(&model),
             hidden: model.hidden,
             num_classes: model.num_classes,
             path: model.path.map(PathBuf::from),
             init: model.init.map(PathBuf::from),
-            vocab_size: model.vocab_size,
-            hidden_size: model.hidden_size,
-            intermediate_size: model.intermediate_size,
-            num_hidden_layers: model.num_hidden_layers,
-            num_attention_heads: model.num_attention_heads,
-            num_key_value_heads: model.num_key_value_heads,
-            rms_norm_eps: model.rms_norm_eps,
-            rope_theta: model.rope_theta,
-            max_position_embeddings: model.max_position_embeddings,
-            tie_word_embeddings: model.tie_word_embeddings,
-            attention_bias: model.attention_bias,
-            mlp_bias: model.mlp_bias,
-            config: model.config.map(PathBuf::from),
         },
         data: DataSpec {
             kind: data_kind,

@@ -256,19 +256,23 @@ fn model() -> impl Strategy<Value = ModelSpec> {
                 num_classes: num_classes.filter(|_| !llama),
                 path: (kind == ModelKind::Torchscript).then_some(path),
                 init,
-                vocab_size: on(0).then_some(vocab),
-                hidden_size: on(1).then_some(heads * half_dim * 2),
-                intermediate_size: on(2).then_some(inter * 16),
-                num_hidden_layers: on(3).then_some(layers),
-                num_attention_heads: on(4).then_some(heads),
-                num_key_value_heads: (llama && l.gqa).then_some(kv),
-                rms_norm_eps: l.floats.0.filter(|_| llama),
-                rope_theta: l.floats.1.filter(|_| llama),
-                max_position_embeddings: l.positions.filter(|_| llama),
-                tie_word_embeddings: l.flags.0.filter(|_| llama),
-                attention_bias: l.flags.1.filter(|_| llama),
-                mlp_bias: l.flags.2.filter(|_| llama),
-                config: l.config.filter(|_| llama),
+                fields: FamilyFields {
+                    llama: LlamaSpec {
+                        vocab_size: on(0).then_some(vocab),
+                        hidden_size: on(1).then_some(heads * half_dim * 2),
+                        intermediate_size: on(2).then_some(inter * 16),
+                        num_hidden_layers: on(3).then_some(layers),
+                        num_attention_heads: on(4).then_some(heads),
+                        num_key_value_heads: (llama && l.gqa).then_some(kv),
+                        rms_norm_eps: l.floats.0.filter(|_| llama),
+                        rope_theta: l.floats.1.filter(|_| llama),
+                        max_position_embeddings: l.positions.filter(|_| llama),
+                        tie_word_embeddings: l.flags.0.filter(|_| llama),
+                        attention_bias: l.flags.1.filter(|_| llama),
+                        mlp_bias: l.flags.2.filter(|_| llama),
+                        config: l.config.filter(|_| llama),
+                    },
+                },
             }
         })
 }
@@ -381,6 +385,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
         0u64..5,
         1u64..1024,
         (0.1f64..100.0, 0.1f64..100.0, 0.1f64..100.0, 0.1f64..100.0),
+        kind::<CommBackend>(),
     );
     (top, model_and_data(), acc, clip, opt, sched, rest).prop_map(
         |(top, (model, data), acc, clip, opt, sched, rest)| {
@@ -429,7 +434,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 gamma: sched.3,
                 min_lr: sched.4.map(|f| f * optimizer.lr),
             };
-            let (dir, every_steps, keep, every_epochs, eval_batch, comm) = rest;
+            let (dir, every_steps, keep, every_epochs, eval_batch, comm, backend) = rest;
             JobSpec {
                 name,
                 workers,
@@ -487,6 +492,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                     connect_timeout_s: comm.1,
                     bucket_cap_mb: comm.2,
                     rendezvous_timeout_s: comm.3,
+                    backend,
                 },
             }
         },
@@ -529,6 +535,7 @@ fn zeros_on_the_wire_are_refused_and_absent_fields_take_defaults() {
         connect_timeout_s: Some(0.0),
         bucket_cap_mb: Some(0.0),
         rendezvous_timeout_s: Some(0.0),
+        ..Default::default()
     });
     let errs = spec_from_proto(&p).unwrap_err().0;
     let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
@@ -655,6 +662,8 @@ lr = 0.001
     let p = spec_to_proto(&spec);
     let m = p.model.as_ref().unwrap();
     assert_eq!(m.kind, v1::ModelKind::Llama as i32);
+    // llama's fields travel in its own message (issue 38).
+    let m = m.llama.as_ref().unwrap();
     assert_eq!(
         (m.vocab_size, m.rope_theta, m.config.as_deref()),
         (Some(97), Some(500000.0), Some("hf/config.json"))

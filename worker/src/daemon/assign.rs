@@ -37,14 +37,8 @@ pub(super) fn assigned_spec(
         .confined(&roots, &crate::spec::LocalFs)
         .map_err(|e| format!("refused by worker {}: {e}", cfg.worker_id))?;
     if let (Some(root), None) = (&cfg.data_root, &cfg.model_root) {
-        for p in [
-            &mut spec.model.init,
-            &mut spec.model.path,
-            &mut spec.model.config,
-        ]
-        .into_iter()
-        .flatten()
-        {
+        for (_, p) in spec.model.paths_mut() {
+            let Some(p) = p.as_mut() else { continue };
             if p.is_relative() {
                 *p = root.join(&*p);
             }

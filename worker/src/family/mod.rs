@@ -1,19 +1,24 @@
-//! The model-family registry: one module per family, one line in
-//! [`FAMILIES`] each. A family owns, for the worker, its builder from an
-//! `nn::Path` (the parameter names are the paths it creates), its checks
-//! of the data's sample shape, and its output contract. The spec's kind
-//! enum, its field checks and memory estimate (accrue-common, which links
-//! no libtorch) and the proto conversion keep the list of names.
+//! The model-family registry: one module or folder per family, one line
+//! in [`FAMILIES`] each. A family owns, for the worker, its builder from
+//! an `nn::Path` (the parameter names are the paths it creates), its
+//! checks of the data's sample shape, its output contract, and its blocks
+//! with their parallel plan (plan.rs). The spec's kind enum, the family's
+//! typed fields, their checks and the memory estimate (accrue-common,
+//! which links no libtorch) and the proto conversion keep the list of
+//! names.
 //!
 //! A new family: a module here implementing [`Family`], its line in
-//! [`FAMILIES`], its name in `ModelKind` (common/src/spec/kinds.rs) and
-//! the proto enum.
+//! [`FAMILIES`], and its spec side (docs/ARCHITECTURE.md, "Where a family
+//! goes").
 
 mod lenet5;
 pub mod llama;
 mod mlp;
+mod plan;
 mod resnet;
 mod torchscript;
+
+pub use plan::{check_blocks, matches, Block, ParallelPlan, PlanError, Split};
 
 use crate::error::{Error, Result, TorchContext};
 use crate::spec::{ModelKind, ModelSpec};
@@ -95,6 +100,24 @@ pub trait Family: Sync {
         Ok(())
     }
 
+    /// The model's blocks in forward order, every parameter of `params`
+    /// (the built model's names) in exactly one. By default one block,
+    /// `model`, holding them all; a family that knows its structure names
+    /// its blocks from the spec and checks them against `params`.
+    fn blocks(&self, _spec: &ModelSpec, params: &[String]) -> Result<Vec<Block>> {
+        Ok(vec![Block {
+            name: "model".into(),
+            params: params.to_vec(),
+        }])
+    }
+
+    /// Where pipeline stages may begin among [`Family::blocks`] and how
+    /// each parameter splits under tensor parallelism. By default the
+    /// model is one stage and nothing is split.
+    fn parallel_plan(&self, _spec: &ModelSpec) -> Result<ParallelPlan> {
+        Ok(ParallelPlan::default())
+    }
+
     /// The output contract, checked on the probe batch of 2 samples of
     /// `shape`: per-class logits `[2, classes]` (what the classification
     /// objective reads).
@@ -153,6 +176,42 @@ mod tests {
                 .filter(|f| f.kinds().contains(&kind))
                 .count();
             assert_eq!(n, 1, "{kind}");
+        }
+    }
+
+    /// The families without a plan of their own: one block of every
+    /// parameter, one stage, nothing split.
+    #[test]
+    fn other_families_are_one_block_without_splits() {
+        let params: Vec<String> = ["0.weight", "0.bias", "2.weight", "2.bias"]
+            .map(String::from)
+            .to_vec();
+        for kind in [
+            ModelKind::Mlp,
+            ModelKind::Lenet5,
+            ModelKind::Resnet18,
+            ModelKind::Resnet34,
+            ModelKind::Torchscript,
+        ] {
+            let spec = ModelSpec {
+                kind,
+                hidden: Vec::new(),
+                num_classes: None,
+                path: None,
+                init: None,
+                fields: Default::default(),
+            };
+            let f = family(kind);
+            let blocks = f.blocks(&spec, &params).unwrap();
+            assert_eq!(
+                blocks,
+                [Block {
+                    name: "model".into(),
+                    params: params.clone()
+                }]
+            );
+            check_blocks(&blocks, &params).unwrap();
+            assert_eq!(f.parallel_plan(&spec).unwrap(), ParallelPlan::default());
         }
     }
 }

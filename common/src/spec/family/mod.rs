@@ -1,15 +1,19 @@
-//! The spec side of the model-family registry: one module per family, one
-//! line in [`FAMILIES`] each. A family owns the checks of the model fields
-//! whose rule depends on the kind (`model.hidden`, `model.path`, the llama
-//! fields) and its parameter count for the memory estimate; the worker's
-//! `family` modules own its builder, output contract and parameter names.
-//! The kind enum (kinds.rs) and the proto conversion keep the list of
-//! names.
+//! The spec side of the model-family registry: one folder or module per
+//! family, one line in [`registry!`] each. A family owns its typed
+//! `[model]` fields (a struct of [`FieldSet`], held in
+//! [`FamilyFields`]: `model.fields.llama`), the checks of the model fields
+//! whose rule depends on the kind (`model.hidden`, `model.path`, its own
+//! fields) and its size for the memory estimate; the worker's `family`
+//! modules own its builder, parameter names, blocks and parallel plan.
+//! The kind enum (kinds.rs) and the proto enum keep the list of names.
 //!
-//! A new family: a module here implementing [`ModelFamily`], its line in
-//! [`FAMILIES`], its name in `ModelKind` and the proto enum, and its
-//! worker module.
+//! A new family: a folder here implementing [`ModelFamily`] (with its
+//! field struct, declared with `spec_fields!`, when it has fields of its
+//! own), its line in [`registry!`], its name in `ModelKind` and the proto
+//! enum, its line in the proto conversion's registry when it has fields,
+//! and its worker folder (docs/ARCHITECTURE.md, "Where a family goes").
 
+mod fields;
 mod lenet5;
 mod llama;
 mod mlp;
@@ -17,8 +21,93 @@ mod resnet;
 mod torchscript;
 
 use super::{Checker, DataSpec, ModelKind, ModelSpec, SpecErrors};
-pub use llama::LlamaConfig;
-use std::path::Path;
+pub use fields::FieldSet;
+pub use llama::{LlamaConfig, LlamaSpec};
+use serde::de::MapAccess;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// Declares the registry: [`FAMILIES`], and [`FamilyFields`] with a
+/// field per family that has fields of its own (`family { set: Type }`).
+macro_rules! registry {
+    ($($family:path $({ $set:ident: $fields:ty })?),+ $(,)?) => {
+        /// Every family.
+        static FAMILIES: &[&dyn ModelFamily] = &[$(&$family),+];
+
+        /// Every family's own `[model]` fields, one typed struct per family
+        /// that has any (`model.fields.llama`). In TOML they stand flat in
+        /// `[model]`, beside `kind`: the struct's field names are the keys.
+        #[derive(Clone, Debug, Default, PartialEq, Serialize)]
+        pub struct FamilyFields {
+            $($(
+                #[doc = concat!("The `", stringify!($set), "` field set.")]
+                #[serde(flatten)]
+                pub $set: $fields,
+            )?)+
+        }
+
+        impl FamilyFields {
+            /// Every family field's key, set by set in the registry's order.
+            pub fn names() -> Vec<&'static str> {
+                let mut names = Vec::new();
+                $($(names.extend_from_slice(<$fields as FieldSet>::NAMES);)?)+
+                names
+            }
+
+            /// Every field set: its name and the family that declares it.
+            #[cfg(test)]
+            fn sets() -> Vec<(&'static str, &'static dyn ModelFamily)> {
+                vec![$($((stringify!($set), &$family as &'static dyn ModelFamily),)?)+]
+            }
+
+            /// The fields given: (their set's name, the key).
+            fn given(&self) -> Vec<(&'static str, &'static str)> {
+                let mut given = Vec::new();
+                $($(given.extend(self.$set.given().into_iter().map(|k| (stringify!($set), k)));)?)+
+                given
+            }
+
+            /// Every set's path fields (`model.<key>`, the value).
+            pub fn paths(&self) -> Vec<(&'static str, Option<&Path>)> {
+                let mut paths = Vec::new();
+                $($(paths.extend(self.$set.paths());)?)+
+                paths
+            }
+
+            /// [`FamilyFields::paths`], to replace them.
+            pub fn paths_mut(&mut self) -> Vec<(&'static str, &mut Option<PathBuf>)> {
+                let mut paths = Vec::new();
+                $($(paths.extend(self.$set.paths_mut());)?)+
+                paths
+            }
+
+            /// Reads `key`'s value from `map` into the set that has the
+            /// key; whether one had it.
+            pub(crate) fn take<'de, A: MapAccess<'de>>(
+                &mut self,
+                key: &str,
+                map: &mut A,
+            ) -> Result<bool, A::Error> {
+                $($(
+                    if self.$set.take(key, map)? {
+                        return Ok(true);
+                    }
+                )?)+
+                Ok(false)
+            }
+        }
+    };
+}
+
+// Every family, one line each: the family, and its own field set (the
+// field of `FamilyFields` and its struct) when it has one.
+registry! {
+    mlp::Mlp,
+    lenet5::LeNet5,
+    resnet::ResNet,
+    torchscript::TorchScript,
+    llama::Llama { llama: llama::LlamaSpec },
+}
 
 /// A model's size as the memory estimate counts it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -34,6 +123,12 @@ pub(super) struct ModelSize {
 pub(super) trait ModelFamily: Sync {
     /// The spec kinds it builds.
     fn kinds(&self) -> &'static [ModelKind];
+
+    /// The field sets of [`FamilyFields`] it reads (its own, and those of
+    /// a family it extends); a field of another set is refused.
+    fn field_sets(&self) -> &'static [&'static str] {
+        &[]
+    }
 
     /// `model.hidden` (its widths and count are checked for every kind
     /// before): refused unless the family takes it.
@@ -54,10 +149,15 @@ pub(super) trait ModelFamily: Sync {
         }
     }
 
-    /// The family's own model fields (the llama ones), with the data they
-    /// depend on: refused unless the family takes them.
-    fn check_fields(&self, model: &ModelSpec, _data: &DataSpec, c: &mut Checker) {
-        llama::refuse_llama_fields(model, c);
+    /// The family's own fields (of its [`ModelFamily::field_sets`]), with
+    /// the data they depend on.
+    fn check_fields(&self, _model: &ModelSpec, _data: &DataSpec, _c: &mut Checker) {}
+
+    /// The outputs per sample its own fields give (a language model's
+    /// vocabulary), which the memory estimate counts as the classes of
+    /// token data; `None`: the data's.
+    fn classes(&self, _model: &ModelSpec) -> Option<i64> {
+        None
     }
 
     /// The size of `model` for samples of `shape` (without the batch
@@ -73,15 +173,6 @@ pub(super) trait ModelFamily: Sync {
     }
 }
 
-/// Every family, one line each.
-static FAMILIES: &[&dyn ModelFamily] = &[
-    &mlp::Mlp,
-    &lenet5::LeNet5,
-    &resnet::ResNet,
-    &torchscript::TorchScript,
-    &llama::Llama,
-];
-
 /// The family that builds `kind`.
 pub(super) fn family(kind: ModelKind) -> &'static dyn ModelFamily {
     FAMILIES
@@ -89,6 +180,28 @@ pub(super) fn family(kind: ModelKind) -> &'static dyn ModelFamily {
         .copied()
         .find(|f| f.kinds().contains(&kind))
         .unwrap_or_else(|| unreachable!("model kind {kind} has no family in the registry"))
+}
+
+/// Refuses the fields of a set that the family of `model.kind` does not
+/// read (`model.vocab_size` with an mlp), as `model.hidden`'s rule does:
+/// each one names the kinds that take it.
+pub(super) fn refuse_foreign_fields(model: &ModelSpec, c: &mut Checker) {
+    let reads = family(model.kind).field_sets();
+    for (set, key) in model.fields.given() {
+        if reads.contains(&set) {
+            continue;
+        }
+        let kinds: Vec<&str> = FAMILIES
+            .iter()
+            .filter(|f| f.field_sets().contains(&set))
+            .flat_map(|f| f.kinds().iter().map(|k| k.as_str()))
+            .collect();
+        c.fail(
+            &format!("model.{key}"),
+            "(set)",
+            format!("only allowed with model.kind = {}", kinds.join(" or ")),
+        );
+    }
 }
 
 /// Values in a sample of `shape` (saturating).
@@ -104,6 +217,7 @@ fn layer(i: u64, o: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::model::GENERIC_FIELDS;
 
     #[test]
     fn every_kind_has_exactly_one_family() {
@@ -115,5 +229,28 @@ mod tests {
             assert_eq!(n, 1, "{kind}");
             assert!(family(kind).kinds().contains(&kind), "{kind}");
         }
+    }
+
+    #[test]
+    fn every_field_set_is_read_by_the_family_declaring_it() {
+        for (set, owner) in FamilyFields::sets() {
+            assert!(owner.field_sets().contains(&set), "{set}");
+        }
+        let declared: Vec<&str> = FamilyFields::sets().iter().map(|(s, _)| *s).collect();
+        for f in FAMILIES {
+            for set in f.field_sets() {
+                assert!(declared.contains(set), "{set} of {:?}", f.kinds());
+            }
+        }
+    }
+
+    #[test]
+    fn no_two_fields_share_a_key() {
+        let mut keys: Vec<&str> = GENERIC_FIELDS.to_vec();
+        keys.extend(FamilyFields::names());
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), keys.len(), "{keys:?}");
     }
 }

@@ -25,15 +25,20 @@
 //! after those in a [`KvCache`] (RoPE offset), attending to the cached
 //! keys and values (per layer, appended each call); the training forward
 //! is untouched by it.
+//!
+//! The folder: this file (the family and the model), plan.rs (parameter
+//! names, blocks and their parallel plan), fused.rs (the fused
+//! projections), tests.rs.
 
-use super::{BuildTo, Built, Family, Headed};
+use super::{check_blocks, Block, BuildTo, Built, Family, Headed, ParallelPlan};
 use crate::error::{Error, Result, TorchContext};
-use crate::spec::{LlamaConfig, ModelKind};
+use crate::spec::{LlamaConfig, ModelKind, ModelSpec};
 use std::collections::HashMap;
 use tch::nn::{self, Init, ModuleT};
 use tch::{Device, Kind, TchError, Tensor};
 
 mod fused;
+pub mod plan;
 
 pub(super) struct Llama;
 
@@ -80,6 +85,16 @@ impl Family for Llama {
         let mut dims = vec![2];
         dims.extend_from_slice(shape);
         Tensor::f_zeros(dims.as_slice(), (Kind::Int64, device)).ctx("probing the model")
+    }
+
+    fn blocks(&self, spec: &ModelSpec, params: &[String]) -> Result<Vec<Block>> {
+        let blocks = plan::blocks(&LlamaConfig::resolve(spec)?);
+        check_blocks(&blocks, params)?;
+        Ok(blocks)
+    }
+
+    fn parallel_plan(&self, spec: &ModelSpec) -> Result<ParallelPlan> {
+        Ok(plan::parallel_plan(&LlamaConfig::resolve(spec)?))
     }
 
     /// As transformers loads a folder: RoPE's `inv_freq` buffers (which

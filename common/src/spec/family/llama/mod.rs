@@ -4,13 +4,20 @@
 //! (`model.config`), or both when they agree; [`LlamaConfig::resolve`]
 //! gives them all, defaults filled, and [`LlamaConfig::to_hf_json`] writes
 //! the `config.json` transformers loads.
+//!
+//! The folder: spec.rs (its `[model]` fields, [`LlamaSpec`]), this file
+//! (their checks, the resolved configuration and the size the memory
+//! estimate counts), hf.rs (a `config.json` read as transformers reads
+//! it), tests.rs.
 
 use super::{ModelFamily, ModelSize};
 use crate::spec::{Checker, DataKind, DataSpec, ModelKind, ModelSpec, SpecErrors, MAX_VOCAB};
 use serde_json::{json, Map, Value};
+pub use spec::LlamaSpec;
 use std::path::Path;
 
 mod hf;
+mod spec;
 use hf::read_config;
 
 /// The largest hidden and intermediate width and position count a spec
@@ -70,41 +77,8 @@ struct Fields {
     source: Option<String>,
 }
 
-/// Every llama field's spec name, for the "only allowed with llama" check.
-fn given(m: &ModelSpec) -> Vec<&'static str> {
-    let f = Fields::from_spec(m);
-    [
-        ("model.vocab_size", f.vocab_size.is_some()),
-        ("model.hidden_size", f.hidden_size.is_some()),
-        ("model.intermediate_size", f.intermediate_size.is_some()),
-        ("model.num_hidden_layers", f.num_hidden_layers.is_some()),
-        ("model.num_attention_heads", f.num_attention_heads.is_some()),
-        ("model.num_key_value_heads", f.num_key_value_heads.is_some()),
-        ("model.rms_norm_eps", f.rms_norm_eps.is_some()),
-        ("model.rope_theta", f.rope_theta.is_some()),
-        (
-            "model.max_position_embeddings",
-            f.max_position_embeddings.is_some(),
-        ),
-        ("model.tie_word_embeddings", f.tie_word_embeddings.is_some()),
-        ("model.attention_bias", f.attention_bias.is_some()),
-        ("model.mlp_bias", f.mlp_bias.is_some()),
-        ("model.config", m.config.is_some()),
-    ]
-    .into_iter()
-    .filter_map(|(name, set)| set.then_some(name))
-    .collect()
-}
-
-/// Refuses the llama fields for another kind (`model.hidden`'s rule).
-pub(super) fn refuse_llama_fields(m: &ModelSpec, c: &mut Checker) {
-    for field in given(m) {
-        c.fail(field, "(set)", "only allowed with model.kind = llama");
-    }
-}
-
 impl Fields {
-    fn from_spec(m: &ModelSpec) -> Self {
+    fn from_spec(m: &LlamaSpec) -> Self {
         Self {
             vocab_size: m.vocab_size,
             hidden_size: m.hidden_size,
@@ -391,7 +365,7 @@ impl Fields {
 
 /// The merged fields of `m` and, when `read` and `m.config` is set, its
 /// config file (`None` when the file cannot be read).
-fn gather(m: &ModelSpec, read: bool, c: &mut Checker) -> Option<Fields> {
+fn gather(m: &LlamaSpec, read: bool, c: &mut Checker) -> Option<Fields> {
     let spec = Fields::from_spec(m);
     match (&m.config, read) {
         (Some(path), true) => {
@@ -410,7 +384,7 @@ impl LlamaConfig {
     /// field or a refused value is an error naming `model.<field>`.
     pub fn resolve(model: &ModelSpec) -> Result<LlamaConfig, SpecErrors> {
         let mut c = Checker::default();
-        let config = gather(model, true, &mut c).and_then(|f| f.check(true, &mut c));
+        let config = gather(&model.fields.llama, true, &mut c).and_then(|f| f.check(true, &mut c));
         c.finish()?;
         config.ok_or_else(|| {
             // Every path to None above reported an error; kept total.
@@ -526,8 +500,17 @@ impl ModelFamily for Llama {
         &[ModelKind::Llama]
     }
 
-    fn check_fields(&self, m: &ModelSpec, data: &DataSpec, c: &mut Checker) {
-        if let Some(n) = m.num_classes {
+    fn field_sets(&self) -> &'static [&'static str] {
+        &["llama"]
+    }
+
+    fn classes(&self, model: &ModelSpec) -> Option<i64> {
+        model.fields.llama.vocab_size
+    }
+
+    fn check_fields(&self, model: &ModelSpec, data: &DataSpec, c: &mut Checker) {
+        let m = &model.fields.llama;
+        if let Some(n) = model.num_classes {
             c.fail(
                 "model.num_classes",
                 n,
@@ -566,7 +549,7 @@ impl ModelFamily for Llama {
         // A config this host cannot see is the workers' to check (the
         // coordinator's view of their files may differ); one it sees must
         // resolve, or the estimate would leave the model out.
-        let Some(path) = &model.config else {
+        let Some(path) = &model.fields.llama.config else {
             return Ok(());
         };
         if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
@@ -589,3 +572,6 @@ impl ModelFamily for Llama {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

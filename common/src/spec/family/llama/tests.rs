@@ -1,8 +1,9 @@
 //! The spec of a language model: llama fields, config files and token
 //! data (issue 30).
 
-use super::tests::{invalid, BASE};
-use super::*;
+use crate::spec::tests::{invalid, BASE};
+use crate::spec::*;
+use std::path::Path;
 
 /// A llama job on `sequences` data with `model` and `data` lines added.
 fn llama_text(model: &str, data: &str) -> String {
