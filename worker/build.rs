@@ -42,6 +42,7 @@ fn main() {
     // setup` installs it; GLOO_INCLUDE overrides the folder). Only the
     // declarations are used: the gloo code that runs is libtorch's.
     println!("cargo:rerun-if-changed=csrc/c10d.cpp");
+    println!("cargo:rerun-if-changed=csrc/shim.h");
     println!("cargo:rerun-if-env-changed=GLOO_INCLUDE");
     let gloo = std::env::var_os("GLOO_INCLUDE")
         .map(PathBuf::from)

@@ -9,6 +9,7 @@
 // opaque pointers the Rust side owns and frees. Every function returns 0, or
 // -1 with the exception's message (without its backtrace) in err.
 #include <ATen/ATen.h>
+#include "shim.h"
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -20,27 +21,8 @@
 
 namespace {
 
-void write_error(const char* what, char* err, size_t len) {
-  if (err == nullptr || len == 0) {
-    return;
-  }
-  const size_t n = std::min(std::strlen(what), len - 1);
-  std::memcpy(err, what, n);
-  err[n] = '\0';
-}
-
-template <typename F>
-int guarded(F f, char* err, size_t len) {
-  try {
-    f();
-    return 0;
-  } catch (const c10::Error& e) {
-    write_error(e.what_without_backtrace(), err, len);
-  } catch (const std::exception& e) {
-    write_error(e.what(), err, len);
-  }
-  return -1;
-}
+using accrue_shim::guarded;
+using accrue_shim::write_error;
 
 at::Tensor& tensor(void* p) { return *static_cast<at::Tensor*>(p); }
 

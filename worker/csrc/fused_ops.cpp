@@ -12,6 +12,7 @@
 // worker/src/fused_ops.rs calls these through the C functions at the end;
 // every decision (when to use them) is on the Rust side.
 #include <ATen/ATen.h>
+#include "shim.h"
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <c10/util/Exception.h>
@@ -470,28 +471,8 @@ struct CrossEntropySum : public torch::autograd::Function<CrossEntropySum> {
   }
 };
 
-void write_error(const char* what, char* err, size_t len) {
-  if (err == nullptr || len == 0) {
-    return;
-  }
-  const size_t n = std::min(std::strlen(what), len - 1);
-  std::memcpy(err, what, n);
-  err[n] = '\0';
-}
-
-// Runs `f`, turning a C++ exception into -1 and its message.
-template <typename F>
-int guarded(F f, char* err, size_t len) {
-  try {
-    f();
-    return 0;
-  } catch (const c10::Error& e) {
-    write_error(e.what_without_backtrace(), err, len);
-  } catch (const std::exception& e) {
-    write_error(e.what(), err, len);
-  }
-  return -1;
-}
+using accrue_shim::guarded;
+using accrue_shim::write_error;
 
 const at::Tensor& tensor(void* p) { return *static_cast<at::Tensor*>(p); }
 

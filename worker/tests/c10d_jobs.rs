@@ -111,22 +111,6 @@ fn zero_stages_on_c10d_equal_the_ring() {
     }
 }
 
-fn token_file(dir: &Path, count: usize) -> std::path::PathBuf {
-    let mut header = [0i32; 256];
-    header[0] = 20240520;
-    header[1] = 1;
-    header[2] = count as i32;
-    let mut bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let mut x: u32 = 7;
-    for _ in 0..count {
-        x = x.wrapping_mul(1103515245).wrapping_add(12345);
-        bytes.extend_from_slice(&(((x >> 16) % 64) as u16).to_le_bytes());
-    }
-    let p = dir.join("train.bin");
-    std::fs::write(&p, bytes).unwrap();
-    p
-}
-
 fn llama(tokens: &Path, backend: &str) -> String {
     format!(
         r#"

@@ -18,24 +18,6 @@ use tempfile::TempDir;
 
 type Named = Vec<(String, Tensor)>;
 
-/// An llm.c token file (magic 20240520: u16 tokens) of `count` tokens,
-/// a deterministic walk over a vocabulary of 64.
-fn token_file(dir: &Path, count: usize) -> PathBuf {
-    let mut header = [0i32; 256];
-    header[0] = 20240520;
-    header[1] = 1;
-    header[2] = count as i32;
-    let mut bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let mut x: u32 = 7;
-    for _ in 0..count {
-        x = x.wrapping_mul(1103515245).wrapping_add(12345);
-        bytes.extend_from_slice(&(((x >> 16) % 64) as u16).to_le_bytes());
-    }
-    let p = dir.join("train.bin");
-    std::fs::write(&p, bytes).unwrap();
-    p
-}
-
 /// Row `i` of the sequences file: its tokens and loss mask (24 rows of 1
 /// to 13 tokens, cut to T + 1 = 9 by the reader; the first two tokens of
 /// every third row are not predicted and row 5 is masked whole).
