@@ -23,6 +23,7 @@ pub mod head_loss;
 pub mod model;
 pub mod objective;
 pub mod optim;
+mod ring_buckets;
 pub mod sample;
 pub mod schedule;
 pub mod source;

@@ -318,8 +318,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         cfg.timeout = Duration::from_secs_f64(spec.comm.timeout_s);
         cfg.connect_timeout = Duration::from_secs_f64(spec.comm.connect_timeout_s);
         let ring = TcpRing::start(None, cfg).context("cannot join the ring")?;
-        let mesh_cfg = MeshConfig::for_job(&spec, args.world_size as u32, &args.peers, args.rank)
-            .map_err(anyhow::Error::msg)?;
+        let mesh_cfg = MeshConfig::for_job(
+            &spec,
+            args.world_size as u32,
+            &args.peers,
+            args.rank,
+            on_cuda(&spec),
+        )
+        .map_err(anyhow::Error::msg)?;
         let mesh = Mesh::form(ring, &mesh_cfg).context("cannot form the process groups")?;
         train(spec, MeshCollective::new(mesh), opts, args.json, lm)?
     };
@@ -485,4 +491,9 @@ fn train<C: Collective>(
             (false, Event::Checkpoint(p)) => println!("checkpoint {}", p.display()),
         })
         .context("training failed")
+}
+
+/// Whether the job's device resolves to CUDA (auto picks c10d then).
+fn on_cuda(spec: &accrue_worker::JobSpec) -> bool {
+    accrue_worker::engine::resolve_device(&spec.device).is_ok_and(|d| d.is_cuda())
 }

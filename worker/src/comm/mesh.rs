@@ -70,12 +70,13 @@ pub struct MeshConfig {
 impl MeshConfig {
     /// The mesh of a job of `world` ranks: the spec's degrees, its
     /// backend, and this rank's interface (the host of its ring address,
-    /// `peers[rank]`).
+    /// `peers[rank]`); `cuda`: whether the job's device is CUDA.
     pub fn for_job(
         spec: &crate::JobSpec,
         world: u32,
         peers: &[String],
         rank: usize,
+        cuda: bool,
     ) -> Result<Self, String> {
         let dims = spec.parallel_dims_for(world).map_err(|e| e.to_string())?;
         let backend = match spec.comm.backend {
@@ -83,7 +84,6 @@ impl MeshConfig {
             CommBackend::Ring => Backend::Ring,
             CommBackend::C10d => Backend::C10d,
         };
-        let cuda = crate::engine::resolve_device(&spec.device).is_ok_and(|d| d.is_cuda());
         let host = peers
             .get(rank)
             .and_then(|p| p.rsplit_once(':'))

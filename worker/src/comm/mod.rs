@@ -12,7 +12,6 @@ pub mod group;
 pub mod mesh;
 pub mod mesh_collective;
 pub mod ring;
-pub(crate) mod ring_buckets;
 pub mod shard;
 pub mod wire;
 

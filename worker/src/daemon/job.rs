@@ -181,7 +181,13 @@ impl JobThread<'_> {
             Ok(r) => r,
             Err(e) => return Outcome::Interrupted(e.to_string()),
         };
-        let mesh_cfg = match MeshConfig::for_job(&spec, a.world_size, &a.peers, a.rank as usize) {
+        let mesh_cfg = match MeshConfig::for_job(
+            &spec,
+            a.world_size,
+            &a.peers,
+            a.rank as usize,
+            crate::engine::resolve_device(&spec.device).is_ok_and(|d| d.is_cuda()),
+        ) {
             Ok(c) => c,
             Err(e) => return Outcome::Failed(e),
         };
