@@ -67,6 +67,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   check lm_lifecycle gpu-bin/lm_lifecycle --ignored --nocapture --test-threads 1 cuda &
   check lm_data gpu-bin/lm_data --ignored --nocapture --test-threads 1 cuda &
   check fused_ops gpu-bin/fused_ops --ignored --nocapture --test-threads 1 cuda &
+  # issue 38: NCCL at W = 1 through the engine's c10d group path.
+  check c10d_jobs gpu-bin/c10d_jobs --ignored --nocapture --test-threads 1 nccl &
   for job in $(jobs -p); do wait "$job" || status=1; done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -54,8 +54,9 @@ fn main() {
             gloo.display()
         );
     }
-    cc::Build::new()
-        .cpp(true)
+    let cuda = std::env::var("ACCRUE_CUDA").as_deref() == Ok("1");
+    let mut c10d = cc::Build::new();
+    c10d.cpp(true)
         .file("csrc/c10d.cpp")
         .include(libtorch.join("include"))
         .include(libtorch.join("include/torch/csrc/api/include"))
@@ -63,13 +64,21 @@ fn main() {
         .define("USE_C10D_GLOO", None)
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
-        .warnings(false)
-        .compile("accrue_c10d");
+        .warnings(false);
+    if cuda {
+        // ProcessGroupNCCL from libtorch_cuda (linked below); its header
+        // wants CUDA's (the wheel's nvidia/cu13, with the crt/ `make
+        // gpu-worker` adds) and NCCL's (nvidia/nccl).
+        c10d.include(libtorch.join("../nvidia/cu13/include"))
+            .include(libtorch.join("../nvidia/nccl/include"))
+            .define("USE_C10D_NCCL", None)
+            .define("ACCRUE_C10D_NCCL", None);
+    }
+    c10d.compile("accrue_c10d");
     // The Llama family's fused operations as autograd functions and the
     // fused optimizer (csrc/fused_ops.cpp): ATen everywhere, and with ACCRUE_CUDA=1
     // accrue's CUDA kernels (csrc/kernels.cu, compiled by nvcc from the
     // nvidia-cuda-nvcc wheel: `make gpu-worker` installs it).
-    let cuda = std::env::var("ACCRUE_CUDA").as_deref() == Ok("1");
     println!("cargo:rerun-if-changed=csrc/fused_ops.cpp");
     println!("cargo:rerun-if-changed=csrc/kernels.cu");
     println!("cargo:rerun-if-env-changed=NVCC");

@@ -1,5 +1,7 @@
 // libtorch's c10d process groups for accrue (worker/src/comm/c10d): gloo on
-// the CPU (ProcessGroupGloo, the engine torch.distributed runs on), through a
+// the CPU (ProcessGroupGloo, the engine torch.distributed runs on) and, in a
+// CUDA build (ACCRUE_C10D_NCCL, set by build.rs under ACCRUE_CUDA=1), NCCL
+// on CUDA (ProcessGroupNCCL, what DDP and FSDP run on GPUs), through a
 // plain C interface. The rendezvous store is accrue's own: a c10d::Store
 // whose every call goes to Rust callbacks (an authenticated key-value server
 // hosted by world rank 0, worker/src/comm/c10d/store.rs), so no process
@@ -12,6 +14,9 @@
 #include "shim.h"
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#ifdef ACCRUE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <chrono>
 #include <cstring>
@@ -175,6 +180,45 @@ int accrue_c10d_gloo_new(void* store, const char* hostname, int rank, int size, 
         opts->threads = 2;
         auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, opts);
         *group = new Group{pg};
+      },
+      err, len);
+}
+
+// 1 when this build can make NCCL groups (a CUDA build), 0 otherwise.
+int accrue_c10d_has_nccl() {
+#ifdef ACCRUE_C10D_NCCL
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// An NCCL group of `size` ranks over `store`, this rank on CUDA device
+// `device`. The communicator is made now (eagerly, bound to the device), so
+// a rank that cannot join fails here, not at the first operation. Every
+// wait passes its timeout, so ProcessGroupNCCL blocks the calling thread
+// until the operation completes or the timeout passes (then it aborts the
+// communicator and throws), as TORCH_NCCL_BLOCKING_WAIT would.
+int accrue_c10d_nccl_new(void* store, int rank, int size, int64_t timeout_ms, int device,
+                         void** group, char* err, size_t len) {
+  return guarded(
+      [&] {
+#ifdef ACCRUE_C10D_NCCL
+        auto s = c10::intrusive_ptr<c10d::Store>::reclaim_copy(static_cast<RustStore*>(store));
+        auto opts = c10d::ProcessGroupNCCL::Options::create();
+        opts->timeout = std::chrono::milliseconds(timeout_ms);
+        auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(s, rank, size, opts);
+        pg->eagerConnectSingleDevice(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+        *group = new Group{pg};
+#else
+        (void)store;
+        (void)rank;
+        (void)size;
+        (void)timeout_ms;
+        (void)device;
+        (void)group;
+        TORCH_CHECK(false, "this worker was built without CUDA: NCCL groups need a CUDA build (make gpu-worker)");
+#endif
       },
       err, len);
 }

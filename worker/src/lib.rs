@@ -4,9 +4,15 @@
 //! Collective the engine speaks), `cuda` (how the model runs on a device:
 //! autocast, CUDA graphs, fused kernels, libtorch settings, the profiler),
 //! `source` (data sets, batches, sharding, random numbers), `family` (model
-//! families), `optim` (the optimizer rule and its back-ends), `engine` (the
-//! training loop), `checkpoint`, `sample` (generation), `daemon` (the worker
-//! daemon's job threads).
+//! families and the built model), `optim` (the optimizer rule, its
+//! back-ends and the learning-rate schedule), `grads` (the
+//! gradient-accumulation buffer and the tally that rides in it),
+//! `objective` (the losses a job trains with, the language-model head's
+//! fused loss), `engine` (the training loop: placement strategies and the
+//! trainer over a step schedule), `checkpoint`, `sample` (generation),
+//! `daemon` (the worker daemon's job threads). `error` and `ring_buckets`
+//! sit at the root: every folder returns the one, and the other joins the
+//! ring's errors to it.
 //!
 //! See docs/SEMANTICS.md for the accumulation, normalization and clipping
 //! contract and docs/ARCHITECTURE.md for where this crate sits.
@@ -19,15 +25,11 @@ pub mod engine;
 pub mod error;
 pub mod family;
 pub mod grads;
-pub mod head_loss;
-pub mod model;
 pub mod objective;
 pub mod optim;
 mod ring_buckets;
 pub mod sample;
-pub mod schedule;
 pub mod source;
-pub mod tally;
 pub use accrue_common::spec;
 
 // The modules' paths before worker/src was grouped by concern (issue 38):
@@ -36,6 +38,10 @@ pub use comm::{chunks, collective, shard};
 #[cfg(accrue_cuda)]
 pub use cuda::cuda_graph;
 pub use cuda::{amp, backends, fused_ops, graphs, profiler};
+pub use family::model;
+pub use grads::tally;
+pub use objective::head_loss;
+pub use optim::schedule;
 pub use source::{batch, data, rng, sampler};
 
 pub use collective::{Collective, SingleRank};

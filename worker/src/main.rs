@@ -295,11 +295,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }),
         ..Default::default()
     };
-    let summary = if args.world_size <= 1 {
+    // One rank trains alone, except when its spec asks for c10d: then its
+    // groups are c10d groups of one, the path a larger job takes (NCCL on
+    // one GPU: docs/OPERATIONS.md).
+    let alone = spec.comm.backend != accrue_worker::spec::CommBackend::C10d;
+    let summary = if args.world_size <= 1 && alone {
         train(spec, SingleRank, opts, args.json, lm)?
     } else {
         let Some(secret_file) = &args.secret_file else {
-            bail!("--secret-file is required when --world-size > 1");
+            bail!("--secret-file is required when --world-size > 1 or [comm] backend = \"c10d\"");
         };
         let secret = std::fs::read(secret_file)
             .with_context(|| format!("cannot read the secret file {}", secret_file.display()))?;
@@ -494,6 +498,10 @@ fn train<C: Collective>(
 }
 
 /// Whether the job's device resolves to CUDA (auto picks c10d then).
-fn on_cuda(spec: &accrue_worker::JobSpec) -> bool {
-    accrue_worker::engine::resolve_device(&spec.device).is_ok_and(|d| d.is_cuda())
+/// The CUDA device the spec's model runs on, if any.
+fn on_cuda(spec: &accrue_worker::JobSpec) -> Option<usize> {
+    match accrue_worker::engine::resolve_device(&spec.device) {
+        Ok(tch::Device::Cuda(i)) => Some(i),
+        _ => None,
+    }
 }

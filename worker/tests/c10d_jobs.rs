@@ -52,12 +52,16 @@ fn run(text: &str, world: usize, step: u64) -> Vec<(String, Tensor)> {
     let d = TempDir::new().unwrap();
     let ranks = common::procs::run_ranks(d.path(), text, world, |_| {});
     // The groups went over the transport the spec names.
-    let want = if text.contains("backend = \"c10d\"") {
+    let want = if text.contains("backend = \"c10d\"") && text.contains("device = \"cuda") {
+        "data=\"nccl\""
+    } else if text.contains("backend = \"c10d\"") {
         "data=\"c10d\""
     } else {
         "data=\"ring\""
     };
-    for r in &ranks {
+    // One rank on the ring trains alone: it forms no groups.
+    let alone = world == 1 && want == "data=\"ring\"";
+    for r in ranks.iter().filter(|_| !alone) {
         assert!(
             r.stderr().contains(want),
             "rank {} did not log {want}:\n{}",
@@ -74,6 +78,34 @@ fn run(text: &str, world: usize, step: u64) -> Vec<(String, Tensor)> {
 fn sorted(mut m: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     m.sort_by(|a, b| a.0.cmp(&b.0));
     m
+}
+
+/// One rank that asks for c10d trains through c10d groups of one (the path
+/// a larger job takes; on CUDA this is the NCCL check) and ends where the
+/// same rank training alone does.
+fn one_rank_on_c10d_equals_training_alone(device: &str) {
+    let spec = |backend| mlp(8, 4, backend, 0).replace("device = \"cpu\"", &format!("device = \"{device}\""));
+    let alone = run(&spec("ring"), 1, 10);
+    let c10d = run(&spec("c10d"), 1, 10);
+    let d = max_rel_diff(&c10d, &alone);
+    eprintln!("{device}: one rank on c10d vs alone {d:e}");
+    assert!(d <= 1e-6, "{device}: one rank on c10d differs from training alone by {d:e}");
+}
+
+#[test]
+fn one_rank_on_gloo_equals_training_alone() {
+    one_rank_on_c10d_equals_training_alone("cpu");
+}
+
+/// NCCL at W = 1 through the engine's group path (one GPU cannot hold two
+/// NCCL ranks). Ignored (needs CUDA): scripts/gpu-checks.sh runs it.
+#[test]
+#[ignore = "needs CUDA"]
+fn one_rank_on_nccl_equals_training_alone() {
+    if !cuda_or_skip("one_rank_on_nccl_equals_training_alone") {
+        return;
+    }
+    one_rank_on_c10d_equals_training_alone("cuda:0");
 }
 
 #[test]

@@ -86,7 +86,8 @@ fn form(
     let mesh_cfg = MeshConfig {
         dims,
         backend,
-        cuda: false,
+        cuda: None,
+        shared_gpu: false,
         host: "127.0.0.1".into(),
     };
     Ok(Mesh::form(ring, &mesh_cfg)?)

@@ -7,7 +7,7 @@
 //! unusable (the generation re-forms, as with the ring today).
 
 use crate::comm::{CommError, TcpRing};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// How elements combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,8 +71,14 @@ impl Pending {
 pub trait Group: Send {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
-    /// "c10d" or "ring".
+    /// "c10d" (gloo), "c10d-nccl" or "ring".
     fn transport(&self) -> &'static str;
+    /// Where the group's operations want their tensors: the CPU for gloo
+    /// and the ring (which copies a device tensor through the host), the
+    /// group's CUDA device for NCCL.
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
     /// Element-wise reduction over the group, in place.
     fn all_reduce(&mut self, t: &Tensor, op: ReduceOp) -> Result<Pending, GroupError>;
     /// `out` (1/size of `input`'s elements) receives the reduction of every

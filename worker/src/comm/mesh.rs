@@ -61,22 +61,41 @@ impl Transport {
 pub struct MeshConfig {
     pub dims: ParallelDims,
     pub backend: Backend,
-    /// Whether the model lives on CUDA (auto picks c10d then).
-    pub cuda: bool,
+    /// The CUDA device the model lives on (None: the CPU): auto picks
+    /// c10d then, and c10d is NCCL on this device.
+    pub cuda: Option<usize>,
+    /// Whether two ranks of the world share a GPU (a CUDA job with two
+    /// ranks on one host: the device a spec names is the same one there).
+    /// NCCL refuses that, so auto keeps the data axis on the ring.
+    pub shared_gpu: bool,
     /// This rank's interface: ring groups listen and gloo binds here.
     pub host: String,
+}
+
+/// The host part of a ring address (`host:port`, `[v6]:port`).
+fn host_of(peer: &str) -> &str {
+    peer.rsplit_once(':')
+        .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
+        .unwrap_or(peer)
+}
+
+/// Whether two of `peers` (ring addresses) are on one host.
+pub fn shares_host(peers: &[String]) -> bool {
+    let mut hosts: Vec<&str> = peers.iter().map(|p| host_of(p)).collect();
+    hosts.sort_unstable();
+    hosts.windows(2).any(|w| w[0] == w[1])
 }
 
 impl MeshConfig {
     /// The mesh of a job of `world` ranks: the spec's degrees, its
     /// backend, and this rank's interface (the host of its ring address,
-    /// `peers[rank]`); `cuda`: whether the job's device is CUDA.
+    /// `peers[rank]`); `cuda`: the job's CUDA device, if it runs on one.
     pub fn for_job(
         spec: &crate::JobSpec,
         world: u32,
         peers: &[String],
         rank: usize,
-        cuda: bool,
+        cuda: Option<usize>,
     ) -> Result<Self, String> {
         let dims = spec.parallel_dims_for(world).map_err(|e| e.to_string())?;
         let backend = match spec.comm.backend {
@@ -86,28 +105,51 @@ impl MeshConfig {
         };
         let host = peers
             .get(rank)
-            .and_then(|p| p.rsplit_once(':'))
-            .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
+            .map(|p| host_of(p).to_string())
             .unwrap_or_else(|| "127.0.0.1".into());
         Ok(Self {
             dims,
             backend,
             cuda,
+            shared_gpu: cuda.is_some() && shares_host(peers),
             host,
         })
     }
 
     /// The transport of `axis`'s groups (None: the world's). A group of one
-    /// rank is a ring of one, which needs no sockets and no store.
+    /// rank is a ring of one, which needs no sockets and no store, except
+    /// in a one-rank job that asked for c10d: there its groups are c10d
+    /// groups of one, so it runs the path a larger job takes (NCCL on one
+    /// GPU). On CUDA with two ranks on one GPU, auto keeps the world and
+    /// the data axis on the ring (NCCL cannot run them).
     pub fn transport(&self, axis: Option<Axis>) -> Transport {
         let size = match axis {
             Some(a) => self.dims.degree(a),
             None => self.dims.world(),
         };
-        if size == 1 {
-            Transport::Ring
-        } else {
-            Transport::for_axis(self.backend, axis, self.cuda)
+        let one_rank_c10d = self.backend == Backend::C10d && self.dims.world() == 1;
+        if size == 1 && !one_rank_c10d {
+            return Transport::Ring;
+        }
+        let data_or_world = matches!(axis, None | Some(Axis::Data));
+        if self.backend == Backend::Auto && self.shared_gpu && data_or_world {
+            return Transport::Ring;
+        }
+        Transport::for_axis(self.backend, axis, self.cuda.is_some())
+    }
+
+    /// Refuses NCCL groups where two ranks share a GPU, naming the way out.
+    fn check_nccl(&self) -> Result<(), GroupError> {
+        let c10d = std::iter::once(None)
+            .chain(Axis::ALL.map(Some))
+            .any(|a| self.transport(a) == Transport::C10d);
+        match self.cuda {
+            Some(d) if self.shared_gpu && c10d => Err(setup(format!(
+                "c10d on CUDA is NCCL, which cannot run two ranks on one GPU, and ranks of \
+                 this job share cuda:{d} on one host: give each worker its own GPU, or set \
+                 [comm] backend = \"ring\" (or \"auto\") to keep the data axis on the ring"
+            ))),
+            _ => Ok(()),
         }
     }
 }
@@ -162,6 +204,7 @@ impl Mesh {
                 cfg.dims.world()
             )));
         }
+        cfg.check_nccl()?;
         let mut control = RingGroup::new(ring);
         let wants_c10d = std::iter::once(None)
             .chain(Axis::ALL.map(Some))
@@ -232,9 +275,10 @@ impl Mesh {
                 )?)
             });
         }
-        let name = |a: Option<Axis>| match cfg.transport(a) {
-            Transport::Ring => "ring",
-            Transport::C10d => "c10d",
+        let name = |a: Option<Axis>| match (cfg.transport(a), cfg.cuda) {
+            (Transport::Ring, _) => "ring",
+            (Transport::C10d, None) => "c10d",
+            (Transport::C10d, Some(_)) => "nccl",
         };
         tracing::info!(
             world = name(None),
@@ -273,14 +317,11 @@ impl Mesh {
         match t {
             Transport::C10d => {
                 let client = client.ok_or_else(|| setup("no c10d store in this generation"))?;
-                let g = C10dGroup::gloo(
-                    client.clone(),
-                    &name,
-                    &cfg.host,
-                    me,
-                    members.len(),
-                    world_cfg.timeout,
-                )?;
+                let (size, timeout) = (members.len(), world_cfg.timeout);
+                let g = match cfg.cuda {
+                    Some(d) => C10dGroup::nccl(client.clone(), &name, me, size, timeout, d)?,
+                    None => C10dGroup::gloo(client.clone(), &name, &cfg.host, me, size, timeout)?,
+                };
                 Ok(Box::new(g))
             }
             Transport::Ring if members.len() == 1 => {
@@ -425,5 +466,58 @@ mod tests {
         assert_eq!(group_name(&d, 1, Some(Axis::Data)), "data@1");
         assert_eq!(group_name(&d, 3, Some(Axis::Pipeline)), "pipeline@2");
         assert_eq!(group_name(&d, 0, None), "world");
+    }
+
+    fn cfg(data: u32, backend: Backend, cuda: Option<usize>, peers: &[&str]) -> MeshConfig {
+        let peers: Vec<String> = peers.iter().map(|p| p.to_string()).collect();
+        MeshConfig {
+            dims: ParallelDims {
+                data,
+                pipeline: 1,
+                tensor: 1,
+            },
+            backend,
+            cuda,
+            shared_gpu: cuda.is_some() && shares_host(&peers),
+            host: "127.0.0.1".into(),
+        }
+    }
+
+    #[test]
+    fn two_ranks_on_one_gpu_stay_on_the_ring_and_nccl_is_refused_there() {
+        use Transport::*;
+        assert!(shares_host(&["10.0.0.1:5".into(), "10.0.0.1:6".into()]));
+        assert!(!shares_host(&["10.0.0.1:5".into(), "10.0.0.2:5".into()]));
+        assert!(shares_host(&["[::1]:5".into(), "[::1]:6".into()]));
+        // Two local workers on cuda:0: auto keeps data and world on the ring.
+        let local = cfg(2, Backend::Auto, Some(0), &["127.0.0.1:1", "127.0.0.1:2"]);
+        assert!(local.shared_gpu);
+        assert_eq!(local.transport(Some(Axis::Data)), Ring);
+        assert_eq!(local.transport(None), Ring);
+        assert!(local.check_nccl().is_ok());
+        // One GPU per host: auto on CUDA is c10d (NCCL).
+        let pods = cfg(2, Backend::Auto, Some(0), &["10.0.0.1:1", "10.0.0.2:1"]);
+        assert_eq!(pods.transport(Some(Axis::Data)), C10d);
+        assert!(pods.check_nccl().is_ok());
+        // c10d asked for on a shared GPU: refused, naming the way out.
+        let asked = cfg(2, Backend::C10d, Some(0), &["127.0.0.1:1", "127.0.0.1:2"]);
+        let e = asked.check_nccl().unwrap_err().to_string();
+        assert!(e.contains("cuda:0") && e.contains("backend = \"ring\""), "{e}");
+        // The CPU has no such limit.
+        let cpu = cfg(2, Backend::C10d, None, &["127.0.0.1:1", "127.0.0.1:2"]);
+        assert!(!cpu.shared_gpu && cpu.check_nccl().is_ok());
+    }
+
+    #[test]
+    fn a_one_rank_job_that_asks_for_c10d_gets_c10d_groups() {
+        use Transport::*;
+        let one = cfg(1, Backend::C10d, Some(0), &["127.0.0.1:1"]);
+        assert_eq!(one.transport(None), C10d);
+        assert_eq!(one.transport(Some(Axis::Data)), C10d);
+        // Otherwise a group of one is a ring of one.
+        assert_eq!(cfg(1, Backend::Auto, Some(0), &["h:1"]).transport(None), Ring);
+        let two = cfg(2, Backend::C10d, None, &["a:1", "b:1"]);
+        assert_eq!(two.transport(Some(Axis::Tensor)), Ring);
+        assert_eq!(two.transport(Some(Axis::Data)), C10d);
     }
 }

@@ -3,6 +3,11 @@
 //! itself when the data axis is the world on the ring, as before issue 38;
 //! a c10d group otherwise), byte broadcasts and barriers over the control
 //! ring. Between generations it is closed: every call is an interruption.
+//!
+//! The engine hands over host buffers. A group whose tensors live on a CUDA
+//! device (NCCL) gets a device copy of each and the result copied back
+//! ([`Staged`]): the engine's flat gradients are staged through the host
+//! on CUDA today, so NCCL carries the same bytes the ring would.
 
 use crate::collective::{BucketCopy, Collective, CollectiveError};
 use crate::comm::group::{Group, GroupError, ReduceOp};
@@ -75,11 +80,39 @@ unsafe fn over(buf: &mut [f32]) -> Result<Tensor, CollectiveError> {
     .map_err(|e| CollectiveError::Transport(Box::new(e)))
 }
 
+/// A host buffer's tensor as a group takes it: itself for a CPU group, a
+/// copy on the group's device for an NCCL group, copied back by
+/// [`Staged::back`] once the operation is done.
+struct Staged {
+    host: Tensor,
+    on: Tensor,
+}
+
+impl Staged {
+    fn new(g: &dyn Group, host: Tensor) -> Result<Self, CollectiveError> {
+        let on = match g.device() {
+            Device::Cpu => host.shallow_clone(),
+            d => host.f_to_device(d).map_err(|e| CollectiveError::Transport(Box::new(e)))?,
+        };
+        Ok(Self { host, on })
+    }
+
+    /// The result into the host buffer (nothing to do on the CPU).
+    fn back(&self) -> Result<(), CollectiveError> {
+        if self.on.device() != Device::Cpu {
+            let mut host = self.host.shallow_clone();
+            host.f_copy_(&self.on)
+                .map_err(|e| CollectiveError::Transport(Box::new(e)))?;
+        }
+        Ok(())
+    }
+}
+
 fn sum(g: &mut dyn Group, buf: &mut [f32]) -> Result<(), CollectiveError> {
     // SAFETY: waited on before `buf` is released.
-    let t = unsafe { over(buf)? };
-    g.all_reduce(&t, ReduceOp::Sum)?.wait()?;
-    Ok(())
+    let t = Staged::new(g, unsafe { over(buf)? })?;
+    g.all_reduce(&t.on, ReduceOp::Sum)?.wait()?;
+    t.back()
 }
 
 impl Collective for MeshCollective {
@@ -99,9 +132,9 @@ impl Collective for MeshCollective {
         match self.data_group()? {
             Some(g) => {
                 // SAFETY: waited on before `buf` is released.
-                let t = unsafe { over(buf)? };
-                g.broadcast(&t, root)?.wait()?;
-                Ok(())
+                let t = Staged::new(g, unsafe { over(buf)? })?;
+                g.broadcast(&t.on, root)?.wait()?;
+                t.back()
             }
             None => Collective::broadcast(self.mesh()?.control(), buf, root),
         }
@@ -125,22 +158,23 @@ impl Collective for MeshCollective {
             // Each bucket is reduced once copied in; the next bucket's copy
             // overlaps the previous one's reduction.
             Some(g) => {
-                let mut pending: Option<(usize, crate::comm::group::Pending, Tensor)> = None;
+                let mut pending: Option<(usize, crate::comm::group::Pending, Staged)> = None;
                 let n = buckets.len();
                 for i in 0..=n {
                     if i < n {
                         copy_in(i, &mut *buckets[i])?;
                     }
-                    if let Some((j, p, _t)) = pending.take() {
+                    if let Some((j, p, t)) = pending.take() {
                         p.wait().map_err(CollectiveError::from)?;
+                        t.back()?;
                         copy_out(j, &mut *buckets[j])?;
                     }
                     if i < n {
                         // SAFETY: waited on (above, next round) before
                         // the bucket is touched again or released.
-                        let t = unsafe { over(&mut *buckets[i])? };
+                        let t = Staged::new(g, unsafe { over(&mut *buckets[i])? })?;
                         let p = g
-                            .all_reduce(&t, ReduceOp::Sum)
+                            .all_reduce(&t.on, ReduceOp::Sum)
                             .map_err(CollectiveError::from)?;
                         pending = Some((i, p, t));
                     }
@@ -165,9 +199,12 @@ impl Collective for MeshCollective {
                 }
                 let own = crate::shard::slice(len, world, rank);
                 // SAFETY: waited on before `buf` is released.
-                let whole = unsafe { over(buf)? };
-                let out = Tensor::zeros([own.len() as i64], (Kind::Float, Device::Cpu));
-                g.reduce_scatter(&out, &whole, ReduceOp::Sum)?.wait()?;
+                let whole = Staged::new(g, unsafe { over(buf)? })?;
+                let out = Tensor::zeros([own.len() as i64], (Kind::Float, g.device()));
+                g.reduce_scatter(&out, &whole.on, ReduceOp::Sum)?.wait()?;
+                let out = out
+                    .f_to_device(Device::Cpu)
+                    .map_err(|e| CollectiveError::Transport(Box::new(e)))?;
                 let v = Vec::<f32>::try_from(&out)
                     .map_err(|e| CollectiveError::Transport(Box::new(e)))?;
                 buf[own].copy_from_slice(&v);
@@ -190,11 +227,13 @@ impl Collective for MeshCollective {
                     buf.copy_from_slice(&v);
                     return Ok(());
                 }
-                let mine = Tensor::from_slice(&buf[own]);
+                let mine = Tensor::from_slice(&buf[own])
+                    .f_to_device(g.device())
+                    .map_err(|e| CollectiveError::Transport(Box::new(e)))?;
                 // SAFETY: waited on before `buf` is released.
-                let whole = unsafe { over(buf)? };
-                g.all_gather(&whole, &mine)?.wait()?;
-                Ok(())
+                let whole = Staged::new(g, unsafe { over(buf)? })?;
+                g.all_gather(&whole.on, &mine)?.wait()?;
+                whole.back()
             }
             None => Collective::all_gather(self.mesh()?.control(), buf),
         }

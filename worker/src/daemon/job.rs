@@ -186,7 +186,10 @@ impl JobThread<'_> {
             a.world_size,
             &a.peers,
             a.rank as usize,
-            crate::engine::resolve_device(&spec.device).is_ok_and(|d| d.is_cuda()),
+            match crate::engine::resolve_device(&spec.device) {
+                Ok(tch::Device::Cuda(i)) => Some(i),
+                _ => None,
+            },
         ) {
             Ok(c) => c,
             Err(e) => return Outcome::Failed(e),

@@ -4,7 +4,7 @@
 use super::Engine;
 use crate::collective::Collective;
 use crate::sampler::{ShardSpec, WindowPlan};
-use crate::schedule::Schedule;
+use crate::optim::schedule::Schedule;
 
 impl<C: Collective> Engine<C> {
     /// Points the sharding and the window plan at the current world size

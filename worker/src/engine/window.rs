@@ -11,7 +11,7 @@ use crate::error::{Error, Result, TorchContext};
 use crate::graphs::EagerReason;
 use crate::optim::GradPrep;
 use crate::spec::{Normalize, OnNonfinite, SyncMode};
-use crate::tally::WindowTally;
+use crate::grads::tally::WindowTally;
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -220,7 +220,7 @@ impl<C: Collective> Engine<C> {
 
     /// The forward and backward of a model whose output is a linear head
     /// (a language model) under a summed cross-entropy, in fp32: the head
-    /// and the loss in one pass without the logits (crate::head_loss),
+    /// and the loss in one pass without the logits (crate::objective::head_loss),
     /// then the backward of the rest. Returns the batch's loss sum, or
     /// None (having done nothing) where it does not apply: another model
     /// or objective, autocast, or a head weight without a gradient buffer.
@@ -250,15 +250,15 @@ impl<C: Collective> Engine<C> {
         let (flat, targets) = flat?;
         let all_counted = !graph && batch.count == targets.numel() as u64;
         let vocab = weight.size().first().copied().unwrap_or(1);
-        let out = crate::head_loss::linear_cross_entropy(
+        let out = crate::objective::head_loss::linear_cross_entropy(
             &flat,
             weight,
             &weight_grad,
             &targets,
             all_counted,
-            crate::head_loss::block_rows(vocab, self.device),
+            crate::objective::head_loss::block_rows(vocab, self.device),
         )?;
-        crate::head_loss::backward_into(&features, &out.features_grad)?;
+        crate::objective::head_loss::backward_into(&features, &out.features_grad)?;
         Ok(Some(out.sum))
     }
 

@@ -14,6 +14,7 @@
 mod lenet5;
 pub mod llama;
 mod mlp;
+pub mod model;
 mod plan;
 mod resnet;
 mod torchscript;

@@ -1,6 +1,8 @@
 //! libtorch's c10d process groups (csrc/c10d.cpp): gloo's ProcessGroupGloo
-//! on the CPU, the engine PyTorch's DDP and FSDP run on, as a
-//! [`Group`](crate::comm::group::Group). Rendezvous goes through accrue's
+//! on the CPU and, in a CUDA build, ProcessGroupNCCL on a CUDA device: the
+//! engines PyTorch's DDP and FSDP run on, as a
+//! [`Group`](crate::comm::group::Group). A gloo group takes CPU tensors, an
+//! NCCL group tensors on its device ([`Group::device`]). Rendezvous goes through accrue's
 //! authenticated store ([`store`]): each group's keys live under its own
 //! name in the store world rank 0 hosts for the generation.
 //!
@@ -16,7 +18,7 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use store::{Op, Request, StoreClient};
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 type StoreCall = unsafe extern "C" fn(
     ctx: *mut c_void,
@@ -43,6 +45,17 @@ extern "C" {
         rank: i32,
         size: i32,
         timeout_ms: i64,
+        group: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn accrue_c10d_has_nccl() -> i32;
+    fn accrue_c10d_nccl_new(
+        store: *mut c_void,
+        rank: i32,
+        size: i32,
+        timeout_ms: i64,
+        device: i32,
         group: *mut *mut c_void,
         err: *mut c_char,
         len: usize,
@@ -205,7 +218,8 @@ unsafe fn write_err(m: &str, err: *mut c_char, len: usize) {
     *err.add(n) = 0;
 }
 
-/// One c10d group (gloo): this rank's place in it and its communicator.
+/// One c10d group (gloo or NCCL): this rank's place in it and its
+/// communicator.
 pub struct C10dGroup {
     ptr: *mut c_void,
     store: *mut c_void,
@@ -214,12 +228,20 @@ pub struct C10dGroup {
     size: usize,
     timeout: Duration,
     name: String,
+    /// Where its tensors live: the CPU (gloo) or the CUDA device (NCCL).
+    device: Device,
 }
 
 // SAFETY: the group and store pointers are libtorch objects safe to use
 // from any thread (c10d's backends are thread-safe); accrue uses a group
 // from one thread at a time (&mut self for every operation).
 unsafe impl Send for C10dGroup {}
+
+/// Whether this build makes NCCL groups (built with ACCRUE_CUDA=1).
+pub fn has_nccl() -> bool {
+    // SAFETY: no arguments, no state.
+    unsafe { accrue_c10d_has_nccl() == 1 }
+}
 
 impl C10dGroup {
     /// Joins gloo group `name` as `rank` of `size` through the store
@@ -233,8 +255,50 @@ impl C10dGroup {
         size: usize,
         timeout: Duration,
     ) -> Result<Self, GroupError> {
+        let host_c = CString::new(host).map_err(|_| {
+            GroupError::Setup(format!("c10d group {name}: host {host:?} has a NUL"))
+        })?;
+        Self::join(client, name, rank, size, timeout, Device::Cpu, |store, r, s, ms, g, e, l| {
+            // SAFETY: store and host are live for the call.
+            unsafe { accrue_c10d_gloo_new(store, host_c.as_ptr(), r, s, ms, g, e, l) }
+        })
+    }
+
+    /// Joins NCCL group `name` as `rank` of `size` on CUDA device `device`
+    /// (each member on its own GPU: NCCL refuses two ranks on one). The
+    /// communicator is made before this returns, or it fails after
+    /// `timeout`; a build without CUDA says so.
+    pub fn nccl(
+        client: Arc<Mutex<StoreClient>>,
+        name: &str,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+        device: usize,
+    ) -> Result<Self, GroupError> {
+        let index = i32::try_from(device).map_err(|_| {
+            GroupError::Setup(format!("c10d group {name}: CUDA device {device} is too large"))
+        })?;
+        let on = Device::Cuda(device);
+        Self::join(client, name, rank, size, timeout, on, |store, r, s, ms, g, e, l| {
+            // SAFETY: the store is live for the call.
+            unsafe { accrue_c10d_nccl_new(store, r, s, ms, index, g, e, l) }
+        })
+    }
+
+    /// Makes the store over `client` (keys under `name/`) and the group
+    /// `make` builds on it.
+    #[allow(clippy::type_complexity)]
+    fn join(
+        client: Arc<Mutex<StoreClient>>,
+        name: &str,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+        device: Device,
+        make: impl FnOnce(*mut c_void, i32, i32, i64, *mut *mut c_void, *mut c_char, usize) -> i32,
+    ) -> Result<Self, GroupError> {
         let setup = |m: String| GroupError::Setup(format!("c10d group {name}: {m}"));
-        let host_c = CString::new(host).map_err(|_| setup(format!("host {host:?} has a NUL")))?;
         let (rank_i, size_i) = (
             i32::try_from(rank).map_err(|_| setup(format!("rank {rank} is too large")))?,
             i32::try_from(size).map_err(|_| setup(format!("size {size} is too large")))?,
@@ -250,10 +314,7 @@ impl C10dGroup {
             unsafe { accrue_c10d_store_new(&*ctx as *const StoreCtx as *mut c_void, call_ptr) };
         let mut ptr = std::ptr::null_mut();
         let ms = timeout.as_millis().min(i64::MAX as u128) as i64;
-        // SAFETY: store and host are live for the call.
-        let r = call(|e, l| unsafe {
-            accrue_c10d_gloo_new(store, host_c.as_ptr(), rank_i, size_i, ms, &mut ptr, e, l)
-        });
+        let r = call(|e, l| make(store, rank_i, size_i, ms, &mut ptr, e, l));
         if let Err(m) = r {
             // SAFETY: the store was made above and nothing else holds it.
             unsafe { accrue_c10d_store_free(store) };
@@ -267,6 +328,7 @@ impl C10dGroup {
             size,
             timeout,
             name: name.to_string(),
+            device,
         })
     }
 
@@ -310,7 +372,13 @@ impl Group for C10dGroup {
         self.size
     }
     fn transport(&self) -> &'static str {
-        "c10d"
+        match self.device {
+            Device::Cpu => "c10d",
+            _ => "c10d-nccl",
+        }
+    }
+    fn device(&self) -> Device {
+        self.device
     }
     fn all_reduce(&mut self, t: &Tensor, op: ReduceOp) -> Result<Pending, GroupError> {
         let code = op as i32;

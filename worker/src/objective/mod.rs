@@ -3,6 +3,8 @@
 //! counting and the normalization (docs/SEMANTICS.md), the objective owns
 //! nothing about either.
 
+pub mod head_loss;
+
 use crate::batch::Batch;
 use crate::error::{Result, TorchContext};
 use tch::{Kind, Reduction, Tensor};

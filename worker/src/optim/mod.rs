@@ -11,6 +11,7 @@ mod aten_fused;
 pub mod cpu_loop;
 mod cpu_step;
 mod masked;
+pub mod schedule;
 pub mod rule;
 mod tensor;
 

@@ -7,10 +7,12 @@
 //!
 //! Layout: the gradients in parameter order, then [`EXTRA`] slots for the
 //! window's counts (loss terms, micro-batches, loss sum) and the requests
-//! the ranks agree on (stop, checkpoint), encoded by crate::tally, which
+//! the ranks agree on (stop, checkpoint), encoded by [`tally`], which
 //! ride in the last bucket. On CUDA the buffer lives on the device and a pinned host
 //! mirror (allocated once) stages each bucket: the device-to-host copy of
 //! bucket i + 1 runs while bucket i is on the wire.
+
+pub mod tally;
 
 use crate::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
@@ -20,8 +22,8 @@ use tch::{Device, Kind, Tensor};
 
 /// Slots after the gradients for the window's counts (loss terms,
 /// micro-batches, loss sum) and the requests every rank must honour at the
-/// same step (stop, checkpoint): [`crate::tally::WindowTally`]'s encoding.
-pub const EXTRA: usize = crate::tally::SLOTS;
+/// same step (stop, checkpoint): [`tally::WindowTally`]'s encoding.
+pub const EXTRA: usize = tally::SLOTS;
 
 /// Gradients per chunk of [`FlatGrads::norm`]'s first reduction. libtorch's
 /// CPU norm accumulates a float32 tensor in float32 along its length, so
