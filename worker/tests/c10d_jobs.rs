@@ -84,12 +84,17 @@ fn sorted(mut m: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
 /// a larger job takes; on CUDA this is the NCCL check) and ends where the
 /// same rank training alone does.
 fn one_rank_on_c10d_equals_training_alone(device: &str) {
-    let spec = |backend| mlp(8, 4, backend, 0).replace("device = \"cpu\"", &format!("device = \"{device}\""));
+    let spec = |backend| {
+        mlp(8, 4, backend, 0).replace("device = \"cpu\"", &format!("device = \"{device}\""))
+    };
     let alone = run(&spec("ring"), 1, 10);
     let c10d = run(&spec("c10d"), 1, 10);
     let d = max_rel_diff(&c10d, &alone);
     eprintln!("{device}: one rank on c10d vs alone {d:e}");
-    assert!(d <= 1e-6, "{device}: one rank on c10d differs from training alone by {d:e}");
+    assert!(
+        d <= 1e-6,
+        "{device}: one rank on c10d differs from training alone by {d:e}"
+    );
 }
 
 #[test]

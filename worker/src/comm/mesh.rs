@@ -502,7 +502,10 @@ mod tests {
         // c10d asked for on a shared GPU: refused, naming the way out.
         let asked = cfg(2, Backend::C10d, Some(0), &["127.0.0.1:1", "127.0.0.1:2"]);
         let e = asked.check_nccl().unwrap_err().to_string();
-        assert!(e.contains("cuda:0") && e.contains("backend = \"ring\""), "{e}");
+        assert!(
+            e.contains("cuda:0") && e.contains("backend = \"ring\""),
+            "{e}"
+        );
         // The CPU has no such limit.
         let cpu = cfg(2, Backend::C10d, None, &["127.0.0.1:1", "127.0.0.1:2"]);
         assert!(!cpu.shared_gpu && cpu.check_nccl().is_ok());
@@ -515,7 +518,10 @@ mod tests {
         assert_eq!(one.transport(None), C10d);
         assert_eq!(one.transport(Some(Axis::Data)), C10d);
         // Otherwise a group of one is a ring of one.
-        assert_eq!(cfg(1, Backend::Auto, Some(0), &["h:1"]).transport(None), Ring);
+        assert_eq!(
+            cfg(1, Backend::Auto, Some(0), &["h:1"]).transport(None),
+            Ring
+        );
         let two = cfg(2, Backend::C10d, None, &["a:1", "b:1"]);
         assert_eq!(two.transport(Some(Axis::Tensor)), Ring);
         assert_eq!(two.transport(Some(Axis::Data)), C10d);

@@ -92,7 +92,9 @@ impl Staged {
     fn new(g: &dyn Group, host: Tensor) -> Result<Self, CollectiveError> {
         let on = match g.device() {
             Device::Cpu => host.shallow_clone(),
-            d => host.f_to_device(d).map_err(|e| CollectiveError::Transport(Box::new(e)))?,
+            d => host
+                .f_to_device(d)
+                .map_err(|e| CollectiveError::Transport(Box::new(e)))?,
         };
         Ok(Self { host, on })
     }

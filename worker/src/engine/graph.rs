@@ -286,7 +286,7 @@ impl<C: Collective> Engine<C> {
         for (n, b) in &self.model.buffers {
             named.push((format!("buffer.{n}"), b.shallow_clone()));
         }
-        named.extend(self.optimizer.graph_tensors());
+        named.extend(self.placement.optimizer.graph_tensors());
         // data_ptr cannot fail on a defined dense tensor (these all are;
         // a released stage-2 gradient is an empty one, address 0).
         named

@@ -41,12 +41,11 @@ use setup::{spec_hash, starved};
 use crate::checkpoint::{self, TrainerState};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
-use crate::grads::FlatGrads;
 use crate::family::model::{Model, WeightsFrom};
+use crate::grads::FlatGrads;
 use crate::objective::Objective;
-use crate::optim::Optimizer;
-use crate::sampler::{ShardSpec, WindowPlan};
 use crate::optim::schedule::Schedule;
+use crate::sampler::{ShardSpec, WindowPlan};
 use crate::source::DataSource;
 use crate::spec::JobSpec;
 use std::path::{Path, PathBuf};
@@ -58,7 +57,6 @@ pub struct Engine<C: Collective> {
     collective: C,
     device: Device,
     model: Model,
-    optimizer: Optimizer,
     schedule: Schedule,
     /// The training split.
     train: Box<dyn DataSource>,
@@ -79,9 +77,9 @@ pub struct Engine<C: Collective> {
     /// The sync step's CUDA graph.
     sync_graph: sync_graph::SyncGraph,
     window: Window,
-    /// Who owns which parameters, gradients and optimizer state
-    /// (engine/placement/): ZeRO stage 0, 1 or 2.
-    placement: Box<dyn placement::Placement<C>>,
+    /// The gradient-accumulation buffer and the optimizer state, owned
+    /// by placement (engine/placement/): ZeRO stage 0, 1 or 2.
+    placement: placement::Placed<C>,
     /// The micro-step / sync-step sequence of a window (engine/trainer/).
     step_schedule: Box<dyn trainer::StepSchedule>,
     /// The most gradient bytes held after a micro-step that was not a
@@ -90,8 +88,6 @@ pub struct Engine<C: Collective> {
     /// What every rank agreed at the last sync step (any rank asking is
     /// enough): honoured after that step.
     agreed: Agreed,
-    /// The gradient-accumulation buffer every `.grad` is a view of.
-    grads: FlatGrads,
     checkpoint_dir: PathBuf,
     /// This job as the checkpoint folder's owner.
     owner: checkpoint::owner::Owner,
@@ -186,13 +182,14 @@ impl<C: Collective> Engine<C> {
         let schedule = Schedule::from_spec(&spec, total_steps);
         // The placement decides the optimizer state's shape (ZeRO stages 1
         // and 2 step one flat slice: one parameter's worth of state).
-        let placement = placement::for_stage::<C>(spec.sharding.stage);
-        let optimizer = Optimizer::new(
-            &spec.optimizer,
-            placement.stepped_tensors(model.params.len()),
-        );
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
         let grads = FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?;
+        let placement = placement::Placed::new(
+            spec.sharding.stage,
+            &spec.optimizer,
+            model.params.len(),
+            grads,
+        );
         let checkpoint_dir = opts
             .checkpoint_dir
             .clone()
@@ -242,7 +239,7 @@ impl<C: Collective> Engine<C> {
                 spec.performance.cuda_graphs,
                 device.is_cuda(),
                 cfg!(accrue_cuda),
-                placement.stage(),
+                placement.strategy.stage(),
             )
         };
         // A source read on the host is staged: each micro-batch is copied
@@ -264,7 +261,6 @@ impl<C: Collective> Engine<C> {
             collective,
             device,
             model,
-            optimizer,
             schedule,
             train,
             eval,
@@ -282,7 +278,6 @@ impl<C: Collective> Engine<C> {
             step_schedule: Box::new(trainer::AccumulateThenSync),
             most_grad_between: 0,
             agreed: Agreed::default(),
-            grads,
             checkpoint_dir,
             owner,
             protect_upto: None,

@@ -3,8 +3,8 @@
 
 use super::Engine;
 use crate::collective::Collective;
-use crate::sampler::{ShardSpec, WindowPlan};
 use crate::optim::schedule::Schedule;
+use crate::sampler::{ShardSpec, WindowPlan};
 
 impl<C: Collective> Engine<C> {
     /// Points the sharding and the window plan at the current world size

@@ -126,7 +126,7 @@ impl<C: Collective> Engine<C> {
         if self.collective.world_size() == 1 {
             // A sharded job shrunk to one rank holds half a state: it too
             // must roll back (or fail naming the lost shard).
-            if !self.placement.holds_whole_state() && !self.shard_in_place() {
+            if !self.placement.strategy.holds_whole_state() && !self.shard_in_place() {
                 let mine = self.state.step + 1;
                 return self.sync_sharded(&[mine], mine);
             }
@@ -144,7 +144,7 @@ impl<C: Collective> Engine<C> {
         if best == 0 {
             return self.broadcast_state(0);
         }
-        if !self.placement.holds_whole_state() {
+        if !self.placement.strategy.holds_whole_state() {
             return self.sync_sharded(&steps, best);
         }
         let mut bytes = if rank == source {
@@ -201,14 +201,14 @@ impl<C: Collective> Engine<C> {
         }
         Err(Error::Sharding(format!(
             "a re-formed ring of a job with sharding.stage = {} needs every rank's optimizer shard for its place in the new ring, and ranks hold committed steps {steps:?} with shards in place {placed:?} (a lost rank's shard is gone; shard replicas are not built yet) and no common checkpoint to roll back to (checkpoint steps + 1 by rank: {at:?}); set checkpoint.every_steps so a sharded job can recover",
-            self.placement.stage()
+            self.placement.strategy.stage()
         )))
     }
 
     /// Parameters, buffers, optimizer state and counters as bytes.
     fn pack_state(&self) -> Result<Vec<u8>> {
         let model = self.model_state();
-        let opt = self.optimizer.named_state(&self.model.params);
+        let opt = self.placement.optimizer.named_state(&self.model.params);
         let shapes = |ts: &[(String, Tensor)]| -> Result<Vec<(String, Vec<i64>)>> {
             ts.iter()
                 .map(|(n, t)| {
@@ -269,8 +269,11 @@ impl<C: Collective> Engine<C> {
                 .ctx("rebuilding optimizer state")?;
             opt.push((name.clone(), t));
         }
-        self.optimizer
-            .load_state(&self.model.params, opt, header.state.optimizer_steps)?;
+        self.placement.optimizer.load_state(
+            &self.model.params,
+            opt,
+            header.state.optimizer_steps,
+        )?;
         self.state = header.state;
         Ok(())
     }

@@ -62,7 +62,10 @@ impl<C: Collective> Engine<C> {
     /// norm is not finite; the gradients zeroed either way), None when the
     /// caller runs the eager path (the reason is in the window's report).
     pub(super) fn sync_on_device(&mut self, divisor: f64, lr: f64) -> Result<Option<f64>> {
-        let blocked = graphs::sync_blocker(self.placement.stage(), self.optimizer.has_state());
+        let blocked = graphs::sync_blocker(
+            self.placement.strategy.stage(),
+            self.placement.optimizer.has_state(),
+        );
         let action =
             graphs::decide_unless(self.graph.mode(), &self.sync_graph.holder.phase, blocked);
         let mut failure = None;
@@ -136,7 +139,7 @@ impl<C: Collective> Engine<C> {
             }
         };
         fill(inputs, &[0], divisor)?;
-        let c = self.optimizer.masked_coefs(lr);
+        let c = self.placement.optimizer.masked_coefs(lr);
         let n = c.values.len() as i64;
         // How many numbers there are is the optimizer rule's (3 for SGD and
         // fused Adam/AdamW, 6 for Adam and AdamW), fixed for the engine's life: the tensor is
@@ -188,13 +191,14 @@ impl<C: Collective> Engine<C> {
         // its float32 reciprocal: the eager path does, so this does.
         let reciprocal = self.device.is_cuda();
         let norm = self
+            .placement
             .grads
             .norm(self.spec.norm_type())?
             .f_to_kind(Kind::Double)
             .ctx("the gradient norm")?;
         let grad_norm = norm.f_div(&divisor).ctx("normalizing the norm")?;
         let finite = grad_norm.f_isfinite().ctx("testing the norm")?;
-        let mut view = self.grads.view()?;
+        let mut view = self.placement.grads.view()?;
         // What the eager path's GradPrep does, with the same roundings.
         if self.spec.clipping.max_norm.is_some() {
             // clip_grad_norm_: min(1, max_norm / (norm + 1e-6)), with
@@ -227,8 +231,10 @@ impl<C: Collective> Engine<C> {
             .f_where_self(&finite, &at(&coefs, 1)?)
             .ctx("the optimizer's numbers")?;
         let pairs = crate::optim::with_grads(&self.model.params);
-        self.optimizer.step_masked(&pairs, &eff, reciprocal)?;
-        self.grads.zero()?;
+        self.placement
+            .optimizer
+            .step_masked(&pairs, &eff, reciprocal)?;
+        self.placement.grads.zero()?;
         out.shallow_clone()
             .f_copy_(&norm)
             .ctx("the sync step's result")

@@ -8,10 +8,10 @@ use super::trainer::{Op, SyncOutcome};
 use super::{Engine, StepReport};
 use crate::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
+use crate::grads::tally::WindowTally;
 use crate::graphs::EagerReason;
 use crate::optim::GradPrep;
 use crate::spec::{Normalize, OnNonfinite, SyncMode};
-use crate::grads::tally::WindowTally;
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -72,8 +72,8 @@ impl<C: Collective> Engine<C> {
     pub fn discard_window(&mut self) -> Result<()> {
         let w = std::mem::take(&mut self.window);
         self.state.micro_step = self.state.micro_step.saturating_sub(w.micro as u64);
-        self.placement.discard();
-        self.grads.zero()
+        self.placement.strategy.discard();
+        self.placement.grads.zero()
     }
 
     /// The device indices of micro-batch `a..b` of this rank's current
@@ -138,7 +138,7 @@ impl<C: Collective> Engine<C> {
         };
         let (a, b) = self.plan.micro_batch_range(m);
         // ZeRO stage 2 freed the buffer after the last reduction.
-        self.grads.restore(&self.model.params)?;
+        self.placement.grads.restore(&self.model.params)?;
         if b > a {
             // Eagerly, or as a CUDA graph (engine/graph.rs).
             self.window.count += self.run_micro_batch(a, b)?;
@@ -424,7 +424,7 @@ impl<C: Collective> Engine<C> {
         let t_opt = Instant::now();
         if on_device.is_some() {
             // The device did it all: count the step it took.
-            self.optimizer.steps += u64::from(prep.is_some());
+            self.placement.optimizer.steps += u64::from(prep.is_some());
             clip_s = Duration::ZERO;
         } else {
             let (placement, mut parts) = self.placed();

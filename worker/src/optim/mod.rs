@@ -11,8 +11,8 @@ mod aten_fused;
 pub mod cpu_loop;
 mod cpu_step;
 mod masked;
-pub mod schedule;
 pub mod rule;
+pub mod schedule;
 mod tensor;
 
 pub use cpu_loop::GradPrep;

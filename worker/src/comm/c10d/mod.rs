@@ -258,10 +258,18 @@ impl C10dGroup {
         let host_c = CString::new(host).map_err(|_| {
             GroupError::Setup(format!("c10d group {name}: host {host:?} has a NUL"))
         })?;
-        Self::join(client, name, rank, size, timeout, Device::Cpu, |store, r, s, ms, g, e, l| {
-            // SAFETY: store and host are live for the call.
-            unsafe { accrue_c10d_gloo_new(store, host_c.as_ptr(), r, s, ms, g, e, l) }
-        })
+        Self::join(
+            client,
+            name,
+            rank,
+            size,
+            timeout,
+            Device::Cpu,
+            |store, r, s, ms, g, e, l| {
+                // SAFETY: store and host are live for the call.
+                unsafe { accrue_c10d_gloo_new(store, host_c.as_ptr(), r, s, ms, g, e, l) }
+            },
+        )
     }
 
     /// Joins NCCL group `name` as `rank` of `size` on CUDA device `device`
@@ -277,13 +285,23 @@ impl C10dGroup {
         device: usize,
     ) -> Result<Self, GroupError> {
         let index = i32::try_from(device).map_err(|_| {
-            GroupError::Setup(format!("c10d group {name}: CUDA device {device} is too large"))
+            GroupError::Setup(format!(
+                "c10d group {name}: CUDA device {device} is too large"
+            ))
         })?;
         let on = Device::Cuda(device);
-        Self::join(client, name, rank, size, timeout, on, |store, r, s, ms, g, e, l| {
-            // SAFETY: the store is live for the call.
-            unsafe { accrue_c10d_nccl_new(store, r, s, ms, index, g, e, l) }
-        })
+        Self::join(
+            client,
+            name,
+            rank,
+            size,
+            timeout,
+            on,
+            |store, r, s, ms, g, e, l| {
+                // SAFETY: the store is live for the call.
+                unsafe { accrue_c10d_nccl_new(store, r, s, ms, index, g, e, l) }
+            },
+        )
     }
 
     /// Makes the store over `client` (keys under `name/`) and the group

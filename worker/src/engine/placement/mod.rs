@@ -1,6 +1,9 @@
 //! Placement strategies: who owns which parameters, gradients and optimizer state.
 //!
-//! One [`Placement`] per job decides, for the sync step, how the gradients
+//! [`Placed`] owns what a rank holds besides the parameters: the
+//! gradient-accumulation buffer and the optimizer state, and the
+//! [`Placement`] strategy that shapes them. One strategy per job decides,
+//! for the sync step, how the gradients
 //! are reduced (all-reduce or reduce-scatter over the data axis), which
 //! elements this rank's optimizer steps, how the parameters come back
 //! (all-gather), what this rank contributes to the clip norm, and the shape
@@ -156,6 +159,38 @@ pub(super) trait Placement<C: Collective>: Send {
     ) -> Result<()>;
 }
 
+/// What a rank holds besides the parameters, owned by placement: the
+/// strategy, the gradient-accumulation buffer it reduces and releases,
+/// and the optimizer state in the shape it decides (one tensor per
+/// parameter, or this rank's flat slice). The engine reaches them only
+/// through here; the parameters stay with the model (ZeRO-3 will hand
+/// them to its strategy too).
+pub(super) struct Placed<C: Collective> {
+    pub strategy: Box<dyn Placement<C>>,
+    /// Every parameter's `.grad` is a view of it.
+    pub grads: FlatGrads,
+    pub optimizer: Optimizer,
+}
+
+impl<C: Collective> Placed<C> {
+    /// The strategy of `[sharding] stage`, the optimizer state in its
+    /// shape for `params` parameters, and the buffer `grads`.
+    pub fn new(
+        stage: u32,
+        optimizer: &crate::spec::OptimizerSpec,
+        params: usize,
+        grads: FlatGrads,
+    ) -> Self {
+        let strategy = for_stage::<C>(stage);
+        let optimizer = Optimizer::new(optimizer, strategy.stepped_tensors(params));
+        Self {
+            strategy,
+            grads,
+            optimizer,
+        }
+    }
+}
+
 /// The strategy for `[sharding] stage`.
 pub(super) fn for_stage<C: Collective>(stage: u32) -> Box<dyn Placement<C>> {
     match stage {
@@ -220,13 +255,18 @@ pub(super) fn host_f32_mut(t: &Tensor) -> Result<&mut [f32]> {
 impl<C: Collective> super::Engine<C> {
     /// The placement and the engine pieces it works on, borrowed apart.
     pub(super) fn placed(&mut self) -> (&mut dyn Placement<C>, Parts<'_, C>) {
+        let Placed {
+            strategy,
+            grads,
+            optimizer,
+        } = &mut self.placement;
         (
-            self.placement.as_mut(),
+            strategy.as_mut(),
             Parts {
                 collective: &mut self.collective,
-                grads: &mut self.grads,
+                grads,
                 params: &self.model.params,
-                optimizer: &mut self.optimizer,
+                optimizer,
                 device: self.device,
                 unfused: self.opts.unfused_step,
             },
@@ -235,7 +275,7 @@ impl<C: Collective> super::Engine<C> {
 
     /// Refuses a device sharding does not run on (checked at start).
     pub(super) fn check_sharding(&self) -> Result<()> {
-        let stage = self.placement.stage();
+        let stage = self.placement.strategy.stage();
         if stage >= 1 && !matches!(self.device, Device::Cpu | Device::Cuda(_)) {
             return Err(Error::Sharding(format!(
                 "sharding.stage = {stage} runs on the CPU and CUDA; device {:?} needs stage 0",
@@ -249,6 +289,7 @@ impl<C: Collective> super::Engine<C> {
     /// its place in the current group owns.
     pub(super) fn shard_in_place(&self) -> bool {
         self.placement
+            .strategy
             .state_in_place((self.collective.world_size(), self.collective.rank()))
     }
 
@@ -256,13 +297,14 @@ impl<C: Collective> super::Engine<C> {
     /// slice's only).
     pub fn optimizer_state_bytes(&self) -> usize {
         self.placement
-            .optimizer_state_bytes(&self.optimizer, &self.model.params)
+            .strategy
+            .optimizer_state_bytes(&self.placement.optimizer, &self.model.params)
     }
 
     /// Bytes of gradients this rank holds now: the accumulation buffer
     /// (while not released) and the window's sums the placement keeps.
     pub fn gradient_bytes(&self) -> usize {
-        self.grads.bytes() + self.placement.held_gradient_bytes()
+        self.placement.grads.bytes() + self.placement.strategy.held_gradient_bytes()
     }
 
     /// The optimizer state by PyTorch's names, whole (every rank must

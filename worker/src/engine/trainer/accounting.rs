@@ -32,7 +32,7 @@ impl<C: Collective> Engine<C> {
         s.step += 1;
         s.samples_seen += o.global_count;
         s.skipped_steps += o.skipped as u64;
-        s.optimizer_steps = self.optimizer.steps;
+        s.optimizer_steps = self.placement.optimizer.steps;
         s.loss_scale = o
             .scaler
             .map(|ls| ls.update(&self.spec.loss_scaling, o.overflow));

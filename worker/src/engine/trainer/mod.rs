@@ -156,7 +156,7 @@ impl<'e, C: Collective> Trainer<'e, C> {
         }
         tracing::info!(
             rank = e.collective.rank(),
-            stage = e.placement.stage(),
+            stage = e.placement.strategy.stage(),
             optimizer_state_bytes = e.optimizer_state_bytes(),
             gradient_bytes_between_micro_steps = e.most_grad_between,
             gradient_bytes_after_sync = e.gradient_bytes(),
