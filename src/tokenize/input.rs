@@ -1,4 +1,5 @@
-//! The inputs: text files, folders (recursive, sorted) and JSON lines.
+//! The inputs: text files, folders (recursive, sorted) and JSON lines
+//! (documents from a `text` field, or prompt/completion pairs).
 
 #[allow(unused_imports)]
 use super::*;
@@ -186,16 +187,73 @@ pub(super) fn read_text(f: &InputFile) -> Result<Option<String>> {
     }
 }
 
-pub(super) fn read_docs(files: &[InputFile], skipped: &mut Vec<PathBuf>) -> Result<Vec<String>> {
+/// The documents of `files`: each text file whole, and each JSON-lines
+/// file (.jsonl) one document per line, the string field `field` of the
+/// object on it (the `datasets` convention: `{"text": ...}`). Empty texts
+/// are left out.
+pub(super) fn read_docs(
+    files: &[InputFile],
+    field: &str,
+    skipped: &mut Vec<PathBuf>,
+) -> Result<Vec<String>> {
     let mut docs = Vec::new();
     for f in files {
         match read_text(f)? {
+            Some(text) if is_jsonl(&f.path) => json_lines(f, &text, |v, bad| {
+                let doc = string_field(v, field, bad)?;
+                if !doc.is_empty() {
+                    docs.push(doc);
+                }
+                Ok(())
+            })?,
             Some(text) if !text.is_empty() => docs.push(text),
             Some(_) => {}
             None => skipped.push(f.path.clone()),
         }
     }
     Ok(docs)
+}
+
+/// Calls `each` with every non-blank line's JSON value of `f`'s `text`
+/// and a maker of errors naming the line.
+fn json_lines(
+    f: &InputFile,
+    text: &str,
+    mut each: impl FnMut(&serde_json::Value, &dyn Fn(String) -> TokenizeError) -> Result<()>,
+) -> Result<()> {
+    // A UTF-8 byte order mark (Windows editors, Excel exports) opens the
+    // file, not the first object: skipped as Python's utf-8-sig.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |what: String| TokenizeError::JsonLine {
+            path: f.path.clone(),
+            line: i + 1,
+            what,
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(format!("not JSON: {e}")))?;
+        if !v.is_object() {
+            return Err(bad("not a JSON object".into()));
+        }
+        each(&v, &bad)?;
+    }
+    Ok(())
+}
+
+/// The string field `name` of the object `v`.
+fn string_field(
+    v: &serde_json::Value,
+    name: &str,
+    bad: &dyn Fn(String) -> TokenizeError,
+) -> Result<String> {
+    match v.get(name) {
+        Some(serde_json::Value::String(s)) => Ok(s.clone()),
+        Some(_) => Err(bad(format!("`{name}` is not a string"))),
+        None => Err(bad(format!("no `{name}` field"))),
+    }
 }
 
 pub(super) fn read_pairs(files: &[InputFile], skipped: &mut Vec<PathBuf>) -> Result<Vec<Pair>> {
@@ -205,30 +263,13 @@ pub(super) fn read_pairs(files: &[InputFile], skipped: &mut Vec<PathBuf>) -> Res
             skipped.push(f.path.clone());
             continue;
         };
-        // A UTF-8 byte order mark (Windows editors, Excel exports) opens
-        // the file, not the first object: skipped as Python's utf-8-sig.
-        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-        for (i, line) in text.lines().enumerate() {
-            if line.trim().is_empty() {
-                continue;
-            }
-            let bad = |what: String| TokenizeError::JsonLine {
-                path: f.path.clone(),
-                line: i + 1,
-                what,
-            };
-            let v: serde_json::Value =
-                serde_json::from_str(line).map_err(|e| bad(format!("not JSON: {e}")))?;
-            let field = |name: &str| match v.get(name) {
-                Some(serde_json::Value::String(s)) => Ok(s.clone()),
-                Some(_) => Err(bad(format!("`{name}` is not a string"))),
-                None => Err(bad(format!("no `{name}` field"))),
-            };
+        json_lines(f, &text, |v, bad| {
             pairs.push(Pair {
-                prompt: field("prompt")?,
-                completion: field("completion")?,
+                prompt: string_field(v, "prompt", bad)?,
+                completion: string_field(v, "completion", bad)?,
             });
-        }
+            Ok(())
+        })?;
     }
     Ok(pairs)
 }

@@ -72,11 +72,21 @@ pub enum Format {
     Sequences,
 }
 
+/// Which items `--eval-fraction` holds out.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Whole documents (rows) chosen at random with --seed.
+    Random,
+    /// The last documents (rows) in input order.
+    Last,
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct TokenizeArgs {
     /// Text files, folders (their UTF-8 text files, recursively, in sorted
-    /// order; hidden entries skipped) or, for --format sequences, JSON lines
-    /// (.jsonl) with string fields `prompt` and `completion`.
+    /// order; hidden entries skipped) and JSON lines (.jsonl): for --format
+    /// tokens one document per line from its `text` field (--field), for
+    /// --format sequences string fields `prompt` and `completion`.
     #[arg(required_unless_present = "dump_gpt2_files", value_name = "INPUT")]
     pub inputs: Vec<PathBuf>,
     /// The file to write; the tokenizer is written beside it as
@@ -98,12 +108,22 @@ pub struct TokenizeArgs {
     /// merges) on the input instead.
     #[arg(long, value_name = "N")]
     pub train_bpe: Option<u64>,
-    /// Hold out this fraction, in [0, 1): for tokens the last documents (the
-    /// last tokens when there is one document), for sequences a seeded
-    /// random choice of rows.
+    /// Hold out this fraction, in [0, 1), of the documents (tokens) or rows
+    /// (sequences), chosen by --split; one document is cut at its last
+    /// tokens.
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub eval_fraction: f64,
-    /// Seed of the held-out choice of rows (--format sequences).
+    /// Which documents or rows are held out: `random` (whole ones, chosen
+    /// with --seed, reproducibly) or `last` (in input order: with a sorted
+    /// folder, its last files).
+    #[arg(long, value_enum, default_value_t = Split::Random)]
+    pub split: Split,
+    /// The string field holding each document of a JSON-lines input
+    /// (--format tokens): a line that is not an object with it is an error
+    /// naming the line.
+    #[arg(long, default_value = "text", value_name = "NAME")]
+    pub field: String,
+    /// Seed of the random held-out choice (--split random).
     #[arg(long, default_value_t = 0, value_name = "S")]
     pub seed: u64,
     /// Write GPT-2's vocab.json and merges.txt (as built here) into DIR
@@ -204,6 +224,9 @@ pub struct Summary {
     pub repeated: Vec<PathBuf>,
     /// An earlier run's held-out split, removed (this run holds none out).
     pub removed_eval: Option<PathBuf>,
+    /// The documents or rows the split chose from, and how it chose.
+    pub held_out_of: usize,
+    pub held_out_how: String,
 }
 
 impl Summary {
@@ -239,6 +262,16 @@ impl Summary {
             self.tokenizer_json.display(),
             self.vocab_size
         ));
+        if let Some(e) = &self.eval {
+            let share = 100.0 * e.tokens as f64 / (self.train.tokens + e.tokens).max(1) as f64;
+            v.push(match self.held_out_of {
+                1 => format!("held out the last {share:.1}% of the one document's tokens"),
+                n => format!(
+                    "held out {} of {n} {unit} ({}): {share:.1}% of the tokens",
+                    e.items, self.held_out_how
+                ),
+            });
+        }
         for (name, w) in
             std::iter::once(("train", &self.train)).chain(self.eval.iter().map(|e| ("eval", e)))
         {
@@ -300,7 +333,7 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
     let files = &found.files;
     let mut skipped = Vec::new();
     let docs = match args.format {
-        Format::Tokens => Input::Docs(read_docs(files, &mut skipped)?),
+        Format::Tokens => Input::Docs(read_docs(files, &args.field, &mut skipped)?),
         Format::Sequences => Input::Pairs(read_pairs(files, &mut skipped)?),
     };
     if docs.is_empty() {
@@ -327,7 +360,16 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
                 .map(|d| tok.encode(d, &bar))
                 .collect::<Result<Vec<_>>>()?;
             bar.finish_and_clear();
-            write_tokens_split(&mut stage, &out, encoded, tok.eot, wide, args.eval_fraction)?
+            write_tokens_split(
+                &mut stage,
+                &out,
+                encoded,
+                tok.eot,
+                wide,
+                args.eval_fraction,
+                args.split,
+                args.seed,
+            )?
         }
         Input::Pairs(pairs) => {
             let texts: Vec<&str> = pairs
@@ -347,6 +389,7 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
                 &tok,
                 vocab_size,
                 args.eval_fraction,
+                args.split,
                 args.seed,
             )?
         }
@@ -376,6 +419,14 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
         outputs_left_out: found.outputs,
         repeated: found.repeated,
         removed_eval,
+        held_out_of: match &docs {
+            Input::Docs(d) => d.len(),
+            Input::Pairs(p) => p.len(),
+        },
+        held_out_how: match args.split {
+            Split::Random => format!("at random, seed {}", args.seed),
+            Split::Last => "the last ones".into(),
+        },
     })
 }
 

@@ -17,8 +17,38 @@ pub(super) fn held_out(fraction: f64, n: usize, what: &'static str) -> Result<us
     Ok(k)
 }
 
-pub(super) fn join(docs: &[Vec<u32>], eot: Option<u32>) -> Vec<u32> {
-    let mut out = Vec::with_capacity(docs.iter().map(Vec::len).sum::<usize>() + docs.len());
+/// Which of `n` items (documents, rows) are held out, `k` of them: a
+/// seeded random choice of whole items, or the last `k`.
+pub(super) fn eval_choice(n: usize, k: usize, split: Split, seed: u64) -> Vec<bool> {
+    let mut is_eval = vec![false; n];
+    match split {
+        Split::Random => {
+            let mut order: Vec<usize> = (0..n).collect();
+            order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+            for &i in &order[..k] {
+                is_eval[i] = true;
+            }
+        }
+        Split::Last => is_eval[n - k..].iter_mut().for_each(|e| *e = true),
+    }
+    is_eval
+}
+
+/// `items` apart by `is_eval`, each side in the input's order.
+fn part<'a, T>(items: &'a [T], is_eval: &[bool]) -> (Vec<&'a T>, Vec<&'a T>) {
+    let (mut train, mut eval) = (Vec::new(), Vec::new());
+    for (x, &e) in items.iter().zip(is_eval) {
+        if e {
+            eval.push(x);
+        } else {
+            train.push(x);
+        }
+    }
+    (train, eval)
+}
+
+pub(super) fn join(docs: &[&Vec<u32>], eot: Option<u32>) -> Vec<u32> {
+    let mut out = Vec::with_capacity(docs.iter().map(|d| d.len()).sum::<usize>() + docs.len());
     for (i, d) in docs.iter().enumerate() {
         if i > 0 {
             out.extend(eot);
@@ -35,6 +65,8 @@ pub(super) fn write_tokens_split(
     eot: Option<u32>,
     wide: bool,
     fraction: f64,
+    split: Split,
+    seed: u64,
 ) -> Result<(Written, Option<Written>)> {
     let n = docs.len();
     if n == 1 {
@@ -48,9 +80,10 @@ pub(super) fn write_tokens_split(
         return Ok((train, eval));
     }
     let k = held_out(fraction, n, "documents")?;
-    let train = write_llmc(stage, out, &join(&docs[..n - k], eot), wide, n - k)?;
+    let (train, eval) = part(&docs, &eval_choice(n, k, split, seed));
+    let train = write_llmc(stage, out, &join(&train, eot), wide, n - k)?;
     let eval = (k > 0)
-        .then(|| write_llmc(stage, &eval_path(out), &join(&docs[n - k..], eot), wide, k))
+        .then(|| write_llmc(stage, &eval_path(out), &join(&eval, eot), wide, k))
         .transpose()?;
     Ok((train, eval))
 }
@@ -103,25 +136,13 @@ pub(super) fn write_sequences_split(
     tok: &Tok,
     vocab_size: u64,
     fraction: f64,
+    split: Split,
     seed: u64,
 ) -> Result<(Written, Option<Written>)> {
     let n = rows.len();
     let k = held_out(fraction, n, "rows")?;
-    let mut order: Vec<usize> = (0..n).collect();
-    order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
-    let mut is_eval = vec![false; n];
-    for &i in &order[..k] {
-        is_eval[i] = true;
-    }
     // Both sides keep the input's order.
-    let (mut train, mut eval) = (Vec::with_capacity(n - k), Vec::with_capacity(k));
-    for (i, r) in rows.iter().enumerate() {
-        if is_eval[i] {
-            eval.push(r);
-        } else {
-            train.push(r);
-        }
-    }
+    let (train, eval) = part(&rows, &eval_choice(n, k, split, seed));
     let wide = vocab_size > 65536;
     let t = write_sequences(stage, out, &train, tok.eot, wide, vocab_size)?;
     let e = (k > 0)

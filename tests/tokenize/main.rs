@@ -191,6 +191,59 @@ fn gpt2_round_trip_and_r50k_ids() {
     assert_eq!(ids.iter().filter(|&&i| i == EOT).count(), docs.len() - 1);
 }
 
+/// JSON lines of `{"text": ...}` (the `datasets` convention, issue 39): one
+/// document per line, the field's text (JSON escapes decoded), joined by
+/// the end-of-text token: tiktoken's r50k ids of each text.
+#[test]
+fn json_lines_text_fields_are_documents() {
+    let t = TempDir::new().unwrap();
+    let docs: Vec<String> = corpus(20_000).into_iter().take(6).collect();
+    assert!(
+        docs.iter().any(|d| d.contains('\n')),
+        "a text with a newline"
+    );
+    let lines: Vec<String> = docs
+        .iter()
+        .map(|d| serde_json::json!({"text": d, "id": 7}).to_string())
+        .collect();
+    let input = t.path().join("docs.jsonl");
+    std::fs::write(&input, lines.join("\n") + "\n").unwrap();
+    let out = t.path().join("jl/train.bin");
+    ok(&[s(&input), "--out", s(&out)]);
+    let (_, ids) = read_llmc(&out);
+    let mut want = Vec::new();
+    for (i, d) in docs.iter().enumerate() {
+        if i > 0 {
+            want.push(EOT);
+        }
+        want.extend(r50k(d));
+    }
+    assert!(
+        ids == want,
+        "JSON lines' ids differ from the texts' r50k ids"
+    );
+    // Another field by name gives the same stream.
+    let renamed = t.path().join("body.jsonl");
+    let body: Vec<String> = docs
+        .iter()
+        .map(|d| serde_json::json!({"body": d}).to_string())
+        .collect();
+    std::fs::write(&renamed, body.join("\n")).unwrap();
+    let out2 = t.path().join("jl2/train.bin");
+    ok(&[s(&renamed), "--out", s(&out2), "--field", "body"]);
+    assert!(read_llmc(&out2).1 == want);
+    // A line without the field, or not an object, is named.
+    let e = fails(&[s(&renamed), "--out", s(&out2)]);
+    assert!(e.contains("line 1") && e.contains("no `text` field"), "{e}");
+    let bad = t.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"a\"}\n[1, 2]\n").unwrap();
+    let e = fails(&[s(&bad), "--out", s(&out2)]);
+    assert!(
+        e.contains("line 2") && e.contains("not a JSON object"),
+        "{e}"
+    );
+}
+
 #[test]
 fn gpt2_ids_equal_r50k_on_python_sources_in_one_document() {
     // Code: runs of spaces, tabs and blank lines around the newlines where
@@ -338,6 +391,8 @@ fn trained_bpe_round_trip() {
         "600",
         "--eval-fraction",
         "0.3",
+        "--split",
+        "last",
     ]);
     let tj = t.path().join("bpe/tokenizer.json");
     let tk = Tokenizer::from_file(&tj).unwrap();
@@ -398,7 +453,14 @@ fn tokens_eval_split_by_documents_and_by_tokens() {
         .collect();
     let out = t.path().join("split/all.bin");
     let mut args: Vec<&str> = files.iter().map(|p| s(p)).collect();
-    args.extend(["--out", s(&out), "--eval-fraction", "0.2"]);
+    args.extend([
+        "--out",
+        s(&out),
+        "--eval-fraction",
+        "0.2",
+        "--split",
+        "last",
+    ]);
     let stdout = ok(&args);
     let eval_out = t.path().join("split/all.eval.bin");
     let (_, train) = read_llmc(&out);
@@ -445,6 +507,69 @@ fn tokens_eval_split_by_documents_and_by_tokens() {
     assert_eq!(b.len(), (whole.len() as f64 * 0.1).round() as usize);
     assert_eq!([a, b].concat(), whole);
     assert_eq!(all, joined(&docs[..2]));
+}
+
+/// `--split random` (the default, issue 39): whole documents held out, the
+/// same ones for the same seed, the rest in input order; the share printed.
+#[test]
+fn the_random_split_holds_out_whole_documents_reproducibly() {
+    let t = TempDir::new().unwrap();
+    let docs: Vec<String> = (0..20).map(|i| format!("Document {i} says {i}.")).collect();
+    let input = t.path().join("docs.jsonl");
+    let lines: Vec<String> = docs
+        .iter()
+        .map(|d| serde_json::json!({ "text": d }).to_string())
+        .collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let split = |seed: &str, dir: &str| {
+        let out = t.path().join(dir).join("x.bin");
+        let stdout = ok(&[
+            s(&input),
+            "--out",
+            s(&out),
+            "--eval-fraction",
+            "0.25",
+            "--seed",
+            seed,
+        ]);
+        let train = read_llmc(&out).1;
+        let eval = read_llmc(&out.with_file_name("x.eval.bin")).1;
+        (stdout, train, eval)
+    };
+    let (stdout, train, eval) = split("3", "a");
+    assert!(
+        stdout.contains("held out 5 of 20 documents (at random, seed 3)"),
+        "{stdout}"
+    );
+    // Documents back from the ids: each whole, on one side only.
+    let tj = t.path().join("a/tokenizer.json");
+    let back = |ids: &[u32]| -> Vec<String> {
+        decode(&tj, ids)
+            .split(EOT_TEXT)
+            .map(str::to_string)
+            .collect()
+    };
+    let (tr, ev) = (back(&train), back(&eval));
+    assert_eq!((tr.len(), ev.len()), (15, 5));
+    let mut all: Vec<&String> = tr.iter().chain(&ev).collect();
+    all.sort_by_key(|d| docs.iter().position(|x| x == *d).expect("a whole document"));
+    assert!(
+        all.iter().zip(&docs).all(|(a, b)| *a == b),
+        "every document once"
+    );
+    let order = |side: &[String]| {
+        side.iter()
+            .map(|d| docs.iter().position(|x| x == d).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let ev_idx = order(&ev);
+    assert!(ev_idx.windows(2).all(|w| w[0] < w[1]), "input order kept");
+    assert_ne!(ev_idx, (15..20).collect::<Vec<_>>(), "not the last five");
+    // The same seed, the same split; another seed, another one.
+    let (_, train2, eval2) = split("3", "b");
+    assert_eq!((train2, eval2.clone()), (train, eval));
+    let (_, _, eval3) = split("4", "c");
+    assert_ne!(eval3, eval2);
 }
 
 #[test]

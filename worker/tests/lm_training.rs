@@ -329,6 +329,72 @@ lr = 0.001
         (loss - want_loss).abs() <= 1e-6 * want_loss,
         "first loss {loss} vs transformers' {want_loss}"
     );
+    // The same model saved above transformers' shard size (issue 39): the
+    // folder has shards and an index, not model.safetensors, and
+    // fine-tuning it starts from the same loss.
+    let sharded = d.join("hf-sharded");
+    assert!(!sharded.join("model.safetensors").exists());
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(sharded.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let mut shard_files: Vec<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    shard_files.sort_unstable();
+    shard_files.dedup();
+    assert!(shard_files.len() >= 2, "one shard only: {shard_files:?}");
+    let from_shards = text.replace(
+        &format!("init = \"{}\"", hf.display()),
+        &format!("init = \"{}\"", sharded.display()),
+    );
+    assert_ne!(from_shards, text);
+    let mut e = engine(spec(&from_shards), &d.join("ft-sharded-ckpt"));
+    let mut first_sharded = None;
+    e.run(|ev| {
+        if let accrue_worker::Event::Step(r) = ev {
+            first_sharded.get_or_insert(r.loss);
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let sharded_loss = first_sharded.unwrap();
+    eprintln!("{} shards: first loss {sharded_loss}", shard_files.len());
+    assert_eq!(
+        sharded_loss, loss,
+        "the sharded folder trains from other weights"
+    );
+    // bfloat16 shards: the weights are transformers' rounded to bf16,
+    // exactly, held as float32 master weights.
+    let whole = read(&hf.join("model.safetensors"));
+    let bf16 = accrue_worker::engine::read_init(&d.join("hf-bf16")).unwrap();
+    assert_eq!(bf16.len(), whole.len());
+    for (name, t) in &whole {
+        let (_, got) = bf16.iter().find(|(n, _)| n == name).unwrap();
+        assert_eq!(got.kind(), tch::Kind::BFloat16, "{name}");
+        assert!(
+            got.equal(&t.to_kind(tch::Kind::BFloat16)),
+            "{name} is not transformers' bf16"
+        );
+    }
+    let spec_bf16 = spec(&from_shards.replace("hf-sharded", "hf-bf16"));
+    let mut model = Model::build(&spec_bf16.model, &[12], 97, tch::Device::Cpu, 1).unwrap();
+    let dir_bf16 = d.join("hf-bf16");
+    model
+        .load_named(accrue_worker::model::WeightsFrom::Init(&dir_bf16), bf16)
+        .unwrap();
+    for (name, p) in &model.params {
+        assert_eq!(
+            p.kind(),
+            tch::Kind::Float,
+            "{name}: master weights are float32"
+        );
+        let (_, t) = whole.iter().find(|(n, _)| n == name).unwrap();
+        let want = t.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float);
+        assert!(p.equal(&want), "{name}");
+    }
 }
 
 /// A window whose rows on every rank hold no target (one-token rows, a

@@ -786,3 +786,90 @@ fn sampling_while_training_prunes_never_fails() {
         failures.len()
     );
 }
+
+/// A folder saved above transformers' shard size (issue 39): shards and
+/// `model.safetensors.index.json`, bf16 weights among them, sample as the
+/// same weights in one file do; an index that names a file outside its
+/// folder is refused naming it.
+#[test]
+fn a_sharded_folder_samples_as_its_single_file() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::TempDir::new().unwrap();
+    let c = config(2, false, false);
+    // The single file, its weights rounded to bf16 (the sharded copy holds
+    // them as bf16, which loads exactly into these float32 values).
+    let one = tmp.path().join("one");
+    std::fs::create_dir_all(&one).unwrap();
+    let vars: Vec<(String, Tensor)> = weights(&c, 3)
+        .into_iter()
+        .map(|(n, t)| (n, t.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float)))
+        .collect();
+    let named: Vec<(&str, &Tensor)> = vars.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    Tensor::write_safetensors(&named, one.join("model.safetensors")).unwrap();
+    let sharded = tmp.path().join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    let mut map = serde_json::Map::new();
+    for (i, chunk) in vars.chunks(vars.len().div_ceil(3)).enumerate() {
+        let file = format!("model-{:05}-of-00003.safetensors", i + 1);
+        let bf16: Vec<(String, Tensor)> = chunk
+            .iter()
+            .map(|(n, t)| (n.clone(), t.to_kind(tch::Kind::BFloat16)))
+            .collect();
+        let named: Vec<(&str, &Tensor)> = bf16.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        Tensor::write_safetensors(&named, sharded.join(&file)).unwrap();
+        for (n, _) in chunk {
+            map.insert(n.clone(), file.clone().into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        serde_json::to_vec(&index).unwrap(),
+    )
+    .unwrap();
+    for d in [&one, &sharded] {
+        std::fs::write(
+            d.join("config.json"),
+            serde_json::to_vec(&c.to_hf_json()).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(d.join("tokenizer.json"), tokenizer_json(VOCAB)).unwrap();
+    }
+    let prompt = PROMPT.map(|t| format!("w{t}")).join(" ");
+    let text = |dir: &Path| {
+        let out = sample_cli(&[
+            dir.as_os_str(),
+            "--prompt".as_ref(),
+            prompt.as_ref(),
+            "--max-tokens".as_ref(),
+            "8".as_ref(),
+            "--temperature".as_ref(),
+            "0".as_ref(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let want = text(&one);
+    assert_eq!(text(&sharded), want);
+    // The index may not reach outside the folder.
+    let mut bad = index.clone();
+    let first = vars[0].0.clone();
+    bad["weight_map"][&first] = "../one/model.safetensors".into();
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        serde_json::to_vec(&bad).unwrap(),
+    )
+    .unwrap();
+    let e = LoadedModel::load(c.clone(), &sharded, Device::Cpu)
+        .err()
+        .expect("an index naming ../ is refused")
+        .to_string();
+    assert!(
+        e.contains("../one/model.safetensors") && e.contains("plain file name"),
+        "{e}"
+    );
+}

@@ -112,6 +112,20 @@ impl Checker {
         }
     }
 
+    /// A folder that must hold at least one of `files`.
+    pub fn folder_holds_any(&mut self, field: &str, dir: &Path, files: &[&str]) {
+        if !self.files || dir.as_os_str().len() > MAX_PATH_BYTES {
+            return;
+        }
+        if !files.iter().any(|f| dir.join(f).is_file()) {
+            self.fail(
+                field,
+                dir.display().to_string(),
+                format!("must name a folder holding {}", files.join(" or ")),
+            );
+        }
+    }
+
     /// Whether file and folder checks run (not for the coordinator's view).
     pub fn checks_files(&self) -> bool {
         self.files
@@ -255,9 +269,15 @@ impl JobSpec {
         refuse_foreign_fields(m, c);
         family.check_fields(m, &self.data, c);
         if let Some(p) = &m.init {
-            // A folder (transformers' save_pretrained) holds model.safetensors.
+            // A folder (transformers' save_pretrained) holds
+            // model.safetensors, or shards and the index naming them (the
+            // worker checks the shards).
             if p.is_dir() {
-                c.files_in("model.init", p, &["model.safetensors"]);
+                c.folder_holds_any(
+                    "model.init",
+                    p,
+                    &["model.safetensors", "model.safetensors.index.json"],
+                );
             } else {
                 c.file_exists("model.init", p);
             }

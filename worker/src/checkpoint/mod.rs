@@ -18,6 +18,7 @@ mod format;
 pub mod lock;
 pub mod manifest;
 pub mod owner;
+pub mod shards;
 
 pub use format::safetensors_bytes;
 use format::tensors_from;

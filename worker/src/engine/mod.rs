@@ -35,7 +35,7 @@ pub use flat::{flatten, unflatten};
 use options::Agreed;
 pub use options::{Control, RunOptions};
 pub use report::{EvalReport, Event, StepReport, Summary, Timing};
-pub use setup::resolve_device;
+pub use setup::{read_init, resolve_device};
 use setup::{spec_hash, starved};
 
 use crate::checkpoint::{self, TrainerState};
@@ -137,19 +137,10 @@ impl<C: Collective> Engine<C> {
             spec.seed,
         )?;
         if let Some(given) = &spec.model.init {
-            // A folder (transformers' save_pretrained) holds model.safetensors.
-            let file;
-            let init = if given.is_dir() {
-                file = given.join(checkpoint::MODEL_FILE);
-                &file
-            } else {
-                given
-            };
-            let tensors = Tensor::read_safetensors(init).map_err(|e| Error::Init {
-                path: init.clone(),
-                reason: crate::error::torch_text("reading model.init", &e),
-            })?;
-            model.load_named(WeightsFrom::Init(init), tensors)?;
+            // A file, or a folder transformers wrote (save_pretrained):
+            // model.safetensors, or shards and their index.
+            let tensors = setup::read_init(given)?;
+            model.load_named(WeightsFrom::Init(given), tensors)?;
         }
         let workload::Workload {
             train,

@@ -13,15 +13,53 @@ pub struct StepFiles {
     /// The step folder they come from.
     pub dir: PathBuf,
     pub config: Vec<u8>,
-    pub weights: Vec<u8>,
+    /// model.safetensors, or the shards a transformers folder's index
+    /// names.
+    pub weights: Vec<WeightBytes>,
     /// None: the folder has no tokenizer.json.
     pub tokenizer: Option<Vec<u8>>,
     /// Set when a checkpoint folder's LATEST step was not taken: why.
     pub fallback: Option<String>,
 }
 
+/// One weight file's contents.
+#[derive(Clone, Debug)]
+pub struct WeightBytes {
+    pub path: PathBuf,
+    /// The tensors a shard's index maps to it (None: whatever it holds).
+    pub expected: Option<Vec<String>>,
+    pub bytes: Vec<u8>,
+}
+
+/// The weight files of `path` (a file, or a folder: model.safetensors or
+/// the shards its index names), read.
+pub fn read_weights(path: &Path) -> Result<Vec<WeightBytes>> {
+    let files = checkpoint::shards::weight_files(path).map_err(|reason| SampleError::Weights {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    files
+        .into_iter()
+        .map(|(file, expected)| {
+            let bytes = std::fs::read(&file).map_err(|e| SampleError::Weights {
+                path: file.clone(),
+                reason: if e.kind() == std::io::ErrorKind::NotFound {
+                    "no such file".into()
+                } else {
+                    format!("cannot read it: {e}")
+                },
+            })?;
+            Ok(WeightBytes {
+                path: file,
+                expected,
+                bytes,
+            })
+        })
+        .collect()
+}
+
 /// The files of the step folder `path` names: itself when it holds
-/// `model.safetensors`, else (a checkpoint folder) the step training would
+/// `model.safetensors` (or a transformers index and its shards), else (a checkpoint folder) the step training would
 /// recover from, verified against its manifest (see the module
 /// documentation).
 pub fn read_step_files(path: &Path) -> Result<StepFiles> {
@@ -30,7 +68,7 @@ pub fn read_step_files(path: &Path) -> Result<StepFiles> {
             path: path.to_path_buf(),
         });
     }
-    if path.join(MODEL_FILE).is_file() {
+    if checkpoint::shards::is_weights_folder(path) {
         return read_plain(path);
     }
     read_newest(path)
@@ -47,10 +85,7 @@ fn read_plain(dir: &Path) -> Result<StepFiles> {
         path,
         reason: format!("cannot read it: {e}"),
     })?;
-    let weights = read(MODEL_FILE).map_err(|(path, e)| SampleError::Weights {
-        path,
-        reason: format!("cannot read it: {e}"),
-    })?;
+    let weights = read_weights(dir)?;
     let tokenizer = match read(TOKENIZER_FILE) {
         Ok(bytes) => Some(bytes),
         Err((_, e)) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -87,7 +122,11 @@ fn read_verified(dir: &Path, step: u64) -> std::result::Result<StepFiles, String
     };
     Ok(StepFiles {
         config: take(CONFIG_FILE)?,
-        weights: take(MODEL_FILE)?,
+        weights: vec![WeightBytes {
+            path: folder.join(MODEL_FILE),
+            expected: None,
+            bytes: take(MODEL_FILE)?,
+        }],
         tokenizer: take(TOKENIZER_FILE).ok(),
         dir: folder,
         fallback: None,

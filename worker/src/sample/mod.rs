@@ -202,21 +202,15 @@ fn some_names(names: &[&str]) -> String {
 
 impl LoadedModel {
     /// The model `config` describes with the weights of `weights` (a
-    /// safetensors file with Hugging Face names), strictly: every
-    /// parameter there with its shape, nothing else.
+    /// safetensors file with Hugging Face names, or a folder transformers
+    /// wrote: model.safetensors or shards and their index), strictly:
+    /// every parameter there with its shape, nothing else.
     pub fn load(config: LlamaConfig, weights: &Path, device: Device) -> Result<Self> {
-        let bytes = std::fs::read(weights).map_err(|e| SampleError::Weights {
-            path: weights.to_path_buf(),
-            reason: if e.kind() == std::io::ErrorKind::NotFound {
-                "no such file".into()
-            } else {
-                format!("cannot read it: {e}")
-            },
-        })?;
-        Self::from_safetensors(config, &bytes, weights, device)
+        let files = files::read_weights(weights)?;
+        Self::from_weights(config, &files, device)
     }
 
-    /// [`LoadedModel::load`] from the file's contents (`path` names them
+    /// [`LoadedModel::load`] from one file's contents (`path` names them
     /// in errors).
     pub fn from_safetensors(
         config: LlamaConfig,
@@ -224,25 +218,53 @@ impl LoadedModel {
         path: &Path,
         device: Device,
     ) -> Result<Self> {
-        let err = |reason: String| SampleError::Weights {
+        let one = WeightBytes {
             path: path.to_path_buf(),
+            expected: None,
+            bytes: bytes.to_vec(),
+        };
+        Self::from_weights(config, std::slice::from_ref(&one), device)
+    }
+
+    /// [`LoadedModel::load`] from the contents of its weight files (one,
+    /// or the shards, each holding what its index entry names).
+    pub fn from_weights(
+        config: LlamaConfig,
+        files: &[WeightBytes],
+        device: Device,
+    ) -> Result<Self> {
+        let first = files.first().map(|f| f.path.clone()).unwrap_or_default();
+        let err = |reason: String| SampleError::Weights {
+            path: first.clone(),
             reason,
         };
         let vs = nn::VarStore::new(device);
         // Drawn initial weights, all overwritten below.
         let net = tch::no_grad(|| Net::new(&vs.root(), &config))?;
-        // safetensors' errors print as Debug: named in words here.
-        let file = safetensors::SafeTensors::deserialize(bytes)
-            .map_err(|e| err(format!("not a valid safetensors file ({e})")))?;
-        let by_name = file
-            .tensors()
+        let mut read = Vec::with_capacity(files.len());
+        for f in files {
+            let ferr = |reason: String| SampleError::Weights {
+                path: f.path.clone(),
+                reason,
+            };
+            // safetensors' errors print as Debug: named in words here.
+            let file = safetensors::SafeTensors::deserialize(&f.bytes)
+                .map_err(|e| ferr(format!("not a valid safetensors file ({e})")))?;
+            let tensors = file
+                .tensors()
+                .into_iter()
+                .map(|(n, view)| {
+                    Tensor::try_from(view)
+                        .map(|t| (n, t))
+                        .map_err(|e| ferr(crate::error::torch_text("reading the weights", &e)))
+                })
+                .collect::<Result<Vec<(String, Tensor)>>>()?;
+            read.push((f.path.clone(), f.expected.clone(), tensors));
+        }
+        let by_name: HashMap<String, Tensor> = crate::checkpoint::shards::join(read)
+            .map_err(err)?
             .into_iter()
-            .map(|(n, view)| {
-                Tensor::try_from(view)
-                    .map(|t| (n, t))
-                    .map_err(|e| err(crate::error::torch_text("reading the weights", &e)))
-            })
-            .collect::<Result<HashMap<String, Tensor>>>()?;
+            .collect();
         let mut ours: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         ours.sort_by(|a, b| a.0.cmp(&b.0));
         let missing: Vec<&str> = ours
@@ -299,7 +321,7 @@ impl LoadedModel {
     /// The model of files read from a step folder.
     pub fn from_files(files: &StepFiles, device: Device) -> Result<Self> {
         let config = parse_config(&files.config, &files.dir.join(CONFIG_FILE))?;
-        Self::from_safetensors(config, &files.weights, &files.dir.join(MODEL_FILE), device)
+        Self::from_weights(config, &files.weights, device)
     }
 
     /// `[vocab]` true at the ids `exclude` names (None: none); an error
@@ -606,8 +628,7 @@ pub fn run(args: &SampleArgs, out: &mut dyn Write) -> Result<Generated> {
     let config = parse_config(&files.config, &files.dir.join(CONFIG_FILE))?;
     // The tokenizer before the weights: a missing one fails fast.
     let (tokenizer, tokenizer_path) = load_tokenizer(&files, args.tokenizer.as_deref())?;
-    let model =
-        LoadedModel::from_safetensors(config, &files.weights, &files.dir.join(MODEL_FILE), device)?;
+    let model = LoadedModel::from_weights(config, &files.weights, device)?;
     drop(files);
     let encoding =
         tokenizer

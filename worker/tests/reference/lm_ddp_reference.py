@@ -26,8 +26,9 @@ Trainer does it (CE_sum * W / N_global per rank, then DDP's average).
       CONFIG["step_dir"] with LlamaForCausalLM.from_pretrained (offline)
       and writes the logits it gives for DIR/ids.safetensors's `ids` to
       DIR/hf-logits.safetensors; then writes a fresh model with
-      save_pretrained to DIR/hf and the loss per target token of its first
-      16 rows (accrue's rows-to-samples rule) to DIR/hf-loss.json.
+      save_pretrained to DIR/hf (and sharded at 16 KB to DIR/hf-sharded,
+      in bfloat16 to DIR/hf-bf16) and the loss per target token of its
+      first 16 rows (accrue's rows-to-samples rule) to DIR/hf-loss.json.
 
 CONFIG_JSON: seed, batch, k, epochs, seq_len, max_norm, lr, weight_decay,
 pad_id, model (LlamaConfig fields), modes; optional "precision": "bf16"
@@ -42,6 +43,7 @@ would), unscale_, the gradients times k * W / N_global, clip, scaler.step
 and update; outputs ddp-fp16-<mode>-rank<r>.*.
 """
 import contextlib
+import copy
 import json
 import math
 import os
@@ -231,6 +233,12 @@ def hf():
     torch.manual_seed(cfg["seed"] + 2)
     fresh = build()
     fresh.save_pretrained(f"{out_dir}/hf")
+    # The same weights as transformers writes a model above its shard
+    # size (model-0000i-of-0000n.safetensors + the index), in float32 and
+    # in bfloat16 (what the Hub mostly holds).
+    fresh.save_pretrained(f"{out_dir}/hf-sharded", max_shard_size="16KB")
+    copy.deepcopy(fresh).to(torch.bfloat16).save_pretrained(
+        f"{out_dir}/hf-bf16", max_shard_size="16KB")
     data = load_file(f"{out_dir}/data.safetensors")
     x, t = rows_to_batch(data, list(range(16)))
     with torch.no_grad():
