@@ -565,3 +565,96 @@ fn amp_against_ddp(precision: &str) {
         "{precision}: {name} differs from DDP by {diff:.3e}"
     );
 }
+
+/// A step folder of a job whose data has a tokenizer with an end-of-text
+/// token is a Hub model (issue 39): transformers' AutoTokenizer,
+/// GenerationConfig and the model's config agree on the end-of-text id,
+/// `generate()` stops at it, and `pipeline("text-generation")` runs.
+#[test]
+fn step_folders_tell_transformers_where_text_ends() {
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    // 100 words and <|endoftext|> (id 100) as a special token.
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..100).map(|i| (format!("w{i}"), i.into())).collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 100, "content": "<|endoftext|>", "single_word": false,
+                          "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null, "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"},
+    });
+    std::fs::write(d.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let mut bytes: Vec<u8> = [20240520i32, 1, 256]
+        .iter()
+        .chain(&[0i32; 253])
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    bytes.extend((0..256u16).flat_map(|t| (t % 101).to_le_bytes()));
+    std::fs::write(d.join("train.bin"), bytes).unwrap();
+    let text = format!(
+        r#"
+name = "hub"
+seed = 3
+max_steps = 1
+device = "cpu"
+threads = 1
+[model]
+kind = "llama"
+vocab_size = 101
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+max_position_embeddings = 32
+[data]
+kind = "tokens"
+path = "{d}/train.bin"
+seq_len = 16
+batch_size = 4
+[optimizer]
+kind = "adamw"
+lr = 0.001
+"#,
+        d = d.display()
+    );
+    let mut e = engine(spec(&text), &d.join("ckpt"));
+    e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
+    let step = d.join("ckpt/step-1");
+    for f in ["generation_config.json", "tokenizer_config.json"] {
+        assert!(step.join(f).is_file(), "no {f} in the step folder");
+    }
+    let out = d.join("hub.json");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hub_folder.py");
+    let run = std::process::Command::new(python())
+        .arg(script)
+        .args([step.to_str().unwrap(), out.to_str().unwrap(), "5,17,42"])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    eprintln!("transformers saw {seen}");
+    assert_eq!(seen["eos_token"], "<|endoftext|>");
+    for key in ["eos_token_id", "generation_eos", "config_eos"] {
+        assert_eq!(seen[key], 100, "{key}");
+    }
+    assert_eq!(seen["model_max_length"], 32);
+    // Two tokens, then the forced end-of-text, and generation stopped.
+    let new = seen["new_tokens"].as_array().unwrap();
+    assert_eq!(
+        new.len(),
+        3,
+        "generate() did not stop at end-of-text: {new:?}"
+    );
+    assert_eq!(new[2], 100);
+    assert!(seen["pipeline_text"]
+        .as_str()
+        .unwrap()
+        .starts_with("w5 w17 w42"));
+}

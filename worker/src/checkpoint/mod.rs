@@ -15,6 +15,7 @@
 
 pub mod disk;
 mod format;
+pub mod hub;
 pub mod lock;
 pub mod manifest;
 pub mod owner;

@@ -8,8 +8,10 @@
 //! - Causal language modelling (llama on sequences or tokens): sources
 //!   read lazily from the host (a memory map), samples of `seq_len`
 //!   tokens, the vocabulary as outputs, cross-entropy per target token;
-//!   checkpoints carry `config.json` (and the data's `tokenizer.json`) so
-//!   transformers' `from_pretrained` reads the step folder.
+//!   checkpoints carry `config.json` (and the data's `tokenizer.json` with
+//!   `tokenizer_config.json` and `generation_config.json`, the special
+//!   tokens in all three) so transformers' `from_pretrained`,
+//!   `AutoTokenizer`, `generate()` and `pipeline()` read the step folder.
 
 use super::setup::{check_eval_shape, data_error, split_name};
 use crate::data;
@@ -105,17 +107,40 @@ fn causal_lm(spec: &JobSpec, device: Device) -> Result<Workload> {
         Some(p) => Some(open(p, "data.eval_path")?),
         None => None,
     };
-    let mut extra_files = vec![(
-        "config.json".to_string(),
-        serde_json::to_vec_pretty(&config.to_hf_json()).unwrap_or_default(),
-    )];
     // `accrue tokenize` writes the tokenizer beside the data; checked
-    // before every checkpoint carries it.
+    // before every checkpoint carries it, with the files that tell
+    // transformers its special tokens (checkpoint::hub).
     let tokenizer = path.with_file_name("tokenizer.json");
+    let mut extra_files = Vec::new();
+    let mut config_json = config.to_hf_json();
     if tokenizer.is_file() {
-        let bytes = checked_tokenizer(&tokenizer, config.vocab_size)?;
+        use crate::checkpoint::hub;
+        let (bytes, tk) = checked_tokenizer(&tokenizer, config.vocab_size)?;
+        let source = source_tokenizer_config(&path.with_file_name("tokenizer_config.json"))?;
+        let specials = hub::specials(&|t| tk.token_to_id(t), source.as_ref());
+        config_json = hub::with_token_ids(config_json, &specials);
+        let pretty = |v: &serde_json::Value| serde_json::to_vec_pretty(v).unwrap_or_default();
         extra_files.push(("tokenizer.json".to_string(), bytes));
+        extra_files.push((
+            "tokenizer_config.json".to_string(),
+            pretty(&hub::tokenizer_config(
+                &specials,
+                config.max_position_embeddings,
+                source.as_ref(),
+            )),
+        ));
+        extra_files.push((
+            "generation_config.json".to_string(),
+            pretty(&hub::generation_config(&specials)),
+        ));
     }
+    extra_files.insert(
+        0,
+        (
+            "config.json".to_string(),
+            serde_json::to_vec_pretty(&config_json).unwrap_or_default(),
+        ),
+    );
     Ok(Workload {
         train,
         eval,
@@ -131,7 +156,10 @@ fn causal_lm(spec: &JobSpec, device: Device) -> Result<Workload> {
 /// all lie in `0..vocab_size`: another tokenizer than the data's (a failed
 /// `accrue tokenize` rerun left one, issue 37) would make every checkpoint
 /// decode garbage.
-fn checked_tokenizer(path: &std::path::Path, vocab_size: i64) -> Result<Vec<u8>> {
+fn checked_tokenizer(
+    path: &std::path::Path,
+    vocab_size: i64,
+) -> Result<(Vec<u8>, tokenizers::Tokenizer)> {
     use accrue_common::small_file::{read_small, MAX_TOKENIZER_BYTES};
     let refuse = |reason: String| Error::Data {
         path: path.to_path_buf(),
@@ -158,5 +186,25 @@ fn checked_tokenizer(path: &std::path::Path, vocab_size: i64) -> Result<Vec<u8>>
             size - 1
         )));
     }
-    Ok(bytes)
+    Ok((bytes, tk))
+}
+
+/// The source's `tokenizer_config.json` beside the data (a model folder's
+/// tokenizer brought along), if there is one: a JSON object.
+fn source_tokenizer_config(path: &std::path::Path) -> Result<Option<serde_json::Value>> {
+    use accrue_common::small_file::{read_small, MAX_CONFIG_BYTES};
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let refuse = |reason: String| Error::Data {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let bytes = read_small(path, MAX_CONFIG_BYTES, "tokenizer_config.json")
+        .map_err(|e| refuse(e.reason()))?;
+    match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(v) if v.is_object() => Ok(Some(v)),
+        Ok(_) => Err(refuse("is not a JSON object".into())),
+        Err(e) => Err(refuse(format!("is not JSON: {e}"))),
+    }
 }
