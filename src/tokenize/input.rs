@@ -159,7 +159,11 @@ impl Walk<'_> {
                 match self.outputs.find(id) {
                     // An earlier run's token file or split is binary; a
                     // text file there is an input --out would overwrite.
-                    Some(output) if output != self.outputs.tokenizer && !looks_binary(&path) => {
+                    Some(output)
+                        if output != self.outputs.tokenizer
+                            && output != self.outputs.tokenizer_config
+                            && !looks_binary(&path) =>
+                    {
                         return Err(TokenizeError::InputIsOutput {
                             input: path,
                             output: output.to_path_buf(),

@@ -100,8 +100,9 @@ pub struct TokenizeArgs {
     /// token; sequences: a safetensors file of prompt/completion rows.
     #[arg(long, value_enum, default_value_t = Format::Tokens)]
     pub format: Format,
-    /// `gpt2` (GPT-2's byte-level BPE, vocabulary 50257, no download) or a
-    /// tokenizer.json file. Default: gpt2.
+    /// `gpt2` (GPT-2's byte-level BPE, vocabulary 50257, no download), a
+    /// tokenizer.json file, or a model folder (its tokenizer.json, and its
+    /// tokenizer_config.json copied beside the output). Default: gpt2.
     #[arg(long, value_name = "gpt2|PATH", conflicts_with = "train_bpe")]
     pub tokenizer: Option<String>,
     /// Train a byte-level BPE of N tokens (256 bytes, <|endoftext|> and the
@@ -180,6 +181,8 @@ pub enum TokenizeError {
         path: PathBuf,
         source: tokenizers::Error,
     },
+    #[error("--tokenizer: {} is not a JSON object (a model folder's tokenizer_config.json)", path.display())]
+    TokenizerConfig { path: PathBuf },
     #[error("GPT-2's vocabulary from tiktoken-rs: {0}")]
     Gpt2(String),
     #[error("{what}: {source}")]
@@ -224,6 +227,9 @@ pub struct Summary {
     pub repeated: Vec<PathBuf>,
     /// An earlier run's held-out split, removed (this run holds none out).
     pub removed_eval: Option<PathBuf>,
+    /// An earlier run's tokenizer_config.json, removed (this run's
+    /// tokenizer came with none).
+    pub removed_config: Option<PathBuf>,
     /// The documents or rows the split chose from, and how it chose.
     pub held_out_of: usize,
     pub held_out_how: String,
@@ -288,6 +294,13 @@ impl Summary {
                 p.display()
             ));
         }
+        if let Some(p) = &self.removed_config {
+            v.push(format!(
+                "removed {}, an earlier run's tokenizer_config.json (this tokenizer came \
+                 without one)",
+                p.display()
+            ));
+        }
         v
     }
 }
@@ -306,6 +319,15 @@ pub fn eval_path(out: &Path) -> PathBuf {
 }
 
 /// The `tokenizer.json` written beside `out`.
+/// The tokenizer.json `--tokenizer` names: the file, or a folder's.
+fn tokenizer_file(given: &Path) -> PathBuf {
+    if given.is_dir() {
+        given.join("tokenizer.json")
+    } else {
+        given.to_path_buf()
+    }
+}
+
 pub fn tokenizer_path(out: &Path) -> PathBuf {
     out.with_file_name("tokenizer.json")
 }
@@ -346,7 +368,21 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
         (_, Some(n)) => Tok::trained(n as usize, &docs)?,
         (None, None) => Tok::gpt2()?,
         (Some(name), None) if name == "gpt2" => Tok::gpt2()?,
-        (Some(path), None) => Tok::file(Path::new(path))?,
+        (Some(path), None) => Tok::file(&tokenizer_file(Path::new(path)))?,
+    };
+    // A model folder's tokenizer_config.json (special tokens, the chat
+    // template) goes beside tokenizer.json; training's checkpoints carry
+    // what it says.
+    let source_config = match args.tokenizer.as_deref().map(Path::new) {
+        Some(dir) if dir.is_dir() && dir.join("tokenizer_config.json").is_file() => {
+            let p = dir.join("tokenizer_config.json");
+            let bytes = std::fs::read(&p).map_err(io_err(&p))?;
+            match serde_json::from_slice::<serde_json::Value>(&bytes) {
+                Ok(v) if v.is_object() => Some(bytes),
+                _ => return Err(TokenizeError::TokenizerConfig { path: p }),
+            }
+        }
+        _ => None,
     };
     let vocab_size = tok.vocab_size()?;
     let wide = vocab_size > 65536;
@@ -395,7 +431,24 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
         }
     };
     stage.write(&outputs.tokenizer, &tok.json()?)?;
+    if let Some(bytes) = &source_config {
+        stage.write(&outputs.tokenizer_config, bytes)?;
+    }
     stage.commit()?;
+    // An earlier run's tokenizer_config.json would describe another
+    // tokenizer's special tokens.
+    let removed_config = match source_config {
+        None if outputs.tokenizer_config.is_file() => {
+            std::fs::remove_file(&outputs.tokenizer_config).map_err(|source| {
+                TokenizeError::Output {
+                    path: outputs.tokenizer_config.clone(),
+                    source,
+                }
+            })?;
+            Some(outputs.tokenizer_config.clone())
+        }
+        _ => None,
+    };
     // An earlier run's split beside the new files would hold another
     // tokenizer's ids.
     let removed_eval = match eval {
@@ -419,6 +472,7 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
         outputs_left_out: found.outputs,
         repeated: found.repeated,
         removed_eval,
+        removed_config,
         held_out_of: match &docs {
             Input::Docs(d) => d.len(),
             Input::Pairs(p) => p.len(),

@@ -23,6 +23,9 @@ pub(super) fn file_id(meta: &std::fs::Metadata) -> FileId {
 pub(super) struct Outputs {
     pub(super) eval: PathBuf,
     pub(super) tokenizer: PathBuf,
+    /// The source model folder's tokenizer_config.json, copied beside the
+    /// tokenizer (`--tokenizer MODEL_DIR`).
+    pub(super) tokenizer_config: PathBuf,
     /// The identities of those that exist (an earlier run's).
     existing: Vec<(FileId, PathBuf)>,
 }
@@ -51,20 +54,25 @@ impl Outputs {
             ));
         }
         let (eval, tokenizer) = (eval_path(out), tokenizer_path(out));
+        let tokenizer_config = out.with_file_name("tokenizer_config.json");
         // A folder in the way would fail the renames half-way.
-        if let Some(p) = [&eval, &tokenizer].into_iter().find(|p| p.is_dir()) {
+        if let Some(p) = [&eval, &tokenizer, &tokenizer_config]
+            .into_iter()
+            .find(|p| p.is_dir())
+        {
             return Err(TokenizeError::Output {
                 path: p.to_path_buf(),
                 source: std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a folder"),
             });
         }
-        let existing = [out, &eval, &tokenizer]
+        let existing = [out, &eval, &tokenizer, &tokenizer_config]
             .into_iter()
             .filter_map(|p| Some((file_id(&std::fs::metadata(p).ok()?), p.to_path_buf())))
             .collect();
         Ok(Outputs {
             eval,
             tokenizer,
+            tokenizer_config,
             existing,
         })
     }

@@ -572,6 +572,43 @@ fn the_random_split_holds_out_whole_documents_reproducibly() {
     assert_ne!(eval3, eval2);
 }
 
+/// `--tokenizer MODEL_DIR` (issue 39): the folder's tokenizer.json
+/// encodes, and its tokenizer_config.json (special tokens, chat template)
+/// is copied beside the output for training's checkpoints; a later run
+/// with another tokenizer removes the stale copy and says so.
+#[test]
+fn a_model_folders_tokenizer_and_its_config_come_along() {
+    let t = TempDir::new().unwrap();
+    let text = t.path().join("t.txt");
+    std::fs::write(&text, "A model folder's tokenizer, brought along.").unwrap();
+    let plain = t.path().join("plain/x.bin");
+    ok(&[s(&text), "--out", s(&plain)]);
+    let model = t.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        plain.with_file_name("tokenizer.json"),
+        model.join("tokenizer.json"),
+    )
+    .unwrap();
+    let config = serde_json::json!({
+        "eos_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    })
+    .to_string();
+    std::fs::write(model.join("tokenizer_config.json"), &config).unwrap();
+    let out = t.path().join("from-model/x.bin");
+    ok(&[s(&text), "--out", s(&out), "--tokenizer", s(&model)]);
+    assert_eq!(read_llmc(&out).1, read_llmc(&plain).1);
+    let copied = out.with_file_name("tokenizer_config.json");
+    assert_eq!(std::fs::read_to_string(&copied).unwrap(), config);
+    let stdout = ok(&[s(&text), "--out", s(&out), "--tokenizer", "gpt2"]);
+    assert!(!copied.exists(), "a stale tokenizer_config.json stayed");
+    assert!(
+        stdout.contains("an earlier run's tokenizer_config.json"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn u32_tokens_for_a_vocabulary_over_65536() {
     let t = TempDir::new().unwrap();
