@@ -548,3 +548,44 @@ fn unavailable_device_is_refused() {
     };
     assert!(err.contains(why), "{err}");
 }
+
+/// `[eval] every_steps` (issue 39): the held-out split is evaluated after
+/// every N-th step, as well as every N-th epoch and at the end, once per
+/// step, and each evaluation is the model of that step (the same numbers
+/// as evaluating a model trained to that step and stopped).
+#[test]
+fn evaluation_every_n_steps() {
+    let text = mlp_job(
+        64,
+        8,
+        1,
+        "global_count",
+        "[eval]\nevery_steps = 3\nevery_epochs = 1\n",
+    )
+    .replace("eval_samples = 0", "eval_samples = 16");
+    // 64 samples, batch 8, k = 1: 8 steps an epoch, 16 in all.
+    let d = TempDir::new().unwrap();
+    let mut e = engine(spec(&text), &d.path().join("a"));
+    let mut evals = Vec::new();
+    e.run(|ev| {
+        if let accrue_worker::Event::Eval(r) = ev {
+            evals.push((r.step, r.loss));
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let steps: Vec<u64> = evals.iter().map(|(s, _)| *s).collect();
+    // Step 16 is the last: its evaluation is the final one, made once.
+    assert_eq!(steps, vec![3, 6, 8, 9, 12, 15, 16], "{evals:?}");
+    // Step 6's evaluation is the model stopped at step 6 evaluated.
+    let stopped = text.replace("epochs = 2", "max_steps = 6");
+    let mut e6 = engine(spec(&stopped), &d.path().join("b"));
+    let mut last = None;
+    e6.run(|ev| {
+        if let accrue_worker::Event::Eval(r) = ev {
+            last = Some((r.step, r.loss));
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(last.map(|(s, _)| s), Some(6));
+    assert_eq!(last.unwrap().1, evals[1].1, "step 6's evaluation differs");
+}

@@ -339,6 +339,10 @@ pub struct EvalSpec {
     pub every_epochs: u64,
     #[serde(default = "eval_batch")]
     pub batch_size: u64,
+    /// Evaluate every N optimizer steps (0: not by steps; both may be set:
+    /// a step that ends an epoch evaluates once).
+    #[serde(default)]
+    pub every_steps: u64,
 }
 
 impl Default for EvalSpec {
@@ -346,6 +350,7 @@ impl Default for EvalSpec {
         Self {
             every_epochs: 0,
             batch_size: eval_batch(),
+            every_steps: 0,
         }
     }
 }

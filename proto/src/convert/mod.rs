@@ -225,6 +225,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         eval: Some(v1::EvalSpec {
             every_epochs: s.eval.every_epochs,
             batch_size: Some(s.eval.batch_size),
+            every_steps: s.eval.every_steps,
         }),
         comm: Some(v1::CommSpec {
             timeout_s: Some(s.comm.timeout_s),
@@ -444,6 +445,7 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             Some(e) => EvalSpec {
                 every_epochs: e.every_epochs,
                 batch_size: e.batch_size.unwrap_or(ev_default.batch_size),
+                every_steps: e.every_steps,
             },
             None => ev_default,
         },

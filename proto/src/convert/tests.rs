@@ -486,6 +486,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 eval: EvalSpec {
                     every_epochs,
                     batch_size: eval_batch,
+                    every_steps: seed % 4,
                 },
                 comm: CommSpec {
                     timeout_s: comm.0,

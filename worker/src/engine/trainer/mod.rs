@@ -98,14 +98,17 @@ impl<'e, C: Collective> Trainer<'e, C> {
         Ok(())
     }
 
-    /// Between windows: evaluation at an epoch's end, checkpoints (every
+    /// Between windows: evaluation (every n epochs or steps), checkpoints (every
     /// n steps, or agreed), and the control requests.
     fn after_step(&mut self, on_event: &mut impl FnMut(Event<'_>)) -> Result<Next> {
         let e = &mut *self.engine;
         let every = e.spec.checkpoint.every_steps;
-        let eval_every = e.spec.eval.every_epochs;
-        let epoch_ended = e.state.cursor == 0;
-        if eval_every > 0 && epoch_ended && e.state.epoch.is_multiple_of(eval_every) && !e.is_done()
+        if eval_due(
+            &e.spec.eval,
+            e.state.step,
+            e.state.epoch,
+            e.state.cursor == 0,
+        ) && !e.is_done()
         {
             if let Some(r) = e.evaluate()? {
                 on_event(Event::Eval(&r));
@@ -223,5 +226,46 @@ impl<C: Collective> Engine<C> {
             Act::Nothing => {}
         }
         Ok(())
+    }
+}
+
+/// Whether the step just committed (`step`, in `epoch`, which it ended
+/// when `epoch_ended`) evaluates: every `every_steps` steps, or at the end
+/// of every `every_epochs` epochs; once when both fall on it.
+pub(crate) fn eval_due(
+    eval: &crate::spec::EvalSpec,
+    step: u64,
+    epoch: u64,
+    epoch_ended: bool,
+) -> bool {
+    let by_steps = eval.every_steps > 0 && step.is_multiple_of(eval.every_steps);
+    let by_epochs = eval.every_epochs > 0 && epoch_ended && epoch.is_multiple_of(eval.every_epochs);
+    by_steps || by_epochs
+}
+
+#[cfg(test)]
+mod eval_tests {
+    use super::eval_due;
+    use crate::spec::EvalSpec;
+
+    #[test]
+    fn evaluation_falls_every_n_steps_or_epochs_once() {
+        let spec = |every_steps, every_epochs| EvalSpec {
+            every_steps,
+            every_epochs,
+            ..EvalSpec::default()
+        };
+        let steps = spec(3, 0);
+        let due: Vec<u64> = (1..=10)
+            .filter(|&s| eval_due(&steps, s, 0, false))
+            .collect();
+        assert_eq!(due, vec![3, 6, 9]);
+        // Epoch 2 ends at step 8: with every_epochs = 2 it evaluates.
+        let both = spec(3, 2);
+        assert!(eval_due(&both, 8, 2, true));
+        assert!(!eval_due(&both, 4, 1, true));
+        assert!(eval_due(&both, 6, 1, false));
+        // Neither set: never between windows (the final one is separate).
+        assert!(!eval_due(&spec(0, 0), 6, 2, true));
     }
 }
