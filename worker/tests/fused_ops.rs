@@ -322,6 +322,7 @@ fn cuda_llama_with_kernels_equals_the_reference() {
         attention_bias: false,
         mlp_bias: false,
         initializer_range: 0.02,
+        rope_scaling: Default::default(),
     };
     let device = Device::Cuda(0);
     let run = |kernels: bool| {

@@ -126,10 +126,32 @@ fn llama_equals_transformers_llama_for_causal_lm() {
         ("tied", "tie_word_embeddings = true"),
         ("biases", "attention_bias = true\nmlp_bias = true"),
         ("rope_theta", "rope_theta = 500000.0\nrms_norm_eps = 1e-5"),
+        // Llama 3.1's RoPE scaling (issue 39), from a config.json: with
+        // head_dim 8 one frequency is in the smoothed band, three are
+        // divided by the factor.
+        (
+            "llama3",
+            "config = llama3 rope_scaling (factor 8, 1, 4, 16)",
+        ),
     ];
     let mut cases = Vec::new();
     for (i, (name, extra)) in variants.into_iter().enumerate() {
-        let spec = spec(extra);
+        let spec = if name == "llama3" {
+            let mut json = LlamaConfig::resolve(&spec("")).unwrap().to_hf_json();
+            json["rope_scaling"] = serde_json::json!({
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+            });
+            json.as_object_mut().unwrap().remove("rope_parameters");
+            let file = tmp.path().join("llama3-config.json");
+            std::fs::write(&file, serde_json::to_vec(&json).unwrap()).unwrap();
+            let spec = spec(&format!("config = \"{}\"", file.display()));
+            let resolved = LlamaConfig::resolve(&spec).unwrap();
+            assert_eq!(resolved.rope_scaling.name(), "llama3");
+            spec
+        } else {
+            spec(extra)
+        };
         let config = LlamaConfig::resolve(&spec).unwrap();
         let model = Model::build(&spec, &[T], VOCAB, Device::Cpu, 7 + i as u64).unwrap();
         // transformers' init: normal(0, 0.02) weights, zero biases, unit norms.

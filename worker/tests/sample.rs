@@ -37,6 +37,7 @@ fn config(kv_heads: i64, tied: bool, biases: bool) -> LlamaConfig {
         attention_bias: biases,
         mlp_bias: biases,
         initializer_range: 0.02,
+        rope_scaling: Default::default(),
     }
 }
 

@@ -22,7 +22,7 @@ mod torchscript;
 
 use super::{Checker, DataSpec, ModelKind, ModelSpec, SpecErrors};
 pub use fields::FieldSet;
-pub use llama::{LlamaConfig, LlamaSpec};
+pub use llama::{LlamaConfig, LlamaSpec, RopeScaling};
 use serde::de::MapAccess;
 use serde::Serialize;
 use std::path::{Path, PathBuf};

@@ -333,7 +333,7 @@ impl Net {
             .then(|| (root / "lm_head").f_var("weight", &[c.vocab_size, h], normal))
             .transpose()
             .ctx("creating the llama parameters")?;
-        let inv_freq = inv_freq(d, c.rope_theta)
+        let inv_freq = scaled_inv_freq(d, c.rope_theta, &c.rope_scaling)
             .and_then(|f| f.f_to_device(root.device()))
             .ctx("computing RoPE's frequencies")?;
         let q_rows = paired_rows(c.num_attention_heads, d, root.device())
@@ -662,6 +662,56 @@ fn inv_freq(head_dim: i64, theta: f64) -> Result<Tensor, TchError> {
     let exponents = Tensor::f_arange_start_step(0, head_dim, 2, (Kind::Float, Device::Cpu))?
         .f_div_scalar(head_dim)?;
     Tensor::f_pow_scalar(theta, &exponents)?.f_reciprocal()
+}
+
+/// RoPE's frequencies under `scaling`, computed on the CPU in float32 op
+/// for op as transformers' `ROPE_INIT_FUNCTIONS` computes them (its
+/// `scalar / tensor` is `tensor.reciprocal() * scalar`), so the tables are
+/// bitwise transformers'. `dynamic` equals the default within
+/// `max_position_embeddings`, which no sequence passes (the spec and
+/// sampling stop there).
+pub(crate) fn scaled_inv_freq(
+    head_dim: i64,
+    theta: f64,
+    scaling: &crate::spec::RopeScaling,
+) -> Result<Tensor, TchError> {
+    use crate::spec::RopeScaling;
+    let inv = inv_freq(head_dim, theta)?;
+    match *scaling {
+        RopeScaling::Default | RopeScaling::Dynamic { .. } => Ok(inv),
+        RopeScaling::Linear { factor } => inv.f_div_scalar(factor),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let old = original_max_position_embeddings as f64;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            let wavelen = inv
+                .f_reciprocal()?
+                .f_mul_scalar(2.0 * std::f64::consts::PI)?;
+            let llama = inv
+                .f_div_scalar(factor)?
+                .f_where_self(&wavelen.f_gt(low_wavelen)?, &inv)?;
+            let smooth = wavelen
+                .f_reciprocal()?
+                .f_mul_scalar(old)?
+                .f_sub_scalar(low_freq_factor)?
+                .f_div_scalar(high_freq_factor - low_freq_factor)?;
+            let smoothed = smooth
+                .f_neg()?
+                .f_add_scalar(1.0)?
+                .f_mul(&llama)?
+                .f_div_scalar(factor)?
+                .f_add(&smooth.f_mul(&llama)?)?;
+            let medium = wavelen
+                .f_ge(high_wavelen)?
+                .f_logical_and(&wavelen.f_le(low_wavelen)?)?;
+            smoothed.f_where_self(&medium, &llama)
+        }
+    }
 }
 
 impl Headed for Net {

@@ -133,6 +133,7 @@ mod tests {
             attention_bias: bias,
             mlp_bias: bias,
             initializer_range: 0.02,
+            rope_scaling: Default::default(),
         }
     }
 

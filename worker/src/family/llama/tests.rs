@@ -20,6 +20,7 @@ fn config(kv_heads: i64, bias: bool) -> LlamaConfig {
         attention_bias: bias,
         mlp_bias: bias,
         initializer_range: 0.02,
+        rope_scaling: Default::default(),
     }
 }
 
@@ -148,4 +149,58 @@ fn fused_ops_compute_the_model() {
             assert_eq!(rel(b, a), 0.0);
         }
     }
+}
+
+/// RoPE scaling (issue 39) against the formulas in f64: linear divides
+/// every frequency; llama3 divides the long wavelengths, keeps the short
+/// ones and interpolates the band between.
+#[test]
+fn scaled_frequencies_follow_the_formulas() {
+    use crate::spec::RopeScaling;
+    let (d, theta): (i64, f64) = (8, 10000.0);
+    let plain: Vec<f64> = (0..d / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))
+        .collect();
+    let got = |s: RopeScaling| -> Vec<f64> {
+        Vec::<f32>::try_from(&super::scaled_inv_freq(d, theta, &s).unwrap())
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    };
+    let close = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 1e-6 * y.abs())
+    };
+    assert!(close(&got(RopeScaling::Default), &plain));
+    assert!(close(&got(RopeScaling::Dynamic { factor: 4.0 }), &plain));
+    let linear: Vec<f64> = plain.iter().map(|f| f / 2.0).collect();
+    assert!(close(&got(RopeScaling::Linear { factor: 2.0 }), &linear));
+    let (factor, low, high, old) = (8.0, 1.0, 4.0, 16.0);
+    let want: Vec<f64> = plain
+        .iter()
+        .map(|&f| {
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen < old / high {
+                f
+            } else if wavelen > old / low {
+                f / factor
+            } else {
+                let s = (old / wavelen - low) / (high - low);
+                (1.0 - s) * f / factor + s * f
+            }
+        })
+        .collect();
+    let llama3 = got(RopeScaling::Llama3 {
+        factor,
+        low_freq_factor: low,
+        high_freq_factor: high,
+        original_max_position_embeddings: 16,
+    });
+    assert!(close(&llama3, &want), "{llama3:?} vs {want:?}");
+    // Each branch is taken: kept (wavelength 6.28 is in the band here, so
+    // the first is smoothed), divided.
+    assert!(llama3[0] < plain[0] && llama3[0] > plain[0] / factor);
+    assert!((llama3[3] - plain[3] / factor).abs() <= 1e-9);
 }

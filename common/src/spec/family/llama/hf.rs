@@ -85,20 +85,7 @@ impl Fields {
         if let Some(v) = present("hidden_act").filter(|v| v.as_str() != Some("silu")) {
             bad("hidden_act", v, "accrue's llama uses \"silu\" only");
         }
-        if let Some((key, p)) = rope {
-            let (name, kind) = match p.get("rope_type") {
-                Some(k) => ("rope_type", Some(k)),
-                None => ("type", p.get("type")),
-            };
-            if let Some(k) = kind.filter(|k| k.as_str() != Some("default")) {
-                bad(
-                    &format!("{key}.{name}"),
-                    k,
-                    "must be \"default\": accrue's llama has no RoPE scaling \
-                     (linear, dynamic, yarn, longrope, llama3 and the others are refused)",
-                );
-            }
-        }
+        let rope_scaling = rope.and_then(|(key, p)| rope_scaling(key, p, &mut bad));
         if let Some(v) = present("attention_dropout") {
             if attention_dropout.is_some_and(|p| p != 0.0) {
                 bad(
@@ -132,7 +119,101 @@ impl Fields {
             mlp_bias,
             head_dim,
             initializer_range,
+            rope_scaling,
             source: Some(shown),
+        }
+    }
+}
+
+/// The RoPE scaling of a `rope_scaling` / `rope_parameters` object `p`
+/// (under `key`), as transformers 5.24's `ROPE_INIT_FUNCTIONS` and
+/// `rope_config_validation` read it: `rope_type`, else `type`, else
+/// "default"; the numbers each type requires. Another type (yarn,
+/// longrope, ...) or a missing or bad number is refused naming the key.
+fn rope_scaling(
+    key: &str,
+    p: &Map<String, Value>,
+    bad: &mut dyn FnMut(&str, &Value, &str),
+) -> Option<RopeScaling> {
+    let (name, kind) = match p.get("rope_type") {
+        Some(k) => ("rope_type", Some(k)),
+        None => ("type", p.get("type")),
+    };
+    let kind_str = match kind {
+        None => "default",
+        Some(k) => match k.as_str() {
+            Some(s) => s,
+            None => {
+                bad(&format!("{key}.{name}"), k, "must be a string");
+                return None;
+            }
+        },
+    };
+    let number = |field: &str, bad: &mut dyn FnMut(&str, &Value, &str)| -> Option<f64> {
+        let shown = format!("{key}.{field}");
+        match p.get(field) {
+            Some(v) => match v.as_f64().filter(|f| f.is_finite() && *f > 0.0) {
+                Some(f) => Some(f),
+                None => {
+                    bad(&shown, v, "must be a number > 0");
+                    None
+                }
+            },
+            None => {
+                bad(
+                    &shown,
+                    &Value::Null,
+                    &format!("is required by rope_type \"{kind_str}\""),
+                );
+                None
+            }
+        }
+    };
+    match kind_str {
+        "default" => Some(RopeScaling::Default),
+        "linear" => Some(RopeScaling::Linear {
+            factor: number("factor", bad)?,
+        }),
+        "dynamic" => Some(RopeScaling::Dynamic {
+            factor: number("factor", bad)?,
+        }),
+        "llama3" => {
+            let factor = number("factor", bad);
+            let low = number("low_freq_factor", bad);
+            let high = number("high_freq_factor", bad);
+            let original = number("original_max_position_embeddings", bad);
+            let (factor, low, high, original) = (factor?, low?, high?, original?);
+            if high <= low {
+                bad(
+                    &format!("{key}.high_freq_factor"),
+                    &p["high_freq_factor"],
+                    "must be above low_freq_factor (the band between them is interpolated)",
+                );
+                return None;
+            }
+            if original.fract() != 0.0 {
+                bad(
+                    &format!("{key}.original_max_position_embeddings"),
+                    &p["original_max_position_embeddings"],
+                    "must be a whole number of positions",
+                );
+                return None;
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: original as i64,
+            })
+        }
+        _ => {
+            bad(
+                &format!("{key}.{name}"),
+                kind.unwrap_or(&Value::Null),
+                "must be \"default\", \"linear\", \"dynamic\" or \"llama3\": accrue's llama \
+                 has no other RoPE scaling (yarn, longrope and the others are refused)",
+            );
+            None
         }
     }
 }

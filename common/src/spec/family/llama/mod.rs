@@ -53,6 +53,68 @@ pub struct LlamaConfig {
     /// The standard deviation of the initial weights' normal(0, std)
     /// (from a config.json only; transformers' default 0.02).
     pub initializer_range: f64,
+    /// How RoPE's frequencies are scaled (from a config.json only:
+    /// `rope_scaling` / `rope_parameters`).
+    pub rope_scaling: RopeScaling,
+}
+
+/// RoPE's frequency scaling, as transformers' `ROPE_INIT_FUNCTIONS`
+/// computes it for a `rope_type` (issue 39: Llama 3.1 to 3.3 use
+/// `llama3`). Every variant's attention factor is 1.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum RopeScaling {
+    /// `1 / theta^(2i/d)`.
+    #[default]
+    Default,
+    /// The default frequencies divided by `factor`.
+    Linear { factor: f64 },
+    /// The default up to `max_position_embeddings` positions; past them
+    /// theta grows with the length (NTK-aware).
+    Dynamic { factor: f64 },
+    /// Llama 3.1's: wavelengths above `original_max_position_embeddings /
+    /// low_freq_factor` divided by `factor`, below `.. / high_freq_factor`
+    /// kept, and the band between interpolated smoothly.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: i64,
+    },
+}
+
+impl RopeScaling {
+    /// transformers' `rope_type` name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            RopeScaling::Default => "default",
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Dynamic { .. } => "dynamic",
+            RopeScaling::Llama3 { .. } => "llama3",
+        }
+    }
+
+    /// The `rope_parameters` object transformers 5 writes (theta with it).
+    pub fn to_json(&self, theta: f64) -> Value {
+        let mut v = json!({"rope_type": self.name(), "rope_theta": theta});
+        match *self {
+            RopeScaling::Default => {}
+            RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
+                v["factor"] = factor.into();
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                v["factor"] = factor.into();
+                v["low_freq_factor"] = low_freq_factor.into();
+                v["high_freq_factor"] = high_freq_factor.into();
+                v["original_max_position_embeddings"] = original_max_position_embeddings.into();
+            }
+        }
+        v
+    }
 }
 
 /// The fields as given (spec, config file or both merged).
@@ -73,6 +135,7 @@ struct Fields {
     /// From a config.json only (the spec has no such fields).
     head_dim: Option<i64>,
     initializer_range: Option<f64>,
+    rope_scaling: Option<RopeScaling>,
     /// The config.json the file-only fields came from, as errors show it.
     source: Option<String>,
 }
@@ -94,6 +157,7 @@ impl Fields {
             mlp_bias: m.mlp_bias,
             head_dim: None,
             initializer_range: None,
+            rope_scaling: None,
             source: None,
         }
     }
@@ -211,6 +275,7 @@ impl Fields {
             mlp_bias: one("model.mlp_bias", self.mlp_bias, file.mlp_bias, path, c),
             head_dim,
             initializer_range: file.initializer_range,
+            rope_scaling: file.rope_scaling,
             source: file.source,
         }
     }
@@ -359,6 +424,7 @@ impl Fields {
                 .initializer_range
                 .filter(|&r| r != 0.0)
                 .unwrap_or(DEFAULT_INITIALIZER_RANGE),
+            rope_scaling: self.rope_scaling.unwrap_or_default(),
         })
     }
 }
@@ -479,7 +545,7 @@ impl LlamaConfig {
             "initializer_range": self.initializer_range,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": self.rope_scaling.to_json(self.rope_theta),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,

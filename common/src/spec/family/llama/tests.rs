@@ -43,6 +43,7 @@ fn llama_resolves_with_hugging_face_defaults() {
             attention_bias: false,
             mlp_bias: false,
             initializer_range: 0.02,
+            rope_scaling: Default::default(),
         }
     );
     assert_eq!(c.head_dim(), 8);
@@ -150,7 +151,7 @@ fn llama_fields_come_from_a_config_file_and_must_agree() {
         &bad,
         r#"{"model_type": "llama", "hidden_act": "gelu", "vocab_size": 97, "hidden_size": 32,
   "intermediate_size": 64, "num_hidden_layers": "2", "num_attention_heads": 4,
-  "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}"#,
+  "rope_scaling": {"rope_type": "yarn"}}"#,
     )
     .unwrap();
     let s = llama_spec(
@@ -161,7 +162,7 @@ fn llama_fields_come_from_a_config_file_and_must_agree() {
     for want in [
         "num_hidden_layers = \"2\" in the file: must be an integer",
         "hidden_act = \"gelu\" in the file",
-        "rope_scaling.rope_type = \"llama3\" in the file: must be \"default\"",
+        "rope_scaling.rope_type = \"yarn\" in the file: must be \"default\", \"linear\", \"dynamic\" or \"llama3\"",
         "model.num_hidden_layers = \"(missing)\"",
     ] {
         assert!(err.contains(want), "{want} not in {err}");
@@ -390,7 +391,9 @@ for d in json.load(sys.stdin):
         "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
         "head_dim", "attention_dropout"]}
         | {"rope_theta": r["rope_theta"], "rope_type": r["rope_type"],
-           "initializer_range": c.initializer_range or 0.02})
+           "initializer_range": c.initializer_range or 0.02}
+        | {k: r.get(k) for k in ["factor", "low_freq_factor", "high_freq_factor",
+                                 "original_max_position_embeddings"]})
 json.dump(out, sys.stdout)
 "#;
     let python = env!("ACCRUE_PYTHON");
@@ -419,14 +422,28 @@ json.dump(out, sys.stdout)
 /// accrue's resolution in transformers' terms (what accrue implements:
 /// default RoPE, no attention dropout, head_dim = hidden / heads).
 fn as_transformers(c: &LlamaConfig) -> serde_json::Value {
-    serde_json::json!({"vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+    let mut v = serde_json::json!({"vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
         "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias,
         "mlp_bias": c.mlp_bias, "head_dim": c.head_dim(), "attention_dropout": 0.0,
-        "rope_theta": c.rope_theta, "rope_type": "default",
-        "initializer_range": c.initializer_range})
+        "rope_theta": c.rope_theta, "rope_type": c.rope_scaling.name(),
+        "initializer_range": c.initializer_range,
+        "factor": null, "low_freq_factor": null, "high_freq_factor": null,
+        "original_max_position_embeddings": null});
+    let rope = c.rope_scaling.to_json(c.rope_theta);
+    for k in [
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ] {
+        if let Some(x) = rope.get(k) {
+            v[k] = x.clone();
+        }
+    }
+    v
 }
 
 #[test]
@@ -473,18 +490,28 @@ fn hf_config_fields_resolve_as_transformers_resolves_them() {
             json!({"num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 128,
             "tie_word_embeddings": true, "attention_bias": true, "mlp_bias": true}),
         ),
+        // RoPE scaling (issue 39).
+        (
+            "llama3 under rope_scaling beside rope_parameters",
+            json!({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024}}),
+        ),
+        (
+            "linear under the old `type`",
+            json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+        ),
+        (
+            "dynamic under rope_parameters",
+            json!({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
+        ),
     ];
     // (what accrue does not implement, keys added, transformers' field
     // and value, accrue's error).
     let refused = [
-        ("llama3 under rope_scaling beside rope_parameters", json!({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 1024}}),
-            ("rope_type", json!("llama3")), "rope_scaling.rope_type = \"llama3\" in the file: must be \"default\""),
-        ("linear under the old `type`", json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
-            ("rope_type", json!("linear")), "rope_scaling.type = \"linear\" in the file: must be \"default\""),
-        ("dynamic under rope_parameters", json!({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
-            ("rope_type", json!("dynamic")), "rope_parameters.rope_type = \"dynamic\" in the file: must be \"default\""),
+        ("yarn under rope_scaling", json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                "original_max_position_embeddings": 32}}),
+            ("rope_type", json!("yarn")), "rope_scaling.rope_type = \"yarn\" in the file: must be \"default\", \"linear\", \"dynamic\" or \"llama3\""),
         ("attention dropout", json!({"attention_dropout": 0.1}),
             ("attention_dropout", json!(0.1)), "attention_dropout = 0.1 in the file: must be 0"),
         ("another head width", json!({"head_dim": 16}),
@@ -577,7 +604,12 @@ fn hf_config_values_accrue_cannot_use_are_refused_naming_the_key() {
         (json!({"rope_theta": null}), "rope_theta = null in the file: must be a number"),
         (json!({"rope_parameters": {"rope_type": "default", "rope_theta": null}, "rope_theta": 5.0}),
             "rope_parameters.rope_theta = null in the file: must be a number"),
-        (json!({"rope_parameters": {"rope_type": null}}), "rope_parameters.rope_type = null in the file: must be \"default\": accrue's llama has no RoPE scaling (linear, dynamic, yarn, longrope, llama3 and the others are refused)"),
+        (json!({"rope_parameters": {"rope_type": null}}), "rope_parameters.rope_type = null in the file: must be a string"),
+        (json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0}}),
+            "rope_scaling.original_max_position_embeddings = null in the file: is required by rope_type \"llama3\""),
+        (json!({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}),
+            "rope_scaling.factor = -2.0 in the file: must be a number > 0"),
         (json!({"rope_scaling": "llama3"}), "rope_scaling = \"llama3\" in the file: must be an object (the RoPE parameters) or null"),
     ] {
         let err = LlamaConfig::from_hf_json(&hf_config(&extra)).unwrap_err().0;
