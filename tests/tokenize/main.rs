@@ -509,6 +509,93 @@ fn tokens_eval_split_by_documents_and_by_tokens() {
     assert_eq!(all, joined(&docs[..2]));
 }
 
+/// pyarrow's Parquet (snappy and zstd pages, several row groups) as
+/// `datasets` and the Hub store it (issue 39): the `text` column's rows are
+/// the same documents as the same texts in JSON lines; prompt/completion
+/// columns the same rows; a null or a missing column is named.
+#[test]
+fn parquet_columns_read_as_json_lines_do() {
+    let t = TempDir::new().unwrap();
+    let docs: Vec<String> = corpus(20_000).into_iter().take(7).collect();
+    let parquet = |rows: &serde_json::Value, name: &str, compression: &str| {
+        let json = t.path().join(format!("{name}.json"));
+        std::fs::write(&json, rows.to_string()).unwrap();
+        let out = t.path().join(format!("{name}.parquet"));
+        let py = Command::new(env!("ACCRUE_PYTHON"))
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
+            .args(["parquet", s(&json), s(&out), compression])
+            .output()
+            .unwrap();
+        assert!(
+            py.status.success(),
+            "{}",
+            String::from_utf8_lossy(&py.stderr)
+        );
+        out
+    };
+    let rows: Vec<serde_json::Value> = docs
+        .iter()
+        .map(|d| serde_json::json!({"text": d, "n": 1}))
+        .collect();
+    let jsonl = t.path().join("docs.jsonl");
+    let lines: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+    std::fs::write(&jsonl, lines.join("\n")).unwrap();
+    let want = {
+        let out = t.path().join("j/x.bin");
+        ok(&[s(&jsonl), "--out", s(&out)]);
+        read_llmc(&out).1
+    };
+    for compression in ["snappy", "zstd"] {
+        let file = parquet(
+            &serde_json::Value::from(rows.clone()),
+            compression,
+            compression,
+        );
+        let out = t.path().join(format!("p-{compression}/x.bin"));
+        ok(&[s(&file), "--out", s(&out)]);
+        assert!(
+            read_llmc(&out).1 == want,
+            "{compression}: ids differ from JSON lines'"
+        );
+    }
+    // Sequences from prompt/completion columns.
+    let pairs = serde_json::json!([
+        {"prompt": "Q: 2 + 2?", "completion": " 4"},
+        {"prompt": "Q: the capital of France?", "completion": " Paris"},
+    ]);
+    let seq = |input: &Path, dir: &str| {
+        let out = t.path().join(dir).join("s.safetensors");
+        ok(&[s(input), "--out", s(&out), "--format", "sequences"]);
+        std::fs::read(&out).unwrap()
+    };
+    let pq_pairs = parquet(&pairs, "pairs", "snappy");
+    let jl_pairs = t.path().join("pairs.jsonl");
+    let lines: Vec<String> = pairs
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.to_string())
+        .collect();
+    std::fs::write(&jl_pairs, lines.join("\n")).unwrap();
+    assert_eq!(seq(&pq_pairs, "sp"), seq(&jl_pairs, "sj"));
+    // A null text and a missing column are named.
+    let with_null = parquet(
+        &serde_json::json!([{"text": "a"}, {"text": null}]),
+        "null",
+        "snappy",
+    );
+    let e = fails(&[s(&with_null), "--out", s(&t.path().join("n/x.bin"))]);
+    assert!(e.contains("row 2") && e.contains("`text` is null"), "{e}");
+    let e = fails(&[
+        s(&with_null),
+        "--out",
+        s(&t.path().join("n/x.bin")),
+        "--field",
+        "body",
+    ]);
+    assert!(e.contains("no column `body` (it has text)"), "{e}");
+}
+
 /// `--split random` (the default, issue 39): whole documents held out, the
 /// same ones for the same seed, the rest in input order; the share printed.
 #[test]
