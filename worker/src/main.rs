@@ -279,7 +279,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         spec.threads = args.threads;
     }
     // A language model counts target tokens where others count samples.
-    let lm = spec.model.kind == accrue_worker::spec::ModelKind::Llama;
+    let lm = spec.model.kind.is_decoder();
     let opts = RunOptions {
         checkpoint_dir,
         state_dir: Some(args.state_dir.clone()),

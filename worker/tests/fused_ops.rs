@@ -323,6 +323,8 @@ fn cuda_llama_with_kernels_equals_the_reference() {
         mlp_bias: false,
         initializer_range: 0.02,
         rope_scaling: Default::default(),
+        arch: Default::default(),
+        sliding_window: None,
     };
     let device = Device::Cuda(0);
     let run = |kernels: bool| {

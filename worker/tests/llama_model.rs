@@ -42,8 +42,13 @@ fn script() -> PathBuf {
 /// The tiny model of every case: vocab 97, width 32, 2 layers, 4 heads,
 /// MLP 64, plus `extra` TOML lines.
 fn spec(extra: &str) -> ModelSpec {
+    spec_of("llama", extra)
+}
+
+/// [`spec`] of another decoder kind (qwen2, mistral).
+fn spec_of(kind: &str, extra: &str) -> ModelSpec {
     toml::from_str(&format!(
-        "kind = \"llama\"\nvocab_size = {VOCAB}\nhidden_size = 32\nintermediate_size = 64\n\
+        "kind = \"{kind}\"\nvocab_size = {VOCAB}\nhidden_size = 32\nintermediate_size = 64\n\
          num_hidden_layers = 2\nnum_attention_heads = 4\nmax_position_embeddings = 64\n{extra}"
     ))
     .unwrap()
@@ -133,6 +138,11 @@ fn llama_equals_transformers_llama_for_causal_lm() {
             "llama3",
             "config = llama3 rope_scaling (factor 8, 1, 4, 16)",
         ),
+        // The families that extend Llama (issue 39), from their own
+        // config.json: Qwen2's q, k, v biases; Mistral's window of 4
+        // positions, shorter than the rows (12), so that it matters.
+        ("qwen2", "kind = qwen2, model_type qwen2"),
+        ("mistral", "kind = mistral, sliding_window = 4"),
     ];
     let mut cases = Vec::new();
     for (i, (name, extra)) in variants.into_iter().enumerate() {
@@ -148,6 +158,23 @@ fn llama_equals_transformers_llama_for_causal_lm() {
             let spec = spec(&format!("config = \"{}\"", file.display()));
             let resolved = LlamaConfig::resolve(&spec).unwrap();
             assert_eq!(resolved.rope_scaling.name(), "llama3");
+            spec
+        } else if name == "qwen2" || name == "mistral" {
+            let mut json = LlamaConfig::resolve(&spec("")).unwrap().to_hf_json();
+            let o = json.as_object_mut().unwrap();
+            o.remove("attention_bias");
+            o.remove("mlp_bias");
+            o.insert("model_type".into(), name.into());
+            if name == "mistral" {
+                o.insert("sliding_window".into(), 4.into());
+            } else {
+                o.insert("use_sliding_window".into(), false.into());
+            }
+            let file = tmp.path().join(format!("{name}-config.json"));
+            std::fs::write(&file, serde_json::to_vec(&json).unwrap()).unwrap();
+            let spec = spec_of(name, &format!("config = \"{}\"", file.display()));
+            let resolved = LlamaConfig::resolve(&spec).unwrap();
+            assert_eq!(resolved.arch.model_type(), name);
             spec
         } else {
             spec(extra)
@@ -236,6 +263,12 @@ fn llama_equals_transformers_llama_for_causal_lm() {
     for (case, report) in cases.iter().zip(&reports) {
         let name = case.name;
         assert_eq!(report["attn"], "sdpa", "{name}");
+        let class = match name {
+            "qwen2" => "Qwen2ForCausalLM",
+            "mistral" => "MistralForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
+        assert_eq!(report["class"], class, "{name}");
         assert_eq!(report["same_weights_from_pretrained"], true, "{name}");
         // Names and shapes: the state_dict's, in its order (lm_head aside
         // when tied).

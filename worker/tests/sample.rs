@@ -13,7 +13,7 @@
 use accrue_worker::checkpoint::{self, owner::Owner, TrainerState, WriteOptions};
 use accrue_worker::family::llama::{KvCache, Net};
 use accrue_worker::sample::{load_tokenizer, read_step_files, GenerateOptions, LoadedModel, Stop};
-use accrue_worker::spec::LlamaConfig;
+use accrue_worker::spec::{DecoderArch, LlamaConfig};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use tch::{nn, Device, Kind, Tensor};
@@ -38,6 +38,8 @@ fn config(kv_heads: i64, tied: bool, biases: bool) -> LlamaConfig {
         mlp_bias: biases,
         initializer_range: 0.02,
         rope_scaling: Default::default(),
+        arch: Default::default(),
+        sliding_window: None,
     }
 }
 
@@ -272,9 +274,22 @@ fn greedy_continuation_equals_transformers_generate() {
     tch::set_num_threads(1);
     let tmp = tempfile::TempDir::new().unwrap();
     const N: usize = 24;
+    // Qwen2 and Mistral (issue 39): a window of 5 positions, shorter than
+    // the 29 the generation reaches, so the cache's mask matters.
+    let qwen2 = LlamaConfig {
+        arch: DecoderArch::Qwen2,
+        ..config(2, false, false)
+    };
+    let mistral = LlamaConfig {
+        arch: DecoderArch::Mistral,
+        sliding_window: Some(5),
+        ..config(2, false, false)
+    };
     for (i, (name, c)) in [
         ("gqa", config(2, false, false)),
         ("tied_biases", config(4, true, true)),
+        ("qwen2", qwen2),
+        ("mistral_window", mistral),
     ]
     .into_iter()
     .enumerate()

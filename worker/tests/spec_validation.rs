@@ -237,7 +237,7 @@ fn unknown_model_kind_lists_the_allowed_kinds() {
     assert_eq!(e.value, "\"transformer\"");
     assert_eq!(
         e.allowed,
-        "must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama"
+        "must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral"
     );
     for kind in ["lenet5", "resnet18", "resnet34"] {
         accepted(&replace(
@@ -376,7 +376,7 @@ fn several_bad_values_are_all_reported_at_once() {
         "optimizer.lr = -1.0: must be a finite number > 0",
         "clipping.max_norm = 0.0: must be a finite number > 0",
         "clipping.norm_type = 1.0: must be 2.0 or inf",
-        "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama",
+        "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral",
     ] {
         assert!(msg.contains(needle), "{needle:?} missing from:\n{msg}");
     }
@@ -513,7 +513,7 @@ fn an_unknown_kind_and_a_bad_value_are_reported_together() {
     assert_eq!(
         shown,
         vec![
-            "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama",
+            "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral",
             "optimizer.lr = 0.0: must be a finite number > 0",
         ]
     );

@@ -378,18 +378,24 @@ impl JobSpec {
             }
         }
         // A language model reads token rows, and token rows need one.
-        let llama = self.model.kind == ModelKind::Llama;
+        let llama = self.model.kind.is_decoder();
         if llama && !lm_data {
             c.fail(
                 "data.kind",
                 d.kind.as_str(),
-                "model.kind = llama needs data.kind = sequences or tokens",
+                format!(
+                    "model.kind = {} needs data.kind = sequences or tokens",
+                    self.model.kind
+                ),
             );
         } else if lm_data && !llama {
             c.fail(
                 "model.kind",
                 self.model.kind.as_str(),
-                format!("data.kind = {} needs model.kind = llama", d.kind),
+                format!(
+                    "data.kind = {} needs model.kind = llama, qwen2 or mistral",
+                    d.kind
+                ),
             );
         }
         if d.kind != DataKind::Synthetic {

@@ -81,6 +81,11 @@ spec_enum!(
         /// A decoder-only language model, Hugging Face LlamaForCausalLM's
         /// layout and names (issue 30).
         Llama = "llama",
+        /// Qwen2ForCausalLM: Llama with biases on q, k and v (issue 39).
+        Qwen2 = "qwen2",
+        /// MistralForCausalLM: Llama with a sliding attention window
+        /// (issue 39).
+        Mistral = "mistral",
     }
 );
 
@@ -290,5 +295,17 @@ pub fn merge_kind_errors(
         Ok(())
     } else {
         Err(SpecErrors(errors))
+    }
+}
+
+impl ModelKind {
+    /// Whether it is a decoder-only language model (the Llama layout and
+    /// the families that extend it): trained on token data, its classes
+    /// the vocabulary.
+    pub fn is_decoder(self) -> bool {
+        matches!(
+            self,
+            ModelKind::Llama | ModelKind::Qwen2 | ModelKind::Mistral
+        )
     }
 }

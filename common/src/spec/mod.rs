@@ -13,7 +13,7 @@ mod model;
 mod parallel;
 mod paths;
 pub use check::{shown, Checker, MAX_SHOWN_CHARS};
-pub use family::{FamilyFields, FieldSet, LlamaConfig, LlamaSpec, RopeScaling};
+pub use family::{DecoderArch, FamilyFields, FieldSet, LlamaConfig, LlamaSpec, RopeScaling};
 pub use kinds::*;
 pub use load::LoadError;
 pub use memory::{host_memory_bytes, MemoryEstimate, GIB};

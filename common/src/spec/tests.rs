@@ -72,7 +72,7 @@ fn every_unknown_kind_is_reported_with_the_other_errors() {
     assert_eq!(
         shown,
         vec![
-            "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama",
+            "model.kind = \"gpt\": must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral",
             "accumulation.sync = \"sometimes\": must be one of boundary, every_step",
             "clipping.on_nonfinite = \"ignore\": must be one of skip, error",
             "optimizer.kind = \"lion\": must be one of sgd, adam, adamw",

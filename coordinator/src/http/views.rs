@@ -168,7 +168,10 @@ pub fn is_lm(j: &Job) -> bool {
     j.spec
         .as_ref()
         .and_then(|s| s.model.as_ref())
-        .is_some_and(|m| m.kind == accrue_proto::v1::ModelKind::Llama as i32)
+        .is_some_and(|m| {
+            use accrue_proto::v1::ModelKind as K;
+            [K::Llama, K::Qwen2, K::Mistral].contains(&K::try_from(m.kind).unwrap_or_default())
+        })
 }
 
 /// What a job's throughput counts: `"tokens"` for a language model,

@@ -52,6 +52,8 @@ kind_map!(ModelKind, ModelKind, {
     Resnet34 <=> Resnet34,
     Torchscript <=> Torchscript,
     Llama <=> Llama,
+    Qwen2 <=> Qwen2,
+    Mistral <=> Mistral,
 });
 kind_map!(DataKind, DataKind, {
     Mnist <=> Mnist,

@@ -107,7 +107,7 @@ fn unknown_and_unspecified_kinds() {
     assert_eq!(
         shown,
         vec![
-            "model.kind = 99: must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama",
+            "model.kind = 99: must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral",
             "data.kind = -1: must be one of mnist, cifar10, tensors, synthetic, sequences, tokens",
             "accumulation.normalize = 7: must be one of global_count, mean, sum",
             "accumulation.sync = 8: must be one of boundary, every_step",
@@ -143,7 +143,7 @@ fn unknown_and_unspecified_kinds() {
     assert_eq!(
         shown,
         vec![
-            "model.kind = (unspecified): must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama",
+            "model.kind = (unspecified): must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral",
             "data.kind = (unspecified): must be one of mnist, cifar10, tensors, synthetic, sequences, tokens",
             "optimizer.kind = (unspecified): must be one of sgd, adam, adamw",
         ]
@@ -241,7 +241,9 @@ fn model() -> impl Strategy<Value = ModelSpec> {
         llama_draw(),
     )
         .prop_map(|(kind, hidden, num_classes, path, init, l)| {
-            let llama = kind == ModelKind::Llama;
+            let llama = kind.is_decoder();
+            // Qwen2's and Mistral's biases are not theirs to set.
+            let biases = kind == ModelKind::Llama;
             let (vocab, kv, group, half_dim, layers, inter) = l.sizes;
             let heads = kv * group;
             // With a config file, one required field may come from it.
@@ -268,8 +270,8 @@ fn model() -> impl Strategy<Value = ModelSpec> {
                         rope_theta: l.floats.1.filter(|_| llama),
                         max_position_embeddings: l.positions.filter(|_| llama),
                         tie_word_embeddings: l.flags.0.filter(|_| llama),
-                        attention_bias: l.flags.1.filter(|_| llama),
-                        mlp_bias: l.flags.2.filter(|_| llama),
+                        attention_bias: l.flags.1.filter(|_| biases),
+                        mlp_bias: l.flags.2.filter(|_| biases),
                         config: l.config.filter(|_| llama),
                     },
                 },
@@ -337,7 +339,7 @@ fn data(lm: bool) -> impl Strategy<Value = DataSpec> {
 /// A model and data that go together.
 fn model_and_data() -> impl Strategy<Value = (ModelSpec, DataSpec)> {
     model().prop_flat_map(|m| {
-        let lm = m.kind == ModelKind::Llama;
+        let lm = m.kind.is_decoder();
         (Just(m), data(lm))
     })
 }

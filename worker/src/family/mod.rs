@@ -13,9 +13,11 @@
 
 mod lenet5;
 pub mod llama;
+mod mistral;
 mod mlp;
 pub mod model;
 mod plan;
+mod qwen2;
 mod resnet;
 mod torchscript;
 
@@ -147,6 +149,8 @@ static FAMILIES: &[&dyn Family] = &[
     &resnet::ResNet,
     &torchscript::TorchScript,
     &llama::Llama,
+    &qwen2::Qwen2,
+    &mistral::Mistral,
 ];
 
 /// The family that builds `kind`.
@@ -171,6 +175,8 @@ mod tests {
             ModelKind::Resnet34,
             ModelKind::Torchscript,
             ModelKind::Llama,
+            ModelKind::Qwen2,
+            ModelKind::Mistral,
         ] {
             let n = FAMILIES
                 .iter()

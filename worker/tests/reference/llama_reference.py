@@ -22,15 +22,17 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def run(case):
     d = case["dir"]
-    config = LlamaConfig.from_pretrained(d)
+    # LlamaForCausalLM, or the family config.json's model_type names
+    # (Qwen2ForCausalLM, MistralForCausalLM: issue 39).
+    config = AutoConfig.from_pretrained(d)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float()
+    model = AutoModelForCausalLM.from_config(config).float()
     weights = load_file(f"{d}/model.safetensors")
     state_names = list(model.state_dict().keys())
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
@@ -46,7 +48,7 @@ def run(case):
     else:
         model.load_state_dict(weights, strict=True)
     # from_pretrained reads the same folder offline to the same weights.
-    loaded = LlamaForCausalLM.from_pretrained(d, attn_implementation="sdpa")
+    loaded = AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa")
     same_weights = all(
         torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items()
     )
@@ -93,6 +95,7 @@ def run(case):
         "shapes": shapes,
         "tied": tied,
         "attn": model.config._attn_implementation,
+        "class": type(model).__name__,
         "same_weights_from_pretrained": same_weights,
         "mask_diff": mask_diff,
     }

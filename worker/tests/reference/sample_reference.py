@@ -18,13 +18,13 @@ import sys
 
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 
 def main():
     step_dir, prompt, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
-    model = LlamaForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         step_dir, attn_implementation="sdpa", dtype=torch.float32
     ).eval()
     state = model.state_dict()

@@ -16,13 +16,15 @@
 mod fields;
 mod lenet5;
 mod llama;
+mod mistral;
 mod mlp;
+mod qwen2;
 mod resnet;
 mod torchscript;
 
 use super::{Checker, DataSpec, ModelKind, ModelSpec, SpecErrors};
 pub use fields::FieldSet;
-pub use llama::{LlamaConfig, LlamaSpec, RopeScaling};
+pub use llama::{DecoderArch, LlamaConfig, LlamaSpec, RopeScaling};
 use serde::de::MapAccess;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -107,6 +109,8 @@ registry! {
     resnet::ResNet,
     torchscript::TorchScript,
     llama::Llama { llama: llama::LlamaSpec },
+    qwen2::Qwen2,
+    mistral::Mistral,
 }
 
 /// A model's size as the memory estimate counts it.

@@ -40,7 +40,7 @@ use tch::{Device, Kind, TchError, Tensor};
 mod fused;
 pub mod plan;
 
-pub(super) struct Llama;
+pub(in crate::family) struct Llama;
 
 impl Family for Llama {
     fn kinds(&self) -> &'static [ModelKind] {
@@ -269,6 +269,8 @@ pub struct Net {
     kv_heads: i64,
     head_dim: i64,
     scale: f64,
+    /// Mistral's attention window (None: every earlier position).
+    sliding_window: Option<i64>,
     /// One matrix product for q, k and v and one for gate and up (their
     /// weights concatenated each forward) instead of five: on CUDA, where
     /// under autocast it also casts each norm's output to bf16 once
@@ -302,12 +304,19 @@ impl Net {
                 let l = &model / "layers" / i;
                 let attn = &l / "self_attn";
                 let mlp = &l / "mlp";
-                let ab = c.attention_bias;
+                // Qwen2: biases on q, k and v, none on o.
+                let (qkv_b, o_b) = (c.qkv_bias(), c.attention_bias);
                 Ok(Layer {
-                    q: Linear::new(&attn / "q_proj", h, c.num_attention_heads * d, ab, normal)?,
-                    k: Linear::new(&attn / "k_proj", h, kv, ab, normal)?,
-                    v: Linear::new(&attn / "v_proj", h, kv, ab, normal)?,
-                    o: Linear::new(&attn / "o_proj", c.num_attention_heads * d, h, ab, normal)?,
+                    q: Linear::new(
+                        &attn / "q_proj",
+                        h,
+                        c.num_attention_heads * d,
+                        qkv_b,
+                        normal,
+                    )?,
+                    k: Linear::new(&attn / "k_proj", h, kv, qkv_b, normal)?,
+                    v: Linear::new(&attn / "v_proj", h, kv, qkv_b, normal)?,
+                    o: Linear::new(&attn / "o_proj", c.num_attention_heads * d, h, o_b, normal)?,
                     gate: Linear::new(
                         &mlp / "gate_proj",
                         h,
@@ -352,6 +361,7 @@ impl Net {
             kv_heads: c.num_key_value_heads,
             head_dim: d,
             scale: (d as f64).powf(-0.5),
+            sliding_window: c.sliding_window,
             fuse_projections: root.device().is_cuda(),
             fused_ops: root.device().is_cuda() && d % 2 == 0,
             kernels: crate::fused_ops::use_kernels(root.device()),
@@ -433,13 +443,16 @@ impl Net {
         n: i64,
         t: i64,
     ) -> Result<Tensor, TchError> {
+        // Mistral's window, where it is shorter than the rows: an explicit
+        // mask (transformers' sliding-window causal mask), else causal.
+        let window = window_mask(0, t, self.sliding_window, q.device())?;
         let out = Tensor::f_scaled_dot_product_attention(
             q,
             k,
             v,
-            None::<&Tensor>,
+            window.as_ref(),
             0.0,
-            true,
+            window.is_none(),
             Some(self.scale),
             self.kv_heads < self.heads,
         )?;
@@ -557,8 +570,11 @@ impl Net {
         // after a cache need a mask (is_causal aligns top-left when the
         // query and key lengths differ): key j is seen by query i when
         // j <= past + i.
-        let causal = past == 0 && t > 1;
-        let mask = if past > 0 && t > 1 {
+        let window = window_mask(past, t, self.sliding_window, ids.device())?;
+        let causal = past == 0 && t > 1 && window.is_none();
+        let mask = if window.is_some() {
+            window
+        } else if past > 0 && t > 1 {
             let device = ids.device();
             let keys = Tensor::f_arange(past + t, (Kind::Int64, device))?.f_unsqueeze(0)?;
             let queries = Tensor::f_arange(t, (Kind::Int64, device))?
@@ -656,6 +672,29 @@ fn is_rope_buffer(name: &str) -> bool {
             .is_some_and(|(i, rest)| {
                 i.parse::<u64>().is_ok() && rest == "self_attn.rotary_emb.inv_freq"
             })
+}
+
+/// Mistral's sliding-window causal mask for `t` queries at positions
+/// `past..past + t` over keys `0..past + t`: key j is seen by query i when
+/// `j <= i` and `i - j < window` (transformers' `sliding_window_causal_mask`).
+/// None where the window reaches every earlier key (the plain causal
+/// attention then).
+fn window_mask(
+    past: i64,
+    t: i64,
+    window: Option<i64>,
+    device: Device,
+) -> Result<Option<Tensor>, TchError> {
+    let Some(w) = window.filter(|&w| w < past + t) else {
+        return Ok(None);
+    };
+    let keys = Tensor::f_arange(past + t, (Kind::Int64, device))?.f_unsqueeze(0)?;
+    let queries = Tensor::f_arange(t, (Kind::Int64, device))?
+        .f_add_scalar(past)?
+        .f_unsqueeze(-1)?;
+    let seen = keys.f_le_tensor(&queries)?;
+    let near = keys.f_gt_tensor(&queries.f_sub_scalar(w)?)?;
+    Ok(Some(seen.f_logical_and(&near)?))
 }
 
 fn inv_freq(head_dim: i64, theta: f64) -> Result<Tensor, TchError> {

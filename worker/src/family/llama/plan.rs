@@ -28,9 +28,11 @@ const HEAD: &str = "lm_head.weight";
 /// The linear layers of a decoder layer `at` (`model.layers.{i}` or its
 /// pattern): each one's path, whether it has a bias, and its split.
 fn linears(at: &str, c: &LlamaConfig) -> Vec<(String, bool, Split)> {
-    let attention = ATTENTION
-        .iter()
-        .map(|(name, split)| (format!("{at}.self_attn.{name}"), c.attention_bias, *split));
+    let attention = ATTENTION.iter().map(|(name, split)| {
+        // Qwen2: biases on q, k and v only.
+        let bias = c.attention_bias || (c.qkv_bias() && *name != "o_proj");
+        (format!("{at}.self_attn.{name}"), bias, *split)
+    });
     let mlp = MLP
         .iter()
         .map(|(name, split)| (format!("{at}.mlp.{name}"), c.mlp_bias, *split));
@@ -134,6 +136,8 @@ mod tests {
             mlp_bias: bias,
             initializer_range: 0.02,
             rope_scaling: Default::default(),
+            arch: Default::default(),
+            sliding_window: None,
         }
     }
 

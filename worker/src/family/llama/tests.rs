@@ -21,6 +21,8 @@ fn config(kv_heads: i64, bias: bool) -> LlamaConfig {
         mlp_bias: bias,
         initializer_range: 0.02,
         rope_scaling: Default::default(),
+        arch: Default::default(),
+        sliding_window: None,
     }
 }
 
@@ -203,4 +205,39 @@ fn scaled_frequencies_follow_the_formulas() {
     // the first is smoothed), divided.
     assert!(llama3[0] < plain[0] && llama3[0] > plain[0] / factor);
     assert!((llama3[3] - plain[3] / factor).abs() <= 1e-9);
+}
+
+/// Mistral's window (issue 39): query i (at position past + i) sees key j
+/// when j <= past + i and past + i - j < window; no mask where the window
+/// reaches every earlier key.
+#[test]
+fn the_sliding_window_mask_sees_the_last_window_positions() {
+    let mask = |past, t, w| {
+        super::window_mask(past, t, w, Device::Cpu)
+            .unwrap()
+            .map(|m| Vec::<Vec<bool>>::try_from(&m.to_kind(tch::Kind::Bool)).unwrap())
+    };
+    assert_eq!(mask(0, 4, None), None);
+    assert_eq!(
+        mask(0, 4, Some(4)),
+        None,
+        "a window of the whole row is causal"
+    );
+    assert_eq!(
+        mask(0, 4, Some(2)).unwrap(),
+        vec![
+            vec![true, false, false, false],
+            vec![true, true, false, false],
+            vec![false, true, true, false],
+            vec![false, false, true, true],
+        ]
+    );
+    // Two new tokens after three cached: positions 3 and 4.
+    assert_eq!(
+        mask(3, 2, Some(3)).unwrap(),
+        vec![
+            vec![false, true, true, true, false],
+            vec![false, false, true, true, true],
+        ]
+    );
 }

@@ -34,6 +34,7 @@ impl Fields {
         let num_key_value_heads = int("num_key_value_heads");
         let max_position_embeddings = int("max_position_embeddings");
         let head_dim = int("head_dim");
+        let sliding_window = int("sliding_window");
         // transformers' convert_rope_params_to_dict: a (non-empty)
         // `rope_scaling` (4.x) replaces `rope_parameters` (5.x) whole; the
         // dict's `rope_theta`, else the top-level `rope_theta`, else
@@ -79,9 +80,19 @@ impl Fields {
         let tie_word_embeddings = flag("tie_word_embeddings");
         let attention_bias = flag("attention_bias");
         let mlp_bias = flag("mlp_bias");
-        if let Some(v) = present("model_type").filter(|v| v.as_str() != Some("llama")) {
-            bad("model_type", v, "accrue builds \"llama\" models only");
-        }
+        let use_sliding_window = flag("use_sliding_window");
+        let arch = present("model_type").and_then(|v| {
+            let a = v.as_str().and_then(DecoderArch::from_model_type);
+            if a.is_none() {
+                bad(
+                    "model_type",
+                    v,
+                    "accrue builds \"llama\", \"qwen2\" and \"mistral\" models",
+                );
+            }
+            a
+        });
+
         if let Some(v) = present("hidden_act").filter(|v| v.as_str() != Some("silu")) {
             bad("hidden_act", v, "accrue's llama uses \"silu\" only");
         }
@@ -120,6 +131,9 @@ impl Fields {
             head_dim,
             initializer_range,
             rope_scaling,
+            arch,
+            sliding_window,
+            use_sliding_window,
             source: Some(shown),
         }
     }

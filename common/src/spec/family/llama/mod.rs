@@ -56,6 +56,65 @@ pub struct LlamaConfig {
     /// How RoPE's frequencies are scaled (from a config.json only:
     /// `rope_scaling` / `rope_parameters`).
     pub rope_scaling: RopeScaling,
+    /// Llama, or a family that extends it (the spec's kind; a config.json's
+    /// `model_type` must agree).
+    pub arch: DecoderArch,
+    /// Mistral's attention window (from a config.json only): a query sees
+    /// the keys of the last `sliding_window` positions, itself included.
+    /// None: every earlier position.
+    pub sliding_window: Option<i64>,
+}
+
+/// The decoders built on the Llama layout (the same parameter names and
+/// blocks): what each adds is a rule here and its folder
+/// (spec/family/qwen2, spec/family/mistral).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DecoderArch {
+    #[default]
+    Llama,
+    /// Biases on q_proj, k_proj and v_proj, none on o_proj or the MLP.
+    Qwen2,
+    /// No biases; an optional sliding attention window.
+    Mistral,
+}
+
+impl DecoderArch {
+    pub const ALL: [DecoderArch; 3] =
+        [DecoderArch::Llama, DecoderArch::Qwen2, DecoderArch::Mistral];
+
+    /// transformers' `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            DecoderArch::Llama => "llama",
+            DecoderArch::Qwen2 => "qwen2",
+            DecoderArch::Mistral => "mistral",
+        }
+    }
+
+    /// transformers' class (`architectures` in config.json).
+    pub fn architecture(self) -> &'static str {
+        match self {
+            DecoderArch::Llama => "LlamaForCausalLM",
+            DecoderArch::Qwen2 => "Qwen2ForCausalLM",
+            DecoderArch::Mistral => "MistralForCausalLM",
+        }
+    }
+
+    pub fn kind(self) -> ModelKind {
+        match self {
+            DecoderArch::Llama => ModelKind::Llama,
+            DecoderArch::Qwen2 => ModelKind::Qwen2,
+            DecoderArch::Mistral => ModelKind::Mistral,
+        }
+    }
+
+    pub fn of_kind(kind: ModelKind) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.kind() == kind)
+    }
+
+    pub fn from_model_type(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.model_type() == s)
+    }
 }
 
 /// RoPE's frequency scaling, as transformers' `ROPE_INIT_FUNCTIONS`
@@ -136,6 +195,11 @@ struct Fields {
     head_dim: Option<i64>,
     initializer_range: Option<f64>,
     rope_scaling: Option<RopeScaling>,
+    /// The file's `model_type`, then the spec's kind.
+    arch: Option<DecoderArch>,
+    /// Mistral's window (the file's; null: none), Qwen2's switch.
+    sliding_window: Option<i64>,
+    use_sliding_window: Option<bool>,
     /// The config.json the file-only fields came from, as errors show it.
     source: Option<String>,
 }
@@ -158,6 +222,9 @@ impl Fields {
             head_dim: None,
             initializer_range: None,
             rope_scaling: None,
+            arch: None,
+            sliding_window: None,
+            use_sliding_window: None,
             source: None,
         }
     }
@@ -276,6 +343,9 @@ impl Fields {
             head_dim,
             initializer_range: file.initializer_range,
             rope_scaling: file.rope_scaling,
+            arch: file.arch,
+            sliding_window: file.sliding_window,
+            use_sliding_window: file.use_sliding_window,
             source: file.source,
         }
     }
@@ -403,6 +473,8 @@ impl Fields {
             c.fail("model.rope_theta", theta, "must be a finite number > 0");
             good = false;
         }
+        let arch = self.arch.unwrap_or_default();
+        good &= self.arch_rules(arch, c);
         if !good {
             return None;
         }
@@ -425,21 +497,85 @@ impl Fields {
                 .filter(|&r| r != 0.0)
                 .unwrap_or(DEFAULT_INITIALIZER_RANGE),
             rope_scaling: self.rope_scaling.unwrap_or_default(),
+            arch,
+            sliding_window: self.sliding_window.filter(|_| arch == DecoderArch::Mistral),
         })
     }
 }
 
 /// The merged fields of `m` and, when `read` and `m.config` is set, its
 /// config file (`None` when the file cannot be read).
-fn gather(m: &LlamaSpec, read: bool, c: &mut Checker) -> Option<Fields> {
+fn gather(m: &LlamaSpec, kind: ModelKind, read: bool, c: &mut Checker) -> Option<Fields> {
     let spec = Fields::from_spec(m);
-    match (&m.config, read) {
+    let mut f = match (&m.config, read) {
         (Some(path), true) => {
             let map = read_config(path, c)?;
             let file = Fields::from_json(path, &map, c);
-            Some(spec.merge(file, path, c))
+            spec.merge(file, path, c)
         }
-        _ => Some(spec),
+        _ => spec,
+    };
+    // The kind decides the decoder; a config.json's model_type must agree.
+    let want = DecoderArch::of_kind(kind).unwrap_or_default();
+    if let Some(file) = f.arch.filter(|a| *a != want) {
+        c.fail(
+            "model.config",
+            f.source.clone().unwrap_or_default(),
+            format!(
+                "model_type = \"{}\" in the file, but model.kind = \"{}\": they must agree",
+                file.model_type(),
+                want.model_type()
+            ),
+        );
+    }
+    f.arch = Some(want);
+    Some(f)
+}
+
+impl Fields {
+    /// What the decoder adds to Llama's rules (issue 39): false when one
+    /// failed.
+    fn arch_rules(&self, arch: DecoderArch, c: &mut Checker) -> bool {
+        let mut good = true;
+        let name = arch.model_type();
+        if arch != DecoderArch::Llama {
+            let why = match arch {
+                DecoderArch::Qwen2 => {
+                    "qwen2 has biases on q_proj, k_proj and v_proj always and \
+                                       none on o_proj or the MLP: leave it out"
+                }
+                _ => "mistral has no biases: leave it out",
+            };
+            for (field, v) in [
+                ("model.attention_bias", self.attention_bias),
+                ("model.mlp_bias", self.mlp_bias),
+            ] {
+                if v == Some(true) {
+                    c.fail(field, true, why);
+                    good = false;
+                }
+            }
+        }
+        if arch == DecoderArch::Qwen2 && self.use_sliding_window == Some(true) {
+            c.fail(
+                "model.config",
+                self.source.clone().unwrap_or_default(),
+                "use_sliding_window = true in the file: accrue's qwen2 has no sliding window \
+                 (its layer-by-layer window is not built); set it false",
+            );
+            good = false;
+        }
+        if let Some(w) = self.sliding_window.filter(|_| arch == DecoderArch::Mistral) {
+            if w < 1 {
+                c.fail(
+                    "model.config",
+                    self.source.clone().unwrap_or_default(),
+                    format!("sliding_window = {w} in the file: must be >= 1 or null ({name})"),
+                );
+                good = false;
+            }
+        }
+        good
     }
 }
 
@@ -450,7 +586,8 @@ impl LlamaConfig {
     /// field or a refused value is an error naming `model.<field>`.
     pub fn resolve(model: &ModelSpec) -> Result<LlamaConfig, SpecErrors> {
         let mut c = Checker::default();
-        let config = gather(&model.fields.llama, true, &mut c).and_then(|f| f.check(true, &mut c));
+        let config = gather(&model.fields.llama, model.kind, true, &mut c)
+            .and_then(|f| f.check(true, &mut c));
         c.finish()?;
         config.ok_or_else(|| {
             // Every path to None above reported an error; kept total.
@@ -497,6 +634,11 @@ impl LlamaConfig {
 
     /// Parameters of the model, the output head included unless tied
     /// (transformers' `num_parameters()`).
+    /// Whether q_proj, k_proj and v_proj have biases (Qwen2's always).
+    pub fn qkv_bias(&self) -> bool {
+        self.attention_bias || self.arch == DecoderArch::Qwen2
+    }
+
     pub fn parameter_count(&self) -> u64 {
         let u = |x: i64| x.max(0) as u64;
         let (v, h, i) = (
@@ -512,6 +654,8 @@ impl LlamaConfig {
             .saturating_add(m(h, h))
             .saturating_add(if self.attention_bias {
                 h.saturating_add(kv).saturating_add(kv).saturating_add(h)
+            } else if self.qkv_bias() {
+                h.saturating_add(kv).saturating_add(kv)
             } else {
                 0
             });
@@ -531,9 +675,9 @@ impl LlamaConfig {
     /// A `config.json` that transformers' `LlamaConfig` and
     /// `LlamaForCausalLM.from_pretrained` read (offline), fp32 weights.
     pub fn to_hf_json(&self) -> Value {
-        json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        let mut v = json!({
+            "architectures": [self.arch.architecture()],
+            "model_type": self.arch.model_type(),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -555,7 +699,24 @@ impl LlamaConfig {
             "use_cache": true,
             "dtype": "float32",
             "torch_dtype": "float32",
-        })
+        });
+        // What the families that extend Llama say their own way.
+        let o = v.as_object_mut().expect("a JSON object literal");
+        match self.arch {
+            DecoderArch::Llama => {}
+            DecoderArch::Qwen2 => {
+                o.remove("attention_bias");
+                o.remove("mlp_bias");
+                o.insert("use_sliding_window".into(), false.into());
+                o.insert("max_window_layers".into(), self.num_hidden_layers.into());
+            }
+            DecoderArch::Mistral => {
+                o.remove("attention_bias");
+                o.remove("mlp_bias");
+                o.insert("sliding_window".into(), self.sliding_window.into());
+            }
+        }
+        v
     }
 }
 
@@ -580,7 +741,10 @@ impl ModelFamily for Llama {
             c.fail(
                 "model.num_classes",
                 n,
-                "not allowed with model.kind = llama (the classes are model.vocab_size)",
+                format!(
+                    "not allowed with model.kind = {} (the classes are model.vocab_size)",
+                    model.kind
+                ),
             );
         }
         if let Some(p) = &m.config {
@@ -591,7 +755,7 @@ impl ModelFamily for Llama {
         // the spec gives are checked.
         let read = c.checks_files() && m.config.as_deref().is_some_and(Path::is_file);
         let complete = m.config.is_none() || read;
-        let Some(fields) = gather(m, read, c) else {
+        let Some(fields) = gather(m, model.kind, read, c) else {
             return;
         };
         let config = fields.check(complete, c);

@@ -44,6 +44,8 @@ fn llama_resolves_with_hugging_face_defaults() {
             mlp_bias: false,
             initializer_range: 0.02,
             rope_scaling: Default::default(),
+            arch: Default::default(),
+            sliding_window: None,
         }
     );
     assert_eq!(c.head_dim(), 8);
@@ -299,7 +301,7 @@ fn language_models_and_token_data_go_together() {
     );
     assert_eq!(
         shown_errors(&text),
-        ["model.kind = \"mlp\": data.kind = tokens needs model.kind = llama"]
+        ["model.kind = \"mlp\": data.kind = tokens needs model.kind = llama, qwen2 or mistral"]
     );
     // seq_len: required for token data, refused for the others.
     assert_eq!(
@@ -343,8 +345,9 @@ fn language_models_and_token_data_go_together() {
     );
     assert_eq!(
         shown_errors(&text),
-        ["model.vocab_size", "model.rope_theta", "model.config"]
-            .map(|f| format!("{f} = \"(set)\": only allowed with model.kind = llama"))
+        ["model.vocab_size", "model.rope_theta", "model.config"].map(|f| format!(
+            "{f} = \"(set)\": only allowed with model.kind = llama or qwen2 or mistral"
+        ))
     );
     // A token data path is required, a pad id in range.
     let text =
