@@ -34,7 +34,12 @@ impl Fields {
         let num_key_value_heads = int("num_key_value_heads");
         let max_position_embeddings = int("max_position_embeddings");
         let head_dim = int("head_dim");
-        let sliding_window = int("sliding_window");
+        // Absent, null (no window) or a width.
+        let sliding_window = match map.get("sliding_window") {
+            None => None,
+            Some(Value::Null) => Some(None),
+            Some(_) => Some(int("sliding_window")),
+        };
         // transformers' convert_rope_params_to_dict: a (non-empty)
         // `rope_scaling` (4.x) replaces `rope_parameters` (5.x) whole; the
         // dict's `rope_theta`, else the top-level `rope_theta`, else

@@ -33,6 +33,11 @@ pub const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
 pub const DEFAULT_MAX_POSITION_EMBEDDINGS: i64 = 2048;
 pub const DEFAULT_INITIALIZER_RANGE: f64 = 0.02;
+/// MistralConfig's defaults where a config leaves them out.
+pub const MISTRAL_DEFAULT_WINDOW: i64 = 4096;
+pub const MISTRAL_DEFAULT_KV_HEADS: i64 = 8;
+/// Qwen2Config's default key-value heads where a config leaves them out.
+pub const QWEN2_DEFAULT_KV_HEADS: i64 = 32;
 
 /// A llama model's configuration with every field filled.
 #[derive(Clone, Debug, PartialEq)]
@@ -105,6 +110,15 @@ impl DecoderArch {
             DecoderArch::Llama => ModelKind::Llama,
             DecoderArch::Qwen2 => ModelKind::Qwen2,
             DecoderArch::Mistral => ModelKind::Mistral,
+        }
+    }
+
+    /// transformers' default `max_position_embeddings` of its config class.
+    pub fn default_max_positions(self) -> i64 {
+        match self {
+            DecoderArch::Llama => DEFAULT_MAX_POSITION_EMBEDDINGS,
+            DecoderArch::Qwen2 => 32768,
+            DecoderArch::Mistral => 131072,
         }
     }
 
@@ -197,8 +211,9 @@ struct Fields {
     rope_scaling: Option<RopeScaling>,
     /// The file's `model_type`, then the spec's kind.
     arch: Option<DecoderArch>,
-    /// Mistral's window (the file's; null: none), Qwen2's switch.
-    sliding_window: Option<i64>,
+    /// Mistral's window as the file gives it (Some(None): null, none;
+    /// absent: MistralConfig's 4096), Qwen2's switch.
+    sliding_window: Option<Option<i64>>,
     use_sliding_window: Option<bool>,
     /// The config.json the file-only fields came from, as errors show it.
     source: Option<String>,
@@ -395,9 +410,11 @@ impl Fields {
             1,
             MAX_HEADS,
         );
+        let arch = self.arch.unwrap_or_default();
+        // Defaults of the decoder's transformers config class.
         let positions = self
             .max_position_embeddings
-            .or(Some(DEFAULT_MAX_POSITION_EMBEDDINGS));
+            .or(Some(arch.default_max_positions()));
         let positions = int(
             c,
             "model.max_position_embeddings",
@@ -406,6 +423,15 @@ impl Fields {
             MAX_POSITIONS,
         );
         let kv = match self.num_key_value_heads {
+            // A config.json without the key: its class's default (Qwen2's
+            // is 32, Mistral's 8, not the heads), as transformers reads it.
+            // The spec's own fields default to the heads for every kind.
+            None if arch == DecoderArch::Mistral && self.source.is_some() => {
+                Some(MISTRAL_DEFAULT_KV_HEADS)
+            }
+            None if arch == DecoderArch::Qwen2 && self.source.is_some() => {
+                Some(QWEN2_DEFAULT_KV_HEADS)
+            }
             None => heads,
             Some(kv) => int(c, "model.num_key_value_heads", Some(kv), 1, MAX_HEADS),
         };
@@ -473,7 +499,6 @@ impl Fields {
             c.fail("model.rope_theta", theta, "must be a finite number > 0");
             good = false;
         }
-        let arch = self.arch.unwrap_or_default();
         good &= self.arch_rules(arch, c);
         if !good {
             return None;
@@ -498,7 +523,10 @@ impl Fields {
                 .unwrap_or(DEFAULT_INITIALIZER_RANGE),
             rope_scaling: self.rope_scaling.unwrap_or_default(),
             arch,
-            sliding_window: self.sliding_window.filter(|_| arch == DecoderArch::Mistral),
+            sliding_window: match arch {
+                DecoderArch::Mistral => self.sliding_window.unwrap_or(Some(MISTRAL_DEFAULT_WINDOW)),
+                _ => None,
+            },
         })
     }
 }
@@ -565,7 +593,7 @@ impl Fields {
             );
             good = false;
         }
-        if let Some(w) = self.sliding_window.filter(|_| arch == DecoderArch::Mistral) {
+        if let Some(Some(w)) = self.sliding_window.filter(|_| arch == DecoderArch::Mistral) {
             if w < 1 {
                 c.fail(
                     "model.config",
@@ -763,7 +791,11 @@ impl ModelFamily for Llama {
             .as_ref()
             .map(|x| x.max_position_embeddings)
             .or(fields.max_position_embeddings)
-            .or((m.config.is_none()).then_some(DEFAULT_MAX_POSITION_EMBEDDINGS));
+            .or((m.config.is_none()).then_some(
+                DecoderArch::of_kind(model.kind)
+                    .unwrap_or_default()
+                    .default_max_positions(),
+            ));
         if let (Some(t), Some(p)) = (data.seq_len, positions) {
             if matches!(data.kind, DataKind::Sequences | DataKind::Tokens) && t > p.max(0) as u64 {
                 c.fail(

@@ -383,20 +383,26 @@ fn transformers_resolves(configs: &[serde_json::Value]) -> Vec<serde_json::Value
 import json, sys
 import transformers
 transformers.logging.set_verbosity_error()
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 assert transformers.__version__ == "5.24.0", transformers.__version__
+classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 out = []
 for d in json.load(sys.stdin):
-    c = LlamaConfig.from_dict(d)
+    c = classes[d.get("model_type", "llama")].from_dict(d)
     r = c.rope_parameters
-    out.append({k: getattr(c, k) for k in ["vocab_size", "hidden_size", "intermediate_size",
-        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-        "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
-        "head_dim", "attention_dropout"]}
+    # Qwen2's and Mistral's configs have no bias switches (fixed by the
+    # class) and may have no head_dim (hidden / heads then).
+    absent = {"attention_bias": False, "mlp_bias": False,
+              "head_dim": c.hidden_size // c.num_attention_heads}
+    out.append({k: getattr(c, k, absent.get(k)) for k in ["vocab_size", "hidden_size",
+        "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
+        "mlp_bias", "head_dim", "attention_dropout"]}
         | {"rope_theta": r["rope_theta"], "rope_type": r["rope_type"],
            "initializer_range": c.initializer_range or 0.02}
         | {k: r.get(k) for k in ["factor", "low_freq_factor", "high_freq_factor",
-                                 "original_max_position_embeddings"]})
+                                 "original_max_position_embeddings"]}
+        | {"sliding_window": getattr(c, "sliding_window", None)})
 json.dump(out, sys.stdout)
 "#;
     let python = env!("ACCRUE_PYTHON");
@@ -434,7 +440,7 @@ fn as_transformers(c: &LlamaConfig) -> serde_json::Value {
         "rope_theta": c.rope_theta, "rope_type": c.rope_scaling.name(),
         "initializer_range": c.initializer_range,
         "factor": null, "low_freq_factor": null, "high_freq_factor": null,
-        "original_max_position_embeddings": null});
+        "original_max_position_embeddings": null, "sliding_window": c.sliding_window});
     let rope = c.rope_scaling.to_json(c.rope_theta);
     for k in [
         "factor",
@@ -507,6 +513,29 @@ fn hf_config_fields_resolve_as_transformers_resolves_them() {
         (
             "dynamic under rope_parameters",
             json!({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
+        ),
+        // The families that extend Llama (issue 39): their config classes'
+        // defaults where a key is left out.
+        (
+            "qwen2's defaults",
+            json!({"model_type": "qwen2", "num_attention_heads": 32, "hidden_size": 64}),
+        ),
+        (
+            "qwen2 without a window",
+            json!({"model_type": "qwen2", "use_sliding_window": false, "sliding_window": 64,
+            "num_key_value_heads": 2}),
+        ),
+        (
+            "mistral's defaults (window 4096, 8 kv heads of 8)",
+            json!({"model_type": "mistral", "num_attention_heads": 8}),
+        ),
+        (
+            "mistral's window",
+            json!({"model_type": "mistral", "sliding_window": 6, "num_key_value_heads": 2}),
+        ),
+        (
+            "mistral without a window",
+            json!({"model_type": "mistral", "sliding_window": null, "num_key_value_heads": 4}),
         ),
     ];
     // (what accrue does not implement, keys added, transformers' field
