@@ -71,6 +71,38 @@ fn read_spec(path: &Path) -> Result<String, LoadError> {
         .map_err(|e| read(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
 }
 
+/// Fills `[model] kind` from the `model_type` of the config.json that
+/// `[model] config` names, when the kind is left out (issue 39: a
+/// transformers folder says what it is). Whether it filled one; an
+/// unreadable file or one without a model_type leaves the kind missing
+/// (then the parse error says so), a model_type accrue does not build is
+/// filled as is (then refused with the kinds allowed).
+fn kind_from_config(doc: &mut toml::Table) -> bool {
+    use crate::small_file::{read_small, MAX_CONFIG_BYTES};
+    let Some(toml::Value::Table(model)) = doc.get_mut("model") else {
+        return false;
+    };
+    if model.contains_key("kind") {
+        return false;
+    }
+    let Some(toml::Value::String(config)) = model.get("config") else {
+        return false;
+    };
+    let Ok(bytes) = read_small(Path::new(config), MAX_CONFIG_BYTES, "config.json") else {
+        return false;
+    };
+    let model_type = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("model_type")?.as_str().map(str::to_string));
+    match model_type {
+        Some(t) => {
+            model.insert("kind".into(), toml::Value::String(t));
+            true
+        }
+        None => false,
+    }
+}
+
 impl JobSpec {
     /// Parses a spec: syntax, unknown fields and wrong types are a
     /// [`LoadError::Parse`]; every refused value (unknown kinds included) is
@@ -93,8 +125,11 @@ impl JobSpec {
                 // placeholders in their place and try again. Anything else
                 // is reported with the original (located) message.
                 let mut doc: toml::Table = toml::from_str(text).map_err(parse_err)?;
+                // A model with a config.json and no kind takes its
+                // model_type (where the file can be read: files checked).
+                let filled = files && kind_from_config(&mut doc);
                 let errors = check_kinds(&mut doc);
-                if errors.is_empty() {
+                if errors.is_empty() && !filled {
                     return Err(parse_err(first));
                 }
                 let spec = toml::Value::Table(doc)

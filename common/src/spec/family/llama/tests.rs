@@ -657,3 +657,55 @@ fn hf_config_values_accrue_cannot_use_are_refused_naming_the_key() {
     assert_eq!(c.to_hf_json()["initializer_range"], 0.05);
     assert_eq!(LlamaConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
 }
+
+/// With `model.config` and no `model.kind` (issue 39), the kind is the
+/// file's `model_type`; one accrue does not build is refused with the
+/// kinds allowed; a kind given that disagrees with the file names both.
+#[test]
+fn the_kind_comes_from_the_config_when_left_out() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let rows = dir.path().join("rows.safetensors");
+    std::fs::write(&rows, b"").unwrap();
+    let text = |kind: &str, config: &Path| {
+        llama_text("", "seq_len = 12")
+            .replace("kind = \"llama\"\n", kind)
+            .replace(
+                "[model]\n",
+                &format!("[model]\nconfig = {:?}\n", config.display().to_string()),
+            )
+            .replace("rows.safetensors", &rows.display().to_string())
+    };
+    let config = |model_type: &str| {
+        let p = dir.path().join(format!("{model_type}.json"));
+        let mut json = hf_config(&serde_json::json!({"num_key_value_heads": 2}));
+        json["model_type"] = model_type.into();
+        std::fs::write(&p, json.to_string()).unwrap();
+        p
+    };
+    let mistral = config("mistral");
+    let s = JobSpec::from_toml_str(&text("", &mistral), Path::new("t.toml"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(s.model.kind, ModelKind::Mistral);
+    assert_eq!(
+        LlamaConfig::resolve(&s.model).unwrap().arch,
+        DecoderArch::Mistral
+    );
+    // Where files are not read (a client submitting for the workers), the
+    // kind must be given.
+    let e = JobSpec::fields_from_toml_str(&text("", &mistral), Path::new("t.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing field `kind`"), "{e}");
+    let gpt2 = config("gpt2");
+    let e = JobSpec::from_toml_str(&text("", &gpt2), Path::new("t.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.kind = \"gpt2\": must be one of"), "{e}");
+    let e = JobSpec::from_toml_str(&text("kind = \"qwen2\"\n", &mistral), Path::new("t.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model_type = \"mistral\" in the file, but model.kind = \"qwen2\""),
+        "{e}"
+    );
+}
