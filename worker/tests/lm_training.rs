@@ -572,6 +572,17 @@ fn amp_against_ddp(precision: &str) {
 /// `generate()` stops at it, and `pipeline("text-generation")` runs.
 #[test]
 fn step_folders_tell_transformers_where_text_ends() {
+    // Each decoder's step folder (issue 39): Llama's, Qwen2's, Mistral's.
+    for (kind, class) in [
+        ("llama", "LlamaForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("mistral", "MistralForCausalLM"),
+    ] {
+        hub_folder_of(kind, class);
+    }
+}
+
+fn hub_folder_of(kind: &str, class: &str) {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     // 100 words and <|endoftext|> (id 100) as a special token.
@@ -601,7 +612,7 @@ max_steps = 1
 device = "cpu"
 threads = 1
 [model]
-kind = "llama"
+kind = "{kind}"
 vocab_size = 101
 hidden_size = 16
 intermediate_size = 32
@@ -640,6 +651,7 @@ lr = 0.001
     );
     let seen: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     eprintln!("transformers saw {seen}");
+    assert_eq!(seen["class"], class, "{kind}");
     assert_eq!(seen["eos_token"], "<|endoftext|>");
     for key in ["eos_token_id", "generation_eos", "config_eos"] {
         assert_eq!(seen[key], 100, "{key}");

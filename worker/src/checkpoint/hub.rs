@@ -124,8 +124,12 @@ pub fn tokenizer_config(s: &Specials, max_length: i64, source: Option<&Value>) -
             v[key] = t.token.clone().into();
         }
     }
-    if let Some(t) = source.and_then(|s| s.get("chat_template")) {
-        v["chat_template"] = t.clone();
+    // The source's own class and template (a Qwen2 or Llama tokenizer
+    // brought along) win over the generic ones.
+    for key in ["tokenizer_class", "chat_template"] {
+        if let Some(t) = source.and_then(|s| s.get(key)) {
+            v[key] = t.clone();
+        }
     }
     v
 }
@@ -173,6 +177,12 @@ mod tests {
         assert_eq!(t["eos_token"], "<|im_end|>");
         assert_eq!(t["model_max_length"], 2048);
         assert_eq!(t["chat_template"], "{{ messages }}");
+        assert_eq!(t["tokenizer_class"], "PreTrainedTokenizerFast");
+        let own = json!({"tokenizer_class": "Qwen2Tokenizer"});
+        assert_eq!(
+            tokenizer_config(&s, 8, Some(&own))["tokenizer_class"],
+            "Qwen2Tokenizer"
+        );
         // A name the tokenizer lacks is left out.
         let s = specials(&v, Some(&json!({"eos_token": "<missing>"})));
         assert_eq!(s.eos, None);

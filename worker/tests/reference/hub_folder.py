@@ -21,6 +21,7 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    PreTrainedTokenizerFast,
     pipeline,
 )
 
@@ -42,8 +43,12 @@ def main():
         ids = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                              prefix_allowed_tokens_fn=allowed)
     new = ids[0, len(prompt):].tolist()
-    text = pipeline("text-generation", model=step, tokenizer=step)(
-        tok.decode(prompt), max_new_tokens=3, do_sample=False)[0]["generated_text"]
+    # The tokenizer of tokenizer.json itself: transformers 5 maps a generic
+    # tokenizer_class to the model type's own (Qwen2Tokenizer for qwen2),
+    # which re-splits this test's word-level vocabulary into nothing.
+    fast = PreTrainedTokenizerFast.from_pretrained(step)
+    text = pipeline("text-generation", model=step, tokenizer=fast)(
+        fast.decode(prompt), max_new_tokens=3, do_sample=False)[0]["generated_text"]
     with open(out, "w") as f:
         json.dump({
             "eos_token": tok.eos_token,
@@ -53,6 +58,7 @@ def main():
             "model_max_length": tok.model_max_length,
             "new_tokens": new,
             "pipeline_text": text,
+            "class": type(model).__name__,
         }, f)
 
 
