@@ -398,6 +398,11 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
     // Nothing replaced until all were written: the tokenizer last.
     let mut stage = Staged::default();
     let bar = progress(docs.bytes() as u64);
+    let held = Held {
+        fraction: args.eval_fraction,
+        split: args.split,
+        seed: args.seed,
+    };
     let (train, eval) = match &docs {
         Input::Docs(docs) => {
             let encoded = docs
@@ -405,16 +410,7 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
                 .map(|d| tok.encode(d, &bar))
                 .collect::<Result<Vec<_>>>()?;
             bar.finish_and_clear();
-            write_tokens_split(
-                &mut stage,
-                &out,
-                encoded,
-                tok.eot,
-                wide,
-                args.eval_fraction,
-                args.split,
-                args.seed,
-            )?
+            write_tokens_split(&mut stage, &out, encoded, tok.eot, wide, held)?
         }
         Input::Pairs(pairs) => {
             let texts: Vec<&str> = pairs
@@ -427,16 +423,7 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
                 rows.push((prompt, completion));
             }
             bar.finish_and_clear();
-            write_sequences_split(
-                &mut stage,
-                &out,
-                rows,
-                &tok,
-                vocab_size,
-                args.eval_fraction,
-                args.split,
-                args.seed,
-            )?
+            write_sequences_split(&mut stage, &out, rows, &tok, vocab_size, held)?
         }
     };
     stage.write(&outputs.tokenizer, &tok.json()?)?;

@@ -17,6 +17,14 @@ pub(super) fn held_out(fraction: f64, n: usize, what: &'static str) -> Result<us
     Ok(k)
 }
 
+/// What `--eval-fraction`, `--split` and `--seed` ask to hold out.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Held {
+    pub(super) fraction: f64,
+    pub(super) split: Split,
+    pub(super) seed: u64,
+}
+
 /// Which of `n` items (documents, rows) are held out, `k` of them: a
 /// seeded random choice of whole items, or the last `k`.
 pub(super) fn eval_choice(n: usize, k: usize, split: Split, seed: u64) -> Vec<bool> {
@@ -64,14 +72,12 @@ pub(super) fn write_tokens_split(
     docs: Vec<Vec<u32>>,
     eot: Option<u32>,
     wide: bool,
-    fraction: f64,
-    split: Split,
-    seed: u64,
+    held: Held,
 ) -> Result<(Written, Option<Written>)> {
     let n = docs.len();
     if n == 1 {
         let all = &docs[0];
-        let k = held_out(fraction, all.len(), "tokens")?;
+        let k = held_out(held.fraction, all.len(), "tokens")?;
         let cut = all.len() - k;
         let train = write_llmc(stage, out, &all[..cut], wide, 1)?;
         let eval = (k > 0)
@@ -79,8 +85,8 @@ pub(super) fn write_tokens_split(
             .transpose()?;
         return Ok((train, eval));
     }
-    let k = held_out(fraction, n, "documents")?;
-    let (train, eval) = part(&docs, &eval_choice(n, k, split, seed));
+    let k = held_out(held.fraction, n, "documents")?;
+    let (train, eval) = part(&docs, &eval_choice(n, k, held.split, held.seed));
     let train = write_llmc(stage, out, &join(&train, eot), wide, n - k)?;
     let eval = (k > 0)
         .then(|| write_llmc(stage, &eval_path(out), &join(&eval, eot), wide, k))
@@ -135,14 +141,12 @@ pub(super) fn write_sequences_split(
     rows: Vec<(Vec<u32>, Vec<u32>)>,
     tok: &Tok,
     vocab_size: u64,
-    fraction: f64,
-    split: Split,
-    seed: u64,
+    held: Held,
 ) -> Result<(Written, Option<Written>)> {
     let n = rows.len();
-    let k = held_out(fraction, n, "rows")?;
+    let k = held_out(held.fraction, n, "rows")?;
     // Both sides keep the input's order.
-    let (train, eval) = part(&rows, &eval_choice(n, k, split, seed));
+    let (train, eval) = part(&rows, &eval_choice(n, k, held.split, held.seed));
     let wide = vocab_size > 65536;
     let t = write_sequences(stage, out, &train, tok.eot, wide, vocab_size)?;
     let e = (k > 0)

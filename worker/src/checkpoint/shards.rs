@@ -32,6 +32,14 @@ pub struct Shards {
     pub files: Vec<(String, Vec<String>)>,
 }
 
+/// A weight file and the tensors its index entry maps to it (None: one
+/// file without an index: whatever it holds).
+pub type WeightFile = (PathBuf, Option<Vec<String>>);
+
+/// A weight file as read: its path, the tensors the index expects of it,
+/// and the tensors it holds.
+pub type ReadFile<T> = (PathBuf, Option<Vec<String>>, Vec<(String, T)>);
+
 /// Whether `dir` holds weights transformers' way (either form).
 pub fn is_weights_folder(dir: &Path) -> bool {
     dir.join(MODEL_FILE).is_file() || dir.join(INDEX_FILE).is_file()
@@ -40,7 +48,7 @@ pub fn is_weights_folder(dir: &Path) -> bool {
 /// The weight files of `path`: the file itself, a folder's
 /// `model.safetensors`, or the shards its index names (checked, in the
 /// index's order). The error is one line naming what is wrong.
-pub fn weight_files(path: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>, String> {
+pub fn weight_files(path: &Path) -> Result<Vec<WeightFile>, String> {
     if !path.is_dir() {
         return Ok(vec![(path.to_path_buf(), None)]);
     }
@@ -140,9 +148,7 @@ fn check_shard_name(name: &str) -> Result<(), &'static str> {
 /// Joins the tensors of several files: each file's tensors must be those
 /// its index entry names (None: whatever the file holds), and no name may
 /// come from two files. `files` pairs each file's path with its tensors.
-pub fn join<T>(
-    files: Vec<(PathBuf, Option<Vec<String>>, Vec<(String, T)>)>,
-) -> Result<Vec<(String, T)>, String> {
+pub fn join<T>(files: Vec<ReadFile<T>>) -> Result<Vec<(String, T)>, String> {
     let mut seen: BTreeMap<String, PathBuf> = BTreeMap::new();
     let mut out = Vec::new();
     for (path, expected, tensors) in files {

@@ -132,6 +132,26 @@ pub(super) fn data_error(spec: &JobSpec, reason: String) -> Error {
     }
 }
 
+/// The tensors of `model.init`: a safetensors file, or a folder
+/// transformers wrote (`model.safetensors`, or the shards its
+/// `model.safetensors.index.json` names, each holding what the index says).
+/// Any dtype: loading converts to the parameters' (fp32 master weights).
+pub fn read_init(given: &Path) -> Result<Vec<(String, Tensor)>> {
+    use crate::checkpoint::shards;
+    let err = |path: &Path, reason: String| Error::Init {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let files = shards::weight_files(given).map_err(|r| err(given, r))?;
+    let mut read = Vec::with_capacity(files.len());
+    for (file, expected) in files {
+        let tensors = Tensor::read_safetensors(&file)
+            .map_err(|e| err(&file, crate::error::torch_text("reading model.init", &e)))?;
+        read.push((file, expected, tensors));
+    }
+    shards::join(read).map_err(|r| err(given, r))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,24 +187,4 @@ mod tests {
         assert!(starved(&shard(3, 2, true, false)).is_none());
         assert!(starved(&shard(5, 1, true, false)).is_none());
     }
-}
-
-/// The tensors of `model.init`: a safetensors file, or a folder
-/// transformers wrote (`model.safetensors`, or the shards its
-/// `model.safetensors.index.json` names, each holding what the index says).
-/// Any dtype: loading converts to the parameters' (fp32 master weights).
-pub fn read_init(given: &Path) -> Result<Vec<(String, Tensor)>> {
-    use crate::checkpoint::shards;
-    let err = |path: &Path, reason: String| Error::Init {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let files = shards::weight_files(given).map_err(|r| err(given, r))?;
-    let mut read = Vec::with_capacity(files.len());
-    for (file, expected) in files {
-        let tensors = Tensor::read_safetensors(&file)
-            .map_err(|e| err(&file, crate::error::torch_text("reading model.init", &e)))?;
-        read.push((file, expected, tensors));
-    }
-    shards::join(read).map_err(|r| err(given, r))
 }
