@@ -149,8 +149,8 @@ static FAMILIES: &[&dyn Family] = &[
     &resnet::ResNet,
     &torchscript::TorchScript,
     &llama::Llama,
-    &qwen2::Qwen2,
-    &mistral::Mistral,
+    &qwen2::QWEN2,
+    &mistral::MISTRAL,
 ];
 
 /// The family that builds `kind`.

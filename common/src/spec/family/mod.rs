@@ -109,8 +109,8 @@ registry! {
     resnet::ResNet,
     torchscript::TorchScript,
     llama::Llama { llama: llama::LlamaSpec },
-    qwen2::Qwen2,
-    mistral::Mistral,
+    qwen2::QWEN2,
+    mistral::MISTRAL,
 }
 
 /// A model's size as the memory estimate counts it.

@@ -160,6 +160,51 @@ impl Family for Llama {
     }
 }
 
+/// A family that extends Llama (qwen2, mistral: their folders): Llama's
+/// network, names, blocks and plan for its `kinds`, the differences in the
+/// config's `DecoderArch`.
+pub(in crate::family) struct Extends(pub &'static [ModelKind]);
+
+impl Family for Extends {
+    fn kinds(&self) -> &'static [ModelKind] {
+        self.0
+    }
+
+    fn build(&self, to: &BuildTo<'_>) -> Result<Built> {
+        Llama.build(to)
+    }
+
+    fn probe_input(&self, shape: &[i64], device: Device) -> Result<Tensor> {
+        Llama.probe_input(shape, device)
+    }
+
+    fn fit_init(
+        &self,
+        has: &dyn Fn(&str) -> bool,
+        tensors: &mut HashMap<String, Tensor>,
+    ) -> std::result::Result<(), String> {
+        Llama.fit_init(has, tensors)
+    }
+
+    fn blocks(&self, spec: &ModelSpec, params: &[String]) -> Result<Vec<Block>> {
+        Llama.blocks(spec, params)
+    }
+
+    fn parallel_plan(&self, spec: &ModelSpec) -> Result<ParallelPlan> {
+        Llama.parallel_plan(spec)
+    }
+
+    fn check_output(
+        &self,
+        kind: ModelKind,
+        shape: &[i64],
+        got: &[i64],
+        classes: i64,
+    ) -> Result<()> {
+        Llama.check_output(kind, shape, got, classes)
+    }
+}
+
 /// A linear layer as torch.nn.Linear stores it: weight `[out, in]`.
 #[derive(Debug)]
 struct Linear {

@@ -835,5 +835,36 @@ impl ModelFamily for Llama {
     }
 }
 
+/// A family that extends Llama (qwen2, mistral: their folders): Llama's
+/// fields (its field set), checks and size for its `kinds`; what differs
+/// is the config's [`DecoderArch`].
+pub(super) struct Extends(pub &'static [ModelKind]);
+
+impl ModelFamily for Extends {
+    fn kinds(&self) -> &'static [ModelKind] {
+        self.0
+    }
+
+    fn field_sets(&self) -> &'static [&'static str] {
+        Llama.field_sets()
+    }
+
+    fn classes(&self, model: &ModelSpec) -> Option<i64> {
+        Llama.classes(model)
+    }
+
+    fn check_fields(&self, model: &ModelSpec, data: &DataSpec, c: &mut Checker) {
+        Llama.check_fields(model, data, c)
+    }
+
+    fn check_sizable(&self, model: &ModelSpec) -> Result<(), SpecErrors> {
+        Llama.check_sizable(model)
+    }
+
+    fn size(&self, model: &ModelSpec, shape: &[u64], classes: u64) -> ModelSize {
+        Llama.size(model, shape, classes)
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -5,34 +5,7 @@
 //! `use_sliding_window` refused) are `DecoderArch::Qwen2`'s in
 //! spec/family/llama; the worker builds it in family/qwen2.
 
-use super::llama::Llama;
-use super::{DataSpec, ModelFamily, ModelSize};
-use crate::spec::{Checker, ModelKind, ModelSpec, SpecErrors};
+use super::llama::Extends;
+use crate::spec::ModelKind;
 
-pub(super) struct Qwen2;
-
-impl ModelFamily for Qwen2 {
-    fn kinds(&self) -> &'static [ModelKind] {
-        &[ModelKind::Qwen2]
-    }
-
-    fn field_sets(&self) -> &'static [&'static str] {
-        &["llama"]
-    }
-
-    fn classes(&self, model: &ModelSpec) -> Option<i64> {
-        Llama.classes(model)
-    }
-
-    fn check_fields(&self, model: &ModelSpec, data: &DataSpec, c: &mut Checker) {
-        Llama.check_fields(model, data, c)
-    }
-
-    fn check_sizable(&self, model: &ModelSpec) -> Result<(), SpecErrors> {
-        Llama.check_sizable(model)
-    }
-
-    fn size(&self, model: &ModelSpec, shape: &[u64], classes: u64) -> ModelSize {
-        Llama.size(model, shape, classes)
-    }
-}
+pub(super) const QWEN2: Extends = Extends(&[ModelKind::Qwen2]);
