@@ -670,3 +670,126 @@ lr = 0.001
         .unwrap()
         .starts_with("w5 w17 w42"));
 }
+
+/// The families that extend Llama and Llama 3's RoPE scaling (issue 39)
+/// at W = 2, k = 4: accrue's parameters and every step's loss and gradient
+/// norm equal transformers' classes under PyTorch DDP with no_sync, as the
+/// Llama's do (`llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch`).
+#[test]
+fn qwen2_mistral_and_llama3_at_two_ranks_equal_transformers_ddp() {
+    let _turn = torchrun_turn();
+    let llama3 = serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}});
+    for (kind, model_type, extra) in [
+        (
+            "qwen2",
+            "qwen2",
+            serde_json::json!({"use_sliding_window": false}),
+        ),
+        (
+            "mistral",
+            "mistral",
+            serde_json::json!({"sliding_window": 5}),
+        ),
+        ("llama", "llama", llama3),
+    ] {
+        let dir = TempDir::new().unwrap();
+        let d = dir.path();
+        let mut cfg = config();
+        cfg["modes"] = serde_json::json!(["global_count"]);
+        cfg["model_type"] = model_type.into();
+        for (k, v) in extra.as_object().unwrap() {
+            cfg["model"][k] = v.clone();
+        }
+        run_script("prepare", d, &cfg);
+        let py = python();
+        let mut ddp = Torchrun::start(
+            &py,
+            &script(),
+            2,
+            d,
+            &["train", d.to_str().unwrap(), &cfg.to_string()],
+        );
+        // accrue's job: the same fields, the family's own keys from a
+        // config.json (file-only, as transformers' folders carry them).
+        let mut file = cfg["model"].clone();
+        file["model_type"] = model_type.into();
+        let config_json = d.join("config.json");
+        std::fs::write(&config_json, file.to_string()).unwrap();
+        let text = job(d, "global_count", 4, 2).replace(
+            "kind = \"llama\"\n",
+            &format!(
+                "kind = \"{kind}\"\nconfig = \"{}\"\n",
+                config_json.display()
+            ),
+        );
+        let out = d.join("accrue");
+        std::fs::create_dir_all(&out).unwrap();
+        let ranks = run_ranks(&out, &text, 2, |_| {});
+        let steps = ranks[0].steps();
+        let model = read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
+        let status = ddp
+            .wait(Duration::from_secs(300))
+            .unwrap_or_else(|| panic!("{kind}: torchrun did not finish:\n{}", ddp.logs()));
+        assert!(status.success(), "{kind}: torchrun failed:\n{}", ddp.logs());
+        let want = read(&d.join("ddp-global_count-rank0.safetensors"));
+        // PyTorch's own floor: the same 16-row windows on one process,
+        // k = 8, with transformers' eager attention instead of SDPA
+        // (another valid order of the same sums). AdamW turns the last
+        // bits of a gradient near zero into whole steps (Qwen2's k_proj
+        // bias: softmax ignores a key bias but for RoPE's rotation).
+        let one = d.join("one");
+        std::fs::create_dir_all(&one).unwrap();
+        for f in ["init.safetensors", "data.safetensors"] {
+            std::fs::copy(d.join(f), one.join(f)).unwrap();
+        }
+        let mut cfg1 = cfg.clone();
+        cfg1["k"] = 8.into();
+        cfg1["attn"] = "eager".into();
+        let cfg1 = cfg1.to_string();
+        let mut single = Torchrun::start(
+            &py,
+            &script(),
+            1,
+            &one,
+            &["train", one.to_str().unwrap(), &cfg1],
+        );
+        let status = single
+            .wait(Duration::from_secs(300))
+            .unwrap_or_else(|| panic!("{kind}: torchrun did not finish:\n{}", single.logs()));
+        assert!(
+            status.success(),
+            "{kind}: torchrun failed:\n{}",
+            single.logs()
+        );
+        let pytorch_one = read(&one.join("ddp-global_count-rank0.safetensors"));
+        let (floor, floor_name) = rel_diff(&pytorch_one, &want);
+        let (diff, name) = rel_diff(&model, &want);
+        eprintln!(
+            "{model_type} {extra}: parameters vs DDP: {diff:.3e} ({name}); PyTorch W=1,k=8 \
+             eager vs W=2,k=4 SDPA: {floor:.3e} ({floor_name})"
+        );
+
+        let report: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(d.join("ddp-global_count-rank0.json")).unwrap(),
+        )
+        .unwrap();
+        let want_steps = report["steps"].as_array().unwrap();
+        assert_eq!(steps.len(), want_steps.len(), "{model_type}: step count");
+        for (i, (g, w)) in steps.iter().zip(want_steps).enumerate() {
+            for key in ["loss", "grad_norm"] {
+                let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+                eprintln!("{model_type}, step {}: {key} {g} vs DDP {w}", i + 1);
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                    "{model_type}, step {}: {key} {g} vs DDP's {w}",
+                    i + 1
+                );
+            }
+        }
+        assert!(
+            diff <= 1e-5_f64.max(4.0 * floor),
+            "{model_type}: {name} differs from DDP by {diff:.3e}, PyTorch's floor {floor:.3e}"
+        );
+    }
+}

@@ -31,7 +31,8 @@ Trainer does it (CE_sum * W / N_global per rank, then DDP's average).
       first 16 rows (accrue's rows-to-samples rule) to DIR/hf-loss.json.
 
 CONFIG_JSON: seed, batch, k, epochs, seq_len, max_norm, lr, weight_decay,
-pad_id, model (LlamaConfig fields), modes; optional "precision": "bf16"
+pad_id, model (LlamaConfig fields), modes; optional "model_type" (qwen2,
+mistral: their class, "model" with their keys); optional "precision": "bf16"
 runs the forward and the loss under torch.autocast("cpu", bfloat16)
 (fp32 master weights, as accrue's precision = "bf16") with backward of
 CE_sum * W and the summed gradients divided by N_global after the
@@ -63,11 +64,18 @@ if mode == "train":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM  # noqa: E402
 
 
 def build():
-    return LlamaForCausalLM(LlamaConfig(**cfg["model"], use_cache=False))
+    # CONFIG's optional "model_type" (qwen2, mistral: issue 39) picks the
+    # class; "model" may carry its own keys (sliding_window, rope_scaling).
+    # Optional "attn": "eager" (transformers' own attention instead of
+    # SDPA: another valid order of the same sums, for a floor).
+    config = AutoConfig.for_model(cfg.get("model_type", "llama"), **cfg["model"],
+                                  use_cache=False)
+    return AutoModelForCausalLM.from_config(config,
+                                            attn_implementation=cfg.get("attn", "sdpa"))
 
 
 def prepare():

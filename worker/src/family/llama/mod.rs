@@ -479,6 +479,19 @@ impl Net {
         self.attend(l, &self.qkv(l, x, rope)?, n, t)
     }
 
+    /// `[N, kv_heads, S, D]` with each key-value head repeated for the
+    /// query heads of its group (transformers' `repeat_kv`).
+    fn repeat_kv(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let rep = self.heads / self.kv_heads;
+        if rep == 1 {
+            return Ok(x.shallow_clone());
+        }
+        let (n, kv, s, d) = x.size4()?;
+        x.f_unsqueeze(2)?
+            .f_expand([n, kv, rep, s, d], false)?
+            .f_reshape([n, kv * rep, s, d])
+    }
+
     /// Causal attention of q, k, v (`[N, heads, T, D]`, k and v with
     /// kv_heads) through libtorch's SDPA, then the output projection.
     fn attend(
@@ -491,16 +504,31 @@ impl Net {
         // Mistral's window, where it is shorter than the rows: an explicit
         // mask (transformers' sliding-window causal mask), else causal.
         let window = window_mask(0, t, self.sliding_window, q.device())?;
-        let out = Tensor::f_scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            window.as_ref(),
-            0.0,
-            window.is_none(),
-            Some(self.scale),
-            self.kv_heads < self.heads,
-        )?;
+        let out = match &window {
+            None => Tensor::f_scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                None::<&Tensor>,
+                0.0,
+                true,
+                Some(self.scale),
+                self.kv_heads < self.heads,
+            )?,
+            // With a mask transformers repeats the key-value heads and
+            // calls SDPA without its grouped-query path (use_gqa_in_sdpa):
+            // so does this, for the same kernel and roundings.
+            Some(mask) => Tensor::f_scaled_dot_product_attention(
+                q,
+                &self.repeat_kv(k)?,
+                &self.repeat_kv(v)?,
+                Some(mask),
+                0.0,
+                false,
+                Some(self.scale),
+                false,
+            )?,
+        };
         l.o.forward(
             &out.f_transpose(1, 2)?
                 .f_contiguous()?
@@ -636,15 +664,22 @@ impl Net {
                 Some((pk, pv)) => (Tensor::f_cat(&[pk, &k], 2)?, Tensor::f_cat(&[pv, &v], 2)?),
                 None => (k, v),
             };
+            // Under Mistral's window, as the training forward (`attend`).
+            let windowed = self.sliding_window.is_some() && mask.is_some();
+            let (ke, ve) = if windowed {
+                (self.repeat_kv(&k)?, self.repeat_kv(&v)?)
+            } else {
+                (k.shallow_clone(), v.shallow_clone())
+            };
             let out = Tensor::f_scaled_dot_product_attention(
                 &q,
-                &k,
-                &v,
+                &ke,
+                &ve,
                 mask.as_ref(),
                 0.0,
                 causal,
                 Some(self.scale),
-                self.kv_heads < self.heads,
+                self.kv_heads < self.heads && !windowed,
             )?;
             match cache.layers.get_mut(i) {
                 Some(slot) => *slot = (k, v),
