@@ -325,6 +325,7 @@ fn cuda_llama_with_kernels_equals_the_reference() {
         rope_scaling: Default::default(),
         arch: Default::default(),
         sliding_window: None,
+        explicit_head_dim: None,
     };
     let device = Device::Cuda(0);
     let run = |kernels: bool| {

@@ -142,6 +142,9 @@ fn llama_equals_transformers_llama_for_causal_lm() {
         // config.json: Qwen2's q, k, v biases; Mistral's window of 4
         // positions, shorter than the rows (12), so that it matters.
         ("qwen2", "kind = qwen2, model_type qwen2"),
+        // A head width other than hidden / heads (Mistral Nemo's kind):
+        // q_proj 32 -> 4 x 16.
+        ("head_dim", "config = head_dim 16 (hidden 32, 4 heads)"),
         ("mistral", "kind = mistral, sliding_window = 4"),
     ];
     let mut cases = Vec::new();
@@ -158,6 +161,14 @@ fn llama_equals_transformers_llama_for_causal_lm() {
             let spec = spec(&format!("config = \"{}\"", file.display()));
             let resolved = LlamaConfig::resolve(&spec).unwrap();
             assert_eq!(resolved.rope_scaling.name(), "llama3");
+            spec
+        } else if name == "head_dim" {
+            let mut json = LlamaConfig::resolve(&spec("")).unwrap().to_hf_json();
+            json["head_dim"] = 16.into();
+            let file = tmp.path().join("head-dim-config.json");
+            std::fs::write(&file, serde_json::to_vec(&json).unwrap()).unwrap();
+            let spec = spec(&format!("config = \"{}\"", file.display()));
+            assert_eq!(LlamaConfig::resolve(&spec).unwrap().head_dim(), 16);
             spec
         } else if name == "qwen2" || name == "mistral" {
             let mut json = LlamaConfig::resolve(&spec("")).unwrap().to_hf_json();

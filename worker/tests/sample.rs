@@ -40,6 +40,7 @@ fn config(kv_heads: i64, tied: bool, biases: bool) -> LlamaConfig {
         rope_scaling: Default::default(),
         arch: Default::default(),
         sliding_window: None,
+        explicit_head_dim: None,
     }
 }
 

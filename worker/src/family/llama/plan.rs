@@ -138,6 +138,7 @@ mod tests {
             rope_scaling: Default::default(),
             arch: Default::default(),
             sliding_window: None,
+            explicit_head_dim: None,
         }
     }
 

@@ -23,6 +23,7 @@ fn config(kv_heads: i64, bias: bool) -> LlamaConfig {
         rope_scaling: Default::default(),
         arch: Default::default(),
         sliding_window: None,
+        explicit_head_dim: None,
     }
 }
 

@@ -27,6 +27,8 @@ pub const MAX_INTERMEDIATE: i64 = 1 << 18;
 pub const MAX_POSITIONS: i64 = 1 << 24;
 pub const MAX_LAYERS: i64 = 1024;
 pub const MAX_HEADS: i64 = 1024;
+/// The widest head a config.json may give.
+pub const MAX_HEAD_DIM: i64 = 1024;
 
 /// The defaults of Hugging Face's LlamaConfig.
 pub const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
@@ -64,6 +66,9 @@ pub struct LlamaConfig {
     /// Llama, or a family that extends it (the spec's kind; a config.json's
     /// `model_type` must agree).
     pub arch: DecoderArch,
+    /// A config.json's `head_dim` where it is not hidden_size /
+    /// num_attention_heads (Mistral Nemo); None: that quotient.
+    pub explicit_head_dim: Option<i64>,
     /// Mistral's attention window (from a config.json only): a query sees
     /// the keys of the last `sliding_window` positions, itself included.
     /// None: every earlier position.
@@ -442,7 +447,27 @@ impl Fields {
             && heads.is_some()
             && kv.is_some()
             && positions.is_some();
-        if let (Some(h), Some(n)) = (hidden, heads) {
+        // The head width: a config.json's head_dim (transformers builds
+        // q_proj with num_attention_heads * head_dim rows, whatever the
+        // hidden size: Mistral Nemo's 128 with 5120 / 32 = 160), else
+        // hidden_size / num_attention_heads, which must then divide.
+        let explicit = self.head_dim.filter(|&d| match (hidden, heads) {
+            (Some(h), Some(n)) => h % n != 0 || d != h / n,
+            _ => true,
+        });
+        if let Some(d) = explicit {
+            if !(2..=MAX_HEAD_DIM).contains(&d) || d % 2 != 0 {
+                c.fail(
+                    "model.config",
+                    self.source.as_deref().unwrap_or("config.json"),
+                    format!(
+                        "head_dim = {d} in the file: must be an even number in 2..={MAX_HEAD_DIM} \
+                         (RoPE rotates pairs)"
+                    ),
+                );
+                good = false;
+            }
+        } else if let (Some(h), Some(n)) = (hidden, heads) {
             if h % n != 0 {
                 c.fail(
                     "model.hidden_size",
@@ -457,22 +482,6 @@ impl Fields {
                     format!(
                         "must give an even head width for RoPE (hidden_size / \
                          num_attention_heads = {})",
-                        h / n
-                    ),
-                );
-                good = false;
-            }
-        }
-        // transformers builds q_proj with num_attention_heads * head_dim
-        // rows; accrue's head width is hidden_size / num_attention_heads.
-        if let (Some(d), Some(h), Some(n)) = (self.head_dim, hidden, heads) {
-            if h % n == 0 && d != h / n {
-                c.fail(
-                    "model.config",
-                    self.source.as_deref().unwrap_or("config.json"),
-                    format!(
-                        "head_dim = {d} in the file: accrue's llama needs head_dim = \
-                         hidden_size / num_attention_heads = {h} / {n} = {}",
                         h / n
                     ),
                 );
@@ -522,6 +531,7 @@ impl Fields {
                 .filter(|&r| r != 0.0)
                 .unwrap_or(DEFAULT_INITIALIZER_RANGE),
             rope_scaling: self.rope_scaling.unwrap_or_default(),
+            explicit_head_dim: explicit,
             arch,
             sliding_window: match arch {
                 DecoderArch::Mistral => self.sliding_window.unwrap_or(Some(MISTRAL_DEFAULT_WINDOW)),
@@ -657,7 +667,8 @@ impl LlamaConfig {
 
     /// Width of one attention head.
     pub fn head_dim(&self) -> i64 {
-        self.hidden_size / self.num_attention_heads.max(1)
+        self.explicit_head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     /// Parameters of the model, the output head included unless tied
@@ -675,15 +686,17 @@ impl LlamaConfig {
             u(self.intermediate_size),
         );
         let kv = u(self.num_key_value_heads).saturating_mul(u(self.head_dim()));
+        // q_proj's rows and o_proj's columns: heads x head_dim.
+        let q = u(self.num_attention_heads).saturating_mul(u(self.head_dim()));
         let m = |a: u64, b: u64| a.saturating_mul(b);
-        let attention = m(h, h)
+        let attention = m(h, q)
             .saturating_add(m(h, kv))
             .saturating_add(m(h, kv))
-            .saturating_add(m(h, h))
+            .saturating_add(m(q, h))
             .saturating_add(if self.attention_bias {
-                h.saturating_add(kv).saturating_add(kv).saturating_add(h)
+                q.saturating_add(kv).saturating_add(kv).saturating_add(h)
             } else if self.qkv_bias() {
-                h.saturating_add(kv).saturating_add(kv)
+                q.saturating_add(kv).saturating_add(kv)
             } else {
                 0
             });

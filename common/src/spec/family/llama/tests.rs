@@ -46,6 +46,7 @@ fn llama_resolves_with_hugging_face_defaults() {
             rope_scaling: Default::default(),
             arch: Default::default(),
             sliding_window: None,
+            explicit_head_dim: None,
         }
     );
     assert_eq!(c.head_dim(), 8);
@@ -537,6 +538,10 @@ fn hf_config_fields_resolve_as_transformers_resolves_them() {
             "mistral without a window",
             json!({"model_type": "mistral", "sliding_window": null, "num_key_value_heads": 4}),
         ),
+        (
+            "another head width (Mistral Nemo's kind)",
+            json!({"head_dim": 16}),
+        ),
     ];
     // (what accrue does not implement, keys added, transformers' field
     // and value, accrue's error).
@@ -546,8 +551,6 @@ fn hf_config_fields_resolve_as_transformers_resolves_them() {
             ("rope_type", json!("yarn")), "rope_scaling.rope_type = \"yarn\" in the file: must be \"default\", \"linear\", \"dynamic\" or \"llama3\""),
         ("attention dropout", json!({"attention_dropout": 0.1}),
             ("attention_dropout", json!(0.1)), "attention_dropout = 0.1 in the file: must be 0"),
-        ("another head width", json!({"head_dim": 16}),
-            ("head_dim", json!(16)), "head_dim = 16 in the file: accrue's llama needs head_dim = hidden_size / num_attention_heads = 32 / 4 = 8"),
     ];
     let configs: Vec<_> = accepted
         .iter()
@@ -596,8 +599,12 @@ fn hf_config_fields_resolve_as_transformers_resolves_them() {
     assert!(wrong.is_empty(), "{wrong:#?}");
 }
 
+/// A config.json's head_dim (issue 39): equal to hidden_size /
+/// num_attention_heads it is that width; another even one is the head
+/// width itself (q_proj has heads x head_dim rows, as in transformers and
+/// Mistral Nemo); an odd one is refused naming the file.
 #[test]
-fn a_head_dim_in_the_file_is_checked_against_the_spec_width() {
+fn a_head_dim_in_the_file_is_the_head_width() {
     let dir = tempfile::TempDir::new().unwrap();
     let path = dir.path().join("config.json");
     let cfg = format!("config = {:?}", path.display().to_string());
@@ -608,20 +615,34 @@ fn a_head_dim_in_the_file_is_checked_against_the_spec_width() {
             r#"{{"model_type": "llama", "vocab_size": 97, "num_attention_heads": 4, "head_dim": {head_dim}}}"#
         )
     };
-    std::fs::write(&path, file(16)).unwrap();
     let s = llama_spec(&format!("{cfg}\n{model}"), "seq_len = 12");
+    std::fs::write(&path, file(16)).unwrap();
+    let c = LlamaConfig::resolve(&s.model).unwrap();
+    assert_eq!(
+        (c.hidden_size, c.head_dim(), c.explicit_head_dim),
+        (32, 16, Some(16))
+    );
+    assert_eq!(c.to_hf_json()["head_dim"], 16);
+    // q, k, v and o: 32 x 64 each (4 heads and 4 kv heads of 16); the MLP
+    // 3 x 32 x 64; two norms.
+    let layer = 4 * 32 * 64 + 3 * 32 * 64 + 2 * 32;
+    assert_eq!(c.parameter_count(), (97 * 32 * 2 + 2 * layer + 32) as u64);
+    std::fs::write(&path, file(7)).unwrap();
     let err = LlamaConfig::resolve(&s.model).unwrap_err().0;
     assert_eq!(
         err.iter().map(ToString::to_string).collect::<Vec<_>>(),
         [format!(
-            "model.config = {:?}: head_dim = 16 in the file: accrue's llama needs head_dim = \
-             hidden_size / num_attention_heads = 32 / 4 = 8",
+            "model.config = {:?}: head_dim = 7 in the file: must be an even number in 2..=1024 \
+             (RoPE rotates pairs)",
             path.display().to_string()
         )]
     );
     std::fs::write(&path, file(8)).unwrap();
     let c = LlamaConfig::resolve(&s.model).unwrap();
-    assert_eq!((c.hidden_size, c.head_dim()), (32, 8));
+    assert_eq!(
+        (c.hidden_size, c.head_dim(), c.explicit_head_dim),
+        (32, 8, None)
+    );
 }
 
 #[test]
