@@ -4,9 +4,33 @@
 #[allow(unused_imports)]
 use super::*;
 
-pub(super) struct Pair {
-    pub(super) prompt: String,
-    pub(super) completion: String,
+/// A row of `--format sequences`.
+pub(super) enum Pair {
+    /// `prompt` and `completion`: the completion and the end-of-text
+    /// token predicted.
+    Completion { prompt: String, completion: String },
+    /// `messages` (issue 39): rendered with the tokenizer's chat template,
+    /// the assistant turns predicted (src/tokenize/chat.rs).
+    Chat {
+        messages: serde_json::Value,
+        path: PathBuf,
+        line: usize,
+    },
+}
+
+impl Pair {
+    /// Its texts (a BPE trains on them; the progress bar counts them).
+    fn texts(&self) -> Vec<&str> {
+        match self {
+            Pair::Completion { prompt, completion } => vec![prompt, completion],
+            Pair::Chat { messages, .. } => messages
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m.get("content")?.as_str())
+                .collect(),
+        }
+    }
 }
 
 pub(super) enum Input {
@@ -25,7 +49,7 @@ impl Input {
     pub(super) fn bytes(&self) -> usize {
         match self {
             Input::Docs(d) => d.iter().map(String::len).sum(),
-            Input::Pairs(p) => p.iter().map(|p| p.prompt.len() + p.completion.len()).sum(),
+            Input::Pairs(p) => p.iter().flat_map(Pair::texts).map(str::len).sum(),
         }
     }
 
@@ -36,7 +60,7 @@ impl Input {
             Input::Docs(d) => d.iter().flat_map(|d| chunks(d)).collect(),
             Input::Pairs(p) => p
                 .iter()
-                .flat_map(|p| [p.prompt.as_str(), p.completion.as_str()])
+                .flat_map(Pair::texts)
                 .filter(|s| !s.is_empty())
                 .collect(),
         }
@@ -273,7 +297,7 @@ pub(super) fn read_docs(
             continue;
         }
         match read_text(f)? {
-            Some(text) if is_jsonl(&f.path) => json_lines(f, &text, |v, bad| {
+            Some(text) if is_jsonl(&f.path) => json_lines(f, &text, |v, bad, _| {
                 let doc = string_field(v, field, bad)?;
                 if !doc.is_empty() {
                     docs.push(doc);
@@ -293,7 +317,7 @@ pub(super) fn read_docs(
 fn json_lines(
     f: &InputFile,
     text: &str,
-    mut each: impl FnMut(&serde_json::Value, &dyn Fn(String) -> TokenizeError) -> Result<()>,
+    mut each: impl FnMut(&serde_json::Value, &dyn Fn(String) -> TokenizeError, usize) -> Result<()>,
 ) -> Result<()> {
     // A UTF-8 byte order mark (Windows editors, Excel exports) opens the
     // file, not the first object: skipped as Python's utf-8-sig.
@@ -312,7 +336,7 @@ fn json_lines(
         if !v.is_object() {
             return Err(bad("not a JSON object".into()));
         }
-        each(&v, &bad)?;
+        each(&v, &bad, i + 1)?;
     }
     Ok(())
 }
@@ -337,7 +361,7 @@ pub(super) fn read_pairs(files: &[InputFile], skipped: &mut Vec<PathBuf>) -> Res
             for mut row in parquet_column(&f.path, &["prompt", "completion"])? {
                 let completion = row.pop().unwrap_or_default();
                 let prompt = row.pop().unwrap_or_default();
-                pairs.push(Pair { prompt, completion });
+                pairs.push(Pair::Completion { prompt, completion });
             }
             continue;
         }
@@ -345,8 +369,17 @@ pub(super) fn read_pairs(files: &[InputFile], skipped: &mut Vec<PathBuf>) -> Res
             skipped.push(f.path.clone());
             continue;
         };
-        json_lines(f, &text, |v, bad| {
-            pairs.push(Pair {
+        json_lines(f, &text, |v, bad, line| {
+            if let Some(messages) = v.get("messages") {
+                chat::check_messages(messages).map_err(bad)?;
+                pairs.push(Pair::Chat {
+                    messages: messages.clone(),
+                    path: f.path.clone(),
+                    line,
+                });
+                return Ok(());
+            }
+            pairs.push(Pair::Completion {
                 prompt: string_field(v, "prompt", bad)?,
                 completion: string_field(v, "completion", bad)?,
             });

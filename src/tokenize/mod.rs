@@ -16,6 +16,7 @@
 //! input. The tokenizer is always written as `tokenizer.json` beside the
 //! output, so that transformers' `AutoTokenizer` loads it.
 
+mod chat;
 mod gpt2;
 mod input;
 mod place;
@@ -155,6 +156,8 @@ pub enum TokenizeError {
     NotJsonLines { path: PathBuf },
     #[error("{}: {what}", path.display())]
     Parquet { path: PathBuf, what: String },
+    #[error("{why}")]
+    ChatTemplate { why: String },
     #[error("{} row {row}: {what}", path.display())]
     ParquetRow {
         path: PathBuf,
@@ -415,12 +418,46 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
         Input::Pairs(pairs) => {
             let texts: Vec<&str> = pairs
                 .iter()
-                .flat_map(|p| [p.prompt.as_str(), p.completion.as_str()])
+                .flat_map(|p| match p {
+                    Pair::Completion { prompt, completion } => vec![prompt.as_str(), completion],
+                    Pair::Chat { .. } => vec![],
+                })
                 .collect();
             let mut ids = tok.encode_many(&texts, &bar)?.into_iter();
+            // Chat rows: the model folder's template (--tokenizer).
+            let template = if pairs.iter().any(|p| matches!(p, Pair::Chat { .. })) {
+                Some(chat::ChatTemplate::load(
+                    args.tokenizer.as_deref().map(Path::new),
+                )?)
+            } else {
+                None
+            };
             let mut rows = Vec::with_capacity(pairs.len());
-            while let (Some(prompt), Some(completion)) = (ids.next(), ids.next()) {
-                rows.push((prompt, completion));
+            for p in pairs {
+                match p {
+                    Pair::Completion { .. } => {
+                        let (Some(prompt), Some(completion)) = (ids.next(), ids.next()) else {
+                            unreachable!("two encodings per completion row");
+                        };
+                        rows.push(completion_row(prompt, completion, tok.eot));
+                    }
+                    Pair::Chat {
+                        messages,
+                        path,
+                        line,
+                    } => {
+                        // `template` is Some when a chat row exists (above).
+                        let t = template.as_ref().expect("loaded for chat rows");
+                        let row =
+                            t.row(&tok.tk, messages)
+                                .map_err(|what| TokenizeError::JsonLine {
+                                    path: path.clone(),
+                                    line: *line,
+                                    what,
+                                })?;
+                        rows.push(row);
+                    }
+                }
             }
             bar.finish_and_clear();
             write_sequences_split(&mut stage, &out, rows, &tok, vocab_size, held)?

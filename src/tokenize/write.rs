@@ -138,7 +138,7 @@ pub(super) fn push_tokens(buf: &mut Vec<u8>, tokens: &[u32], wide: bool) {
 pub(super) fn write_sequences_split(
     stage: &mut Staged,
     out: &Path,
-    rows: Vec<(Vec<u32>, Vec<u32>)>,
+    rows: Vec<chat::Row>,
     tok: &Tok,
     vocab_size: u64,
     held: Held,
@@ -155,12 +155,30 @@ pub(super) fn write_sequences_split(
     Ok((t, e))
 }
 
-/// The sequences file: row = prompt + completion + end-of-text, the
+/// A prompt/completion row: prompt + completion + end-of-text, the
 /// prompt's tokens masked.
+pub(super) fn completion_row(
+    prompt: Vec<u32>,
+    completion: Vec<u32>,
+    eot: Option<u32>,
+) -> chat::Row {
+    let mut mask = vec![0u8; prompt.len()];
+    mask.extend(std::iter::repeat_n(
+        1u8,
+        completion.len() + usize::from(eot.is_some()),
+    ));
+    let mut tokens = prompt;
+    tokens.extend(completion);
+    tokens.extend(eot);
+    (tokens, mask)
+}
+
+/// The sequences file: each row's tokens and loss mask (prompt/completion
+/// rows: [`completion_row`]; chat rows: src/tokenize/chat.rs).
 pub(super) fn write_sequences(
     stage: &mut Staged,
     path: &Path,
-    rows: &[&(Vec<u32>, Vec<u32>)],
+    rows: &[&chat::Row],
     eot: Option<u32>,
     wide: bool,
     vocab_size: u64,
@@ -168,15 +186,9 @@ pub(super) fn write_sequences(
     let mut tokens = Vec::new();
     let mut mask = Vec::new();
     let mut offsets: Vec<i64> = vec![0];
-    for (prompt, completion) in rows {
-        tokens.extend_from_slice(prompt);
-        mask.extend(std::iter::repeat_n(0u8, prompt.len()));
-        tokens.extend_from_slice(completion);
-        tokens.extend(eot);
-        mask.extend(std::iter::repeat_n(
-            1u8,
-            completion.len() + usize::from(eot.is_some()),
-        ));
+    for (row, predicted) in rows {
+        tokens.extend_from_slice(row);
+        mask.extend_from_slice(predicted);
         offsets.push(tokens.len() as i64);
     }
     let mut token_bytes = Vec::with_capacity(tokens.len() * 4);

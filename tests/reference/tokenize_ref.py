@@ -12,6 +12,14 @@
         The JSON list of objects in JSON_IN written by pyarrow as a Parquet
         table (what `datasets` and the Hub store), with COMPRESSION (default
         snappy, pyarrow's).
+    tokenize_ref.py chat MODEL_DIR ROWS_JSON
+        Each row's `messages` through AutoTokenizer.from_pretrained(MODEL_DIR)
+        .apply_chat_template(tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True) when the template has
+        {% generation %} blocks; otherwise the ids of the rendering and, as
+        the mask, the tokens each assistant turn adds to the rendering of the
+        turns before it with the generation prompt (char_to_token of its
+        first and last characters). A JSON list of {ids, mask} on stdout.
     tokenize_ref.py safetensors FILE
         The file read by the `safetensors` package (numpy): its metadata and
         each tensor's dtype, shape and values, as JSON on stdout.
@@ -57,6 +65,38 @@ def main():
         pq.write_table(table, sys.argv[3],
                        compression=sys.argv[4] if len(sys.argv) > 4 else "snappy",
                        row_group_size=3)
+    elif cmd == "chat":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(sys.argv[2])
+        with open(sys.argv[3]) as f:
+            rows = json.load(f)
+        markers = "{% generation %}" in tok.chat_template or "{%- generation" in tok.chat_template
+        out = []
+        for messages in rows:
+            if markers:
+                r = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+                out.append({"ids": list(r["input_ids"]), "mask": list(r["assistant_masks"])})
+                continue
+            text = tok.apply_chat_template(messages, tokenize=False)
+            enc = tok(text, add_special_tokens=False)
+            ids = enc["input_ids"]
+            mask = [0] * len(ids)
+            for i, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                before = tok.apply_chat_template(messages[:i], tokenize=False,
+                                                 add_generation_prompt=True)
+                upto = tok.apply_chat_template(messages[:i + 1], tokenize=False)
+                start, end = len(before), len(upto)
+                first, last = enc.char_to_token(start), enc.char_to_token(end - 1)
+                if first is None:
+                    continue
+                for t in range(first, last + 1 if last else len(ids)):
+                    mask[t] = 1
+            out.append({"ids": ids, "mask": mask})
+        print(json.dumps(out))
     elif cmd == "safetensors":
         from safetensors import safe_open
 

@@ -927,3 +927,130 @@ fn sample_is_forwarded_to_the_worker() {
 }
 
 mod safety;
+
+/// A sequences file's rows: (tokens, loss mask) each.
+fn sequence_rows(path: &Path) -> Vec<(Vec<u32>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tok: Vec<u32> = st
+        .tensor("tokens")
+        .unwrap()
+        .data()
+        .chunks_exact(2)
+        .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
+        .collect();
+    let off: Vec<usize> = st
+        .tensor("offsets")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as usize)
+        .collect();
+    let mask = st.tensor("loss_mask").unwrap().data().to_vec();
+    off.windows(2)
+        .map(|w| (tok[w[0]..w[1]].to_vec(), mask[w[0]..w[1]].to_vec()))
+        .collect()
+}
+
+/// Chat rows (issue 39): `messages` rendered with a model folder's chat
+/// template, the assistant turns' tokens predicted, equal token for token
+/// and mask for mask to transformers' `apply_chat_template(...,
+/// return_assistant_tokens_mask=True)` on a template with `{% generation %}`
+/// blocks (trimmed lines, Python string methods), and to the turn-by-turn
+/// rendering on one without.
+#[test]
+fn chat_rows_mask_what_transformers_masks() {
+    let t = TempDir::new().unwrap();
+    let text = t.path().join("t.txt");
+    std::fs::write(&text, "a tokenizer for chats").unwrap();
+    ok(&[s(&text), "--out", s(&t.path().join("g/t.bin"))]);
+    let rows = serde_json::json!([
+        [{"role": "system", "content": "You are terse."},
+         {"role": "user", "content": " What is 2 + 2? "},
+         {"role": "assistant", "content": "  4.  "}],
+        [{"role": "user", "content": "Name a crab."},
+         {"role": "assistant", "content": "Ferris 🦀"},
+         {"role": "user", "content": "Another?"},
+         {"role": "assistant", "content": "None.\nReally."}],
+    ]);
+    let with_markers = "{% for message in messages %}\n\
+        {% if message['role'] == 'assistant' %}\n\
+        {{ '<|im_start|>assistant\\n' }}\n\
+        {%- generation %}{{ message['content'].strip() + '<|endoftext|>' }}{% endgeneration %}\n\
+        {{ '\\n' }}\n\
+        {% else %}\n\
+        {{ '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|endoftext|>\\n' }}\n\
+        {% endif %}\n\
+        {% endfor %}\n\
+        {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+    let without = with_markers
+        .replace("{%- generation %}", "")
+        .replace("{% endgeneration %}", "");
+    let lines: String = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| serde_json::json!({ "messages": m }).to_string() + "\n")
+        .collect();
+    let jsonl = t.path().join("chats.jsonl");
+    std::fs::write(&jsonl, lines).unwrap();
+    let rows_json = t.path().join("rows.json");
+    std::fs::write(&rows_json, rows.to_string()).unwrap();
+    for (name, template) in [("markers", with_markers.to_string()), ("turns", without)] {
+        let model = t.path().join(name);
+        std::fs::create_dir_all(&model).unwrap();
+        std::fs::copy(
+            t.path().join("g/tokenizer.json"),
+            model.join("tokenizer.json"),
+        )
+        .unwrap();
+        let config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": "<|endoftext|>",
+            "chat_template": template,
+        });
+        std::fs::write(model.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let out = t.path().join(format!("{name}-out/sft.safetensors"));
+        ok(&[
+            s(&jsonl),
+            "--out",
+            s(&out),
+            "--format",
+            "sequences",
+            "--tokenizer",
+            s(&model),
+        ]);
+        let ours = sequence_rows(&out);
+        let py = Command::new(env!("ACCRUE_PYTHON"))
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
+            .args(["chat", s(&model), s(&rows_json)])
+            .output()
+            .unwrap();
+        assert!(
+            py.status.success(),
+            "{}",
+            String::from_utf8_lossy(&py.stderr)
+        );
+        let theirs: Vec<serde_json::Value> = serde_json::from_slice(&py.stdout).unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{name}");
+        for (i, ((ids, mask), want)) in ours.iter().zip(&theirs).enumerate() {
+            let want_ids: Vec<u32> = serde_json::from_value(want["ids"].clone()).unwrap();
+            let want_mask: Vec<u8> = serde_json::from_value(want["mask"].clone()).unwrap();
+            assert_eq!(ids, &want_ids, "{name}, row {i}: tokens");
+            assert_eq!(mask, &want_mask, "{name}, row {i}: assistant mask");
+            assert!(
+                mask.contains(&1) && mask.contains(&0),
+                "{name}, row {i}: {mask:?}"
+            );
+        }
+    }
+    // Without a template: refused, naming the way.
+    let e = fails(&[
+        s(&jsonl),
+        "--out",
+        s(&t.path().join("x/s.safetensors")),
+        "--format",
+        "sequences",
+    ]);
+    assert!(e.contains("need a chat template"), "{e}");
+}
