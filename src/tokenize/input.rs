@@ -88,9 +88,94 @@ pub(super) fn is_parquet(p: &Path) -> bool {
     p.extension().is_some_and(|e| e == "parquet")
 }
 
+/// An Arrow IPC stream file (`datasets.save_to_disk`'s `data-*.arrow`).
+pub(super) fn is_arrow(p: &Path) -> bool {
+    p.extension().is_some_and(|e| e == "arrow")
+}
+
 /// Files that hold records (rows) rather than one text.
 pub(super) fn is_records(p: &Path) -> bool {
-    is_jsonl(p) || is_parquet(p)
+    is_jsonl(p) || is_parquet(p) || is_arrow(p)
+}
+
+/// A folder `datasets.save_to_disk` wrote: its `state.json` and
+/// `dataset_info.json` describe the `.arrow` files beside them, which are
+/// the data (the JSON files are not documents).
+fn is_saved_dataset(dir: &Path) -> bool {
+    dir.join("state.json").is_file() && dir.join("dataset_info.json").is_file()
+}
+
+/// The string columns `names` of every row of an Arrow IPC stream file,
+/// in order; as [`parquet_column`] for a missing column, a null or
+/// another type.
+pub(super) fn arrow_column(path: &Path, names: &[&str]) -> Result<Vec<Vec<String>>> {
+    use arrow_array::{Array, LargeStringArray, StringArray};
+    let bad = |what: String| TokenizeError::Parquet {
+        path: path.to_path_buf(),
+        what,
+    };
+    let file = std::fs::File::open(path).map_err(io_err(path))?;
+    let reader = arrow_ipc::reader::StreamReader::try_new(std::io::BufReader::new(file), None)
+        .map_err(|e| bad(format!("not an Arrow IPC stream ({e})")))?;
+    let schema = reader.schema();
+    for n in names {
+        if schema.column_with_name(n).is_none() {
+            let have: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+            return Err(bad(format!("no column `{n}` (it has {})", have.join(", "))));
+        }
+    }
+    let mut out: Vec<Vec<String>> = Vec::new();
+    for batch in reader {
+        let batch = batch.map_err(|e| bad(format!("unreadable record batch ({e})")))?;
+        let first = out.len();
+        out.extend((0..batch.num_rows()).map(|_| Vec::with_capacity(names.len())));
+        for n in names {
+            let col = batch
+                .column_by_name(n)
+                .ok_or_else(|| bad(format!("no column `{n}` in a record batch")))?;
+            let value = |i: usize| -> Option<String> {
+                if col.is_null(i) {
+                    return None;
+                }
+                if let Some(s) = col.as_any().downcast_ref::<StringArray>() {
+                    return Some(s.value(i).to_string());
+                }
+                col.as_any()
+                    .downcast_ref::<LargeStringArray>()
+                    .map(|s| s.value(i).to_string())
+            };
+            for i in 0..batch.num_rows() {
+                let row = first + i + 1;
+                match value(i) {
+                    Some(v) => out[first + i].push(v),
+                    None if col.is_null(i) => {
+                        return Err(TokenizeError::ParquetRow {
+                            path: path.to_path_buf(),
+                            row,
+                            what: format!("`{n}` is null"),
+                        })
+                    }
+                    None => {
+                        return Err(TokenizeError::ParquetRow {
+                            path: path.to_path_buf(),
+                            row,
+                            what: format!("`{n}` is not a string ({})", col.data_type()),
+                        })
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The string columns of a Parquet or Arrow file.
+fn table_column(path: &Path, names: &[&str]) -> Result<Vec<Vec<String>>> {
+    if is_arrow(path) {
+        arrow_column(path, names)
+    } else {
+        parquet_column(path, names)
+    }
 }
 
 /// The string column `name` of every row of a Parquet file, in order.
@@ -235,7 +320,12 @@ impl Walk<'_> {
             .map_err(io_err(dir))?;
         // Name by name at each level: the order of sorting the whole paths.
         entries.sort();
+        // A saved `datasets` folder: its Arrow files are the data.
+        let saved = is_saved_dataset(dir);
         for name in entries {
+            if saved && !is_arrow(Path::new(&name)) {
+                continue;
+            }
             if name.to_string_lossy().starts_with('.') {
                 continue;
             }
@@ -291,8 +381,8 @@ pub(super) fn read_docs(
 ) -> Result<Vec<String>> {
     let mut docs = Vec::new();
     for f in files {
-        if is_parquet(&f.path) {
-            let rows = parquet_column(&f.path, &[field])?;
+        if is_parquet(&f.path) || is_arrow(&f.path) {
+            let rows = table_column(&f.path, &[field])?;
             docs.extend(rows.into_iter().flatten().filter(|d| !d.is_empty()));
             continue;
         }
@@ -357,8 +447,8 @@ fn string_field(
 pub(super) fn read_pairs(files: &[InputFile], skipped: &mut Vec<PathBuf>) -> Result<Vec<Pair>> {
     let mut pairs = Vec::new();
     for f in files {
-        if is_parquet(&f.path) {
-            for mut row in parquet_column(&f.path, &["prompt", "completion"])? {
+        if is_parquet(&f.path) || is_arrow(&f.path) {
+            for mut row in table_column(&f.path, &["prompt", "completion"])? {
                 let completion = row.pop().unwrap_or_default();
                 let prompt = row.pop().unwrap_or_default();
                 pairs.push(Pair::Completion { prompt, completion });

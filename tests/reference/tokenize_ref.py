@@ -12,6 +12,11 @@
         The JSON list of objects in JSON_IN written by pyarrow as a Parquet
         table (what `datasets` and the Hub store), with COMPRESSION (default
         snappy, pyarrow's).
+    tokenize_ref.py saved-dataset JSON_IN OUT_DIR
+        The JSON list of objects in JSON_IN as `datasets.save_to_disk`
+        lays a dataset out: two Arrow IPC stream files
+        (data-0000i-of-00002.arrow, written by pyarrow's stream writer as
+        datasets' ArrowWriter does), state.json and dataset_info.json.
     tokenize_ref.py chat MODEL_DIR ROWS_JSON
         Each row's `messages` through AutoTokenizer.from_pretrained(MODEL_DIR)
         .apply_chat_template(tokenize=True, return_dict=True,
@@ -65,6 +70,26 @@ def main():
         pq.write_table(table, sys.argv[3],
                        compression=sys.argv[4] if len(sys.argv) > 4 else "snappy",
                        row_group_size=3)
+    elif cmd == "saved-dataset":
+        import pyarrow as pa
+
+        with open(sys.argv[2]) as f:
+            rows = json.load(f)
+        out = sys.argv[3]
+        os.makedirs(out, exist_ok=True)
+        table = pa.Table.from_pylist(rows)
+        half = (len(rows) + 1) // 2
+        files = []
+        for i, part in enumerate([table.slice(0, half), table.slice(half)]):
+            name = f"data-{i:05d}-of-00002.arrow"
+            with pa.ipc.new_stream(os.path.join(out, name), table.schema) as w:
+                w.write_table(part, max_chunksize=2)
+            files.append({"filename": name})
+        with open(os.path.join(out, "state.json"), "w") as f:
+            json.dump({"_data_files": files, "_format_type": None, "_split": None}, f)
+        with open(os.path.join(out, "dataset_info.json"), "w") as f:
+            json.dump({"features": {k: {"dtype": "string", "_type": "Value"}
+                                    for k in table.column_names}}, f)
     elif cmd == "chat":
         from transformers import AutoTokenizer
 

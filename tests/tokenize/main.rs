@@ -594,6 +594,31 @@ fn parquet_columns_read_as_json_lines_do() {
         "body",
     ]);
     assert!(e.contains("no column `body` (it has text)"), "{e}");
+    // A folder datasets.save_to_disk wrote (Arrow stream files beside its
+    // state.json and dataset_info.json, which are not documents).
+    let texts: Vec<serde_json::Value> = docs
+        .iter()
+        .map(|d| serde_json::json!({ "text": d }))
+        .collect();
+    let rows_json = t.path().join("saved.json");
+    std::fs::write(&rows_json, serde_json::Value::from(texts).to_string()).unwrap();
+    let saved = t.path().join("saved");
+    let py = Command::new(env!("ACCRUE_PYTHON"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
+        .args(["saved-dataset", s(&rows_json), s(&saved)])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let out = t.path().join("arrow/x.bin");
+    ok(&[s(&saved), "--out", s(&out)]);
+    assert!(
+        read_llmc(&out).1 == want,
+        "a saved dataset's ids differ from JSON lines'"
+    );
 }
 
 /// `--split random` (the default, issue 39): whole documents held out, the
