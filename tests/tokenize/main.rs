@@ -148,6 +148,22 @@ fn read_llmc(p: &Path) -> ([i32; 256], Vec<u32>) {
     (h, tokens)
 }
 
+/// tests/reference/tokenize_ref.py with `args` (the transformers and
+/// pyarrow side of these tests), which must succeed.
+fn tokenize_ref(args: &[&str]) -> Output {
+    let py = Command::new(env!("ACCRUE_PYTHON"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "tokenize_ref.py {args:?}: {}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    py
+}
+
 fn r50k(text: &str) -> Vec<u32> {
     tiktoken_rs::r50k_base_singleton().encode_ordinary(text)
 }
@@ -279,16 +295,7 @@ fn gpt2_ids_equal_transformers_on_the_same_files() {
     let (_, ids) = read_llmc(&out);
     assert_eq!(ids, r50k(&sample), "r50k");
 
-    let py = Command::new(env!("ACCRUE_PYTHON"))
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
-        .args(["gpt2-ids", s(&gpt2), s(&text_file)])
-        .output()
-        .unwrap();
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
+    let py = tokenize_ref(&["gpt2-ids", s(&gpt2), s(&text_file)]);
     let hf: Vec<u32> = serde_json::from_slice(&py.stdout).unwrap();
     assert_eq!(
         ids, hf,
@@ -299,22 +306,13 @@ fn gpt2_ids_equal_transformers_on_the_same_files() {
     let ids_file = t.path().join("ids.json");
     std::fs::write(&ids_file, serde_json::to_string(&ids).unwrap()).unwrap();
     let (auto, fast) = (t.path().join("auto.txt"), t.path().join("fast.txt"));
-    let py = Command::new(env!("ACCRUE_PYTHON"))
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
-        .args([
-            "decode",
-            s(&t.path().join("out")),
-            s(&ids_file),
-            s(&auto),
-            s(&fast),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
+    tokenize_ref(&[
+        "decode",
+        s(&t.path().join("out")),
+        s(&ids_file),
+        s(&auto),
+        s(&fast),
+    ]);
     assert_eq!(
         std::fs::read_to_string(&auto).unwrap(),
         sample,
@@ -416,22 +414,13 @@ fn trained_bpe_round_trip() {
     let ids_file = t.path().join("ids.json");
     std::fs::write(&ids_file, serde_json::to_string(&eval).unwrap()).unwrap();
     let (auto, fast) = (t.path().join("auto.txt"), t.path().join("fast.txt"));
-    let py = Command::new(env!("ACCRUE_PYTHON"))
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
-        .args([
-            "decode",
-            s(&t.path().join("bpe")),
-            s(&ids_file),
-            s(&auto),
-            s(&fast),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
+    tokenize_ref(&[
+        "decode",
+        s(&t.path().join("bpe")),
+        s(&ids_file),
+        s(&auto),
+        s(&fast),
+    ]);
     assert_eq!(std::fs::read_to_string(&auto).unwrap(), held);
     assert_eq!(std::fs::read_to_string(&fast).unwrap(), held);
 }
@@ -521,16 +510,7 @@ fn parquet_columns_read_as_json_lines_do() {
         let json = t.path().join(format!("{name}.json"));
         std::fs::write(&json, rows.to_string()).unwrap();
         let out = t.path().join(format!("{name}.parquet"));
-        let py = Command::new(env!("ACCRUE_PYTHON"))
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
-            .args(["parquet", s(&json), s(&out), compression])
-            .output()
-            .unwrap();
-        assert!(
-            py.status.success(),
-            "{}",
-            String::from_utf8_lossy(&py.stderr)
-        );
+        tokenize_ref(&["parquet", s(&json), s(&out), compression]);
         out
     };
     let rows: Vec<serde_json::Value> = docs
@@ -603,16 +583,7 @@ fn parquet_columns_read_as_json_lines_do() {
     let rows_json = t.path().join("saved.json");
     std::fs::write(&rows_json, serde_json::Value::from(texts).to_string()).unwrap();
     let saved = t.path().join("saved");
-    let py = Command::new(env!("ACCRUE_PYTHON"))
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
-        .args(["saved-dataset", s(&rows_json), s(&saved)])
-        .output()
-        .unwrap();
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
+    tokenize_ref(&["saved-dataset", s(&rows_json), s(&saved)]);
     let out = t.path().join("arrow/x.bin");
     ok(&[s(&saved), "--out", s(&out)]);
     assert!(
@@ -805,16 +776,7 @@ fn sequences_file_and_its_seeded_split() {
     }
 
     // The `safetensors` package (what transformers and torch use) reads it.
-    let py = Command::new(env!("ACCRUE_PYTHON"))
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
-        .args(["safetensors", s(&out)])
-        .output()
-        .unwrap();
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
+    let py = tokenize_ref(&["safetensors", s(&out)]);
     let v: serde_json::Value = serde_json::from_slice(&py.stdout).unwrap();
     assert_eq!(v["tokens"]["dtype"], "uint16");
     assert_eq!(v["offsets"]["dtype"], "int64");
@@ -1046,16 +1008,7 @@ fn chat_rows_mask_what_transformers_masks() {
             s(&model),
         ]);
         let ours = sequence_rows(&out);
-        let py = Command::new(env!("ACCRUE_PYTHON"))
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tokenize_ref.py"))
-            .args(["chat", s(&model), s(&rows_json)])
-            .output()
-            .unwrap();
-        assert!(
-            py.status.success(),
-            "{}",
-            String::from_utf8_lossy(&py.stderr)
-        );
+        let py = tokenize_ref(&["chat", s(&model), s(&rows_json)]);
         let theirs: Vec<serde_json::Value> = serde_json::from_slice(&py.stdout).unwrap();
         assert_eq!(ours.len(), theirs.len(), "{name}");
         for (i, ((ids, mask), want)) in ours.iter().zip(&theirs).enumerate() {
