@@ -87,7 +87,7 @@ pub enum Error {
     Sharding(String),
     /// A family's blocks do not name its model's parameters.
     #[error("model plan: {0}")]
-    Plan(#[from] crate::family::PlanError),
+    Plan(#[from] PlanError),
     #[error("CUDA graph: {what}: {reason}")]
     Graph { what: &'static str, reason: String },
     /// The step schedule yielded an operation the engine cannot run there.
@@ -258,6 +258,17 @@ pub fn safetensors_words(e: &safetensors::SafeTensorError) -> String {
         #[allow(unreachable_patterns)]
         other => format!("{other:?}"),
     }
+}
+
+/// A plan that does not fit the model it was made for.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("parameter {name} is in no block of the model's plan")]
+    Uncovered { name: String },
+    #[error("parameter {name} is in {count} blocks of the model's plan (one expected)")]
+    Repeated { name: String, count: usize },
+    #[error("block {block} of the model's plan names {name}, which the model does not have")]
+    Unknown { block: String, name: String },
 }
 
 #[cfg(test)]

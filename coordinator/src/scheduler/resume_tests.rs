@@ -302,6 +302,8 @@ fn a_checkpoint_folder_of_another_job_is_refused_at_submit() {
     };
     for dir in [
         "/ck/shared",
+        // A path with `.` and `..` that normalizes to /ck/shared (a test
+        // input, not a reference to a document).
         "/ck/./x/../shared/",
         "/ck/shared/inner",
         "/ck",

@@ -47,16 +47,8 @@ pub struct ParallelPlan {
     pub splits: Vec<(String, Split)>,
 }
 
-/// A plan that does not fit the model it was made for.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum PlanError {
-    #[error("parameter {name} is in no block of the model's plan")]
-    Uncovered { name: String },
-    #[error("parameter {name} is in {count} blocks of the model's plan (one expected)")]
-    Repeated { name: String, count: usize },
-    #[error("block {block} of the model's plan names {name}, which the model does not have")]
-    Unknown { block: String, name: String },
-}
+// The plan's error lives in the error module (below every folder).
+pub use crate::error::PlanError;
 
 /// Whether `pattern` names `name`: the same dot-separated segments, `*`
 /// matching any one segment.

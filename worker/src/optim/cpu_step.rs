@@ -15,7 +15,7 @@ impl Optimizer {
     /// prepares each gradient (`prep`: normalization and clip), applies SGD
     /// or Adam/AdamW and zeroes the gradient, in one pass over memory per
     /// parameter. `grads` is every parameter's gradient, in order, as one
-    /// slice ([`crate::grads::FlatGrads::cpu_mut`]). The arithmetic and the
+    /// slice (the flat gradient buffer's CPU slice, grads/). The arithmetic and the
     /// state it leaves (`momentum_buffer`, or `exp_avg` and `exp_avg_sq`,
     /// and [`Optimizer::steps`]) are those of [`Optimizer::step`] after the
     /// same preparation, up to float rounding, so checkpoints save the same

@@ -537,7 +537,7 @@ impl Net {
     }
 
     /// Logits: fp32, or under autocast with the fused operations in the
-    /// autocast type (the loss widens them, crate::objective: transformers'
+    /// autocast type (the loss widens them, objective/: transformers'
     /// `logits.float()`).
     fn try_forward(&self, ids: &Tensor) -> Result<Tensor, TchError> {
         if let Some(kind) = self.fused_kind(ids.device()) {
