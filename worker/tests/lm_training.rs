@@ -572,17 +572,19 @@ fn amp_against_ddp(precision: &str) {
 /// `generate()` stops at it, and `pipeline("text-generation")` runs.
 #[test]
 fn step_folders_tell_transformers_where_text_ends() {
-    // Each decoder's step folder (issue 39): Llama's, Qwen2's, Mistral's.
-    for (kind, class) in [
-        ("llama", "LlamaForCausalLM"),
-        ("qwen2", "Qwen2ForCausalLM"),
-        ("mistral", "MistralForCausalLM"),
+    // Each decoder's step folder (issue 39): Llama's in one file, Qwen2's
+    // and Mistral's above a 4 KB shard size, so sharded as transformers
+    // shards.
+    for (kind, class, shard) in [
+        ("llama", "LlamaForCausalLM", "50GB"),
+        ("qwen2", "Qwen2ForCausalLM", "4KB"),
+        ("mistral", "MistralForCausalLM", "4KiB"),
     ] {
-        hub_folder_of(kind, class);
+        hub_folder_of(kind, class, shard);
     }
 }
 
-fn hub_folder_of(kind: &str, class: &str) {
+fn hub_folder_of(kind: &str, class: &str, max_shard_size: &str) {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     // 100 words and <|endoftext|> (id 100) as a special token.
@@ -628,6 +630,8 @@ batch_size = 4
 [optimizer]
 kind = "adamw"
 lr = 0.001
+[checkpoint]
+max_shard_size = "{max_shard_size}"
 "#,
         d = d.display()
     );
@@ -637,6 +641,17 @@ lr = 0.001
     for f in ["generation_config.json", "tokenizer_config.json"] {
         assert!(step.join(f).is_file(), "no {f} in the step folder");
     }
+    let sharded = max_shard_size != "50GB";
+    assert_eq!(
+        step.join("model.safetensors.index.json").is_file(),
+        sharded,
+        "{kind}: index"
+    );
+    assert_eq!(
+        step.join("model.safetensors").is_file(),
+        !sharded,
+        "{kind}: model.safetensors"
+    );
     let out = d.join("hub.json");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hub_folder.py");
     let run = std::process::Command::new(python())
@@ -669,6 +684,17 @@ lr = 0.001
         .as_str()
         .unwrap()
         .starts_with("w5 w17 w42"));
+    // What from_pretrained loaded is what accrue trained, tensor for
+    // tensor (shards or not).
+    let ours = accrue_worker::checkpoint::read(&step).unwrap().model;
+    let theirs = read(&d.join("hub.json.safetensors"));
+    for (name, t) in &ours {
+        let other = theirs
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{kind}: transformers loaded no {name}"));
+        assert!(t.equal(&other.1), "{kind}: {name} differs");
+    }
 }
 
 /// The families that extend Llama and Llama 3's RoPE scaling (issue 39)

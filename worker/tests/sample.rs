@@ -107,6 +107,18 @@ fn write_step(dir: &Path, c: &LlamaConfig, seed: u64) {
 /// (checkpoint::write: the manifest, LATEST, pruning to the newest
 /// `keep`), with config.json and a tokenizer.json of VOCAB words.
 fn write_checkpoint(ckpt: &Path, step: u64, c: &LlamaConfig, seed: u64, keep: usize) {
+    write_checkpoint_sharded(ckpt, step, c, seed, keep, u64::MAX)
+}
+
+/// [`write_checkpoint`] with model files of at most `max_shard` bytes.
+fn write_checkpoint_sharded(
+    ckpt: &Path,
+    step: u64,
+    c: &LlamaConfig,
+    seed: u64,
+    keep: usize,
+    max_shard: u64,
+) {
     let state = TrainerState {
         job: "sample-test".into(),
         job_id: "sample-test".into(),
@@ -129,6 +141,7 @@ fn write_checkpoint(ckpt: &Path, step: u64, c: &LlamaConfig, seed: u64, keep: us
             created_unix_ms: 0,
         },
         protect_upto: None,
+        max_shard,
     };
     checkpoint::write(ckpt, &state, &weights(c, seed), &[], &extra, &opts).unwrap();
 }
@@ -889,4 +902,36 @@ fn a_sharded_folder_samples_as_its_single_file() {
         e.contains("../one/model.safetensors") && e.contains("plain file name"),
         "{e}"
     );
+}
+
+/// Issue 39: a step folder written in shards samples as the same model in
+/// one file does, through a checkpoint folder (verified against its
+/// manifest) and named directly.
+#[test]
+fn a_sharded_step_samples_as_the_one_file_step() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::TempDir::new().unwrap();
+    let c = config(2, false, false);
+    let one = tmp.path().join("one");
+    let sharded = tmp.path().join("sharded");
+    write_checkpoint(&one, 1, &c, 7, 5);
+    write_checkpoint_sharded(&sharded, 1, &c, 7, 5, 2048);
+    let step = sharded.join("step-1");
+    assert!(step.join("model.safetensors.index.json").is_file());
+    let shards = std::fs::read_dir(&step)
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().starts_with("model-")
+        })
+        .count();
+    assert!(shards >= 3, "{shards} shards");
+    let tokens = |dir: &Path| {
+        let files = read_step_files(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let model = LoadedModel::from_files(&files, Device::Cpu).unwrap();
+        model.generate(&PROMPT, &greedy(8), none).unwrap().tokens
+    };
+    let want = tokens(&one);
+    assert_eq!(tokens(&sharded), want);
+    assert_eq!(tokens(&step), want);
 }

@@ -218,6 +218,15 @@ impl JobSpec {
         self.validate_optimizer(&mut c);
         self.validate_schedule(&mut c);
         c.int_in("checkpoint.keep", self.checkpoint.keep, 1, MAX_KEEP.into());
+        if super::shard_size_bytes(&self.checkpoint.max_shard_size).is_none() {
+            c.fail(
+                "checkpoint.max_shard_size",
+                &self.checkpoint.max_shard_size,
+                "must be a positive size as transformers' max_shard_size takes it: \
+                 digits and GB, MB, KB, GiB, MiB or KiB (\"5GB\", \"500MB\", \"2GiB\"), \
+                 or a byte count",
+            );
+        }
         c.int_in(
             "checkpoint.every_steps",
             self.checkpoint.every_steps,

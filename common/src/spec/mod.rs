@@ -319,6 +319,12 @@ pub struct CheckpointSpec {
     pub every_steps: u64,
     #[serde(default = "three")]
     pub keep: u64,
+    /// The largest model file of a step folder, as transformers'
+    /// `save_pretrained(max_shard_size=...)` takes it ("50GB", "500MB",
+    /// "2GiB" or a byte count; [`shard_size_bytes`]): a model above it is
+    /// written as shards and `model.safetensors.index.json`.
+    #[serde(default = "fifty_gb")]
+    pub max_shard_size: String,
 }
 
 impl Default for CheckpointSpec {
@@ -327,8 +333,53 @@ impl Default for CheckpointSpec {
             dir: None,
             every_steps: 0,
             keep: three(),
+            max_shard_size: fifty_gb(),
         }
     }
+}
+
+/// transformers 5's default `max_shard_size`.
+pub const DEFAULT_MAX_SHARD_SIZE: &str = "50GB";
+
+fn fifty_gb() -> String {
+    DEFAULT_MAX_SHARD_SIZE.into()
+}
+
+/// The bytes a `max_shard_size` names, read as transformers'
+/// `convert_file_size_to_int` reads it: digits then `GiB`, `MiB` or `KiB`
+/// (powers of 2), `GB`, `MB` or `KB` (powers of 10; a lower-case final `b`
+/// means bits, an eighth), or digits alone (bytes). Units are
+/// case-insensitive. None when `s` is none of these or names 0 bytes.
+pub fn shard_size_bytes(s: &str) -> Option<u64> {
+    let t = s.trim();
+    let upper = t.to_ascii_uppercase();
+    let units: [(&str, u64, bool); 6] = [
+        ("GIB", 1 << 30, false),
+        ("MIB", 1 << 20, false),
+        ("KIB", 1 << 10, false),
+        ("GB", 1_000_000_000, true),
+        ("MB", 1_000_000, true),
+        ("KB", 1_000, true),
+    ];
+    let (digits, bytes) = match units.iter().find(|(u, _, _)| upper.ends_with(u)) {
+        Some(&(u, scale, bits_rule)) => {
+            let n: u64 = t[..t.len() - u.len()].parse().ok()?;
+            let b = n.checked_mul(scale)?;
+            (
+                n,
+                if bits_rule && t.ends_with('b') {
+                    b / 8
+                } else {
+                    b
+                },
+            )
+        }
+        None => {
+            let n: u64 = t.parse().ok()?;
+            (n, n)
+        }
+    };
+    (digits > 0 && bytes > 0).then_some(bytes)
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]

@@ -560,3 +560,36 @@ fn the_global_batch_follows_the_data_degree() {
         "{e:?}"
     );
 }
+
+/// Issue 39: `checkpoint.max_shard_size` reads as transformers'
+/// `convert_file_size_to_int` (5.24) does, and what it cannot read is
+/// refused by name with the allowed forms.
+#[test]
+fn shard_sizes_read_as_transformers_reads_them() {
+    for (text, bytes) in [
+        ("50GB", 50_000_000_000),
+        ("5MB", 5_000_000),
+        ("5mb", 625_000),
+        ("5Mb", 625_000),
+        ("2GiB", 2 << 30),
+        ("3kib", 3 << 10),
+        ("1024", 1024),
+    ] {
+        assert_eq!(shard_size_bytes(text), Some(bytes), "{text}");
+    }
+    for bad in [
+        "",
+        "0",
+        "0GB",
+        "GB",
+        "5 TB",
+        "-1",
+        "1.5GB",
+        "99999999999999999999GB",
+    ] {
+        assert_eq!(shard_size_bytes(bad), None, "{bad:?}");
+    }
+    let e = invalid(&format!("{BASE}[checkpoint]\nmax_shard_size = \"5TB\"\n"));
+    assert_eq!(e[0].field, "checkpoint.max_shard_size");
+    assert!(e[0].allowed.contains("GiB"), "{e:?}");
+}

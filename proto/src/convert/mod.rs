@@ -223,6 +223,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             dir: path(&s.checkpoint.dir),
             every_steps: s.checkpoint.every_steps,
             keep: Some(s.checkpoint.keep),
+            max_shard_size: Some(s.checkpoint.max_shard_size.clone()),
         }),
         eval: Some(v1::EvalSpec {
             every_epochs: s.eval.every_epochs,
@@ -440,6 +441,10 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
                 dir: c.dir.clone().map(PathBuf::from),
                 every_steps: c.every_steps,
                 keep: c.keep.unwrap_or(ck_default.keep),
+                max_shard_size: c
+                    .max_shard_size
+                    .clone()
+                    .unwrap_or(ck_default.max_shard_size.clone()),
             },
             None => ck_default,
         },

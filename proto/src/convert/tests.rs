@@ -484,6 +484,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                     dir,
                     every_steps,
                     keep,
+                    max_shard_size: ["50GB", "5MB", "1024", "2GiB"][(seed % 4) as usize].into(),
                 },
                 eval: EvalSpec {
                     every_epochs,

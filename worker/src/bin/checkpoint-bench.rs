@@ -53,9 +53,11 @@ fn main() -> anyhow::Result<()> {
         ..Default::default()
     };
     let t = Instant::now();
-    let mut payload = Payload::new(&state, &tensors, &opt)?;
+    let mut payload = Payload::new(&state, &tensors, &opt, u64::MAX)?;
     let serialise_s = t.elapsed().as_secs_f64();
-    let bytes = payload.model.len() + payload.optimizer.len() + payload.trainer.len();
+    let bytes = payload.model.iter().map(|(_, b)| b.len()).sum::<usize>()
+        + payload.optimizer.len()
+        + payload.trainer.len();
     let opts = WriteOptions {
         keep: 1,
         owner: Owner {
@@ -65,6 +67,7 @@ fn main() -> anyhow::Result<()> {
             created_unix_ms: 0,
         },
         protect_upto: None,
+        max_shard: u64::MAX,
     };
     let _ = std::fs::remove_dir_all(&cli.dir);
     let (mut synced, mut unsynced) = (Vec::new(), Vec::new());

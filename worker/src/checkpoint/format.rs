@@ -71,6 +71,45 @@ pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// The model files of a step folder, by name: one `model.safetensors` up
+/// to `max_shard` bytes of tensors, above it shards and their index
+/// ([`super::shards::plan`]), as transformers' `save_pretrained` writes
+/// them, so `from_pretrained` and accrue's readers take either.
+pub fn model_files(tensors: &[(String, Tensor)], max_shard: u64) -> Result<Vec<(String, Vec<u8>)>> {
+    use super::shards;
+    let mut sizes = Vec::with_capacity(tensors.len());
+    for (_, t) in tensors {
+        let kind = t
+            .f_kind()
+            .ctx("reading a tensor's kind for the checkpoint")?;
+        sizes.push((t.numel() * kind.elt_size_in_bytes()) as u64);
+    }
+    let plan = shards::plan(&sizes, max_shard);
+    if plan.len() == 1 {
+        return Ok(vec![(
+            super::MODEL_FILE.into(),
+            safetensors_bytes(tensors)?,
+        )]);
+    }
+    let mut files = Vec::with_capacity(plan.len() + 1);
+    let mut weight_map = Vec::with_capacity(tensors.len());
+    for (i, members) in plan.iter().enumerate() {
+        let name = shards::shard_name(i, plan.len());
+        // Shallow copies: the same storage, no tensor bytes copied.
+        let part: Vec<(String, Tensor)> = members
+            .iter()
+            .map(|&j| (tensors[j].0.clone(), tensors[j].1.shallow_clone()))
+            .collect();
+        weight_map.extend(part.iter().map(|(n, _)| (n.clone(), name.clone())));
+        files.push((name, safetensors_bytes(&part)?));
+    }
+    files.push((
+        shards::INDEX_FILE.into(),
+        shards::index_json(sizes.iter().sum(), &weight_map),
+    ));
+    Ok(files)
+}
+
 /// Tensors from safetensors bytes (`path` names them in errors).
 pub(super) fn tensors_from(
     bytes: &[u8],

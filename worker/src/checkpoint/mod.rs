@@ -94,7 +94,9 @@ pub fn step_name(n: u64) -> String {
 
 /// What a write puts into a step folder, serialised.
 pub struct Payload {
-    pub model: Vec<u8>,
+    /// The model's files: `model.safetensors`, or shards and their index
+    /// ([`format::model_files`]).
+    pub model: Vec<(String, Vec<u8>)>,
     pub optimizer: Vec<u8>,
     pub trainer: Vec<u8>,
     /// Files for other tools, by name (a language model's `config.json`
@@ -108,9 +110,10 @@ impl Payload {
         state: &TrainerState,
         model: &[(String, Tensor)],
         optimizer: &[(String, Tensor)],
+        max_shard: u64,
     ) -> Result<Self> {
         Ok(Self {
-            model: safetensors_bytes(model)?,
+            model: format::model_files(model, max_shard)?,
             optimizer: safetensors_bytes(optimizer)?,
             trainer: serde_json::to_vec_pretty(state).map_err(|e| Error::Encode {
                 what: "the trainer state".into(),
@@ -132,6 +135,9 @@ pub struct WriteOptions {
     /// Never prune this step or an older one (recovery fell back past an
     /// unreadable checkpoint: keep what is left of the history).
     pub protect_upto: Option<u64>,
+    /// The largest model file in bytes: above it the model is written as
+    /// shards and their index (`checkpoint.max_shard_size`).
+    pub max_shard: u64,
 }
 
 /// Writes step-`state.step` durably and atomically, points LATEST at it and
@@ -144,7 +150,7 @@ pub fn write(
     extra: &[(String, Vec<u8>)],
     opts: &WriteOptions,
 ) -> Result<PathBuf> {
-    let mut payload = Payload::new(state, model, optimizer)?;
+    let mut payload = Payload::new(state, model, optimizer, opts.max_shard)?;
     payload.extra = extra.to_vec();
     write_on(&mut disk::Local, dir, state.step, &payload, opts)
 }
@@ -247,11 +253,13 @@ fn write_step(
         disk.remove_dir_all(tmp).map_err(at(tmp))?;
     }
     disk.create_dir_all(tmp).map_err(at(tmp))?;
-    let mut files: Vec<(&str, &[u8])> = vec![
-        (MODEL_FILE, &p.model),
-        (OPTIMIZER_FILE, &p.optimizer),
-        (TRAINER_FILE, &p.trainer),
-    ];
+    let mut files: Vec<(&str, &[u8])> = p
+        .model
+        .iter()
+        .map(|(n, b)| (n.as_str(), b.as_slice()))
+        .collect();
+    files.push((OPTIMIZER_FILE, &p.optimizer));
+    files.push((TRAINER_FILE, &p.trainer));
     files.extend(p.extra.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
     for &(name, bytes) in &files {
         let path = tmp.join(name);
@@ -399,8 +407,15 @@ fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
             .ok_or_else(|| format!("{} lists no {name}", manifest::MANIFEST_FILE))
     };
     let trainer = take(TRAINER_FILE)?;
-    let model = take(MODEL_FILE)?;
     let optimizer = take(OPTIMIZER_FILE)?;
+    let model = shards::take_model_files(&mut files)?
+        .into_iter()
+        .map(|(name, expected, bytes)| {
+            let file = path.join(name);
+            let tensors = tensors_from(&bytes, &file)?;
+            Ok((file, expected, tensors))
+        })
+        .collect::<std::result::Result<Vec<_>, String>>()?;
     let state: TrainerState =
         serde_json::from_slice(&trainer).map_err(|e| format!("{TRAINER_FILE}: {e}"))?;
     if state.step != step {
@@ -412,7 +427,7 @@ fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
     Ok(Loaded {
         path: path.to_path_buf(),
         state,
-        model: tensors_from(&model, &path.join(MODEL_FILE))?,
+        model: shards::join(model)?,
         optimizer: tensors_from(&optimizer, &path.join(OPTIMIZER_FILE))?,
     })
 }

@@ -176,6 +176,96 @@ pub fn join<T>(files: Vec<ReadFile<T>>) -> Result<Vec<(String, T)>, String> {
     Ok(out)
 }
 
+/// A step folder's model files out of its verified files (name ->
+/// contents): `model.safetensors`, or the index and the shards it names,
+/// each shard with the tensors the index maps to it. The error is one
+/// line naming what the manifest lacks.
+pub fn take_model_files(
+    files: &mut BTreeMap<String, Vec<u8>>,
+) -> Result<Vec<(String, Option<Vec<String>>, Vec<u8>)>, String> {
+    if let Some(bytes) = files.remove(MODEL_FILE) {
+        return Ok(vec![(MODEL_FILE.to_string(), None, bytes)]);
+    }
+    let index = files.remove(INDEX_FILE).ok_or_else(|| {
+        format!(
+            "{} lists neither {MODEL_FILE} nor {INDEX_FILE}",
+            super::manifest::MANIFEST_FILE
+        )
+    })?;
+    let shards = parse_index(&index).map_err(|e| format!("{INDEX_FILE}: {e}"))?;
+    shards
+        .files
+        .into_iter()
+        .map(|(name, tensors)| {
+            let bytes = files.remove(&name).ok_or_else(|| {
+                format!(
+                    "{INDEX_FILE} names {name}, which {} does not list",
+                    super::manifest::MANIFEST_FILE
+                )
+            })?;
+            Ok((name, Some(tensors), bytes))
+        })
+        .collect()
+}
+
+/// Whether `name` is one of a step folder's model files (`accrue sample`
+/// reads these and not the optimizer state).
+pub fn is_model_file(name: &str) -> bool {
+    name == MODEL_FILE
+        || name == INDEX_FILE
+        || (name.starts_with("model-") && name.ends_with(".safetensors"))
+}
+
+/// The shards `sizes` (each tensor's name and bytes, in order) are
+/// written in, as huggingface_hub's `split_state_dict_into_shards` splits
+/// for `save_pretrained`: in order, a new shard when the next tensor would
+/// take the current one past `max` bytes; a tensor above `max` alone in its
+/// own shard. Each shard is a list of indices into `sizes`; one shard means
+/// a single `model.safetensors`.
+pub fn plan(sizes: &[u64], max: u64) -> Vec<Vec<usize>> {
+    let mut shards: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut current_bytes = 0u64;
+    for (i, &size) in sizes.iter().enumerate() {
+        if size > max {
+            if !current.is_empty() {
+                shards.push(std::mem::take(&mut current));
+                current_bytes = 0;
+            }
+            shards.push(vec![i]);
+            continue;
+        }
+        if !current.is_empty() && current_bytes + size > max {
+            shards.push(std::mem::take(&mut current));
+            current_bytes = 0;
+        }
+        current.push(i);
+        current_bytes += size;
+    }
+    if !current.is_empty() || shards.is_empty() {
+        shards.push(current);
+    }
+    shards
+}
+
+/// Shard `i` (from 0) of `n`'s file name, as transformers names them:
+/// `model-00001-of-00003.safetensors`.
+pub fn shard_name(i: usize, n: usize) -> String {
+    format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+}
+
+/// The index transformers writes beside shards: `metadata.total_size` (the
+/// tensors' bytes) and `weight_map` (tensor name -> shard file).
+pub fn index_json(total_size: u64, weight_map: &[(String, String)]) -> Vec<u8> {
+    let map: serde_json::Map<String, serde_json::Value> = weight_map
+        .iter()
+        .map(|(t, f)| (t.clone(), serde_json::Value::String(f.clone())))
+        .collect();
+    let v = serde_json::json!({"metadata": {"total_size": total_size}, "weight_map": map});
+    // A map of strings always serialises.
+    serde_json::to_vec_pretty(&v).unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +324,40 @@ mod tests {
         ])
         .unwrap_err();
         assert!(twice.contains("x is in both a and b"), "{twice}");
+    }
+
+    /// huggingface_hub's rule: shards fill in order up to the limit, a
+    /// tensor above it alone; every tensor in exactly one shard, in order.
+    #[test]
+    fn shards_fill_in_order_up_to_the_limit() {
+        assert_eq!(plan(&[4, 4, 4], 8), vec![vec![0, 1], vec![2]]);
+        assert_eq!(plan(&[4, 20, 4, 4], 8), vec![vec![0], vec![1], vec![2, 3]]);
+        assert_eq!(plan(&[1, 2, 3], 100), vec![vec![0, 1, 2]]);
+        assert_eq!(plan(&[], 8), vec![Vec::<usize>::new()]);
+        assert_eq!(shard_name(0, 3), "model-00001-of-00003.safetensors");
+        let idx = index_json(8, &[("w".into(), shard_name(1, 2))]);
+        let parsed = parse_index(&idx).unwrap();
+        assert_eq!(parsed.files[0].0, "model-00002-of-00002.safetensors");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn every_shard_is_within_the_limit_or_one_tensor(
+            sizes in proptest::collection::vec(0u64..50, 0..30), max in 1u64..60,
+        ) {
+            let shards = plan(&sizes, max);
+            let flat: Vec<usize> = shards.iter().flatten().copied().collect();
+            proptest::prop_assert_eq!(flat, (0..sizes.len()).collect::<Vec<_>>());
+            for s in &shards {
+                let bytes: u64 = s.iter().map(|&i| sizes[i]).sum();
+                proptest::prop_assert!(bytes <= max || s.len() == 1, "{s:?} {bytes}");
+            }
+            // Greedy: no shard could have taken the next one's first tensor.
+            for w in shards.windows(2) {
+                let bytes: u64 = w[0].iter().map(|&i| sizes[i]).sum();
+                proptest::prop_assert!(bytes + sizes[w[1][0]] > max || sizes[w[0][0]] > max);
+            }
+        }
     }
 
     #[test]

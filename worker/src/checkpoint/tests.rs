@@ -16,6 +16,7 @@ fn opts(keep: usize) -> WriteOptions {
         keep,
         owner: me("j"),
         protect_upto: None,
+        max_shard: 50_000_000_000,
     }
 }
 
@@ -37,6 +38,7 @@ fn payload(step: u64) -> Payload {
             "0.weight.momentum_buffer".into(),
             Tensor::from_slice(&[-v; 6]).view([2, 3]),
         )],
+        u64::MAX,
     )
     .unwrap()
 }
@@ -431,4 +433,85 @@ fn safetensors_bytes_round_trip_every_kind_and_shape_exactly() {
         };
         assert_eq!(bits(b), bits(t), "{name}");
     }
+}
+
+/// Issue 39: a model above `max_shard` bytes is written as transformers
+/// writes it (shards and their index, no model.safetensors), every file in
+/// the manifest, and reads back to the same tensors; a shard the index
+/// names but the manifest lacks is refused naming it.
+#[test]
+fn a_model_above_the_shard_size_is_written_as_shards_and_reads_back() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("ck");
+    let model: Vec<(String, Tensor)> = (0..5)
+        .map(|i| {
+            let t = Tensor::arange(6 * (i + 1), (tch::Kind::Float, tch::Device::Cpu)) * 0.5;
+            (format!("layer.{i}.weight"), t)
+        })
+        .collect();
+    let state = TrainerState {
+        job: "j".into(),
+        job_id: "j".into(),
+        step: 3,
+        ..Default::default()
+    };
+    // Tensors of 24, 48, 72, 96, 120 bytes under a 100-byte limit:
+    // [24 48] [72] [96] [120 alone].
+    let o = WriteOptions {
+        max_shard: 100,
+        ..opts(2)
+    };
+    let path = write(&dir, &state, &model, &[], &[], &o).unwrap();
+    let files = names(&path);
+    let shards: Vec<&String> = files.iter().filter(|n| n.starts_with("model-")).collect();
+    assert_eq!(
+        shards,
+        [1, 2, 3, 4]
+            .map(|i| format!("model-0000{i}-of-00004.safetensors"))
+            .iter()
+            .collect::<Vec<_>>(),
+        "{files:?}"
+    );
+    assert!(files.contains(&shards::INDEX_FILE.to_string()), "{files:?}");
+    assert!(!files.contains(&MODEL_FILE.to_string()), "{files:?}");
+    let index =
+        shards::parse_index(&std::fs::read(path.join(shards::INDEX_FILE)).unwrap()).unwrap();
+    assert_eq!(index.files[0].1, vec!["layer.0.weight", "layer.1.weight"]);
+    let back = read(&path).unwrap();
+    assert_eq!(back.model.len(), model.len());
+    for ((n, t), (bn, bt)) in model.iter().zip(&back.model) {
+        assert_eq!(n, bn);
+        assert!(t.equal(bt), "{n}");
+    }
+    // Under the limit: one file, as before.
+    let one = write(
+        &dir,
+        &TrainerState {
+            step: 4,
+            ..state.clone()
+        },
+        &model,
+        &[],
+        &[],
+        &opts(2),
+    )
+    .unwrap();
+    assert!(names(&one).contains(&MODEL_FILE.to_string()));
+    assert!(!names(&one).contains(&shards::INDEX_FILE.to_string()));
+    // A manifest without a shard its index names.
+    let mut m: manifest::Manifest =
+        serde_json::from_slice(&std::fs::read(path.join(manifest::MANIFEST_FILE)).unwrap())
+            .unwrap();
+    m.files
+        .retain(|e| e.name != "model-00002-of-00004.safetensors");
+    std::fs::write(
+        path.join(manifest::MANIFEST_FILE),
+        serde_json::to_vec(&m).unwrap(),
+    )
+    .unwrap();
+    let e = read(&path).err().unwrap().to_string();
+    assert!(
+        e.contains("names model-00002-of-00004.safetensors, which MANIFEST.json does not list"),
+        "{e}"
+    );
 }

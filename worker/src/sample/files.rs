@@ -113,8 +113,16 @@ fn read_verified(dir: &Path, step: u64) -> std::result::Result<StepFiles, String
         return Err("no such folder".into());
     }
     let mut files = manifest::read_verified_only(&folder, step, |name| {
-        [CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE].contains(&name)
+        [CONFIG_FILE, TOKENIZER_FILE].contains(&name) || checkpoint::shards::is_model_file(name)
     })?;
+    let weights = checkpoint::shards::take_model_files(&mut files)?
+        .into_iter()
+        .map(|(name, expected, bytes)| WeightBytes {
+            path: folder.join(name),
+            expected,
+            bytes,
+        })
+        .collect();
     let mut take = |name: &str| {
         files
             .remove(name)
@@ -122,11 +130,7 @@ fn read_verified(dir: &Path, step: u64) -> std::result::Result<StepFiles, String
     };
     Ok(StepFiles {
         config: take(CONFIG_FILE)?,
-        weights: vec![WeightBytes {
-            path: folder.join(MODEL_FILE),
-            expected: None,
-            bytes: take(MODEL_FILE)?,
-        }],
+        weights,
         tokenizer: take(TOKENIZER_FILE).ok(),
         dir: folder,
         fallback: None,

@@ -17,7 +17,7 @@
 //! the tokenizer's `<|endoftext|>` (not printed) or when the sequence
 //! fills `max_position_embeddings`.
 
-use crate::checkpoint::{self, manifest, Choice, LATEST, MODEL_FILE};
+use crate::checkpoint::{self, manifest, shards::INDEX_FILE, Choice, LATEST, MODEL_FILE};
 use crate::family::llama::{KvCache, Net};
 use crate::spec::LlamaConfig;
 use std::collections::HashMap;
@@ -54,7 +54,7 @@ pub enum SampleError {
     )]
     NotAFolder { path: PathBuf },
     #[error(
-        "{dir}: neither a step folder (no {MODEL_FILE}) nor a checkpoint folder (no {LATEST}, \
+        "{dir}: neither a step folder (no {MODEL_FILE} or {INDEX_FILE}) nor a checkpoint folder (no {LATEST}, \
          no step-N folders)"
     )]
     NoStep { dir: PathBuf },
@@ -312,10 +312,11 @@ impl LoadedModel {
         })
     }
 
-    /// The model of a step folder: its config.json and model.safetensors.
+    /// The model of a step folder: its config.json and model.safetensors
+    /// (or the shards its index names).
     pub fn from_step_dir(step_dir: &Path, device: Device) -> Result<Self> {
         let config = load_config(step_dir)?;
-        Self::load(config, &step_dir.join(MODEL_FILE), device)
+        Self::load(config, step_dir, device)
     }
 
     /// The model of files read from a step folder.

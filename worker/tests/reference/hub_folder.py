@@ -7,7 +7,8 @@ AutoModelForCausalLM (offline), then greedy-generates from PROMPT_IDS
 (comma-separated) with up to 10 new tokens, the end-of-text id forbidden
 for the first two and forced as the third (prefix_allowed_tokens_fn): the
 generation config is what must stop it there. Also runs
-pipeline("text-generation") on the folder. Writes what it saw to OUT_JSON.
+pipeline("text-generation") on the folder. Writes what it saw to OUT_JSON,
+and the model's state dict as loaded to OUT_JSON's name + ".safetensors".
 """
 import json
 import os
@@ -49,6 +50,9 @@ def main():
     fast = PreTrainedTokenizerFast.from_pretrained(step)
     text = pipeline("text-generation", model=step, tokenizer=fast)(
         fast.decode(prompt), max_new_tokens=3, do_sample=False)[0]["generated_text"]
+    from safetensors.torch import save_file
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+              out + ".safetensors")
     with open(out, "w") as f:
         json.dump({
             "eos_token": tok.eos_token,

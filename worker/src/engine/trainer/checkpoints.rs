@@ -32,6 +32,11 @@ impl<C: Collective> Engine<C> {
                     keep: self.spec.checkpoint.keep as usize,
                     owner: self.owner.clone(),
                     protect_upto: self.protect_upto,
+                    // Validated with the spec: never None here.
+                    max_shard: accrue_common::spec::shard_size_bytes(
+                        &self.spec.checkpoint.max_shard_size,
+                    )
+                    .unwrap_or(u64::MAX),
                 },
             )?
         } else {
