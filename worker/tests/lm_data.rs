@@ -462,6 +462,47 @@ fn sequences_are_cut_shifted_and_padded() {
     }
 }
 
+/// Issue 39, `data.pack`: the five rows packed best-fit decreasing into
+/// T = 4 (pairs 2, 0, 4, 0, 1: row 2 alone, rows 0 and 4 together; rows
+/// without a pair left out), each row its own pairs and positions from 0,
+/// padding a row of its own; the same targets, so the same count.
+#[test]
+fn packed_sequences_keep_each_rows_pairs_and_positions() {
+    let dir = TempDir::new().unwrap();
+    let (tokens, offsets) = flat_rows();
+    let p = safetensors_file(
+        &dir,
+        "rows.safetensors",
+        &[
+            tokens_entry(&tokens, Dtype::I64),
+            ("offsets", Dtype::I64, vec![offsets.len()], i64s(&offsets)),
+        ],
+    );
+    let s = Sequences::open(&p, "data.path", &seq_opts())
+        .unwrap()
+        .packed();
+    assert_eq!(s.len(), 2);
+    let b = s.batch(&idx(&[0, 1])).unwrap();
+    assert_eq!(b.inputs.size(), [2, 2, 4]);
+    assert_eq!(
+        rows_of(&b.inputs.select(1, 0)),
+        [[5, 6, 9, 99], [2, 3, 4, 5]]
+    );
+    assert_eq!(
+        rows_of(&b.inputs.select(1, 1)),
+        [[0, 1, 0, 0], [0, 1, 2, 3]]
+    );
+    assert_eq!(rows_of(&b.targets), [[6, 7, 10, X], [3, 4, 5, 6]]);
+    assert_eq!(b.count, 2 + 1 + 4);
+    let unpacked = Sequences::open(&p, "data.path", &seq_opts()).unwrap();
+    assert_eq!(
+        unpacked.batch(&idx(&[0, 1, 2, 3, 4])).unwrap().count,
+        b.count
+    );
+    let err = s.batch(&idx(&[2])).unwrap_err();
+    assert_has(&err.to_string(), &["sample 2 is out of 0..2"]);
+}
+
 #[test]
 fn sequences_at_t_1_keep_the_first_pair() {
     let dir = TempDir::new().unwrap();

@@ -377,6 +377,14 @@ impl JobSpec {
             (_, Some(p)) => c.fail("data.pad_id", p, "only allowed with data.kind = sequences"),
             _ => {}
         }
+        if d.pack && d.kind != DataKind::Sequences {
+            c.fail(
+                "data.pack",
+                d.pack,
+                "only allowed with data.kind = sequences (rows to pack; a token stream \
+                 is already packed)",
+            );
+        }
         if d.kind != DataKind::Tokens {
             if let Some(t) = d.dtype {
                 c.fail(

@@ -245,6 +245,11 @@ pub struct DataSpec {
     /// tokens: the token type of a headerless file (llm.c's header says it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<TokenDtype>,
+    /// sequences: pack rows into samples of `seq_len` positions, each row
+    /// with its own positions and attention (a block-diagonal causal mask;
+    /// docs/SEMANTICS.md, "Packed rows").
+    #[serde(default)]
+    pub pack: bool,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]

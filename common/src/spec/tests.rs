@@ -593,3 +593,16 @@ fn shard_sizes_read_as_transformers_reads_them() {
     assert_eq!(e[0].field, "checkpoint.max_shard_size");
     assert!(e[0].allowed.contains("GiB"), "{e:?}");
 }
+
+/// Issue 39: `data.pack` packs rows, so only sequences take it.
+#[test]
+fn packing_is_for_sequences_only() {
+    let lm = "name = \"p\"\n[model]\nkind = \"llama\"\nvocab_size = 10\nhidden_size = 8\nintermediate_size = 16\nnum_hidden_layers = 1\nnum_attention_heads = 2\n[data]\nkind = \"KIND\"\npath = \"x\"\nseq_len = 4\nbatch_size = 2\npack = true\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+    let s = JobSpec::fields_from_toml_str(&lm.replace("KIND", "sequences"), Path::new("t.toml"))
+        .unwrap();
+    assert!(s.data.pack);
+    assert_eq!(s.validate_fields(), Ok(()));
+    let e = invalid(&lm.replace("KIND", "tokens"));
+    assert_eq!(e[0].field, "data.pack", "{e:?}");
+    assert!(e[0].allowed.contains("data.kind = sequences"), "{e:?}");
+}

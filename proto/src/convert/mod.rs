@@ -188,6 +188,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             seq_len: s.data.seq_len,
             pad_id: s.data.pad_id,
             dtype: s.data.dtype.map_or(0, to_proto),
+            pack: s.data.pack,
         }),
         accumulation: Some(v1::AccumulationSpec {
             steps: s.accumulation.steps,
@@ -405,6 +406,7 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             seq_len: data.seq_len,
             pad_id: data.pad_id,
             dtype,
+            pack: data.pack,
         },
         accumulation: AccumulationSpec {
             steps: acc.steps,

@@ -331,6 +331,7 @@ fn data(lm: bool) -> impl Strategy<Value = DataSpec> {
                     seq_len: lm.then_some(tokens.0),
                     pad_id: tokens.1.filter(|_| kind == DataKind::Sequences),
                     dtype: tokens.2.filter(|_| kind == DataKind::Tokens),
+                    pack: kind == DataKind::Sequences && batch_size % 2 == 0,
                 }
             },
         )

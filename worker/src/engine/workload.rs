@@ -92,6 +92,7 @@ fn causal_lm(spec: &JobSpec, device: Device) -> Result<Workload> {
     let open = |path: &std::path::Path, field: &'static str| -> Result<Box<dyn DataSource>> {
         Ok(match d.kind {
             DataKind::Tokens => Box::new(TokenStream::open(path, field, &opts)?),
+            _ if d.pack => Box::new(Sequences::open(path, field, &opts)?.packed()),
             _ => Box::new(Sequences::open(path, field, &opts)?),
         })
     };

@@ -18,6 +18,7 @@ use tch::{Device, Kind, Tensor};
 pub mod batch;
 pub mod data;
 mod lm;
+pub mod pack;
 pub mod rng;
 pub mod sampler;
 pub mod sequences;

@@ -13,11 +13,16 @@
 //! A row is cut to its first T + 1 tokens; inputs are `row[:-1]`, targets
 //! `row[1:]`; a target whose mask is 0 becomes -100 ([`IGNORE_INDEX`]);
 //! rows are right-padded to T with `pad_id` (inputs) and -100 (targets).
+//!
+//! Packed ([`Sequences::packed`], `data.pack`): a sample is a pack of rows
+//! (source::pack), each row's pairs one after the other, then padding;
+//! the inputs are `[N, 2, T]`, ids and each token's position within its
+//! row (family/llama/packed.rs), and every row keeps its own targets.
 
 use super::lm::{self, file_err};
 use super::{DataSource, TokenOptions, IGNORE_INDEX};
 use crate::batch::Batch;
-use crate::error::Result;
+use crate::error::{Result, TorchContext};
 use safetensors::tensor::{Dtype, TensorInfo};
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
@@ -69,6 +74,8 @@ pub struct Sequences {
     seq_len: usize,
     pad_id: i64,
     device: Device,
+    /// Packed: the rows of each sample (None: one row per sample).
+    packs: Option<Vec<Vec<usize>>>,
 }
 
 impl Sequences {
@@ -221,6 +228,7 @@ impl Sequences {
             seq_len: opts.seq_len,
             pad_id: opts.pad_id,
             device: opts.device,
+            packs: None,
         };
         seqs.check_vocab(opts.vocab_size)?;
         seqs.check_targets()?;
@@ -337,6 +345,62 @@ impl Sequences {
         lo
     }
 
+    /// The same rows packed into samples of T positions (best-fit
+    /// decreasing, source::pack): each row's min(len, T + 1) - 1 pairs.
+    pub fn packed(mut self) -> Self {
+        let t = self.seq_len;
+        let pairs: Vec<usize> = (0..self.rows)
+            .map(|i| self.row_len(i).min(t + 1).saturating_sub(1))
+            .collect();
+        let packs = super::pack::best_fit_decreasing(&pairs, t);
+        tracing::info!(
+            path = %self.path.display(),
+            rows = self.rows,
+            samples = packs.len(),
+            fill = pairs.iter().sum::<usize>() as f64 / (packs.len().max(1) * t) as f64,
+            "packed the rows into samples of data.seq_len positions"
+        );
+        self.packs = Some(packs);
+        self
+    }
+
+    /// Samples: packs when packed, else rows.
+    pub fn samples(&self) -> usize {
+        self.packs.as_ref().map_or(self.rows, |p| p.len())
+    }
+
+    /// Row `i`'s input-target pairs into `inp`, `tgt` (and 0, 1, ... into
+    /// `pos`); returns how many.
+    fn row_into(
+        &self,
+        i: usize,
+        inp: &mut [i64],
+        tgt: &mut [i64],
+        pos: Option<&mut [i64]>,
+    ) -> usize {
+        let t = self.seq_len;
+        let start = self.offsets.get(&self.map, i) as usize;
+        let end = self.offsets.get(&self.map, i + 1) as usize;
+        // The row cut to T + 1 tokens gives min(len, T + 1) - 1 pairs
+        // (inputs row[:-1], targets row[1:]): a row of 0 or 1 token is
+        // all padding.
+        let pairs = (end - start).min(t + 1).saturating_sub(1);
+        for p in 0..pairs {
+            inp[p] = self.tokens.get(&self.map, start + p);
+            let k = start + p + 1;
+            let predicted = self.mask.is_none_or(|m| m.get(&self.map, k) != 0);
+            if predicted {
+                tgt[p] = self.tokens.get(&self.map, k);
+            }
+        }
+        if let Some(pos) = pos {
+            for (p, slot) in pos[..pairs].iter_mut().enumerate() {
+                *slot = p as i64;
+            }
+        }
+        pairs
+    }
+
     /// Batches are built on the host and then moved to `device`.
     pub fn to_device(mut self, device: Device) -> Self {
         self.device = device;
@@ -367,32 +431,46 @@ impl Sequences {
 
 impl DataSource for Sequences {
     fn len(&self) -> usize {
-        self.rows
+        self.samples()
     }
 
     fn batch(&self, indices: &Tensor) -> Result<Batch> {
-        let idx = lm::host_indices(indices, self.rows, self.field, &self.path)?;
+        let idx = lm::host_indices(indices, self.samples(), self.field, &self.path)?;
         self.map.check_len(self.field, &self.path)?;
         let t = self.seq_len;
         let mut inputs = vec![self.pad_id; idx.len() * t];
         let mut targets = vec![IGNORE_INDEX; idx.len() * t];
+        let Some(packs) = &self.packs else {
+            for (r, &i) in idx.iter().enumerate() {
+                self.row_into(i, &mut inputs[r * t..], &mut targets[r * t..], None);
+            }
+            return lm::lm_batch(&inputs, &targets, idx.len(), t, self.device);
+        };
+        let mut positions = vec![0i64; idx.len() * t];
         for (r, &i) in idx.iter().enumerate() {
-            let start = self.offsets.get(&self.map, i) as usize;
-            let end = self.offsets.get(&self.map, i + 1) as usize;
-            // The row cut to T + 1 tokens gives min(len, T + 1) - 1 pairs
-            // (inputs row[:-1], targets row[1:]): a row of 0 or 1 token is
-            // all padding.
-            let pairs = (end - start).min(t + 1).saturating_sub(1);
-            let (inp, tgt) = (&mut inputs[r * t..], &mut targets[r * t..]);
-            for p in 0..pairs {
-                inp[p] = self.tokens.get(&self.map, start + p);
-                let k = start + p + 1;
-                let predicted = self.mask.is_none_or(|m| m.get(&self.map, k) != 0);
-                if predicted {
-                    tgt[p] = self.tokens.get(&self.map, k);
-                }
+            let mut at = r * t;
+            for &row in &packs[i] {
+                at += self.row_into(
+                    row,
+                    &mut inputs[at..],
+                    &mut targets[at..],
+                    Some(&mut positions[at..]),
+                );
+            }
+            // Padding: a row of its own (positions from 0), no targets.
+            for (p, slot) in positions[at..(r + 1) * t].iter_mut().enumerate() {
+                *slot = p as i64;
             }
         }
-        lm::lm_batch(&inputs, &targets, idx.len(), t, self.device)
+        let batch = lm::lm_batch(&inputs, &targets, idx.len(), t, self.device)?;
+        let positions = Tensor::f_from_slice(&positions)
+            .and_then(|p| p.f_view([idx.len() as i64, t as i64]))
+            .and_then(|p| p.f_to_device(self.device))
+            .and_then(|p| crate::family::llama::packed::inputs(&batch.inputs, &p))
+            .ctx("building a packed batch")?;
+        Ok(Batch {
+            inputs: positions,
+            ..batch
+        })
     }
 }

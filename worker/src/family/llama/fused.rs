@@ -67,7 +67,7 @@ impl Net {
             let (w, b) = concat(&[(&l.q, None), (&l.k, None), (&l.v, None)], cast)?;
             let y = x.f_linear(&w, b.as_ref())?;
             let qkv = crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
-            let a = self.attend(l, &qkv, n, t)?;
+            let a = self.attend(l, &qkv, n, t, None)?;
             let post = &l.post_norm;
             (h, x) = crate::fused_ops::add_rms_norm_cast(&h, &a, &post.weight, post.eps, k)?;
             let (w, b) = concat(&[(&l.gate, None), (&l.up, None)], cast)?;

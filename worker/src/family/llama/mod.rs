@@ -38,6 +38,7 @@ use tch::nn::{self, Init, ModuleT};
 use tch::{Device, Kind, TchError, Tensor};
 
 mod fused;
+pub mod packed;
 pub mod plan;
 
 pub(in crate::family) struct Llama;
@@ -417,9 +418,17 @@ impl Net {
     /// complex form in fp32 without autocast, Hugging Face's otherwise).
     fn rope(&self, start: i64, t: i64, h: &Tensor) -> Result<Rope, TchError> {
         let device = self.inv_freq.device();
-        let positions = Tensor::f_arange_start(start, start + t, (Kind::Int64, device))?
-            .f_to_kind(Kind::Float)?;
+        let positions = Tensor::f_arange_start(start, start + t, (Kind::Int64, device))?;
+        self.rope_at(&positions, h)
+    }
+
+    /// RoPE for `positions` (`[T]`, every row's, or `[N, T]`, each row's
+    /// own: packed rows) of hidden states `h`.
+    fn rope_at(&self, positions: &Tensor, h: &Tensor) -> Result<Rope, TchError> {
+        let device = self.inv_freq.device();
+        let rows = positions.dim() == 2;
         let freqs = positions
+            .f_to_kind(Kind::Float)?
             .f_unsqueeze(-1)?
             .f_mul(&self.inv_freq.f_unsqueeze(0)?)?;
         // Under autocast the real form keeps every rounding transformers'
@@ -431,14 +440,22 @@ impl Net {
             && self.head_dim % 2 == 0
             && !crate::amp::Autocast::is_enabled(device);
         if complex {
-            // [T, 1, d/2]: broadcast over rows (before) and heads.
-            let rotation = Tensor::f_complex(&freqs.f_cos()?, &freqs.f_sin()?)?.f_unsqueeze(1)?;
+            // [T, 1, d/2] (broadcast over rows before) or [N, T, 1, d/2],
+            // broadcast over heads.
+            let rotation = Tensor::f_complex(&freqs.f_cos()?, &freqs.f_sin()?)?.f_unsqueeze(-2)?;
             return Ok(Rope::Complex { rotation });
         }
         let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
-        // [1, 1, T, D]: broadcast over rows and heads.
+        // [1, 1, T, D] (broadcast over rows) or [N, 1, T, D], broadcast
+        // over heads.
         let kind = h.kind();
-        let wide = |t: Tensor| -> Result<Tensor, TchError> { t.f_unsqueeze(0)?.f_unsqueeze(0) };
+        let wide = |t: Tensor| -> Result<Tensor, TchError> {
+            if rows {
+                t.f_unsqueeze(1)
+            } else {
+                t.f_unsqueeze(0)?.f_unsqueeze(0)
+            }
+        };
         Ok(Rope::Real {
             cos: wide(emb.f_cos()?.f_to_kind(kind)?)?,
             sin: wide(emb.f_sin()?.f_to_kind(kind)?)?,
@@ -474,9 +491,15 @@ impl Net {
         }
     }
 
-    fn attention(&self, l: &Layer, x: &Tensor, rope: &Rope) -> Result<Tensor, TchError> {
+    fn attention(
+        &self,
+        l: &Layer,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor, TchError> {
         let (n, t, _) = x.size3()?;
-        self.attend(l, &self.qkv(l, x, rope)?, n, t)
+        self.attend(l, &self.qkv(l, x, rope)?, n, t, mask)
     }
 
     /// `[N, kv_heads, S, D]` with each key-value head repeated for the
@@ -494,16 +517,21 @@ impl Net {
 
     /// Causal attention of q, k, v (`[N, heads, T, D]`, k and v with
     /// kv_heads) through libtorch's SDPA, then the output projection.
+    /// `packed`: packed rows' block-diagonal mask (packed.rs).
     fn attend(
         &self,
         l: &Layer,
         [q, k, v]: &[Tensor; 3],
         n: i64,
         t: i64,
+        packed: Option<&Tensor>,
     ) -> Result<Tensor, TchError> {
         // Mistral's window, where it is shorter than the rows: an explicit
         // mask (transformers' sliding-window causal mask), else causal.
-        let window = window_mask(0, t, self.sliding_window, q.device())?;
+        let window = match packed {
+            Some(m) => Some(m.shallow_clone()),
+            None => window_mask(0, t, self.sliding_window, q.device())?,
+        };
         let out = match &window {
             None => Tensor::f_scaled_dot_product_attention(
                 q,
@@ -540,6 +568,10 @@ impl Net {
     /// autocast type (the loss widens them, objective/: transformers'
     /// `logits.float()`).
     fn try_forward(&self, ids: &Tensor) -> Result<Tensor, TchError> {
+        if ids.dim() == 3 {
+            // Packed rows (packed.rs): the unfused path.
+            return self.head(&self.try_features(ids)?);
+        }
         if let Some(kind) = self.fused_kind(ids.device()) {
             let features = self.try_features_fused(ids, kind)?;
             return features.f_linear(self.head_weight(), None::<&Tensor>);
@@ -548,15 +580,24 @@ impl Net {
     }
 
     /// The final norm's output `[N, T, H]`: the forward without the head.
-    fn try_features(&self, ids: &Tensor) -> Result<Tensor, TchError> {
-        if let Some(kind) = self.fused_kind(ids.device()) {
+    /// `inputs`: token ids `[N, T]`, or packed rows `[N, 2, T]` (packed.rs).
+    fn try_features(&self, inputs: &Tensor) -> Result<Tensor, TchError> {
+        let packed = packed::split(inputs)?;
+        let ids = packed.as_ref().map_or(inputs, |p| &p.ids);
+        if let (Some(kind), None) = (self.fused_kind(ids.device()), &packed) {
             return self.try_features_fused(ids, kind);
         }
         let (_, t) = ids.size2()?;
         let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
-        let rope = self.rope(0, t, &h)?;
+        let (rope, mask) = match &packed {
+            None => (self.rope(0, t, &h)?, None),
+            Some(p) => (
+                self.rope_at(&p.positions, &h)?,
+                Some(p.mask(self.sliding_window)?),
+            ),
+        };
         for l in &self.layers {
-            let a = self.attention(l, &l.input_norm.forward(&h)?, &rope)?;
+            let a = self.attention(l, &l.input_norm.forward(&h)?, &rope, mask.as_ref())?;
             h = h.f_add(&a)?;
             h = self.mlp_block(l, &h)?;
         }
