@@ -118,6 +118,7 @@ struct Case {
     extra: &'static str,
     dir: PathBuf,
     model: Model,
+    spec: ModelSpec,
 }
 
 #[test]
@@ -249,6 +250,7 @@ fn llama_equals_transformers_llama_for_causal_lm() {
             extra,
             dir,
             model,
+            spec,
         });
     }
     let list: Vec<serde_json::Value> = cases
@@ -345,6 +347,32 @@ fn llama_equals_transformers_llama_for_causal_lm() {
         );
         if name == "base" {
             base_logits = Some(get("logits"));
+        }
+        // From the folder transformers wrote with save_pretrained above
+        // its shard size (model-0000i-of-0000n.safetensors + the index):
+        // the same logits and gradients.
+        let sharded = case.dir.join("hf-sharded");
+        assert!(
+            sharded.join("model.safetensors.index.json").is_file(),
+            "{name}: not sharded"
+        );
+        let mut from_hf = Model::build(&case.spec, &[T], VOCAB, Device::Cpu, 99).unwrap();
+        let weights = accrue_worker::engine::read_init(&sharded).unwrap();
+        from_hf
+            .load_named(WeightsFrom::Init(&sharded), weights)
+            .unwrap();
+        let (logits, _, grads) = accrue_step(&from_hf, &ids, &targets);
+        let d = difference(&logits, &get("logits"));
+        assert!(
+            d <= TOL,
+            "{name}: logits from the sharded folder differ by {d}"
+        );
+        for ((n, _), g) in from_hf.params.iter().zip(&grads) {
+            let d = difference(g, &get(&format!("grad.{n}")));
+            assert!(
+                d <= TOL,
+                "{name}: gradient of {n} from the sharded folder differs by {d}"
+            );
         }
         if name == "gqa" {
             bf16_equals_autocast(&case.model, &case.dir, &ids, &targets);
