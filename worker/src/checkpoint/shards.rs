@@ -176,13 +176,15 @@ pub fn join<T>(files: Vec<ReadFile<T>>) -> Result<Vec<(String, T)>, String> {
     Ok(out)
 }
 
+/// One model file of a step folder: its name, the tensors the index maps
+/// to it (None: a single file, whatever it holds), its contents.
+pub type ModelFile = (String, Option<Vec<String>>, Vec<u8>);
+
 /// A step folder's model files out of its verified files (name ->
 /// contents): `model.safetensors`, or the index and the shards it names,
 /// each shard with the tensors the index maps to it. The error is one
 /// line naming what the manifest lacks.
-pub fn take_model_files(
-    files: &mut BTreeMap<String, Vec<u8>>,
-) -> Result<Vec<(String, Option<Vec<String>>, Vec<u8>)>, String> {
+pub fn take_model_files(files: &mut BTreeMap<String, Vec<u8>>) -> Result<Vec<ModelFile>, String> {
     if let Some(bytes) = files.remove(MODEL_FILE) {
         return Ok(vec![(MODEL_FILE.to_string(), None, bytes)]);
     }

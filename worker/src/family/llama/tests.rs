@@ -335,7 +335,7 @@ fn packed_rows_compute_each_row_alone() {
                     for i in 0..lens.len() {
                         let out = net.forward(&rows[r][i].view([1, -1])).unwrap().get(0);
                         logits.push(out.detach());
-                        total = total + (&out * &weights[r][i]).sum(Kind::Float);
+                        total += (&out * &weights[r][i]).sum(Kind::Float);
                     }
                 }
                 total
