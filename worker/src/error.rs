@@ -269,6 +269,19 @@ pub enum PlanError {
     Repeated { name: String, count: usize },
     #[error("block {block} of the model's plan names {name}, which the model does not have")]
     Unknown { block: String, name: String },
+    /// More pipeline stages than places a stage may begin.
+    #[error(
+        "parallel.pipeline = {stages}: the model has {units} {what}, and a stage holds \
+         at least one; at most {units} stages"
+    )]
+    TooManyStages {
+        stages: usize,
+        units: usize,
+        what: String,
+    },
+    /// `layers_per_stage` that does not fit the model or the degree.
+    #[error("parallel.layers_per_stage = {given:?}: {reason}")]
+    LayersPerStage { given: Vec<u64>, reason: String },
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ mod qwen2;
 mod resnet;
 mod torchscript;
 
-pub use plan::{check_blocks, matches, Block, ParallelPlan, PlanError, Split};
+pub use plan::{check_blocks, matches, stage_units, units, Block, ParallelPlan, PlanError, Split};
 
 use crate::error::{Error, Result, TorchContext};
 use crate::spec::{ModelKind, ModelSpec};

@@ -16,6 +16,7 @@ mod accounting;
 mod checkpoints;
 mod eval;
 mod step_schedule;
+pub(crate) mod pipeline;
 
 pub(super) use accounting::SyncOutcome;
 pub use step_schedule::{AccumulateThenSync, Op, StepSchedule};
