@@ -37,6 +37,8 @@ pub use options::{Control, RunOptions};
 pub use report::{EvalReport, Event, StepReport, Summary, Timing};
 pub use setup::{read_init, resolve_device};
 use setup::{spec_hash, starved};
+/// Pipeline schedules (issue 40): what each stage runs in which order.
+pub use trainer::pipeline;
 
 use crate::checkpoint::{self, TrainerState};
 use crate::collective::Collective;

@@ -40,6 +40,8 @@ pub enum Built {
     Layers(Box<dyn ModuleT>),
     /// Layers whose output is a linear head over features ([`Headed`]).
     Headed(Box<dyn Headed>),
+    /// Layers that also run in pipeline stages ([`Staged`]).
+    Staged(Box<dyn StagedLayers>),
     Script(CModule, Named),
 }
 
@@ -47,7 +49,7 @@ pub enum Built {
 /// language model's `lm_head`. The training step may then compute the
 /// head together with its loss (the worker's head_loss module) instead of
 /// materializing the output; `forward_t` still gives the output.
-pub trait Headed: ModuleT {
+pub trait Headed: ModuleT + Staged {
     /// The forward pass up to the head: features `[.., H]`, with their
     /// graph.
     fn features(&self, xs: &Tensor) -> Result<Tensor>;
@@ -56,6 +58,21 @@ pub trait Headed: ModuleT {
     /// the shared one).
     fn head_weight(&self) -> &Tensor;
 }
+
+/// A model that runs a range of its blocks alone: a pipeline stage
+/// (issue 40; block indices as [`Family::blocks`] lists them).
+pub trait Staged {
+    /// The forward of blocks `blocks`: `x` is the model's input when the
+    /// range begins at block 0, else what the previous stage gave; the
+    /// result is what the next stage takes, or, when the range ends at the
+    /// last block, the model's output (a [`Headed`] model's: the features
+    /// under the head, [`Headed::features`]'s).
+    fn stage_forward(&self, x: &Tensor, blocks: std::ops::Range<usize>) -> Result<Tensor>;
+}
+
+/// Layers that run in stages ([`Built::Staged`]).
+pub trait StagedLayers: ModuleT + Staged {}
+impl<T: ModuleT + Staged> StagedLayers for T {}
 
 /// What a builder builds: the spec, where (names and device), for
 /// samples of `shape` (without the batch dimension) and `classes` outputs.
@@ -187,14 +204,13 @@ mod tests {
     }
 
     /// The families without a plan of their own: one block of every
-    /// parameter, one stage, nothing split.
+    /// parameter, one stage, nothing split (the mlp's plan: its own test).
     #[test]
     fn other_families_are_one_block_without_splits() {
         let params: Vec<String> = ["0.weight", "0.bias", "2.weight", "2.bias"]
             .map(String::from)
             .to_vec();
         for kind in [
-            ModelKind::Mlp,
             ModelKind::Lenet5,
             ModelKind::Resnet18,
             ModelKind::Resnet34,

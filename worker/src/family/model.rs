@@ -88,6 +88,7 @@ fn quoted(path: &Path) -> String {
 enum Net {
     Builtin(Box<dyn ModuleT>),
     Headed(Box<dyn Headed>),
+    Staged(Box<dyn crate::family::StagedLayers>),
     Script(CModule),
 }
 
@@ -102,6 +103,7 @@ impl Net {
         match self {
             Net::Builtin(m) => Run::Layers(&**m),
             Net::Headed(m) => Run::Layers(&**m),
+            Net::Staged(m) => Run::Layers(&**m),
             Net::Script(m) => Run::Script(m),
         }
     }
@@ -160,6 +162,7 @@ impl Model {
         let model = match built {
             Built::Layers(net) => Self::of_layers(vs, Net::Builtin(net), spec.kind),
             Built::Headed(net) => Self::of_layers(vs, Net::Headed(net), spec.kind),
+            Built::Staged(net) => Self::of_layers(vs, Net::Staged(net), spec.kind),
             Built::Script(module, params) => {
                 let model = Self {
                     _vs: None,
@@ -268,6 +271,15 @@ impl Model {
     pub fn headed(&self) -> Option<&dyn Headed> {
         match &self.net {
             Net::Headed(m) => Some(&**m),
+            _ => None,
+        }
+    }
+
+    /// The model as pipeline stages, where it runs in stages (issue 40).
+    pub fn staged(&self) -> Option<&dyn crate::family::Staged> {
+        match &self.net {
+            Net::Headed(m) => Some(&**m as &dyn crate::family::Staged),
+            Net::Staged(m) => Some(&**m as &dyn crate::family::Staged),
             _ => None,
         }
     }

@@ -235,13 +235,27 @@ mod tests {
             r(&stage_units(&[1, 1, 1, 1, 1], 2, Some(&[1, 4]), "layers").unwrap()),
             vec![0..1, 1..5]
         );
-        let e = stage_units(&[1, 1, 1], 4, None, "decoder layers").unwrap_err().to_string();
-        assert!(e.contains("parallel.pipeline = 4") && e.contains("3 decoder layers"), "{e}");
-        let e = stage_units(&[1, 1, 1], 2, Some(&[1, 1]), "decoder layers").unwrap_err().to_string();
-        assert!(e.contains("[1, 1]") && e.contains("add up to 2") && e.contains("has 3"), "{e}");
-        let e = stage_units(&[1, 1, 1], 2, Some(&[3]), "layers").unwrap_err().to_string();
+        let e = stage_units(&[1, 1, 1], 4, None, "decoder layers")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("parallel.pipeline = 4") && e.contains("3 decoder layers"),
+            "{e}"
+        );
+        let e = stage_units(&[1, 1, 1], 2, Some(&[1, 1]), "decoder layers")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("[1, 1]") && e.contains("add up to 2") && e.contains("has 3"),
+            "{e}"
+        );
+        let e = stage_units(&[1, 1, 1], 2, Some(&[3]), "layers")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("1 entries for parallel.pipeline = 2"), "{e}");
-        let e = stage_units(&[1, 1, 1], 2, Some(&[3, 0]), "layers").unwrap_err().to_string();
+        let e = stage_units(&[1, 1, 1], 2, Some(&[3, 0]), "layers")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("at least 1"), "{e}");
     }
 

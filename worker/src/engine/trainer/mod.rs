@@ -15,8 +15,8 @@
 mod accounting;
 mod checkpoints;
 mod eval;
+pub mod pipeline;
 mod step_schedule;
-pub(crate) mod pipeline;
 
 pub(super) use accounting::SyncOutcome;
 pub use step_schedule::{AccumulateThenSync, Op, StepSchedule};

@@ -192,12 +192,22 @@ mod tests {
         // The last stage alternates from the start.
         assert_eq!(
             stage_ops(PipeSchedule::OneFOneB, 3, 4, 2),
-            vec![F { micro: 0 }, B { micro: 0 }, F { micro: 1 }, B { micro: 1 }]
+            vec![
+                F { micro: 0 },
+                B { micro: 0 },
+                F { micro: 1 },
+                B { micro: 1 }
+            ]
         );
         // k < P: every forward is warm-up.
         assert_eq!(
             stage_ops(PipeSchedule::OneFOneB, 0, 4, 2),
-            vec![F { micro: 0 }, F { micro: 1 }, B { micro: 0 }, B { micro: 1 }]
+            vec![
+                F { micro: 0 },
+                F { micro: 1 },
+                B { micro: 0 },
+                B { micro: 1 }
+            ]
         );
     }
 
@@ -212,7 +222,10 @@ mod tests {
                         for m in 0..k {
                             let f = ops.iter().position(|o| *o == PipeOp::Forward { micro: m });
                             let b = ops.iter().position(|o| *o == PipeOp::Backward { micro: m });
-                            assert!(f.is_some() && b.is_some() && f < b, "{schedule:?} {s}/{stages} k={k}");
+                            assert!(
+                                f.is_some() && b.is_some() && f < b,
+                                "{schedule:?} {s}/{stages} k={k}"
+                            );
                         }
                         assert_eq!(ops.len(), 2 * k);
                         // Forwards and backwards each in micro-batch order
@@ -235,7 +248,10 @@ mod tests {
                         }
                     }
                     let r = simulate(schedule, stages, k);
-                    assert!(r.is_ok(), "{schedule:?} P={stages} k={k} deadlocks at {r:?}");
+                    assert!(
+                        r.is_ok(),
+                        "{schedule:?} P={stages} k={k} deadlocks at {r:?}"
+                    );
                 }
             }
         }

@@ -382,3 +382,60 @@ fn the_packed_mask_is_block_diagonal_and_causal() {
     );
     assert_eq!(rows(p.mask(Some(2)).unwrap())[2], vec![f, t, t, f, f, f]);
 }
+
+/// Issue 40: the model cut into pipeline stages (the embedding with
+/// layer 0; layers 1 and 2; layer 3 with the final norm), each stage's
+/// output the next one's input, computes the whole forward's features and
+/// gradients bit for bit (the same operations in the same order).
+#[test]
+fn stages_chained_compute_the_whole_model() {
+    use rand::Rng;
+    let mut c = config(2, true);
+    c.num_hidden_layers = 4;
+    let run = |stages: &[std::ops::Range<usize>]| -> (Tensor, Vec<Tensor>) {
+        let (vs, net, mut values) = seeded(&c);
+        let ids =
+            values(&[2, 7], &mut |r| r.gen_range(0..c.vocab_size) as f32).to_kind(Kind::Int64);
+        let features = if stages.is_empty() {
+            Headed::features(&net, &ids).unwrap()
+        } else {
+            let mut x = ids;
+            for s in stages {
+                x = super::super::Staged::stage_forward(&net, &x, s.clone()).unwrap();
+            }
+            x
+        };
+        let weights = values(&features.size(), &mut normal(1.0));
+        (&features * &weights).sum(Kind::Float).backward();
+        let mut vars: Vec<_> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let grad = |t: &Tensor| {
+            let g = t.grad();
+            if g.defined() {
+                g.copy()
+            } else {
+                t.zeros_like()
+            }
+        };
+        (
+            features.detach(),
+            vars.iter().map(|(_, t)| grad(t)).collect(),
+        )
+    };
+    let (whole, whole_grads) = run(&[]);
+    // Blocks: 0 embed, 1-4 layers, 5 head.
+    let (staged, staged_grads) = run(&[0..2, 2..4, 4..6]);
+    assert!(
+        staged.equal(&whole),
+        "features differ by {}",
+        rel(&staged, &whole)
+    );
+    for (i, (a, b)) in staged_grads.iter().zip(&whole_grads).enumerate() {
+        assert!(a.equal(b), "gradient {i} differs by {}", rel(a, b));
+    }
+    // One stage of everything is the whole model too; a wrong cut is not.
+    let (one, _) = run(&[0..6]);
+    assert!(one.equal(&whole));
+    let (skipped, _) = run(&[0..2, 3..6]);
+    assert!(!skipped.equal(&whole));
+}
