@@ -179,6 +179,22 @@ spec_enum!(
 );
 
 spec_enum!(
+    /// `parallel.schedule` (issue 40): the order of a pipeline stage's
+    /// forwards and backwards (the worker's engine/trainer/pipeline.rs).
+    #[derive(Default)]
+    PipelineSchedule, "parallel.schedule", {
+        /// Megatron's one-forward-one-backward: at most P micro-batches'
+        /// activations per stage.
+        #[default]
+        #[serde(rename = "1f1b")]
+        OneFOneB = "1f1b",
+        /// Every forward, then every backward.
+        #[serde(rename = "gpipe")]
+        GPipe = "gpipe",
+    }
+);
+
+spec_enum!(
     /// `optimizer.kind`.
     OptimizerKind, "optimizer.kind", {
         Sgd = "sgd",
@@ -223,7 +239,7 @@ fn kind_field<E: SpecEnum>(section: &'static str, key: &'static str, placeholder
     }
 }
 
-fn kind_fields() -> [KindField; 10] {
+fn kind_fields() -> [KindField; 11] {
     [
         // Placeholders with the fewest requirements of their own (synthetic
         // data names no files); what still depends on a refused kind is
@@ -239,6 +255,7 @@ fn kind_fields() -> [KindField; 10] {
         // A top-level key: section "" is the document itself.
         kind_field("", "precision", Precision::Fp32),
         kind_field("comm", "backend", CommBackend::Auto),
+        kind_field("parallel", "schedule", PipelineSchedule::OneFOneB),
     ]
 }
 

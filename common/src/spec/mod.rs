@@ -90,6 +90,15 @@ pub struct ParallelSpec {
     pub data: Option<u32>,
     pub pipeline: Option<u32>,
     pub tensor: Option<u32>,
+    /// With pipeline > 1: the stages' order of forwards and backwards
+    /// (default 1f1b).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<PipelineSchedule>,
+    /// With pipeline > 1: each stage's count of pipeline units (a Llama's
+    /// decoder layers, an mlp's layers), first to last; default: balanced
+    /// by parameter count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers_per_stage: Option<Vec<u64>>,
 }
 
 /// `[performance]`: execution choices that leave the numbers as they are.

@@ -44,6 +44,8 @@ fn every_kind_serializes_as_its_name() {
     names_agree::<OptimizerKind>();
     names_agree::<ScheduleKind>();
     names_agree::<Precision>();
+    names_agree::<CommBackend>();
+    names_agree::<PipelineSchedule>();
     assert_eq!(OptimizerKind::Adamw.as_str(), "adamw");
     assert_eq!(ScheduleKind::LinearWarmup.as_str(), "linear_warmup");
     assert_eq!(
@@ -526,7 +528,9 @@ fn parallel_degrees_multiply_to_workers_and_split_models_wait() {
         e[0].to_string(),
         "parallel = {data = 3, pipeline = 1, tensor = 1}: data x pipeline x tensor = 3 must equal workers = 4"
     );
-    let e = invalid(&format!("{base}[parallel]\npipeline = 2\n"));
+    // An mlp of two layers (one hidden): two stages fit.
+    let two_layers = base.replace("kind = \"mlp\"\n", "kind = \"mlp\"\nhidden = [4]\n");
+    let e = invalid(&format!("{two_layers}[parallel]\npipeline = 2\n"));
     assert_eq!(e.len(), 1, "{e:?}");
     assert_eq!(e[0].field, "parallel.pipeline");
     assert!(
@@ -605,4 +609,81 @@ fn packing_is_for_sequences_only() {
     let e = invalid(&lm.replace("KIND", "tokens"));
     assert_eq!(e[0].field, "data.pack", "{e:?}");
     assert!(e[0].allowed.contains("data.kind = sequences"), "{e:?}");
+}
+
+/// Issue 40: `[parallel]`'s pipeline fields: only with stages, only for
+/// the families that run in stages, and counts that fit the model (each
+/// refusal names the field and the numbers; pipeline itself is refused
+/// until its engine exists, beside them).
+#[test]
+fn pipeline_fields_fit_the_model() {
+    let mlp = |extra: &str| {
+        format!(
+            "name = \"p\"\nworkers = 2\n[model]\nkind = \"mlp\"\nhidden = [8, 8]\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n[parallel]\n{extra}"
+        )
+    };
+    let fields = |e: &[FieldError]| e.iter().map(|e| e.field.clone()).collect::<Vec<_>>();
+    // Without stages.
+    let e = invalid(&mlp("schedule = \"gpipe\"\nlayers_per_stage = [1, 2]\n"));
+    assert_eq!(
+        fields(&e),
+        ["parallel.schedule", "parallel.layers_per_stage"],
+        "{e:?}"
+    );
+    assert!(e[0].allowed.contains("parallel.pipeline >= 2"));
+    // A schedule that is not one.
+    let e = invalid(&mlp("pipeline = 2\nschedule = \"zb\"\n"));
+    assert!(
+        e.iter()
+            .any(|e| e.field == "parallel.schedule" && e.allowed.contains("1f1b")),
+        "{e:?}"
+    );
+    // Counts: 3 layers (2 hidden + the output).
+    let e = invalid(&mlp("pipeline = 2\nlayers_per_stage = [1, 1]\n"));
+    let counts = e
+        .iter()
+        .find(|e| e.field == "parallel.layers_per_stage")
+        .unwrap();
+    assert!(
+        counts
+            .allowed
+            .contains("add up to 2; the model has 3 layers"),
+        "{e:?}"
+    );
+    let e = invalid(&mlp("pipeline = 2\nlayers_per_stage = [3]\n"));
+    assert!(
+        e.iter()
+            .any(|e| e.allowed.contains("1 entries for parallel.pipeline = 2")),
+        "{e:?}"
+    );
+    let e = invalid(&mlp("pipeline = 2\nlayers_per_stage = [3, 0]\n"));
+    assert!(e.iter().any(|e| e.allowed.contains("at least 1")), "{e:?}");
+    let e = invalid(&mlp("pipeline = 2\nlayers_per_stage = [1, 2]\n"));
+    assert_eq!(
+        fields(&e),
+        ["parallel.pipeline"],
+        "only 'not built yet' is left: {e:?}"
+    );
+    assert!(e[0].allowed.contains("not built yet"));
+    // More stages than layers; a family that has no stages.
+    let e = invalid(
+        &mlp("pipeline = 2\n")
+            .replace("workers = 2", "workers = 4")
+            .replace("pipeline = 2", "pipeline = 4"),
+    );
+    assert!(
+        e.iter().any(
+            |e| e.allowed.contains("the model has 3 layers") && e.allowed.contains("at most 3")
+        ),
+        "{e:?}"
+    );
+    let e = invalid(
+        &mlp("pipeline = 2\n").replace("kind = \"mlp\"\nhidden = [8, 8]", "kind = \"lenet5\""),
+    );
+    assert!(
+        e.iter()
+            .any(|e| e.allowed.contains("does not run in pipeline stages")
+                && e.allowed.contains("llama, qwen2, mistral, mlp")),
+        "{e:?}"
+    );
 }

@@ -325,6 +325,7 @@ mod loss_owner_tests {
                     data: None,
                     pipeline,
                     tensor,
+                    ..Default::default()
                 }),
                 ..Default::default()
             }),

@@ -90,6 +90,10 @@ kind_map!(CommBackend, CommBackend, {
     Ring <=> Ring,
     C10d <=> C10d,
 });
+kind_map!(PipelineSchedule, PipelineSchedule, {
+    OneFOneB <=> OneFOneB,
+    GPipe <=> Gpipe,
+});
 kind_map!(OptimizerKind, OptimizerKind, {
     Sgd <=> Sgd,
     Adam <=> Adam,
@@ -171,6 +175,8 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             data: s.parallel.data,
             pipeline: s.parallel.pipeline,
             tensor: s.parallel.tensor,
+            schedule: s.parallel.schedule.map_or(0, |k| k.to_proto().into()),
+            layers_per_stage: s.parallel.layers_per_stage.clone().unwrap_or_default(),
         }),
         model: Some(model_to_proto(&s.model)),
         data: Some(v1::DataSpec {
@@ -256,6 +262,24 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
 }
 
 /// Converts and validates; the error names every bad field.
+/// `[parallel]` from the wire: UNSPECIFIED and an empty list are absent.
+fn parallel_from_proto(q: &v1::ParallelSpec, e: &mut Vec<FieldError>) -> ParallelSpec {
+    ParallelSpec {
+        data: q.data,
+        pipeline: q.pipeline,
+        tensor: q.tensor,
+        schedule: (q.schedule != 0).then(|| {
+            from_proto(
+                q.schedule,
+                Unspecified::Default(PipelineSchedule::default()),
+                PipelineSchedule::default(),
+                e,
+            )
+        }),
+        layers_per_stage: (!q.layers_per_stage.is_empty()).then(|| q.layers_per_stage.clone()),
+    }
+}
+
 pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
     let mut missing = Vec::new();
     let model = p.model.clone().unwrap_or_else(|| {
@@ -377,11 +401,7 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         parallel: p
             .parallel
             .as_ref()
-            .map(|q| ParallelSpec {
-                data: q.data,
-                pipeline: q.pipeline,
-                tensor: q.tensor,
-            })
+            .map(|q| parallel_from_proto(q, e))
             .unwrap_or_default(),
         model: ModelSpec {
             kind: model_kind,
