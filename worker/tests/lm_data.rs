@@ -462,6 +462,19 @@ fn sequences_are_cut_shifted_and_padded() {
     }
 }
 
+/// The five [`ROWS`] as an I64 sequences file without a mask.
+fn rows_file(dir: &TempDir) -> PathBuf {
+    let (tokens, offsets) = flat_rows();
+    safetensors_file(
+        dir,
+        "rows.safetensors",
+        &[
+            tokens_entry(&tokens, Dtype::I64),
+            ("offsets", Dtype::I64, vec![offsets.len()], i64s(&offsets)),
+        ],
+    )
+}
+
 /// Issue 39, `data.pack`: the five rows packed best-fit decreasing into
 /// T = 4 (pairs 2, 0, 4, 0, 1: row 2 alone, rows 0 and 4 together; rows
 /// without a pair left out), each row its own pairs and positions from 0,
@@ -469,15 +482,7 @@ fn sequences_are_cut_shifted_and_padded() {
 #[test]
 fn packed_sequences_keep_each_rows_pairs_and_positions() {
     let dir = TempDir::new().unwrap();
-    let (tokens, offsets) = flat_rows();
-    let p = safetensors_file(
-        &dir,
-        "rows.safetensors",
-        &[
-            tokens_entry(&tokens, Dtype::I64),
-            ("offsets", Dtype::I64, vec![offsets.len()], i64s(&offsets)),
-        ],
-    );
+    let p = rows_file(&dir);
     let s = Sequences::open(&p, "data.path", &seq_opts())
         .unwrap()
         .packed();
@@ -506,15 +511,7 @@ fn packed_sequences_keep_each_rows_pairs_and_positions() {
 #[test]
 fn sequences_at_t_1_keep_the_first_pair() {
     let dir = TempDir::new().unwrap();
-    let (tokens, offsets) = flat_rows();
-    let p = safetensors_file(
-        &dir,
-        "rows.safetensors",
-        &[
-            tokens_entry(&tokens, Dtype::I64),
-            ("offsets", Dtype::I64, vec![offsets.len()], i64s(&offsets)),
-        ],
-    );
+    let p = rows_file(&dir);
     let o = TokenOptions {
         seq_len: 1,
         ..seq_opts()
