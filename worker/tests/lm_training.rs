@@ -428,7 +428,8 @@ fn write_sequences(path: &Path, tokens: &[i64], offsets: &[i64], mask: &[u8]) {
 /// sample, one step per epoch over every row, AdamW with clipping: every
 /// step's token count is the same, its loss and gradient norm and the
 /// final parameters equal (the packed forward gives each row its own
-/// positions and attention; only the summation order differs).
+/// positions and attention; only the summation order differs), and so is
+/// the evaluation of the same rows.
 #[test]
 fn packed_rows_train_as_the_rows_alone() {
     let dir = TempDir::new().unwrap();
@@ -452,19 +453,46 @@ fn packed_rows_train_as_the_rows_alone() {
                 "",
             )
             .replace("epochs = 2", "epochs = 3")
-            .replace("shuffle = false", &format!("shuffle = true\npack = {pack}"));
+            .replace(
+                "shuffle = false",
+                &format!(
+                    "shuffle = true\npack = {pack}\neval_path = \"{}/data.safetensors\"",
+                    d.display()
+                ),
+            );
         let mut e = engine(spec(&text), &d.join(format!("ckpt-{pack}")));
         let mut reports = Vec::new();
-        e.run(|ev| {
-            if let accrue_worker::Event::Step(r) = ev {
-                reports.push(r.clone());
-            }
+        let mut evals = Vec::new();
+        e.run(|ev| match ev {
+            accrue_worker::Event::Step(r) => reports.push(r.clone()),
+            accrue_worker::Event::Eval(r) => evals.push((r.loss, r.accuracy, r.samples)),
+            _ => {}
         })
         .unwrap_or_else(|e| panic!("{e}"));
-        (reports, snapshot(&e))
+        (reports, snapshot(&e), evals)
     };
-    let (rows, rows_params) = run(false);
-    let (packed, packed_params) = run(true);
+    let (rows, rows_params, rows_evals) = run(false);
+    let (packed, packed_params, packed_evals) = run(true);
+    // The evaluation of the same rows packed: the same tokens, loss and
+    // next-token accuracy.
+    assert!(!rows_evals.is_empty());
+    assert_eq!(packed_evals.len(), rows_evals.len());
+    for (p, r) in packed_evals.iter().zip(&rows_evals) {
+        assert_eq!(p.2, r.2, "tokens evaluated");
+        // At most one argmax tie broken the other way by the last bit.
+        assert!(
+            (p.1 - r.1).abs() * r.2 as f64 <= 1.0 + 1e-9,
+            "accuracy {} vs {}",
+            p.1,
+            r.1
+        );
+        assert!(
+            (p.0 - r.0).abs() <= 1e-5 * r.0.abs(),
+            "eval loss {} vs {}",
+            p.0,
+            r.0
+        );
+    }
     assert_eq!(rows.len(), 3);
     assert_eq!(packed.len(), 3);
     let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
