@@ -441,17 +441,15 @@ impl JobSpec {
             }
         };
         self.validate_pipeline(c, dims.pipeline);
-        for (field, degree, what) in [
-            ("parallel.pipeline", dims.pipeline, "pipeline parallelism"),
-            ("parallel.tensor", dims.tensor, "tensor parallelism"),
-        ] {
-            if degree > 1 {
-                c.fail(
-                    field,
-                    degree,
-                    format!("must be 1: {what} is not built yet (data parallelism only)"),
-                );
-            }
+        if dims.tensor > 1 {
+            c.fail(
+                "parallel.tensor",
+                dims.tensor,
+                "must be 1: tensor parallelism is not built yet",
+            );
+        }
+        if dims.pipeline > 1 {
+            self.validate_pipeline_scope(c, dims.pipeline, dims.data);
         }
         let replica = dims.replica();
         for (field, bound) in [
@@ -545,6 +543,56 @@ impl JobSpec {
                     format!("they add up to {total}; the model has {units} {what}"),
                 );
             }
+        }
+    }
+
+    /// What the pipeline engine runs so far (issue 40, first part): one
+    /// replica, fp32, the whole optimizer state on each stage, gradients
+    /// reduced at the window's end, rows unpacked, a fixed world. Each
+    /// refusal names what is not built yet.
+    fn validate_pipeline_scope(&self, c: &mut Checker, stages: u32, data: u32) {
+        let later =
+            |what: &str| format!("{what} with parallel.pipeline = {stages} is not built yet");
+        if data > 1 {
+            c.fail(
+                "parallel.data",
+                data,
+                format!(
+                    "must be 1: {} (workers = pipeline for now)",
+                    later("data parallelism")
+                ),
+            );
+        }
+        if self.precision != Precision::Fp32 {
+            c.fail(
+                "precision",
+                self.precision.as_str(),
+                later("mixed precision"),
+            );
+        }
+        if self.sharding.stage > 0 {
+            c.fail("sharding.stage", self.sharding.stage, later("ZeRO"));
+        }
+        if self.accumulation.sync == SyncMode::EveryStep {
+            c.fail(
+                "accumulation.sync",
+                "every_step",
+                later("sync = every_step"),
+            );
+        }
+        if self.data.pack {
+            c.fail("data.pack", true, later("packed rows"));
+        }
+        for (field, bound) in [
+            ("min_workers", self.min_workers),
+            ("max_workers", self.max_workers),
+        ] {
+            if let Some(n) = bound.filter(|&n| n != self.workers) {
+                c.fail(field, n, later("an elastic world (stages re-forming)"));
+            }
+        }
+        if self.device.starts_with("cuda") {
+            c.fail("device", &self.device, later("CUDA"));
         }
     }
 

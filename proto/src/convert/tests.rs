@@ -697,8 +697,8 @@ lr = 0.001
 }
 
 /// Issue 40: the pipeline fields cross the wire (the round trip's
-/// generator makes valid specs only, and stages are refused until their
-/// engine exists): set, left out, and an unknown schedule refused.
+/// generator keeps to one stage): set, left out, and an unknown schedule
+/// refused.
 #[test]
 fn pipeline_fields_cross_the_wire() {
     let toml = "name = \"p\"\nworkers = 2\n[model]\nkind = \"mlp\"\nhidden = [8, 8]\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";

@@ -432,6 +432,12 @@ fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
     })
 }
 
+/// Tensors from safetensors `bytes` (`path` names them in errors; the
+/// pipeline's gather, engine/pipe.rs, reads other stages' parts so).
+pub fn tensors_of(bytes: &[u8], path: &Path) -> std::result::Result<Vec<(String, Tensor)>, String> {
+    tensors_from(bytes, path)
+}
+
 /// Reads and verifies the step folder `path`.
 pub fn read(path: &Path) -> Result<Loaded> {
     read_step(path).map_err(|e| ckpt_err(path, e))

@@ -98,6 +98,19 @@ pub trait Collective: Send {
     fn bytes(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// This rank's pipeline stage and the number of stages of a split
+    /// model (issue 40); None without stages.
+    fn stages(&self) -> Option<(usize, usize)> {
+        None
+    }
+    /// The group of this replica's stages (its rank is the stage): the
+    /// activations and their gradients travel there, and the window's
+    /// tally and norm are summed over it.
+    fn pipeline_group(&mut self) -> Result<&mut dyn crate::comm::group::Group> {
+        Err(CollectiveError::Interrupted(
+            "this job has no pipeline stages".into(),
+        ))
+    }
 }
 
 /// W = 1: every collective is the identity.

@@ -21,20 +21,27 @@ impl From<GroupError> for CollectiveError {
     }
 }
 
+/// The engine's [`Collective`] over a mesh: its rank and world are the
+/// data axis's (what the engine shards samples and reduces gradients
+/// over; the world's when the model is not split), and a split model's
+/// stages reach the pipeline group through [`Collective::pipeline_group`].
 pub struct MeshCollective {
     mesh: Option<Mesh>,
     rank: usize,
     world: usize,
+    /// (stage, stages) when the pipeline degree is above 1.
+    stages: Option<(usize, usize)>,
 }
 
 impl MeshCollective {
     pub fn new(mesh: Mesh) -> Self {
-        let rank = mesh.rank() as usize;
-        let world = mesh.dims().world() as usize;
+        let dims = *mesh.dims();
+        let at = dims.coords(mesh.rank());
         Self {
+            rank: at.data as usize,
+            world: dims.data as usize,
+            stages: (dims.pipeline > 1).then_some((at.pipeline as usize, dims.pipeline as usize)),
             mesh: Some(mesh),
-            rank,
-            world,
         }
     }
 
@@ -45,6 +52,7 @@ impl MeshCollective {
             mesh: None,
             rank: self.rank,
             world: self.world,
+            stages: self.stages,
         }
     }
 
@@ -123,6 +131,17 @@ impl Collective for MeshCollective {
     }
     fn world_size(&self) -> usize {
         self.world
+    }
+    fn stages(&self) -> Option<(usize, usize)> {
+        self.stages
+    }
+    fn pipeline_group(&mut self) -> Result<&mut dyn Group, CollectiveError> {
+        if self.stages.is_none() {
+            return Err(CollectiveError::Interrupted(
+                "this job has no pipeline stages".into(),
+            ));
+        }
+        Ok(self.mesh()?.axis(Axis::Pipeline))
     }
     fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> Result<(), CollectiveError> {
         match self.data_group()? {

@@ -19,6 +19,7 @@
 mod flat;
 mod graph;
 mod options;
+mod pipe;
 mod placement;
 mod plan;
 mod report;
@@ -106,6 +107,8 @@ pub struct Engine<C: Collective> {
     holds_committed: bool,
     /// Rank 0's writer lock on the checkpoint folder (None on other ranks).
     folder_lock: Option<checkpoint::lock::FolderLock>,
+    /// This rank's pipeline stage (issue 40; None: the model is whole).
+    pipe: Option<pipe::Pipe>,
 }
 
 impl<C: Collective> Engine<C> {
@@ -121,10 +124,14 @@ impl<C: Collective> Engine<C> {
     /// checks everything before anything is written.
     pub fn new(spec: JobSpec, collective: C, opts: RunOptions) -> Result<Self> {
         spec.validate()?;
+        // The data axis: the engine shards samples and reduces gradients
+        // over it (the world when the model is not split).
         let world = collective.world_size();
         let rank = collective.rank();
+        let stages = collective.stages();
+        let workers = world * stages.map_or(1, |(_, n)| n);
         let k = spec
-            .accumulation_steps(world as u64)
+            .accumulation_steps(workers as u64)
             .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
         let device = resolve_device(&spec.device)?;
         if let Some(t) = spec.threads {
@@ -144,6 +151,27 @@ impl<C: Collective> Engine<C> {
             let tensors = setup::read_init(given)?;
             model.load_named(WeightsFrom::Init(given), tensors)?;
         }
+        // A pipeline stage trains its blocks' parameters; every rank built
+        // the whole model with the job's seed (the initial weights of
+        // P = 1), the rest stays frozen by name.
+        if stages.is_some() && device.is_cuda() {
+            return Err(Error::Field {
+                field: "device",
+                value: format!("{device:?}"),
+                reason: "pipeline stages run on the CPU for now (issue 40: the activations \
+                         cross over gloo); set device = \"cpu\""
+                    .into(),
+            });
+        }
+        let pipe = match stages {
+            Some((stage, n)) => {
+                let (p, names) = pipe::plan(&spec, &model, stage, n)?;
+                model.restrict(&names);
+                tracing::info!(stage, stages = n, blocks = ?p.blocks, params = model.params.len(), "pipeline stage");
+                Some(p)
+            }
+            None => None,
+        };
         let workload::Workload {
             train,
             eval,
@@ -279,9 +307,10 @@ impl<C: Collective> Engine<C> {
             last_checkpoint: None,
             holds_committed: false,
             folder_lock: None,
+            pipe,
         };
         engine.check_sharding()?;
-        if rank == 0 {
+        if engine.writes_checkpoints() {
             engine.take_folder_lock()?;
         }
         if engine.opts.resume || engine.opts.resume_if_present {
@@ -322,6 +351,13 @@ impl<C: Collective> Engine<C> {
     /// holding the newest committed state broadcasts it to every rank, and
     /// the rest of the epoch is re-sharded when the world size or k changed.
     pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
+        if self.pipe.is_some() {
+            return Err(Error::Interrupted(
+                "a pipeline job cannot re-form yet (issue 40: recovery of stages is not built); \
+                 resume it from its checkpoint"
+                    .into(),
+            ));
+        }
         self.discard_window()?;
         self.resumed_from = Some(format!("its own state (step {})", self.state.step));
         self.graph.holder.reset();
@@ -365,6 +401,12 @@ impl<C: Collective> Engine<C> {
             "joined a new generation"
         );
         Ok(())
+    }
+
+    /// Whether this rank writes the checkpoints: data rank 0 of the first
+    /// stage (every stage sends it its part).
+    pub(super) fn writes_checkpoints(&self) -> bool {
+        self.collective.rank() == 0 && self.pipe.as_ref().is_none_or(|p| p.is_first())
     }
 
     /// The collective in use (for replacing it between generations).

@@ -57,7 +57,8 @@ impl<C: Collective> Engine<C> {
             WeightsFrom::Checkpoint(&loaded.path),
             checkpoint::to_device(loaded.model, self.device)?,
         )?;
-        self.load_optimizer_state(loaded.optimizer, loaded.state.optimizer_steps)?;
+        let optimizer = self.stage_optimizer_state(loaded.optimizer);
+        self.load_optimizer_state(optimizer, loaded.state.optimizer_steps)?;
         self.last_checkpoint = Some((loaded.state.step, loaded.path.clone()));
         // The counters come from the folder the weights came from; this
         // run's identity (job id, spec hash, kinds) is what it writes next.

@@ -27,9 +27,9 @@ pub(super) struct Window {
     /// (engine/trainer/step_schedule.rs), made at its first micro-step.
     ops: VecDeque<Op>,
     /// Non-empty micro-batches among them (`mean` divides by their global sum).
-    batches: usize,
+    pub(super) batches: usize,
     /// Loss terms of the window's batches ([`crate::batch::Batch::count`]).
-    count: u64,
+    pub(super) count: u64,
     pub(super) started: Option<Instant>,
     pub(super) compute: Duration,
     pub(super) comm: Duration,
@@ -118,6 +118,9 @@ impl<C: Collective> Engine<C> {
                     "the coordinator aborted the window".into(),
                 ));
             }
+        }
+        if self.pipe.is_some() {
+            return self.pipeline_window().map(Some);
         }
         let started = Instant::now();
         if self.window.started.is_none() {
@@ -227,18 +230,42 @@ impl<C: Collective> Engine<C> {
     /// In a graph's body every batch takes the masked path (a replay's
     /// batch may have ignored targets where the captured one had none).
     fn head_loss(&mut self, batch: &crate::batch::Batch, graph: bool) -> Result<Option<Tensor>> {
+        if !self.head_loss_applies() {
+            return Ok(None);
+        }
         let Some(model) = self.model.headed() else {
             return Ok(None);
         };
+        let features = model.features(&batch.inputs)?;
+        self.head_loss_of(&features, batch, graph).map(Some)
+    }
+
+    /// Whether [`Engine::head_loss`] applies: a headed model under a summed
+    /// cross-entropy in fp32 whose head weight has a gradient buffer.
+    pub(super) fn head_loss_applies(&self) -> bool {
+        self.model.headed().is_some_and(|m| {
+            self.objective.is_summed_cross_entropy()
+                && self.spec.precision == crate::spec::Precision::Fp32
+                && m.head_weight().grad().defined()
+        })
+    }
+
+    /// The head and the loss over `features` (with their graph) in one
+    /// pass, the head's gradient added into its buffer and the rest
+    /// back-propagated; returns the batch's loss sum (a pipeline's last
+    /// stage runs it on its stage's output: engine/pipe.rs).
+    pub(super) fn head_loss_of(
+        &mut self,
+        features: &Tensor,
+        batch: &crate::batch::Batch,
+        graph: bool,
+    ) -> Result<Tensor> {
+        let model = self
+            .model
+            .headed()
+            .ok_or_else(|| Error::Schedule("the head's loss of a model without a head".into()))?;
         let weight = model.head_weight();
         let weight_grad = weight.grad();
-        if !self.objective.is_summed_cross_entropy()
-            || self.spec.precision != crate::spec::Precision::Fp32
-            || !weight_grad.defined()
-        {
-            return Ok(None);
-        }
-        let features = model.features(&batch.inputs)?;
         let flat = features
             .f_detach()
             .and_then(|f| {
@@ -258,8 +285,8 @@ impl<C: Collective> Engine<C> {
             all_counted,
             crate::objective::head_loss::block_rows(vocab, self.device),
         )?;
-        crate::objective::head_loss::backward_into(&features, &out.features_grad)?;
-        Ok(Some(out.sum))
+        crate::objective::head_loss::backward_into(features, &out.features_grad)?;
+        Ok(out.sum)
     }
 
     /// sync = every_step: reduce this micro-step's gradients now and add
@@ -314,6 +341,10 @@ impl<C: Collective> Engine<C> {
             let (placement, mut parts) = self.placed();
             placement.reduce(&mut parts, &mut stats)?;
         }
+        // Pipeline stages: the tally summed over the stages, the tied
+        // embedding's gradients over its two stages (engine/pipe.rs).
+        self.pipeline_tally(&mut stats)?;
+        self.pipeline_tied_grads()?;
         let comm = self.window.comm + t_comm.elapsed();
         let global = WindowTally::decode(&stats);
         self.agreed = super::Agreed {
@@ -364,7 +395,8 @@ impl<C: Collective> Engine<C> {
             Some(norm) => norm,
             None => {
                 let (placement, mut parts) = self.placed();
-                placement.clip_norm(&mut parts, norm_type)?
+                let norm = placement.clip_norm(&mut parts, norm_type)?;
+                self.pipeline_norm(norm, norm_type)?
             }
         };
         let grad_norm = if no_terms { 0.0 } else { norm / divisor };

@@ -116,6 +116,10 @@ pub struct Model {
     net: Net,
     /// Trainable parameters, in creation order (the order buckets use).
     pub params: Named,
+    /// Parameters another pipeline stage trains (issue 40,
+    /// [`Model::restrict`]): kept by name so that loading and checkpoints
+    /// see the whole model; no gradient, no optimizer state here.
+    pub frozen: Named,
     /// Non-trainable state saved with the model (BatchNorm running stats).
     pub buffers: Named,
     pub kind: ModelKind,
@@ -168,6 +172,7 @@ impl Model {
                     _vs: None,
                     net: Net::Script(module),
                     params,
+                    frozen: Vec::new(),
                     buffers: Vec::new(),
                     kind: spec.kind,
                 };
@@ -187,6 +192,7 @@ impl Model {
             _vs: Some(vs),
             net,
             params,
+            frozen: Vec::new(),
             buffers,
             kind,
         }
@@ -300,7 +306,25 @@ impl Model {
 
     /// Parameters then buffers, by name.
     pub fn state(&self) -> impl Iterator<Item = &(String, Tensor)> {
-        self.params.iter().chain(self.buffers.iter())
+        self.params
+            .iter()
+            .chain(self.frozen.iter())
+            .chain(self.buffers.iter())
+    }
+
+    /// Keeps `names` as the trainable parameters (a pipeline stage's, in
+    /// the model's order) and moves the rest to [`Model::frozen`], without
+    /// gradients.
+    pub fn restrict(&mut self, names: &HashSet<String>) {
+        let all = std::mem::take(&mut self.params);
+        for (name, t) in all {
+            if names.contains(&name) {
+                self.params.push((name, t));
+            } else {
+                let t = t.set_requires_grad(false);
+                self.frozen.push((name, t));
+            }
+        }
     }
 
     pub fn grads(&self) -> Vec<Tensor> {
@@ -331,7 +355,12 @@ impl Model {
         }
         let err = |reason: String| from.error(reason);
         let _guard = tch::no_grad_guard();
-        for (name, t) in self.params.iter_mut().chain(self.buffers.iter_mut()) {
+        for (name, t) in self
+            .params
+            .iter_mut()
+            .chain(self.frozen.iter_mut())
+            .chain(self.buffers.iter_mut())
+        {
             let src = by_name
                 .remove(name)
                 .ok_or_else(|| err(format!("{name} vanished")))?;

@@ -54,6 +54,17 @@ impl Rank {
 
 /// Starts rank `rank` of `world` for `job` with --json output.
 pub fn spawn_rank(job: &Path, rank: usize, peers: &[String], dir: &Path) -> Rank {
+    spawn_rank_with(job, rank, peers, dir, &[])
+}
+
+/// [`spawn_rank`] with more arguments for `accrue-worker train`.
+pub fn spawn_rank_with(
+    job: &Path,
+    rank: usize,
+    peers: &[String],
+    dir: &Path,
+    extra: &[&str],
+) -> Rank {
     let world = peers.len();
     let secret = dir.join("secret");
     if !secret.exists() {
@@ -77,6 +88,7 @@ pub fn spawn_rank(job: &Path, rank: usize, peers: &[String], dir: &Path) -> Rank
         .arg(&secret)
         .arg("--checkpoint-dir")
         .arg(dir.join("ckpt"))
+        .args(extra)
         .env("RUST_LOG", "info")
         .stdout(Stdio::from(std::fs::File::create(&stdout).unwrap()))
         .stderr(Stdio::from(std::fs::File::create(&stderr).unwrap()))
@@ -99,14 +111,25 @@ pub fn run_ranks(
     world: usize,
     before_rank0: impl FnOnce(&[String]),
 ) -> Vec<Rank> {
+    run_ranks_with(dir, text, world, &[], before_rank0)
+}
+
+/// [`run_ranks`] with more arguments for every rank's `accrue-worker train`.
+pub fn run_ranks_with(
+    dir: &Path,
+    text: &str,
+    world: usize,
+    extra: &[&str],
+    before_rank0: impl FnOnce(&[String]),
+) -> Vec<Rank> {
     let job = dir.join("job.toml");
     std::fs::write(&job, text).unwrap();
     let peers = free_addrs(world);
     let mut ranks: Vec<Rank> = (1..world)
-        .map(|r| spawn_rank(&job, r, &peers, dir))
+        .map(|r| spawn_rank_with(&job, r, &peers, dir, extra))
         .collect();
     before_rank0(&peers);
-    ranks.insert(0, spawn_rank(&job, 0, &peers, dir));
+    ranks.insert(0, spawn_rank_with(&job, 0, &peers, dir, extra));
     for r in &mut ranks {
         let status = r
             .wait(Duration::from_secs(120))

@@ -15,9 +15,11 @@ impl<C: Collective> Engine<C> {
                 return Ok(path.clone());
             }
         }
-        // Under sharding every rank takes part in gathering the state.
+        // Under sharding every rank takes part in gathering the state;
+        // pipeline stages send theirs to the first (engine/pipe.rs).
         let opt = self.optimizer_state()?;
-        let path = if self.collective.rank() == 0 {
+        let opt = self.pipeline_gather(opt)?;
+        let path = if self.writes_checkpoints() {
             if self.folder_lock.is_none() {
                 self.take_folder_lock()?;
             }

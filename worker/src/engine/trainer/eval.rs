@@ -17,15 +17,21 @@ impl<C: Collective> Engine<C> {
         self.model.set_train(false)?;
         let n = eval.len() as i64;
         let bs = eval_chunk(&self.spec, self.objective.has_perplexity());
-        let mut sums = EvalSums::default();
-        let mut start = 0;
-        while start < n {
-            let len = bs.min(n - start);
-            let batch = eval.range(start, len, self.device)?;
-            let output = self.model.forward(&batch.inputs, false)?;
-            sums.add(self.objective.evaluate(&output, &batch)?);
-            start += len;
-        }
+        let sums = if self.pipe.is_some() {
+            // Through the stages (engine/pipe.rs).
+            self.pipeline_eval(bs)?
+        } else {
+            let mut sums = EvalSums::default();
+            let mut start = 0;
+            while start < n {
+                let len = bs.min(n - start);
+                let batch = eval.range(start, len, self.device)?;
+                let output = self.model.forward(&batch.inputs, false)?;
+                sums.add(self.objective.evaluate(&output, &batch)?);
+                start += len;
+            }
+            sums
+        };
         self.model.set_train(true)?;
         // No loss term (a held-out set whose rows have no target within
         // T + 1 tokens): no loss, accuracy or perplexity, never 0 and 1.0.

@@ -1,0 +1,582 @@
+//! Pipeline parallelism in the engine (issue 40): this rank's stage, its
+//! window run as the schedule's forwards and backwards with the
+//! activations and their gradients crossing to the neighbouring stages,
+//! and what the sync step, evaluation and checkpoints add over the
+//! pipeline group (engine/trainer/pipeline.rs has the schedules; the
+//! family's `Staged` runs a stage's blocks).
+//!
+//! Transfers: a forward's output is sent with a small i64 header (its
+//! rank and dims) so the next stage needs no shape rules; its gradient
+//! comes back with the shape the sender knows. Sends are posted and waited
+//! for at the end of the window (the schedules are deadlock-free that way:
+//! `pipeline::simulate`). Every stage reads the micro-batch's indices; the
+//! first stage its inputs, the last its targets. Only the last stage counts
+//! loss terms and non-empty micro-batches; the sync step sums the tally
+//! over the stages before any division, so every stage divides by the same
+//! N.
+
+use super::trainer::pipeline::{stage_ops, PipeOp, PipeSchedule};
+use super::trainer::Op;
+use super::{Engine, StepReport};
+use crate::collective::{Collective, CollectiveError};
+use crate::comm::group::{Group, Pending, ReduceOp};
+use crate::error::{Error, Result, TorchContext};
+use std::collections::HashSet;
+use std::ops::Range;
+use std::time::Instant;
+use tch::{Kind, Tensor};
+
+/// This rank's place in the pipeline.
+#[derive(Debug, Clone)]
+pub(super) struct Pipe {
+    pub stage: usize,
+    pub stages: usize,
+    pub schedule: PipeSchedule,
+    /// The family's blocks this stage runs.
+    pub blocks: Range<usize>,
+    /// A tied embedding: its name, held by the first stage (embedding) and
+    /// the last (head). Its two gradients are summed at the sync step and
+    /// it counts once in the norm (the first stage's).
+    pub tied: Option<String>,
+}
+
+impl Pipe {
+    pub fn is_first(&self) -> bool {
+        self.stage == 0
+    }
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
+}
+
+fn group_err(e: crate::comm::group::GroupError) -> Error {
+    CollectiveError::from(e).into()
+}
+
+/// The stage of `model` for `stage` of `stages`, and the parameter names
+/// it trains (its blocks', and the tied embedding on the last stage).
+pub(super) fn plan(
+    spec: &crate::spec::JobSpec,
+    model: &crate::family::model::Model,
+    stage: usize,
+    stages: usize,
+) -> Result<(Pipe, HashSet<String>)> {
+    let family = crate::family::family(spec.model.kind);
+    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    let blocks = family.blocks(&spec.model, &names)?;
+    let plan = family.parallel_plan(&spec.model)?;
+    let units = crate::family::units(blocks.len(), &plan.stage_boundaries);
+    let numel = |n: &str| {
+        model
+            .params
+            .iter()
+            .find(|(p, _)| p == n)
+            .map_or(0, |(_, t)| t.numel() as u64)
+    };
+    let sizes: Vec<u64> = units
+        .iter()
+        .map(|u| {
+            blocks[u.clone()]
+                .iter()
+                .flat_map(|b| &b.params)
+                .map(|n| numel(n))
+                .sum()
+        })
+        .collect();
+    let what = if spec.model.kind.is_decoder() {
+        "decoder layers"
+    } else {
+        "layers"
+    };
+    let split = crate::family::stage_units(
+        &sizes,
+        stages,
+        spec.parallel.layers_per_stage.as_deref(),
+        what,
+    )?;
+    let mine = &split[stage];
+    let range = units[mine.start].start..units[mine.end - 1].end;
+    let mut train: HashSet<String> = blocks[range.clone()]
+        .iter()
+        .flat_map(|b| b.params.iter().cloned())
+        .collect();
+    // A head whose weight is a parameter of another block (tied to the
+    // embedding): the last stage holds it too.
+    let tied = model.headed().and_then(|h| {
+        let w = h.head_weight();
+        let name = model
+            .params
+            .iter()
+            .find(|(_, p)| p.data_ptr() == w.data_ptr())
+            .map(|(n, _)| n.clone())?;
+        let head_block = blocks.last()?;
+        (!head_block.params.contains(&name)).then_some(name)
+    });
+    if let Some(t) = &tied {
+        if stage + 1 == stages {
+            train.insert(t.clone());
+        }
+    }
+    let schedule = match spec.parallel.schedule.unwrap_or_default() {
+        crate::spec::PipelineSchedule::OneFOneB => PipeSchedule::OneFOneB,
+        crate::spec::PipelineSchedule::GPipe => PipeSchedule::GPipe,
+    };
+    Ok((
+        Pipe {
+            stage,
+            stages,
+            schedule,
+            blocks: range,
+            tied: tied.filter(|_| stages > 1),
+        },
+        train,
+    ))
+}
+
+/// What a stage keeps of a micro-batch between its forward and backward.
+struct InFlight {
+    /// The stage's input (with its gradient after the backward; None on
+    /// the first stage).
+    input: Option<Tensor>,
+    /// The output to back-propagate the next stage's gradient through
+    /// (None on the last stage, which runs its backward with its forward,
+    /// as one process's micro-step does).
+    output: Option<Tensor>,
+}
+
+/// A posted send and the tensor it reads, kept alive until it is done.
+type Posted = (Pending, Tensor);
+
+/// Posts `t` to stage `to` with its shape first.
+fn send_with_shape(g: &mut dyn Group, t: Tensor, to: usize) -> Result<Vec<Posted>> {
+    let size = t.size();
+    let mut header = vec![size.len() as i64];
+    header.extend(size.iter().copied());
+    header.resize(5, 0);
+    let h = Tensor::f_from_slice(&header).ctx("sending an activation")?;
+    let a = g.send(&h, to).map_err(group_err)?;
+    let b = g.send(&t, to).map_err(group_err)?;
+    Ok(vec![(a, h), (b, t)])
+}
+
+/// Receives a tensor [`send_with_shape`] sent from stage `from`.
+fn recv_with_shape(g: &mut dyn Group, from: usize) -> Result<Tensor> {
+    let h = Tensor::f_zeros([5], (Kind::Int64, tch::Device::Cpu)).ctx("receiving an activation")?;
+    g.recv(&h, from)
+        .map_err(group_err)?
+        .wait()
+        .map_err(group_err)?;
+    let header = Vec::<i64>::try_from(&h).ctx("receiving an activation")?;
+    let dims = header[0].clamp(0, 4) as usize;
+    let shape = &header[1..1 + dims];
+    let t =
+        Tensor::f_zeros(shape, (Kind::Float, tch::Device::Cpu)).ctx("receiving an activation")?;
+    g.recv(&t, from)
+        .map_err(group_err)?
+        .wait()
+        .map_err(group_err)?;
+    Ok(t)
+}
+
+impl<C: Collective> Engine<C> {
+    /// The whole window of a pipeline stage: the schedule's forwards and
+    /// backwards of its micro-batches, then the sync step.
+    pub(super) fn pipeline_window(&mut self) -> Result<StepReport> {
+        let pipe = self
+            .pipe
+            .clone()
+            .ok_or_else(|| Error::Schedule("a pipeline window on a job without stages".into()))?;
+        let started = Instant::now();
+        self.window.started = Some(started);
+        self.window.bytes_at_start = self.collective.bytes();
+        self.graph.zero_loss(self.device)?;
+        let micros: Vec<usize> = self
+            .step_schedule
+            .window(&self.plan, self.state.cursor as usize)
+            .into_iter()
+            .filter_map(|op| match op {
+                Op::Micro { index } => Some(index),
+                Op::Sync => None,
+            })
+            .collect();
+        self.placement.grads.restore(&self.model.params)?;
+        let ops = stage_ops(pipe.schedule, pipe.stage, pipe.stages, micros.len());
+        let mut flight: Vec<Option<InFlight>> = (0..micros.len()).map(|_| None).collect();
+        let mut sends: Vec<Posted> = Vec::new();
+        let summed = self.spec.accumulation.normalize == crate::spec::Normalize::GlobalCount;
+        for op in ops {
+            match op {
+                PipeOp::Forward { micro } => {
+                    let (a, b) = self.plan.micro_batch_range(micros[micro]);
+                    if b == a {
+                        continue;
+                    }
+                    let idx = self.micro_batch_indices(a, b)?;
+                    let batch = if pipe.is_first() || pipe.is_last() {
+                        Some(self.train.batch(&idx)?)
+                    } else {
+                        None
+                    };
+                    let input = if pipe.is_first() {
+                        None
+                    } else {
+                        let g = self.collective.pipeline_group()?;
+                        let x = recv_with_shape(g, pipe.stage - 1)?;
+                        Some(x.set_requires_grad(true))
+                    };
+                    let x = match (&input, &batch) {
+                        (Some(x), _) => x.shallow_clone(),
+                        (None, Some(b)) => b.inputs.shallow_clone(),
+                        (None, None) => unreachable!("the first stage reads its batch"),
+                    };
+                    let staged = self.model.staged().ok_or_else(|| {
+                        Error::Schedule("this model does not run in pipeline stages".into())
+                    })?;
+                    let out = staged.stage_forward(&x, pipe.blocks.clone())?;
+                    let output = if pipe.is_last() {
+                        // The head (a Headed model's stage ends at its
+                        // features), the loss and its backward, as one
+                        // process's micro-step computes them.
+                        let batch = batch.ok_or_else(|| {
+                            Error::Schedule("the last stage reads its batch".into())
+                        })?;
+                        let loss_sum = if summed && self.head_loss_applies() {
+                            self.head_loss_of(&out, &batch, false)?
+                        } else {
+                            let logits = match self.model.headed() {
+                                Some(h) => out
+                                    .f_linear(h.head_weight(), None::<&Tensor>)
+                                    .ctx("running the head")?,
+                                None => out,
+                            };
+                            let loss = if summed {
+                                self.objective.loss(&logits, &batch)?.sum
+                            } else {
+                                self.objective.mean_loss(&logits, &batch)?
+                            };
+                            loss.f_backward().ctx("running backward")?;
+                            if summed {
+                                loss.f_detach()
+                            } else {
+                                loss.f_detach()
+                                    .and_then(|l| l.f_mul_scalar(batch.count as f64))
+                            }
+                            .ctx("accumulating the loss")?
+                        };
+                        self.graph.add_loss(&loss_sum)?;
+                        self.window.count += batch.count;
+                        self.window.batches += 1;
+                        None
+                    } else {
+                        let g = self.collective.pipeline_group()?;
+                        let detached = out.f_detach().ctx("sending an activation")?;
+                        sends.extend(send_with_shape(g, detached, pipe.stage + 1)?);
+                        Some(out)
+                    };
+                    flight[micro] = Some(InFlight { input, output });
+                }
+                PipeOp::Backward { micro } => {
+                    let Some(f) = flight[micro].take() else {
+                        continue;
+                    };
+                    // The last stage's backward ran with its forward.
+                    if let Some(output) = &f.output {
+                        let grad = output.f_zeros_like().ctx("receiving a gradient")?;
+                        let g = self.collective.pipeline_group()?;
+                        g.recv(&grad, pipe.stage + 1)
+                            .map_err(group_err)?
+                            .wait()
+                            .map_err(group_err)?;
+                        // backward(grad): the backward of sum(output * grad),
+                        // whose gradient at the output is `grad` exactly.
+                        output
+                            .f_mul(&grad)
+                            .and_then(|y| y.f_sum(Kind::Float))
+                            .and_then(|y| y.f_backward())
+                            .ctx("running backward")?;
+                    }
+                    if let Some(x) = f.input {
+                        let g_in = x.grad();
+                        let g = self.collective.pipeline_group()?;
+                        sends.push((g.send(&g_in, pipe.stage - 1).map_err(group_err)?, g_in));
+                    }
+                }
+            }
+        }
+        for (s, _keep) in sends {
+            s.wait().map_err(group_err)?;
+        }
+        self.window.micro += micros.len();
+        self.state.micro_step += micros.len() as u64;
+        self.window.compute += started.elapsed();
+        self.sync_step()
+    }
+
+    /// The sync step's tally summed over the stages (only the last stage
+    /// counted terms; any stage may ask to stop or checkpoint).
+    pub(super) fn pipeline_tally(&mut self, stats: &mut [f32]) -> Result<()> {
+        if self.pipe.is_none() {
+            return Ok(());
+        }
+        let t = Tensor::f_from_slice(stats).ctx("summing the tally over the stages")?;
+        let g = self.collective.pipeline_group()?;
+        g.all_reduce(&t, ReduceOp::Sum)
+            .map_err(group_err)?
+            .wait()
+            .map_err(group_err)?;
+        let summed = Vec::<f32>::try_from(&t).ctx("summing the tally over the stages")?;
+        stats.copy_from_slice(&summed);
+        Ok(())
+    }
+
+    /// A tied embedding's two gradients (the first stage's embedding, the
+    /// last stage's head) summed on both, before the norm.
+    pub(super) fn pipeline_tied_grads(&mut self) -> Result<()> {
+        let Some(pipe) = &self.pipe else {
+            return Ok(());
+        };
+        let Some(name) = pipe.tied.clone() else {
+            return Ok(());
+        };
+        let held = self.model.params.iter().find(|(n, _)| *n == name);
+        let t = match held {
+            Some((_, p)) => p.grad(),
+            // A middle stage takes part with zeros.
+            None => {
+                let (_, p) = self
+                    .model
+                    .frozen
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .ok_or_else(|| Error::Schedule(format!("no tied parameter {name}")))?;
+                p.f_zeros_like().ctx("summing the tied embedding")?
+            }
+        };
+        let g = self.collective.pipeline_group()?;
+        g.all_reduce(&t, ReduceOp::Sum)
+            .map_err(group_err)?
+            .wait()
+            .map_err(group_err)
+    }
+
+    /// The whole model's gradient norm from this stage's: squares summed
+    /// over the stages (max for inf), the tied embedding counted once.
+    pub(super) fn pipeline_norm(&mut self, norm: f64, norm_type: f64) -> Result<f64> {
+        let Some(pipe) = self.pipe.clone() else {
+            return Ok(norm);
+        };
+        let inf = norm_type.is_infinite();
+        let mut mine = if inf { norm } else { norm.powf(norm_type) };
+        if let (Some(name), false, true) = (&pipe.tied, inf, pipe.is_last()) {
+            if let Some((_, p)) = self.model.params.iter().find(|(n, _)| n == name) {
+                let g = p.grad();
+                let own = g
+                    .f_abs()
+                    .and_then(|a| a.f_pow_tensor_scalar(norm_type))
+                    .and_then(|a| a.f_sum(Kind::Double))
+                    .ctx("the tied embedding's norm")?
+                    .double_value(&[]);
+                mine = (mine - own).max(0.0);
+            }
+        }
+        let each = self.pipeline_each(mine)?;
+        Ok(if inf {
+            each.into_iter().fold(0.0, f64::max)
+        } else {
+            each.into_iter().sum::<f64>().powf(1.0 / norm_type)
+        })
+    }
+
+    /// Every stage's `mine`, in stage order, exactly (f64 bits in an i64
+    /// slot of its own, the others 0, summed over the pipeline group).
+    fn pipeline_each(&mut self, mine: f64) -> Result<Vec<f64>> {
+        let Some(pipe) = &self.pipe else {
+            return Ok(vec![mine]);
+        };
+        let mut slots = vec![0i64; pipe.stages];
+        slots[pipe.stage] = mine.to_bits() as i64;
+        let t = Tensor::f_from_slice(&slots).ctx("gathering over the stages")?;
+        let g = self.collective.pipeline_group()?;
+        g.all_reduce(&t, ReduceOp::Sum)
+            .map_err(group_err)?
+            .wait()
+            .map_err(group_err)?;
+        let back = Vec::<i64>::try_from(&t).ctx("gathering over the stages")?;
+        Ok(back.into_iter().map(|b| f64::from_bits(b as u64)).collect())
+    }
+}
+
+/// Bytes over the pipeline group: their length, then the bytes in i64
+/// words (the group carries f32, bf16, f16 and i64).
+fn send_bytes(g: &mut dyn Group, bytes: &[u8], to: usize) -> Result<()> {
+    let len = Tensor::f_from_slice(&[bytes.len() as i64]).ctx("sending a stage's part")?;
+    g.send(&len, to)
+        .map_err(group_err)?
+        .wait()
+        .map_err(group_err)?;
+    let mut padded = bytes.to_vec();
+    padded.resize(bytes.len().div_ceil(8) * 8, 0);
+    let words = Tensor::f_from_data_size(&padded, &[(padded.len() / 8) as i64], Kind::Int64)
+        .ctx("sending a stage's part")?;
+    g.send(&words, to)
+        .map_err(group_err)?
+        .wait()
+        .map_err(group_err)
+}
+
+fn recv_bytes(g: &mut dyn Group, from: usize) -> Result<Vec<u8>> {
+    let len =
+        Tensor::f_zeros([1], (Kind::Int64, tch::Device::Cpu)).ctx("receiving a stage's part")?;
+    g.recv(&len, from)
+        .map_err(group_err)?
+        .wait()
+        .map_err(group_err)?;
+    let n = len.int64_value(&[0]).max(0) as usize;
+    let words = Tensor::f_zeros([n.div_ceil(8) as i64], (Kind::Int64, tch::Device::Cpu))
+        .ctx("receiving a stage's part")?;
+    g.recv(&words, from)
+        .map_err(group_err)?
+        .wait()
+        .map_err(group_err)?;
+    let mut bytes = vec![0u8; n.div_ceil(8) * 8];
+    words
+        .f_copy_data_u8(&mut bytes, n.div_ceil(8))
+        .ctx("receiving a stage's part")?;
+    bytes.truncate(n);
+    Ok(bytes)
+}
+
+impl<C: Collective> Engine<C> {
+    /// A checkpoint of a pipeline job: every stage but the first sends
+    /// its parameters and optimizer state to the first (the writer), which
+    /// copies the parameters into its frozen copies and returns the whole
+    /// optimizer state; the others return theirs unchanged.
+    pub(super) fn pipeline_gather(
+        &mut self,
+        opt: Vec<(String, Tensor)>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let Some(pipe) = self.pipe.clone() else {
+            return Ok(opt);
+        };
+        let there = std::path::Path::new("(another pipeline stage)");
+        if !pipe.is_first() {
+            let params = crate::checkpoint::safetensors_bytes(&self.model.params)?;
+            let state = crate::checkpoint::safetensors_bytes(&opt)?;
+            let g = self.collective.pipeline_group()?;
+            send_bytes(g, &params, 0)?;
+            send_bytes(g, &state, 0)?;
+            return Ok(opt);
+        }
+        let mut all = opt;
+        for from in 1..pipe.stages {
+            let g = self.collective.pipeline_group()?;
+            let params = recv_bytes(g, from)?;
+            let state = recv_bytes(g, from)?;
+            let params = crate::checkpoint::tensors_of(&params, there)
+                .map_err(|e| Error::Schedule(format!("stage {from}'s parameters: {e}")))?;
+            let _guard = tch::no_grad_guard();
+            for (name, t) in params {
+                if let Some((_, mine)) = self.model.frozen.iter_mut().find(|(n, _)| *n == name) {
+                    mine.f_copy_(&t).ctx("gathering the stages' parameters")?;
+                }
+            }
+            let state = crate::checkpoint::tensors_of(&state, there)
+                .map_err(|e| Error::Schedule(format!("stage {from}'s optimizer state: {e}")))?;
+            // A tied embedding's state is on the first and the last stage
+            // alike (the same gradients, the same updates): kept once.
+            let have: HashSet<String> = all.iter().map(|(n, _)| n.clone()).collect();
+            all.extend(state.into_iter().filter(|(n, _)| !have.contains(n)));
+        }
+        Ok(all)
+    }
+
+    /// The optimizer state of this stage's parameters out of a whole
+    /// checkpoint's (`<param>.<state>` names).
+    pub(super) fn stage_optimizer_state(
+        &self,
+        saved: Vec<(String, Tensor)>,
+    ) -> Vec<(String, Tensor)> {
+        if self.pipe.is_none() {
+            return saved;
+        }
+        let mine: HashSet<&str> = self.model.params.iter().map(|(n, _)| n.as_str()).collect();
+        saved
+            .into_iter()
+            .filter(|(n, _)| n.rsplit_once('.').is_some_and(|(p, _)| mine.contains(p)))
+            .collect()
+    }
+}
+
+impl<C: Collective> Engine<C> {
+    /// The held-out split through the stages in chunks of `bs` rows: the
+    /// first stage reads the inputs, the last the targets and sums the
+    /// metrics, which every stage then takes from it.
+    pub(super) fn pipeline_eval(&mut self, bs: i64) -> Result<crate::objective::EvalSums> {
+        let pipe = self.pipe.clone().ok_or_else(|| {
+            Error::Schedule("a pipeline evaluation on a job without stages".into())
+        })?;
+        let Some(eval) = self.eval.take() else {
+            return Ok(Default::default());
+        };
+        let result = self.pipeline_eval_on(&pipe, eval.as_ref(), bs);
+        self.eval = Some(eval);
+        let sums = result?;
+        // The last stage's sums on every stage (exact: f64, and counts
+        // below 2^53).
+        let pick = |v: Vec<f64>| v.last().copied().unwrap_or(0.0);
+        let loss_sum = pick(self.pipeline_each(sums.loss_sum)?);
+        let count = pick(self.pipeline_each(sums.count as f64)?) as u64;
+        let correct = pick(self.pipeline_each(sums.correct as f64)?) as u64;
+        Ok(crate::objective::EvalSums {
+            loss_sum,
+            count,
+            correct,
+        })
+    }
+
+    fn pipeline_eval_on(
+        &mut self,
+        pipe: &Pipe,
+        eval: &dyn crate::source::DataSource,
+        bs: i64,
+    ) -> Result<crate::objective::EvalSums> {
+        let mut sums = crate::objective::EvalSums::default();
+        let n = eval.len() as i64;
+        let mut start = 0;
+        while start < n {
+            let len = bs.min(n - start);
+            let batch = if pipe.is_first() || pipe.is_last() {
+                Some(eval.range(start, len, self.device)?)
+            } else {
+                None
+            };
+            let x = match &batch {
+                Some(b) if pipe.is_first() => b.inputs.shallow_clone(),
+                _ => recv_with_shape(self.collective.pipeline_group()?, pipe.stage - 1)?,
+            };
+            let staged = self.model.staged().ok_or_else(|| {
+                Error::Schedule("this model does not run in pipeline stages".into())
+            })?;
+            let out = staged.stage_forward(&x, pipe.blocks.clone())?;
+            if pipe.is_last() {
+                let batch = batch
+                    .as_ref()
+                    .ok_or_else(|| Error::Schedule("the last stage reads its batch".into()))?;
+                let logits = match self.model.headed() {
+                    Some(h) => out
+                        .f_linear(h.head_weight(), None::<&Tensor>)
+                        .ctx("running the head")?,
+                    None => out,
+                };
+                sums.add(self.objective.evaluate(&logits, batch)?);
+            } else {
+                let g = self.collective.pipeline_group()?;
+                for (p, _keep) in send_with_shape(g, out, pipe.stage + 1)? {
+                    p.wait().map_err(group_err)?;
+                }
+            }
+            start += len;
+        }
+        Ok(sums)
+    }
+}

@@ -1,0 +1,238 @@
+//! Pipeline parallelism (issue 40): a model cut into stages over real
+//! `accrue-worker` processes (gloo point-to-point between the stages) ends
+//! where the same job on one process does, under 1F1B and GPipe alike.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use tch::Tensor;
+use tempfile::TempDir;
+
+fn mlp(schedule: &str, pipeline: u32, normalize: &str) -> String {
+    let workers = pipeline.max(1);
+    let parallel = if pipeline > 1 {
+        format!("[parallel]\npipeline = {pipeline}\nschedule = \"{schedule}\"\n")
+    } else {
+        String::new()
+    };
+    format!(
+        r#"
+name = "pp"
+seed = 21
+workers = {workers}
+max_steps = 6
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = [24, 16, 12]
+[data]
+kind = "synthetic"
+samples = 200
+eval_samples = 40
+shape = [10]
+classes = 5
+batch_size = 6
+[accumulation]
+steps = 4
+normalize = "{normalize}"
+[clipping]
+max_norm = 0.5
+[optimizer]
+kind = "adamw"
+lr = 0.01
+weight_decay = 0.01
+[comm]
+timeout_s = 20
+connect_timeout_s = 30
+{parallel}"#
+    )
+}
+
+/// The final checkpoint's model of `world` ranks running `text`, and
+/// rank 0's step reports.
+fn run(text: &str, world: usize, step: u64) -> (Vec<(String, Tensor)>, Vec<serde_json::Value>) {
+    let d = TempDir::new().unwrap();
+    let ranks = common::procs::run_ranks(d.path(), text, world, |_| {});
+    for r in &ranks {
+        assert!(
+            r.stderr().contains("pipeline stage"),
+            "rank {} ran no stage:\n{}",
+            r.rank,
+            r.stderr()
+        );
+    }
+    let p = d.path().join(format!("ckpt/step-{step}/model.safetensors"));
+    let mut m = Tensor::read_safetensors(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    m.sort_by(|a, b| a.0.cmp(&b.0));
+    (m, ranks[0].steps())
+}
+
+/// One process's final parameters and (loss, grad norm) per step.
+fn alone(text: &str) -> (Vec<(String, Tensor)>, Vec<(f64, f64)>) {
+    let d = TempDir::new().unwrap();
+    let mut e = engine(spec(text), d.path());
+    let mut steps = Vec::new();
+    e.run(|ev| {
+        if let accrue_worker::Event::Step(r) = ev {
+            steps.push((r.loss, r.grad_norm));
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut m = snapshot(&e);
+    m.sort_by(|a, b| a.0.cmp(&b.0));
+    (m, steps)
+}
+
+/// Every step's loss and gradient norm as one process's, within 1e-6
+/// (they are not amplified by AdamW as the weights are).
+fn same_steps(got: &[serde_json::Value], want: &[(f64, f64)], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: steps");
+    for (i, (g, (loss, norm))) in got.iter().zip(want).enumerate() {
+        for (key, w) in [("loss", loss), ("grad_norm", norm)] {
+            let v = g[key].as_f64().unwrap();
+            assert!(
+                (v - w).abs() <= 1e-6 * w.abs().max(1.0),
+                "{what}, step {}: {key} {v} vs one process's {w}",
+                i + 1
+            );
+        }
+    }
+}
+
+#[test]
+fn mlp_in_two_stages_equals_one_process() {
+    for normalize in ["global_count", "mean"] {
+        let (want, want_steps) = alone(&mlp("1f1b", 1, normalize));
+        let (one_f, steps) = run(&mlp("1f1b", 2, normalize), 2, 6);
+        let (gpipe, _) = run(&mlp("gpipe", 2, normalize), 2, 6);
+        same_steps(&steps, &want_steps, normalize);
+        let d = max_rel_diff(&one_f, &want);
+        eprintln!("mlp, P = 2, {normalize}: against one process {d:e}");
+        assert!(d <= 1e-5, "{normalize}: differs from one process by {d:e}");
+        assert_eq!(max_rel_diff(&gpipe, &one_f), 0.0, "1F1B and GPipe differ");
+    }
+}
+
+fn llama(tokens: &Path, pipeline: u32, tied: bool, schedule: &str) -> String {
+    let parallel = if pipeline > 1 {
+        format!("[parallel]\npipeline = {pipeline}\nschedule = \"{schedule}\"\n")
+    } else {
+        String::new()
+    };
+    format!(
+        r#"
+name = "pp-lm"
+seed = 3
+workers = {workers}
+max_steps = 4
+device = "cpu"
+threads = 1
+[model]
+kind = "llama"
+vocab_size = 64
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = 4
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 16
+tie_word_embeddings = {tied}
+[data]
+kind = "tokens"
+path = "{path}"
+seq_len = 8
+batch_size = 2
+[accumulation]
+steps = 4
+[clipping]
+max_norm = 0.5
+[optimizer]
+kind = "adamw"
+lr = 0.01
+weight_decay = 0.1
+[comm]
+timeout_s = 20
+connect_timeout_s = 30
+{parallel}"#,
+        workers = pipeline.max(1),
+        path = tokens.display()
+    )
+}
+
+/// A Llama with GQA, tied and untied, in 2 and 4 stages (the embedding
+/// with the first layer, the final norm and head with the last; tied: the
+/// last stage's head is a copy of the embedding whose gradients are summed
+/// with the first stage's, counted once in the norm): the final weights
+/// of one process, within the rounding of summing the norm's squares in
+/// another order.
+#[test]
+fn llama_in_stages_equals_one_process() {
+    let d = TempDir::new().unwrap();
+    let tokens = token_file(d.path(), 4 * 4 * 2 * 8 + 1);
+    for tied in [false, true] {
+        let (want, want_steps) = alone(&llama(&tokens, 1, tied, "1f1b"));
+        for (stages, schedule) in [(2u32, "1f1b"), (4, "gpipe")] {
+            let (got, steps) = run(&llama(&tokens, stages, tied, schedule), stages as usize, 4);
+            same_steps(&steps, &want_steps, &format!("tied={tied}, P={stages}"));
+            let diff = max_rel_diff(&got, &want);
+            eprintln!("llama tied={tied}, P = {stages} ({schedule}): against one process {diff:e}");
+            assert!(diff <= 1e-5, "tied={tied}, P={stages}: differs by {diff:e}");
+        }
+    }
+}
+
+/// A pipeline checkpoint is one whole Hugging Face folder (the stages'
+/// parameters and optimizer state gathered by the first stage): a job
+/// stopped at step 2 at P = 2 goes on at P = 1, and one stopped at P = 1
+/// goes on at P = 2, each to the weights of the uninterrupted run.
+#[test]
+fn checkpoints_resume_across_pipeline_degrees() {
+    let d = TempDir::new().unwrap();
+    let tokens = token_file(d.path(), 4 * 4 * 2 * 8 + 1);
+    let text = |stages: u32, steps: u32| {
+        llama(&tokens, stages, true, "1f1b")
+            .replace("max_steps = 4", &format!("max_steps = {steps}"))
+    };
+    let (want, _) = alone(&text(1, 4));
+    // P = 2 for two steps, then P = 1.
+    let a = TempDir::new().unwrap();
+    common::procs::run_ranks(a.path(), &text(2, 2), 2, |_| {});
+    let mut e = accrue_worker::Engine::new(
+        spec(&text(1, 4)),
+        accrue_worker::collective::SingleRank,
+        accrue_worker::RunOptions {
+            checkpoint_dir: Some(a.path().join("ckpt")),
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(e.state().step, 2);
+    e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
+    let mut got = snapshot(&e);
+    got.sort_by(|x, y| x.0.cmp(&y.0));
+    let diff = max_rel_diff(&got, &want);
+    eprintln!("P = 2 then P = 1: against the uninterrupted run {diff:e}");
+    assert!(diff <= 1e-5, "P=2 -> P=1 differs by {diff:e}");
+    // P = 1 for two steps, then P = 2.
+    let b = TempDir::new().unwrap();
+    let mut first = accrue_worker::Engine::new(
+        spec(&text(1, 2)),
+        accrue_worker::collective::SingleRank,
+        accrue_worker::RunOptions {
+            checkpoint_dir: Some(b.path().join("ckpt")),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    first.run(|_| {}).unwrap();
+    drop(first);
+    common::procs::run_ranks_with(b.path(), &text(2, 4), 2, &["--resume"], |_| {});
+    let mut got = Tensor::read_safetensors(b.path().join("ckpt/step-4/model.safetensors")).unwrap();
+    got.sort_by(|x, y| x.0.cmp(&y.0));
+    let diff = max_rel_diff(&got, &want);
+    eprintln!("P = 1 then P = 2: against the uninterrupted run {diff:e}");
+    assert!(diff <= 1e-5, "P=1 -> P=2 differs by {diff:e}");
+}
