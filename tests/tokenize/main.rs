@@ -899,7 +899,7 @@ fn sample_is_forwarded_to_the_worker() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        err.contains("neither a step folder (no model.safetensors) nor a checkpoint folder"),
+        err.contains("neither a step folder (no model.safetensors or model.safetensors.index.json) nor a checkpoint folder"),
         "{err}"
     );
     let help = Command::new(env!("CARGO_BIN_EXE_accrue"))
