@@ -52,7 +52,7 @@ connect_timeout_s = 30
 
 /// The final checkpoint's model of `world` ranks running `text`, and
 /// rank 0's step reports.
-fn run(text: &str, world: usize, step: u64) -> (Vec<(String, Tensor)>, Vec<serde_json::Value>) {
+fn run(text: &str, world: usize, step: u64) -> (Named, Vec<serde_json::Value>) {
     let d = TempDir::new().unwrap();
     let ranks = common::procs::run_ranks(d.path(), text, world, |_| {});
     for r in &ranks {
@@ -69,8 +69,10 @@ fn run(text: &str, world: usize, step: u64) -> (Vec<(String, Tensor)>, Vec<serde
     (m, ranks[0].steps())
 }
 
+type Named = Vec<(String, Tensor)>;
+
 /// One process's final parameters and (loss, grad norm) per step.
-fn alone(text: &str) -> (Vec<(String, Tensor)>, Vec<(f64, f64)>) {
+fn alone(text: &str) -> (Named, Vec<(f64, f64)>) {
     let d = TempDir::new().unwrap();
     let mut e = engine(spec(text), d.path());
     let mut steps = Vec::new();
