@@ -449,7 +449,7 @@ impl JobSpec {
             );
         }
         if dims.pipeline > 1 {
-            self.validate_pipeline_scope(c, dims.pipeline, dims.data);
+            self.validate_pipeline_scope(c, dims.pipeline);
         }
         let replica = dims.replica();
         for (field, bound) in [
@@ -546,23 +546,13 @@ impl JobSpec {
         }
     }
 
-    /// What the pipeline engine runs so far (issue 40, first part): one
-    /// replica, fp32, the whole optimizer state on each stage, gradients
-    /// reduced at the window's end, rows unpacked, a fixed world. Each
-    /// refusal names what is not built yet.
-    fn validate_pipeline_scope(&self, c: &mut Checker, stages: u32, data: u32) {
+    /// What the pipeline engine runs so far (issue 40, first part): fp32,
+    /// the whole optimizer state on each stage, gradients reduced at the
+    /// window's end, rows unpacked, a fixed world, the CPU. Each refusal
+    /// names what is not built yet.
+    fn validate_pipeline_scope(&self, c: &mut Checker, stages: u32) {
         let later =
             |what: &str| format!("{what} with parallel.pipeline = {stages} is not built yet");
-        if data > 1 {
-            c.fail(
-                "parallel.data",
-                data,
-                format!(
-                    "must be 1: {} (workers = pipeline for now)",
-                    later("data parallelism")
-                ),
-            );
-        }
         if self.precision != Precision::Fp32 {
             c.fail(
                 "precision",

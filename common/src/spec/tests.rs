@@ -528,15 +528,26 @@ fn parallel_degrees_multiply_to_workers_and_split_models_wait() {
         e[0].to_string(),
         "parallel = {data = 3, pipeline = 1, tensor = 1}: data x pipeline x tensor = 3 must equal workers = 4"
     );
-    // An mlp of two layers (one hidden): two stages fit, four workers
-    // make two replicas, which the pipeline engine does not run yet.
+    // An mlp of two layers (one hidden): two stages fit, and four
+    // workers are two replicas of two stages.
     let two_layers = base.replace("kind = \"mlp\"\n", "kind = \"mlp\"\nhidden = [4]\n");
-    let e = invalid(&format!("{two_layers}[parallel]\npipeline = 2\n"));
-    assert_eq!(e.len(), 1, "{e:?}");
-    assert_eq!(e[0].field, "parallel.data");
+    let s = JobSpec::fields_from_toml_str(
+        &format!("{two_layers}[parallel]\npipeline = 2\n"),
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    assert_eq!(
+        s.parallel_dims().unwrap(),
+        ParallelDims {
+            data: 2,
+            pipeline: 2,
+            tensor: 1
+        }
+    );
+    let e = invalid(&format!("{two_layers}[parallel]\ntensor = 2\n"));
+    assert_eq!(e[0].field, "parallel.tensor");
     assert!(
-        e[0].allowed
-            .contains("data parallelism with parallel.pipeline = 2 is not built yet"),
+        e[0].allowed.contains("tensor parallelism is not built yet"),
         "{e:?}"
     );
     let e = invalid(&format!("{base}[parallel]\ntensor = 3\n"));

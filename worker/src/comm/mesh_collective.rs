@@ -118,6 +118,25 @@ impl Staged {
     }
 }
 
+/// `root`'s bytes into every member's `buf` over `g`: the length, then the
+/// bytes in i64 words (a group carries f32, bf16, f16 and i64).
+fn bytes_over(g: &mut dyn Group, buf: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError> {
+    let torch = |e: tch::TchError| CollectiveError::Transport(Box::new(e));
+    let len = Tensor::f_from_slice(&[buf.len() as i64]).map_err(torch)?;
+    g.broadcast(&len, root)?.wait()?;
+    let n = len.int64_value(&[0]).max(0) as usize;
+    let words = n.div_ceil(8);
+    let mut padded = std::mem::take(buf);
+    padded.resize(words * 8, 0);
+    let t = Tensor::f_from_data_size(&padded, &[words as i64], Kind::Int64).map_err(torch)?;
+    g.broadcast(&t, root)?.wait()?;
+    padded.resize(words * 8, 0);
+    t.f_copy_data_u8(&mut padded, words).map_err(torch)?;
+    padded.truncate(n);
+    *buf = padded;
+    Ok(())
+}
+
 fn sum(g: &mut dyn Group, buf: &mut [f32]) -> Result<(), CollectiveError> {
     // SAFETY: waited on before `buf` is released.
     let t = Staged::new(g, unsafe { over(buf)? })?;
@@ -161,9 +180,23 @@ impl Collective for MeshCollective {
         }
     }
     fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError> {
+        // Pipeline stages: the data axis is not the world (each stage's
+        // data ranks agree among themselves); its own group carries them.
+        if self.stages.is_some() {
+            if let Some(g) = self.data_group()? {
+                return bytes_over(g, buf, root);
+            }
+        }
         Collective::broadcast_bytes(self.mesh()?.control(), buf, root)
     }
     fn barrier(&mut self) -> Result<(), CollectiveError> {
+        if self.stages.is_some() {
+            if let Some(g) = self.data_group()? {
+                let t = Tensor::f_zeros([1], (Kind::Int64, Device::Cpu))
+                    .map_err(|e| CollectiveError::Transport(Box::new(e)))?;
+                return Ok(g.all_reduce(&t, ReduceOp::Sum)?.wait()?);
+            }
+        }
         Collective::barrier(self.mesh()?.control())
     }
     fn all_reduce_buckets<E>(

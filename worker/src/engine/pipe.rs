@@ -458,6 +458,10 @@ impl<C: Collective> Engine<C> {
         let Some(pipe) = self.pipe.clone() else {
             return Ok(opt);
         };
+        // The writer's replica gathers; the others hold the same state.
+        if self.collective.rank() != 0 {
+            return Ok(opt);
+        }
         let there = std::path::Path::new("(another pipeline stage)");
         if !pipe.is_first() {
             let params = crate::checkpoint::safetensors_bytes(&self.model.params)?;
