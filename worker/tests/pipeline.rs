@@ -9,13 +9,18 @@ use std::path::Path;
 use tch::Tensor;
 use tempfile::TempDir;
 
-fn mlp(schedule: &str, pipeline: u32, normalize: &str) -> String {
-    let workers = pipeline.max(1);
-    let parallel = if pipeline > 1 {
+/// The `[parallel]` section of `pipeline` stages (none for one).
+fn parallel(pipeline: u32, schedule: &str) -> String {
+    if pipeline > 1 {
         format!("[parallel]\npipeline = {pipeline}\nschedule = \"{schedule}\"\n")
     } else {
         String::new()
-    };
+    }
+}
+
+fn mlp(schedule: &str, pipeline: u32, normalize: &str) -> String {
+    let workers = pipeline.max(1);
+    let parallel = parallel(pipeline, schedule);
     format!(
         r#"
 name = "pp"
@@ -63,10 +68,15 @@ fn run(text: &str, world: usize, step: u64) -> (Named, Vec<serde_json::Value>) {
             r.stderr()
         );
     }
-    let p = d.path().join(format!("ckpt/step-{step}/model.safetensors"));
+    (model_at(d.path(), step), ranks[0].steps())
+}
+
+/// Step `step`'s model in `dir/ckpt`, by name.
+fn model_at(dir: &Path, step: u64) -> Named {
+    let p = dir.join(format!("ckpt/step-{step}/model.safetensors"));
     let mut m = Tensor::read_safetensors(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     m.sort_by(|a, b| a.0.cmp(&b.0));
-    (m, ranks[0].steps())
+    m
 }
 
 type Named = Vec<(String, Tensor)>;
@@ -118,11 +128,7 @@ fn mlp_in_two_stages_equals_one_process() {
 }
 
 fn llama(tokens: &Path, pipeline: u32, tied: bool, schedule: &str) -> String {
-    let parallel = if pipeline > 1 {
-        format!("[parallel]\npipeline = {pipeline}\nschedule = \"{schedule}\"\n")
-    } else {
-        String::new()
-    };
+    let parallel = parallel(pipeline, schedule);
     format!(
         r#"
 name = "pp-lm"
@@ -185,6 +191,24 @@ fn llama_in_stages_equals_one_process() {
     }
 }
 
+/// One process on `dir/ckpt`, resuming from it when `resume`.
+fn one_process(
+    text: &str,
+    dir: &Path,
+    resume: bool,
+) -> accrue_worker::Engine<accrue_worker::collective::SingleRank> {
+    accrue_worker::Engine::new(
+        spec(text),
+        accrue_worker::collective::SingleRank,
+        accrue_worker::RunOptions {
+            checkpoint_dir: Some(dir.join("ckpt")),
+            resume,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// A pipeline checkpoint is one whole Hugging Face folder (the stages'
 /// parameters and optimizer state gathered by the first stage): a job
 /// stopped at step 2 at P = 2 goes on at P = 1, and one stopped at P = 1
@@ -201,16 +225,7 @@ fn checkpoints_resume_across_pipeline_degrees() {
     // P = 2 for two steps, then P = 1.
     let a = TempDir::new().unwrap();
     common::procs::run_ranks(a.path(), &text(2, 2), 2, |_| {});
-    let mut e = accrue_worker::Engine::new(
-        spec(&text(1, 4)),
-        accrue_worker::collective::SingleRank,
-        accrue_worker::RunOptions {
-            checkpoint_dir: Some(a.path().join("ckpt")),
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
+    let mut e = one_process(&text(1, 4), a.path(), true);
     assert_eq!(e.state().step, 2);
     e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
     let mut got = snapshot(&e);
@@ -220,20 +235,11 @@ fn checkpoints_resume_across_pipeline_degrees() {
     assert!(diff <= 1e-5, "P=2 -> P=1 differs by {diff:e}");
     // P = 1 for two steps, then P = 2.
     let b = TempDir::new().unwrap();
-    let mut first = accrue_worker::Engine::new(
-        spec(&text(1, 2)),
-        accrue_worker::collective::SingleRank,
-        accrue_worker::RunOptions {
-            checkpoint_dir: Some(b.path().join("ckpt")),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    first.run(|_| {}).unwrap();
-    drop(first);
+    one_process(&text(1, 2), b.path(), false)
+        .run(|_| {})
+        .unwrap_or_else(|e| panic!("{e}"));
     common::procs::run_ranks_with(b.path(), &text(2, 4), 2, &["--resume"], |_| {});
-    let mut got = Tensor::read_safetensors(b.path().join("ckpt/step-4/model.safetensors")).unwrap();
-    got.sort_by(|x, y| x.0.cmp(&y.0));
+    let got = model_at(b.path(), 4);
     let diff = max_rel_diff(&got, &want);
     eprintln!("P = 1 then P = 2: against the uninterrupted run {diff:e}");
     assert!(diff <= 1e-5, "P=1 -> P=2 differs by {diff:e}");
@@ -261,9 +267,7 @@ fn llama_in_two_data_by_two_stages_equals_one_process() {
     let dp = TempDir::new().unwrap();
     let dp_text = llama(&tokens, 1, true, "1f1b").replace("workers = 1", "workers = 2");
     common::procs::run_ranks(dp.path(), &dp_text, 2, |_| {});
-    let mut data_parallel =
-        Tensor::read_safetensors(dp.path().join("ckpt/step-4/model.safetensors")).unwrap();
-    data_parallel.sort_by(|a, b| a.0.cmp(&b.0));
+    let data_parallel = model_at(dp.path(), 4);
     let floor = max_rel_diff(&data_parallel, &want);
     let diff = max_rel_diff(&got, &want);
     let vs_dp = max_rel_diff(&got, &data_parallel);

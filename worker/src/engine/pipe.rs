@@ -53,6 +53,14 @@ fn group_err(e: crate::comm::group::GroupError) -> Error {
     CollectiveError::from(e).into()
 }
 
+/// `t` summed over `g` in place (waited for).
+fn sum_over(g: &mut dyn Group, t: &Tensor) -> Result<()> {
+    g.all_reduce(t, ReduceOp::Sum)
+        .map_err(group_err)?
+        .wait()
+        .map_err(group_err)
+}
+
 /// The stage of `model` for `stage` of `stages`, and the parameter names
 /// it trains (its blocks', and the tied embedding on the last stage).
 pub(super) fn plan(
@@ -243,12 +251,7 @@ impl<C: Collective> Engine<C> {
                         let loss_sum = if summed && self.head_loss_applies() {
                             self.head_loss_of(&out, &batch, false)?
                         } else {
-                            let logits = match self.model.headed() {
-                                Some(h) => out
-                                    .f_linear(h.head_weight(), None::<&Tensor>)
-                                    .ctx("running the head")?,
-                                None => out,
-                            };
+                            let logits = self.stage_logits(out)?;
                             let loss = if summed {
                                 self.objective.loss(&logits, &batch)?.sum
                             } else {
@@ -312,6 +315,17 @@ impl<C: Collective> Engine<C> {
         self.sync_step()
     }
 
+    /// The model's output from the last stage's: a headed model's stage
+    /// ends at its features, the head makes the logits.
+    fn stage_logits(&self, out: Tensor) -> Result<Tensor> {
+        match self.model.headed() {
+            Some(h) => out
+                .f_linear(h.head_weight(), None::<&Tensor>)
+                .ctx("running the head"),
+            None => Ok(out),
+        }
+    }
+
     /// The sync step's tally summed over the stages (only the last stage
     /// counted terms; any stage may ask to stop or checkpoint).
     pub(super) fn pipeline_tally(&mut self, stats: &mut [f32]) -> Result<()> {
@@ -319,11 +333,7 @@ impl<C: Collective> Engine<C> {
             return Ok(());
         }
         let t = Tensor::f_from_slice(stats).ctx("summing the tally over the stages")?;
-        let g = self.collective.pipeline_group()?;
-        g.all_reduce(&t, ReduceOp::Sum)
-            .map_err(group_err)?
-            .wait()
-            .map_err(group_err)?;
+        sum_over(self.collective.pipeline_group()?, &t)?;
         let summed = Vec::<f32>::try_from(&t).ctx("summing the tally over the stages")?;
         stats.copy_from_slice(&summed);
         Ok(())
@@ -352,11 +362,7 @@ impl<C: Collective> Engine<C> {
                 p.f_zeros_like().ctx("summing the tied embedding")?
             }
         };
-        let g = self.collective.pipeline_group()?;
-        g.all_reduce(&t, ReduceOp::Sum)
-            .map_err(group_err)?
-            .wait()
-            .map_err(group_err)
+        sum_over(self.collective.pipeline_group()?, &t)
     }
 
     /// The whole model's gradient norm from this stage's: squares summed
@@ -396,11 +402,7 @@ impl<C: Collective> Engine<C> {
         let mut slots = vec![0i64; pipe.stages];
         slots[pipe.stage] = mine.to_bits() as i64;
         let t = Tensor::f_from_slice(&slots).ctx("gathering over the stages")?;
-        let g = self.collective.pipeline_group()?;
-        g.all_reduce(&t, ReduceOp::Sum)
-            .map_err(group_err)?
-            .wait()
-            .map_err(group_err)?;
+        sum_over(self.collective.pipeline_group()?, &t)?;
         let back = Vec::<i64>::try_from(&t).ctx("gathering over the stages")?;
         Ok(back.into_iter().map(|b| f64::from_bits(b as u64)).collect())
     }
@@ -566,12 +568,7 @@ impl<C: Collective> Engine<C> {
                 let batch = batch
                     .as_ref()
                     .ok_or_else(|| Error::Schedule("the last stage reads its batch".into()))?;
-                let logits = match self.model.headed() {
-                    Some(h) => out
-                        .f_linear(h.head_weight(), None::<&Tensor>)
-                        .ctx("running the head")?,
-                    None => out,
-                };
+                let logits = self.stage_logits(out)?;
                 sums.add(self.objective.evaluate(&logits, batch)?);
             } else {
                 let g = self.collective.pipeline_group()?;
