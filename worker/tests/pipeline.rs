@@ -81,14 +81,17 @@ fn model_at(dir: &Path, step: u64) -> Named {
 
 type Named = Vec<(String, Tensor)>;
 
-/// One process's final parameters and (loss, grad norm) per step.
-fn alone(text: &str) -> (Named, Vec<(f64, f64)>) {
+/// One step's loss, gradient norm and whether it was skipped.
+type Step = (f64, f64, bool);
+
+/// One process's final parameters and its steps.
+fn alone(text: &str) -> (Named, Vec<Step>) {
     let d = TempDir::new().unwrap();
     let mut e = engine(spec(text), d.path());
     let mut steps = Vec::new();
     e.run(|ev| {
         if let accrue_worker::Event::Step(r) = ev {
-            steps.push((r.loss, r.grad_norm));
+            steps.push((r.loss, r.grad_norm, r.skipped));
         }
     })
     .unwrap_or_else(|e| panic!("{e}"));
@@ -98,14 +101,36 @@ fn alone(text: &str) -> (Named, Vec<(f64, f64)>) {
 }
 
 /// Every step's loss and gradient norm as one process's, within 1e-6
-/// (they are not amplified by AdamW as the weights are).
-fn same_steps(got: &[serde_json::Value], want: &[(f64, f64)], what: &str) {
+/// (they are not amplified by AdamW as the weights are), and the same
+/// steps skipped.
+fn same_steps(got: &[serde_json::Value], want: &[Step], what: &str) {
+    same_steps_within(got, want, what, 1e-6)
+}
+
+/// [`same_steps`] within `tol` (relative).
+fn same_steps_within(got: &[serde_json::Value], want: &[Step], what: &str, tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: steps");
-    for (i, (g, (loss, norm))) in got.iter().zip(want).enumerate() {
+    for (i, (g, (loss, norm, skipped))) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            g["skipped"].as_bool(),
+            Some(*skipped),
+            "{what}, step {}: skipped",
+            i + 1
+        );
         for (key, w) in [("loss", loss), ("grad_norm", norm)] {
-            let v = g[key].as_f64().unwrap();
+            let v = g[key].as_f64();
+            if !w.is_finite() {
+                // A skipped fp16 step's norm: not finite on both sides.
+                assert!(
+                    v.is_none_or(|v| !v.is_finite()),
+                    "{what}, step {}: {key} {v:?}",
+                    i + 1
+                );
+                continue;
+            }
+            let v = v.unwrap_or_else(|| panic!("{what}, step {}: no {key} in {g}", i + 1));
             assert!(
-                (v - w).abs() <= 1e-6 * w.abs().max(1.0),
+                (v - w).abs() <= tol * w.abs().max(1.0),
                 "{what}, step {}: {key} {v} vs one process's {w}",
                 i + 1
             );
@@ -279,4 +304,54 @@ fn llama_in_two_data_by_two_stages_equals_one_process() {
         diff <= 1e-5_f64.max(4.0 * floor),
         "2 x 2 differs from one process by {diff:e}, data parallelism alone by {floor:e}"
     );
+}
+
+/// Mixed precision in stages: a Llama under bf16 autocast, and an mlp under
+/// fp16 with a loss scale that overflows at first, so the scaler's skips
+/// must agree on every stage (one norm, one decision). Every step's skip
+/// as one process's, its loss and norm within 1e-5 (the amp tests' bar);
+/// the weights within 1e-3 (each forward
+/// casts the fp32 master weights again, so a last-bit difference can move
+/// a half-precision weight by one unit: tests/lm_training's bar).
+#[test]
+fn mixed_precision_in_stages_equals_one_process() {
+    let d = TempDir::new().unwrap();
+    let tokens = token_file(d.path(), 4 * 4 * 2 * 8 + 1);
+    let bf16 = |stages| {
+        format!(
+            "precision = \"bf16\"\n{}",
+            llama(&tokens, stages, true, "1f1b")
+        )
+    };
+    let (want, want_steps) = alone(&bf16(1));
+    let (got, steps) = run(&bf16(2), 2, 4);
+    same_steps_within(&steps, &want_steps, "bf16", 1e-5);
+    let diff = max_rel_diff(&got, &want);
+    eprintln!("llama bf16, P = 2: against one process {diff:e}");
+    assert!(diff <= 1e-3, "bf16 differs by {diff:e}");
+
+    let fp16 = |stages| {
+        format!(
+            "precision = \"fp16\"\n{}[loss_scaling]\ninit_scale = 1e12\nbackoff_factor = 1e-4\ngrowth_interval = 2\n",
+            mlp("1f1b", stages, "global_count")
+        )
+    };
+    let (want, want_steps) = alone(&fp16(1));
+    assert!(
+        want_steps.iter().any(|s| s.2),
+        "no fp16 step was skipped: {want_steps:?}"
+    );
+    assert!(
+        want_steps.iter().any(|s| !s.2),
+        "every fp16 step was skipped"
+    );
+    eprintln!(
+        "fp16 steps skipped: {:?}",
+        want_steps.iter().map(|s| s.2).collect::<Vec<_>>()
+    );
+    let (got, steps) = run(&fp16(2), 2, 6);
+    same_steps_within(&steps, &want_steps, "fp16", 1e-5);
+    let diff = max_rel_diff(&got, &want);
+    eprintln!("mlp fp16, P = 2: against one process {diff:e}");
+    assert!(diff <= 1e-3, "fp16 differs by {diff:e}");
 }

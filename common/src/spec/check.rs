@@ -546,20 +546,13 @@ impl JobSpec {
         }
     }
 
-    /// What the pipeline engine runs so far (issue 40, first part): fp32,
-    /// the whole optimizer state on each stage, gradients reduced at the
+    /// What the pipeline engine runs so far (issue 40, first part): the
+    /// whole optimizer state on each stage, gradients reduced at the
     /// window's end, rows unpacked, a fixed world, the CPU. Each refusal
     /// names what is not built yet.
     fn validate_pipeline_scope(&self, c: &mut Checker, stages: u32) {
         let later =
             |what: &str| format!("{what} with parallel.pipeline = {stages} is not built yet");
-        if self.precision != Precision::Fp32 {
-            c.fail(
-                "precision",
-                self.precision.as_str(),
-                later("mixed precision"),
-            );
-        }
         if self.sharding.stage > 0 {
             c.fail("sharding.stage", self.sharding.stage, later("ZeRO"));
         }

@@ -675,13 +675,13 @@ fn pipeline_fields_fit_the_model() {
     assert_eq!(s.parallel.layers_per_stage, Some(vec![1, 2]));
     // What the pipeline engine does not run yet, each by name.
     let e = invalid(&format!(
-        "precision = \"bf16\"\n{}",
+        "device = \"cuda:0\"\n{}",
         mlp("pipeline = 2\n").replace("[data]", "[sharding]\nstage = 1\n[data]")
     ));
-    assert_eq!(fields(&e), ["precision", "sharding.stage"], "{e:?}");
+    assert_eq!(fields(&e), ["sharding.stage", "device"], "{e:?}");
     assert!(e[0]
         .allowed
-        .contains("mixed precision with parallel.pipeline = 2 is not built yet"));
+        .contains("ZeRO with parallel.pipeline = 2 is not built yet"));
     // More stages than layers; a family that has no stages.
     let e = invalid(
         &mlp("pipeline = 2\n")

@@ -155,12 +155,31 @@ struct InFlight {
 /// A posted send and the tensor it reads, kept alive until it is done.
 type Posted = (Pending, Tensor);
 
-/// Posts `t` to stage `to` with its shape first.
+/// The header's code of an activation's type (the forward's: fp32, or
+/// bf16 and fp16 where autocast leaves them so).
+fn kind_code(kind: Kind) -> i64 {
+    match kind {
+        Kind::BFloat16 => 1,
+        Kind::Half => 2,
+        _ => 0,
+    }
+}
+
+fn code_kind(code: i64) -> Kind {
+    match code {
+        1 => Kind::BFloat16,
+        2 => Kind::Half,
+        _ => Kind::Float,
+    }
+}
+
+/// Posts `t` to stage `to` with its shape and type first.
 fn send_with_shape(g: &mut dyn Group, t: Tensor, to: usize) -> Result<Vec<Posted>> {
     let size = t.size();
     let mut header = vec![size.len() as i64];
     header.extend(size.iter().copied());
     header.resize(5, 0);
+    header.push(kind_code(t.kind()));
     let h = Tensor::f_from_slice(&header).ctx("sending an activation")?;
     let a = g.send(&h, to).map_err(group_err)?;
     let b = g.send(&t, to).map_err(group_err)?;
@@ -169,7 +188,7 @@ fn send_with_shape(g: &mut dyn Group, t: Tensor, to: usize) -> Result<Vec<Posted
 
 /// Receives a tensor [`send_with_shape`] sent from stage `from`.
 fn recv_with_shape(g: &mut dyn Group, from: usize) -> Result<Tensor> {
-    let h = Tensor::f_zeros([5], (Kind::Int64, tch::Device::Cpu)).ctx("receiving an activation")?;
+    let h = Tensor::f_zeros([6], (Kind::Int64, tch::Device::Cpu)).ctx("receiving an activation")?;
     g.recv(&h, from)
         .map_err(group_err)?
         .wait()
@@ -177,8 +196,8 @@ fn recv_with_shape(g: &mut dyn Group, from: usize) -> Result<Tensor> {
     let header = Vec::<i64>::try_from(&h).ctx("receiving an activation")?;
     let dims = header[0].clamp(0, 4) as usize;
     let shape = &header[1..1 + dims];
-    let t =
-        Tensor::f_zeros(shape, (Kind::Float, tch::Device::Cpu)).ctx("receiving an activation")?;
+    let t = Tensor::f_zeros(shape, (code_kind(header[5]), tch::Device::Cpu))
+        .ctx("receiving an activation")?;
     g.recv(&t, from)
         .map_err(group_err)?
         .wait()
@@ -237,6 +256,10 @@ impl<C: Collective> Engine<C> {
                         (None, Some(b)) => b.inputs.shallow_clone(),
                         (None, None) => unreachable!("the first stage reads its batch"),
                     };
+                    // precision = bf16 | fp16: the forward and the loss
+                    // under autocast, as one process's micro-step.
+                    let mut autocast =
+                        crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
                     let staged = self.model.staged().ok_or_else(|| {
                         Error::Schedule("this model does not run in pipeline stages".into())
                     })?;
@@ -257,7 +280,16 @@ impl<C: Collective> Engine<C> {
                             } else {
                                 self.objective.mean_loss(&logits, &batch)?
                             };
-                            loss.f_backward().ctx("running backward")?;
+                            drop(autocast.take());
+                            // fp16: the backward of loss * scale / k, as
+                            // GradScaler's scaler.scale(loss / k).
+                            match self.loss_scale() {
+                                Some(ls) => loss
+                                    .f_mul_scalar(f64::from(ls.scale) / self.plan.k as f64)
+                                    .and_then(|l| l.f_backward()),
+                                None => loss.f_backward(),
+                            }
+                            .ctx("running backward")?;
                             if summed {
                                 loss.f_detach()
                             } else {
@@ -271,6 +303,7 @@ impl<C: Collective> Engine<C> {
                         self.window.batches += 1;
                         None
                     } else {
+                        drop(autocast);
                         let g = self.collective.pipeline_group()?;
                         let detached = out.f_detach().ctx("sending an activation")?;
                         sends.extend(send_with_shape(g, detached, pipe.stage + 1)?);
@@ -319,8 +352,17 @@ impl<C: Collective> Engine<C> {
     /// ends at its features, the head makes the logits.
     fn stage_logits(&self, out: Tensor) -> Result<Tensor> {
         match self.model.headed() {
+            // fp32 logits whatever the autocast type, as the whole model's
+            // head gives them.
             Some(h) => out
                 .f_linear(h.head_weight(), None::<&Tensor>)
+                .and_then(|l| {
+                    if l.kind() == Kind::Float {
+                        Ok(l)
+                    } else {
+                        l.f_to_kind(Kind::Float)
+                    }
+                })
                 .ctx("running the head"),
             None => Ok(out),
         }
