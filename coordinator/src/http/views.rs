@@ -39,7 +39,7 @@ pub fn job_json(j: &Job) -> Value {
             "epoch": c.epoch, "samples_seen": c.samples_seen, "skipped_steps": c.skipped_steps,
             "loss": c.loss, "grad_norm": c.grad_norm, "clip_coef": c.clip_coef, "lr": c.lr,
             "samples_per_sec": c.samples_per_sec, "bytes_sent": c.bytes_sent, "loss_scale": c.loss_scale,
-            "timing": {"compute_s": t.compute_s, "comm_s": t.comm_s, "clip_s": t.clip_s, "optimizer_s": t.optimizer_s},
+            "timing": {"compute_s": t.compute_s, "comm_s": t.comm_s, "clip_s": t.clip_s, "optimizer_s": t.optimizer_s, "bubble_s": t.bubble_s, "transfer_s": t.transfer_s},
         },
         "eval": j.eval.as_ref().map(|e| json!({"epoch": e.epoch, "step": e.step, "loss": e.loss, "accuracy": e.accuracy, "samples": e.samples})),
         "checkpoint": j.checkpoint,

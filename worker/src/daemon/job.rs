@@ -44,6 +44,8 @@ pub(super) fn step_msg(job: &str, generation: u64, rank: u32, r: &StepReport) ->
             comm_s: r.timing.comm_s,
             clip_s: r.timing.clip_s,
             optimizer_s: r.timing.optimizer_s,
+            bubble_s: r.timing.bubble_s,
+            transfer_s: r.timing.transfer_s,
         }),
         bytes_sent: r.bytes_sent,
         bytes_received: r.bytes_received,

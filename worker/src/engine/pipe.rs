@@ -23,7 +23,7 @@ use crate::comm::group::{Group, Pending, ReduceOp};
 use crate::error::{Error, Result, TorchContext};
 use std::collections::HashSet;
 use std::ops::Range;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
 
 /// This rank's place in the pipeline.
@@ -230,6 +230,7 @@ impl<C: Collective> Engine<C> {
         let ops = stage_ops(pipe.schedule, pipe.stage, pipe.stages, micros.len());
         let mut flight: Vec<Option<InFlight>> = (0..micros.len()).map(|_| None).collect();
         let mut sends: Vec<Posted> = Vec::new();
+        let (mut bubble, mut transfer) = (Duration::ZERO, Duration::ZERO);
         let summed = self.spec.accumulation.normalize == crate::spec::Normalize::GlobalCount;
         for op in ops {
             match op {
@@ -247,8 +248,10 @@ impl<C: Collective> Engine<C> {
                     let input = if pipe.is_first() {
                         None
                     } else {
+                        let t = Instant::now();
                         let g = self.collective.pipeline_group()?;
                         let x = recv_with_shape(g, pipe.stage - 1)?;
+                        bubble += t.elapsed();
                         Some(x.set_requires_grad(true))
                     };
                     let x = match (&input, &batch) {
@@ -304,9 +307,11 @@ impl<C: Collective> Engine<C> {
                         None
                     } else {
                         drop(autocast);
+                        let t = Instant::now();
                         let g = self.collective.pipeline_group()?;
                         let detached = out.f_detach().ctx("sending an activation")?;
                         sends.extend(send_with_shape(g, detached, pipe.stage + 1)?);
+                        transfer += t.elapsed();
                         Some(out)
                     };
                     flight[micro] = Some(InFlight { input, output });
@@ -318,11 +323,13 @@ impl<C: Collective> Engine<C> {
                     // The last stage's backward ran with its forward.
                     if let Some(output) = &f.output {
                         let grad = output.f_zeros_like().ctx("receiving a gradient")?;
+                        let t = Instant::now();
                         let g = self.collective.pipeline_group()?;
                         g.recv(&grad, pipe.stage + 1)
                             .map_err(group_err)?
                             .wait()
                             .map_err(group_err)?;
+                        bubble += t.elapsed();
                         // backward(grad): the backward of sum(output * grad),
                         // whose gradient at the output is `grad` exactly.
                         output
@@ -332,19 +339,25 @@ impl<C: Collective> Engine<C> {
                             .ctx("running backward")?;
                     }
                     if let Some(x) = f.input {
+                        let t = Instant::now();
                         let g_in = x.grad();
                         let g = self.collective.pipeline_group()?;
                         sends.push((g.send(&g_in, pipe.stage - 1).map_err(group_err)?, g_in));
+                        transfer += t.elapsed();
                     }
                 }
             }
         }
+        let t = Instant::now();
         for (s, _keep) in sends {
             s.wait().map_err(group_err)?;
         }
+        transfer += t.elapsed();
         self.window.micro += micros.len();
         self.state.micro_step += micros.len() as u64;
-        self.window.compute += started.elapsed();
+        self.window.bubble += bubble;
+        self.window.transfer += transfer;
+        self.window.compute += started.elapsed().saturating_sub(bubble + transfer);
         self.sync_step()
     }
 

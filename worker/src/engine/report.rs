@@ -12,6 +12,12 @@ pub struct Timing {
     pub comm_s: f64,
     pub clip_s: f64,
     pub optimizer_s: f64,
+    /// A pipeline stage (issue 40): the window's time waiting for the
+    /// neighbouring stages' activations and gradients (the bubble), and
+    /// posting its own and waiting for them to be taken (transfer). Not
+    /// in `compute_s`; 0 without stages.
+    pub bubble_s: f64,
+    pub transfer_s: f64,
 }
 
 /// What one committed optimizer step did.

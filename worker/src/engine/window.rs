@@ -33,6 +33,10 @@ pub(super) struct Window {
     pub(super) started: Option<Instant>,
     pub(super) compute: Duration,
     pub(super) comm: Duration,
+    /// A pipeline stage's waits for its neighbours, and its sends
+    /// (engine/pipe.rs); not in `compute`.
+    pub(super) bubble: Duration,
+    pub(super) transfer: Duration,
     /// Collective byte counters when the window started.
     pub(super) bytes_at_start: (u64, u64),
     /// With a sample log: the data set indices this rank's reads fetched in

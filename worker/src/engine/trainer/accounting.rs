@@ -71,6 +71,8 @@ impl<C: Collective> Engine<C> {
                 comm_s: o.comm.as_secs_f64(),
                 clip_s: o.clip.as_secs_f64(),
                 optimizer_s: o.optimizer.as_secs_f64(),
+                bubble_s: window.bubble.as_secs_f64(),
+                transfer_s: window.transfer.as_secs_f64(),
             },
             bytes_sent: sent - window.bytes_at_start.0,
             bytes_received: received - window.bytes_at_start.1,
