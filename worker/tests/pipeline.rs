@@ -152,9 +152,12 @@ fn mlp_in_two_stages_equals_one_process() {
             assert!(t["bubble_s"].as_f64().unwrap() > 0.0, "no bubble in {t}");
             assert!(t["transfer_s"].as_f64().unwrap() >= 0.0, "{t}");
         }
-        let d = max_rel_diff(&one_f, &want);
-        eprintln!("mlp, P = 2, {normalize}: against one process {d:e}");
-        assert!(d <= 1e-5, "{normalize}: differs from one process by {d:e}");
+        within(
+            &one_f,
+            &want,
+            1e-5,
+            &format!("mlp, P = 2, {normalize}: against one process"),
+        );
         assert_eq!(max_rel_diff(&gpipe, &one_f), 0.0, "1F1B and GPipe differ");
     }
 }
@@ -216,9 +219,12 @@ fn llama_in_stages_equals_one_process() {
         for (stages, schedule) in [(2u32, "1f1b"), (4, "gpipe")] {
             let (got, steps) = run(&llama(&tokens, stages, tied, schedule), stages as usize, 4);
             same_steps(&steps, &want_steps, &format!("tied={tied}, P={stages}"));
-            let diff = max_rel_diff(&got, &want);
-            eprintln!("llama tied={tied}, P = {stages} ({schedule}): against one process {diff:e}");
-            assert!(diff <= 1e-5, "tied={tied}, P={stages}: differs by {diff:e}");
+            within(
+                &got,
+                &want,
+                1e-5,
+                &format!("llama tied={tied}, P = {stages} ({schedule}): against one process"),
+            );
         }
     }
 }
@@ -262,9 +268,12 @@ fn checkpoints_resume_across_pipeline_degrees() {
     e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
     let mut got = snapshot(&e);
     got.sort_by(|x, y| x.0.cmp(&y.0));
-    let diff = max_rel_diff(&got, &want);
-    eprintln!("P = 2 then P = 1: against the uninterrupted run {diff:e}");
-    assert!(diff <= 1e-5, "P=2 -> P=1 differs by {diff:e}");
+    within(
+        &got,
+        &want,
+        1e-5,
+        "P = 2 then P = 1: against the uninterrupted run",
+    );
     // P = 1 for two steps, then P = 2.
     let b = TempDir::new().unwrap();
     one_process(&text(1, 2), b.path(), false)
@@ -272,9 +281,12 @@ fn checkpoints_resume_across_pipeline_degrees() {
         .unwrap_or_else(|e| panic!("{e}"));
     common::procs::run_ranks_with(b.path(), &text(2, 4), 2, &["--resume"], |_| {});
     let got = model_at(b.path(), 4);
-    let diff = max_rel_diff(&got, &want);
-    eprintln!("P = 1 then P = 2: against the uninterrupted run {diff:e}");
-    assert!(diff <= 1e-5, "P=1 -> P=2 differs by {diff:e}");
+    within(
+        &got,
+        &want,
+        1e-5,
+        "P = 1 then P = 2: against the uninterrupted run",
+    );
 }
 
 /// Two replicas of two stages (W = 4): each stage's gradients summed over
@@ -333,9 +345,7 @@ fn mixed_precision_in_stages_equals_one_process() {
     let (want, want_steps) = alone(&bf16(1));
     let (got, steps) = run(&bf16(2), 2, 4);
     same_steps_within(&steps, &want_steps, "bf16", 1e-5);
-    let diff = max_rel_diff(&got, &want);
-    eprintln!("llama bf16, P = 2: against one process {diff:e}");
-    assert!(diff <= 1e-3, "bf16 differs by {diff:e}");
+    within(&got, &want, 1e-3, "llama bf16, P = 2: against one process");
 
     let fp16 = |stages| {
         format!(
@@ -358,9 +368,7 @@ fn mixed_precision_in_stages_equals_one_process() {
     );
     let (got, steps) = run(&fp16(2), 2, 6);
     same_steps_within(&steps, &want_steps, "fp16", 1e-5);
-    let diff = max_rel_diff(&got, &want);
-    eprintln!("mlp fp16, P = 2: against one process {diff:e}");
-    assert!(diff <= 1e-3, "fp16 differs by {diff:e}");
+    within(&got, &want, 1e-3, "mlp fp16, P = 2: against one process");
 }
 
 /// Rows of uneven length with masked prompts and one fully masked row, in
@@ -431,9 +439,21 @@ fn uneven_masked_rows_and_an_empty_micro_batch_in_stages() {
             );
         }
     }
-    let diff = max_rel_diff(&got, &model_at(dp.path(), 4));
-    eprintln!("uneven rows, 2 x 2 against data parallelism alone: {diff:e}");
-    assert!(diff <= 1e-6, "differs by {diff:e}");
+    within(
+        &got,
+        &model_at(dp.path(), 4),
+        1e-6,
+        "uneven rows, 2 x 2 against data parallelism alone",
+    );
+}
+
+/// The largest relative difference of `got` from `want`, printed with
+/// `what` and required to be at most `bar`.
+fn within(got: &Named, want: &Named, bar: f64, what: &str) -> f64 {
+    let d = max_rel_diff(got, want);
+    eprintln!("{what}: {d:e}");
+    assert!(d <= bar, "{what}: differs by {d:e} (at most {bar:e})");
+    d
 }
 
 /// A tokens path the sequences test replaces.
