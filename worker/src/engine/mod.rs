@@ -166,7 +166,7 @@ impl<C: Collective> Engine<C> {
         let pipe = match stages {
             Some((stage, n)) => {
                 let (p, names) = pipe::plan(&spec, &model, stage, n)?;
-                model.restrict(&names);
+                model.restrict(&names)?;
                 tracing::info!(stage, stages = n, blocks = ?p.blocks, params = model.params.len(), "pipeline stage");
                 Some(p)
             }

@@ -21,6 +21,7 @@ use super::{Engine, StepReport};
 use crate::collective::{Collective, CollectiveError};
 use crate::comm::group::{Group, Pending, ReduceOp};
 use crate::error::{Error, Result, TorchContext};
+use crate::family::Named;
 use std::collections::HashSet;
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -408,13 +409,14 @@ impl<C: Collective> Engine<C> {
             Some((_, p)) => p.grad(),
             // A middle stage takes part with zeros.
             None => {
-                let (_, p) = self
+                let (_, shape) = self
                     .model
                     .frozen
                     .iter()
                     .find(|(n, _)| *n == name)
                     .ok_or_else(|| Error::Schedule(format!("no tied parameter {name}")))?;
-                p.f_zeros_like().ctx("summing the tied embedding")?
+                Tensor::f_zeros(shape.as_slice(), (Kind::Float, self.device))
+                    .ctx("summing the tied embedding")?
             }
         };
         sum_over(self.collective.pipeline_group()?, &t)
@@ -506,18 +508,18 @@ fn recv_bytes(g: &mut dyn Group, from: usize) -> Result<Vec<u8>> {
 impl<C: Collective> Engine<C> {
     /// A checkpoint of a pipeline job: every stage but the first sends
     /// its parameters and optimizer state to the first (the writer), which
-    /// copies the parameters into its frozen copies and returns the whole
-    /// optimizer state; the others return theirs unchanged.
+    /// returns the whole model (in block order) and the whole optimizer
+    /// state; the others return no model and their state unchanged.
     pub(super) fn pipeline_gather(
         &mut self,
         opt: Vec<(String, Tensor)>,
-    ) -> Result<Vec<(String, Tensor)>> {
+    ) -> Result<(Option<Named>, Named)> {
         let Some(pipe) = self.pipe.clone() else {
-            return Ok(opt);
+            return Ok((None, opt));
         };
         // The writer's replica gathers; the others hold the same state.
         if self.collective.rank() != 0 {
-            return Ok(opt);
+            return Ok((None, opt));
         }
         let there = std::path::Path::new("(another pipeline stage)");
         if !pipe.is_first() {
@@ -526,8 +528,9 @@ impl<C: Collective> Engine<C> {
             let g = self.collective.pipeline_group()?;
             send_bytes(g, &params, 0)?;
             send_bytes(g, &state, 0)?;
-            return Ok(opt);
+            return Ok((None, opt));
         }
+        let mut model = self.model_state();
         let mut all = opt;
         for from in 1..pipe.stages {
             let g = self.collective.pipeline_group()?;
@@ -535,12 +538,22 @@ impl<C: Collective> Engine<C> {
             let state = recv_bytes(g, from)?;
             let params = crate::checkpoint::tensors_of(&params, there)
                 .map_err(|e| Error::Schedule(format!("stage {from}'s parameters: {e}")))?;
-            let _guard = tch::no_grad_guard();
-            for (name, t) in params {
-                if let Some((_, mine)) = self.model.frozen.iter_mut().find(|(n, _)| *n == name) {
-                    mine.f_copy_(&t).ctx("gathering the stages' parameters")?;
-                }
-            }
+            // In block order, as the model names them (a safetensors
+            // file's own order is not kept); a tied embedding once.
+            let held: HashSet<String> = model.iter().map(|(n, _)| n.clone()).collect();
+            let mut theirs: Vec<(String, Tensor)> = params
+                .into_iter()
+                .filter(|(n, _)| !held.contains(n))
+                .collect();
+            let order = |n: &str| {
+                self.model
+                    .frozen
+                    .iter()
+                    .position(|(f, _)| f == n)
+                    .unwrap_or(usize::MAX)
+            };
+            theirs.sort_by_key(|(n, _)| order(n));
+            model.extend(theirs);
             let state = crate::checkpoint::tensors_of(&state, there)
                 .map_err(|e| Error::Schedule(format!("stage {from}'s optimizer state: {e}")))?;
             // A tied embedding's state is on the first and the last stage
@@ -548,7 +561,7 @@ impl<C: Collective> Engine<C> {
             let have: HashSet<String> = all.iter().map(|(n, _)| n.clone()).collect();
             all.extend(state.into_iter().filter(|(n, _)| !have.contains(n)));
         }
-        Ok(all)
+        Ok((Some(model), all))
     }
 
     /// The optimizer state of this stage's parameters out of a whole

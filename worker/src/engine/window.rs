@@ -307,7 +307,10 @@ impl<C: Collective> Engine<C> {
         // the reduction: a window that commits has every rank's line, even
         // a rank killed right after it (a window that aborts leaves lines
         // too; its step is redone and the audit keeps the newest attempt).
-        if let Some(path) = self.opts.sample_log.clone() {
+        // Pipeline stages read the same indices: the first stage's line
+        // speaks for its data rank.
+        let logs = self.pipe.as_ref().is_none_or(|p| p.is_first());
+        if let Some(path) = self.opts.sample_log.clone().filter(|_| logs) {
             self.log_window(&path)?;
         }
         // 1. reduce the gradients over the data axis and the window's

@@ -117,9 +117,9 @@ pub struct Model {
     /// Trainable parameters, in creation order (the order buckets use).
     pub params: Named,
     /// Parameters another pipeline stage trains (issue 40,
-    /// [`Model::restrict`]): kept by name so that loading and checkpoints
-    /// see the whole model; no gradient, no optimizer state here.
-    pub frozen: Named,
+    /// [`Model::restrict`]): their names and shapes, so that loading checks
+    /// the whole model; their storage is released.
+    pub frozen: Vec<(String, Vec<i64>)>,
     /// Non-trainable state saved with the model (BatchNorm running stats).
     pub buffers: Named,
     pub kind: ModelKind,
@@ -306,25 +306,40 @@ impl Model {
 
     /// Parameters then buffers, by name.
     pub fn state(&self) -> impl Iterator<Item = &(String, Tensor)> {
+        self.params.iter().chain(self.buffers.iter())
+    }
+
+    /// Every tensor's name and shape: the state's and the frozen ones'.
+    fn shapes(&self) -> Vec<(&str, Vec<i64>)> {
         self.params
             .iter()
-            .chain(self.frozen.iter())
-            .chain(self.buffers.iter())
+            .map(|(n, t)| (n.as_str(), t.size()))
+            .chain(self.frozen.iter().map(|(n, s)| (n.as_str(), s.clone())))
+            .chain(self.buffers.iter().map(|(n, t)| (n.as_str(), t.size())))
+            .collect()
     }
 
     /// Keeps `names` as the trainable parameters (a pipeline stage's, in
-    /// the model's order) and moves the rest to [`Model::frozen`], without
-    /// gradients.
-    pub fn restrict(&mut self, names: &HashSet<String>) {
+    /// the model's order) and releases the rest: their storage is freed
+    /// (the stage never runs their layers) and [`Model::frozen`] keeps
+    /// their names and shapes, so that a checkpoint of the whole model
+    /// still loads (each stage taking its own).
+    pub fn restrict(&mut self, names: &HashSet<String>) -> Result<()> {
         let all = std::mem::take(&mut self.params);
         for (name, t) in all {
             if names.contains(&name) {
                 self.params.push((name, t));
             } else {
-                let t = t.set_requires_grad(false);
-                self.frozen.push((name, t));
+                let shape = t.size();
+                let mut t = t.set_requires_grad(false);
+                let empty = Tensor::f_empty([0], (t.kind(), t.device()))
+                    .ctx("releasing another stage's parameter")?;
+                t.f_set_data(&empty)
+                    .ctx("releasing another stage's parameter")?;
+                self.frozen.push((name, shape));
             }
         }
+        Ok(())
     }
 
     pub fn grads(&self) -> Vec<Tensor> {
@@ -355,12 +370,11 @@ impl Model {
         }
         let err = |reason: String| from.error(reason);
         let _guard = tch::no_grad_guard();
-        for (name, t) in self
-            .params
-            .iter_mut()
-            .chain(self.frozen.iter_mut())
-            .chain(self.buffers.iter_mut())
-        {
+        // Another stage's parameters are that stage's to load.
+        for (name, _) in &self.frozen {
+            by_name.remove(name);
+        }
+        for (name, t) in self.params.iter_mut().chain(self.buffers.iter_mut()) {
             let src = by_name
                 .remove(name)
                 .ok_or_else(|| err(format!("{name} vanished")))?;
@@ -378,31 +392,30 @@ impl Model {
     /// [4, 16]"), then the names missing and unexpected, or how many
     /// shapes differ. `noun` names the source ("file", "checkpoint").
     fn mismatch(&self, noun: &str, by_name: &HashMap<String, Tensor>) -> Option<String> {
-        let ours: HashSet<&str> = self.state().map(|(n, _)| n.as_str()).collect();
+        let shapes = self.shapes();
+        let ours: HashSet<&str> = shapes.iter().map(|(n, _)| *n).collect();
         let mut unexpected: Vec<&str> = by_name
             .keys()
             .map(String::as_str)
             .filter(|k| !ours.contains(k) && !k.ends_with("num_batches_tracked"))
             .collect();
         unexpected.sort_unstable();
-        let missing: Vec<&str> = self
-            .state()
-            .map(|(n, _)| n.as_str())
+        let missing: Vec<&str> = shapes
+            .iter()
+            .map(|(n, _)| *n)
             .filter(|n| !by_name.contains_key(*n))
             .collect();
-        let reshaped = self
-            .state()
-            .filter(|(n, t)| by_name.get(n).is_some_and(|src| src.size() != t.size()))
+        let reshaped = shapes
+            .iter()
+            .filter(|(n, s)| by_name.get(*n).is_some_and(|src| src.size() != *s))
             .count();
-        let first = self
-            .state()
-            .find_map(|(n, t)| match by_name.get(n) {
-                None => Some(format!("{n}: {noun} has none, model {:?}", t.size())),
-                Some(src) if src.size() != t.size() => Some(format!(
-                    "{n}: {noun} {:?}, model {:?}",
-                    src.size(),
-                    t.size()
-                )),
+        let first = shapes
+            .iter()
+            .find_map(|(n, s)| match by_name.get(*n) {
+                None => Some(format!("{n}: {noun} has none, model {s:?}")),
+                Some(src) if src.size() != *s => {
+                    Some(format!("{n}: {noun} {:?}, model {s:?}", src.size()))
+                }
                 Some(_) => None,
             })
             .or_else(|| {
@@ -474,6 +487,46 @@ fn named_state(vs: &nn::VarStore) -> (Named, Named) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 40: a pipeline stage keeps its parameters and releases the
+    /// others' storage, and the whole model's tensors still load into it
+    /// by name (its own copied, the others' checked for shape and skipped).
+    #[test]
+    fn a_stage_releases_the_other_stages_parameters_and_loads_a_whole_model() {
+        let spec: ModelSpec = toml::from_str("kind = \"mlp\"\nhidden = [8, 6]").unwrap();
+        let whole = Model::build(&spec, &[4], 3, Device::Cpu, 1).unwrap();
+        let saved: Named = whole
+            .state()
+            .map(|(n, t)| (n.clone(), t.copy() + 1.0))
+            .collect();
+        let mut m = Model::build(&spec, &[4], 3, Device::Cpu, 1).unwrap();
+        let mine: HashSet<String> = ["2.weight", "2.bias"].map(String::from).into();
+        m.restrict(&mine).unwrap();
+        let kept: Vec<&str> = m.params.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(kept, ["2.weight", "2.bias"]);
+        assert_eq!(m.frozen.len(), 4);
+        assert_eq!(m.frozen[0], ("0.weight".to_string(), vec![8, 4]));
+        // The storage is gone from the layers themselves.
+        let vars = m._vs.as_ref().unwrap().variables();
+        assert_eq!(vars["0.weight"].numel(), 0);
+        assert_eq!(vars["2.weight"].numel(), 48);
+        let copy = |v: &Named| -> Named { v.iter().map(|(n, t)| (n.clone(), t.copy())).collect() };
+        m.load_named(WeightsFrom::Checkpoint(Path::new("ck")), copy(&saved))
+            .unwrap();
+        let want = &saved.iter().find(|(n, _)| n == "2.weight").unwrap().1;
+        assert!(m.params[0].1.equal(want));
+        // A frozen tensor of the wrong shape is still refused by name.
+        let mut bad = saved;
+        bad[0].1 = Tensor::zeros([8, 5], (Kind::Float, Device::Cpu));
+        let e = m
+            .load_named(WeightsFrom::Checkpoint(Path::new("ck")), bad)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("0.weight: checkpoint [8, 5], model [8, 4]"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn caught_panics_keep_libtorch_s_first_line() {

@@ -18,12 +18,12 @@ impl<C: Collective> Engine<C> {
         // Under sharding every rank takes part in gathering the state;
         // pipeline stages send theirs to the first (engine/pipe.rs).
         let opt = self.optimizer_state()?;
-        let opt = self.pipeline_gather(opt)?;
+        let (whole, opt) = self.pipeline_gather(opt)?;
         let path = if self.writes_checkpoints() {
             if self.folder_lock.is_none() {
                 self.take_folder_lock()?;
             }
-            let model = self.model_state();
+            let model = whole.unwrap_or_else(|| self.model_state());
             checkpoint::write(
                 &self.checkpoint_dir,
                 &self.state,
