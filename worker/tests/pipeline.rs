@@ -460,3 +460,24 @@ fn within(got: &Named, want: &Named, bar: f64, what: &str) -> f64 {
 fn tokens_placeholder() -> std::path::PathBuf {
     std::path::PathBuf::from("TOKENS")
 }
+
+/// k = 1 below P = 2: allowed, with a warning that names the bubble, and
+/// the same steps as one process.
+#[test]
+fn fewer_micro_batches_than_stages_warn_of_the_bubble() {
+    let k1 = |stages| {
+        mlp("1f1b", stages, "global_count")
+            .replace("steps = 4\n", "steps = 1\n")
+            .replace("max_steps = 6", "max_steps = 3")
+    };
+    let (want, want_steps) = alone(&k1(1));
+    let d = TempDir::new().unwrap();
+    let ranks = common::procs::run_ranks(d.path(), &k1(2), 2, |_| {});
+    assert!(
+        ranks[0].stderr().contains("is the pipeline's bubble"),
+        "{}",
+        ranks[0].stderr()
+    );
+    same_steps(&ranks[0].steps(), &want_steps, "k = 1");
+    within(&model_at(d.path(), 3), &want, 1e-5, "mlp, k = 1, P = 2");
+}

@@ -168,6 +168,16 @@ impl<C: Collective> Engine<C> {
                 let (p, names) = pipe::plan(&spec, &model, stage, n)?;
                 model.restrict(&names)?;
                 tracing::info!(stage, stages = n, blocks = ?p.blocks, params = model.params.len(), "pipeline stage");
+                if k < n {
+                    // (P - 1) / (k + P - 1) of each window is the bubble.
+                    let bubble = (n - 1) as f64 / (k + n - 1) as f64;
+                    tracing::warn!(
+                        k,
+                        stages = n,
+                        "accumulation.steps = {k} is below parallel.pipeline = {n}: about {:.0}% of each step is the pipeline's bubble (more accumulation steps shrink it)",
+                        bubble * 100.0
+                    );
+                }
                 Some(p)
             }
             None => None,
