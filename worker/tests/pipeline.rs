@@ -140,7 +140,7 @@ fn same_steps_within(got: &[serde_json::Value], want: &[Step], what: &str, tol: 
 
 #[test]
 fn mlp_in_two_stages_equals_one_process() {
-    for normalize in ["global_count", "mean"] {
+    for normalize in ["global_count", "mean", "sum"] {
         let (want, want_steps) = alone(&mlp("1f1b", 1, normalize));
         let (one_f, steps) = run(&mlp("1f1b", 2, normalize), 2, 6);
         let (gpipe, _) = run(&mlp("gpipe", 2, normalize), 2, 6);
@@ -217,7 +217,13 @@ fn llama_in_stages_equals_one_process() {
     for tied in [false, true] {
         let (want, want_steps) = alone(&llama(&tokens, 1, tied, "1f1b"));
         for (stages, schedule) in [(2u32, "1f1b"), (4, "gpipe")] {
-            let (got, steps) = run(&llama(&tokens, stages, tied, schedule), stages as usize, 4);
+            let text = llama(&tokens, stages, tied, schedule);
+            let dir = TempDir::new().unwrap();
+            let ranks = common::procs::run_ranks(dir.path(), &text, stages as usize, |_| {});
+            let (got, steps) = (model_at(dir.path(), 4), ranks[0].steps());
+            if tied && stages == 2 {
+                from_pretrained_equals(&dir.path().join("ckpt/step-4"), &got);
+            }
             same_steps(&steps, &want_steps, &format!("tied={tied}, P={stages}"));
             within(
                 &got,
@@ -480,4 +486,29 @@ fn fewer_micro_batches_than_stages_warn_of_the_bubble() {
     );
     same_steps(&ranks[0].steps(), &want_steps, "k = 1");
     within(&model_at(d.path(), 3), &want, 1e-5, "mlp, k = 1, P = 2");
+}
+
+/// transformers' `from_pretrained` on a step folder gives its tensors.
+fn from_pretrained_equals(step: &Path, want: &Named) {
+    let out = step.with_file_name("loaded.safetensors");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/load_step.py");
+    let run = std::process::Command::new(python())
+        .arg(script)
+        .arg(step)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let loaded = Tensor::read_safetensors(&out).unwrap();
+    for (name, t) in want {
+        let (_, l) = loaded
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("transformers loaded no {name}"));
+        assert!(l.equal(t), "{name} differs after from_pretrained");
+    }
 }
