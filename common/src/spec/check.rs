@@ -553,9 +553,6 @@ impl JobSpec {
     fn validate_pipeline_scope(&self, c: &mut Checker, stages: u32) {
         let later =
             |what: &str| format!("{what} with parallel.pipeline = {stages} is not built yet");
-        if self.sharding.stage > 0 {
-            c.fail("sharding.stage", self.sharding.stage, later("ZeRO"));
-        }
         if self.accumulation.sync == SyncMode::EveryStep {
             c.fail(
                 "accumulation.sync",

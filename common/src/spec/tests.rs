@@ -676,12 +676,15 @@ fn pipeline_fields_fit_the_model() {
     // What the pipeline engine does not run yet, each by name.
     let e = invalid(&format!(
         "device = \"cuda:0\"\n{}",
-        mlp("pipeline = 2\n").replace("[data]", "[sharding]\nstage = 1\n[data]")
+        mlp("pipeline = 2\n").replace("[data]", "[accumulation]\nsync = \"every_step\"\n[data]")
     ));
-    assert_eq!(fields(&e), ["sharding.stage", "device"], "{e:?}");
+    assert_eq!(fields(&e), ["accumulation.sync", "device"], "{e:?}");
     assert!(e[0]
         .allowed
-        .contains("ZeRO with parallel.pipeline = 2 is not built yet"));
+        .contains("sync = every_step with parallel.pipeline = 2 is not built yet"));
+    assert!(e[1]
+        .allowed
+        .contains("CUDA with parallel.pipeline = 2 is not built yet"));
     // More stages than layers; a family that has no stages.
     let e = invalid(
         &mlp("pipeline = 2\n")

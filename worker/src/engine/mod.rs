@@ -166,7 +166,11 @@ impl<C: Collective> Engine<C> {
         let pipe = match stages {
             Some((stage, n)) => {
                 let (p, names) = pipe::plan(&spec, &model, stage, n)?;
-                model.restrict(&names)?;
+                let shared = p.tied.clone().filter(|_| p.is_last());
+                model.restrict(&names, shared.as_deref())?;
+                // The last stage's copy of a tied embedding gathers its
+                // gradient apart (engine/pipe.rs sends it to the first).
+                crate::grads::define_grads(&model.shared)?;
                 tracing::info!(stage, stages = n, blocks = ?p.blocks, params = model.params.len(), "pipeline stage");
                 if k < n {
                     // (P - 1) / (k + P - 1) of each window is the bubble.

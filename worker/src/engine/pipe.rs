@@ -35,9 +35,11 @@ pub(super) struct Pipe {
     pub schedule: PipeSchedule,
     /// The family's blocks this stage runs.
     pub blocks: Range<usize>,
-    /// A tied embedding: its name, held by the first stage (embedding) and
-    /// the last (head). Its two gradients are summed at the sync step and
-    /// it counts once in the norm (the first stage's).
+    /// A tied embedding: its name. The first stage trains it (embedding);
+    /// the last uses a copy as its head, sends its gradient to the first
+    /// before the data reduction and takes the updated values after the
+    /// step, so the norm, the optimizer state and ZeRO's shards see it
+    /// once.
     pub tied: Option<String>,
 }
 
@@ -105,7 +107,7 @@ pub(super) fn plan(
     )?;
     let mine = &split[stage];
     let range = units[mine.start].start..units[mine.end - 1].end;
-    let mut train: HashSet<String> = blocks[range.clone()]
+    let train: HashSet<String> = blocks[range.clone()]
         .iter()
         .flat_map(|b| b.params.iter().cloned())
         .collect();
@@ -121,11 +123,6 @@ pub(super) fn plan(
         let head_block = blocks.last()?;
         (!head_block.params.contains(&name)).then_some(name)
     });
-    if let Some(t) = &tied {
-        if stage + 1 == stages {
-            train.insert(t.clone());
-        }
-    }
     let schedule = match spec.parallel.schedule.unwrap_or_default() {
         crate::spec::PipelineSchedule::OneFOneB => PipeSchedule::OneFOneB,
         crate::spec::PipelineSchedule::GPipe => PipeSchedule::GPipe,
@@ -395,53 +392,106 @@ impl<C: Collective> Engine<C> {
         Ok(())
     }
 
-    /// A tied embedding's two gradients (the first stage's embedding, the
-    /// last stage's head) summed on both, before the norm.
+    /// A tied embedding's head gradient (the last stage's copy) added to
+    /// the first stage's embedding gradient, before the data reduction;
+    /// the copy's gradient is cleared.
     pub(super) fn pipeline_tied_grads(&mut self) -> Result<()> {
-        let Some(pipe) = &self.pipe else {
+        let Some(pipe) = self.pipe.clone() else {
             return Ok(());
         };
-        let Some(name) = pipe.tied.clone() else {
+        let Some(name) = pipe.tied.clone().filter(|_| pipe.stages > 1) else {
             return Ok(());
         };
-        let held = self.model.params.iter().find(|(n, _)| *n == name);
-        let t = match held {
-            Some((_, p)) => p.grad(),
-            // A middle stage takes part with zeros.
-            None => {
-                let (_, shape) = self
-                    .model
-                    .frozen
-                    .iter()
-                    .find(|(n, _)| *n == name)
-                    .ok_or_else(|| Error::Schedule(format!("no tied parameter {name}")))?;
-                Tensor::f_zeros(shape.as_slice(), (Kind::Float, self.device))
-                    .ctx("summing the tied embedding")?
-            }
+        let _guard = tch::no_grad_guard();
+        if pipe.is_last() {
+            let (_, copy) = self
+                .model
+                .shared
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| Error::Schedule(format!("no tied copy of {name}")))?;
+            let mut g = copy.grad();
+            let sent = g.f_contiguous().ctx("sending the tied gradient")?;
+            let group = self.collective.pipeline_group()?;
+            group
+                .send(&sent, 0)
+                .map_err(group_err)?
+                .wait()
+                .map_err(group_err)?;
+            let _ = g.f_zero_().ctx("clearing the tied gradient")?;
+        } else if pipe.is_first() {
+            let (_, p) = self
+                .model
+                .params
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| Error::Schedule(format!("no tied parameter {name}")))?;
+            let mut g = p.grad();
+            let other = g.f_zeros_like().ctx("receiving the tied gradient")?;
+            let group = self.collective.pipeline_group()?;
+            group
+                .recv(&other, pipe.stages - 1)
+                .map_err(group_err)?
+                .wait()
+                .map_err(group_err)?;
+            let _ = g.f_add_(&other).ctx("adding the tied gradient")?;
+        }
+        Ok(())
+    }
+
+    /// After the step: the first stage's tied embedding (its updated
+    /// values) into the last stage's copy.
+    pub(super) fn pipeline_tied_values(&mut self) -> Result<()> {
+        let Some(pipe) = self.pipe.clone() else {
+            return Ok(());
         };
-        sum_over(self.collective.pipeline_group()?, &t)
+        let Some(name) = pipe.tied.clone().filter(|_| pipe.stages > 1) else {
+            return Ok(());
+        };
+        let _guard = tch::no_grad_guard();
+        if pipe.is_first() {
+            let (_, p) = self
+                .model
+                .params
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| Error::Schedule(format!("no tied parameter {name}")))?;
+            let values = p.f_contiguous().ctx("sending the tied embedding")?;
+            let group = self.collective.pipeline_group()?;
+            group
+                .send(&values, pipe.stages - 1)
+                .map_err(group_err)?
+                .wait()
+                .map_err(group_err)?;
+        } else if pipe.is_last() {
+            let (_, copy) = self
+                .model
+                .shared
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| Error::Schedule(format!("no tied copy of {name}")))?;
+            let fresh = copy.f_zeros_like().ctx("receiving the tied embedding")?;
+            let group = self.collective.pipeline_group()?;
+            group
+                .recv(&fresh, 0)
+                .map_err(group_err)?
+                .wait()
+                .map_err(group_err)?;
+            let mut copy = copy.shallow_clone();
+            copy.f_copy_(&fresh).ctx("receiving the tied embedding")?;
+        }
+        Ok(())
     }
 
     /// The whole model's gradient norm from this stage's: squares summed
-    /// over the stages (max for inf), the tied embedding counted once.
+    /// over the stages (max for inf); a tied embedding is the first stage's
+    /// only.
     pub(super) fn pipeline_norm(&mut self, norm: f64, norm_type: f64) -> Result<f64> {
-        let Some(pipe) = self.pipe.clone() else {
+        if self.pipe.is_none() {
             return Ok(norm);
-        };
-        let inf = norm_type.is_infinite();
-        let mut mine = if inf { norm } else { norm.powf(norm_type) };
-        if let (Some(name), false, true) = (&pipe.tied, inf, pipe.is_last()) {
-            if let Some((_, p)) = self.model.params.iter().find(|(n, _)| n == name) {
-                let g = p.grad();
-                let own = g
-                    .f_abs()
-                    .and_then(|a| a.f_pow_tensor_scalar(norm_type))
-                    .and_then(|a| a.f_sum(Kind::Double))
-                    .ctx("the tied embedding's norm")?
-                    .double_value(&[]);
-                mine = (mine - own).max(0.0);
-            }
         }
+        let inf = norm_type.is_infinite();
+        let mine = if inf { norm } else { norm.powf(norm_type) };
         let each = self.pipeline_each(mine)?;
         Ok(if inf {
             each.into_iter().fold(0.0, f64::max)

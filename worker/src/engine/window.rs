@@ -344,14 +344,15 @@ impl<C: Collective> Engine<C> {
         }
         .encode()
         .to_vec();
+        // Pipeline stages: a tied embedding's head gradient joins the
+        // embedding's on the first stage before the data reduction, and
+        // the tally is summed over the stages after it (engine/pipe.rs).
+        self.pipeline_tied_grads()?;
         {
             let (placement, mut parts) = self.placed();
             placement.reduce(&mut parts, &mut stats)?;
         }
-        // Pipeline stages: the tally summed over the stages, the tied
-        // embedding's gradients over its two stages (engine/pipe.rs).
         self.pipeline_tally(&mut stats)?;
-        self.pipeline_tied_grads()?;
         let comm = self.window.comm + t_comm.elapsed();
         let global = WindowTally::decode(&stats);
         self.agreed = super::Agreed {
@@ -470,6 +471,8 @@ impl<C: Collective> Engine<C> {
             prep_s = placement.step(&mut parts, prep, lr)?;
             clip_s += prep_s;
         }
+        // A tied embedding's new values to the last stage's copy.
+        self.pipeline_tied_values()?;
         let optimizer_s = match on_device {
             Some(_) => device_s,
             None => t_opt.elapsed().saturating_sub(prep_s),

@@ -120,6 +120,10 @@ pub struct Model {
     /// [`Model::restrict`]): their names and shapes, so that loading checks
     /// the whole model; their storage is released.
     pub frozen: Vec<(String, Vec<i64>)>,
+    /// Another stage's parameter this stage uses too (a tied embedding as
+    /// the last stage's head): kept, with a gradient of its own, but
+    /// trained by its owner, which sends the updated values back.
+    pub shared: Named,
     /// Non-trainable state saved with the model (BatchNorm running stats).
     pub buffers: Named,
     pub kind: ModelKind,
@@ -173,6 +177,7 @@ impl Model {
                     net: Net::Script(module),
                     params,
                     frozen: Vec::new(),
+                    shared: Vec::new(),
                     buffers: Vec::new(),
                     kind: spec.kind,
                 };
@@ -193,6 +198,7 @@ impl Model {
             net,
             params,
             frozen: Vec::new(),
+            shared: Vec::new(),
             buffers,
             kind,
         }
@@ -315,6 +321,7 @@ impl Model {
             .iter()
             .map(|(n, t)| (n.as_str(), t.size()))
             .chain(self.frozen.iter().map(|(n, s)| (n.as_str(), s.clone())))
+            .chain(self.shared.iter().map(|(n, t)| (n.as_str(), t.size())))
             .chain(self.buffers.iter().map(|(n, t)| (n.as_str(), t.size())))
             .collect()
     }
@@ -324,11 +331,13 @@ impl Model {
     /// (the stage never runs their layers) and [`Model::frozen`] keeps
     /// their names and shapes, so that a checkpoint of the whole model
     /// still loads (each stage taking its own).
-    pub fn restrict(&mut self, names: &HashSet<String>) -> Result<()> {
+    pub fn restrict(&mut self, names: &HashSet<String>, shared: Option<&str>) -> Result<()> {
         let all = std::mem::take(&mut self.params);
         for (name, t) in all {
             if names.contains(&name) {
                 self.params.push((name, t));
+            } else if shared == Some(name.as_str()) {
+                self.shared.push((name, t));
             } else {
                 let shape = t.size();
                 let mut t = t.set_requires_grad(false);
@@ -374,7 +383,12 @@ impl Model {
         for (name, _) in &self.frozen {
             by_name.remove(name);
         }
-        for (name, t) in self.params.iter_mut().chain(self.buffers.iter_mut()) {
+        for (name, t) in self
+            .params
+            .iter_mut()
+            .chain(self.shared.iter_mut())
+            .chain(self.buffers.iter_mut())
+        {
             let src = by_name
                 .remove(name)
                 .ok_or_else(|| err(format!("{name} vanished")))?;
@@ -501,7 +515,7 @@ mod tests {
             .collect();
         let mut m = Model::build(&spec, &[4], 3, Device::Cpu, 1).unwrap();
         let mine: HashSet<String> = ["2.weight", "2.bias"].map(String::from).into();
-        m.restrict(&mine).unwrap();
+        m.restrict(&mine, None).unwrap();
         let kept: Vec<&str> = m.params.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(kept, ["2.weight", "2.bias"]);
         assert_eq!(m.frozen.len(), 4);

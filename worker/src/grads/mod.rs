@@ -429,7 +429,7 @@ fn point(flat: &Tensor, params: &[(String, Tensor)], keep: bool) -> Result<()> {
 /// Gives every parameter a defined (zero) gradient, so it can be re-pointed
 /// into the buffer before the first backward: one backward of
 /// `0 * sum(p.sum())`.
-fn define_grads(params: &[(String, Tensor)]) -> Result<()> {
+pub fn define_grads(params: &[(String, Tensor)]) -> Result<()> {
     if params.iter().all(|(_, p)| p.grad().defined()) {
         return Ok(());
     }
