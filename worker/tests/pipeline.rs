@@ -433,24 +433,30 @@ fn uneven_masked_rows_and_an_empty_micro_batch_in_stages() {
     // micro-batches of 2 at k = 2 are two windows an epoch, and rank 1's
     // third micro-batch is empty.
     assert_eq!(steps.len(), 4, "two epochs of two windows");
-    assert_eq!(steps.len(), want_steps.len());
-    for (i, (g, w)) in steps.iter().zip(&want_steps).enumerate() {
-        assert_eq!(g["samples"], w["samples"], "step {}: tokens", i + 1);
-        for key in ["loss", "grad_norm"] {
-            let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
-            assert!(
-                (g - w).abs() <= 1e-6 * w.abs().max(1.0),
-                "step {}: {key} {g} vs {w}",
-                i + 1
-            );
-        }
-    }
+    json_steps_agree(&steps, &want_steps, "uneven rows");
     within(
         &got,
         &model_at(dp.path(), 4),
         1e-6,
         "uneven rows, 2 x 2 against data parallelism alone",
     );
+}
+
+/// Two runs' step reports: the same count of steps and tokens, each
+/// loss and gradient norm within 1e-6.
+fn json_steps_agree(got: &[serde_json::Value], want: &[serde_json::Value], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: steps");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g["samples"], w["samples"], "{what}, step {}: tokens", i + 1);
+        for key in ["loss", "grad_norm"] {
+            let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                "{what}, step {}: {key} {g} vs {w}",
+                i + 1
+            );
+        }
+    }
 }
 
 /// The largest relative difference of `got` from `want`, printed with
@@ -545,16 +551,7 @@ fn zero_inside_stages_equals_stage_0() {
     eprintln!("ZeRO 1 against stage 0, data parallelism alone: {floor:e}");
     for zero in [1u32, 2] {
         let (got, steps) = run(&text(zero), 4, 4);
-        for (i, (g, w)) in steps.iter().zip(&plain_steps).enumerate() {
-            for key in ["loss", "grad_norm"] {
-                let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
-                assert!(
-                    (g - w).abs() <= 1e-6 * w.abs().max(1.0),
-                    "ZeRO {zero}, step {}: {key}",
-                    i + 1
-                );
-            }
-        }
+        json_steps_agree(&steps, &plain_steps, &format!("ZeRO {zero}"));
         within(
             &got,
             &plain,

@@ -392,48 +392,55 @@ impl<C: Collective> Engine<C> {
         Ok(())
     }
 
+    /// The tied embedding's name, where this job has one across stages.
+    fn tied_across(&self) -> Option<(Pipe, String)> {
+        let pipe = self.pipe.clone()?;
+        let name = pipe.tied.clone().filter(|_| pipe.stages > 1)?;
+        Some((pipe, name))
+    }
+
+    /// The tied embedding: the first stage's parameter, or (`copy`) the
+    /// last stage's head copy.
+    fn tied_tensor(&self, name: &str, copy: bool) -> Result<Tensor> {
+        let list = if copy {
+            &self.model.shared
+        } else {
+            &self.model.params
+        };
+        list.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.shallow_clone())
+            .ok_or_else(|| Error::Schedule(format!("no tied embedding {name} on this stage")))
+    }
+
+    /// `t` to stage `to` (`send`) or from it into `t`, waited for.
+    fn exchange(&mut self, t: &Tensor, peer: usize, send: bool) -> Result<()> {
+        let group = self.collective.pipeline_group()?;
+        let op = if send {
+            group.send(t, peer)
+        } else {
+            group.recv(t, peer)
+        };
+        op.map_err(group_err)?.wait().map_err(group_err)
+    }
+
     /// A tied embedding's head gradient (the last stage's copy) added to
     /// the first stage's embedding gradient, before the data reduction;
     /// the copy's gradient is cleared.
     pub(super) fn pipeline_tied_grads(&mut self) -> Result<()> {
-        let Some(pipe) = self.pipe.clone() else {
-            return Ok(());
-        };
-        let Some(name) = pipe.tied.clone().filter(|_| pipe.stages > 1) else {
+        let Some((pipe, name)) = self.tied_across() else {
             return Ok(());
         };
         let _guard = tch::no_grad_guard();
         if pipe.is_last() {
-            let (_, copy) = self
-                .model
-                .shared
-                .iter()
-                .find(|(n, _)| *n == name)
-                .ok_or_else(|| Error::Schedule(format!("no tied copy of {name}")))?;
-            let mut g = copy.grad();
+            let mut g = self.tied_tensor(&name, true)?.grad();
             let sent = g.f_contiguous().ctx("sending the tied gradient")?;
-            let group = self.collective.pipeline_group()?;
-            group
-                .send(&sent, 0)
-                .map_err(group_err)?
-                .wait()
-                .map_err(group_err)?;
+            self.exchange(&sent, 0, true)?;
             let _ = g.f_zero_().ctx("clearing the tied gradient")?;
         } else if pipe.is_first() {
-            let (_, p) = self
-                .model
-                .params
-                .iter()
-                .find(|(n, _)| *n == name)
-                .ok_or_else(|| Error::Schedule(format!("no tied parameter {name}")))?;
-            let mut g = p.grad();
+            let mut g = self.tied_tensor(&name, false)?.grad();
             let other = g.f_zeros_like().ctx("receiving the tied gradient")?;
-            let group = self.collective.pipeline_group()?;
-            group
-                .recv(&other, pipe.stages - 1)
-                .map_err(group_err)?
-                .wait()
-                .map_err(group_err)?;
+            self.exchange(&other, pipe.stages - 1, false)?;
             let _ = g.f_add_(&other).ctx("adding the tied gradient")?;
         }
         Ok(())
@@ -442,42 +449,20 @@ impl<C: Collective> Engine<C> {
     /// After the step: the first stage's tied embedding (its updated
     /// values) into the last stage's copy.
     pub(super) fn pipeline_tied_values(&mut self) -> Result<()> {
-        let Some(pipe) = self.pipe.clone() else {
-            return Ok(());
-        };
-        let Some(name) = pipe.tied.clone().filter(|_| pipe.stages > 1) else {
+        let Some((pipe, name)) = self.tied_across() else {
             return Ok(());
         };
         let _guard = tch::no_grad_guard();
         if pipe.is_first() {
-            let (_, p) = self
-                .model
-                .params
-                .iter()
-                .find(|(n, _)| *n == name)
-                .ok_or_else(|| Error::Schedule(format!("no tied parameter {name}")))?;
-            let values = p.f_contiguous().ctx("sending the tied embedding")?;
-            let group = self.collective.pipeline_group()?;
-            group
-                .send(&values, pipe.stages - 1)
-                .map_err(group_err)?
-                .wait()
-                .map_err(group_err)?;
+            let values = self
+                .tied_tensor(&name, false)?
+                .f_contiguous()
+                .ctx("sending the tied embedding")?;
+            self.exchange(&values, pipe.stages - 1, true)?;
         } else if pipe.is_last() {
-            let (_, copy) = self
-                .model
-                .shared
-                .iter()
-                .find(|(n, _)| *n == name)
-                .ok_or_else(|| Error::Schedule(format!("no tied copy of {name}")))?;
+            let mut copy = self.tied_tensor(&name, true)?;
             let fresh = copy.f_zeros_like().ctx("receiving the tied embedding")?;
-            let group = self.collective.pipeline_group()?;
-            group
-                .recv(&fresh, 0)
-                .map_err(group_err)?
-                .wait()
-                .map_err(group_err)?;
-            let mut copy = copy.shallow_clone();
+            self.exchange(&fresh, 0, false)?;
             copy.f_copy_(&fresh).ctx("receiving the tied embedding")?;
         }
         Ok(())
