@@ -148,6 +148,14 @@ bench-lm: setup
 	$(CARGO) build --release -p accrue -p accrue-worker
 	.venv/bin/python worker/benches/lm_vs_ddp.py --accrue target/release/accrue $(BENCH_ARGS)
 
+# Issue 40: pipeline stages against torch.distributed.pipelining's
+# Schedule1F1B, P = 2, one thread a stage (docs/BENCHMARKS.md section 13).
+# BENCH_ARGS passes flags through (e.g. --hidden 256 --layers 6 --split 4,2).
+.PHONY: bench-pipeline
+bench-pipeline: setup
+	$(CARGO) build --release -p accrue-worker
+	.venv/bin/python worker/benches/pipeline_vs_torch.py --worker target/release/accrue-worker $(BENCH_ARGS)
+
 # The CUDA checks (issues 17, 18, 19), run ON the GPU machine, which has no
 # Rust and no network: `make gpu-worker` here builds the worker and the
 # CUDA test binaries with ACCRUE_CUDA=1 (reference tests pointed at the GPU
