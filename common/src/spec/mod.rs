@@ -12,6 +12,7 @@ mod memory;
 mod model;
 mod parallel;
 mod paths;
+mod pipeline_check;
 pub use check::{shown, Checker, MAX_SHOWN_CHARS};
 pub use family::{DecoderArch, FamilyFields, FieldSet, LlamaConfig, LlamaSpec, RopeScaling};
 pub use kinds::*;

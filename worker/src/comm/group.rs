@@ -42,6 +42,23 @@ impl From<tch::TchError> for GroupError {
     }
 }
 
+/// Bytes as an i64 tensor of ceil(len / 8) words (zero-padded): a group
+/// carries f32, bf16, f16 and i64, so bytes travel this way.
+pub fn bytes_as_words(bytes: &[u8]) -> Result<Tensor, tch::TchError> {
+    let mut padded = bytes.to_vec();
+    padded.resize(bytes.len().div_ceil(8) * 8, 0);
+    Tensor::f_from_data_size(&padded, &[(padded.len() / 8) as i64], Kind::Int64)
+}
+
+/// The first `len` bytes of words made by [`bytes_as_words`].
+pub fn words_as_bytes(words: &Tensor, len: usize) -> Result<Vec<u8>, tch::TchError> {
+    let n = len.div_ceil(8);
+    let mut bytes = vec![0u8; n * 8];
+    words.f_copy_data_u8(&mut bytes, n)?;
+    bytes.truncate(len);
+    Ok(bytes)
+}
+
 /// A started operation.
 pub trait Wait: Send {
     fn wait(&mut self) -> Result<(), GroupError>;

@@ -125,15 +125,11 @@ fn bytes_over(g: &mut dyn Group, buf: &mut Vec<u8>, root: usize) -> Result<(), C
     let len = Tensor::f_from_slice(&[buf.len() as i64]).map_err(torch)?;
     g.broadcast(&len, root)?.wait()?;
     let n = len.int64_value(&[0]).max(0) as usize;
-    let words = n.div_ceil(8);
-    let mut padded = std::mem::take(buf);
-    padded.resize(words * 8, 0);
-    let t = Tensor::f_from_data_size(&padded, &[words as i64], Kind::Int64).map_err(torch)?;
+    // Non-roots: zeros of the root's length, overwritten by the broadcast.
+    buf.resize(n, 0);
+    let t = crate::comm::group::bytes_as_words(buf).map_err(torch)?;
     g.broadcast(&t, root)?.wait()?;
-    padded.resize(words * 8, 0);
-    t.f_copy_data_u8(&mut padded, words).map_err(torch)?;
-    padded.truncate(n);
-    *buf = padded;
+    *buf = crate::comm::group::words_as_bytes(&t, n).map_err(torch)?;
     Ok(())
 }
 

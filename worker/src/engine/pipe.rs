@@ -477,7 +477,11 @@ impl<C: Collective> Engine<C> {
         }
         let inf = norm_type.is_infinite();
         let mine = if inf { norm } else { norm.powf(norm_type) };
-        let each = self.pipeline_each(mine)?;
+        let each: Vec<f64> = self
+            .pipeline_each(&[mine])?
+            .into_iter()
+            .map(|v| v[0])
+            .collect();
         Ok(if inf {
             each.into_iter().fold(0.0, f64::max)
         } else {
@@ -485,18 +489,25 @@ impl<C: Collective> Engine<C> {
         })
     }
 
-    /// Every stage's `mine`, in stage order, exactly (f64 bits in an i64
-    /// slot of its own, the others 0, summed over the pipeline group).
-    fn pipeline_each(&mut self, mine: f64) -> Result<Vec<f64>> {
+    /// Every stage's `mine` (a few values), in stage order, exactly: f64
+    /// bits in i64 slots of their own, the others 0, summed over the
+    /// pipeline group in one reduction.
+    fn pipeline_each(&mut self, mine: &[f64]) -> Result<Vec<Vec<f64>>> {
         let Some(pipe) = &self.pipe else {
-            return Ok(vec![mine]);
+            return Ok(vec![mine.to_vec()]);
         };
-        let mut slots = vec![0i64; pipe.stages];
-        slots[pipe.stage] = mine.to_bits() as i64;
+        let n = mine.len();
+        let mut slots = vec![0i64; pipe.stages * n];
+        for (i, v) in mine.iter().enumerate() {
+            slots[pipe.stage * n + i] = v.to_bits() as i64;
+        }
         let t = Tensor::f_from_slice(&slots).ctx("gathering over the stages")?;
         sum_over(self.collective.pipeline_group()?, &t)?;
         let back = Vec::<i64>::try_from(&t).ctx("gathering over the stages")?;
-        Ok(back.into_iter().map(|b| f64::from_bits(b as u64)).collect())
+        Ok(back
+            .chunks(n.max(1))
+            .map(|c| c.iter().map(|&b| f64::from_bits(b as u64)).collect())
+            .collect())
     }
 }
 
@@ -508,10 +519,7 @@ fn send_bytes(g: &mut dyn Group, bytes: &[u8], to: usize) -> Result<()> {
         .map_err(group_err)?
         .wait()
         .map_err(group_err)?;
-    let mut padded = bytes.to_vec();
-    padded.resize(bytes.len().div_ceil(8) * 8, 0);
-    let words = Tensor::f_from_data_size(&padded, &[(padded.len() / 8) as i64], Kind::Int64)
-        .ctx("sending a stage's part")?;
+    let words = crate::comm::group::bytes_as_words(bytes).ctx("sending a stage's part")?;
     g.send(&words, to)
         .map_err(group_err)?
         .wait()
@@ -532,12 +540,7 @@ fn recv_bytes(g: &mut dyn Group, from: usize) -> Result<Vec<u8>> {
         .map_err(group_err)?
         .wait()
         .map_err(group_err)?;
-    let mut bytes = vec![0u8; n.div_ceil(8) * 8];
-    words
-        .f_copy_data_u8(&mut bytes, n.div_ceil(8))
-        .ctx("receiving a stage's part")?;
-    bytes.truncate(n);
-    Ok(bytes)
+    crate::comm::group::words_as_bytes(&words, n).ctx("receiving a stage's part")
 }
 
 impl<C: Collective> Engine<C> {
@@ -632,14 +635,12 @@ impl<C: Collective> Engine<C> {
         let sums = result?;
         // The last stage's sums on every stage (exact: f64, and counts
         // below 2^53).
-        let pick = |v: Vec<f64>| v.last().copied().unwrap_or(0.0);
-        let loss_sum = pick(self.pipeline_each(sums.loss_sum)?);
-        let count = pick(self.pipeline_each(sums.count as f64)?) as u64;
-        let correct = pick(self.pipeline_each(sums.correct as f64)?) as u64;
+        let each = self.pipeline_each(&[sums.loss_sum, sums.count as f64, sums.correct as f64])?;
+        let last = each.last().cloned().unwrap_or_else(|| vec![0.0; 3]);
         Ok(crate::objective::EvalSums {
-            loss_sum,
-            count,
-            correct,
+            loss_sum: last[0],
+            count: last[1] as u64,
+            correct: last[2] as u64,
         })
     }
 

@@ -1,0 +1,117 @@
+//! `[parallel]`'s pipeline fields (issue 40): which models run in stages,
+//! the stage counts against the model, and what the pipeline engine does
+//! not run yet.
+
+use super::*;
+
+impl JobSpec {
+    /// `parallel.pipeline`'s companions (issue 40): which families run in
+    /// stages, `schedule` and `layers_per_stage` only with stages, and the
+    /// stage counts against the model's pipeline units.
+    pub(super) fn validate_pipeline(&self, c: &mut Checker, stages: u32) {
+        let p = &self.parallel;
+        if stages <= 1 {
+            if let Some(s) = p.schedule {
+                c.fail(
+                    "parallel.schedule",
+                    s.as_str(),
+                    "only with parallel.pipeline >= 2",
+                );
+            }
+            if let Some(l) = &p.layers_per_stage {
+                c.fail(
+                    "parallel.layers_per_stage",
+                    l,
+                    "only with parallel.pipeline >= 2",
+                );
+            }
+            return;
+        }
+        let kind = self.model.kind;
+        // The units a stage is made of: decoder layers, or the mlp's layers.
+        let units = if kind.is_decoder() {
+            super::LlamaConfig::resolve(&self.model)
+                .ok()
+                .map(|cfg| (cfg.num_hidden_layers as u64, "decoder layers"))
+        } else if kind == ModelKind::Mlp {
+            Some((self.model.hidden.len() as u64 + 1, "layers"))
+        } else {
+            c.fail(
+                "parallel.pipeline",
+                stages,
+                format!(
+                    "model.kind = {kind} does not run in pipeline stages; the families that do: \
+                     llama, qwen2, mistral, mlp"
+                ),
+            );
+            None
+        };
+        let Some((units, what)) = units else {
+            return;
+        };
+        if u64::from(stages) > units {
+            c.fail(
+                "parallel.pipeline",
+                stages,
+                format!(
+                    "the model has {units} {what}, and a stage holds at least one: at most {units}"
+                ),
+            );
+        }
+        if let Some(l) = &p.layers_per_stage {
+            let total: u64 = l.iter().sum();
+            if l.len() != stages as usize {
+                c.fail(
+                    "parallel.layers_per_stage",
+                    l,
+                    format!(
+                        "{} entries for parallel.pipeline = {stages} (one per stage)",
+                        l.len()
+                    ),
+                );
+            } else if l.contains(&0) {
+                c.fail(
+                    "parallel.layers_per_stage",
+                    l,
+                    "every stage needs at least 1",
+                );
+            } else if total != units {
+                c.fail(
+                    "parallel.layers_per_stage",
+                    l,
+                    format!("they add up to {total}; the model has {units} {what}"),
+                );
+            }
+        }
+    }
+
+    /// What the pipeline engine runs so far (issue 40, first part): the
+    /// whole optimizer state on each stage, gradients reduced at the
+    /// window's end, rows unpacked, a fixed world, the CPU. Each refusal
+    /// names what is not built yet.
+    pub(super) fn validate_pipeline_scope(&self, c: &mut Checker, stages: u32) {
+        let later =
+            |what: &str| format!("{what} with parallel.pipeline = {stages} is not built yet");
+        if self.accumulation.sync == SyncMode::EveryStep {
+            c.fail(
+                "accumulation.sync",
+                "every_step",
+                later("sync = every_step"),
+            );
+        }
+        if self.data.pack {
+            c.fail("data.pack", true, later("packed rows"));
+        }
+        for (field, bound) in [
+            ("min_workers", self.min_workers),
+            ("max_workers", self.max_workers),
+        ] {
+            if let Some(n) = bound.filter(|&n| n != self.workers) {
+                c.fail(field, n, later("an elastic world (stages re-forming)"));
+            }
+        }
+        if self.device.starts_with("cuda") {
+            c.fail("device", &self.device, later("CUDA"));
+        }
+    }
+}
