@@ -25,6 +25,12 @@ py=${GPU_PYTHON:-/opt/torch/.venv/bin/python}
 sp=$("$py" -c 'import site; print(site.getsitepackages()[0])') || exit 1
 export LD_LIBRARY_PATH="$sp/torch/lib:$sp/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# `make gpu-worker` packs gpu-bin/ into gpu-carry/gpu-bin.tar.xz (carry
+# gpu-carry: gpu-bin/ itself is larger than the device tool carries).
+if [ ! -f gpu-bin/BUILT-AT ] && [ -f gpu-carry/gpu-bin.tar.xz ]; then
+  "$py" -c 'import tarfile; tarfile.open("gpu-carry/gpu-bin.tar.xz").extractall(".")' || exit 1
+fi
+
 # The test binaries name the tree (reference scripts) and the worker binary
 # by the paths they were built at: make those paths lead here.
 read -r built target < gpu-bin/BUILT-AT || exit 1
