@@ -75,6 +75,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   check fused_ops gpu-bin/fused_ops --ignored --nocapture --test-threads 1 cuda &
   # issue 38: NCCL at W = 1 through the engine's c10d group path.
   check c10d_jobs gpu-bin/c10d_jobs --ignored --nocapture --test-threads 1 nccl &
+  # issue 40: pipeline stages on cuda:0 (two processes sharing the GPU).
+  check pipeline gpu-bin/pipeline --ignored --nocapture --test-threads 1 on_cuda &
   for job in $(jobs -p); do wait "$job" || status=1; done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -521,7 +521,11 @@ fn lm_cuda_graphed_equals_eager() {
                 "{precision}: replays graphed {replays} (sync {syncs}), eager {eager_replays}: {g_steps:?}"
             ));
         }
-        let tol = if precision.starts_with("fp32") { 1e-6 } else { 1e-5 };
+        let tol = if precision.starts_with("fp32") {
+            1e-6
+        } else {
+            1e-5
+        };
         if asserted && (diff > tol || loss > 1e-5 || norm > 1e-5) {
             failures.push(format!(
                 "{precision}: parameters {diff:e} (tolerance {tol:e}), losses {loss:e}, norms {norm:e}"

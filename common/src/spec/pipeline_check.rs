@@ -110,8 +110,5 @@ impl JobSpec {
                 c.fail(field, n, later("an elastic world (stages re-forming)"));
             }
         }
-        if self.device.starts_with("cuda") {
-            c.fail("device", &self.device, later("CUDA"));
-        }
     }
 }

@@ -138,10 +138,19 @@ impl MeshConfig {
         Transport::for_axis(self.backend, axis, self.cuda.is_some())
     }
 
-    /// Refuses NCCL groups where two ranks share a GPU, naming the way out.
+    /// The CUDA device whose NCCL carries this job's c10d groups: none on
+    /// the CPU, and none where ranks share a GPU (NCCL cannot run two
+    /// ranks on one GPU): there the c10d groups that must be c10d (the
+    /// pipeline and tensor axes, point to point) are gloo through the host.
+    pub fn nccl_device(&self) -> Option<usize> {
+        self.cuda.filter(|_| !self.shared_gpu)
+    }
+
+    /// Refuses c10d for the data axis or the world where two ranks share
+    /// a GPU (asked for as `backend = "c10d"`), naming the way out.
     fn check_nccl(&self) -> Result<(), GroupError> {
-        let c10d = std::iter::once(None)
-            .chain(Axis::ALL.map(Some))
+        let c10d = [None, Some(Axis::Data)]
+            .into_iter()
             .any(|a| self.transport(a) == Transport::C10d);
         match self.cuda {
             Some(d) if self.shared_gpu && c10d => Err(setup(format!(
@@ -275,7 +284,7 @@ impl Mesh {
                 )?)
             });
         }
-        let name = |a: Option<Axis>| match (cfg.transport(a), cfg.cuda) {
+        let name = |a: Option<Axis>| match (cfg.transport(a), cfg.nccl_device()) {
             (Transport::Ring, _) => "ring",
             (Transport::C10d, None) => "c10d",
             (Transport::C10d, Some(_)) => "nccl",
@@ -318,7 +327,7 @@ impl Mesh {
             Transport::C10d => {
                 let client = client.ok_or_else(|| setup("no c10d store in this generation"))?;
                 let (size, timeout) = (members.len(), world_cfg.timeout);
-                let g = match cfg.cuda {
+                let g = match cfg.nccl_device() {
                     Some(d) => C10dGroup::nccl(client.clone(), &name, me, size, timeout, d)?,
                     None => C10dGroup::gloo(client.clone(), &name, &cfg.host, me, size, timeout)?,
                 };
@@ -509,6 +518,18 @@ mod tests {
         // The CPU has no such limit.
         let cpu = cfg(2, Backend::C10d, None, &["127.0.0.1:1", "127.0.0.1:2"]);
         assert!(!cpu.shared_gpu && cpu.check_nccl().is_ok());
+        assert_eq!(cpu.nccl_device(), None);
+        // Two pipeline stages sharing cuda:0: their axis is c10d (point to
+        // point) on gloo, not NCCL, and not refused.
+        let mut stages = cfg(1, Backend::Auto, Some(0), &["127.0.0.1:1", "127.0.0.1:2"]);
+        stages.dims.pipeline = 2;
+        assert_eq!(stages.transport(Some(Axis::Pipeline)), C10d);
+        assert_eq!(stages.nccl_device(), None);
+        assert!(stages.check_nccl().is_ok());
+        // A stage per host: NCCL on the job's GPU.
+        let mut apart = cfg(1, Backend::Auto, Some(0), &["10.0.0.1:1", "10.0.0.2:1"]);
+        apart.dims.pipeline = 2;
+        assert_eq!(apart.nccl_device(), Some(0));
     }
 
     #[test]

@@ -76,6 +76,11 @@ pub enum EagerReason {
     /// (SGD's momentum buffer is a copy of the first gradient), which a
     /// graph cannot keep.
     NoOptimizerState,
+    /// The job runs in pipeline stages: a stage's micro-steps wait for
+    /// its neighbours' activations and gradients, and its sync step sums
+    /// the gradient norm over the stages between the reduction and the
+    /// step (graphing a stage is later work).
+    PipelineStage,
 }
 
 impl fmt::Display for EagerReason {
@@ -104,6 +109,7 @@ impl fmt::Display for EagerReason {
             Self::NoOptimizerState => {
                 write!(f, "the optimizer makes its state in its first step")
             }
+            Self::PipelineStage => write!(f, "pipeline stages run eagerly"),
         }
     }
 }

@@ -154,15 +154,6 @@ impl<C: Collective> Engine<C> {
         // A pipeline stage trains its blocks' parameters; every rank built
         // the whole model with the job's seed (the initial weights of
         // P = 1), the rest stays frozen by name.
-        if stages.is_some() && device.is_cuda() {
-            return Err(Error::Field {
-                field: "device",
-                value: format!("{device:?}"),
-                reason: "pipeline stages run on the CPU for now (issue 40: the activations \
-                         cross over gloo); set device = \"cpu\""
-                    .into(),
-            });
-        }
         let pipe = match stages {
             Some((stage, n)) => {
                 let (p, names) = pipe::plan(&spec, &model, stage, n)?;
@@ -287,6 +278,13 @@ impl<C: Collective> Engine<C> {
                 if staged && spec.accumulation.normalize != crate::spec::Normalize::GlobalCount =>
             {
                 crate::graphs::Mode::Off(crate::graphs::EagerReason::PerBatchCount)
+            }
+            // A stage waits on its neighbours inside a micro-step and sums
+            // the norm over the stages inside the sync step.
+            crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
+                if stages.is_some() =>
+            {
+                crate::graphs::Mode::Off(crate::graphs::EagerReason::PipelineStage)
             }
             m => m,
         };

@@ -171,8 +171,10 @@ fn code_kind(code: i64) -> Kind {
     }
 }
 
-/// Posts `t` to stage `to` with its shape and type first.
+/// Posts `t` to stage `to` with its shape and type first (through the
+/// host when the group carries host tensors and `t` is on a GPU).
 fn send_with_shape(g: &mut dyn Group, t: Tensor, to: usize) -> Result<Vec<Posted>> {
+    let t = t.f_to_device(g.device()).ctx("sending an activation")?;
     let size = t.size();
     let mut header = vec![size.len() as i64];
     header.extend(size.iter().copied());
@@ -184,8 +186,9 @@ fn send_with_shape(g: &mut dyn Group, t: Tensor, to: usize) -> Result<Vec<Posted
     Ok(vec![(a, h), (b, t)])
 }
 
-/// Receives a tensor [`send_with_shape`] sent from stage `from`.
-fn recv_with_shape(g: &mut dyn Group, from: usize) -> Result<Tensor> {
+/// Receives a tensor [`send_with_shape`] sent from stage `from`, on
+/// `device`.
+fn recv_with_shape(g: &mut dyn Group, from: usize, device: tch::Device) -> Result<Tensor> {
     let h = Tensor::f_zeros([6], (Kind::Int64, tch::Device::Cpu)).ctx("receiving an activation")?;
     g.recv(&h, from)
         .map_err(group_err)?
@@ -194,13 +197,32 @@ fn recv_with_shape(g: &mut dyn Group, from: usize) -> Result<Tensor> {
     let header = Vec::<i64>::try_from(&h).ctx("receiving an activation")?;
     let dims = header[0].clamp(0, 4) as usize;
     let shape = &header[1..1 + dims];
-    let t = Tensor::f_zeros(shape, (code_kind(header[5]), tch::Device::Cpu))
+    let t = Tensor::f_zeros(shape, (code_kind(header[5]), g.device()))
         .ctx("receiving an activation")?;
     g.recv(&t, from)
         .map_err(group_err)?
         .wait()
         .map_err(group_err)?;
-    Ok(t)
+    t.f_to_device(device).ctx("receiving an activation")
+}
+
+/// Receives into `t` from group rank `from` (waited for), through a
+/// buffer on the group's device when `t` is elsewhere.
+fn recv_into(g: &mut dyn Group, t: &Tensor, from: usize, what: &'static str) -> Result<()> {
+    let on = g.device();
+    let buffer = if t.device() == on {
+        t.shallow_clone()
+    } else {
+        Tensor::f_zeros(t.size(), (t.kind(), on)).ctx(what)?
+    };
+    g.recv(&buffer, from)
+        .map_err(group_err)?
+        .wait()
+        .map_err(group_err)?;
+    if t.device() != on {
+        t.shallow_clone().f_copy_(&buffer).ctx(what)?;
+    }
+    Ok(())
 }
 
 impl<C: Collective> Engine<C> {
@@ -215,6 +237,9 @@ impl<C: Collective> Engine<C> {
         self.window.started = Some(started);
         self.window.bytes_at_start = self.collective.bytes();
         self.graph.zero_loss(self.device)?;
+        if let crate::graphs::Mode::Off(reason) = self.graph.mode().clone() {
+            self.window.eager_reason = Some(self.graph.holder.eager("micro-steps", &reason));
+        }
         let micros: Vec<usize> = self
             .step_schedule
             .window(&self.plan, self.state.cursor as usize)
@@ -248,7 +273,7 @@ impl<C: Collective> Engine<C> {
                     } else {
                         let t = Instant::now();
                         let g = self.collective.pipeline_group()?;
-                        let x = recv_with_shape(g, pipe.stage - 1)?;
+                        let x = recv_with_shape(g, pipe.stage - 1, self.device)?;
                         bubble += t.elapsed();
                         Some(x.set_requires_grad(true))
                     };
@@ -313,6 +338,10 @@ impl<C: Collective> Engine<C> {
                         Some(out)
                     };
                     flight[micro] = Some(InFlight { input, output });
+                    // Fault-injection tests: a micro-step that lasts.
+                    if let Some(d) = self.opts.micro_step_delay {
+                        std::thread::sleep(d);
+                    }
                 }
                 PipeOp::Backward { micro } => {
                     let Some(f) = flight[micro].take() else {
@@ -323,10 +352,7 @@ impl<C: Collective> Engine<C> {
                         let grad = output.f_zeros_like().ctx("receiving a gradient")?;
                         let t = Instant::now();
                         let g = self.collective.pipeline_group()?;
-                        g.recv(&grad, pipe.stage + 1)
-                            .map_err(group_err)?
-                            .wait()
-                            .map_err(group_err)?;
+                        recv_into(g, &grad, pipe.stage + 1, "receiving a gradient")?;
                         bubble += t.elapsed();
                         // backward(grad): the backward of sum(output * grad),
                         // whose gradient at the output is `grad` exactly.
@@ -338,8 +364,8 @@ impl<C: Collective> Engine<C> {
                     }
                     if let Some(x) = f.input {
                         let t = Instant::now();
-                        let g_in = x.grad();
                         let g = self.collective.pipeline_group()?;
+                        let g_in = x.grad().f_to_device(g.device()).ctx("sending a gradient")?;
                         sends.push((g.send(&g_in, pipe.stage - 1).map_err(group_err)?, g_in));
                         transfer += t.elapsed();
                     }
@@ -413,15 +439,21 @@ impl<C: Collective> Engine<C> {
             .ok_or_else(|| Error::Schedule(format!("no tied embedding {name} on this stage")))
     }
 
-    /// `t` to stage `to` (`send`) or from it into `t`, waited for.
+    /// `t` to stage `to` (`send`) or from it into `t`, waited for
+    /// (through the host when the group carries host tensors).
     fn exchange(&mut self, t: &Tensor, peer: usize, send: bool) -> Result<()> {
         let group = self.collective.pipeline_group()?;
-        let op = if send {
-            group.send(t, peer)
-        } else {
-            group.recv(t, peer)
-        };
-        op.map_err(group_err)?.wait().map_err(group_err)
+        if !send {
+            return recv_into(group, t, peer, "receiving from another stage");
+        }
+        let t = t
+            .f_to_device(group.device())
+            .ctx("sending to another stage")?;
+        group
+            .send(&t, peer)
+            .map_err(group_err)?
+            .wait()
+            .map_err(group_err)
     }
 
     /// A tied embedding's head gradient (the last stage's copy) added to
@@ -662,7 +694,10 @@ impl<C: Collective> Engine<C> {
             };
             let x = match &batch {
                 Some(b) if pipe.is_first() => b.inputs.shallow_clone(),
-                _ => recv_with_shape(self.collective.pipeline_group()?, pipe.stage - 1)?,
+                _ => {
+                    let device = self.device;
+                    recv_with_shape(self.collective.pipeline_group()?, pipe.stage - 1, device)?
+                }
             };
             let staged = self.model.staged().ok_or_else(|| {
                 Error::Schedule("this model does not run in pipeline stages".into())

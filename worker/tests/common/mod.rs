@@ -1,6 +1,7 @@
 //! Shared helpers for the engine tests.
 #![allow(dead_code)]
 
+pub mod lm_ddp;
 pub mod procs;
 
 use accrue_worker::comm::{bind, RingConfig, TcpRing};

@@ -78,11 +78,18 @@ def build():
                                             attn_implementation=cfg.get("attn", "sdpa"))
 
 
+def weights(model):
+    """The state_dict as save_pretrained writes it: a tied head is the
+    embedding and is left out (safetensors refuses shared storage)."""
+    tied = model.config.tie_word_embeddings
+    return {k: v.contiguous() for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")}
+
+
 def prepare():
     torch.manual_seed(cfg["seed"])
     model = build()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              f"{out_dir}/init.safetensors")
+    save_file(weights(model), f"{out_dir}/init.safetensors")
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
     t, vocab = cfg["seq_len"], cfg["model"]["vocab_size"]
     rows, masks = [], []
@@ -148,7 +155,12 @@ def train():
     tag = "" if precision == "fp32" else precision + "-"
     for norm_mode in cfg["modes"]:
         model = build()
-        model.load_state_dict(load_file(f"{out_dir}/init.safetensors"))
+        missing, unexpected = model.load_state_dict(
+            load_file(f"{out_dir}/init.safetensors"), strict=False)
+        # Strict but for a tied head, which is the embedding.
+        tied = model.config.tie_word_embeddings
+        assert list(missing) == (["lm_head.weight"] if tied else []), missing
+        assert list(unexpected) == [], unexpected
         ddp = DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
         scaler = torch.amp.GradScaler("cpu") if fp16 else None
@@ -218,8 +230,7 @@ def train():
                 steps.append({"loss": loss_sum.item() / n_global,
                               "grad_norm": g if math.isfinite(g) else None,
                               "tokens": n_global, "loss_scale": scales[-1] if fp16 else 0.0})
-        save_file({k2: v.contiguous() for k2, v in model.state_dict().items()},
-                  f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.safetensors")
+        save_file(weights(model), f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.safetensors")
         with open(f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.json", "w") as f:
             json.dump({"world": world, "steps": steps}, f)
     # Every file is written: leave without tearing gloo down
