@@ -551,6 +551,17 @@ fn print_job(j: &Job) {
         j.generation,
         j.accumulation_steps
     );
+    // A job cut into stages (or tensor ranks): each worker's place.
+    let dims = accrue_coordinator::scheduler::model_dims(j);
+    if dims.pipeline * dims.tensor > 1 {
+        for (rank, w) in j.workers.iter().enumerate() {
+            let c = accrue_coordinator::scheduler::coords_of(j, rank as u32);
+            println!(
+                "  rank {rank:<3} {w}: data {} pipeline stage {} tensor {}",
+                c.data, c.pipeline, c.tensor
+            );
+        }
+    }
     // A language model counts target tokens where others count samples.
     let lm = accrue_coordinator::http::is_lm(j);
     let unit = if lm { "tokens" } else { "samples" };
@@ -562,6 +573,13 @@ fn print_job(j: &Job) {
         "last step  loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} {unit}/s {:.0}",
         c.loss, c.grad_norm, c.clip_coef, c.lr, c.samples_per_sec
     );
+    if let Some(t) = c.timing.filter(|_| dims.pipeline > 1) {
+        // The last stage's (the loss owner's) split of its step.
+        println!(
+            "pipeline   last stage: compute {:.3} s, bubble {:.3} s, transfer {:.3} s",
+            t.compute_s, t.bubble_s, t.transfer_s
+        );
+    }
     if let Some(e) = &j.eval {
         println!("eval       {} (step {})", eval_words(e, lm), e.step);
     }

@@ -227,3 +227,94 @@ fn submit_list_status_cancel_and_watch_as_processes() {
         stderr(&o)
     );
 }
+
+/// A job in pipeline stages (issue 40): `/v1/workers` (the status page's
+/// workers table) gives each worker's (data, pipeline, tensor) place and
+/// its last step's bubble while it runs, and `accrue status` names each
+/// rank's place and the last stage's split of its step (compute, bubble,
+/// transfer).
+#[test]
+fn a_pipeline_job_shows_each_workers_place_and_bubble() {
+    let d = TempDir::new().unwrap();
+    let args = coordinator_args(&d.path().join("state"), &[]);
+    let co = spawn_coordinator(&args, &d.path().join("coordinator.log"));
+    let g = co.grpc.as_str();
+    // 50 ms a micro-step: the job runs for a few seconds.
+    let slow = ["--micro-step-delay-ms", "50"];
+    let _w = Workers(vec![
+        spawn_worker(g, "pp0", d.path(), &slow),
+        spawn_worker(g, "pp1", d.path(), &slow),
+    ]);
+    let job = write(
+        d.path(),
+        "pp.toml",
+        &job_toml("pp", 2, 40, "[parallel]\npipeline = 2\n"),
+    );
+    let id = expect(g, &["submit", job.to_str().unwrap()], 0)
+        .trim()
+        .to_string();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let token = creds().token("read");
+    let url = format!("https://{}/v1/workers", co.http);
+    let mut seen = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen.is_none() && Instant::now() < deadline {
+        let body: serde_json::Value = rt.block_on(async {
+            let r = creds().http().get(&url).bearer_auth(&token).send().await;
+            match r {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(_) => serde_json::Value::Null,
+            }
+        });
+        let mine: Vec<serde_json::Value> = body["workers"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|w| w["job"] == id.as_str())
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        if mine.len() == 2 && mine.iter().all(|w| w["bubble_s"].is_number()) {
+            seen = Some(mine);
+        } else {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    let seen = seen.expect("both workers of the pipeline job with a step's bubble");
+    for w in &seen {
+        let rank = w["rank"].as_u64().unwrap();
+        assert_eq!(
+            w["coords"],
+            serde_json::json!({"data": 0, "pipeline": rank, "tensor": 0}),
+            "{w}"
+        );
+        assert!(w["bubble_s"].as_f64().unwrap() >= 0.0, "{w}");
+    }
+    // The first stage waits for the last stage's gradients: a bubble.
+    let first = seen.iter().find(|w| w["rank"] == 0).unwrap();
+    assert!(first["bubble_s"].as_f64().unwrap() > 0.0, "{first}");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut status = String::new();
+    while Instant::now() < deadline {
+        status = expect(g, &["status", &id], 0);
+        if status.contains("state      succeeded") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(status.contains("state      succeeded"), "{status}");
+    for rank in 0..2 {
+        assert!(
+            status
+                .lines()
+                .any(|l| l.trim_start().starts_with(&format!("rank {rank} "))
+                    && l.ends_with(&format!("data 0 pipeline stage {rank} tensor 0"))),
+            "rank {rank}'s place:\n{status}"
+        );
+    }
+    assert!(
+        status.contains("pipeline   last stage: compute "),
+        "{status}"
+    );
+}

@@ -205,7 +205,10 @@ export function jobView(id) {
     const mine = all.filter((w) => w.job === id)
       .sort((a, b) => (fin(a.rank) ? a.rank : 1e9) - (fin(b.rank) ? b.rank : 1e9) || String(a.id).localeCompare(String(b.id)));
     const tb = $('workers').tBodies[0];
-    tb.replaceChildren(...mine.map((w) => row([[w.id], [str(w.rank), 'num'], [str(w.generation), 'num'], [str(w.device)],
+    const place = (c) => (c ? `${c.data}, ${c.pipeline}, ${c.tensor}` : DASH);
+    const secs = (x) => (fin(x) ? x.toFixed(3) + ' s' : DASH);
+    tb.replaceChildren(...mine.map((w) => row([[w.id], [str(w.rank), 'num'], [place(w.coords)], [secs(w.bubble_s), 'num'],
+      [str(w.generation), 'num'], [str(w.device)],
       [str(w.data_addr)], [fin(w.last_seen_age_s) ? w.last_seen_age_s.toFixed(1) + ' s ago' : DASH],
       [str(w.step), 'num'], [fmtInt(w.samples_per_sec), 'num']])));
     $('workers-empty').hidden = mine.length > 0;

@@ -257,12 +257,21 @@ pub(super) async fn workers(State(g): State<Arc<Gate>>) -> Response {
             .map(|(id, w)| {
                 let job = w.job.as_ref().map(|(j, _)| j.as_str());
                 let lm = job.and_then(|j| cl.job(j)).is_some_and(is_lm);
+                // A rank's (data, pipeline, tensor) place, and how long
+                // its last step waited on its pipeline neighbours.
+                let coords = w.job.as_ref().and_then(|(j, r)| {
+                    let c = crate::scheduler::coords_of(cl.job(j)?, *r);
+                    Some(json!({"data": c.data, "pipeline": c.pipeline, "tensor": c.tensor}))
+                });
                 let mut v = json!({
                     "id": id,
                     "device": w.device,
                     "data_addr": w.data_addr,
                     "job": job,
                     "rank": w.job.as_ref().map(|(_, r)| r),
+                    "coords": coords,
+                    "bubble_s": w.timing.map(|t| t.bubble_s),
+                    "transfer_s": w.timing.map(|t| t.transfer_s),
                     "generation": job.and_then(|j| cl.job(j)).map(|j| j.generation),
                     "last_seen_age_s": (now - w.last_seen_ms).max(0) as f64 / 1000.0,
                     "step": w.step.map(|(s, _)| s),

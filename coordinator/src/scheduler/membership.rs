@@ -49,6 +49,7 @@ impl Cluster {
                 draining: None,
                 device: hello.device.clone(),
                 step: None,
+                timing: None,
             },
         );
         if let Some((job, generation, rank)) = claimed {

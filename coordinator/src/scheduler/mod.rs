@@ -35,6 +35,7 @@ mod recovery;
 #[cfg(test)]
 mod recovery_tests;
 mod reports;
+pub use reports::{coords_of, model_dims};
 #[cfg(test)]
 mod resume_tests;
 #[cfg(test)]
@@ -225,6 +226,8 @@ pub struct WorkerEntry {
     /// Its last step report in its current job: the step and its own
     /// share of the throughput (the window's samples/s over the world size).
     pub step: Option<(u64, f64)>,
+    /// That report's time split (a pipeline stage's bubble among it).
+    pub timing: Option<accrue_proto::v1::StepTiming>,
 }
 
 impl WorkerEntry {

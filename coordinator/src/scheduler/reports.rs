@@ -149,6 +149,7 @@ impl Cluster {
             .map_or(1, |e| e.job.workers.len().max(1));
         if let Some(w) = self.workers.get_mut(worker) {
             w.step = Some((r.step, r.samples_per_sec / world as f64));
+            w.timing = r.timing;
         }
         let Some(entry) = self.jobs.get_mut(&r.job_id) else {
             return;
@@ -304,13 +305,24 @@ impl Cluster {
 /// depends on the pipeline and tensor degrees only, which a job keeps for
 /// its whole life.
 pub(crate) fn loss_owner(job: &Job) -> u32 {
+    model_dims(job).loss_owner()
+}
+
+/// `job`'s pipeline and tensor degrees (data left at 1: neither the loss
+/// owner nor a rank's coordinates depend on it).
+pub fn model_dims(job: &Job) -> accrue_common::spec::ParallelDims {
     let p = job.spec.as_ref().and_then(|s| s.parallel.as_ref());
     accrue_common::spec::ParallelDims {
         data: 1,
         pipeline: p.and_then(|p| p.pipeline).unwrap_or(1).max(1),
         tensor: p.and_then(|p| p.tensor).unwrap_or(1).max(1),
     }
-    .loss_owner()
+}
+
+/// Where `rank` of `job` sits: its data replica, pipeline stage and
+/// tensor rank (stages of a replica in consecutive ranks).
+pub fn coords_of(job: &Job, rank: u32) -> accrue_common::spec::Coords {
+    model_dims(job).coords(rank)
 }
 
 #[cfg(test)]
@@ -336,5 +348,12 @@ mod loss_owner_tests {
         assert_eq!(loss_owner(&job(Some(2), Some(2))), 2);
         assert_eq!(loss_owner(&job(Some(4), None)), 3);
         assert_eq!(loss_owner(&job(None, Some(4))), 0);
+        // Stages of a replica in consecutive ranks, tensor ranks inside.
+        let c = coords_of(&job(Some(2), None), 3);
+        assert_eq!((c.data, c.pipeline, c.tensor), (1, 1, 0));
+        let c = coords_of(&job(Some(2), Some(2)), 5);
+        assert_eq!((c.data, c.pipeline, c.tensor), (1, 0, 1));
+        let c = coords_of(&Job::default(), 3);
+        assert_eq!((c.data, c.pipeline, c.tensor), (3, 0, 0));
     }
 }
