@@ -10,10 +10,10 @@
 
 mod common;
 
-use common::lm_ddp::{config, job, read, rel_diff, run_script, script, torchrun_turn, Named};
+use common::lm_ddp::{config, job, read, rel_diff, run_script, script, torchrun_turn};
 use common::procs::{run_ranks, Torchrun};
 use common::{engine, python, snapshot, spec};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 use tch::Tensor;
 use tempfile::TempDir;

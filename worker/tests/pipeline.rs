@@ -381,7 +381,7 @@ fn mixed_precision_in_stages_equals_one_process() {
 /// 2 data x 2 stages without padding (9 rows: data rank 1 runs an empty
 /// micro-batch in each epoch's last window), SGD with clipping (no amplification):
 /// every step and the final weights as the same job data-parallel alone
-/// (W = 2), within 1e-6.
+/// (W = 2), within 1e-6; with `sync = "every_step"` too.
 #[test]
 fn uneven_masked_rows_and_an_empty_micro_batch_in_stages() {
     let d = TempDir::new().unwrap();
@@ -439,6 +439,21 @@ fn uneven_masked_rows_and_an_empty_micro_batch_in_stages() {
         &model_at(dp.path(), 4),
         1e-6,
         "uneven rows, 2 x 2 against data parallelism alone",
+    );
+    // sync = every_step: the empty micro-batch reduces zeros with its
+    // data peer's (every replica of a stage reduces at the same ops).
+    let every = job(4, 2).replace(
+        "steps = 2\n[clipping]",
+        "steps = 2\nsync = \"every_step\"\n[clipping]",
+    );
+    assert!(every.contains("every_step"));
+    let (got, steps) = run(&every, 4, 4);
+    json_steps_agree(&steps, &want_steps, "uneven rows, every_step");
+    within(
+        &got,
+        &model_at(dp.path(), 4),
+        1e-6,
+        "uneven rows, 2 x 2, every_step, against data parallelism alone",
     );
 }
 
@@ -790,4 +805,35 @@ fn llama_in_stages_on_cuda_equals_one_process_on_cuda() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// `sync = "every_step"` in 2 data x 2 stages (W = 4): each micro-batch's
+/// gradients reduced over the stage's data group where its backward ends
+/// (the tied head's gradient joining the embedding's first, an empty
+/// micro-batch reducing zeros), under 1F1B at ZeRO stage 0 and GPipe at
+/// stage 2 (the sharded accumulator): every step as one process with
+/// k = 8 within 1e-6, the weights within 5e-5 (data parallelism alone
+/// against one process: 1.3e-5, docs/SEMANTICS.md).
+#[test]
+fn every_step_sync_in_stages_equals_one_process() {
+    let d = TempDir::new().unwrap();
+    let tokens = token_file(d.path(), 4 * 4 * 2 * 8 * 2 + 1);
+    let one =
+        llama(&tokens, 1, true, "1f1b").replace("steps = 4\n[clipping]", "steps = 8\n[clipping]");
+    let (want, want_steps) = alone(&one);
+    for (schedule, zero) in [("1f1b", 0u32), ("gpipe", 2)] {
+        let text = format!(
+            "{}[sharding]\nstage = {zero}\n",
+            llama(&tokens, 2, true, schedule)
+                .replace("workers = 2", "workers = 4")
+                .replace(
+                    "[accumulation]\nsteps = 4\n",
+                    "[accumulation]\nsteps = 4\nsync = \"every_step\"\n",
+                )
+        );
+        let (got, steps) = run(&text, 4, 4);
+        let what = format!("every_step, 2 x 2, {schedule}, ZeRO {zero}");
+        same_steps(&steps, &want_steps, &what);
+        within(&got, &want, 5e-5, &format!("{what}: against one process"));
+    }
 }

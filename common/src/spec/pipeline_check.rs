@@ -85,20 +85,11 @@ impl JobSpec {
         }
     }
 
-    /// What the pipeline engine runs so far (issue 40, first part): the
-    /// whole optimizer state on each stage, gradients reduced at the
-    /// window's end, rows unpacked, a fixed world, the CPU. Each refusal
-    /// names what is not built yet.
+    /// What the pipeline engine runs so far (issue 40): rows unpacked and
+    /// a fixed world. Each refusal names what is not built yet.
     pub(super) fn validate_pipeline_scope(&self, c: &mut Checker, stages: u32) {
         let later =
             |what: &str| format!("{what} with parallel.pipeline = {stages} is not built yet");
-        if self.accumulation.sync == SyncMode::EveryStep {
-            c.fail(
-                "accumulation.sync",
-                "every_step",
-                later("sync = every_step"),
-            );
-        }
         if self.data.pack {
             c.fail("data.pack", true, later("packed rows"));
         }

@@ -255,11 +255,19 @@ impl<C: Collective> Engine<C> {
         let mut sends: Vec<Posted> = Vec::new();
         let (mut bubble, mut transfer) = (Duration::ZERO, Duration::ZERO);
         let summed = self.spec.accumulation.normalize == crate::spec::Normalize::GlobalCount;
+        // sync = every_step: each micro-batch's gradients are reduced over
+        // the stage's data group where its backward ends on this stage
+        // (the last stage's inside its forward), an empty micro-batch's
+        // too, so every replica of a stage reduces at the same ops.
+        let every = self.spec.accumulation.sync == crate::spec::SyncMode::EveryStep;
         for op in ops {
             match op {
                 PipeOp::Forward { micro } => {
                     let (a, b) = self.plan.micro_batch_range(micros[micro]);
                     if b == a {
+                        if every && pipe.is_last() {
+                            self.pipeline_reduce_micro()?;
+                        }
                         continue;
                     }
                     let idx = self.micro_batch_indices(a, b)?;
@@ -327,6 +335,9 @@ impl<C: Collective> Engine<C> {
                         self.graph.add_loss(&loss_sum)?;
                         self.window.count += batch.count;
                         self.window.batches += 1;
+                        if every {
+                            self.pipeline_reduce_micro()?;
+                        }
                         None
                     } else {
                         drop(autocast);
@@ -344,30 +355,39 @@ impl<C: Collective> Engine<C> {
                     }
                 }
                 PipeOp::Backward { micro } => {
-                    let Some(f) = flight[micro].take() else {
-                        continue;
-                    };
-                    // The last stage's backward ran with its forward.
-                    if let Some(output) = &f.output {
-                        let grad = output.f_zeros_like().ctx("receiving a gradient")?;
-                        let t = Instant::now();
-                        let g = self.collective.pipeline_group()?;
-                        recv_into(g, &grad, pipe.stage + 1, "receiving a gradient")?;
-                        bubble += t.elapsed();
-                        // backward(grad): the backward of sum(output * grad),
-                        // whose gradient at the output is `grad` exactly.
-                        output
-                            .f_mul(&grad)
-                            .and_then(|y| y.f_sum(Kind::Float))
-                            .and_then(|y| y.f_backward())
-                            .ctx("running backward")?;
+                    let f = flight[micro].take();
+                    if let Some(f) = f {
+                        // The last stage's backward ran with its forward.
+                        if let Some(output) = &f.output {
+                            let grad = output.f_zeros_like().ctx("receiving a gradient")?;
+                            let t = Instant::now();
+                            let g = self.collective.pipeline_group()?;
+                            recv_into(g, &grad, pipe.stage + 1, "receiving a gradient")?;
+                            bubble += t.elapsed();
+                            // backward(grad): the backward of sum(output * grad),
+                            // whose gradient at the output is `grad` exactly.
+                            output
+                                .f_mul(&grad)
+                                .and_then(|y| y.f_sum(Kind::Float))
+                                .and_then(|y| y.f_backward())
+                                .ctx("running backward")?;
+                        }
+                        if let Some(x) = f.input {
+                            let t = Instant::now();
+                            let g = self.collective.pipeline_group()?;
+                            let g_in =
+                                x.grad().f_to_device(g.device()).ctx("sending a gradient")?;
+                            sends.push((g.send(&g_in, pipe.stage - 1).map_err(group_err)?, g_in));
+                            transfer += t.elapsed();
+                        }
                     }
-                    if let Some(x) = f.input {
-                        let t = Instant::now();
-                        let g = self.collective.pipeline_group()?;
-                        let g_in = x.grad().f_to_device(g.device()).ctx("sending a gradient")?;
-                        sends.push((g.send(&g_in, pipe.stage - 1).map_err(group_err)?, g_in));
-                        transfer += t.elapsed();
+                    if every {
+                        // A tied head's gradient of this micro-batch joins
+                        // the embedding's before the first stage reduces.
+                        self.pipeline_tied_micro(&mut sends)?;
+                        if !pipe.is_last() {
+                            self.pipeline_reduce_micro()?;
+                        }
                     }
                 }
             }
@@ -463,12 +483,60 @@ impl<C: Collective> Engine<C> {
         let Some((pipe, name)) = self.tied_across() else {
             return Ok(());
         };
+        // sync = every_step sent them with each micro-batch.
+        if self.spec.accumulation.sync == crate::spec::SyncMode::EveryStep {
+            return Ok(());
+        }
         let _guard = tch::no_grad_guard();
         if pipe.is_last() {
             let mut g = self.tied_tensor(&name, true)?.grad();
             let sent = g.f_contiguous().ctx("sending the tied gradient")?;
             self.exchange(&sent, 0, true)?;
             let _ = g.f_zero_().ctx("clearing the tied gradient")?;
+        } else if pipe.is_first() {
+            let mut g = self.tied_tensor(&name, false)?.grad();
+            let other = g.f_zeros_like().ctx("receiving the tied gradient")?;
+            self.exchange(&other, pipe.stages - 1, false)?;
+            let _ = g.f_add_(&other).ctx("adding the tied gradient")?;
+        }
+        Ok(())
+    }
+
+    /// sync = every_step: one micro-batch's gradients reduced over the
+    /// stage's data group into the window's sums (the buffer back for the
+    /// next backward: ZeRO 2 frees it).
+    fn pipeline_reduce_micro(&mut self) -> Result<()> {
+        let t = Instant::now();
+        self.reduce_micro_step()?;
+        self.placement.grads.restore(&self.model.params)?;
+        self.window.comm += t.elapsed();
+        Ok(())
+    }
+
+    /// sync = every_step: the last stage posts its tied head's gradient
+    /// of this micro-batch (zeros for an empty one) to the first stage and
+    /// clears it; the first stage adds it to the embedding's gradient
+    /// before that micro-batch's reduction.
+    fn pipeline_tied_micro(&mut self, sends: &mut Vec<Posted>) -> Result<()> {
+        let Some((pipe, name)) = self.tied_across() else {
+            return Ok(());
+        };
+        let _guard = tch::no_grad_guard();
+        if pipe.is_last() {
+            let copy = self.tied_tensor(&name, true)?;
+            let mut g = copy.grad();
+            let group = self.collective.pipeline_group()?;
+            let sent = if g.defined() {
+                g.f_detach_copy()
+            } else {
+                copy.f_zeros_like()
+            }
+            .and_then(|t| t.f_to_device(group.device()))
+            .ctx("sending the tied gradient")?;
+            sends.push((group.send(&sent, 0).map_err(group_err)?, sent));
+            if g.defined() {
+                let _ = g.f_zero_().ctx("clearing the tied gradient")?;
+            }
         } else if pipe.is_first() {
             let mut g = self.tied_tensor(&name, false)?.grad();
             let other = g.f_zeros_like().ctx("receiving the tied gradient")?;

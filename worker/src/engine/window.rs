@@ -295,7 +295,7 @@ impl<C: Collective> Engine<C> {
 
     /// sync = every_step: reduce this micro-step's gradients now and add
     /// them to the window's sums (as the placement keeps them).
-    fn reduce_micro_step(&mut self) -> Result<()> {
+    pub(super) fn reduce_micro_step(&mut self) -> Result<()> {
         let (placement, mut parts) = self.placed();
         placement.reduce_micro_step(&mut parts)
     }
