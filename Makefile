@@ -156,6 +156,13 @@ bench-pipeline: setup
 	$(CARGO) build --release -p accrue-worker
 	.venv/bin/python worker/benches/pipeline_vs_torch.py --worker target/release/accrue-worker $(BENCH_ARGS)
 
+# Section 13 too: the bubble against (P - 1) / (k + P - 1) at P = 1, 2, 4
+# and k = 1 to 16, and each worker's peak resident memory (GNU time).
+.PHONY: bench-pipeline-bubble
+bench-pipeline-bubble: setup
+	$(CARGO) build --release -p accrue-worker
+	.venv/bin/python worker/benches/pipeline_bubble.py --worker target/release/accrue-worker $(BENCH_ARGS)
+
 # The CUDA checks (issues 17, 18, 19), run ON the GPU machine, which has no
 # Rust and no network: `make gpu-worker` here builds the worker and the
 # CUDA test binaries with ACCRUE_CUDA=1 (reference tests pointed at the GPU
