@@ -28,112 +28,26 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def model_fields(layers, hidden, vocab):
-    inter = -(-(8 * hidden // 3) // 64) * 64
-    return {
-        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
-        "num_hidden_layers": layers, "num_attention_heads": hidden // 64,
-        "num_key_value_heads": hidden // 64, "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    }
-
-
-def token_file(path, count, vocab):
-    rng = np.random.default_rng(0)
-    header = np.zeros(256, dtype=np.int32)
-    header[:3] = [20240520, 1, count]
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(rng.integers(0, vocab, count, dtype=np.uint16).tobytes())
-
-
-def job(d, fields, t, b, k, steps, stages, schedule):
-    model = "\n".join(f"{key} = {json.dumps(v)}" for key, v in fields.items())
-    parallel = f"[parallel]\npipeline = {stages}\nschedule = \"{schedule}\"\n" if stages > 1 else ""
-    return f"""
-name = "pp-bubble"
-seed = 0
-workers = {stages}
-max_steps = {steps}
-device = "cpu"
-threads = 1
-[model]
-kind = "llama"
-{model}
-init = "{d}/init.safetensors"
-[data]
-kind = "tokens"
-path = "{d}/train.bin"
-seq_len = {t}
-batch_size = {b}
-shuffle = false
-[accumulation]
-steps = {k}
-[optimizer]
-kind = "adamw"
-lr = 0.001
-weight_decay = 0.1
-[comm]
-timeout_s = 300
-connect_timeout_s = 60
-{parallel}"""
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_vs_torch import accrue_job, launch, model_fields, token_file  # noqa: E402
 
 
 def run(worker, d, text, stages):
     """Median step time and stage 0 waiting share (steps 3..), and each
     rank's peak resident memory in MiB."""
-    path = d / "job.toml"
-    path.write_text(text)
-    (d / "secret").write_text("bench-secret\n")
-    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(stages))
-    env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn")
-    procs = []
-    for r in range(stages):
-        out = open(d / f"rank{r}.out", "w")
-        err = open(d / f"rank{r}.log", "w")
-        # GNU time reports the worker's own peak: a child forked from this
-        # Python would inherit its high-water mark (torch loaded) across
-        # exec, and wait4's ru_maxrss would be that.
-        procs.append(subprocess.Popen(
-            ["/usr/bin/time", "-f", "%M", "-o", str(d / f"rank{r}.rss"),
-             worker, "train", str(path), "--json", "--rank", str(r), "--world-size", str(stages),
-             "--peers", peers, "--secret-file", str(d / "secret"),
-             "--checkpoint-dir", str(d / f"ckpt-{r}")],
-            stdout=out, stderr=err, env=env))
-    peaks = []
-    for r, p in enumerate(procs):
-        if p.wait(timeout=3600) != 0:
-            sys.exit(f"accrue rank {r} failed:\n{(d / f'rank{r}.log').read_text()[-3000:]}")
-        peaks.append(int((d / f"rank{r}.rss").read_text().split()[-1]) / 1024)
-    lines = [json.loads(line) for line in (d / "rank0.out").read_text().splitlines()
-             if line.startswith("{")]
-    steps = [e["step"] for e in lines if e.get("event") == "step"][2:]
+    steps, peaks = launch(worker, d, text, stages, rss=True)
+    steps = steps[2:]
     times = [s["samples"] / s["samples_per_sec"] for s in steps]
     waits = [s["timing"]["bubble_s"] / t for s, t in zip(steps, times)]
     return statistics.median(times), statistics.median(waits), peaks
@@ -169,7 +83,10 @@ def main():
             for k in ks:
                 d = root / f"p{stages}-k{k}"
                 d.mkdir()
-                text = job(root, fields, a.seq_len, a.batch, k, a.steps, stages, a.schedule)
+                per = [a.layers // stages] * stages
+                per[-1] += a.layers - sum(per)
+                text = accrue_job(root, fields, a.seq_len, a.batch, k, a.steps, stages, per,
+                                  a.schedule)
                 step, wait, peaks = run(a.worker, d, text, stages)
                 print(f"P={stages} k={k}: step {step * 1000:.1f} ms, stage 0 waits {wait:.0%}, "
                       f"peak RSS {', '.join(f'{m:.0f}' for m in peaks)} MiB", file=sys.stderr)

@@ -57,23 +57,23 @@ def free_ports(n):
     return ports
 
 
-def model_fields(layers, hidden):
+def model_fields(layers, hidden, vocab=VOCAB):
     inter = -(-(8 * hidden // 3) // 64) * 64
     return {
-        "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": inter,
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
         "num_hidden_layers": layers, "num_attention_heads": hidden // 64,
         "num_key_value_heads": hidden // 64, "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
     }
 
 
-def token_file(path, count):
+def token_file(path, count, vocab=VOCAB):
     rng = np.random.default_rng(0)
     header = np.zeros(256, dtype=np.int32)
     header[:3] = [20240520, 1, count]
     with open(path, "wb") as f:
         f.write(header.tobytes())
-        f.write(rng.integers(0, VOCAB, count, dtype=np.uint16).tobytes())
+        f.write(rng.integers(0, vocab, count, dtype=np.uint16).tobytes())
 
 
 def accrue_job(d, fields, t, b, k, steps, stages, per, schedule):
@@ -102,16 +102,20 @@ kind = "adamw"
 lr = 0.001
 weight_decay = 0.1
 [comm]
-timeout_s = 120
+timeout_s = 300
 connect_timeout_s = 60
-[parallel]
+""" + (f"""[parallel]
 pipeline = {stages}
 schedule = "{schedule}"
 layers_per_stage = {json.dumps(per)}
-"""
+""" if stages > 1 else "")
 
 
-def run_accrue(worker, d, text, stages):
+def launch(worker, d, text, stages, rss=False):
+    """Runs `text` on `stages` processes to the end: rank 0's step
+    reports, and (`rss`) each process's peak resident memory in MiB (GNU
+    time's: a child forked from this Python would inherit its high-water
+    mark, torch loaded, across exec)."""
     job = d / "job.toml"
     job.write_text(text)
     (d / "secret").write_text("bench-secret\n")
@@ -121,17 +125,25 @@ def run_accrue(worker, d, text, stages):
     for r in range(stages):
         out = open(d / f"rank{r}.out", "w")
         err = open(d / f"rank{r}.log", "w")
+        timed = ["/usr/bin/time", "-f", "%M", "-o", str(d / f"rank{r}.rss")] if rss else []
         procs.append(subprocess.Popen(
-            [worker, "train", str(job), "--json", "--rank", str(r), "--world-size", str(stages),
-             "--peers", peers, "--secret-file", str(d / "secret"),
-             "--checkpoint-dir", str(d / f"ckpt-{r}")],
+            timed + [worker, "train", str(job), "--json", "--rank", str(r),
+                     "--world-size", str(stages), "--peers", peers,
+                     "--secret-file", str(d / "secret"), "--checkpoint-dir", str(d / f"ckpt-{r}")],
             stdout=out, stderr=err, env=env))
     for r, p in enumerate(procs):
-        if p.wait(timeout=1200) != 0:
+        if p.wait(timeout=3600) != 0:
             sys.exit(f"accrue rank {r} failed:\n{(d / f'rank{r}.log').read_text()[-3000:]}")
     lines = [json.loads(line) for line in (d / "rank0.out").read_text().splitlines()
              if line.startswith("{")]
     steps = [e["step"] for e in lines if e.get("event") == "step"]
+    peaks = [int((d / f"rank{r}.rss").read_text().split()[-1]) / 1024
+             for r in range(stages)] if rss else None
+    return steps, peaks
+
+
+def run_accrue(worker, d, text, stages):
+    steps, _ = launch(worker, d, text, stages)
     rates = [s["samples_per_sec"] for s in steps[2:]]
     bubble = [s["timing"]["bubble_s"] / (s["samples"] / s["samples_per_sec"]) for s in steps[2:]]
     return statistics.median(rates), statistics.median(bubble)

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::lm_ddp::{config, job, read, rel_diff, run_script, script, torchrun_turn};
+use common::lm_ddp::{config, job, read, rel_diff, run_script, script, steps_match, torchrun_turn};
 use common::procs::{run_ranks, Torchrun};
 use common::{engine, python, snapshot, spec};
 use std::path::Path;
@@ -78,29 +78,11 @@ fn llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch() {
             diff <= 1e-5,
             "{normalize}: {name} differs from DDP by {diff:.3e} (relative)"
         );
-        let report: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(d.join(format!("ddp-{normalize}-rank0.json"))).unwrap(),
-        )
-        .unwrap();
-        let want_steps = report["steps"].as_array().unwrap();
-        assert_eq!(steps.len(), want_steps.len(), "{normalize}: step count");
-        for (i, (g, w)) in steps.iter().zip(want_steps).enumerate() {
-            for key in ["loss", "grad_norm"] {
-                let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
-                eprintln!("{normalize}, step {}: {key} {g} vs DDP {w}", i + 1);
-                assert!(
-                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
-                    "{normalize}, step {}: {key} {g} vs DDP's {w}",
-                    i + 1
-                );
-            }
-            assert_eq!(
-                g["samples"].as_f64().unwrap(),
-                w["tokens"].as_f64().unwrap(),
-                "{normalize}, step {}: tokens counted",
-                i + 1
-            );
-        }
+        steps_match(
+            steps,
+            &d.join(format!("ddp-{normalize}-rank0.json")),
+            normalize,
+        );
     }
     // global_count at W = 2, k = 4 is one big batch; mean is not.
     let (single_model, single_steps) = single;

@@ -705,28 +705,7 @@ fn llama_in_stages_equals_transformers_ddp() {
                 "{what}: parameters vs PyTorch {diff:.3e} ({name}); PyTorch's floor \
                  (W=1,k=8 eager vs W=2,k=4 SDPA) {floor:.3e} ({floor_name})"
             );
-            let report: serde_json::Value = serde_json::from_str(
-                &std::fs::read_to_string(d.join(format!("{reference}.json"))).unwrap(),
-            )
-            .unwrap();
-            let want_steps = report["steps"].as_array().unwrap();
-            assert_eq!(steps.len(), want_steps.len(), "{what}: step count");
-            for (i, (g, w)) in steps.iter().zip(want_steps).enumerate() {
-                for key in ["loss", "grad_norm"] {
-                    let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
-                    assert!(
-                        (g - w).abs() <= 1e-5 * w.abs().max(1.0),
-                        "{what}, step {}: {key} {g} vs PyTorch's {w}",
-                        i + 1
-                    );
-                }
-                assert_eq!(
-                    g["samples"].as_f64(),
-                    w["tokens"].as_f64(),
-                    "{what}, step {}: tokens counted",
-                    i + 1
-                );
-            }
+            lm_ddp::steps_match(steps, &d.join(format!("{reference}.json")), &what);
             assert!(
                 diff <= 1e-5_f64.max(4.0 * floor),
                 "{what}: {name} differs from PyTorch by {diff:.3e}, PyTorch's floor {floor:.3e}"

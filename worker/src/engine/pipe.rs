@@ -148,6 +148,11 @@ struct InFlight {
     /// (None on the last stage, which runs its backward with its forward,
     /// as one process's micro-step does).
     output: Option<Tensor>,
+    /// The output's posted sends to the next stage: complete once that
+    /// stage's gradient for this micro-batch has arrived (it needed them),
+    /// waited for then, so the activation's storage goes with the
+    /// backward instead of at the window's end.
+    sent: Vec<Posted>,
 }
 
 /// A posted send and the tensor it reads, kept alive until it is done.
@@ -298,6 +303,7 @@ impl<C: Collective> Engine<C> {
                         Error::Schedule("this model does not run in pipeline stages".into())
                     })?;
                     let out = staged.stage_forward(&x, pipe.blocks.clone())?;
+                    let mut sent = Vec::new();
                     let output = if pipe.is_last() {
                         // The head (a Headed model's stage ends at its
                         // features), the loss and its backward, as one
@@ -344,11 +350,15 @@ impl<C: Collective> Engine<C> {
                         let t = Instant::now();
                         let g = self.collective.pipeline_group()?;
                         let detached = out.f_detach().ctx("sending an activation")?;
-                        sends.extend(send_with_shape(g, detached, pipe.stage + 1)?);
+                        sent = send_with_shape(g, detached, pipe.stage + 1)?;
                         transfer += t.elapsed();
                         Some(out)
                     };
-                    flight[micro] = Some(InFlight { input, output });
+                    flight[micro] = Some(InFlight {
+                        input,
+                        output,
+                        sent,
+                    });
                     // Fault-injection tests: a micro-step that lasts.
                     if let Some(d) = self.opts.micro_step_delay {
                         std::thread::sleep(d);
@@ -364,6 +374,11 @@ impl<C: Collective> Engine<C> {
                             let g = self.collective.pipeline_group()?;
                             recv_into(g, &grad, pipe.stage + 1, "receiving a gradient")?;
                             bubble += t.elapsed();
+                            // The next stage computed this gradient from
+                            // the activation: its sends are complete.
+                            for (posted, _activation) in f.sent {
+                                posted.wait().map_err(group_err)?;
+                            }
                             // backward(grad): the backward of sum(output * grad),
                             // whose gradient at the output is `grad` exactly.
                             output
@@ -494,11 +509,18 @@ impl<C: Collective> Engine<C> {
             self.exchange(&sent, 0, true)?;
             let _ = g.f_zero_().ctx("clearing the tied gradient")?;
         } else if pipe.is_first() {
-            let mut g = self.tied_tensor(&name, false)?.grad();
-            let other = g.f_zeros_like().ctx("receiving the tied gradient")?;
-            self.exchange(&other, pipe.stages - 1, false)?;
-            let _ = g.f_add_(&other).ctx("adding the tied gradient")?;
+            self.add_tied_from_last(&name, pipe.stages)?;
         }
+        Ok(())
+    }
+
+    /// The first stage: the last stage's tied head gradient received and
+    /// added to the embedding's.
+    fn add_tied_from_last(&mut self, name: &str, stages: usize) -> Result<()> {
+        let mut g = self.tied_tensor(name, false)?.grad();
+        let other = g.f_zeros_like().ctx("receiving the tied gradient")?;
+        self.exchange(&other, stages - 1, false)?;
+        let _ = g.f_add_(&other).ctx("adding the tied gradient")?;
         Ok(())
     }
 
@@ -538,10 +560,7 @@ impl<C: Collective> Engine<C> {
                 let _ = g.f_zero_().ctx("clearing the tied gradient")?;
             }
         } else if pipe.is_first() {
-            let mut g = self.tied_tensor(&name, false)?.grad();
-            let other = g.f_zeros_like().ctx("receiving the tied gradient")?;
-            self.exchange(&other, pipe.stages - 1, false)?;
-            let _ = g.f_add_(&other).ctx("adding the tied gradient")?;
+            self.add_tied_from_last(&name, pipe.stages)?;
         }
         Ok(())
     }

@@ -112,3 +112,30 @@ pub fn run_script(mode: &str, d: &Path, cfg: &serde_json::Value) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// accrue's step reports against the reference's `report` (its
+/// `ddp-*.json`): the same count, each step's loss and grad norm within
+/// 1e-5 (relative, printed), and the same target count.
+pub fn steps_match(steps: &[serde_json::Value], report: &Path, what: &str) {
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    let want_steps = report["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), want_steps.len(), "{what}: step count");
+    for (i, (g, w)) in steps.iter().zip(want_steps).enumerate() {
+        for key in ["loss", "grad_norm"] {
+            let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+            eprintln!("{what}, step {}: {key} {g} vs PyTorch {w}", i + 1);
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                "{what}, step {}: {key} {g} vs PyTorch's {w}",
+                i + 1
+            );
+        }
+        assert_eq!(
+            g["samples"].as_f64(),
+            w["tokens"].as_f64(),
+            "{what}, step {}: tokens counted",
+            i + 1
+        );
+    }
+}
