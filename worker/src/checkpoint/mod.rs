@@ -433,7 +433,7 @@ fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
 }
 
 /// Tensors from safetensors `bytes` (`path` names them in errors; the
-/// pipeline's gather, engine/pipe.rs, reads other stages' parts so).
+/// pipeline's gather, engine/pipe/, reads other stages' parts so).
 pub fn tensors_of(bytes: &[u8], path: &Path) -> std::result::Result<Vec<(String, Tensor)>, String> {
     tensors_from(bytes, path)
 }

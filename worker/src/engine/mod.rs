@@ -160,7 +160,7 @@ impl<C: Collective> Engine<C> {
                 let shared = p.tied.clone().filter(|_| p.is_last());
                 model.restrict(&names, shared.as_deref())?;
                 // The last stage's copy of a tied embedding gathers its
-                // gradient apart (engine/pipe.rs sends it to the first).
+                // gradient apart (engine/pipe/ sends it to the first).
                 crate::grads::define_grads(&model.shared)?;
                 tracing::info!(stage, stages = n, blocks = ?p.blocks, params = model.params.len(), "pipeline stage");
                 if k < n {

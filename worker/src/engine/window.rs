@@ -34,7 +34,7 @@ pub(super) struct Window {
     pub(super) compute: Duration,
     pub(super) comm: Duration,
     /// A pipeline stage's waits for its neighbours, and its sends
-    /// (engine/pipe.rs); not in `compute`.
+    /// (engine/pipe/); not in `compute`.
     pub(super) bubble: Duration,
     pub(super) transfer: Duration,
     /// Collective byte counters when the window started.
@@ -257,7 +257,7 @@ impl<C: Collective> Engine<C> {
     /// The head and the loss over `features` (with their graph) in one
     /// pass, the head's gradient added into its buffer and the rest
     /// back-propagated; returns the batch's loss sum (a pipeline's last
-    /// stage runs it on its stage's output: engine/pipe.rs).
+    /// stage runs it on its stage's output: engine/pipe/).
     pub(super) fn head_loss_of(
         &mut self,
         features: &Tensor,
@@ -346,7 +346,7 @@ impl<C: Collective> Engine<C> {
         .to_vec();
         // Pipeline stages: a tied embedding's head gradient joins the
         // embedding's on the first stage before the data reduction, and
-        // the tally is summed over the stages after it (engine/pipe.rs).
+        // the tally is summed over the stages after it (engine/pipe/).
         self.pipeline_tied_grads()?;
         {
             let (placement, mut parts) = self.placed();

@@ -16,7 +16,7 @@ impl<C: Collective> Engine<C> {
             }
         }
         // Under sharding every rank takes part in gathering the state;
-        // pipeline stages send theirs to the first (engine/pipe.rs).
+        // pipeline stages send theirs to the first (engine/pipe/).
         let opt = self.optimizer_state()?;
         let (whole, opt) = self.pipeline_gather(opt)?;
         let path = if self.writes_checkpoints() {

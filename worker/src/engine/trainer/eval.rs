@@ -18,7 +18,7 @@ impl<C: Collective> Engine<C> {
         let n = eval.len() as i64;
         let bs = eval_chunk(&self.spec, self.objective.has_perplexity());
         let sums = if self.pipe.is_some() {
-            // Through the stages (engine/pipe.rs).
+            // Through the stages (engine/pipe/).
             self.pipeline_eval(bs)?
         } else {
             let mut sums = EvalSums::default();

@@ -7,9 +7,11 @@
 //!
 //! Transfers: a forward's output is sent with a small i64 header (its
 //! rank and dims) so the next stage needs no shape rules; its gradient
-//! comes back with the shape the sender knows. Sends are posted and waited
-//! for at the end of the window (the schedules are deadlock-free that way:
-//! `pipeline::simulate`). Every stage reads the micro-batch's indices; the
+//! comes back with the shape the sender knows (pipe/wire.rs). Sends are
+//! posted and waited for at the end of the window (the schedules are
+//! deadlock-free that way: `pipeline::simulate`), an activation's once the
+//! next stage's gradient for it has arrived. A tied embedding's two copies
+//! are kept in step by pipe/tied.rs. Every stage reads the micro-batch's indices; the
 //! first stage its inputs, the last its targets. Only the last stage counts
 //! loss terms and non-empty micro-batches; the sync step sums the tally
 //! over the stages before any division, so every stage divides by the same
@@ -18,14 +20,21 @@
 use super::trainer::pipeline::{stage_ops, PipeOp, PipeSchedule};
 use super::trainer::Op;
 use super::{Engine, StepReport};
-use crate::collective::{Collective, CollectiveError};
-use crate::comm::group::{Group, Pending, ReduceOp};
+use crate::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use crate::family::Named;
 use std::collections::HashSet;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
+
+mod tied;
+mod wire;
+
+use wire::{
+    group_err, recv_bytes, recv_into, recv_with_shape, send_bytes, send_with_shape, sum_over,
+    Posted,
+};
 
 /// This rank's place in the pipeline.
 #[derive(Debug, Clone)]
@@ -50,18 +59,6 @@ impl Pipe {
     pub fn is_last(&self) -> bool {
         self.stage + 1 == self.stages
     }
-}
-
-fn group_err(e: crate::comm::group::GroupError) -> Error {
-    CollectiveError::from(e).into()
-}
-
-/// `t` summed over `g` in place (waited for).
-fn sum_over(g: &mut dyn Group, t: &Tensor) -> Result<()> {
-    g.all_reduce(t, ReduceOp::Sum)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)
 }
 
 /// The stage of `model` for `stage` of `stages`, and the parameter names
@@ -153,81 +150,6 @@ struct InFlight {
     /// waited for then, so the activation's storage goes with the
     /// backward instead of at the window's end.
     sent: Vec<Posted>,
-}
-
-/// A posted send and the tensor it reads, kept alive until it is done.
-type Posted = (Pending, Tensor);
-
-/// The header's code of an activation's type (the forward's: fp32, or
-/// bf16 and fp16 where autocast leaves them so).
-fn kind_code(kind: Kind) -> i64 {
-    match kind {
-        Kind::BFloat16 => 1,
-        Kind::Half => 2,
-        _ => 0,
-    }
-}
-
-fn code_kind(code: i64) -> Kind {
-    match code {
-        1 => Kind::BFloat16,
-        2 => Kind::Half,
-        _ => Kind::Float,
-    }
-}
-
-/// Posts `t` to stage `to` with its shape and type first (through the
-/// host when the group carries host tensors and `t` is on a GPU).
-fn send_with_shape(g: &mut dyn Group, t: Tensor, to: usize) -> Result<Vec<Posted>> {
-    let t = t.f_to_device(g.device()).ctx("sending an activation")?;
-    let size = t.size();
-    let mut header = vec![size.len() as i64];
-    header.extend(size.iter().copied());
-    header.resize(5, 0);
-    header.push(kind_code(t.kind()));
-    let h = Tensor::f_from_slice(&header).ctx("sending an activation")?;
-    let a = g.send(&h, to).map_err(group_err)?;
-    let b = g.send(&t, to).map_err(group_err)?;
-    Ok(vec![(a, h), (b, t)])
-}
-
-/// Receives a tensor [`send_with_shape`] sent from stage `from`, on
-/// `device`.
-fn recv_with_shape(g: &mut dyn Group, from: usize, device: tch::Device) -> Result<Tensor> {
-    let h = Tensor::f_zeros([6], (Kind::Int64, tch::Device::Cpu)).ctx("receiving an activation")?;
-    g.recv(&h, from)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    let header = Vec::<i64>::try_from(&h).ctx("receiving an activation")?;
-    let dims = header[0].clamp(0, 4) as usize;
-    let shape = &header[1..1 + dims];
-    let t = Tensor::f_zeros(shape, (code_kind(header[5]), g.device()))
-        .ctx("receiving an activation")?;
-    g.recv(&t, from)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    t.f_to_device(device).ctx("receiving an activation")
-}
-
-/// Receives into `t` from group rank `from` (waited for), through a
-/// buffer on the group's device when `t` is elsewhere.
-fn recv_into(g: &mut dyn Group, t: &Tensor, from: usize, what: &'static str) -> Result<()> {
-    let on = g.device();
-    let buffer = if t.device() == on {
-        t.shallow_clone()
-    } else {
-        Tensor::f_zeros(t.size(), (t.kind(), on)).ctx(what)?
-    };
-    g.recv(&buffer, from)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    if t.device() != on {
-        t.shallow_clone().f_copy_(&buffer).ctx(what)?;
-    }
-    Ok(())
 }
 
 impl<C: Collective> Engine<C> {
@@ -453,77 +375,6 @@ impl<C: Collective> Engine<C> {
         Ok(())
     }
 
-    /// The tied embedding's name, where this job has one across stages.
-    fn tied_across(&self) -> Option<(Pipe, String)> {
-        let pipe = self.pipe.clone()?;
-        let name = pipe.tied.clone().filter(|_| pipe.stages > 1)?;
-        Some((pipe, name))
-    }
-
-    /// The tied embedding: the first stage's parameter, or (`copy`) the
-    /// last stage's head copy.
-    fn tied_tensor(&self, name: &str, copy: bool) -> Result<Tensor> {
-        let list = if copy {
-            &self.model.shared
-        } else {
-            &self.model.params
-        };
-        list.iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t.shallow_clone())
-            .ok_or_else(|| Error::Schedule(format!("no tied embedding {name} on this stage")))
-    }
-
-    /// `t` to stage `to` (`send`) or from it into `t`, waited for
-    /// (through the host when the group carries host tensors).
-    fn exchange(&mut self, t: &Tensor, peer: usize, send: bool) -> Result<()> {
-        let group = self.collective.pipeline_group()?;
-        if !send {
-            return recv_into(group, t, peer, "receiving from another stage");
-        }
-        let t = t
-            .f_to_device(group.device())
-            .ctx("sending to another stage")?;
-        group
-            .send(&t, peer)
-            .map_err(group_err)?
-            .wait()
-            .map_err(group_err)
-    }
-
-    /// A tied embedding's head gradient (the last stage's copy) added to
-    /// the first stage's embedding gradient, before the data reduction;
-    /// the copy's gradient is cleared.
-    pub(super) fn pipeline_tied_grads(&mut self) -> Result<()> {
-        let Some((pipe, name)) = self.tied_across() else {
-            return Ok(());
-        };
-        // sync = every_step sent them with each micro-batch.
-        if self.spec.accumulation.sync == crate::spec::SyncMode::EveryStep {
-            return Ok(());
-        }
-        let _guard = tch::no_grad_guard();
-        if pipe.is_last() {
-            let mut g = self.tied_tensor(&name, true)?.grad();
-            let sent = g.f_contiguous().ctx("sending the tied gradient")?;
-            self.exchange(&sent, 0, true)?;
-            let _ = g.f_zero_().ctx("clearing the tied gradient")?;
-        } else if pipe.is_first() {
-            self.add_tied_from_last(&name, pipe.stages)?;
-        }
-        Ok(())
-    }
-
-    /// The first stage: the last stage's tied head gradient received and
-    /// added to the embedding's.
-    fn add_tied_from_last(&mut self, name: &str, stages: usize) -> Result<()> {
-        let mut g = self.tied_tensor(name, false)?.grad();
-        let other = g.f_zeros_like().ctx("receiving the tied gradient")?;
-        self.exchange(&other, stages - 1, false)?;
-        let _ = g.f_add_(&other).ctx("adding the tied gradient")?;
-        Ok(())
-    }
-
     /// sync = every_step: one micro-batch's gradients reduced over the
     /// stage's data group into the window's sums (the buffer back for the
     /// next backward: ZeRO 2 frees it).
@@ -532,58 +383,6 @@ impl<C: Collective> Engine<C> {
         self.reduce_micro_step()?;
         self.placement.grads.restore(&self.model.params)?;
         self.window.comm += t.elapsed();
-        Ok(())
-    }
-
-    /// sync = every_step: the last stage posts its tied head's gradient
-    /// of this micro-batch (zeros for an empty one) to the first stage and
-    /// clears it; the first stage adds it to the embedding's gradient
-    /// before that micro-batch's reduction.
-    fn pipeline_tied_micro(&mut self, sends: &mut Vec<Posted>) -> Result<()> {
-        let Some((pipe, name)) = self.tied_across() else {
-            return Ok(());
-        };
-        let _guard = tch::no_grad_guard();
-        if pipe.is_last() {
-            let copy = self.tied_tensor(&name, true)?;
-            let mut g = copy.grad();
-            let group = self.collective.pipeline_group()?;
-            let sent = if g.defined() {
-                g.f_detach_copy()
-            } else {
-                copy.f_zeros_like()
-            }
-            .and_then(|t| t.f_to_device(group.device()))
-            .ctx("sending the tied gradient")?;
-            sends.push((group.send(&sent, 0).map_err(group_err)?, sent));
-            if g.defined() {
-                let _ = g.f_zero_().ctx("clearing the tied gradient")?;
-            }
-        } else if pipe.is_first() {
-            self.add_tied_from_last(&name, pipe.stages)?;
-        }
-        Ok(())
-    }
-
-    /// After the step: the first stage's tied embedding (its updated
-    /// values) into the last stage's copy.
-    pub(super) fn pipeline_tied_values(&mut self) -> Result<()> {
-        let Some((pipe, name)) = self.tied_across() else {
-            return Ok(());
-        };
-        let _guard = tch::no_grad_guard();
-        if pipe.is_first() {
-            let values = self
-                .tied_tensor(&name, false)?
-                .f_contiguous()
-                .ctx("sending the tied embedding")?;
-            self.exchange(&values, pipe.stages - 1, true)?;
-        } else if pipe.is_last() {
-            let mut copy = self.tied_tensor(&name, true)?;
-            let fresh = copy.f_zeros_like().ctx("receiving the tied embedding")?;
-            self.exchange(&fresh, 0, false)?;
-            copy.f_copy_(&fresh).ctx("receiving the tied embedding")?;
-        }
         Ok(())
     }
 
@@ -628,38 +427,6 @@ impl<C: Collective> Engine<C> {
             .map(|c| c.iter().map(|&b| f64::from_bits(b as u64)).collect())
             .collect())
     }
-}
-
-/// Bytes over the pipeline group: their length, then the bytes in i64
-/// words (the group carries f32, bf16, f16 and i64).
-fn send_bytes(g: &mut dyn Group, bytes: &[u8], to: usize) -> Result<()> {
-    let len = Tensor::f_from_slice(&[bytes.len() as i64]).ctx("sending a stage's part")?;
-    g.send(&len, to)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    let words = crate::comm::group::bytes_as_words(bytes).ctx("sending a stage's part")?;
-    g.send(&words, to)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)
-}
-
-fn recv_bytes(g: &mut dyn Group, from: usize) -> Result<Vec<u8>> {
-    let len =
-        Tensor::f_zeros([1], (Kind::Int64, tch::Device::Cpu)).ctx("receiving a stage's part")?;
-    g.recv(&len, from)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    let n = len.int64_value(&[0]).max(0) as usize;
-    let words = Tensor::f_zeros([n.div_ceil(8) as i64], (Kind::Int64, tch::Device::Cpu))
-        .ctx("receiving a stage's part")?;
-    g.recv(&words, from)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    crate::comm::group::words_as_bytes(&words, n).ctx("receiving a stage's part")
 }
 
 impl<C: Collective> Engine<C> {
