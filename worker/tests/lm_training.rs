@@ -10,7 +10,9 @@
 
 mod common;
 
-use common::lm_ddp::{config, job, read, rel_diff, run_script, script, steps_match, torchrun_turn};
+use common::lm_ddp::{
+    self, config, job, read, rel_diff, run_script, script, steps_match, torchrun_turn,
+};
 use common::procs::{run_ranks, Torchrun};
 use common::{engine, python, snapshot, spec};
 use std::path::Path;
@@ -724,40 +726,15 @@ fn qwen2_mistral_and_llama3_at_two_ranks_equal_transformers_ddp() {
         let ranks = run_ranks(&out, &text, 2, |_| {});
         let steps = ranks[0].steps();
         let model = read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
-        let status = ddp
-            .wait(Duration::from_secs(300))
-            .unwrap_or_else(|| panic!("{kind}: torchrun did not finish:\n{}", ddp.logs()));
-        assert!(status.success(), "{kind}: torchrun failed:\n{}", ddp.logs());
+        lm_ddp::finish(&mut ddp, &format!("{kind}: "));
         let want = read(&d.join("ddp-global_count-rank0.safetensors"));
         // PyTorch's own floor: the same 16-row windows on one process,
         // k = 8, with transformers' eager attention instead of SDPA
         // (another valid order of the same sums). AdamW turns the last
         // bits of a gradient near zero into whole steps (Qwen2's k_proj
         // bias: softmax ignores a key bias but for RoPE's rotation).
-        let one = d.join("one");
-        std::fs::create_dir_all(&one).unwrap();
-        for f in ["init.safetensors", "data.safetensors"] {
-            std::fs::copy(d.join(f), one.join(f)).unwrap();
-        }
-        let mut cfg1 = cfg.clone();
-        cfg1["k"] = 8.into();
-        cfg1["attn"] = "eager".into();
-        let cfg1 = cfg1.to_string();
-        let mut single = Torchrun::start(
-            &py,
-            &script(),
-            1,
-            &one,
-            &["train", one.to_str().unwrap(), &cfg1],
-        );
-        let status = single
-            .wait(Duration::from_secs(300))
-            .unwrap_or_else(|| panic!("{kind}: torchrun did not finish:\n{}", single.logs()));
-        assert!(
-            status.success(),
-            "{kind}: torchrun failed:\n{}",
-            single.logs()
-        );
+        let (one, mut single) = lm_ddp::start_floor(d, &cfg, None);
+        lm_ddp::finish(&mut single, &format!("{kind}: "));
         let pytorch_one = read(&one.join("ddp-global_count-rank0.safetensors"));
         let (floor, floor_name) = rel_diff(&pytorch_one, &want);
         let (diff, name) = rel_diff(&model, &want);

@@ -646,29 +646,10 @@ fn llama_in_stages_equals_transformers_ddp() {
                 steps,
             ));
         }
-        let status = ddp
-            .wait(std::time::Duration::from_secs(300))
-            .unwrap_or_else(|| panic!("torchrun did not finish:\n{}", ddp.logs()));
-        assert!(status.success(), "torchrun failed:\n{}", ddp.logs());
+        lm_ddp::finish(&mut ddp, "");
         // PyTorch alone: W = 1, k = 8, eager attention (the floor, and
         // the reference of the 1 x 4 run).
-        let one = d.join("one");
-        std::fs::create_dir_all(&one).unwrap();
-        for f in ["init.safetensors", "data.safetensors"] {
-            std::fs::copy(d.join(f), one.join(f)).unwrap();
-        }
-        let mut cfg1 = cfg.clone();
-        cfg1["k"] = 8.into();
-        cfg1["attn"] = "eager".into();
-        cfg1["modes"] = serde_json::json!(["global_count"]);
-        let one_dir = one.to_str().unwrap();
-        let mut single = Torchrun::start(
-            &py,
-            &lm_ddp::script(),
-            1,
-            &one,
-            &["train", one_dir, &cfg1.to_string()],
-        );
+        let (one, mut single) = lm_ddp::start_floor(d, &cfg, Some(&["global_count"]));
         if tied {
             let out = d.join("accrue-1x4");
             std::fs::create_dir_all(&out).unwrap();
@@ -688,10 +669,7 @@ fn llama_in_stages_equals_transformers_ddp() {
                 steps,
             ));
         }
-        let status = single
-            .wait(std::time::Duration::from_secs(300))
-            .unwrap_or_else(|| panic!("torchrun did not finish:\n{}", single.logs()));
-        assert!(status.success(), "torchrun failed:\n{}", single.logs());
+        lm_ddp::finish(&mut single, "");
         let pytorch_one = lm_ddp::read(&one.join("ddp-global_count-rank0.safetensors"));
         let (floor, floor_name) = lm_ddp::rel_diff(
             &pytorch_one,

@@ -2,6 +2,7 @@
 //! torchrun + DDP + no_sync (tests/reference/lm_ddp_reference.py): its
 //! settings, accrue's job for the same model and data, and comparisons.
 
+use super::procs::Torchrun;
 use super::python;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
@@ -138,4 +139,43 @@ pub fn steps_match(steps: &[serde_json::Value], report: &Path, what: &str) {
             i + 1
         );
     }
+}
+
+/// Starts PyTorch's own floor run in `d/one`: `cfg`'s job alone on one
+/// process, k = 8 (the same 16-row windows as W = 2, k = 4), with
+/// transformers' eager attention instead of SDPA (another valid order of
+/// the same sums); `modes` overrides cfg's when given.
+pub fn start_floor(
+    d: &Path,
+    cfg: &serde_json::Value,
+    modes: Option<&[&str]>,
+) -> (PathBuf, Torchrun) {
+    let one = d.join("one");
+    std::fs::create_dir_all(&one).unwrap();
+    for f in ["init.safetensors", "data.safetensors"] {
+        std::fs::copy(d.join(f), one.join(f)).unwrap();
+    }
+    let mut cfg1 = cfg.clone();
+    cfg1["k"] = 8.into();
+    cfg1["attn"] = "eager".into();
+    if let Some(m) = modes {
+        cfg1["modes"] = serde_json::json!(m);
+    }
+    let run = Torchrun::start(
+        &python(),
+        &script(),
+        1,
+        &one,
+        &["train", one.to_str().unwrap(), &cfg1.to_string()],
+    );
+    (one, run)
+}
+
+/// Waits for `run` (at most 300 s) and requires it to have succeeded,
+/// with its logs in the message (`what` names it).
+pub fn finish(run: &mut Torchrun, what: &str) {
+    let status = run
+        .wait(std::time::Duration::from_secs(300))
+        .unwrap_or_else(|| panic!("{what}torchrun did not finish:\n{}", run.logs()));
+    assert!(status.success(), "{what}torchrun failed:\n{}", run.logs());
 }
