@@ -8,27 +8,10 @@
 mod common;
 
 use accrue_proto::v1::JobState;
+use common::weights::relative_difference;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tempfile::TempDir;
-
-/// An llm.c token file (magic 20240520: u16 tokens) of `count` tokens
-/// over a vocabulary of 64.
-fn token_file(dir: &Path, count: usize) -> PathBuf {
-    let mut header = [0i32; 256];
-    header[0] = 20240520;
-    header[1] = 1;
-    header[2] = count as i32;
-    let mut bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let mut x: u32 = 11;
-    for _ in 0..count {
-        x = x.wrapping_mul(1103515245).wrapping_add(12345);
-        bytes.extend_from_slice(&(((x >> 16) % 64) as u16).to_le_bytes());
-    }
-    let p = dir.join("train.bin");
-    std::fs::write(&p, bytes).unwrap();
-    p
-}
 
 /// A tiny Llama (vocab 64, width 16, one layer) on `data`, T = 8, b = 4,
 /// W = 2, k = 4, AdamW and clipping.
@@ -71,49 +54,6 @@ rendezvous_timeout_s = 1.5
 "#,
         data = data.display()
     )
-}
-
-/// The F32 tensors of a safetensors file by name.
-fn read_f32(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<(String, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-            let v = view
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            (name, v)
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
-/// Max over tensors of max|a - b| / max|b| between two safetensors files
-/// (the same names).
-fn relative_difference(a: &Path, b: &Path) -> f64 {
-    let (a, b) = (read_f32(a), read_f32(b));
-    assert_eq!(
-        a.iter().map(|x| &x.0).collect::<Vec<_>>(),
-        b.iter().map(|x| &x.0).collect::<Vec<_>>()
-    );
-    a.iter()
-        .zip(&b)
-        .map(|((_, x), (_, y))| {
-            let diff = x
-                .iter()
-                .zip(y)
-                .map(|(p, q)| (p - q).abs() as f64)
-                .fold(0.0, f64::max);
-            let scale = y.iter().map(|q| q.abs() as f64).fold(0.0, f64::max);
-            diff / scale.max(1e-12)
-        })
-        .fold(0.0, f64::max)
 }
 
 /// kill -9 of a rank mid-window with a spare attached: the spare takes the

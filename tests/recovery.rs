@@ -8,9 +8,9 @@
 mod common;
 
 use accrue_proto::v1::JobState;
+use common::weights::relative_difference;
 use common::*;
 use std::path::Path;
-use std::process::Command;
 use tempfile::TempDir;
 
 fn spawn_all(grpc: &str, ids: &[&str], dir: &Path) -> Workers {
@@ -60,30 +60,6 @@ connect_timeout_s = 30
 rendezvous_timeout_s = 1.5
 "#
     )
-}
-
-/// Max over tensors of max|a - b| / max|b| between two safetensors files,
-/// computed by PyTorch.
-fn relative_difference(a: &Path, b: &Path) -> f64 {
-    let py = repo().join(".venv/bin/python");
-    let out = Command::new(py)
-        .arg("-c")
-        .arg(
-            "import sys\nfrom safetensors.torch import load_file\n\
-             a, b = load_file(sys.argv[1]), load_file(sys.argv[2])\n\
-             assert a.keys() == b.keys(), (a.keys(), b.keys())\n\
-             print(max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a))",
-        )
-        .arg(a)
-        .arg(b)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
 }
 
 fn index_of(ids: &[&str], id: &str) -> usize {

@@ -197,18 +197,24 @@ pub fn grow_decision(
 
 /// Ranks of a re-formed ring: survivors keep their old rank when it still
 /// exists (so a replacement takes exactly the lost rank's place and its
-/// share of the data), the others fill the empty places in order, then
-/// newcomers. `old` is the previous generation's workers by rank, `alive`
-/// says which are still there; `world` must not exceed the survivors plus
-/// the newcomers.
+/// share of the data); the empty places are filled first by the other
+/// survivors whose place in a replica matches (`rank % replica`: a
+/// pipeline stage and tensor rank, issue 40, so a survivor keeps the
+/// stage whose state it holds), then by the remaining survivors in order,
+/// then by newcomers. `old` is the previous generation's workers by rank,
+/// `alive` says which are still there; `world` must not exceed the
+/// survivors plus the newcomers; `replica` is the ranks of one model
+/// replica (pipeline x tensor; 1 when the model is whole).
 pub fn reform_ranks(
     old: &[String],
     alive: impl Fn(&str) -> bool,
     newcomers: &[String],
     world: usize,
+    replica: usize,
 ) -> Vec<String> {
+    let replica = replica.max(1);
     let mut slots: Vec<Option<String>> = vec![None; world];
-    let mut displaced = Vec::new();
+    let mut displaced: Vec<Option<(usize, String)>> = Vec::new();
     for (rank, w) in old.iter().enumerate() {
         if !alive(w) {
             continue;
@@ -216,10 +222,24 @@ pub fn reform_ranks(
         if rank < world {
             slots[rank] = Some(w.clone());
         } else {
-            displaced.push(w.clone());
+            displaced.push(Some((rank, w.clone())));
         }
     }
-    let mut fill = displaced.into_iter().chain(newcomers.iter().cloned());
+    // A survivor into a hole at its own place in a replica.
+    for (hole, s) in slots.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
+        let same = displaced.iter_mut().find(|d| {
+            d.as_ref()
+                .is_some_and(|(r, _)| r % replica == hole % replica)
+        });
+        if let Some(d) = same {
+            *s = d.take().map(|(_, w)| w);
+        }
+    }
+    let mut fill = displaced
+        .into_iter()
+        .flatten()
+        .map(|(_, w)| w)
+        .chain(newcomers.iter().cloned());
     for s in slots.iter_mut().filter(|s| s.is_none()) {
         *s = fill.next();
     }
@@ -495,10 +515,36 @@ mod tests {
     #[test]
     fn replacement_takes_the_lost_rank() {
         let old: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
-        let ranks = reform_ranks(&old, |w| w != "b", &["z".into()], 3);
+        let ranks = reform_ranks(&old, |w| w != "b", &["z".into()], 3, 1);
         assert_eq!(ranks, ["a", "z", "c"]);
-        let shrunk = reform_ranks(&old, |w| w != "a", &[], 2);
+        let shrunk = reform_ranks(&old, |w| w != "a", &[], 2, 1);
         assert_eq!(shrunk, ["c", "b"]);
+    }
+
+    /// Pipeline stages (issue 40): 2 data x 2 stages, ranks (data, stage)
+    /// = (0,0) (0,1) (1,0) (1,1). A lost last stage of replica 0 is
+    /// replaced in place; without a spare the job shrinks to one replica
+    /// made of survivors that each keep their stage.
+    #[test]
+    fn survivors_keep_their_stage_when_a_pipeline_job_shrinks() {
+        let old: Vec<String> = ["s0", "s1", "t0", "t1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let spare = reform_ranks(&old, |w| w != "s1", &["z".into()], 4, 2);
+        assert_eq!(spare, ["s0", "z", "t0", "t1"]);
+        let shrunk = reform_ranks(&old, |w| w != "s1", &[], 2, 2);
+        assert_eq!(shrunk, ["s0", "t1"]);
+        // Whole replicas only counted by place: t0 would have taken stage
+        // 1 without the replica (its old rank 2 is stage 0).
+        assert_eq!(reform_ranks(&old, |w| w != "s1", &[], 2, 1), ["s0", "t0"]);
+        // Three stages, the middle one lost, shrinking is impossible: the
+        // spare takes the middle.
+        let three: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(
+            reform_ranks(&three, |w| w != "b", &["z".into()], 3, 3),
+            ["a", "z", "c"]
+        );
     }
 
     proptest! {
@@ -520,8 +566,8 @@ mod tests {
 
         #[test]
         fn reform_ranks_keeps_everyone_once(
-            alive_mask in proptest::collection::vec(any::<bool>(), 1..6),
-            newcomers in 0usize..4, world in 1usize..8,
+            alive_mask in proptest::collection::vec(any::<bool>(), 1..9),
+            newcomers in 0usize..4, world in 1usize..10, replica in 1usize..4,
         ) {
             let old: Vec<String> = (0..alive_mask.len()).map(|i| format!("w{i}")).collect();
             let new: Vec<String> = (0..newcomers).map(|i| format!("n{i}")).collect();
@@ -529,7 +575,7 @@ mod tests {
             let survivors = alive_mask.iter().filter(|&&a| a).count();
             // The coordinator never asks for more ranks than it has workers.
             let world = world.min(survivors + newcomers).max(1);
-            let ranks = reform_ranks(&old, alive, &new, world);
+            let ranks = reform_ranks(&old, alive, &new, world, replica);
             prop_assert_eq!(ranks.len(), world.min(survivors + newcomers));
             let mut seen = ranks.clone();
             seen.sort();
@@ -538,6 +584,19 @@ mod tests {
             for (r, w) in ranks.iter().enumerate() {
                 if let Some(i) = old.iter().position(|o| o == w) {
                     if i < world { prop_assert_eq!(i, r); }
+                }
+            }
+            // Each place in a replica holds as many survivors of that
+            // place as it can: min(its slots, its survivors).
+            if ranks.len() == world {
+                for p in 0..replica {
+                    let slots = (0..world).filter(|r| r % replica == p).count();
+                    let theirs = (0..alive_mask.len()).filter(|&i| alive_mask[i] && i % replica == p).count();
+                    let kept = ranks.iter().enumerate().filter(|(r, w)| {
+                        r % replica == p
+                            && old.iter().position(|o| o == *w).is_some_and(|i| i % replica == p)
+                    }).count();
+                    prop_assert_eq!(kept, slots.min(theirs), "place {}: {:?}", p, &ranks);
                 }
             }
         }

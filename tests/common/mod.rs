@@ -7,6 +7,7 @@
 pub mod audit;
 mod creds;
 pub mod etcd;
+pub mod weights;
 #[allow(unused_imports)] // not every test binary uses every helper
 pub use creds::{creds, https_client};
 
@@ -379,4 +380,22 @@ pub fn bounded(mut cmd: Command, log: &Path) -> (Option<std::process::ExitStatus
         std::thread::sleep(Duration::from_millis(20));
     };
     (status, std::fs::read_to_string(log).unwrap())
+}
+
+/// An llm.c token file (magic 20240520: u16 tokens) of `count` tokens
+/// over a vocabulary of 64.
+pub fn token_file(dir: &Path, count: usize) -> PathBuf {
+    let mut header = [0i32; 256];
+    header[0] = 20240520;
+    header[1] = 1;
+    header[2] = count as i32;
+    let mut bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut x: u32 = 11;
+    for _ in 0..count {
+        x = x.wrapping_mul(1103515245).wrapping_add(12345);
+        bytes.extend_from_slice(&(((x >> 16) % 64) as u16).to_le_bytes());
+    }
+    let p = dir.join("train.bin");
+    std::fs::write(&p, bytes).unwrap();
+    p
 }

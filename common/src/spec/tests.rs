@@ -679,6 +679,20 @@ fn pipeline_fields_fit_the_model() {
         mlp("pipeline = 2\n").replace("[data]", "[accumulation]\nsync = \"every_step\"\n[data]")
     );
     JobSpec::fields_from_toml_str(&ok, Path::new("t.toml")).unwrap();
+    // An elastic world of whole replicas re-forms (a lost stage's replica
+    // shrinks away); a bound that splits a replica is refused.
+    let elastic = mlp("pipeline = 2\n").replace(
+        "workers = 2",
+        "workers = 4\nmin_workers = 2\nmax_workers = 6",
+    );
+    JobSpec::fields_from_toml_str(&elastic, Path::new("t.toml")).unwrap();
+    let e = invalid(&elastic.replace("min_workers = 2", "min_workers = 3"));
+    assert!(
+        e.iter()
+            .any(|e| e.field == "min_workers"
+                && e.allowed.contains("multiple of pipeline x tensor = 2")),
+        "{e:?}"
+    );
     // What the pipeline engine does not run yet, by name.
     let e = invalid(&mlp("pipeline = 2\n").replace("[data]", "[data]\npack = true"));
     assert!(

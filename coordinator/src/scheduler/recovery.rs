@@ -271,7 +271,8 @@ impl Cluster {
                 .take(world.saturating_sub(survivors.len()))
                 .cloned()
                 .collect();
-            let ranks = state::reform_ranks(&members, alive, &newcomers, world);
+            let replica = domain.replica_size() as usize;
+            let ranks = state::reform_ranks(&members, alive, &newcomers, world, replica);
             self.form(&id, ranks, now, fx);
         }
     }

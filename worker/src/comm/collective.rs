@@ -111,6 +111,39 @@ pub trait Collective: Send {
             "this job has no pipeline stages".into(),
         ))
     }
+    /// Every rank's `mine` over the whole world (every stage of every
+    /// replica), in world rank order. The default is [`gather_u64`] over
+    /// this collective, whose ranks are the world's when the model is not
+    /// split.
+    fn world_gather_u64(&mut self, mine: u64) -> Result<Vec<u64>>
+    where
+        Self: Sized,
+    {
+        gather_u64(self, mine)
+    }
+}
+
+/// Every rank's `mine` over `c`, in rank order: one 8-byte broadcast from
+/// each rank.
+pub fn gather_u64(c: &mut impl Collective, mine: u64) -> Result<Vec<u64>> {
+    let rank = c.rank();
+    (0..c.world_size())
+        .map(|root| {
+            let mut b = if root == rank {
+                mine.to_le_bytes().to_vec()
+            } else {
+                Vec::new()
+            };
+            c.broadcast_bytes(&mut b, root)?;
+            let v: [u8; 8] = b.as_slice().try_into().map_err(|_| {
+                CollectiveError::Interrupted(format!(
+                    "rank {root} sent {} bytes for an 8-byte value",
+                    b.len()
+                ))
+            })?;
+            Ok(u64::from_le_bytes(v))
+        })
+        .collect()
 }
 
 /// W = 1: every collective is the identity.

@@ -150,6 +150,9 @@ impl Collective for MeshCollective {
     fn stages(&self) -> Option<(usize, usize)> {
         self.stages
     }
+    fn world_gather_u64(&mut self, mine: u64) -> Result<Vec<u64>, CollectiveError> {
+        crate::collective::gather_u64(self.mesh()?.control(), mine)
+    }
     fn pipeline_group(&mut self) -> Result<&mut dyn Group, CollectiveError> {
         if self.stages.is_none() {
             return Err(CollectiveError::Interrupted(

@@ -4,6 +4,7 @@
 
 use super::assign::{assigned_checkpoint_dir, assigned_spec};
 use super::{wrap, DaemonConfig};
+use crate::collective::Collective;
 use crate::comm::mesh::{Mesh, MeshConfig};
 use crate::comm::mesh_collective::MeshCollective;
 use crate::comm::{RingConfig, TcpRing};
@@ -201,6 +202,22 @@ impl JobThread<'_> {
             Ok(m) => MeshCollective::new(m),
             Err(e) => return Outcome::Interrupted(e.to_string()),
         };
+        // A survivor moved to another pipeline stage (the coordinator
+        // keeps survivors at their stage when it can) holds the wrong
+        // stage's layers: it starts anew, taking its stage's state from
+        // that stage's replicas or the checkpoint.
+        if self
+            .engine
+            .as_ref()
+            .is_some_and(|e| e.stage() != ring.stages())
+        {
+            tracing::info!(
+                job,
+                generation,
+                "this rank changes pipeline stage: a new engine"
+            );
+            self.engine = None;
+        }
         let ready = match self.engine.as_mut() {
             Some(engine) => engine.reconfigure(ring, spec.accumulation.steps),
             None => {

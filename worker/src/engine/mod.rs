@@ -363,21 +363,25 @@ impl<C: Collective> Engine<C> {
     /// holding the newest committed state broadcasts it to every rank, and
     /// the rest of the epoch is re-sharded when the world size or k changed.
     pub fn reconfigure(&mut self, collective: C, accumulation_steps: Option<u64>) -> Result<()> {
-        if self.pipe.is_some() {
-            return Err(Error::Interrupted(
-                "a pipeline job cannot re-form yet (issue 40: recovery of stages is not built); \
-                 resume it from its checkpoint"
-                    .into(),
-            ));
+        // A rank keeps its pipeline stage across generations (the
+        // coordinator re-forms survivors at their place; the daemon builds
+        // a new engine for one that moves): its model holds that stage.
+        let was = self.stage();
+        if collective.stages() != was {
+            return Err(Error::Schedule(format!(
+                "this rank's pipeline stage (stage, stages) was {was:?} and is {:?} in the new generation; a rank that changes stage needs a new engine",
+                collective.stages()
+            )));
         }
         self.discard_window()?;
         self.resumed_from = Some(format!("its own state (step {})", self.state.step));
         self.graph.holder.reset();
         self.sync_graph.holder.reset();
         self.collective = collective;
-        // Rank 0 of the new generation writes the folder: it holds the
-        // lock; a rank that is no longer 0 lets go.
-        if self.collective.rank() == 0 {
+        // Rank 0 of the new generation (the first stage's, with stages)
+        // writes the folder: it holds the lock; one that no longer does
+        // lets go.
+        if self.writes_checkpoints() {
             if self.folder_lock.is_none() {
                 self.take_folder_lock()?;
             }
@@ -385,6 +389,8 @@ impl<C: Collective> Engine<C> {
             self.folder_lock = None;
         }
         let world = self.collective.world_size();
+        // k follows the data degree; accumulation_steps takes the world.
+        let workers = world * self.stage().map_or(1, |(_, n)| n);
         if let Some(k) = accumulation_steps {
             if k == 0 {
                 return Err(crate::spec::SpecErrors(vec![crate::spec::FieldError {
@@ -400,7 +406,7 @@ impl<C: Collective> Engine<C> {
         }
         self.plan.k = self
             .spec
-            .accumulation_steps(world as u64)
+            .accumulation_steps(workers as u64)
             .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
         self.sync_state()?;
         self.reshard();
@@ -419,6 +425,12 @@ impl<C: Collective> Engine<C> {
     /// stage (every stage sends it its part).
     pub(super) fn writes_checkpoints(&self) -> bool {
         self.collective.rank() == 0 && self.pipe.as_ref().is_none_or(|p| p.is_first())
+    }
+
+    /// This rank's pipeline stage and the number of stages (None: the
+    /// model is whole).
+    pub fn stage(&self) -> Option<(usize, usize)> {
+        self.pipe.as_ref().map(|p| (p.stage, p.stages))
     }
 
     /// The collective in use (for replacing it between generations).

@@ -86,26 +86,9 @@ pub(super) fn decode_state(bytes: &[u8]) -> Result<(StateHeader, Vec<f32>)> {
     Ok((header, values))
 }
 
-/// Every rank's `mine`, in rank order: one byte broadcast from each rank.
+/// Every rank's `mine` over the engine's collective (the data axis).
 fn all_gather_u64(c: &mut impl Collective, mine: u64) -> Result<Vec<u64>> {
-    let rank = c.rank();
-    (0..c.world_size())
-        .map(|root| {
-            let mut b = if root == rank {
-                mine.to_le_bytes().to_vec()
-            } else {
-                Vec::new()
-            };
-            c.broadcast_bytes(&mut b, root)?;
-            let v: [u8; 8] = b.as_slice().try_into().map_err(|_| {
-                bad(format!(
-                    "rank {root} sent {} bytes for its step, not 8",
-                    b.len()
-                ))
-            })?;
-            Ok(u64::from_le_bytes(v))
-        })
-        .collect()
+    Ok(crate::collective::gather_u64(c, mine)?)
 }
 
 /// The rank holding the newest committed state: the highest value (lowest
@@ -122,7 +105,67 @@ impl<C: Collective> Engine<C> {
     /// highest committed step (lowest rank on ties) broadcasts parameters,
     /// buffers, optimizer state and counters. With no committed state
     /// anywhere (a fresh start) rank 0's initial weights are broadcast.
+    ///
+    /// Pipeline stages (issue 40) do this inside each stage's data group
+    /// (the stage's replicas), then [`Engine::sync_stages`] checks that
+    /// every stage holds the same step.
     pub(super) fn sync_state(&mut self) -> Result<()> {
+        self.sync_replicas()?;
+        if self.pipe.is_some() {
+            self.sync_stages()?;
+        }
+        Ok(())
+    }
+
+    /// Pipeline stages: after each stage's replicas agreed, every stage of
+    /// every replica must hold the same committed step. They do unless a
+    /// stage lost every worker that held its state (a stage without data
+    /// replicas, or all of them lost): then **every rank rolls back to the
+    /// last checkpoint**, each stage taking its own tensors; with no
+    /// common checkpoint the job fails naming the steps. Last, a tied
+    /// embedding's head copy takes the first stage's values (a last stage
+    /// that joined holds its initial weights there).
+    fn sync_stages(&mut self) -> Result<()> {
+        let mine = if self.holds_committed {
+            self.state.step + 1
+        } else {
+            0
+        };
+        let steps = self.collective.world_gather_u64(mine)?;
+        if steps.iter().any(|&s| s != mine) {
+            let latest = crate::checkpoint::load_newest(&self.checkpoint_dir, &self.owner)?
+                .map(|c| c.loaded.state.step);
+            let at = self
+                .collective
+                .world_gather_u64(latest.map_or(0, |s| s + 1))?;
+            let common = at
+                .first()
+                .copied()
+                .filter(|&a| a > 0 && at.iter().all(|&x| x == a));
+            let Some(first) = common else {
+                return Err(Error::StateSync(format!(
+                    "the stages of the re-formed pipeline hold different committed steps (step + 1 by rank, 0 for none: {steps:?}): a stage lost every worker that held its state, and there is no common checkpoint to roll back to (checkpoint steps + 1 by rank: {at:?}); set checkpoint.every_steps, or run data replicas of each stage"
+                )));
+            };
+            tracing::warn!(
+                rank = self.collective.rank(),
+                steps = ?steps,
+                checkpoint_step = first - 1,
+                "a pipeline stage's state was lost with its workers: every rank rolls back to the last checkpoint"
+            );
+            if !self.resume()? {
+                return Err(Error::Checkpoint {
+                    path: self.checkpoint_dir.clone(),
+                    reason: "the checkpoint to roll back to disappeared".into(),
+                });
+            }
+        }
+        self.pipeline_tied_values()
+    }
+
+    /// [`Engine::sync_state`] over the engine's collective (a stage's data
+    /// group when the model is split).
+    fn sync_replicas(&mut self) -> Result<()> {
         if self.collective.world_size() == 1 {
             // A sharded job shrunk to one rank holds half a state: it too
             // must roll back (or fail naming the lost shard).

@@ -77,6 +77,13 @@ impl<C: Collective> Engine<C> {
         let w = std::mem::take(&mut self.window);
         self.state.micro_step = self.state.micro_step.saturating_sub(w.micro as u64);
         self.placement.strategy.discard();
+        // A last stage's tied head copy gathers its gradient apart.
+        for (_, t) in &self.model.shared {
+            let mut g = t.grad();
+            if g.defined() {
+                let _ = g.f_zero_().ctx("clearing the tied gradient")?;
+            }
+        }
         self.placement.grads.zero()
     }
 

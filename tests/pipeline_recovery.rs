@@ -1,0 +1,272 @@
+//! A pipeline job survives a lost worker (issue 40): real worker daemons
+//! run an mlp cut into stages, one of them is killed with SIGKILL in the
+//! middle of a window, and the job re-forms. A stage's state comes from
+//! another replica of that stage, or, when none is left, every rank rolls
+//! back to the last checkpoint; without a spare the job shrinks by whole
+//! replicas. The result is compared with the same job run undisturbed.
+
+mod common;
+
+use accrue_proto::v1::{Job, JobState};
+use common::weights::relative_difference;
+use common::*;
+use std::path::Path;
+use tempfile::TempDir;
+
+/// An mlp (`hidden` sizes) in `stages` stages on synthetic data, b = 8,
+/// sgd with momentum, clipped; `workers` and `accumulation` lines, and
+/// `tail` tables at the end.
+fn job(
+    name: &str,
+    workers: &str,
+    stages: u32,
+    hidden: &str,
+    accumulation: &str,
+    tail: &str,
+) -> String {
+    format!(
+        r#"
+name = "{name}"
+{workers}
+seed = 5
+epochs = 2
+device = "cpu"
+threads = 1
+[model]
+kind = "mlp"
+hidden = {hidden}
+[data]
+kind = "synthetic"
+samples = 256
+eval_samples = 32
+shape = [16]
+classes = 4
+batch_size = 8
+pad = false
+[accumulation]
+{accumulation}
+[clipping]
+max_norm = 1.0
+[optimizer]
+kind = "sgd"
+lr = 0.05
+momentum = 0.9
+[parallel]
+pipeline = {stages}
+[comm]
+timeout_s = 10
+connect_timeout_s = 30
+rendezvous_timeout_s = 1.5
+{tail}"#
+    )
+}
+
+fn spawn_all(grpc: &str, ids: &[&str], dir: &Path) -> Workers {
+    Workers(
+        ids.iter()
+            .map(|id| audit::spawn_logged_worker(grpc, id, dir))
+            .collect(),
+    )
+}
+
+fn kill(w: &mut Workers, ids: &[&str], victim: &str) {
+    let i = ids.iter().position(|x| *x == victim).unwrap();
+    w.0[i].kill().unwrap();
+}
+
+fn model(j: &Job) -> std::path::PathBuf {
+    Path::new(&j.checkpoint).join("model.safetensors")
+}
+
+/// Submits `calm` (the same job) on the workers left and returns the
+/// largest relative difference between the two final models.
+async fn against_undisturbed(c: &mut accrue::Client, hurt: &Job, calm: &str) -> f64 {
+    let calm = submit_text(c, calm).await;
+    let calm_end = ended(c, &calm.id).await;
+    assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
+    assert!(calm_end.recoveries.is_empty());
+    relative_difference(&model(hurt), &model(&calm_end))
+}
+
+/// A tied Llama (vocab 64, width 16, two layers) in 2 stages on an llm.c
+/// token file, T = 8, b = 4, k = 4, AdamW and clipping.
+fn tied_llama(name: &str, data: &Path) -> String {
+    format!(
+        r#"
+name = "{name}"
+workers = 4
+seed = 11
+epochs = 2
+device = "cpu"
+threads = 1
+[model]
+kind = "llama"
+vocab_size = 64
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+max_position_embeddings = 16
+tie_word_embeddings = true
+[data]
+kind = "tokens"
+path = "{data}"
+seq_len = 8
+batch_size = 4
+shuffle = true
+[accumulation]
+steps = 4
+[clipping]
+max_norm = 1.0
+[optimizer]
+kind = "adamw"
+lr = 0.01
+weight_decay = 0.1
+[parallel]
+pipeline = 2
+[comm]
+timeout_s = 10
+connect_timeout_s = 30
+rendezvous_timeout_s = 1.5
+"#,
+        data = data.display()
+    )
+}
+
+/// 2 data x 2 stages of a tied Llama, the last stage of replica 0 killed
+/// mid-run with a spare attached: the spare takes its place, its stage's
+/// state comes from replica 1's last stage and its head (the tied
+/// embedding's copy) from the first stage, and the job ends where the
+/// undisturbed run ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_last_stage_is_replaced_from_its_replica_and_the_result_is_unchanged() {
+    let d = TempDir::new().unwrap();
+    // (1025 - 1) / 8 = 128 samples; data x k x b = 32: 4 windows an epoch.
+    let data = token_file(d.path(), 1025);
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let ids = ["p0", "p1", "p2", "p3", "p4"];
+    let mut w = spawn_all(&grpc, &ids, d.path());
+    let mut c = client(&grpc).await;
+    let hurt = submit_text(&mut c, &tied_llama("pp-hurt", &data)).await;
+    let running = wait_step(&mut c, &hurt.id, 2).await;
+    assert_eq!(running.state(), JobState::Running, "{running:?}");
+    // Ranks (data, stage): (0,0) (0,1) (1,0) (1,1).
+    let victim = running.workers[1].clone();
+    kill(&mut w, &ids, &victim);
+    let end = ended(&mut c, &hurt.id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
+    let r = &end.recoveries[0];
+    assert_eq!(r.lost, [victim.clone()]);
+    assert_eq!(r.world_size, 4);
+    let spare = ids
+        .iter()
+        .find(|x| !running.workers.iter().any(|r| r == *x))
+        .unwrap();
+    assert_eq!(end.workers[1], *spare, "the spare takes the lost stage");
+    assert_eq!(
+        end.workers[0], running.workers[0],
+        "survivors keep their place"
+    );
+    assert!(r.resumed_step >= 2, "{r:?}");
+    assert_eq!(end.counters.unwrap().step, 8);
+    let diff = against_undisturbed(&mut c, &end, &tied_llama("pp-calm", &data)).await;
+    eprintln!("lost last stage, replaced: max relative difference {diff:e} to the undisturbed run");
+    assert!(diff <= 1e-6, "relative difference {diff}");
+    h.stop().await;
+}
+
+/// 1 x 3 stages, the middle one killed with a spare attached: no other
+/// worker held that stage, so every rank rolls back to the checkpoint
+/// (every 2 steps) and the job still ends where the undisturbed run ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_middle_stage_without_replicas_rolls_back_to_the_checkpoint() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let ids = ["m0", "m1", "m2", "m3"];
+    let mut w = spawn_all(&grpc, &ids, d.path());
+    let mut c = client(&grpc).await;
+    // W = 3 = 1 x 3, k = 4: 8 windows an epoch.
+    let text = |name: &str| {
+        job(
+            name,
+            "workers = 3",
+            3,
+            "[32, 16]",
+            "steps = 4",
+            "[checkpoint]\nevery_steps = 2\n",
+        )
+    };
+    let hurt = submit_text(&mut c, &text("mid-hurt")).await;
+    let running = wait_step(&mut c, &hurt.id, 3).await;
+    let seen = running.counters.unwrap().step;
+    let victim = running.workers[1].clone();
+    kill(&mut w, &ids, &victim);
+    let end = ended(&mut c, &hurt.id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
+    let r = &end.recoveries[0];
+    assert_eq!(r.lost, [victim.clone()]);
+    // Resumed from a checkpoint, not from the last step.
+    assert!(r.resumed_step % 2 == 0 && r.resumed_step >= 2, "{r:?}");
+    assert!(
+        r.resumed_step + r.redone_steps >= seen,
+        "{r:?} (step {seen} was seen)"
+    );
+    assert_eq!(end.counters.unwrap().step, 16);
+    let diff = against_undisturbed(&mut c, &end, &text("mid-calm")).await;
+    eprintln!(
+        "lost middle stage, rolled back to step {}: max relative difference {diff:e} to the undisturbed run",
+        r.resumed_step
+    );
+    assert!(diff <= 1e-6, "relative difference {diff}");
+    h.stop().await;
+}
+
+/// 2 data x 2 stages with min_workers = 2 and no spare: after the
+/// rendezvous timeout the job shrinks to one replica made of survivors
+/// that each keep their stage, k doubles under global_batch, and the job
+/// finishes having read every sample of both epochs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_job_without_a_spare_shrinks_to_one_replica() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let ids = ["q0", "q1", "q2", "q3"];
+    let mut w = spawn_all(&grpc, &ids, d.path());
+    let mut c = client(&grpc).await;
+    // global_batch 32 = data x k x b: k = 2 on 2 replicas, 4 on one.
+    let text = job(
+        "pp-shrink",
+        "workers = 4\nmin_workers = 2",
+        2,
+        "[32]",
+        "global_batch = 32",
+        "",
+    );
+    let j = submit_text(&mut c, &text).await;
+    let running = wait_step(&mut c, &j.id, 2).await;
+    assert_eq!(running.accumulation_steps, 2);
+    let victim = running.workers[1].clone();
+    kill(&mut w, &ids, &victim);
+    let end = ended(&mut c, &j.id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
+    let r = &end.recoveries[0];
+    assert_eq!(r.lost, [victim]);
+    assert!(r.joined.is_empty());
+    assert_eq!((r.world_size, r.accumulation_steps), (2, 4));
+    // Replica 0's first stage and replica 1's last stage: each kept its
+    // stage.
+    assert_eq!(
+        end.workers,
+        [running.workers[0].clone(), running.workers[3].clone()]
+    );
+    let counters = end.counters.unwrap();
+    assert_eq!(counters.step, 16);
+    assert_eq!(counters.samples_seen, 2 * 256);
+    h.stop().await;
+}
