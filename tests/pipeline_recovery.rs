@@ -75,7 +75,7 @@ fn kill(w: &mut Workers, ids: &[&str], victim: &str) {
 }
 
 fn model(j: &Job) -> std::path::PathBuf {
-    Path::new(&j.checkpoint).join("model.safetensors")
+    Path::new(&j.checkpoint).to_path_buf()
 }
 
 /// Submits `calm` (the same job) on the workers left and returns the
@@ -159,7 +159,7 @@ async fn a_lost_last_stage_is_replaced_from_its_replica_and_the_result_is_unchan
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
-    assert_eq!(r.lost, [victim.clone()]);
+    assert_eq!(r.lost, [victim.as_str()]);
     assert_eq!(r.world_size, 4);
     let spare = ids
         .iter()
@@ -209,7 +209,7 @@ async fn a_lost_middle_stage_without_replicas_rolls_back_to_the_checkpoint() {
     assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
-    assert_eq!(r.lost, [victim.clone()]);
+    assert_eq!(r.lost, [victim.as_str()]);
     // Resumed from a checkpoint, not from the last step.
     assert!(r.resumed_step % 2 == 0 && r.resumed_step >= 2, "{r:?}");
     assert!(

@@ -3,8 +3,29 @@
 
 use std::path::Path;
 
-/// The F32 tensors of a safetensors file by name.
+/// The F32 tensors of a safetensors file by name, or of a step folder's
+/// model: `model.safetensors`, or the shards a pipeline job's stages
+/// write (`model-0000i-of-0000n.safetensors`), joined.
 pub fn read_f32(path: &Path) -> Vec<(String, Vec<f32>)> {
+    if path.is_dir() {
+        let one = path.join("model.safetensors");
+        if one.exists() {
+            return read_f32(&one);
+        }
+        let mut files: Vec<_> = std::fs::read_dir(path)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                let n = p.file_name().unwrap().to_string_lossy();
+                n.starts_with("model-") && n.ends_with(".safetensors")
+            })
+            .collect();
+        files.sort();
+        assert!(!files.is_empty(), "{}: no model files", path.display());
+        let mut out: Vec<_> = files.iter().flat_map(|f| read_f32(f)).collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        return out;
+    }
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut out: Vec<(String, Vec<f32>)> = st

@@ -73,10 +73,7 @@ fn run(text: &str, world: usize, step: u64) -> (Named, Vec<serde_json::Value>) {
 
 /// Step `step`'s model in `dir/ckpt`, by name.
 fn model_at(dir: &Path, step: u64) -> Named {
-    let p = dir.join(format!("ckpt/step-{step}/model.safetensors"));
-    let mut m = Tensor::read_safetensors(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    m.sort_by(|a, b| a.0.cmp(&b.0));
-    m
+    step_model(&dir.join(format!("ckpt/step-{step}")))
 }
 
 type Named = Vec<(String, Tensor)>;
@@ -266,9 +263,40 @@ fn checkpoints_resume_across_pipeline_degrees() {
             .replace("max_steps = 4", &format!("max_steps = {steps}"))
     };
     let (want, _) = alone(&text(1, 4));
-    // P = 2 for two steps, then P = 1.
+    // P = 2 for two steps, then P = 1. Each stage writes its own part of
+    // the step folder, split further at 3 KB: shards numbered in stage
+    // order, their index, an optimizer part a stage; transformers loads
+    // it.
     let a = TempDir::new().unwrap();
-    common::procs::run_ranks(a.path(), &text(2, 2), 2, |_| {});
+    let small = format!("{}[checkpoint]\nmax_shard_size = \"3KB\"\n", text(2, 2));
+    common::procs::run_ranks(a.path(), &small, 2, |_| {});
+    let step = a.path().join("ckpt/step-2");
+    let mut names: Vec<String> = std::fs::read_dir(&step)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let shards: Vec<&String> = names.iter().filter(|n| n.starts_with("model-")).collect();
+    let n = shards.len();
+    assert!(n > 2, "{names:?}");
+    for (i, s) in shards.iter().enumerate() {
+        assert_eq!(
+            **s,
+            format!("model-{:05}-of-{n:05}.safetensors", i + 1),
+            "{names:?}"
+        );
+    }
+    for want in [
+        "model.safetensors.index.json",
+        "optimizer-00001-of-00002.safetensors",
+        "optimizer-00002-of-00002.safetensors",
+    ] {
+        assert!(names.iter().any(|n| n == want), "no {want} in {names:?}");
+    }
+    assert!(!names
+        .iter()
+        .any(|n| n == "model.safetensors" || n == "optimizer.safetensors"));
+    from_pretrained_equals(&step, &step_model(&step));
     let mut e = one_process(&text(1, 4), a.path(), true);
     assert_eq!(e.state().step, 2);
     e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
@@ -637,8 +665,7 @@ fn llama_in_stages_equals_transformers_ddp() {
             let ranks =
                 common::procs::run_ranks(&out, &fix(staged_lm_job(d, mode, 4, 4, 2)), 4, |_| {});
             let steps = ranks[0].steps();
-            let model =
-                lm_ddp::read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
+            let model = step_model(&out.join(format!("ckpt/step-{}", steps.len())));
             runs.push((
                 format!("2 x 2, k = 4, {mode}"),
                 format!("ddp-{mode}-rank0"),
@@ -660,8 +687,7 @@ fn llama_in_stages_equals_transformers_ddp() {
                 |_| {},
             );
             let steps = ranks[0].steps();
-            let model =
-                lm_ddp::read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
+            let model = step_model(&out.join(format!("ckpt/step-{}", steps.len())));
             runs.push((
                 "1 x 4, k = 8, global_count".into(),
                 "one/ddp-global_count-rank0".into(),

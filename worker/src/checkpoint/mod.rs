@@ -189,14 +189,9 @@ pub fn write_on(
 ) -> Result<PathBuf> {
     claim(disk, dir, &opts.owner)?;
     let name = step_name(step);
-    let final_dir = dir.join(&name);
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let tmp = temporary(dir, step);
     if let Err(e) = write_step(disk, &tmp, step, payload) {
-        // Best effort: a crashed process cannot, the sweep at the next
-        // start does.
-        if tmp.exists() {
-            let _ = disk.remove_dir_all(&tmp);
-        }
+        abandon_step(disk, &tmp);
         return Err(ckpt_err(
             dir,
             format!(
@@ -205,17 +200,99 @@ pub fn write_on(
             ),
         ));
     }
+    publish(disk, dir, step, &tmp, opts)
+}
+
+/// Step `step`'s temporary folder in `dir` (this process's).
+fn temporary(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!(".{}.tmp-{}", step_name(step), std::process::id()))
+}
+
+/// Removes a temporary folder after a failed write (best effort: a
+/// crashed process cannot, the sweep at the next start does).
+pub fn abandon_step(disk: &mut dyn Disk, tmp: &Path) {
+    if tmp.exists() {
+        let _ = disk.remove_dir_all(tmp);
+    }
+}
+
+/// A step folder written by several processes (pipeline stages, issue
+/// 40, each writing its own tensors): the writer claims `dir` and makes
+/// the step's temporary folder, which it returns; every part then writes
+/// its files there ([`write_part`]) and the writer ends with
+/// [`finish_step`], listing them all in the manifest. The rules are
+/// [`write`]'s: nothing is visible before the rename, and a failure
+/// removes the temporary folder ([`abandon_step`]).
+pub fn begin_step(disk: &mut dyn Disk, dir: &Path, step: u64, owner: &Owner) -> Result<PathBuf> {
+    claim(disk, dir, owner)?;
+    let tmp = temporary(dir, step);
+    fresh_dir(disk, &tmp)
+        .map_err(|e| ckpt_err(dir, format!("writing {}: {e}", step_name(step))))?;
+    Ok(tmp)
+}
+
+/// Writes `files` into `tmp`, each fsynced; their manifest entries.
+pub fn write_part(
+    disk: &mut dyn Disk,
+    tmp: &Path,
+    files: &[(&str, &[u8])],
+) -> std::result::Result<Vec<manifest::Entry>, String> {
+    for &(name, bytes) in files {
+        let path = tmp.join(name);
+        disk.write(&path, bytes).map_err(at(&path))?;
+        disk.sync_file(&path).map_err(at(&path))?;
+    }
+    Ok(manifest::Manifest::of(0, files).files)
+}
+
+/// The manifest of every part's `entries` into `tmp`, then the folder
+/// renamed into place and LATEST pointed at it ([`write`]'s rules).
+pub fn finish_step(
+    disk: &mut dyn Disk,
+    dir: &Path,
+    step: u64,
+    tmp: &Path,
+    entries: Vec<manifest::Entry>,
+    opts: &WriteOptions,
+) -> Result<PathBuf> {
+    let m = manifest::Manifest {
+        step,
+        files: entries,
+    };
+    if let Err(e) = write_manifest(disk, tmp, &m) {
+        abandon_step(disk, tmp);
+        return Err(ckpt_err(
+            dir,
+            format!(
+                "writing {} failed: {e}; {} (the temporary folder was removed)",
+                step_name(step),
+                latest_says(dir)
+            ),
+        ));
+    }
+    publish(disk, dir, step, tmp, opts)
+}
+
+/// The complete temporary folder `tmp` renamed into step `step`'s place,
+/// LATEST pointed at it, older steps pruned.
+fn publish(
+    disk: &mut dyn Disk,
+    dir: &Path,
+    step: u64,
+    tmp: &Path,
+    opts: &WriteOptions,
+) -> Result<PathBuf> {
+    let name = step_name(step);
+    let final_dir = dir.join(&name);
     let publish = |disk: &mut dyn Disk| -> std::io::Result<()> {
         if final_dir.exists() {
             disk.remove_dir_all(&final_dir)?;
         }
-        disk.rename(&tmp, &final_dir)?;
+        disk.rename(tmp, &final_dir)?;
         disk.sync_dir(dir)
     };
     if let Err(e) = publish(disk) {
-        if tmp.exists() {
-            let _ = disk.remove_dir_all(&tmp);
-        }
+        abandon_step(disk, tmp);
         return Err(ckpt_err(&final_dir, format!("renaming into place: {e}")));
     }
     let latest_tmp = dir.join(format!(".{LATEST}.tmp-{}", std::process::id()));
@@ -238,6 +315,31 @@ pub fn write_on(
     Ok(final_dir)
 }
 
+fn at(path: &Path) -> impl FnOnce(std::io::Error) -> String + '_ {
+    move |e| format!("{}: {e}", path.display())
+}
+
+/// `tmp` empty (a leftover of a crashed write removed first).
+fn fresh_dir(disk: &mut dyn Disk, tmp: &Path) -> std::result::Result<(), String> {
+    if tmp.exists() {
+        disk.remove_dir_all(tmp).map_err(at(tmp))?;
+    }
+    disk.create_dir_all(tmp).map_err(at(tmp))
+}
+
+/// The manifest into `tmp`, fsynced, then the folder.
+fn write_manifest(
+    disk: &mut dyn Disk,
+    tmp: &Path,
+    m: &manifest::Manifest,
+) -> std::result::Result<(), String> {
+    let path = tmp.join(manifest::MANIFEST_FILE);
+    let text = serde_json::to_vec_pretty(m).map_err(|e| e.to_string())?;
+    disk.write(&path, &text).map_err(at(&path))?;
+    disk.sync_file(&path).map_err(at(&path))?;
+    disk.sync_dir(tmp).map_err(at(tmp))
+}
+
 /// The files of one step into `tmp`, each fsynced, the manifest last, then
 /// the folder.
 fn write_step(
@@ -246,13 +348,7 @@ fn write_step(
     step: u64,
     p: &Payload,
 ) -> std::result::Result<(), String> {
-    fn at(path: &Path) -> impl FnOnce(std::io::Error) -> String + '_ {
-        move |e| format!("{}: {e}", path.display())
-    }
-    if tmp.exists() {
-        disk.remove_dir_all(tmp).map_err(at(tmp))?;
-    }
-    disk.create_dir_all(tmp).map_err(at(tmp))?;
+    fresh_dir(disk, tmp)?;
     let mut files: Vec<(&str, &[u8])> = p
         .model
         .iter()
@@ -261,17 +357,8 @@ fn write_step(
     files.push((OPTIMIZER_FILE, &p.optimizer));
     files.push((TRAINER_FILE, &p.trainer));
     files.extend(p.extra.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
-    for &(name, bytes) in &files {
-        let path = tmp.join(name);
-        disk.write(&path, bytes).map_err(at(&path))?;
-        disk.sync_file(&path).map_err(at(&path))?;
-    }
-    let m = manifest::Manifest::of(step, &files);
-    let path = tmp.join(manifest::MANIFEST_FILE);
-    let text = serde_json::to_vec_pretty(&m).map_err(|e| e.to_string())?;
-    disk.write(&path, &text).map_err(at(&path))?;
-    disk.sync_file(&path).map_err(at(&path))?;
-    disk.sync_dir(tmp).map_err(at(tmp))
+    let files = write_part(disk, tmp, &files)?;
+    write_manifest(disk, tmp, &manifest::Manifest { step, files })
 }
 
 /// "LATEST still names step-N" (or that there is none), for errors.
@@ -407,7 +494,7 @@ fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
             .ok_or_else(|| format!("{} lists no {name}", manifest::MANIFEST_FILE))
     };
     let trainer = take(TRAINER_FILE)?;
-    let optimizer = take(OPTIMIZER_FILE)?;
+    let optimizer = take_optimizer(&mut files, path)?;
     let model = shards::take_model_files(&mut files)?
         .into_iter()
         .map(|(name, expected, bytes)| {
@@ -428,8 +515,62 @@ fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
         path: path.to_path_buf(),
         state,
         model: shards::join(model)?,
-        optimizer: tensors_from(&optimizer, &path.join(OPTIMIZER_FILE))?,
+        optimizer,
     })
+}
+
+/// Stage `i` (from 0) of `n`'s optimizer state file in a pipeline job's
+/// step folder: `optimizer-00001-of-00002.safetensors`.
+pub fn optimizer_part_name(i: usize, n: usize) -> String {
+    format!("optimizer-{:05}-of-{n:05}.safetensors", i + 1)
+}
+
+fn is_optimizer_part(name: &str) -> bool {
+    name.strip_prefix("optimizer-")
+        .and_then(|r| r.strip_suffix(".safetensors"))
+        .and_then(|r| r.split_once("-of-"))
+        .is_some_and(|(a, b)| {
+            !a.is_empty()
+                && !b.is_empty()
+                && (a.chars().chain(b.chars())).all(|c| c.is_ascii_digit())
+        })
+}
+
+/// A step folder's optimizer state out of its verified files:
+/// `optimizer.safetensors`, or each pipeline stage's part, in order (a
+/// tensor named in two parts is refused).
+fn take_optimizer(
+    files: &mut std::collections::BTreeMap<String, Vec<u8>>,
+    path: &Path,
+) -> std::result::Result<Vec<(String, Tensor)>, String> {
+    if let Some(bytes) = files.remove(OPTIMIZER_FILE) {
+        return tensors_from(&bytes, &path.join(OPTIMIZER_FILE));
+    }
+    let parts: Vec<String> = files
+        .keys()
+        .filter(|n| is_optimizer_part(n))
+        .cloned()
+        .collect();
+    if parts.is_empty() {
+        return Err(format!(
+            "{} lists no {OPTIMIZER_FILE} (nor a pipeline stage's optimizer-*-of-*.safetensors)",
+            manifest::MANIFEST_FILE
+        ));
+    }
+    let mut out: Vec<(String, Tensor)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for name in parts {
+        let bytes = files.remove(&name).unwrap_or_default();
+        for (t, v) in tensors_from(&bytes, &path.join(&name))? {
+            if !seen.insert(t.clone()) {
+                return Err(format!(
+                    "{name} holds {t}, which another optimizer part holds too"
+                ));
+            }
+            out.push((t, v));
+        }
+    }
+    Ok(out)
 }
 
 /// Tensors from safetensors `bytes` (`path` names them in errors; the

@@ -516,3 +516,106 @@ fn a_model_above_the_shard_size_is_written_as_shards_and_reads_back() {
         "{e}"
     );
 }
+
+/// A step folder written in parts (pipeline stages, issue 40): two
+/// stages' shards and optimizer parts written into the writer's
+/// temporary folder, the writer's index, trainer state and manifest last.
+/// It reads back as one checkpoint; a part that fails leaves no folder and
+/// LATEST on the last step; an optimizer tensor in two parts is refused.
+#[test]
+fn a_step_written_by_stages_reads_back_whole_and_a_failed_part_leaves_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("ck");
+    let mut disk = super::disk::Local;
+    let t = |v: f32| Tensor::from_slice(&[v; 4]);
+    let bytes = |ts: &[(&str, f32)]| {
+        let named: Vec<(String, Tensor)> = ts.iter().map(|(n, v)| (n.to_string(), t(*v))).collect();
+        safetensors_bytes(&named).unwrap()
+    };
+    let write_step = |disk: &mut super::disk::Local, step: u64, second_opt: &str| {
+        let tmp = begin_step(disk, &dir, step, &me("j")).unwrap();
+        assert!(!dir.join(step_name(step)).exists());
+        let first = bytes(&[("embed.weight", 1.0), ("layers.0.w", 2.0)]);
+        let first_opt = bytes(&[("embed.weight.exp_avg", 3.0)]);
+        let second = bytes(&[("layers.1.w", 4.0)]);
+        let second_opt = bytes(&[(second_opt, 5.0)]);
+        let mut entries = write_part(
+            disk,
+            &tmp,
+            &[
+                (&shards::shard_name(0, 2), &first),
+                (&optimizer_part_name(0, 2), &first_opt),
+            ],
+        )
+        .unwrap();
+        entries.extend(
+            write_part(
+                disk,
+                &tmp,
+                &[
+                    (&shards::shard_name(1, 2), &second),
+                    (&optimizer_part_name(1, 2), &second_opt),
+                ],
+            )
+            .unwrap(),
+        );
+        let map: Vec<(String, String)> =
+            [("embed.weight", 0), ("layers.0.w", 0), ("layers.1.w", 1)]
+                .iter()
+                .map(|(n, i)| (n.to_string(), shards::shard_name(*i, 2)))
+                .collect();
+        let state = TrainerState {
+            job: "j".into(),
+            job_id: "j".into(),
+            step,
+            ..Default::default()
+        };
+        let trainer = serde_json::to_vec(&state).unwrap();
+        let index = shards::index_json(48, &map);
+        entries.extend(
+            write_part(
+                disk,
+                &tmp,
+                &[(shards::INDEX_FILE, &index), (TRAINER_FILE, &trainer)],
+            )
+            .unwrap(),
+        );
+        finish_step(disk, &dir, step, &tmp, entries, &opts(3))
+    };
+    let path = write_step(&mut disk, 5, "layers.1.w.exp_avg").unwrap();
+    let back = read(&path).unwrap();
+    let value = |ts: &[(String, Tensor)], n: &str| {
+        ts.iter()
+            .find(|(m, _)| m == n)
+            .map(|(_, t)| t.double_value(&[0]))
+    };
+    assert_eq!(back.model.len(), 3);
+    assert_eq!(value(&back.model, "layers.1.w"), Some(4.0));
+    assert_eq!(value(&back.optimizer, "embed.weight.exp_avg"), Some(3.0));
+    assert_eq!(value(&back.optimizer, "layers.1.w.exp_avg"), Some(5.0));
+    assert_eq!(latest_name(&dir).unwrap(), Some(5));
+    // The same tensor's state in two parts.
+    let path = write_step(&mut disk, 6, "embed.weight.exp_avg").unwrap();
+    let e = read(&path).err().unwrap().to_string();
+    assert!(
+        e.contains("optimizer-00002-of-00002.safetensors holds embed.weight.exp_avg, which another optimizer part holds too"),
+        "{e}"
+    );
+    // A part that failed: the writer abandons the step.
+    let tmp = begin_step(&mut disk, &dir, 7, &me("j")).unwrap();
+    write_part(
+        &mut disk,
+        &tmp,
+        &[("model-00001-of-00002.safetensors", b"x")],
+    )
+    .unwrap();
+    abandon_step(&mut disk, &tmp);
+    assert!(!tmp.exists() && !dir.join(step_name(7)).exists());
+    assert_eq!(latest_name(&dir).unwrap(), Some(6));
+    // Another job's folder is refused before anything is written.
+    let e = begin_step(&mut disk, &dir, 8, &me("other"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("other"), "{e}");
+}

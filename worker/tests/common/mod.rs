@@ -250,3 +250,33 @@ pub fn token_file(dir: &Path, count: usize) -> PathBuf {
     std::fs::write(&p, bytes).unwrap();
     p
 }
+
+/// A step folder's model, whatever its form: `model.safetensors`, or the
+/// shards a pipeline job's stages write (`model-0000i-of-0000n`, each
+/// stage's tensors), joined; sorted by name.
+pub fn step_model(folder: &Path) -> Vec<(String, Tensor)> {
+    let one = folder.join("model.safetensors");
+    let mut files = if one.exists() {
+        vec![one]
+    } else {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(folder)
+            .unwrap_or_else(|e| panic!("{}: {e}", folder.display()))
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                let n = p.file_name().unwrap().to_string_lossy();
+                n.starts_with("model-") && n.ends_with(".safetensors")
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    assert!(!files.is_empty(), "{}: no model files", folder.display());
+    let mut m: Vec<(String, Tensor)> = files
+        .drain(..)
+        .flat_map(|p| {
+            Tensor::read_safetensors(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        })
+        .collect();
+    m.sort_by(|a, b| a.0.cmp(&b.0));
+    m
+}

@@ -22,19 +22,16 @@ use super::trainer::Op;
 use super::{Engine, StepReport};
 use crate::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
-use crate::family::Named;
 use std::collections::HashSet;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
 
+mod checkpoint;
 mod tied;
 mod wire;
 
-use wire::{
-    group_err, recv_bytes, recv_into, recv_with_shape, send_bytes, send_with_shape, sum_over,
-    Posted,
-};
+use wire::{group_err, recv_into, recv_with_shape, send_with_shape, sum_over, Posted};
 
 /// This rank's place in the pipeline.
 #[derive(Debug, Clone)]
@@ -430,64 +427,6 @@ impl<C: Collective> Engine<C> {
 }
 
 impl<C: Collective> Engine<C> {
-    /// A checkpoint of a pipeline job: every stage but the first sends
-    /// its parameters and optimizer state to the first (the writer), which
-    /// returns the whole model (in block order) and the whole optimizer
-    /// state; the others return no model and their state unchanged.
-    pub(super) fn pipeline_gather(
-        &mut self,
-        opt: Vec<(String, Tensor)>,
-    ) -> Result<(Option<Named>, Named)> {
-        let Some(pipe) = self.pipe.clone() else {
-            return Ok((None, opt));
-        };
-        // The writer's replica gathers; the others hold the same state.
-        if self.collective.rank() != 0 {
-            return Ok((None, opt));
-        }
-        let there = std::path::Path::new("(another pipeline stage)");
-        if !pipe.is_first() {
-            let params = crate::checkpoint::safetensors_bytes(&self.model.params)?;
-            let state = crate::checkpoint::safetensors_bytes(&opt)?;
-            let g = self.collective.pipeline_group()?;
-            send_bytes(g, &params, 0)?;
-            send_bytes(g, &state, 0)?;
-            return Ok((None, opt));
-        }
-        let mut model = self.model_state();
-        let mut all = opt;
-        for from in 1..pipe.stages {
-            let g = self.collective.pipeline_group()?;
-            let params = recv_bytes(g, from)?;
-            let state = recv_bytes(g, from)?;
-            let params = crate::checkpoint::tensors_of(&params, there)
-                .map_err(|e| Error::Schedule(format!("stage {from}'s parameters: {e}")))?;
-            // In block order, as the model names them (a safetensors
-            // file's own order is not kept); a tied embedding once.
-            let held: HashSet<String> = model.iter().map(|(n, _)| n.clone()).collect();
-            let mut theirs: Vec<(String, Tensor)> = params
-                .into_iter()
-                .filter(|(n, _)| !held.contains(n))
-                .collect();
-            let order = |n: &str| {
-                self.model
-                    .frozen
-                    .iter()
-                    .position(|(f, _)| f == n)
-                    .unwrap_or(usize::MAX)
-            };
-            theirs.sort_by_key(|(n, _)| order(n));
-            model.extend(theirs);
-            let state = crate::checkpoint::tensors_of(&state, there)
-                .map_err(|e| Error::Schedule(format!("stage {from}'s optimizer state: {e}")))?;
-            // A tied embedding's state is on the first and the last stage
-            // alike (the same gradients, the same updates): kept once.
-            let have: HashSet<String> = all.iter().map(|(n, _)| n.clone()).collect();
-            all.extend(state.into_iter().filter(|(n, _)| !have.contains(n)));
-        }
-        Ok((Some(model), all))
-    }
-
     /// The optimizer state of this stage's parameters out of a whole
     /// checkpoint's (`<param>.<state>` names).
     pub(super) fn stage_optimizer_state(

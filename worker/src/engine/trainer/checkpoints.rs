@@ -1,4 +1,4 @@
-//! The trainer's checkpoints: the committed state written by rank 0 (every rank gathers what it owns).
+//! The trainer's checkpoints: the committed state written by rank 0 (every rank gathers what it owns; pipeline stages write their own parts).
 
 use crate::checkpoint;
 use crate::collective::Collective;
@@ -16,14 +16,15 @@ impl<C: Collective> Engine<C> {
             }
         }
         // Under sharding every rank takes part in gathering the state;
-        // pipeline stages send theirs to the first (engine/pipe/).
+        // pipeline stages write their own parts (engine/pipe/checkpoint.rs).
         let opt = self.optimizer_state()?;
-        let (whole, opt) = self.pipeline_gather(opt)?;
-        let path = if self.writes_checkpoints() {
+        let path = if self.pipe.is_some() {
+            self.pipeline_checkpoint(opt)?
+        } else if self.writes_checkpoints() {
             if self.folder_lock.is_none() {
                 self.take_folder_lock()?;
             }
-            let model = whole.unwrap_or_else(|| self.model_state());
+            let model = self.model_state();
             checkpoint::write(
                 &self.checkpoint_dir,
                 &self.state,
