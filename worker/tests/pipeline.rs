@@ -279,6 +279,7 @@ fn checkpoints_resume_across_pipeline_degrees() {
     let shards: Vec<&String> = names.iter().filter(|n| n.starts_with("model-")).collect();
     let n = shards.len();
     assert!(n > 2, "{names:?}");
+    eprintln!("P = 2 at 3 KB: {n} shards");
     for (i, s) in shards.iter().enumerate() {
         assert_eq!(
             **s,
