@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import socket
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def token_file(path, count, vocab=VOCAB):
         f.write(rng.integers(0, vocab, count, dtype=np.uint16).tobytes())
 
 
-def accrue_job(d, fields, t, b, k, steps, stages, per, schedule):
+def accrue_job(d, fields, t, b, k, steps, stages, per, schedule, balance=None):
     model = "\n".join(f"{key} = {json.dumps(v)}" for key, v in fields.items())
     return f"""
 name = "pp-bench"
@@ -107,8 +108,8 @@ connect_timeout_s = 60
 """ + (f"""[parallel]
 pipeline = {stages}
 schedule = "{schedule}"
-layers_per_stage = {json.dumps(per)}
-""" if stages > 1 else "")
+""" + (f'balance = "{balance}"\n' if balance else f"layers_per_stage = {json.dumps(per)}\n")
+    if stages > 1 else "")
 
 
 def launch(worker, d, text, stages, rss=False):
@@ -175,6 +176,11 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--split", help="layers per stage, e.g. 4,2 (default: even)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="launches of each side, alternating; medians and the ratio's range")
+    ap.add_argument("--balance", choices=["parameters", "compute"],
+                    help="accrue's [parallel] balance instead of --split's counts "
+                         "(PyTorch keeps --split)")
     a = ap.parse_args()
     fields = model_fields(a.layers, a.hidden)
     if a.split:
@@ -191,26 +197,38 @@ def main():
             save_file({n: p.detach().contiguous() for n, p in model.state_dict().items()},
                       str(d / "init.safetensors"))
             token_file(d / "train.bin", a.steps * k * a.batch * a.seq_len + 1)
-            text = accrue_job(d, fields, a.seq_len, a.batch, k, a.steps, a.stages, per, a.schedule)
-            ours, bubble = run_accrue(a.worker, d, text, a.stages)
+            text = accrue_job(d, fields, a.seq_len, a.batch, k, a.steps, a.stages, per, a.schedule,
+                              a.balance)
             cfg = {"init": str(d / "init.safetensors"), "tokens": str(d / "train.bin"),
                    "seq_len": a.seq_len, "batch": a.batch, "k": k, "steps": a.steps,
                    "schedule": a.schedule, "model": fields, "layers_per_stage": per,
                    "out": str(d / "torch-out.json")}
-            theirs = run_torch(d, cfg, a.stages)
+            # Alternating launches; the ratio within each repeat.
+            runs = []
+            for _ in range(a.repeat):
+                for r in range(a.stages):
+                    shutil.rmtree(d / f"ckpt-{r}", ignore_errors=True)
+                ours, bubble = run_accrue(a.worker, d, text, a.stages)
+                theirs = run_torch(d, cfg, a.stages)
+                runs.append((ours, theirs, bubble, ours / theirs))
             ideal = (a.stages - 1) / (k + a.stages - 1)
-            rows.append((k, ours, theirs, bubble, ideal))
+            med = [statistics.median(r[i] for r in runs) for i in range(4)]
+            ratios = [r[3] for r in runs]
+            rows.append((k, med[0], med[1], med[2], ideal, med[3], min(ratios), max(ratios)))
     print(f"- command: `{' '.join(sys.argv)}`")
     print(f"- CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"torch {torch.__version__}")
     print(f"- model: Llama L={a.layers}, H={a.hidden}, vocab {VOCAB}, T={a.seq_len}, b={a.batch}; "
-          f"P={a.stages} ({a.schedule}), layers_per_stage={per}; {a.steps} steps, median of steps 3..")
+          f"P={a.stages} ({a.schedule}), layers_per_stage={per}"
+          + (f" for PyTorch, accrue: balance = \"{a.balance}\"" if a.balance else "")
+          + f"; {a.steps} steps, median of steps 3.., {a.repeat} launch(es) a side")
     print()
     print("| k | accrue tokens/s | torch.distributed.pipelining tokens/s | accrue / torch "
           "| accrue stage 0 bubble share | (P - 1) / (k + P - 1) |")
     print("|---|---|---|---|---|---|")
-    for k, ours, theirs, bubble, ideal in rows:
-        print(f"| {k} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f}x | {bubble:.0%} | {ideal:.0%} |")
+    for k, ours, theirs, bubble, ideal, ratio, lo, hi in rows:
+        spread = f" ({lo:.2f}-{hi:.2f})" if a.repeat > 1 else ""
+        print(f"| {k} | {ours:,.0f} | {theirs:,.0f} | {ratio:.2f}x{spread} | {bubble:.0%} | {ideal:.0%} |")
 
 
 if __name__ == "__main__":

@@ -195,6 +195,22 @@ spec_enum!(
 );
 
 spec_enum!(
+    /// `parallel.balance` (issue 40): what the default stage boundaries
+    /// even out (without `layers_per_stage`).
+    #[derive(Default)]
+    StageBalance, "parallel.balance", {
+        /// Each stage's parameter count (the embedding counts as much as
+        /// the head).
+        #[default]
+        Parameters = "parameters",
+        /// Each stage's estimated compute per token: the multiply-adds of
+        /// its matrix products (the head's, tied or not; an embedding's
+        /// lookup costs none) and its attention (T x hidden a layer).
+        Compute = "compute",
+    }
+);
+
+spec_enum!(
     /// `optimizer.kind`.
     OptimizerKind, "optimizer.kind", {
         Sgd = "sgd",
@@ -239,7 +255,7 @@ fn kind_field<E: SpecEnum>(section: &'static str, key: &'static str, placeholder
     }
 }
 
-fn kind_fields() -> [KindField; 11] {
+fn kind_fields() -> [KindField; 12] {
     [
         // Placeholders with the fewest requirements of their own (synthetic
         // data names no files); what still depends on a refused kind is
@@ -256,6 +272,7 @@ fn kind_fields() -> [KindField; 11] {
         kind_field("", "precision", Precision::Fp32),
         kind_field("comm", "backend", CommBackend::Auto),
         kind_field("parallel", "schedule", PipelineSchedule::OneFOneB),
+        kind_field("parallel", "balance", StageBalance::Parameters),
     ]
 }
 

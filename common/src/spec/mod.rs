@@ -100,6 +100,10 @@ pub struct ParallelSpec {
     /// by parameter count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers_per_stage: Option<Vec<u64>>,
+    /// With pipeline > 1 and no `layers_per_stage`: what the stage
+    /// boundaries balance (default: the parameter count).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance: Option<StageBalance>,
 }
 
 /// `[performance]`: execution choices that leave the numbers as they are.

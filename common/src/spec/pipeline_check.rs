@@ -25,7 +25,21 @@ impl JobSpec {
                     "only with parallel.pipeline >= 2",
                 );
             }
+            if let Some(b) = p.balance {
+                c.fail(
+                    "parallel.balance",
+                    b.as_str(),
+                    "only with parallel.pipeline >= 2",
+                );
+            }
             return;
+        }
+        if let (Some(b), Some(_)) = (p.balance, &p.layers_per_stage) {
+            c.fail(
+                "parallel.balance",
+                b.as_str(),
+                "set either parallel.balance or parallel.layers_per_stage (which fixes the boundaries), not both",
+            );
         }
         let kind = self.model.kind;
         // The units a stage is made of: decoder layers, or the mlp's layers.

@@ -693,6 +693,32 @@ fn pipeline_fields_fit_the_model() {
                 && e.allowed.contains("multiple of pipeline x tensor = 2")),
         "{e:?}"
     );
+    // What the boundaries balance: parameters (default) or compute; not
+    // with fixed counts, not without stages, only the two names.
+    let c = mlp("pipeline = 2\nbalance = \"compute\"\n");
+    let s = JobSpec::fields_from_toml_str(&c, Path::new("t.toml")).unwrap();
+    assert_eq!(s.parallel.balance, Some(StageBalance::Compute));
+    let e = invalid(&mlp(
+        "pipeline = 2\nbalance = \"compute\"\nlayers_per_stage = [1, 2]\n",
+    ));
+    assert!(
+        e.iter()
+            .any(|e| e.field == "parallel.balance" && e.allowed.contains("not both")),
+        "{e:?}"
+    );
+    let e = invalid(&mlp("balance = \"compute\"\n"));
+    assert!(
+        e.iter()
+            .any(|e| e.field == "parallel.balance" && e.allowed.contains("parallel.pipeline >= 2")),
+        "{e:?}"
+    );
+    let e = invalid(&mlp("pipeline = 2\nbalance = \"flops\"\n"));
+    assert!(
+        e.iter().any(|e| e.field == "parallel.balance"
+            && e.allowed.contains("parameters")
+            && e.allowed.contains("compute")),
+        "{e:?}"
+    );
     // What the pipeline engine does not run yet, by name.
     let e = invalid(&mlp("pipeline = 2\n").replace("[data]", "[data]\npack = true"));
     assert!(

@@ -94,6 +94,10 @@ kind_map!(PipelineSchedule, PipelineSchedule, {
     OneFOneB <=> OneFOneB,
     GPipe <=> Gpipe,
 });
+kind_map!(StageBalance, StageBalance, {
+    Parameters <=> Parameters,
+    Compute <=> Compute,
+});
 kind_map!(OptimizerKind, OptimizerKind, {
     Sgd <=> Sgd,
     Adam <=> Adam,
@@ -177,6 +181,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             tensor: s.parallel.tensor,
             schedule: s.parallel.schedule.map_or(0, |k| k.to_proto().into()),
             layers_per_stage: s.parallel.layers_per_stage.clone().unwrap_or_default(),
+            balance: s.parallel.balance.map_or(0, |k| k.to_proto().into()),
         }),
         model: Some(model_to_proto(&s.model)),
         data: Some(v1::DataSpec {
@@ -277,6 +282,14 @@ fn parallel_from_proto(q: &v1::ParallelSpec, e: &mut Vec<FieldError>) -> Paralle
             )
         }),
         layers_per_stage: (!q.layers_per_stage.is_empty()).then(|| q.layers_per_stage.clone()),
+        balance: (q.balance != 0).then(|| {
+            from_proto(
+                q.balance,
+                Unspecified::Default(StageBalance::default()),
+                StageBalance::default(),
+                e,
+            )
+        }),
     }
 }
 

@@ -478,6 +478,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                     tensor: (seed % 5 == 1).then_some(1),
                     schedule: None,
                     layers_per_stage: None,
+                    balance: None,
                 },
                 performance: PerformanceSpec {
                     cuda_graphs: [None, Some(true), Some(false)][(seed / 9 % 3) as usize],
@@ -713,6 +714,17 @@ fn pipeline_fields_cross_the_wire() {
     assert_eq!(p.layers_per_stage, vec![1, 2]);
     let mut errors = Vec::new();
     assert_eq!(super::parallel_from_proto(&p, &mut errors), s.parallel);
+    // balance (not with layers_per_stage in a valid spec; the wire
+    // carries it either way).
+    let balanced = ParallelSpec {
+        balance: Some(StageBalance::Compute),
+        ..s.parallel.clone()
+    };
+    let mut b = s.clone();
+    b.parallel = balanced.clone();
+    let p2 = spec_to_proto(&b).parallel.unwrap();
+    assert_eq!(p2.balance, v1::StageBalance::Compute as i32);
+    assert_eq!(super::parallel_from_proto(&p2, &mut errors), balanced);
     let none = ParallelSpec {
         schedule: None,
         layers_per_stage: None,
@@ -723,8 +735,15 @@ fn pipeline_fields_cross_the_wire() {
     let p = spec_to_proto(&other).parallel.unwrap();
     assert_eq!(super::parallel_from_proto(&p, &mut errors), none);
     assert!(errors.is_empty(), "{errors:?}");
-    let bad = v1::ParallelSpec { schedule: 9, ..p };
+    let bad = v1::ParallelSpec {
+        schedule: 9,
+        ..p.clone()
+    };
     super::parallel_from_proto(&bad, &mut errors);
     assert_eq!(errors.len(), 1);
     assert_eq!(errors[0].field, "parallel.schedule", "{errors:?}");
+    let bad = v1::ParallelSpec { balance: 7, ..p };
+    super::parallel_from_proto(&bad, &mut errors);
+    assert_eq!(errors.len(), 2);
+    assert_eq!(errors[1].field, "parallel.balance", "{errors:?}");
 }
