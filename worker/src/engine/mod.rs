@@ -138,26 +138,46 @@ impl<C: Collective> Engine<C> {
             tch::set_num_threads(t as i32);
         }
         let workload = workload::load(&spec, device)?;
-        let mut model = Model::build(
-            &spec.model,
-            &workload.sample_shape,
-            workload.classes,
-            device,
-            spec.seed,
-        )?;
-        if let Some(given) = &spec.model.init {
-            // A file, or a folder transformers wrote (save_pretrained):
-            // model.safetensors, or shards and their index.
-            let tensors = setup::read_init(given)?;
-            model.load_named(WeightsFrom::Init(given), tensors)?;
-        }
-        // A pipeline stage trains its blocks' parameters; every rank built
-        // the whole model with the job's seed (the initial weights of
-        // P = 1), the rest stays frozen by name.
-        let pipe = match stages {
+        // A pipeline stage trains its blocks' parameters: a first build
+        // holding none gives every parameter's name and shape (the plan's
+        // input), the second holds the stage's only; both draw the whole
+        // model's initial values from the job's seed, so the stage's are
+        // P = 1's. The rest stays frozen by name.
+        let (mut model, stage_plan) = match stages {
             Some((stage, n)) => {
-                let (p, names) = pipe::plan(&spec, &model, stage, n)?;
+                let build = |keep: Box<dyn Fn(&str) -> bool>| {
+                    Model::build_stage(
+                        &spec.model,
+                        &workload.sample_shape,
+                        workload.classes,
+                        device,
+                        spec.seed,
+                        keep,
+                    )
+                };
+                let all = build(Box::new(|_| false))?.frozen;
+                let (p, names) = pipe::plan(&spec, &all, stage, n)?;
+                drop(all);
                 let shared = p.tied.clone().filter(|_| p.is_last());
+                let mut keep = names.clone();
+                keep.extend(shared.clone());
+                let model = build(Box::new(move |n| keep.contains(n)))?;
+                (model, Some((p, names, shared)))
+            }
+            None => (
+                Model::build(
+                    &spec.model,
+                    &workload.sample_shape,
+                    workload.classes,
+                    device,
+                    spec.seed,
+                )?,
+                None,
+            ),
+        };
+        let pipe = match stage_plan {
+            Some((p, names, shared)) => {
+                let (stage, n) = (p.stage, p.stages);
                 model.restrict(&names, shared.as_deref())?;
                 // The last stage's copy of a tied embedding gathers its
                 // gradient apart (engine/pipe/ sends it to the first).
@@ -177,6 +197,13 @@ impl<C: Collective> Engine<C> {
             }
             None => None,
         };
+        if let Some(given) = &spec.model.init {
+            // A file, or a folder transformers wrote (save_pretrained):
+            // model.safetensors, or shards and their index (a stage takes
+            // its own tensors, as from a checkpoint).
+            let tensors = setup::read_init(given)?;
+            model.load_named(WeightsFrom::Init(given), tensors)?;
+        }
         let workload::Workload {
             train,
             eval,

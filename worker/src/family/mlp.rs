@@ -23,9 +23,21 @@ impl Family for Mlp {
         let layers = widths
             .windows(2)
             .enumerate()
-            .map(|(i, w)| nn::linear(root / (2 * i).to_string(), w[0], w[1], Default::default()))
-            .collect();
+            .map(|(i, w)| {
+                let p = root / (2 * i).to_string();
+                let l = nn::linear(&p, w[0], w[1], Default::default());
+                crate::family::model::made(&p.path("weight"), &l.ws)?;
+                if let Some(b) = &l.bs {
+                    crate::family::model::made(&p.path("bias"), b)?;
+                }
+                Ok(l)
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Built::Staged(Box::new(Net { layers })))
+    }
+
+    fn builds_by_stage(&self) -> bool {
+        true
     }
 
     /// One block per linear layer (`0`, `2`, ...: its weight and bias),

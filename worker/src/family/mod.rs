@@ -99,6 +99,13 @@ pub trait Family: Sync {
         true
     }
 
+    /// Whether the builder reports each parameter it makes
+    /// ([`model::made`]), so a pipeline stage can be built without the
+    /// others' storage ([`model::Model::build_stage`], issue 40).
+    fn builds_by_stage(&self) -> bool {
+        false
+    }
+
     /// The probe batch: 2 samples of `shape` in the model's input type
     /// (zeros; float for the image and tensor families, token ids for a
     /// language model).

@@ -21,6 +21,39 @@ static INIT_LOCK: Mutex<()> = Mutex::new(());
 /// Tensors by PyTorch name.
 pub use crate::family::Named;
 
+/// Which parameters a stage build keeps (issue 40), and the shapes of the
+/// others as they were released.
+struct StageBuild {
+    keep: Box<dyn Fn(&str) -> bool>,
+    released: Vec<(String, Vec<i64>)>,
+}
+
+thread_local! {
+    /// Set while [`Model::build_stage`] runs on this thread.
+    static STAGE_BUILD: std::cell::RefCell<Option<StageBuild>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// A family calls this right after it made parameter `name` (its full
+/// name): under [`Model::build_stage`] a parameter the stage does not keep
+/// gives its storage back at once (its values were drawn, so the
+/// generator moves on as for the whole model), keeping its shape.
+pub(crate) fn made(name: &str, t: &Tensor) -> Result<()> {
+    STAGE_BUILD.with(|b| {
+        let mut b = b.borrow_mut();
+        let Some(build) = b.as_mut().filter(|b| !(b.keep)(name)) else {
+            return Ok(());
+        };
+        build.released.push((name.to_string(), t.size()));
+        let _guard = tch::no_grad_guard();
+        let empty = Tensor::f_empty([0], (t.kind(), t.device()))
+            .ctx("releasing another stage's parameter")?;
+        let mut t = t.shallow_clone();
+        t.f_set_data(&empty)
+            .ctx("releasing another stage's parameter")
+    })
+}
+
 /// Where weights loaded by name come from: errors name the file
 /// (`model.init`) or the checkpoint folder.
 #[derive(Clone, Copy, Debug)]
@@ -187,6 +220,68 @@ impl Model {
             }
         };
         model.probe(sample_shape, classes, device)?;
+        Ok(model)
+    }
+
+    /// The model as [`Model::build`] makes it (the same initial weights
+    /// from `seed`), holding only the parameters `keep` names: each other
+    /// parameter is released as soon as it is made and listed in
+    /// [`Model::frozen`] by name and shape, so the build never holds more
+    /// than the kept ones and one more (a pipeline stage, issue 40). With
+    /// `keep` naming nothing, it gives every parameter's name and shape.
+    /// The whole-model probe does not run (the stage cannot).
+    pub fn build_stage(
+        spec: &ModelSpec,
+        sample_shape: &[i64],
+        classes: i64,
+        device: Device,
+        seed: u64,
+        keep: Box<dyn Fn(&str) -> bool>,
+    ) -> Result<Self> {
+        let family = crate::family::family(spec.kind);
+        if !family.draws_weights() || !family.builds_by_stage() {
+            return Err(Error::Schedule(format!(
+                "model.kind = {} does not build by pipeline stage",
+                spec.kind
+            )));
+        }
+        let vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let to = crate::family::BuildTo {
+            spec,
+            root: &root,
+            shape: sample_shape,
+            classes,
+        };
+        let built = {
+            let _guard = INIT_LOCK
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            STAGE_BUILD.with(|b| {
+                *b.borrow_mut() = Some(StageBuild {
+                    keep,
+                    released: Vec::new(),
+                })
+            });
+            tch::manual_seed(seed as i64);
+            let built = family.build(&to);
+            let released = STAGE_BUILD.with(|b| b.borrow_mut().take());
+            (built, released.map(|r| r.released).unwrap_or_default())
+        };
+        let (built, released) = built;
+        let mut model = match built? {
+            Built::Layers(net) => Self::of_layers(vs, Net::Builtin(net), spec.kind),
+            Built::Headed(net) => Self::of_layers(vs, Net::Headed(net), spec.kind),
+            Built::Staged(net) => Self::of_layers(vs, Net::Staged(net), spec.kind),
+            Built::Script(..) => {
+                return Err(Error::Schedule(
+                    "a TorchScript module does not build by pipeline stage".into(),
+                ))
+            }
+        };
+        let gone: HashSet<&str> = released.iter().map(|(n, _)| n.as_str()).collect();
+        model.params.retain(|(n, _)| !gone.contains(n.as_str()));
+        model.frozen = released;
         Ok(model)
     }
 
@@ -369,7 +464,9 @@ impl Model {
     ) -> Result<()> {
         let mut by_name: HashMap<String, Tensor> = tensors.into_iter().collect();
         if let WeightsFrom::Init(_) = from {
-            let ours: HashSet<&str> = self.state().map(|(n, _)| n.as_str()).collect();
+            // The whole model's names (a pipeline stage's frozen and
+            // shared ones too): what the file fits is the model's.
+            let ours: HashSet<&str> = self.shapes().into_iter().map(|(n, _)| n).collect();
             crate::family::family(self.kind)
                 .fit_init(&|n| ours.contains(n), &mut by_name)
                 .map_err(|reason| from.error(reason))?;
@@ -501,6 +598,77 @@ fn named_state(vs: &nn::VarStore) -> (Named, Named) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 40: a stage build holds only what it keeps, and what it keeps
+    /// is the whole build's values bit for bit (the generator drew every
+    /// parameter in the same order); a build keeping nothing lists every
+    /// parameter's name and shape, as the whole model has them. The mlp
+    /// and a tied Llama.
+    #[test]
+    fn a_stage_build_keeps_its_parameters_with_the_whole_builds_values() {
+        let llama = "kind = \"llama\"\nvocab_size = 32\nhidden_size = 16\nintermediate_size = 32\n\
+                     num_hidden_layers = 2\nnum_attention_heads = 2\nmax_position_embeddings = 8\n\
+                     tie_word_embeddings = true";
+        for (text, shape, classes, keep) in [
+            (
+                "kind = \"mlp\"\nhidden = [8, 6]",
+                vec![4i64],
+                3i64,
+                vec!["2.weight", "4.bias"],
+            ),
+            (
+                llama,
+                vec![8],
+                32,
+                vec![
+                    "model.embed_tokens.weight",
+                    "model.layers.1.mlp.up_proj.weight",
+                ],
+            ),
+        ] {
+            let spec: ModelSpec = toml::from_str(text).unwrap();
+            let whole = Model::build(&spec, &shape, classes, Device::Cpu, 7).unwrap();
+            let all =
+                Model::build_stage(&spec, &shape, classes, Device::Cpu, 7, Box::new(|_| false))
+                    .unwrap();
+            assert!(all.params.is_empty());
+            let listed: Vec<(String, Vec<i64>)> = whole
+                .params
+                .iter()
+                .map(|(n, t)| (n.clone(), t.size()))
+                .collect();
+            let mut frozen = all.frozen.clone();
+            frozen.sort();
+            let mut listed_sorted = listed.clone();
+            listed_sorted.sort();
+            assert_eq!(frozen, listed_sorted, "{text}");
+            let names: HashSet<String> = keep.iter().map(|s| s.to_string()).collect();
+            let stage = Model::build_stage(
+                &spec,
+                &shape,
+                classes,
+                Device::Cpu,
+                7,
+                Box::new(move |n| names.contains(n)),
+            )
+            .unwrap();
+            let mut held: Vec<&str> = stage.params.iter().map(|(n, _)| n.as_str()).collect();
+            held.sort();
+            let mut want = keep.clone();
+            want.sort();
+            assert_eq!(held, want, "{text}");
+            for (n, t) in &stage.params {
+                let w = &whole.params.iter().find(|(m, _)| m == n).unwrap().1;
+                assert!(t.equal(w), "{n} differs from the whole build's");
+            }
+            assert_eq!(stage.frozen.len(), whole.params.len() - keep.len());
+            // The released ones hold no storage in the layers.
+            let vars = stage._vs.as_ref().unwrap().variables();
+            for (n, _) in &stage.frozen {
+                assert_eq!(vars[n].numel(), 0, "{n}");
+            }
+        }
+    }
 
     /// Issue 40: a pipeline stage keeps its parameters and releases the
     /// others' storage, and the whole model's tensors still load into it

@@ -123,34 +123,36 @@ fn unit_costs(
 /// it trains (its blocks', and the tied embedding on the last stage).
 pub(super) fn plan(
     spec: &crate::spec::JobSpec,
-    model: &crate::family::model::Model,
+    params: &[(String, Vec<i64>)],
     stage: usize,
     stages: usize,
 ) -> Result<(Pipe, HashSet<String>)> {
     let family = crate::family::family(spec.model.kind);
-    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    let names: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
     let blocks = family.blocks(&spec.model, &names)?;
     let plan = family.parallel_plan(&spec.model)?;
     let units = crate::family::units(blocks.len(), &plan.stage_boundaries);
     let shape = |n: &str| {
-        model
-            .params
+        params
             .iter()
             .find(|(p, _)| p == n)
-            .map_or_else(Vec::new, |(_, t)| t.size())
+            .map_or_else(Vec::new, |(_, s)| s.clone())
     };
-    // A head whose weight is a parameter of another block (tied to the
-    // embedding): the last stage holds it too.
-    let tied = model.headed().and_then(|h| {
-        let w = h.head_weight();
-        let name = model
-            .params
-            .iter()
-            .find(|(_, p)| p.data_ptr() == w.data_ptr())
-            .map(|(n, _)| n.clone())?;
-        let head_block = blocks.last()?;
-        (!head_block.params.contains(&name)).then_some(name)
-    });
+    // A head tied to the embedding (the Llama family's
+    // `tie_word_embeddings`): the first block's parameter, which the last
+    // stage holds too.
+    let tied = if spec.model.kind.is_decoder()
+        && crate::spec::LlamaConfig::resolve(&spec.model)?.tie_word_embeddings
+    {
+        blocks.first().and_then(|b| {
+            b.params
+                .iter()
+                .find(|n| n.ends_with("embed_tokens.weight"))
+                .cloned()
+        })
+    } else {
+        None
+    };
     let sizes = match spec.parallel.balance.unwrap_or_default() {
         crate::spec::StageBalance::Parameters => unit_sizes(&blocks, &units, &shape),
         crate::spec::StageBalance::Compute => {
@@ -615,11 +617,18 @@ pipeline = 2
         crate::spec::JobSpec::fields_from_toml_str(&text, std::path::Path::new("t")).unwrap()
     }
 
+    fn shapes(s: &crate::spec::JobSpec) -> Vec<(String, Vec<i64>)> {
+        let m =
+            crate::family::model::Model::build(&s.model, &[64], 4096, tch::Device::Cpu, 1).unwrap();
+        m.params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.size()))
+            .collect()
+    }
+
     fn first_stage_blocks(balance: &str, tied: bool) -> Range<usize> {
         let s = spec(balance, tied);
-        let model =
-            crate::family::model::Model::build(&s.model, &[64], 4096, tch::Device::Cpu, 1).unwrap();
-        plan(&s, &model, 0, 2).unwrap().0.blocks
+        plan(&s, &shapes(&s), 0, 2).unwrap().0.blocks
     }
 
     /// By parameters the embedding weighs as much as the head: 2 + 2

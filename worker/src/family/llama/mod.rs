@@ -32,6 +32,7 @@
 
 use super::{check_blocks, Block, BuildTo, Built, Family, Headed, ParallelPlan};
 use crate::error::{Error, Result, TorchContext};
+use crate::family::model::made;
 use crate::spec::{LlamaConfig, ModelKind, ModelSpec};
 use std::collections::HashMap;
 use tch::nn::{self, Init, ModuleT};
@@ -51,6 +52,10 @@ pub(in crate::family) struct Llama;
 impl Family for Llama {
     fn kinds(&self) -> &'static [ModelKind] {
         &[ModelKind::Llama]
+    }
+
+    fn builds_by_stage(&self) -> bool {
+        true
     }
 
     fn build(&self, to: &BuildTo<'_>) -> Result<Built> {
@@ -180,6 +185,10 @@ impl Family for Extends {
         Llama.build(to)
     }
 
+    fn builds_by_stage(&self) -> bool {
+        true
+    }
+
     fn probe_input(&self, shape: &[i64], device: Device) -> Result<Tensor> {
         Llama.probe_input(shape, device)
     }
@@ -224,10 +233,14 @@ impl Linear {
         let weight = p
             .f_var("weight", &[output, input], init)
             .ctx("creating the llama parameters")?;
+        made(&p.path("weight"), &weight)?;
         let bias = bias
             .then(|| p.f_var("bias", &[output], Init::Const(0.0)))
             .transpose()
             .ctx("creating the llama parameters")?;
+        if let Some(b) = &bias {
+            made(&p.path("bias"), b)?;
+        }
         Ok(Self { weight, bias })
     }
 
@@ -258,6 +271,7 @@ impl RmsNorm {
         let weight = p
             .f_var("weight", &[width], Init::Const(1.0))
             .ctx("creating the llama parameters")?;
+        made(&p.path("weight"), &weight)?;
         Ok(Self { weight, eps })
     }
 
@@ -350,6 +364,7 @@ impl Net {
         let embed = (&model / "embed_tokens")
             .f_var("weight", &[c.vocab_size, h], normal)
             .ctx("creating the llama parameters")?;
+        made(&(&model / "embed_tokens").path("weight"), &embed)?;
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let l = &model / "layers" / i;
@@ -393,6 +408,9 @@ impl Net {
             .then(|| (root / "lm_head").f_var("weight", &[c.vocab_size, h], normal))
             .transpose()
             .ctx("creating the llama parameters")?;
+        if let Some(w) = &head {
+            made(&(root / "lm_head").path("weight"), w)?;
+        }
         let inv_freq = scaled_inv_freq(d, c.rope_theta, &c.rope_scaling)
             .and_then(|f| f.f_to_device(root.device()))
             .ctx("computing RoPE's frequencies")?;
