@@ -14,7 +14,7 @@ use common::lm_ddp::{
     self, config, job, read, rel_diff, run_script, script, steps_match, torchrun_turn,
 };
 use common::procs::{run_ranks, Torchrun};
-use common::{engine, python, snapshot, spec};
+use common::{engine, python, snapshot, spec, write_sequences};
 use std::path::Path;
 use std::time::Duration;
 use tch::Tensor;
@@ -276,32 +276,6 @@ lr = 0.001
     }
 }
 
-/// A window whose rows on every rank hold no target (one-token rows, a
-/// fully masked row) has N = 0: the step is skipped with its reason, not
-/// an on_nonfinite failure (`on_nonfinite = "error"` here), the
-/// parameters stay, and the next window trains.
-/// A sequences file: tokens and offsets (I64) and a U8 loss mask.
-fn write_sequences(path: &Path, tokens: &[i64], offsets: &[i64], mask: &[u8]) {
-    use safetensors::tensor::{Dtype, TensorView};
-    let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let (tb, ob) = (bytes(tokens), bytes(offsets));
-    let views = [
-        (
-            "tokens",
-            TensorView::new(Dtype::I64, vec![tokens.len()], &tb).unwrap(),
-        ),
-        (
-            "offsets",
-            TensorView::new(Dtype::I64, vec![offsets.len()], &ob).unwrap(),
-        ),
-        (
-            "loss_mask",
-            TensorView::new(Dtype::U8, vec![mask.len()], mask).unwrap(),
-        ),
-    ];
-    safetensors::serialize_to_file(views, &None, path).unwrap();
-}
-
 /// Issue 39, packed SFT rows: six rows (prompts masked) trained packed
 /// into three samples of T = 12 (best-fit decreasing) or one row per
 /// sample, one step per epoch over every row, AdamW with clipping: every
@@ -390,6 +364,10 @@ fn packed_rows_train_as_the_rows_alone() {
     assert!(d_params <= 1e-5, "{name} differs by {d_params}");
 }
 
+/// A window whose rows on every rank hold no target (one-token rows, a
+/// fully masked row) has N = 0: the step is skipped with its reason, not
+/// an on_nonfinite failure (`on_nonfinite = "error"` here), the
+/// parameters stay, and the next window trains.
 #[test]
 fn a_window_without_targets_is_skipped_with_its_reason() {
     let dir = TempDir::new().unwrap();

@@ -448,9 +448,6 @@ impl JobSpec {
                 "must be 1: tensor parallelism is not built yet",
             );
         }
-        if dims.pipeline > 1 {
-            self.validate_pipeline_scope(c, dims.pipeline);
-        }
         let replica = dims.replica();
         for (field, bound) in [
             ("min_workers", self.min_workers),

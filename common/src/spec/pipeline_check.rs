@@ -98,16 +98,4 @@ impl JobSpec {
             }
         }
     }
-
-    /// What the pipeline engine runs so far (issue 40): rows unpacked.
-    /// Each refusal names what is not built yet.
-    pub(super) fn validate_pipeline_scope(&self, c: &mut Checker, stages: u32) {
-        if self.data.pack {
-            c.fail(
-                "data.pack",
-                true,
-                format!("packed rows with parallel.pipeline = {stages} is not built yet"),
-            );
-        }
-    }
 }

@@ -68,6 +68,21 @@ pub trait Staged {
     /// last block, the model's output (a [`Headed`] model's: the features
     /// under the head, [`Headed::features`]'s).
     fn stage_forward(&self, x: &Tensor, blocks: std::ops::Range<usize>) -> Result<Tensor>;
+
+    /// [`Staged::stage_forward`] given the micro-batch's own inputs too
+    /// (`inputs`: what the first stage takes), for a stage past the first
+    /// that needs more than the hidden states: a Llama's packed rows
+    /// (their positions and block-diagonal attention, issue 40). The
+    /// default ignores them.
+    fn stage_forward_with(
+        &self,
+        x: &Tensor,
+        blocks: std::ops::Range<usize>,
+        inputs: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let _ = inputs;
+        self.stage_forward(x, blocks)
+    }
 }
 
 /// Layers that run in stages ([`Built::Staged`]).

@@ -280,3 +280,25 @@ pub fn step_model(folder: &Path) -> Vec<(String, Tensor)> {
     m.sort_by(|a, b| a.0.cmp(&b.0));
     m
 }
+
+/// A sequences file: tokens and offsets (I64) and a U8 loss mask.
+pub fn write_sequences(path: &Path, tokens: &[i64], offsets: &[i64], mask: &[u8]) {
+    use safetensors::tensor::{Dtype, TensorView};
+    let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (tb, ob) = (bytes(tokens), bytes(offsets));
+    let views = [
+        (
+            "tokens",
+            TensorView::new(Dtype::I64, vec![tokens.len()], &tb).unwrap(),
+        ),
+        (
+            "offsets",
+            TensorView::new(Dtype::I64, vec![offsets.len()], &ob).unwrap(),
+        ),
+        (
+            "loss_mask",
+            TensorView::new(Dtype::U8, vec![mask.len()], mask).unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(views, &None, path).unwrap();
+}

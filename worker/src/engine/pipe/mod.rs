@@ -251,6 +251,7 @@ impl<C: Collective> Engine<C> {
         // (the last stage's inside its forward), an empty micro-batch's
         // too, so every replica of a stage reduces at the same ops.
         let every = self.spec.accumulation.sync == crate::spec::SyncMode::EveryStep;
+        let packed = self.spec.data.pack;
         for op in ops {
             match op {
                 PipeOp::Forward { micro } => {
@@ -262,7 +263,8 @@ impl<C: Collective> Engine<C> {
                         continue;
                     }
                     let idx = self.micro_batch_indices(a, b)?;
-                    let batch = if pipe.is_first() || pipe.is_last() {
+                    // Packed rows: every stage reads the rows' positions.
+                    let batch = if pipe.is_first() || pipe.is_last() || packed {
                         Some(self.train.batch(&idx)?)
                     } else {
                         None
@@ -288,7 +290,8 @@ impl<C: Collective> Engine<C> {
                     let staged = self.model.staged().ok_or_else(|| {
                         Error::Schedule("this model does not run in pipeline stages".into())
                     })?;
-                    let out = staged.stage_forward(&x, pipe.blocks.clone())?;
+                    let inputs = batch.as_ref().filter(|_| packed).map(|b| &b.inputs);
+                    let out = staged.stage_forward_with(&x, pipe.blocks.clone(), inputs)?;
                     let mut sent = Vec::new();
                     let output = if pipe.is_last() {
                         // The head (a Headed model's stage ends at its
@@ -547,7 +550,8 @@ impl<C: Collective> Engine<C> {
         let mut start = 0;
         while start < n {
             let len = bs.min(n - start);
-            let batch = if pipe.is_first() || pipe.is_last() {
+            let packed = self.spec.data.pack;
+            let batch = if pipe.is_first() || pipe.is_last() || packed {
                 Some(eval.range(start, len, self.device)?)
             } else {
                 None
@@ -562,7 +566,8 @@ impl<C: Collective> Engine<C> {
             let staged = self.model.staged().ok_or_else(|| {
                 Error::Schedule("this model does not run in pipeline stages".into())
             })?;
-            let out = staged.stage_forward(&x, pipe.blocks.clone())?;
+            let inputs = batch.as_ref().filter(|_| packed).map(|b| &b.inputs);
+            let out = staged.stage_forward_with(&x, pipe.blocks.clone(), inputs)?;
             if pipe.is_last() {
                 let batch = batch
                     .as_ref()
