@@ -250,10 +250,24 @@ fn one_process(
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// A pipeline checkpoint is one whole Hugging Face folder (the stages'
-/// parameters and optimizer state gathered by the first stage): a job
-/// stopped at step 2 at P = 2 goes on at P = 1, and one stopped at P = 1
-/// goes on at P = 2, each to the weights of the uninterrupted run.
+/// Files and folders of `from` into `to` (a checkpoint folder's copy).
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}
+
+/// A pipeline checkpoint is one Hugging Face folder (each stage's shards
+/// and optimizer part): a job stopped at step 2 at P = 2 goes on at P = 1
+/// and at P = 4, and one stopped at P = 1 goes on at P = 2, each to the
+/// weights of the uninterrupted run.
 #[test]
 fn checkpoints_resume_across_pipeline_degrees() {
     let d = TempDir::new().unwrap();
@@ -298,6 +312,17 @@ fn checkpoints_resume_across_pipeline_degrees() {
         .iter()
         .any(|n| n == "model.safetensors" || n == "optimizer.safetensors"));
     from_pretrained_equals(&step, &step_model(&step));
+    // The same P = 2 checkpoint goes on at P = 4 too (a copy: the P = 1
+    // run below writes its steps into `a`).
+    let c = TempDir::new().unwrap();
+    copy_tree(&a.path().join("ckpt"), &c.path().join("ckpt"));
+    common::procs::run_ranks_with(c.path(), &text(4, 4), 4, &["--resume"], |_| {});
+    within(
+        &model_at(c.path(), 4),
+        &want,
+        1e-5,
+        "P = 2 then P = 4: against the uninterrupted run",
+    );
     let mut e = one_process(&text(1, 4), a.path(), true);
     assert_eq!(e.state().step, 2);
     e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
