@@ -74,6 +74,28 @@ fn kill(w: &mut Workers, ids: &[&str], victim: &str) {
     w.0[i].kill().unwrap();
 }
 
+/// Waits for step `at` of job `id`, kills the worker at `rank` and waits
+/// for the job's end: it succeeded after one recovery that lost that
+/// worker. The job as it ran before the kill, and its end.
+async fn kill_rank_at(
+    c: &mut accrue::Client,
+    w: &mut Workers,
+    ids: &[&str],
+    id: &str,
+    at: u64,
+    rank: usize,
+) -> (Job, Job) {
+    let running = wait_step(c, id, at).await;
+    assert_eq!(running.state(), JobState::Running, "{running:?}");
+    let victim = running.workers[rank].clone();
+    kill(w, ids, &victim);
+    let end = ended(c, id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
+    assert_eq!(end.recoveries[0].lost, [victim.as_str()]);
+    (running, end)
+}
+
 fn model(j: &Job) -> std::path::PathBuf {
     Path::new(&j.checkpoint).to_path_buf()
 }
@@ -150,16 +172,9 @@ async fn a_lost_last_stage_is_replaced_from_its_replica_and_the_result_is_unchan
     let mut w = spawn_all(&grpc, &ids, d.path());
     let mut c = client(&grpc).await;
     let hurt = submit_text(&mut c, &tied_llama("pp-hurt", &data)).await;
-    let running = wait_step(&mut c, &hurt.id, 2).await;
-    assert_eq!(running.state(), JobState::Running, "{running:?}");
     // Ranks (data, stage): (0,0) (0,1) (1,0) (1,1).
-    let victim = running.workers[1].clone();
-    kill(&mut w, &ids, &victim);
-    let end = ended(&mut c, &hurt.id).await;
-    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
-    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
+    let (running, end) = kill_rank_at(&mut c, &mut w, &ids, &hurt.id, 2, 1).await;
     let r = &end.recoveries[0];
-    assert_eq!(r.lost, [victim.as_str()]);
     assert_eq!(r.world_size, 4);
     let spare = ids
         .iter()
@@ -201,15 +216,9 @@ async fn a_lost_middle_stage_without_replicas_rolls_back_to_the_checkpoint() {
         )
     };
     let hurt = submit_text(&mut c, &text("mid-hurt")).await;
-    let running = wait_step(&mut c, &hurt.id, 3).await;
+    let (running, end) = kill_rank_at(&mut c, &mut w, &ids, &hurt.id, 3, 1).await;
     let seen = running.counters.unwrap().step;
-    let victim = running.workers[1].clone();
-    kill(&mut w, &ids, &victim);
-    let end = ended(&mut c, &hurt.id).await;
-    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
-    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
-    assert_eq!(r.lost, [victim.as_str()]);
     // Resumed from a checkpoint, not from the last step.
     assert!(r.resumed_step % 2 == 0 && r.resumed_step >= 2, "{r:?}");
     assert!(
@@ -248,15 +257,9 @@ async fn a_pipeline_job_without_a_spare_shrinks_to_one_replica() {
         "",
     );
     let j = submit_text(&mut c, &text).await;
-    let running = wait_step(&mut c, &j.id, 2).await;
+    let (running, end) = kill_rank_at(&mut c, &mut w, &ids, &j.id, 2, 1).await;
     assert_eq!(running.accumulation_steps, 2);
-    let victim = running.workers[1].clone();
-    kill(&mut w, &ids, &victim);
-    let end = ended(&mut c, &j.id).await;
-    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
-    assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
     let r = &end.recoveries[0];
-    assert_eq!(r.lost, [victim]);
     assert!(r.joined.is_empty());
     assert_eq!((r.world_size, r.accumulation_steps), (2, 4));
     // Replica 0's first stage and replica 1's last stage: each kept its

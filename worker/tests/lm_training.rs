@@ -14,7 +14,7 @@ use common::lm_ddp::{
     self, config, job, read, rel_diff, run_script, script, steps_match, torchrun_turn,
 };
 use common::procs::{run_ranks, Torchrun};
-use common::{engine, python, snapshot, spec, write_sequences};
+use common::{engine, prompt_rows, python, snapshot, spec, write_sequences};
 use std::path::Path;
 use std::time::Duration;
 use tch::Tensor;
@@ -287,18 +287,7 @@ lr = 0.001
 fn packed_rows_train_as_the_rows_alone() {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
-    let lens = [9usize, 5, 12, 4, 7, 3];
-    let tokens: Vec<i64> = (0..lens.iter().sum::<usize>() as i64)
-        .map(|t| (t * 37 + 11) % 97)
-        .collect();
-    let mut offsets = vec![0i64];
-    let mut mask = Vec::new();
-    for l in lens {
-        offsets.push(offsets.last().unwrap() + l as i64);
-        // A two-token prompt, then the completion.
-        mask.extend((0..l).map(|i| u8::from(i >= 2)));
-    }
-    write_sequences(&d.join("data.safetensors"), &tokens, &offsets, &mask);
+    prompt_rows(&d.join("data.safetensors"), &[9usize, 5, 12, 4, 7, 3]);
     let run = |pack: bool| {
         let text = job(d, "global_count", 1, if pack { 3 } else { 6 })
             .replace(

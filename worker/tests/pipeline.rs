@@ -856,17 +856,10 @@ fn every_step_sync_in_stages_equals_one_process() {
 fn packed_rows_in_stages_equal_one_process() {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
-    let lens = [9usize, 5, 12, 4, 7, 3, 10, 6];
-    let tokens: Vec<i64> = (0..lens.iter().sum::<usize>() as i64)
-        .map(|t| (t * 37 + 11) % 97)
-        .collect();
-    let mut offsets = vec![0i64];
-    let mut mask = Vec::new();
-    for l in lens {
-        offsets.push(offsets.last().unwrap() + l as i64);
-        mask.extend((0..l).map(|i| u8::from(i >= 2)));
-    }
-    write_sequences(&d.join("data.safetensors"), &tokens, &offsets, &mask);
+    prompt_rows(
+        &d.join("data.safetensors"),
+        &[9usize, 5, 12, 4, 7, 3, 10, 6],
+    );
     let text = |stages: u32| {
         let base = lm_ddp::job(d, "global_count", 2, 1)
             .replace(

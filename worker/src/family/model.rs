@@ -21,10 +21,13 @@ static INIT_LOCK: Mutex<()> = Mutex::new(());
 /// Tensors by PyTorch name.
 pub use crate::family::Named;
 
+/// Whether a pipeline stage's build keeps a parameter, by its name.
+pub type Keep = Box<dyn Fn(&str) -> bool>;
+
 /// Which parameters a stage build keeps (issue 40), and the shapes of the
 /// others as they were released.
 struct StageBuild {
-    keep: Box<dyn Fn(&str) -> bool>,
+    keep: Keep,
     released: Vec<(String, Vec<i64>)>,
 }
 
@@ -182,6 +185,46 @@ impl Model {
         device: Device,
         seed: u64,
     ) -> Result<Self> {
+        let model = Self::make(spec, sample_shape, classes, device, seed, None)?;
+        model.probe(sample_shape, classes, device)?;
+        Ok(model)
+    }
+
+    /// The model as [`Model::build`] makes it (the same initial weights
+    /// from `seed`), holding only the parameters `keep` names: each other
+    /// parameter is released as soon as it is made and listed in
+    /// [`Model::frozen`] by name and shape, so the build never holds more
+    /// than the kept ones and one more (a pipeline stage, issue 40). With
+    /// `keep` naming nothing, it gives every parameter's name and shape.
+    /// The whole-model probe does not run (the stage cannot).
+    pub fn build_stage(
+        spec: &ModelSpec,
+        sample_shape: &[i64],
+        classes: i64,
+        device: Device,
+        seed: u64,
+        keep: Keep,
+    ) -> Result<Self> {
+        let family = crate::family::family(spec.kind);
+        if !family.draws_weights() || !family.builds_by_stage() {
+            return Err(Error::Schedule(format!(
+                "model.kind = {} does not build by pipeline stage",
+                spec.kind
+            )));
+        }
+        Self::make(spec, sample_shape, classes, device, seed, Some(keep))
+    }
+
+    /// The family's build, seeded under the initialisation lock where it
+    /// draws weights; with `keep`, as [`Model::build_stage`] describes.
+    fn make(
+        spec: &ModelSpec,
+        sample_shape: &[i64],
+        classes: i64,
+        device: Device,
+        seed: u64,
+        keep: Option<Keep>,
+    ) -> Result<Self> {
         let family = crate::family::family(spec.kind);
         let vs = nn::VarStore::new(device);
         let root = vs.root();
@@ -191,16 +234,26 @@ impl Model {
             shape: sample_shape,
             classes,
         };
-        let built = if family.draws_weights() {
+        let (built, released) = if family.draws_weights() {
             let _guard = INIT_LOCK
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let staged = keep.is_some();
+            STAGE_BUILD.with(|b| {
+                *b.borrow_mut() = keep.map(|keep| StageBuild {
+                    keep,
+                    released: Vec::new(),
+                })
+            });
             tch::manual_seed(seed as i64);
-            family.build(&to)?
+            let built = family.build(&to);
+            let released = STAGE_BUILD.with(|b| b.borrow_mut().take());
+            debug_assert_eq!(released.is_some(), staged);
+            (built?, released.map(|r| r.released).unwrap_or_default())
         } else {
-            family.build(&to)?
+            (family.build(&to)?, Vec::new())
         };
-        let model = match built {
+        let mut model = match built {
             Built::Layers(net) => Self::of_layers(vs, Net::Builtin(net), spec.kind),
             Built::Headed(net) => Self::of_layers(vs, Net::Headed(net), spec.kind),
             Built::Staged(net) => Self::of_layers(vs, Net::Staged(net), spec.kind),
@@ -219,69 +272,11 @@ impl Model {
                 model
             }
         };
-        model.probe(sample_shape, classes, device)?;
-        Ok(model)
-    }
-
-    /// The model as [`Model::build`] makes it (the same initial weights
-    /// from `seed`), holding only the parameters `keep` names: each other
-    /// parameter is released as soon as it is made and listed in
-    /// [`Model::frozen`] by name and shape, so the build never holds more
-    /// than the kept ones and one more (a pipeline stage, issue 40). With
-    /// `keep` naming nothing, it gives every parameter's name and shape.
-    /// The whole-model probe does not run (the stage cannot).
-    pub fn build_stage(
-        spec: &ModelSpec,
-        sample_shape: &[i64],
-        classes: i64,
-        device: Device,
-        seed: u64,
-        keep: Box<dyn Fn(&str) -> bool>,
-    ) -> Result<Self> {
-        let family = crate::family::family(spec.kind);
-        if !family.draws_weights() || !family.builds_by_stage() {
-            return Err(Error::Schedule(format!(
-                "model.kind = {} does not build by pipeline stage",
-                spec.kind
-            )));
+        if !released.is_empty() {
+            let gone: HashSet<&str> = released.iter().map(|(n, _)| n.as_str()).collect();
+            model.params.retain(|(n, _)| !gone.contains(n.as_str()));
+            model.frozen = released;
         }
-        let vs = nn::VarStore::new(device);
-        let root = vs.root();
-        let to = crate::family::BuildTo {
-            spec,
-            root: &root,
-            shape: sample_shape,
-            classes,
-        };
-        let built = {
-            let _guard = INIT_LOCK
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            STAGE_BUILD.with(|b| {
-                *b.borrow_mut() = Some(StageBuild {
-                    keep,
-                    released: Vec::new(),
-                })
-            });
-            tch::manual_seed(seed as i64);
-            let built = family.build(&to);
-            let released = STAGE_BUILD.with(|b| b.borrow_mut().take());
-            (built, released.map(|r| r.released).unwrap_or_default())
-        };
-        let (built, released) = built;
-        let mut model = match built? {
-            Built::Layers(net) => Self::of_layers(vs, Net::Builtin(net), spec.kind),
-            Built::Headed(net) => Self::of_layers(vs, Net::Headed(net), spec.kind),
-            Built::Staged(net) => Self::of_layers(vs, Net::Staged(net), spec.kind),
-            Built::Script(..) => {
-                return Err(Error::Schedule(
-                    "a TorchScript module does not build by pipeline stage".into(),
-                ))
-            }
-        };
-        let gone: HashSet<&str> = released.iter().map(|(n, _)| n.as_str()).collect();
-        model.params.retain(|(n, _)| !gone.contains(n.as_str()));
-        model.frozen = released;
         Ok(model)
     }
 

@@ -302,3 +302,18 @@ pub fn write_sequences(path: &Path, tokens: &[i64], offsets: &[i64], mask: &[u8]
     ];
     safetensors::serialize_to_file(views, &None, path).unwrap();
 }
+
+/// A sequences file at `path` of rows of `lens` tokens (ids `(37 t + 11)
+/// mod 97`), each a two-token prompt (masked) and its completion.
+pub fn prompt_rows(path: &Path, lens: &[usize]) {
+    let tokens: Vec<i64> = (0..lens.iter().sum::<usize>() as i64)
+        .map(|t| (t * 37 + 11) % 97)
+        .collect();
+    let mut offsets = vec![0i64];
+    let mut mask = Vec::new();
+    for &l in lens {
+        offsets.push(offsets.last().unwrap() + l as i64);
+        mask.extend((0..l).map(|i| u8::from(i >= 2)));
+    }
+    write_sequences(path, &tokens, &offsets, &mask);
+}
