@@ -273,3 +273,59 @@ async fn a_pipeline_job_without_a_spare_shrinks_to_one_replica() {
     assert_eq!(counters.samples_seen, 2 * 256);
     h.stop().await;
 }
+
+/// 2 data x 2 stages losing both last stages at once, no spare,
+/// `min_workers = 2`: the two first stages are left, so one of them moves
+/// to the last stage (a new engine there, holding no state of it) and
+/// every rank rolls back to the checkpoint; the job finishes with every
+/// sample of both epochs read. (Without the new engine, a mutation: the
+/// moved rank failed the job naming its old and new stage.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_survivor_moved_to_a_lost_stage_rolls_back_to_the_checkpoint() {
+    let d = TempDir::new().unwrap();
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let ids = ["r0", "r1", "r2", "r3"];
+    let mut w = spawn_all(&grpc, &ids, d.path());
+    let mut c = client(&grpc).await;
+    let text = |name: &str, workers: &str| {
+        job(
+            name,
+            workers,
+            2,
+            "[32]",
+            "global_batch = 32",
+            "[checkpoint]\nevery_steps = 2\n",
+        )
+    };
+    let j = submit_text(&mut c, &text("moved", "workers = 4\nmin_workers = 2")).await;
+    let running = wait_step(&mut c, &j.id, 3).await;
+    assert_eq!(running.state(), JobState::Running, "{running:?}");
+    // Ranks (data, stage): (0,0) (0,1) (1,0) (1,1): both last stages.
+    for r in [1, 3] {
+        kill(&mut w, &ids, &running.workers[r]);
+    }
+    let end = ended(&mut c, &j.id).await;
+    assert_eq!(end.state(), JobState::Succeeded, "{end:?}");
+    assert!(!end.recoveries.is_empty());
+    let last = end.recoveries.last().unwrap();
+    assert_eq!(
+        (last.world_size, last.accumulation_steps),
+        (2, 4),
+        "{last:?}"
+    );
+    // The first stages survived; one of them now runs the last stage.
+    let mut firsts = [running.workers[0].clone(), running.workers[2].clone()];
+    firsts.sort();
+    let mut now = end.workers.clone();
+    now.sort();
+    assert_eq!(now, firsts, "{:?}", end.workers);
+    assert!(
+        last.resumed_step % 2 == 0,
+        "rolled back to a checkpoint: {last:?}"
+    );
+    let counters = end.counters.unwrap();
+    assert_eq!(counters.step, 16);
+    assert_eq!(counters.samples_seen, 2 * 256);
+    h.stop().await;
+}
