@@ -183,6 +183,7 @@ impl JobSpec {
             c.int_in("max_steps", m, 1, MAX_STEPS.into());
         }
         self.validate_parallel(&mut c);
+        self.validate_activation_checkpointing(&mut c);
         if let Some(f) = self.max_skipped_fraction {
             if !(f.is_finite() && (0.0..=1.0).contains(&f)) {
                 c.fail("max_skipped_fraction", f, "must be a number in [0, 1]");
@@ -426,6 +427,49 @@ impl JobSpec {
                     c.fail(field, "(set)", "only allowed with data.kind = synthetic");
                 }
             }
+        }
+    }
+
+    /// `[performance]`'s activation checkpointing (issue 41): the
+    /// families with blocks, one process's model (not yet in pipeline
+    /// stages), and `checkpoint_every` only with it.
+    fn validate_activation_checkpointing(&self, c: &mut Checker) {
+        let p = &self.performance;
+        let full = p.activation_checkpointing == Some(ActivationCheckpointing::Full);
+        if let Some(n) = p.checkpoint_every {
+            if !full {
+                c.fail(
+                    "performance.checkpoint_every",
+                    n,
+                    "only with performance.activation_checkpointing = \"full\"",
+                );
+            } else if n == 0 {
+                c.fail(
+                    "performance.checkpoint_every",
+                    n,
+                    "must be an integer >= 1 (blocks per recomputed segment)",
+                );
+            }
+        }
+        if !full {
+            return;
+        }
+        let kind = self.model.kind;
+        if !(kind.is_decoder() || kind == ModelKind::Mlp) {
+            c.fail(
+                "performance.activation_checkpointing",
+                "full",
+                format!(
+                    "model.kind = {kind} has no blocks to recompute; the families that do: llama, qwen2, mistral, mlp"
+                ),
+            );
+        }
+        if let Some(n) = self.parallel.pipeline.filter(|&n| n > 1) {
+            c.fail(
+                "performance.activation_checkpointing",
+                "full",
+                format!("with parallel.pipeline = {n} is not built yet"),
+            );
         }
     }
 

@@ -211,6 +211,20 @@ spec_enum!(
 );
 
 spec_enum!(
+    /// `performance.activation_checkpointing` (issue 41): whether a
+    /// model's blocks keep their activations for the backward or recompute
+    /// them from their input.
+    #[derive(Default)]
+    ActivationCheckpointing, "performance.activation_checkpointing", {
+        #[default]
+        None = "none",
+        /// Every `checkpoint_every`-th block boundary keeps only its input;
+        /// the blocks between recompute their activations in the backward.
+        Full = "full",
+    }
+);
+
+spec_enum!(
     /// `optimizer.kind`.
     OptimizerKind, "optimizer.kind", {
         Sgd = "sgd",
@@ -255,7 +269,7 @@ fn kind_field<E: SpecEnum>(section: &'static str, key: &'static str, placeholder
     }
 }
 
-fn kind_fields() -> [KindField; 12] {
+fn kind_fields() -> [KindField; 13] {
     [
         // Placeholders with the fewest requirements of their own (synthetic
         // data names no files); what still depends on a refused kind is
@@ -273,6 +287,11 @@ fn kind_fields() -> [KindField; 12] {
         kind_field("comm", "backend", CommBackend::Auto),
         kind_field("parallel", "schedule", PipelineSchedule::OneFOneB),
         kind_field("parallel", "balance", StageBalance::Parameters),
+        kind_field(
+            "performance",
+            "activation_checkpointing",
+            ActivationCheckpointing::None,
+        ),
     ]
 }
 

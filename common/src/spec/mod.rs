@@ -118,6 +118,14 @@ pub struct PerformanceSpec {
     /// heuristics, whose choices may add with atomics: a CUDA run of a
     /// convolutional model is then not bit-for-bit repeatable).
     pub cudnn_deterministic: Option<bool>,
+    /// Recompute the blocks' activations in the backward (issue 41;
+    /// absent: "none").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing: Option<ActivationCheckpointing>,
+    /// With `activation_checkpointing = "full"`: blocks per recomputed
+    /// segment (absent: 1, every block).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_every: Option<u32>,
 }
 
 /// `[loss_scaling]`: dynamic loss scaling for `precision = "fp16"`, as

@@ -719,6 +719,44 @@ fn pipeline_fields_fit_the_model() {
             && e.allowed.contains("compute")),
         "{e:?}"
     );
+    // Activation checkpointing (issue 41): families with blocks, one
+    // process's model for now, checkpoint_every only with it and >= 1.
+    let ac = |extra: &str| {
+        mlp("").replace(
+            "[parallel]\n",
+            &format!("[performance]\nactivation_checkpointing = \"full\"\n{extra}[parallel]\n"),
+        )
+    };
+    JobSpec::fields_from_toml_str(&ac("checkpoint_every = 2\n"), Path::new("t.toml")).unwrap();
+    let e = invalid(&ac("checkpoint_every = 0\n"));
+    assert!(
+        e.iter()
+            .any(|e| e.field == "performance.checkpoint_every" && e.allowed.contains(">= 1")),
+        "{e:?}"
+    );
+    let e = invalid(&ac("").replace("[parallel]\n", "[parallel]\npipeline = 2\n"));
+    assert!(
+        e.iter()
+            .any(|e| e.field == "performance.activation_checkpointing"
+                && e.allowed.contains("parallel.pipeline = 2 is not built yet")),
+        "{e:?}"
+    );
+    let e = invalid(&ac("").replace("kind = \"mlp\"\nhidden = [8, 8]", "kind = \"lenet5\""));
+    assert!(
+        e.iter()
+            .any(|e| e.field == "performance.activation_checkpointing"
+                && e.allowed.contains("llama, qwen2, mistral, mlp")),
+        "{e:?}"
+    );
+    let e = invalid(&mlp("").replace(
+        "[parallel]\n",
+        "[performance]\ncheckpoint_every = 2\n[parallel]\n",
+    ));
+    assert!(
+        e.iter().any(|e| e.field == "performance.checkpoint_every"
+            && e.allowed.contains("activation_checkpointing = \"full\"")),
+        "{e:?}"
+    );
     // Packed rows run in stages (issue 40).
     let packed = mlp("pipeline = 2\n").replace("[data]", "[data]\npack = true");
     if let Err(LoadError::Invalid { source, .. }) =

@@ -94,6 +94,10 @@ kind_map!(PipelineSchedule, PipelineSchedule, {
     OneFOneB <=> OneFOneB,
     GPipe <=> Gpipe,
 });
+kind_map!(ActivationCheckpointing, ActivationCheckpointing, {
+    None <=> None,
+    Full <=> Full,
+});
 kind_map!(StageBalance, StageBalance, {
     Parameters <=> Parameters,
     Compute <=> Compute,
@@ -262,6 +266,11 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         performance: Some(v1::PerformanceSpec {
             cuda_graphs: s.performance.cuda_graphs,
             cudnn_deterministic: s.performance.cudnn_deterministic,
+            activation_checkpointing: s
+                .performance
+                .activation_checkpointing
+                .map_or(0, |k| k.to_proto().into()),
+            checkpoint_every: s.performance.checkpoint_every,
         }),
     }
 }
@@ -378,6 +387,18 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         CommBackend::default(),
         e,
     );
+    let activation_checkpointing = p
+        .performance
+        .as_ref()
+        .filter(|x| x.activation_checkpointing != 0)
+        .map(|x| {
+            from_proto(
+                x.activation_checkpointing,
+                Unspecified::Default(ActivationCheckpointing::default()),
+                ActivationCheckpointing::default(),
+                e,
+            )
+        });
     let precision = from_proto(
         p.precision,
         Unspecified::Default(Precision::default()),
@@ -521,6 +542,8 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         performance: PerformanceSpec {
             cuda_graphs: p.performance.as_ref().and_then(|x| x.cuda_graphs),
             cudnn_deterministic: p.performance.as_ref().and_then(|x| x.cudnn_deterministic),
+            activation_checkpointing,
+            checkpoint_every: p.performance.as_ref().and_then(|x| x.checkpoint_every),
         },
     };
     let checked = merge_kind_errors(kind_errors, spec.validate_fields());

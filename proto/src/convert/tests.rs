@@ -483,6 +483,10 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 performance: PerformanceSpec {
                     cuda_graphs: [None, Some(true), Some(false)][(seed / 9 % 3) as usize],
                     cudnn_deterministic: [None, Some(true), Some(false)][(seed / 27 % 3) as usize],
+                    // Checked in activation_checkpointing_crosses_the_wire
+                    // (it needs a family with blocks).
+                    activation_checkpointing: None,
+                    checkpoint_every: None,
                 },
                 checkpoint: CheckpointSpec {
                     dir,
@@ -746,4 +750,30 @@ fn pipeline_fields_cross_the_wire() {
     super::parallel_from_proto(&bad, &mut errors);
     assert_eq!(errors.len(), 2);
     assert_eq!(errors[1].field, "parallel.balance", "{errors:?}");
+}
+
+/// Issue 41: `[performance] activation_checkpointing` and
+/// `checkpoint_every` cross the wire; an unknown value is refused naming
+/// the field.
+#[test]
+fn activation_checkpointing_crosses_the_wire() {
+    let toml = "name = \"p\"\n[model]\nkind = \"mlp\"\nhidden = [8, 8]\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n[performance]\nactivation_checkpointing = \"full\"\ncheckpoint_every = 2\n";
+    let s = JobSpec::fields_from_toml_str(toml, std::path::Path::new("t.toml")).unwrap();
+    assert_eq!(
+        s.performance.activation_checkpointing,
+        Some(ActivationCheckpointing::Full)
+    );
+    let p = spec_to_proto(&s);
+    let back = spec_from_proto(&p).unwrap();
+    assert_eq!(back.performance, s.performance);
+    let mut bad = p.clone();
+    if let Some(perf) = bad.performance.as_mut() {
+        perf.activation_checkpointing = 9;
+    }
+    let e = spec_from_proto(&bad).unwrap_err();
+    assert!(
+        e.0.iter()
+            .any(|e| e.field == "performance.activation_checkpointing"),
+        "{e:?}"
+    );
 }

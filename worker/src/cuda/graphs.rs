@@ -81,6 +81,10 @@ pub enum EagerReason {
     /// the gradient norm over the stages between the reduction and the
     /// step (graphing a stage is later work).
     PipelineStage,
+    /// `activation_checkpointing = "full"`: the micro-step runs its blocks
+    /// in segments, recomputing each in the backward (graphing that is
+    /// later work).
+    ActivationCheckpointing,
 }
 
 impl fmt::Display for EagerReason {
@@ -110,6 +114,9 @@ impl fmt::Display for EagerReason {
                 write!(f, "the optimizer makes its state in its first step")
             }
             Self::PipelineStage => write!(f, "pipeline stages run eagerly"),
+            Self::ActivationCheckpointing => {
+                write!(f, "activation checkpointing recomputes blocks eagerly")
+            }
         }
     }
 }

@@ -22,6 +22,7 @@ mod options;
 mod pipe;
 mod placement;
 mod plan;
+mod recompute;
 mod report;
 mod resume;
 mod setup;
@@ -109,6 +110,9 @@ pub struct Engine<C: Collective> {
     folder_lock: Option<checkpoint::lock::FolderLock>,
     /// This rank's pipeline stage (issue 40; None: the model is whole).
     pipe: Option<pipe::Pipe>,
+    /// `activation_checkpointing = "full"` (issue 41): the block ranges
+    /// whose activations are recomputed in the backward.
+    recompute: Option<recompute::Recompute>,
 }
 
 impl<C: Collective> Engine<C> {
@@ -300,6 +304,7 @@ impl<C: Collective> Engine<C> {
         // Per-micro-batch means divide by the batch's own count, which a
         // replay cannot see.
         let staged = train.resident().is_empty();
+        let recompute = recompute::plan(&spec, &model)?;
         let graph_mode = match graph_mode {
             crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
                 if staged && spec.accumulation.normalize != crate::spec::Normalize::GlobalCount =>
@@ -312,6 +317,11 @@ impl<C: Collective> Engine<C> {
                 if stages.is_some() =>
             {
                 crate::graphs::Mode::Off(crate::graphs::EagerReason::PipelineStage)
+            }
+            crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
+                if recompute.is_some() =>
+            {
+                crate::graphs::Mode::Off(crate::graphs::EagerReason::ActivationCheckpointing)
             }
             m => m,
         };
@@ -347,6 +357,7 @@ impl<C: Collective> Engine<C> {
             holds_committed: false,
             folder_lock: None,
             pipe,
+            recompute,
         };
         engine.check_sharding()?;
         if engine.writes_checkpoints() {

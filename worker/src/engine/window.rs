@@ -193,6 +193,9 @@ impl<C: Collective> Engine<C> {
             Some(b) => b,
             None => self.train.batch(idx)?,
         };
+        if let Some(plan) = self.recompute.clone() {
+            return self.recompute_forward_backward(&batch, scale, &plan);
+        }
         let summed = self.spec.accumulation.normalize == Normalize::GlobalCount;
         if summed && matches!(scale, LossScaleBy::One) {
             if let Some(loss_sum) = self.head_loss(&batch, graph)? {

@@ -411,7 +411,7 @@ impl<C: Collective> Engine<C> {
 
     /// The model's output from the last stage's: a headed model's stage
     /// ends at its features, the head makes the logits.
-    fn stage_logits(&self, out: Tensor) -> Result<Tensor> {
+    pub(super) fn stage_logits(&self, out: Tensor) -> Result<Tensor> {
         match self.model.headed() {
             // fp32 logits whatever the autocast type, as the whole model's
             // head gives them.

@@ -1,0 +1,223 @@
+//! Activation checkpointing (issue 41, `[performance]
+//! activation_checkpointing = "full"`): the micro-step runs the model's
+//! blocks in segments of `checkpoint_every` (the family's `Staged`
+//! forward, as pipeline stages do). The forward keeps only each
+//! segment's input, without a graph; the last segment runs with its graph
+//! into the head and the loss, and its backward; then, last to first, each
+//! segment is run again from its saved input, under the same autocast,
+//! and back-propagated with the gradient its output received (the
+//! backward of `sum(output * grad)`, whose gradient at the output is
+//! `grad` exactly). The same operations on the same values as the
+//! whole forward, so the same numbers: bit for bit on the CPU.
+
+use super::window::LossScaleBy;
+use super::Engine;
+use crate::collective::Collective;
+use crate::error::{Error, Result, TorchContext};
+use crate::family::model::Model;
+use crate::source::batch::Batch;
+use crate::spec::{ActivationCheckpointing, JobSpec, Normalize};
+use std::ops::Range;
+use tch::{Kind, Tensor};
+
+/// Blocks `0..blocks` in segments of `every` (the last one shorter).
+pub(super) fn split(blocks: usize, every: usize) -> Vec<Range<usize>> {
+    let every = every.max(1);
+    (0..blocks)
+        .step_by(every)
+        .map(|a| a..(a + every).min(blocks))
+        .collect()
+}
+
+/// What `activation_checkpointing = "full"` recomputes.
+#[derive(Clone, Debug)]
+pub(super) struct Recompute {
+    /// Blocks in segments of `checkpoint_every`.
+    pub segments: Vec<Range<usize>>,
+    /// Parameters more than one block uses (a tied embedding: the lookup
+    /// in the first block, the head after the last).
+    pub shared: Vec<String>,
+}
+
+/// The segments `activation_checkpointing = "full"` recomputes; None
+/// without it.
+pub(super) fn plan(spec: &JobSpec, model: &Model) -> Result<Option<Recompute>> {
+    let Some(segments) = segments(spec, model)? else {
+        return Ok(None);
+    };
+    let tied = spec.model.kind.is_decoder()
+        && crate::spec::LlamaConfig::resolve(&spec.model)?.tie_word_embeddings;
+    let shared = model
+        .params
+        .iter()
+        .map(|(n, _)| n)
+        .filter(|n| tied && n.ends_with("embed_tokens.weight"))
+        .cloned()
+        .collect();
+    Ok(Some(Recompute { segments, shared }))
+}
+
+fn segments(spec: &JobSpec, model: &Model) -> Result<Option<Vec<Range<usize>>>> {
+    if spec.performance.activation_checkpointing != Some(ActivationCheckpointing::Full) {
+        return Ok(None);
+    }
+    if model.staged().is_none() {
+        return Err(Error::Schedule(format!(
+            "model.kind = {} has no blocks to recompute",
+            spec.model.kind
+        )));
+    }
+    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    let blocks = crate::family::family(spec.model.kind)
+        .blocks(&spec.model, &names)?
+        .len();
+    let every = spec.performance.checkpoint_every.unwrap_or(1) as usize;
+    Ok(Some(split(blocks, every)))
+}
+
+impl<C: Collective> Engine<C> {
+    /// [`Engine::forward_backward`] with the blocks recomputed in the
+    /// backward (see the module documentation); returns the batch's count
+    /// of loss terms.
+    pub(super) fn recompute_forward_backward(
+        &mut self,
+        batch: &Batch,
+        scale: LossScaleBy<'_>,
+        plan: &Recompute,
+    ) -> Result<u64> {
+        let (last, before) = plan
+            .segments
+            .split_last()
+            .ok_or_else(|| Error::Schedule("no blocks to recompute".into()))?;
+        let packed = self.spec.data.pack.then_some(&batch.inputs);
+        let (device, precision) = (self.device, self.spec.precision);
+        let no_blocks = || Error::Schedule("this model does not run in blocks".into());
+        // The forward without a graph, keeping each segment's input.
+        let mut saved = Vec::with_capacity(before.len());
+        let mut x = batch.inputs.shallow_clone();
+        {
+            let _guard = tch::no_grad_guard();
+            let _autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
+            let staged = self.model.staged().ok_or_else(no_blocks)?;
+            for seg in before {
+                let next = staged.stage_forward_with(&x, seg.clone(), packed)?;
+                saved.push(std::mem::replace(&mut x, next));
+            }
+        }
+        // The last segment with its graph, the head and the loss, and its
+        // backward.
+        let x_last = if before.is_empty() {
+            x
+        } else {
+            x.f_detach()
+                .ctx("keeping a segment's input")?
+                .set_requires_grad(true)
+        };
+        let summed = self.spec.accumulation.normalize == Normalize::GlobalCount;
+        let one_pass = summed && matches!(scale, LossScaleBy::One) && self.head_loss_applies();
+        // A parameter two segments use gets its two gradients from two
+        // backwards; the whole graph's one backward sums them before they
+        // join the window's sum. So they are summed apart here, then added
+        // (the one-pass head adds its part into the window's sum itself,
+        // as it does without recomputing).
+        let apart = if one_pass {
+            Vec::new()
+        } else {
+            self.set_apart(&plan.shared)?
+        };
+        let mut autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
+        let out = self
+            .model
+            .staged()
+            .ok_or_else(no_blocks)?
+            .stage_forward_with(&x_last, last.clone(), packed)?;
+        let loss_sum = if one_pass {
+            drop(autocast.take());
+            self.head_loss_of(&out, batch, false)?
+        } else {
+            let logits = self.stage_logits(out)?;
+            let loss = if summed {
+                self.objective.loss(&logits, batch)?.sum
+            } else {
+                self.objective.mean_loss(&logits, batch)?
+            };
+            drop(autocast.take());
+            match scale {
+                LossScaleBy::One => loss.f_backward(),
+                LossScaleBy::Scalar(s) => loss.f_mul_scalar(s).and_then(|l| l.f_backward()),
+                LossScaleBy::Tensor(s) => loss.f_mul(s).and_then(|l| l.f_backward()),
+            }
+            .ctx("running backward")?;
+            if summed {
+                loss.f_detach()
+            } else {
+                loss.f_detach()
+                    .and_then(|l| l.f_mul_scalar(batch.count as f64))
+            }
+            .ctx("accumulating the loss")?
+        };
+        self.graph.add_loss(&loss_sum)?;
+        // Back through the saved segments, last to first, each run again.
+        let mut grad = x_last.grad();
+        drop(x_last);
+        for (seg, input) in before.iter().zip(saved).rev() {
+            let first = seg.start == 0;
+            let x_in = if first {
+                input
+            } else {
+                input
+                    .f_detach()
+                    .ctx("recomputing a segment")?
+                    .set_requires_grad(true)
+            };
+            let out = {
+                let _autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
+                self.model
+                    .staged()
+                    .ok_or_else(no_blocks)?
+                    .stage_forward_with(&x_in, seg.clone(), packed)?
+            };
+            out.f_mul(&grad)
+                .and_then(|y| y.f_sum(Kind::Float))
+                .and_then(|y| y.f_backward())
+                .ctx("running backward")?;
+            if !first {
+                grad = x_in.grad();
+            }
+        }
+        for (mut g, window) in apart {
+            let _ = g.f_add_(&window).ctx("adding a shared gradient")?;
+        }
+        Ok(batch.count)
+    }
+
+    /// The gradients of `names` set apart: each one's window sum so far
+    /// (returned with the gradient) and the gradient zeroed.
+    fn set_apart(&self, names: &[String]) -> Result<Vec<(Tensor, Tensor)>> {
+        let _guard = tch::no_grad_guard();
+        names
+            .iter()
+            .filter_map(|n| self.model.params.iter().find(|(m, _)| m == n))
+            .filter(|(_, p)| p.grad().defined())
+            .map(|(_, p)| {
+                let mut g = p.grad();
+                let window = g.f_detach_copy().ctx("setting a shared gradient apart")?;
+                let _ = g.f_zero_().ctx("setting a shared gradient apart")?;
+                Ok((g, window))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split;
+
+    #[test]
+    fn segments_cover_the_blocks_in_order() {
+        assert_eq!(split(6, 1), vec![0..1, 1..2, 2..3, 3..4, 4..5, 5..6]);
+        assert_eq!(split(6, 4), vec![0..4, 4..6]);
+        assert_eq!(split(3, 5), vec![0..3]);
+        assert_eq!(split(4, 0), vec![0..1, 1..2, 2..3, 3..4]);
+    }
+}
