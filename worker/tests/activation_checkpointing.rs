@@ -54,13 +54,9 @@ fn recomputed_mlp_blocks_give_the_same_bits() {
 }
 
 /// A tied Llama with GQA (6 blocks: the embedding, 4 layers, the final
-/// norm), AdamW with clipping, in fp32 (the one-pass head and loss) and
-/// under bf16 autocast: segments of 1 and 3 blocks.
-#[test]
-fn recomputed_llama_blocks_give_the_same_bits() {
-    let d = TempDir::new().unwrap();
-    let tokens = token_file(d.path(), 4 * 4 * 2 * 8 + 1);
-    let text = format!(
+/// norm), AdamW with clipping, on `tokens`.
+fn llama(tokens: &std::path::Path) -> String {
+    format!(
         r#"
 name = "ac"
 seed = 3
@@ -92,8 +88,50 @@ lr = 0.01
 weight_decay = 0.1
 "#,
         tokens.display()
-    );
+    )
+}
+
+/// The tied Llama in fp32 (the one-pass head and loss) and under bf16
+/// autocast: segments of 1 and 3 blocks.
+#[test]
+fn recomputed_llama_blocks_give_the_same_bits() {
+    let d = TempDir::new().unwrap();
+    let tokens = token_file(d.path(), 4 * 4 * 2 * 8 + 1);
+    let text = llama(&tokens);
     same_bits(&text, &[1, 3], "tied llama, fp32");
     let bf16 = text.replace("threads = 1", "threads = 1\nprecision = \"bf16\"");
     same_bits(&bf16, &[2], "tied llama, bf16");
+}
+
+/// In pipeline stages (2 processes, 1F1B): each stage recomputes its own
+/// blocks, the first stage in its backward op, the last with its loss;
+/// the final weights and every step equal the same stages without it, bit
+/// for bit.
+#[test]
+fn recomputed_stages_give_the_same_bits() {
+    let d = TempDir::new().unwrap();
+    let tokens = token_file(d.path(), 4 * 4 * 2 * 8 + 1);
+    let staged = format!("workers = 2\n{}[parallel]\npipeline = 2\n", llama(&tokens));
+    let run = |text: &str| {
+        let dir = TempDir::new().unwrap();
+        let ranks = common::procs::run_ranks(dir.path(), text, 2, |_| {});
+        let steps: Vec<(f64, f64)> = ranks[0]
+            .steps()
+            .iter()
+            .map(|s| {
+                (
+                    s["loss"].as_f64().unwrap(),
+                    s["grad_norm"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        (steps, step_model(&dir.path().join("ckpt/step-3")))
+    };
+    let (want_steps, want) = run(&staged);
+    assert_eq!(want_steps.len(), 3);
+    let (steps, got) = run(&recomputed(&staged, 1));
+    assert_eq!(steps, want_steps, "steps");
+    let d = max_rel_diff(&got, &want);
+    eprintln!("stages recomputed against stages: {d:e}");
+    assert_eq!(d, 0.0, "the weights differ");
 }

@@ -431,8 +431,7 @@ impl JobSpec {
     }
 
     /// `[performance]`'s activation checkpointing (issue 41): the
-    /// families with blocks, one process's model (not yet in pipeline
-    /// stages), and `checkpoint_every` only with it.
+    /// families with blocks, and `checkpoint_every` only with it.
     fn validate_activation_checkpointing(&self, c: &mut Checker) {
         let p = &self.performance;
         let full = p.activation_checkpointing == Some(ActivationCheckpointing::Full);
@@ -462,13 +461,6 @@ impl JobSpec {
                 format!(
                     "model.kind = {kind} has no blocks to recompute; the families that do: llama, qwen2, mistral, mlp"
                 ),
-            );
-        }
-        if let Some(n) = self.parallel.pipeline.filter(|&n| n > 1) {
-            c.fail(
-                "performance.activation_checkpointing",
-                "full",
-                format!("with parallel.pipeline = {n} is not built yet"),
             );
         }
     }

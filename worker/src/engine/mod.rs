@@ -304,7 +304,7 @@ impl<C: Collective> Engine<C> {
         // Per-micro-batch means divide by the batch's own count, which a
         // replay cannot see.
         let staged = train.resident().is_empty();
-        let recompute = recompute::plan(&spec, &model)?;
+        let recompute = recompute::plan(&spec, &model, stages.is_some())?;
         let graph_mode = match graph_mode {
             crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
                 if staged && spec.accumulation.normalize != crate::spec::Normalize::GlobalCount =>

@@ -29,6 +29,14 @@ pub(super) fn split(blocks: usize, every: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// `range` in segments of `every` (the last one shorter).
+pub(super) fn split_range(range: Range<usize>, every: usize) -> Vec<Range<usize>> {
+    split(range.len(), every)
+        .into_iter()
+        .map(|r| r.start + range.start..r.end + range.start)
+        .collect()
+}
+
 /// What `activation_checkpointing = "full"` recomputes.
 #[derive(Clone, Debug)]
 pub(super) struct Recompute {
@@ -41,7 +49,11 @@ pub(super) struct Recompute {
 
 /// The segments `activation_checkpointing = "full"` recomputes; None
 /// without it.
-pub(super) fn plan(spec: &JobSpec, model: &Model) -> Result<Option<Recompute>> {
+pub(super) fn plan(spec: &JobSpec, model: &Model, staged: bool) -> Result<Option<Recompute>> {
+    // Pipeline stages segment their own blocks (Engine::stage_segments).
+    if staged {
+        return Ok(None);
+    }
     let Some(segments) = segments(spec, model)? else {
         return Ok(None);
     };
@@ -85,25 +97,28 @@ impl<C: Collective> Engine<C> {
         scale: LossScaleBy<'_>,
         plan: &Recompute,
     ) -> Result<u64> {
-        let (last, before) = plan
-            .segments
+        let input = batch.inputs.shallow_clone();
+        self.recompute_last(batch, scale, &plan.segments, &plan.shared, input)
+    }
+
+    /// The forward and backward of `segments` from `input` (the batch's
+    /// inputs, or a pipeline's last stage's received activation, whose
+    /// gradient it fills) into the head and the loss; returns the batch's
+    /// count of loss terms.
+    pub(super) fn recompute_last(
+        &mut self,
+        batch: &Batch,
+        scale: LossScaleBy<'_>,
+        segments: &[Range<usize>],
+        shared: &[String],
+        input: Tensor,
+    ) -> Result<u64> {
+        let (last, before) = segments
             .split_last()
             .ok_or_else(|| Error::Schedule("no blocks to recompute".into()))?;
         let packed = self.spec.data.pack.then_some(&batch.inputs);
         let (device, precision) = (self.device, self.spec.precision);
-        let no_blocks = || Error::Schedule("this model does not run in blocks".into());
-        // The forward without a graph, keeping each segment's input.
-        let mut saved = Vec::with_capacity(before.len());
-        let mut x = batch.inputs.shallow_clone();
-        {
-            let _guard = tch::no_grad_guard();
-            let _autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
-            let staged = self.model.staged().ok_or_else(no_blocks)?;
-            for seg in before {
-                let next = staged.stage_forward_with(&x, seg.clone(), packed)?;
-                saved.push(std::mem::replace(&mut x, next));
-            }
-        }
+        let (x, saved) = self.forward_kept(before, input, packed)?;
         // The last segment with its graph, the head and the loss, and its
         // backward.
         let x_last = if before.is_empty() {
@@ -123,13 +138,13 @@ impl<C: Collective> Engine<C> {
         let apart = if one_pass {
             Vec::new()
         } else {
-            self.set_apart(&plan.shared)?
+            self.set_apart(shared)?
         };
         let mut autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
         let out = self
             .model
             .staged()
-            .ok_or_else(no_blocks)?
+            .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))?
             .stage_forward_with(&x_last, last.clone(), packed)?;
         let loss_sum = if one_pass {
             drop(autocast.take());
@@ -157,12 +172,74 @@ impl<C: Collective> Engine<C> {
             .ctx("accumulating the loss")?
         };
         self.graph.add_loss(&loss_sum)?;
-        // Back through the saved segments, last to first, each run again.
-        let mut grad = x_last.grad();
+        // Back through the kept segments, last to first, each run again.
+        let grad = x_last.grad();
         drop(x_last);
-        for (seg, input) in before.iter().zip(saved).rev() {
-            let first = seg.start == 0;
-            let x_in = if first {
+        self.backward_kept(before, saved, grad, packed)?;
+        for (mut g, window) in apart {
+            let _ = g.f_add_(&window).ctx("adding a shared gradient")?;
+        }
+        Ok(batch.count)
+    }
+
+    /// A pipeline stage's blocks in segments under activation
+    /// checkpointing; None without it.
+    pub(super) fn stage_segments(&self, pipe: &super::pipe::Pipe) -> Option<Vec<Range<usize>>> {
+        (self.spec.performance.activation_checkpointing == Some(ActivationCheckpointing::Full))
+            .then(|| {
+                let every = self.spec.performance.checkpoint_every.unwrap_or(1) as usize;
+                split_range(pipe.blocks.clone(), every)
+            })
+    }
+
+    /// fp16's loss scale over k for a micro-batch's backward (1 without).
+    pub(super) fn micro_scale(&self) -> LossScaleBy<'static> {
+        match self.loss_scale() {
+            Some(ls) => LossScaleBy::Scalar(f64::from(ls.scale) / self.plan.k as f64),
+            None => LossScaleBy::One,
+        }
+    }
+
+    /// `segments` from `input` without a graph: the last one's output and
+    /// each segment's input (the first is `input` itself).
+    pub(super) fn forward_kept(
+        &self,
+        segments: &[Range<usize>],
+        input: Tensor,
+        packed: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let _guard = tch::no_grad_guard();
+        let _autocast = crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
+        let staged = self
+            .model
+            .staged()
+            .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))?;
+        let mut saved = Vec::with_capacity(segments.len());
+        let mut x = input;
+        for seg in segments {
+            let next = staged.stage_forward_with(&x, seg.clone(), packed)?;
+            saved.push(std::mem::replace(&mut x, next));
+        }
+        Ok((x, saved))
+    }
+
+    /// Runs `segments` again from their kept inputs, last to first, each
+    /// back-propagating the gradient its output received; the first
+    /// segment's input is the one [`Engine::forward_kept`] was given (its
+    /// gradient filled where it takes one), the others fresh leaves.
+    pub(super) fn backward_kept(
+        &self,
+        segments: &[Range<usize>],
+        saved: Vec<Tensor>,
+        mut grad: Tensor,
+        packed: Option<&Tensor>,
+    ) -> Result<()> {
+        let staged = self
+            .model
+            .staged()
+            .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))?;
+        for (i, (seg, input)) in segments.iter().zip(saved).enumerate().rev() {
+            let x_in = if i == 0 {
                 input
             } else {
                 input
@@ -171,24 +248,19 @@ impl<C: Collective> Engine<C> {
                     .set_requires_grad(true)
             };
             let out = {
-                let _autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
-                self.model
-                    .staged()
-                    .ok_or_else(no_blocks)?
-                    .stage_forward_with(&x_in, seg.clone(), packed)?
+                let _autocast =
+                    crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
+                staged.stage_forward_with(&x_in, seg.clone(), packed)?
             };
             out.f_mul(&grad)
                 .and_then(|y| y.f_sum(Kind::Float))
                 .and_then(|y| y.f_backward())
                 .ctx("running backward")?;
-            if !first {
+            if i > 0 {
                 grad = x_in.grad();
             }
         }
-        for (mut g, window) in apart {
-            let _ = g.f_add_(&window).ctx("adding a shared gradient")?;
-        }
-        Ok(batch.count)
+        Ok(())
     }
 
     /// The gradients of `names` set apart: each one's window sum so far
@@ -215,6 +287,7 @@ mod tests {
 
     #[test]
     fn segments_cover_the_blocks_in_order() {
+        assert_eq!(super::split_range(3..8, 2), vec![3..5, 5..7, 7..8]);
         assert_eq!(split(6, 1), vec![0..1, 1..2, 2..3, 3..4, 4..5, 5..6]);
         assert_eq!(split(6, 4), vec![0..4, 4..6]);
         assert_eq!(split(3, 5), vec![0..3]);

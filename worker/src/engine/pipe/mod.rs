@@ -214,7 +214,13 @@ struct InFlight {
     /// waited for then, so the activation's storage goes with the
     /// backward instead of at the window's end.
     sent: Vec<Posted>,
+    /// Activation checkpointing: the stage's segments, each one's input
+    /// (the output above has no graph) and packed rows' inputs.
+    kept: Option<Kept>,
 }
+
+/// What a recomputed stage keeps of a micro-batch's forward.
+type Kept = (Vec<Range<usize>>, Vec<Tensor>, Option<Tensor>);
 
 impl<C: Collective> Engine<C> {
     /// The whole window of a pipeline stage: the schedule's forwards and
@@ -283,6 +289,43 @@ impl<C: Collective> Engine<C> {
                         (None, Some(b)) => b.inputs.shallow_clone(),
                         (None, None) => unreachable!("the first stage reads its batch"),
                     };
+                    // Activation checkpointing: the stage's blocks in
+                    // segments, recomputed in the backward (recompute.rs).
+                    if let Some(segs) = self.stage_segments(&pipe) {
+                        let inputs = batch
+                            .as_ref()
+                            .filter(|_| packed)
+                            .map(|b| b.inputs.shallow_clone());
+                        let (output, sent, kept) = if pipe.is_last() {
+                            let batch = batch.ok_or_else(|| {
+                                Error::Schedule("the last stage reads its batch".into())
+                            })?;
+                            self.recompute_last(&batch, self.micro_scale(), &segs, &[], x)?;
+                            self.window.count += batch.count;
+                            self.window.batches += 1;
+                            if every {
+                                self.pipeline_reduce_micro()?;
+                            }
+                            (None, Vec::new(), None)
+                        } else {
+                            let (out, saved) = self.forward_kept(&segs, x, inputs.as_ref())?;
+                            let t = Instant::now();
+                            let g = self.collective.pipeline_group()?;
+                            let sent = send_with_shape(g, out.shallow_clone(), pipe.stage + 1)?;
+                            transfer += t.elapsed();
+                            (Some(out), sent, Some((segs, saved, inputs)))
+                        };
+                        flight[micro] = Some(InFlight {
+                            input,
+                            output,
+                            sent,
+                            kept,
+                        });
+                        if let Some(d) = self.opts.micro_step_delay {
+                            std::thread::sleep(d);
+                        }
+                        continue;
+                    }
                     // precision = bf16 | fp16: the forward and the loss
                     // under autocast, as one process's micro-step.
                     let mut autocast =
@@ -347,6 +390,7 @@ impl<C: Collective> Engine<C> {
                         input,
                         output,
                         sent,
+                        kept: None,
                     });
                     // Fault-injection tests: a micro-step that lasts.
                     if let Some(d) = self.opts.micro_step_delay {
@@ -369,12 +413,18 @@ impl<C: Collective> Engine<C> {
                                 posted.wait().map_err(group_err)?;
                             }
                             // backward(grad): the backward of sum(output * grad),
-                            // whose gradient at the output is `grad` exactly.
-                            output
-                                .f_mul(&grad)
-                                .and_then(|y| y.f_sum(Kind::Float))
-                                .and_then(|y| y.f_backward())
-                                .ctx("running backward")?;
+                            // whose gradient at the output is `grad` exactly
+                            // (recomputed first under activation checkpointing).
+                            match f.kept {
+                                Some((segs, saved, inputs)) => {
+                                    self.backward_kept(&segs, saved, grad, inputs.as_ref())?
+                                }
+                                None => output
+                                    .f_mul(&grad)
+                                    .and_then(|y| y.f_sum(Kind::Float))
+                                    .and_then(|y| y.f_backward())
+                                    .ctx("running backward")?,
+                            }
                         }
                         if let Some(x) = f.input {
                             let t = Instant::now();
