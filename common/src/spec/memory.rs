@@ -95,19 +95,47 @@ impl JobSpec {
         let ModelSize {
             parameters: params,
             activations,
+            largest_unit,
         } = family(self.model.kind).size(&self.model, &shape, classes);
         let o = &self.optimizer;
         let states = match o.kind {
             OptimizerKind::Sgd => u64::from(o.momentum > 0.0),
             OptimizerKind::Adam | OptimizerKind::Adamw => 2,
         };
-        // Parameter, gradient, accumulation buffer, optimizer state.
-        let model = f32s(params).saturating_mul(3 + states);
+        let model = self.model_state_bytes(params, largest_unit, states);
         let b = self.data.batch_size;
         let batch = f32s(numel)
             .saturating_mul(b.saturating_add(self.eval.batch_size))
             .saturating_add(f32s(activations).saturating_mul(b).saturating_mul(2));
         MemoryEstimate { data, model, batch }
+    }
+
+    /// The model state one worker holds, bytes: the parameters of its
+    /// pipeline stage (with P stages at most total / P plus the largest
+    /// unit, what a split that minimises the largest stage can leave on
+    /// one), each with its gradient, its share of the flat accumulation
+    /// buffer and `states` optimizer tensors, in fp32 (master weights
+    /// under bf16 and fp16 too). ZeRO (issue 17) over the data degree D:
+    /// stage 1 keeps 1/D of the optimizer state; stage 2 also 1/D of the
+    /// gradients under `sync = "every_step"` (under `"boundary"` the
+    /// window's whole sum is held until the sync step, as stage 1's).
+    pub fn model_state_bytes(&self, params: u64, largest_unit: u64, states: u64) -> u64 {
+        let f32s = |n: u64| n.saturating_mul(4);
+        let dims = self.parallel_dims().ok();
+        let pipeline = dims.map_or(1, |d| u64::from(d.pipeline.max(1)));
+        let data = dims.map_or(1, |d| u64::from(d.data.max(1)));
+        let stage = if pipeline > 1 {
+            params.min((params / pipeline).saturating_add(largest_unit))
+        } else {
+            params
+        };
+        let zero = self.sharding.stage;
+        let every = self.accumulation.sync == super::SyncMode::EveryStep;
+        let shard = |n: u64, sharded: bool| if sharded { n.div_ceil(data) } else { n };
+        let weights = f32s(stage);
+        let grads = shard(f32s(stage).saturating_mul(2), zero >= 2 && every);
+        let optimizer = shard(f32s(stage).saturating_mul(states), zero >= 1);
+        weights.saturating_add(grads).saturating_add(optimizer)
     }
 
     /// Refuses a job whose estimate is above `limit` bytes, naming the field
@@ -225,5 +253,47 @@ mod tests {
     fn host_memory_is_read() {
         let m = host_memory_bytes().expect("/proc/meminfo");
         assert!(m > 256 << 20, "{m}");
+    }
+
+    /// Issue 41: the model state follows the mesh and ZeRO. A Llama of 4
+    /// layers, H = 128, vocab 4,096, untied, AdamW (parameters, gradients,
+    /// buffer and two moments: 5 f32s each).
+    #[test]
+    fn the_model_state_follows_stages_and_sharding() {
+        let llama = |extra: &str| {
+            JobSpec::fields_from_toml_str(
+                &format!(
+                    "name = \"m\"\nworkers = 4\n[model]\nkind = \"llama\"\nvocab_size = 4096\nhidden_size = 128\nintermediate_size = 384\nnum_hidden_layers = 4\nnum_attention_heads = 2\nmax_position_embeddings = 64\n[data]\nkind = \"tokens\"\npath = \"x.bin\"\nseq_len = 64\nbatch_size = 4\n[optimizer]\nkind = \"adamw\"\nlr = 0.001\n{extra}"
+                ),
+                std::path::Path::new("m.toml"),
+            )
+            .unwrap()
+        };
+        let (v, h, i) = (4096u64, 128u64, 384u64);
+        let layer = 4 * h * h + 3 * h * i + 2 * h;
+        let params = 2 * v * h + 4 * layer + h;
+        let whole = llama("").memory_estimate().model;
+        assert_eq!(whole, params * 4 * 5);
+        // 2 stages of 2 data ranks: total / 2 plus the largest unit (the
+        // last layer with the norm and the head).
+        let staged = llama("[parallel]\npipeline = 2\n").memory_estimate().model;
+        let stage = params / 2 + layer + v * h + h;
+        assert_eq!(staged, stage * 4 * 5);
+        assert!(staged < whole);
+        // ZeRO over 4 data ranks: stage 1 a quarter of the two moments;
+        // stage 2 a quarter of the gradients too, under every_step only.
+        let z1 = llama("[sharding]\nstage = 1\n").memory_estimate().model;
+        assert_eq!(z1, params * 4 * 3 + params * 4 * 2 / 4);
+        let z2 = llama("[sharding]\nstage = 2\n").memory_estimate().model;
+        assert_eq!(z2, z1, "boundary: the window's whole sum is held");
+        let z2e = llama("[sharding]\nstage = 2\n[accumulation]\nsync = \"every_step\"\n")
+            .memory_estimate()
+            .model;
+        assert_eq!(z2e, params * 4 + (params * 4 * 2) / 4 + params * 4 * 2 / 4);
+        // Both: the stage's parameters, sharded over its 2 data ranks.
+        let both = llama("[parallel]\npipeline = 2\n[sharding]\nstage = 1\n")
+            .memory_estimate()
+            .model;
+        assert_eq!(both, stage * 4 * 3 + (stage * 4 * 2).div_ceil(2));
     }
 }

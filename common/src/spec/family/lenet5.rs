@@ -25,6 +25,7 @@ impl ModelFamily for LeNet5 {
                 .saturating_add(layer(120, 84))
                 .saturating_add(layer(84, classes)),
             activations: 0,
+            largest_unit: 0,
         }
     }
 }

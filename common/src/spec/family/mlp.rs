@@ -23,6 +23,11 @@ impl ModelFamily for Mlp {
                 .windows(2)
                 .fold(0u64, |a, w| a.saturating_add(layer(w[0], w[1]))),
             activations: widths[1..].iter().fold(0u64, |a, &w| a.saturating_add(w)),
+            largest_unit: widths
+                .windows(2)
+                .map(|w| layer(w[0], w[1]))
+                .max()
+                .unwrap_or(0),
         }
     }
 }

@@ -121,6 +121,11 @@ pub(super) struct ModelSize {
     /// Activations per sample the estimate counts (an MLP's; the others'
     /// are not estimated).
     pub activations: u64,
+    /// The parameters of the largest pipeline unit (issue 40: a Llama's
+    /// embedding with its first layer, or its last layer with the final
+    /// norm and head; an mlp's largest layer); 0 for a family without
+    /// stages.
+    pub largest_unit: u64,
 }
 
 /// One model family, as the spec sees it.

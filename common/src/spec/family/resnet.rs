@@ -24,6 +24,7 @@ impl ModelFamily for ResNet {
         ModelSize {
             parameters: body.saturating_add(layer(512, classes)),
             activations: 0,
+            largest_unit: 0,
         }
     }
 }

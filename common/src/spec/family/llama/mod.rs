@@ -595,6 +595,23 @@ impl LlamaConfig {
             .saturating_add(head)
     }
 
+    /// The parameters of the largest pipeline unit: the embedding with the
+    /// first layer, or the last layer with the final norm and the head (a
+    /// tied head: the last stage's copy of the embedding).
+    pub fn largest_unit(&self) -> u64 {
+        let layers = (self.num_hidden_layers.max(1)) as u64;
+        let v_h = (self.vocab_size.max(0) as u64).saturating_mul(self.hidden_size.max(0) as u64);
+        let without = self
+            .parameter_count()
+            .saturating_sub(v_h)
+            .saturating_sub(self.hidden_size.max(0) as u64)
+            .saturating_sub(if self.tie_word_embeddings { 0 } else { v_h });
+        let layer = without / layers;
+        layer
+            .saturating_add(v_h)
+            .saturating_add(self.hidden_size.max(0) as u64)
+    }
+
     /// A `config.json` that transformers' `LlamaConfig` and
     /// `LlamaForCausalLM.from_pretrained` read (offline), fp32 weights.
     pub fn to_hf_json(&self) -> Value {
@@ -726,6 +743,7 @@ impl ModelFamily for Llama {
         ModelSize {
             parameters: config.parameter_count(),
             activations: t.saturating_mul(config.vocab_size.max(0) as u64),
+            largest_unit: config.largest_unit(),
         }
     }
 }
