@@ -573,6 +573,21 @@ fn print_job(j: &Job) {
         "last step  loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} {unit}/s {:.0}",
         c.loss, c.grad_norm, c.clip_coef, c.lr, c.samples_per_sec
     );
+    if j.memory_estimate_bytes > 0 || j.peak_rss_bytes.iter().any(|&p| p > 0) {
+        // Issue 41: what the spec was estimated to need per worker, and
+        // what each rank's process has needed at most so far.
+        let mib = |b: u64| format!("{:.0}", b as f64 / (1u64 << 20) as f64);
+        let peaks: Vec<String> = j.peak_rss_bytes.iter().map(|&p| mib(p)).collect();
+        println!(
+            "memory     estimate {} MiB per worker; peak by rank {} MiB",
+            mib(j.memory_estimate_bytes),
+            if peaks.is_empty() {
+                "-".to_string()
+            } else {
+                peaks.join(", ")
+            }
+        );
+    }
     if let Some(t) = c.timing.filter(|_| dims.pipeline > 1) {
         // The last stage's (the loss owner's) split of its step.
         println!(

@@ -290,6 +290,9 @@ fn a_pipeline_job_shows_each_workers_place_and_bubble() {
             "{w}"
         );
         assert!(w["bubble_s"].as_f64().unwrap() >= 0.0, "{w}");
+        // Issue 41: each worker's peak resident memory (a worker process
+        // holds libtorch: above 20 MiB).
+        assert!(w["peak_rss_bytes"].as_u64().unwrap() > 20 << 20, "{w}");
     }
     // The first stage waits for the last stage's gradients: a bubble.
     let first = seen.iter().find(|w| w["rank"] == 0).unwrap();
@@ -317,4 +320,17 @@ fn a_pipeline_job_shows_each_workers_place_and_bubble() {
         status.contains("pipeline   last stage: compute "),
         "{status}"
     );
+    // The spec's estimate and each rank's measured peak (issue 41).
+    let memory = status
+        .lines()
+        .find(|l| l.starts_with("memory     estimate "))
+        .unwrap_or_else(|| panic!("no memory line:\n{status}"));
+    let peaks: Vec<f64> = memory
+        .split("peak by rank ")
+        .nth(1)
+        .and_then(|p| p.strip_suffix(" MiB"))
+        .map(|p| p.split(", ").filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_default();
+    assert_eq!(peaks.len(), 2, "{memory}");
+    assert!(peaks.iter().all(|&p| p > 20.0), "{memory}");
 }

@@ -271,6 +271,7 @@ pub(super) async fn workers(State(g): State<Arc<Gate>>) -> Response {
                     "rank": w.job.as_ref().map(|(_, r)| r),
                     "coords": coords,
                     "bubble_s": w.timing.map(|t| t.bubble_s),
+                    "peak_rss_bytes": w.job.as_ref().and_then(|(j, r)| cl.peak_of(j, *r)),
                     "transfer_s": w.timing.map(|t| t.transfer_s),
                     "generation": job.and_then(|j| cl.job(j)).map(|j| j.generation),
                     "last_seen_age_s": (now - w.last_seen_ms).max(0) as f64 / 1000.0,

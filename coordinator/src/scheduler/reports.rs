@@ -154,6 +154,15 @@ impl Cluster {
         let Some(entry) = self.jobs.get_mut(&r.job_id) else {
             return;
         };
+        // Each rank's peak memory (issue 41), for readers of the job.
+        if r.generation == entry.job.generation {
+            if entry.peaks.0 != r.generation {
+                entry.peaks = (r.generation, vec![0; entry.job.workers.len()]);
+            }
+            if let Some(p) = entry.peaks.1.get_mut(r.rank as usize) {
+                *p = (*p).max(r.peak_rss_bytes);
+            }
+        }
         // The loss and the reports belong to the rank that computes the loss.
         if r.rank != loss_owner(&entry.job) {
             return;

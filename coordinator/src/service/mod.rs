@@ -352,8 +352,7 @@ impl Coordinator {
     pub fn job(&self, id: &str) -> Result<Job, CoordError> {
         lock(&self.inner)
             .cluster
-            .job(id)
-            .cloned()
+            .job_view(id)
             .ok_or_else(|| CoordError::JobNotFound(id.into()))
     }
 
