@@ -19,6 +19,7 @@ pub mod model;
 mod plan;
 mod qwen2;
 mod resnet;
+mod stage_build;
 mod torchscript;
 
 pub use plan::{check_blocks, matches, stage_units, units, Block, ParallelPlan, PlanError, Split};

@@ -21,41 +21,7 @@ static INIT_LOCK: Mutex<()> = Mutex::new(());
 /// Tensors by PyTorch name.
 pub use crate::family::Named;
 
-/// Whether a pipeline stage's build keeps a parameter, by its name.
-pub type Keep = Box<dyn Fn(&str) -> bool>;
-
-/// Which parameters a stage build keeps (issue 40), and the shapes of the
-/// others as they were released.
-struct StageBuild {
-    keep: Keep,
-    released: Vec<(String, Vec<i64>)>,
-}
-
-thread_local! {
-    /// Set while [`Model::build_stage`] runs on this thread.
-    static STAGE_BUILD: std::cell::RefCell<Option<StageBuild>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// A family calls this right after it made parameter `name` (its full
-/// name): under [`Model::build_stage`] a parameter the stage does not keep
-/// gives its storage back at once (its values were drawn, so the
-/// generator moves on as for the whole model), keeping its shape.
-pub(crate) fn made(name: &str, t: &Tensor) -> Result<()> {
-    STAGE_BUILD.with(|b| {
-        let mut b = b.borrow_mut();
-        let Some(build) = b.as_mut().filter(|b| !(b.keep)(name)) else {
-            return Ok(());
-        };
-        build.released.push((name.to_string(), t.size()));
-        let _guard = tch::no_grad_guard();
-        let empty = Tensor::f_empty([0], (t.kind(), t.device()))
-            .ctx("releasing another stage's parameter")?;
-        let mut t = t.shallow_clone();
-        t.f_set_data(&empty)
-            .ctx("releasing another stage's parameter")
-    })
-}
+pub use super::stage_build::{made, Keep};
 
 /// Where weights loaded by name come from: errors name the file
 /// (`model.init`) or the checkpoint folder.
@@ -238,18 +204,9 @@ impl Model {
             let _guard = INIT_LOCK
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            let staged = keep.is_some();
-            STAGE_BUILD.with(|b| {
-                *b.borrow_mut() = keep.map(|keep| StageBuild {
-                    keep,
-                    released: Vec::new(),
-                })
-            });
             tch::manual_seed(seed as i64);
-            let built = family.build(&to);
-            let released = STAGE_BUILD.with(|b| b.borrow_mut().take());
-            debug_assert_eq!(released.is_some(), staged);
-            (built?, released.map(|r| r.released).unwrap_or_default())
+            let (built, released) = super::stage_build::during(keep, || family.build(&to));
+            (built?, released)
         } else {
             (family.build(&to)?, Vec::new())
         };
