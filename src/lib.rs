@@ -6,6 +6,7 @@
 pub mod certs;
 mod lifecycle;
 mod local;
+mod status;
 pub mod tokenize;
 mod watch;
 
@@ -282,7 +283,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            print_job(&j);
+            status::print_job(&j);
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { job: None } | Command::List => {
@@ -535,112 +536,6 @@ pub async fn submit(client: &mut Client, path: &Path, workers: Option<u32>) -> a
         .await
         .map_err(status_err)?
         .into_inner())
-}
-
-fn print_job(j: &Job) {
-    let c = j.counters.unwrap_or_default();
-    println!("job        {}", j.id);
-    println!("state      {}", state_name(j.state()));
-    println!(
-        "owner      {}",
-        if j.owner.is_empty() { "-" } else { &j.owner }
-    );
-    println!(
-        "workers    {} (generation {}, k = {})",
-        j.workers.join(", "),
-        j.generation,
-        j.accumulation_steps
-    );
-    // A job cut into stages (or tensor ranks): each worker's place.
-    let dims = accrue_coordinator::scheduler::model_dims(j);
-    if dims.pipeline * dims.tensor > 1 {
-        for (rank, w) in j.workers.iter().enumerate() {
-            let c = accrue_coordinator::scheduler::coords_of(j, rank as u32);
-            println!(
-                "  rank {rank:<3} {w}: data {} pipeline stage {} tensor {}",
-                c.data, c.pipeline, c.tensor
-            );
-        }
-    }
-    // A language model counts target tokens where others count samples.
-    let lm = accrue_coordinator::http::is_lm(j);
-    let unit = if lm { "tokens" } else { "samples" };
-    println!(
-        "progress   step {}/{} epoch {} {unit} {} skipped {}",
-        c.step, c.total_steps, c.epoch, c.samples_seen, c.skipped_steps
-    );
-    println!(
-        "last step  loss {:.4} grad_norm {:.4} clip {:.3} lr {:.5} {unit}/s {:.0}",
-        c.loss, c.grad_norm, c.clip_coef, c.lr, c.samples_per_sec
-    );
-    if j.memory_estimate_bytes > 0 || j.peak_rss_bytes.iter().any(|&p| p > 0) {
-        // Issue 41: what the spec was estimated to need per worker, and
-        // what each rank's process has needed at most so far.
-        let mib = |b: u64| format!("{:.0}", b as f64 / (1u64 << 20) as f64);
-        let peaks: Vec<String> = j.peak_rss_bytes.iter().map(|&p| mib(p)).collect();
-        println!(
-            "memory     estimate {} MiB per worker; peak by rank {} MiB",
-            mib(j.memory_estimate_bytes),
-            if peaks.is_empty() {
-                "-".to_string()
-            } else {
-                peaks.join(", ")
-            }
-        );
-    }
-    if let Some(t) = c.timing.filter(|_| dims.pipeline > 1) {
-        // The last stage's (the loss owner's) split of its step.
-        println!(
-            "pipeline   last stage: compute {:.3} s, bubble {:.3} s, transfer {:.3} s",
-            t.compute_s, t.bubble_s, t.transfer_s
-        );
-    }
-    if let Some(e) = &j.eval {
-        println!("eval       {} (step {})", eval_words(e, lm), e.step);
-    }
-    if !j.checkpoint.is_empty() {
-        println!("checkpoint {}", j.checkpoint);
-    }
-    if !j.error.is_empty() {
-        println!("error      {}", j.error);
-    }
-    println!("history");
-    for h in &j.history {
-        let from = JobState::try_from(h.from).unwrap_or(JobState::Unspecified);
-        let to = JobState::try_from(h.to).unwrap_or(JobState::Unspecified);
-        println!("  {} -> {}: {}", state_name(from), state_name(to), h.reason);
-    }
-    if !j.recoveries.is_empty() {
-        println!("recoveries");
-    }
-    for r in &j.recoveries {
-        let took = if r.first_step_unix_ms > 0 {
-            format!(
-                "{:.2} s to the first step",
-                (r.first_step_unix_ms - r.started_unix_ms) as f64 / 1000.0
-            )
-        } else {
-            "not re-formed yet".into()
-        };
-        println!(
-            "  generation {}: lost [{}] joined [{}]; resumed after step {}{} with W = {}, k = {}; {took}; {}",
-            r.generation,
-            r.lost.join(", "),
-            r.joined.join(", "),
-            r.resumed_step,
-            if r.redone_steps > 0 {
-                format!(" (rolled back: {} steps done again)", r.redone_steps)
-            } else {
-                String::new()
-            },
-            r.world_size,
-            r.accumulation_steps,
-            r.reason
-        );
-        if !r.loaded.is_empty() {
-            println!("    loaded {}", r.loaded);
-        }
-    }
 }
 
 /// One job event as a JSON object (`accrue local --json`): the step

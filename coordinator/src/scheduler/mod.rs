@@ -387,31 +387,6 @@ impl Cluster {
         self.jobs.get(id).map(|e| &e.job)
     }
 
-    /// Rank `rank`'s peak resident memory in job `id`'s current generation.
-    pub fn peak_of(&self, id: &str, rank: u32) -> Option<u64> {
-        let e = self.jobs.get(id)?;
-        (e.peaks.0 == e.job.generation)
-            .then(|| e.peaks.1.get(rank as usize).copied())
-            .flatten()
-            .filter(|&p| p > 0)
-    }
-
-    /// The job as a reader sees it: with each rank's peak memory so far and
-    /// the spec's memory estimate per worker (neither stored).
-    pub fn job_view(&self, id: &str) -> Option<Job> {
-        let e = self.jobs.get(id)?;
-        let mut job = e.job.clone();
-        if e.peaks.0 == job.generation {
-            job.peak_rss_bytes = e.peaks.1.clone();
-        }
-        job.memory_estimate_bytes = job
-            .spec
-            .as_ref()
-            .and_then(|s| accrue_proto::spec_from_proto(s).ok())
-            .map_or(0, |s| s.memory_estimate().total());
-        Some(job)
-    }
-
     /// One ListJobs page: the jobs after `req.after` in creation order, at
     /// most `req.size` of them and `budget` by `bytes` (see
     /// [`crate::paging::page`]), and the next page's token ("" at the end).

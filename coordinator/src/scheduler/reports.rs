@@ -334,6 +334,33 @@ pub fn coords_of(job: &Job, rank: u32) -> accrue_common::spec::Coords {
     model_dims(job).coords(rank)
 }
 
+impl Cluster {
+    /// Rank `rank`'s peak resident memory in job `id`'s current generation.
+    pub fn peak_of(&self, id: &str, rank: u32) -> Option<u64> {
+        let e = self.jobs.get(id)?;
+        (e.peaks.0 == e.job.generation)
+            .then(|| e.peaks.1.get(rank as usize).copied())
+            .flatten()
+            .filter(|&p| p > 0)
+    }
+
+    /// The job as a reader sees it: with each rank's peak memory so far and
+    /// the spec's memory estimate per worker (neither stored).
+    pub fn job_view(&self, id: &str) -> Option<Job> {
+        let e = self.jobs.get(id)?;
+        let mut job = e.job.clone();
+        if e.peaks.0 == job.generation {
+            job.peak_rss_bytes = e.peaks.1.clone();
+        }
+        job.memory_estimate_bytes = job
+            .spec
+            .as_ref()
+            .and_then(|s| accrue_proto::spec_from_proto(s).ok())
+            .map_or(0, |s| s.memory_estimate().total());
+        Some(job)
+    }
+}
+
 #[cfg(test)]
 mod loss_owner_tests {
     use super::*;
