@@ -345,12 +345,7 @@ impl<C: Collective> Engine<C> {
     /// a change) in the log.
     fn eager_micro_batch(&mut self, idx: &Tensor, reason: &EagerReason) -> Result<u64> {
         self.window.eager_reason = Some(self.graph.holder.eager("micro-steps", reason));
-        let k = self.plan.k as f64;
-        let scale = match self.loss_scale() {
-            Some(ls) => LossScaleBy::Scalar(f64::from(ls.scale) / k),
-            None => LossScaleBy::One,
-        };
-        self.forward_backward(idx, scale, false)
+        self.forward_backward(idx, self.micro_scale(), false)
     }
 
     /// Copies the micro-batch's indices into the graph's index buffer (and,

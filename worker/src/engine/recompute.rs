@@ -151,25 +151,7 @@ impl<C: Collective> Engine<C> {
             self.head_loss_of(&out, batch, false)?
         } else {
             let logits = self.stage_logits(out)?;
-            let loss = if summed {
-                self.objective.loss(&logits, batch)?.sum
-            } else {
-                self.objective.mean_loss(&logits, batch)?
-            };
-            drop(autocast.take());
-            match scale {
-                LossScaleBy::One => loss.f_backward(),
-                LossScaleBy::Scalar(s) => loss.f_mul_scalar(s).and_then(|l| l.f_backward()),
-                LossScaleBy::Tensor(s) => loss.f_mul(s).and_then(|l| l.f_backward()),
-            }
-            .ctx("running backward")?;
-            if summed {
-                loss.f_detach()
-            } else {
-                loss.f_detach()
-                    .and_then(|l| l.f_mul_scalar(batch.count as f64))
-            }
-            .ctx("accumulating the loss")?
+            self.loss_backward(&logits, batch, scale, autocast.take())?
         };
         self.graph.add_loss(&loss_sum)?;
         // Back through the kept segments, last to first, each run again.

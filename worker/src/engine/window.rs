@@ -203,36 +203,47 @@ impl<C: Collective> Engine<C> {
                 return Ok(batch.count);
             }
         }
-        let loss = {
-            // precision = bf16 | fp16: the forward and the loss under
-            // autocast, as in torch.autocast's `with` block.
-            let _autocast =
-                crate::amp::Autocast::enter_with(self.device, self.spec.precision, !graph)?;
-            let output = self.model.forward(&batch.inputs, true)?;
-            if summed {
-                self.objective.loss(&output, &batch)?.sum
-            } else {
-                self.objective.mean_loss(&output, &batch)?
-            }
+        // precision = bf16 | fp16: the forward and the loss under
+        // autocast, as in torch.autocast's `with` block.
+        let autocast = crate::amp::Autocast::enter_with(self.device, self.spec.precision, !graph)?;
+        let output = self.model.forward(&batch.inputs, true)?;
+        let loss_sum = self.loss_backward(&output, &batch, scale, autocast)?;
+        self.graph.add_loss(&loss_sum)?;
+        Ok(batch.count)
+    }
+
+    /// The loss of `output` (summed, or the batch's mean), the end of
+    /// `autocast`, the loss's backward, and the batch's loss sum. fp16:
+    /// the backward of loss * scale / k, so the half-precision backward
+    /// sees what GradScaler's `scaler.scale(loss / k)` gives it (and
+    /// overflows where it would).
+    pub(super) fn loss_backward(
+        &self,
+        output: &Tensor,
+        batch: &crate::batch::Batch,
+        scale: LossScaleBy<'_>,
+        autocast: Option<crate::amp::Autocast>,
+    ) -> Result<Tensor> {
+        let summed = self.spec.accumulation.normalize == Normalize::GlobalCount;
+        let loss = if summed {
+            self.objective.loss(output, batch)?.sum
+        } else {
+            self.objective.mean_loss(output, batch)?
         };
-        // fp16: backward of loss * scale / k, so the half-precision
-        // backward sees what GradScaler's `scaler.scale(loss / k)` gives
-        // it (and overflows where it would).
+        drop(autocast);
         match scale {
             LossScaleBy::One => loss.f_backward(),
             LossScaleBy::Scalar(s) => loss.f_mul_scalar(s).and_then(|l| l.f_backward()),
             LossScaleBy::Tensor(s) => loss.f_mul(s).and_then(|l| l.f_backward()),
         }
         .ctx("running backward")?;
-        let loss_sum = if summed {
+        if summed {
             loss.f_detach()
         } else {
             loss.f_detach()
                 .and_then(|l| l.f_mul_scalar(batch.count as f64))
         }
-        .ctx("accumulating the loss")?;
-        self.graph.add_loss(&loss_sum)?;
-        Ok(batch.count)
+        .ctx("accumulating the loss")
     }
 
     /// The forward and backward of a model whose output is a linear head

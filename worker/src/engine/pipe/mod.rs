@@ -207,28 +207,14 @@ impl<C: Collective> Engine<C> {
                             self.head_loss_of(&out, &batch, false)?
                         } else {
                             let logits = self.stage_logits(out)?;
-                            let loss = if summed {
-                                self.objective.loss(&logits, &batch)?.sum
-                            } else {
-                                self.objective.mean_loss(&logits, &batch)?
-                            };
-                            drop(autocast.take());
                             // fp16: the backward of loss * scale / k, as
                             // GradScaler's scaler.scale(loss / k).
-                            match self.loss_scale() {
-                                Some(ls) => loss
-                                    .f_mul_scalar(f64::from(ls.scale) / self.plan.k as f64)
-                                    .and_then(|l| l.f_backward()),
-                                None => loss.f_backward(),
-                            }
-                            .ctx("running backward")?;
-                            if summed {
-                                loss.f_detach()
-                            } else {
-                                loss.f_detach()
-                                    .and_then(|l| l.f_mul_scalar(batch.count as f64))
-                            }
-                            .ctx("accumulating the loss")?
+                            self.loss_backward(
+                                &logits,
+                                &batch,
+                                self.micro_scale(),
+                                autocast.take(),
+                            )?
                         };
                         self.graph.add_loss(&loss_sum)?;
                         self.window.count += batch.count;
