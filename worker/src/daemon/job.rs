@@ -56,22 +56,8 @@ pub(super) fn step_msg(job: &str, generation: u64, rank: u32, r: &StepReport) ->
         sync_graph_replayed: r.sync_graph_replayed,
         sync_eager_reason: crate::graphs::reason_text(r.sync_eager_reason.as_ref()),
         resumed_from: r.resumed_from.clone(),
-        peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+        peak_rss_bytes: r.peak_rss_bytes,
     }))
-}
-
-/// This process's peak resident memory so far (`/proc/self/status`
-/// VmHWM), bytes; None where it cannot be read.
-fn peak_rss_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    vm_hwm(&text)
-}
-
-/// VmHWM of a `/proc/<pid>/status` text, bytes.
-fn vm_hwm(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 fn eval_proto(e: &crate::engine::EvalReport) -> v1::EvalResult {
@@ -470,15 +456,4 @@ pub(super) async fn wait_for_job_thread(r: &Running, limit: Duration) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tracing::info!(job = %r.job, waited = ?started.elapsed(), "the job's thread ended");
-}
-
-#[cfg(test)]
-mod peak_tests {
-    #[test]
-    fn the_peak_is_read_from_vm_hwm() {
-        let status = "Name:\tw\nVmPeak:\t  900 kB\nVmHWM:\t  1536 kB\nVmRSS:\t 1000 kB\n";
-        assert_eq!(super::vm_hwm(status), Some(1536 * 1024));
-        assert_eq!(super::vm_hwm("Name:\tw\n"), None);
-        assert!(super::peak_rss_bytes().is_some_and(|b| b > 1 << 20));
-    }
 }

@@ -111,6 +111,7 @@ fn step(n: u64) -> WorkerMessage {
             sync_graph_replayed: false,
             sync_eager_reason: None,
             resumed_from: String::new(),
+            peak_rss_bytes: 0,
         },
     )
 }

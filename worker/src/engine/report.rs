@@ -72,6 +72,9 @@ pub struct StepReport {
     /// state came from and why ("fresh start", "checkpoint step-32 (...)",
     /// "rank 1's state (step 52)"); "" on later reports.
     pub resumed_from: String,
+    /// The worker process's peak resident memory so far, bytes (Linux
+    /// VmHWM at the commit; 0 where it cannot be read; issue 41).
+    pub peak_rss_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -101,4 +104,29 @@ pub struct Summary {
     pub checkpoint: PathBuf,
     /// Whether the run reached the job's last step (false when stopped early).
     pub finished: bool,
+}
+
+/// This process's peak resident memory so far (`/proc/self/status`
+/// VmHWM), bytes; None where it cannot be read.
+pub(crate) fn peak_rss_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    vm_hwm(&text)
+}
+
+/// VmHWM of a `/proc/<pid>/status` text, bytes.
+fn vm_hwm(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod peak_tests {
+    #[test]
+    fn the_peak_is_read_from_vm_hwm() {
+        let status = "Name:\tw\nVmPeak:\t  900 kB\nVmHWM:\t  1536 kB\nVmRSS:\t 1000 kB\n";
+        assert_eq!(super::vm_hwm(status), Some(1536 * 1024));
+        assert_eq!(super::vm_hwm("Name:\tw\n"), None);
+        assert!(super::peak_rss_bytes().is_some_and(|b| b > 1 << 20));
+    }
 }

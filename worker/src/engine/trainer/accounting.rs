@@ -84,6 +84,7 @@ impl<C: Collective> Engine<C> {
             sync_graph_replayed: window.sync_replayed,
             sync_eager_reason: window.sync_eager_reason,
             resumed_from: self.resumed_from.take().unwrap_or_default(),
+            peak_rss_bytes: crate::engine::report::peak_rss_bytes().unwrap_or(0),
         }
     }
 }
