@@ -207,10 +207,11 @@ export function jobView(id) {
     const tb = $('workers').tBodies[0];
     const place = (c) => (c ? `${c.data}, ${c.pipeline}, ${c.tensor}` : DASH);
     const secs = (x) => (fin(x) ? x.toFixed(3) + ' s' : DASH);
+    const mib = (b) => (fin(b) ? Math.round(b / 1048576) + ' MiB' : DASH);
     tb.replaceChildren(...mine.map((w) => row([[w.id], [str(w.rank), 'num'], [place(w.coords)], [secs(w.bubble_s), 'num'],
       [str(w.generation), 'num'], [str(w.device)],
       [str(w.data_addr)], [fin(w.last_seen_age_s) ? w.last_seen_age_s.toFixed(1) + ' s ago' : DASH],
-      [str(w.step), 'num'], [fmtInt(w.samples_per_sec), 'num']])));
+      [str(w.step), 'num'], [fmtInt(w.samples_per_sec), 'num'], [mib(w.peak_rss_bytes), 'num']])));
     $('workers-empty').hidden = mine.length > 0;
     note('workers', '');
   };
