@@ -13,47 +13,9 @@ use common::*;
 use std::path::Path;
 use tempfile::TempDir;
 
-/// A tiny Llama (vocab 64, width 16, one layer) on `data`, T = 8, b = 4,
-/// W = 2, k = 4, AdamW and clipping.
+/// The tiny Llama with one layer, W = 2.
 fn job(name: &str, data: &Path, epochs: u64) -> String {
-    format!(
-        r#"
-name = "{name}"
-workers = 2
-seed = 11
-epochs = {epochs}
-device = "cpu"
-threads = 1
-[model]
-kind = "llama"
-vocab_size = 64
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-max_position_embeddings = 16
-[data]
-kind = "tokens"
-path = "{data}"
-seq_len = 8
-batch_size = 4
-shuffle = true
-[accumulation]
-steps = 4
-[clipping]
-max_norm = 1.0
-[optimizer]
-kind = "adamw"
-lr = 0.01
-weight_decay = 0.1
-[comm]
-timeout_s = 10
-connect_timeout_s = 30
-rendezvous_timeout_s = 1.5
-"#,
-        data = data.display()
-    )
+    tiny_llama_job(name, data, 2, epochs, 1, "", "")
 }
 
 /// kill -9 of a rank mid-window with a spare attached: the spare takes the

@@ -113,46 +113,14 @@ async fn against_undisturbed(c: &mut accrue::Client, hurt: &Job, calm: &str) -> 
 /// A tied Llama (vocab 64, width 16, two layers) in 2 stages on an llm.c
 /// token file, T = 8, b = 4, k = 4, AdamW and clipping.
 fn tied_llama(name: &str, data: &Path) -> String {
-    format!(
-        r#"
-name = "{name}"
-workers = 4
-seed = 11
-epochs = 2
-device = "cpu"
-threads = 1
-[model]
-kind = "llama"
-vocab_size = 64
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-max_position_embeddings = 16
-tie_word_embeddings = true
-[data]
-kind = "tokens"
-path = "{data}"
-seq_len = 8
-batch_size = 4
-shuffle = true
-[accumulation]
-steps = 4
-[clipping]
-max_norm = 1.0
-[optimizer]
-kind = "adamw"
-lr = 0.01
-weight_decay = 0.1
-[parallel]
-pipeline = 2
-[comm]
-timeout_s = 10
-connect_timeout_s = 30
-rendezvous_timeout_s = 1.5
-"#,
-        data = data.display()
+    tiny_llama_job(
+        name,
+        data,
+        4,
+        2,
+        2,
+        "tie_word_embeddings = true\n",
+        "[parallel]\npipeline = 2\n",
     )
 }
 

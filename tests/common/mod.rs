@@ -399,3 +399,56 @@ pub fn token_file(dir: &Path, count: usize) -> PathBuf {
     std::fs::write(&p, bytes).unwrap();
     p
 }
+
+/// A tiny Llama (vocab 64, width 16, `layers` decoder layers, grouped-query
+/// attention) on the llm.c token file `data`, T = 8, b = 4, k = 4, AdamW
+/// and clipping, on `workers` ranks; `model` lines end `[model]`,
+/// `tables` are appended (the recovery tests).
+pub fn tiny_llama_job(
+    name: &str,
+    data: &Path,
+    workers: u32,
+    epochs: u64,
+    layers: u32,
+    model: &str,
+    tables: &str,
+) -> String {
+    format!(
+        r#"
+name = "{name}"
+workers = {workers}
+seed = 11
+epochs = {epochs}
+device = "cpu"
+threads = 1
+[model]
+kind = "llama"
+vocab_size = 64
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = {layers}
+num_attention_heads = 2
+num_key_value_heads = 1
+max_position_embeddings = 16
+{model}[data]
+kind = "tokens"
+path = "{data}"
+seq_len = 8
+batch_size = 4
+shuffle = true
+[accumulation]
+steps = 4
+[clipping]
+max_norm = 1.0
+[optimizer]
+kind = "adamw"
+lr = 0.01
+weight_decay = 0.1
+[comm]
+timeout_s = 10
+connect_timeout_s = 30
+rendezvous_timeout_s = 1.5
+{tables}"#,
+        data = data.display()
+    )
+}
