@@ -3,7 +3,7 @@
 # (docs/OPERATIONS.md, "The CUDA checks on the GPU machine"). Run from the
 # repository root of the carried tree, with gpu-bin/ from `make gpu-worker`:
 #
-#   scripts/gpu-checks.sh [tests|bench|bench-lm|zero|profile-lm|all]   (default: all)
+#   scripts/gpu-checks.sh [tests|bench|bench-lm|zero|profile-lm|bubble|all]   (default: all)
 #
 # CHECKS="graphs lm_lifecycle" runs only the checks named (a rerun after a
 # fix); LIMIT=S stops each check after S seconds (default 400).
@@ -95,6 +95,13 @@ if [ "$what" = zero ] || [ "$what" = all ]; then
   check bench-zero "$py" worker/benches/zero_memory.py --binary gpu-bin/accrue-worker \
     --device cuda --worlds 2 --steps 6 --batch 32 --k 2 || status=1
   cat "$out/bench-zero.log"
+fi
+if [ "$what" = bubble ]; then
+  # issue 40: the pipeline's bubble at P = 1, 2, 4 on the CPU (one core a
+  # stage: this machine's 16 cores; docs/BENCHMARKS.md section 13).
+  check bench-bubble "$py" worker/benches/pipeline_bubble.py --worker gpu-bin/accrue-worker \
+    ${BUBBLE_ARGS:-} || status=1
+  cat "$out/bench-bubble.log"
 fi
 if [ "$what" = profile-lm ]; then
   # issue 31: where the Llama step's GPU time goes, PyTorch eager against

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +38,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_vs_torch import accrue_job, launch, model_fields, token_file  # noqa: E402
@@ -46,7 +46,8 @@ from pipeline_vs_torch import accrue_job, launch, model_fields, token_file  # no
 def run(worker, d, text, stages):
     """Median step time and stage 0 waiting share (steps 3..), and each
     rank's peak resident memory in MiB."""
-    steps, peaks = launch(worker, d, text, stages, rss=True)
+    steps, peaks = launch(worker, d, text, stages, rss=shutil.which("time"))
+    peaks = peaks or [float("nan")] * stages
     steps = steps[2:]
     times = [s["samples"] / s["samples_per_sec"] for s in steps]
     waits = [s["timing"]["bubble_s"] / t for s, t in zip(steps, times)]
@@ -73,11 +74,18 @@ def main():
     rows, memory, t1 = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**fields))
-        params = sum(p.numel() for p in model.parameters())
-        save_file({n: p.detach().contiguous() for n, p in model.state_dict().items()},
-                  str(root / "init.safetensors"))
+        try:
+            from transformers import LlamaConfig, LlamaForCausalLM
+        except ImportError:  # the GPU machine's Python: accrue's own init from the seed
+            LlamaForCausalLM = None
+        if LlamaForCausalLM is not None:
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(**fields))
+            params = sum(p.numel() for p in model.parameters())
+            save_file({n: p.detach().contiguous() for n, p in model.state_dict().items()},
+                      str(root / "init.safetensors"))
+        else:
+            params = float("nan")
         token_file(root / "train.bin", a.steps * max(ks) * a.batch * a.seq_len + 1, a.vocab)
         for stages in stages_list:
             for k in ks:
@@ -86,7 +94,7 @@ def main():
                 per = [a.layers // stages] * stages
                 per[-1] += a.layers - sum(per)
                 text = accrue_job(root, fields, a.seq_len, a.batch, k, a.steps, stages, per,
-                                  a.schedule)
+                                  a.schedule, init=LlamaForCausalLM is not None)
                 step, wait, peaks = run(a.worker, d, text, stages)
                 print(f"P={stages} k={k}: step {step * 1000:.1f} ms, stage 0 waits {wait:.0%}, "
                       f"peak RSS {', '.join(f'{m:.0f}' for m in peaks)} MiB", file=sys.stderr)

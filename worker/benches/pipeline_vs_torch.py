@@ -28,9 +28,11 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import os
 import platform
+import random
 import socket
 import shutil
 import statistics
@@ -39,10 +41,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 HERE = Path(__file__).resolve().parent
 VOCAB = 4096
@@ -69,15 +69,21 @@ def model_fields(layers, hidden, vocab=VOCAB):
 
 
 def token_file(path, count, vocab=VOCAB):
-    rng = np.random.default_rng(0)
-    header = np.zeros(256, dtype=np.int32)
-    header[:3] = [20240520, 1, count]
+    """llm.c's token file (a 256 x int32 header, then uint16 ids), drawn
+    with Python's own generator so that the GPU machine's Python, which
+    may lack numpy, writes it too."""
+    rng = random.Random(0)
+    header = array.array("i", [20240520, 1, count] + [0] * 253)
+    ids = array.array("H", (rng.randrange(vocab) for _ in range(count)))
+    if sys.byteorder != "little":
+        header.byteswap()
+        ids.byteswap()
     with open(path, "wb") as f:
         f.write(header.tobytes())
-        f.write(rng.integers(0, vocab, count, dtype=np.uint16).tobytes())
+        f.write(ids.tobytes())
 
 
-def accrue_job(d, fields, t, b, k, steps, stages, per, schedule, balance=None):
+def accrue_job(d, fields, t, b, k, steps, stages, per, schedule, balance=None, init=True):
     model = "\n".join(f"{key} = {json.dumps(v)}" for key, v in fields.items())
     return f"""
 name = "pp-bench"
@@ -89,7 +95,7 @@ threads = 1
 [model]
 kind = "llama"
 {model}
-init = "{d}/init.safetensors"
+{f'init = "{d}/init.safetensors"' if init else ""}
 [data]
 kind = "tokens"
 path = "{d}/train.bin"
@@ -114,9 +120,9 @@ schedule = "{schedule}"
 
 def launch(worker, d, text, stages, rss=False):
     """Runs `text` on `stages` processes to the end: rank 0's step
-    reports, and (`rss`) each process's peak resident memory in MiB (GNU
-    time's: a child forked from this Python would inherit its high-water
-    mark, torch loaded, across exec)."""
+    reports, and (`rss`: the path of GNU time) each process's peak resident
+    memory in MiB (GNU time's: a child forked from this Python would
+    inherit its high-water mark, torch loaded, across exec)."""
     job = d / "job.toml"
     job.write_text(text)
     (d / "secret").write_text("bench-secret\n")
@@ -126,7 +132,7 @@ def launch(worker, d, text, stages, rss=False):
     for r in range(stages):
         out = open(d / f"rank{r}.out", "w")
         err = open(d / f"rank{r}.log", "w")
-        timed = ["/usr/bin/time", "-f", "%M", "-o", str(d / f"rank{r}.rss")] if rss else []
+        timed = [rss, "-f", "%M", "-o", str(d / f"rank{r}.rss")] if rss else []
         procs.append(subprocess.Popen(
             timed + [worker, "train", str(job), "--json", "--rank", str(r),
                      "--world-size", str(stages), "--peers", peers,
@@ -188,6 +194,8 @@ def main():
     else:
         per = [a.layers // a.stages] * a.stages
         per[-1] += a.layers - sum(per)
+    from transformers import LlamaConfig, LlamaForCausalLM  # the PyTorch side only
+
     rows = []
     for k in [int(x) for x in a.ks.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
