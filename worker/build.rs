@@ -1,7 +1,7 @@
 //! Bakes libtorch's lib/ folder into the rpath of every binary, test and
 //! example of this crate, so they run without LD_LIBRARY_PATH (SETUP-NOTES).
 //! Compiles the autocast shim (csrc/amp.cpp), the profiler's
-//! (csrc/profile.cpp) and the fused operations' (csrc/fused_ops.cpp, with
+//! (csrc/profile.cpp), the storage resize (csrc/storage.cpp, ZeRO-3) and the fused operations' (csrc/fused_ops.cpp, with
 //! PyTorch's fused Adam/AdamW; with ACCRUE_CUDA=1 also csrc/kernels.cu). `ACCRUE_CUDA=1` also links
 //! libtorch_cuda explicitly (rustc passes `--as-needed`, which would
 //! otherwise drop it and CUDA would never register), compiles the CUDA-graph
@@ -27,10 +27,12 @@ fn main() {
     // torch-sys links after this crate.
     println!("cargo:rerun-if-changed=csrc/amp.cpp");
     println!("cargo:rerun-if-changed=csrc/profile.cpp");
+    println!("cargo:rerun-if-changed=csrc/storage.cpp");
     cc::Build::new()
         .cpp(true)
         .file("csrc/amp.cpp")
         .file("csrc/profile.cpp")
+        .file("csrc/storage.cpp")
         .include(libtorch.join("include"))
         .flag("-std=c++17")
         .flag("-D_GLIBCXX_USE_CXX11_ABI=1")

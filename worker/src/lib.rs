@@ -30,6 +30,7 @@ pub mod optim;
 mod ring_buckets;
 pub mod sample;
 pub mod source;
+pub mod storage;
 pub use accrue_common::spec;
 
 // The modules' paths before worker/src was grouped by concern (issue 38):

@@ -204,7 +204,7 @@ impl JobSpec {
         if let Some(t) = self.threads {
             c.int_in("threads", t, 1, MAX_THREADS.into());
         }
-        if self.sharding.stage > 2 {
+        if self.sharding.stage > 3 {
             c.fail(
                 "sharding.stage",
                 self.sharding.stage,

@@ -178,14 +178,15 @@ pub struct ShardingSpec {
     /// rank keeps and steps the state of its slice of the flat parameters,
     /// then the parameters are all-gathered; 2: also frees the gradients
     /// outside the rank's slice (after the sync step, or with sync =
-    /// "every_step" after each micro-step's reduce-scatter).
+    /// "every_step" after each micro-step's reduce-scatter); 3: also the
+    /// parameters, gathered block by block for the forward and the
+    /// backward (issue 41).
     #[serde(default)]
     pub stage: u32,
 }
 
 /// The sharding stages built so far.
-pub const SHARDING_STAGES: &str =
-    "0 (none), 1 (optimizer state sharded) or 2 (optimizer state and gradients sharded)";
+pub const SHARDING_STAGES: &str = "0 (none), 1 (optimizer state sharded), 2 (optimizer state and gradients sharded) or 3 (parameters too)";
 
 /// Data-plane settings.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]

@@ -309,7 +309,7 @@ proptest! {
 }
 
 #[test]
-fn sharding_stage_is_0_1_or_2_and_defaults_to_0() {
+fn sharding_stage_is_0_to_3_and_defaults_to_0() {
     let ok = |stage: u32| {
         JobSpec::fields_from_toml_str(
             &format!("{BASE}[sharding]\nstage = {stage}\n"),
@@ -319,14 +319,14 @@ fn sharding_stage_is_0_1_or_2_and_defaults_to_0() {
         .sharding
         .stage
     };
-    assert_eq!((ok(0), ok(1), ok(2)), (0, 1, 2));
+    assert_eq!((ok(0), ok(1), ok(2), ok(3)), (0, 1, 2, 3));
     let plain = JobSpec::fields_from_toml_str(BASE, Path::new("t.toml")).unwrap();
     assert_eq!(plain.sharding.stage, 0);
-    let e = invalid(&format!("{BASE}[sharding]\nstage = 3\n"));
+    let e = invalid(&format!("{BASE}[sharding]\nstage = 4\n"));
     assert_eq!(e.len(), 1, "{e:?}");
     let text = e[0].to_string();
     assert!(
-        text.starts_with("sharding.stage = 3: must be 0 (none), 1 (optimizer state sharded) or 2"),
+        text.starts_with("sharding.stage = 4: must be 0 (none), 1 (optimizer state sharded), 2 (optimizer state and gradients sharded) or 3"),
         "{text}"
     );
 }

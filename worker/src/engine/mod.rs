@@ -32,6 +32,7 @@ mod trainer;
 mod verdict;
 mod window;
 mod workload;
+mod zero3;
 
 pub use flat::{flatten, unflatten};
 use options::Agreed;
@@ -82,7 +83,7 @@ pub struct Engine<C: Collective> {
     sync_graph: sync_graph::SyncGraph,
     window: Window,
     /// The gradient-accumulation buffer and the optimizer state, owned
-    /// by placement (engine/placement/): ZeRO stage 0, 1 or 2.
+    /// by placement (engine/placement/): ZeRO stage 0 to 3.
     placement: placement::Placed<C>,
     /// The micro-step / sync-step sequence of a window (engine/trainer/).
     step_schedule: Box<dyn trainer::StepSchedule>,
@@ -241,11 +242,13 @@ impl<C: Collective> Engine<C> {
         // and 2 step one flat slice: one parameter's worth of state).
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
         let grads = FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?;
+        let shards = zero3::shards(&spec, &model, device, stages.is_some())?;
         let placement = placement::Placed::new(
             spec.sharding.stage,
             &spec.optimizer,
             model.params.len(),
             grads,
+            shards,
         );
         let checkpoint_dir = opts
             .checkpoint_dir
@@ -475,6 +478,9 @@ impl<C: Collective> Engine<C> {
     pub fn collective_mut(&mut self) -> &mut C {
         &mut self.collective
     }
+    /// The parameters as the model holds them. Under ZeRO-3 their storage
+    /// is released between uses: read them through
+    /// [`Engine::whole_parameters`] there.
     pub fn parameters(&self) -> &[(String, Tensor)] {
         &self.model.params
     }

@@ -37,25 +37,33 @@ pub(super) fn split_range(range: Range<usize>, every: usize) -> Vec<Range<usize>
         .collect()
 }
 
-/// What `activation_checkpointing = "full"` recomputes.
+/// What `activation_checkpointing = "full"` recomputes, or how ZeRO-3
+/// runs the blocks one unit at a time.
 #[derive(Clone, Debug)]
 pub(super) struct Recompute {
-    /// Blocks in segments of `checkpoint_every`.
+    /// Blocks in segments of `checkpoint_every` (ZeRO-3 without
+    /// checkpointing: one block each).
     pub segments: Vec<Range<usize>>,
     /// Parameters more than one block uses (a tied embedding: the lookup
     /// in the first block, the head after the last).
     pub shared: Vec<String>,
+    /// ZeRO-3 without activation checkpointing: each segment's graph is
+    /// kept from its forward to its backward (nothing recomputed; only
+    /// the parameters are released in between).
+    pub keep: bool,
 }
 
-/// The segments `activation_checkpointing = "full"` recomputes; None
-/// without it.
+/// The segments `activation_checkpointing = "full"` recomputes, or
+/// ZeRO-3's one block a segment with their graphs kept; None for neither.
 pub(super) fn plan(spec: &JobSpec, model: &Model, staged: bool) -> Result<Option<Recompute>> {
     // Pipeline stages segment their own blocks (Engine::stage_segments).
     if staged {
         return Ok(None);
     }
-    let Some(segments) = segments(spec, model)? else {
-        return Ok(None);
+    let (segments, keep) = match segments(spec, model)? {
+        Some(s) => (s, false),
+        None if spec.sharding.stage == 3 => (split(blocks(spec, model)?, 1), true),
+        None => return Ok(None),
     };
     let tied = spec.model.kind.is_decoder()
         && crate::spec::LlamaConfig::resolve(&spec.model)?.tie_word_embeddings;
@@ -66,7 +74,25 @@ pub(super) fn plan(spec: &JobSpec, model: &Model, staged: bool) -> Result<Option
         .filter(|n| tied && n.ends_with("embed_tokens.weight"))
         .cloned()
         .collect();
-    Ok(Some(Recompute { segments, shared }))
+    Ok(Some(Recompute {
+        segments,
+        shared,
+        keep,
+    }))
+}
+
+/// How many blocks the model runs in (the family's).
+pub(super) fn blocks(spec: &JobSpec, model: &Model) -> Result<usize> {
+    if model.staged().is_none() {
+        return Err(Error::Schedule(format!(
+            "model.kind = {} does not run in blocks",
+            spec.model.kind
+        )));
+    }
+    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    Ok(crate::family::family(spec.model.kind)
+        .blocks(&spec.model, &names)?
+        .len())
 }
 
 fn segments(spec: &JobSpec, model: &Model) -> Result<Option<Vec<Range<usize>>>> {
@@ -79,10 +105,7 @@ fn segments(spec: &JobSpec, model: &Model) -> Result<Option<Vec<Range<usize>>>> 
             spec.model.kind
         )));
     }
-    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
-    let blocks = crate::family::family(spec.model.kind)
-        .blocks(&spec.model, &names)?
-        .len();
+    let blocks = blocks(spec, model)?;
     let every = spec.performance.checkpoint_every.unwrap_or(1) as usize;
     Ok(Some(split(blocks, every)))
 }
@@ -98,7 +121,7 @@ impl<C: Collective> Engine<C> {
         plan: &Recompute,
     ) -> Result<u64> {
         let input = batch.inputs.shallow_clone();
-        self.recompute_last(batch, scale, &plan.segments, &plan.shared, input)
+        self.recompute_last(batch, scale, plan, input)
     }
 
     /// The forward and backward of `segments` from `input` (the batch's
@@ -109,16 +132,25 @@ impl<C: Collective> Engine<C> {
         &mut self,
         batch: &Batch,
         scale: LossScaleBy<'_>,
-        segments: &[Range<usize>],
-        shared: &[String],
+        plan: &Recompute,
         input: Tensor,
     ) -> Result<u64> {
-        let (last, before) = segments
+        let shared = &plan.shared[..];
+        let (last, before) = plan
+            .segments
             .split_last()
             .ok_or_else(|| Error::Schedule("no blocks to recompute".into()))?;
         let packed = self.spec.data.pack.then_some(&batch.inputs);
         let (device, precision) = (self.device, self.spec.precision);
-        let (x, saved) = self.forward_kept(before, input, packed)?;
+        let (x, saved) = if plan.keep {
+            self.forward_graphs(before, input, packed)?
+        } else {
+            self.forward_kept(before, input, packed)?
+        };
+        // ZeRO-3: the last segment's units (and a tied head's embedding)
+        // stay gathered through the loss's backward.
+        let last_units = self.units_of(last.clone(), !shared.is_empty());
+        self.zero3_gather(&last_units)?;
         // The last segment with its graph, the head and the loss, and its
         // backward.
         let x_last = if before.is_empty() {
@@ -154,10 +186,16 @@ impl<C: Collective> Engine<C> {
             self.loss_backward(&logits, batch, scale, autocast.take())?
         };
         self.graph.add_loss(&loss_sum)?;
-        // Back through the kept segments, last to first, each run again.
+        self.zero3_release(&last_units)?;
+        // Back through the kept segments, last to first, each run again
+        // (or, keeping graphs, back-propagated).
         let grad = x_last.grad();
         drop(x_last);
-        self.backward_kept(before, saved, grad, packed)?;
+        if plan.keep {
+            self.backward_graphs(before, saved, grad)?;
+        } else {
+            self.backward_kept(before, saved, grad, packed)?;
+        }
         for (mut g, window) in apart {
             let _ = g.f_add_(&window).ctx("adding a shared gradient")?;
         }
@@ -185,24 +223,97 @@ impl<C: Collective> Engine<C> {
     /// `segments` from `input` without a graph: the last one's output and
     /// each segment's input (the first is `input` itself).
     pub(super) fn forward_kept(
-        &self,
+        &mut self,
         segments: &[Range<usize>],
         input: Tensor,
         packed: Option<&Tensor>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let _guard = tch::no_grad_guard();
         let _autocast = crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
-        let staged = self
-            .model
-            .staged()
-            .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))?;
         let mut saved = Vec::with_capacity(segments.len());
         let mut x = input;
         for seg in segments {
-            let next = staged.stage_forward_with(&x, seg.clone(), packed)?;
+            let units = self.units_of(seg.clone(), false);
+            self.zero3_gather(&units)?;
+            let next = self.staged()?.stage_forward_with(&x, seg.clone(), packed)?;
+            self.zero3_release(&units)?;
             saved.push(std::mem::replace(&mut x, next));
         }
         Ok((x, saved))
+    }
+
+    /// ZeRO-3 without activation checkpointing: `segments` from `input`
+    /// with their graphs, each segment's parameters gathered for its
+    /// forward and released after it (its graph's saved views of them
+    /// hold no memory until the backward gathers them again). Returns the
+    /// last output and, per segment, its input (a fresh leaf past the
+    /// first) and output.
+    fn forward_graphs(
+        &mut self,
+        segments: &[Range<usize>],
+        input: Tensor,
+        packed: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut kept = Vec::with_capacity(2 * segments.len());
+        let mut x = input;
+        for (i, seg) in segments.iter().enumerate() {
+            let x_in = if i == 0 {
+                x
+            } else {
+                x.f_detach()
+                    .ctx("keeping a segment's input")?
+                    .set_requires_grad(true)
+            };
+            let units = self.units_of(seg.clone(), false);
+            self.zero3_gather(&units)?;
+            let out = {
+                let _autocast =
+                    crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
+                self.staged()?
+                    .stage_forward_with(&x_in, seg.clone(), packed)?
+            };
+            self.zero3_release(&units)?;
+            x = out.shallow_clone();
+            kept.push(x_in);
+            kept.push(out);
+        }
+        Ok((x, kept))
+    }
+
+    /// Back through what [`Engine::forward_graphs`] kept, last to first:
+    /// each segment's parameters gathered, its output back-propagated
+    /// with the gradient it received, its parameters released.
+    fn backward_graphs(
+        &mut self,
+        segments: &[Range<usize>],
+        kept: Vec<Tensor>,
+        mut grad: Tensor,
+    ) -> Result<()> {
+        let mut kept = kept.into_iter().rev();
+        for (i, seg) in segments.iter().enumerate().rev() {
+            let (out, x_in) = match (kept.next(), kept.next()) {
+                (Some(o), Some(x)) => (o, x),
+                _ => return Err(Error::Schedule("a kept segment is missing".into())),
+            };
+            let units = self.units_of(seg.clone(), false);
+            self.zero3_gather(&units)?;
+            out.f_mul(&grad)
+                .and_then(|y| y.f_sum(Kind::Float))
+                .and_then(|y| y.f_backward())
+                .ctx("running backward")?;
+            self.zero3_release(&units)?;
+            if i > 0 {
+                grad = x_in.grad();
+            }
+        }
+        Ok(())
+    }
+
+    /// The model's blocks, run one range at a time.
+    fn staged(&self) -> Result<&dyn crate::family::Staged> {
+        self.model
+            .staged()
+            .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))
     }
 
     /// Runs `segments` again from their kept inputs, last to first, each
@@ -210,17 +321,15 @@ impl<C: Collective> Engine<C> {
     /// segment's input is the one [`Engine::forward_kept`] was given (its
     /// gradient filled where it takes one), the others fresh leaves.
     pub(super) fn backward_kept(
-        &self,
+        &mut self,
         segments: &[Range<usize>],
         saved: Vec<Tensor>,
         mut grad: Tensor,
         packed: Option<&Tensor>,
     ) -> Result<()> {
-        let staged = self
-            .model
-            .staged()
-            .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))?;
         for (i, (seg, input)) in segments.iter().zip(saved).enumerate().rev() {
+            let units = self.units_of(seg.clone(), false);
+            self.zero3_gather(&units)?;
             let x_in = if i == 0 {
                 input
             } else {
@@ -232,12 +341,15 @@ impl<C: Collective> Engine<C> {
             let out = {
                 let _autocast =
                     crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
-                staged.stage_forward_with(&x_in, seg.clone(), packed)?
+                self.staged()?
+                    .stage_forward_with(&x_in, seg.clone(), packed)?
             };
             out.f_mul(&grad)
                 .and_then(|y| y.f_sum(Kind::Float))
                 .and_then(|y| y.f_backward())
                 .ctx("running backward")?;
+            drop(out);
+            self.zero3_release(&units)?;
             if i > 0 {
                 grad = x_in.grad();
             }

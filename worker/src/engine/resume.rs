@@ -44,6 +44,11 @@ impl<C: Collective> Engine<C> {
     /// newest step whose manifest verifies); false when the folder holds
     /// none. Weights, optimizer state and counters come from one folder.
     pub(super) fn resume(&mut self) -> Result<bool> {
+        // Under ZeRO-3 the parameters are written whole, then sharded.
+        self.with_whole(Self::resume_whole)
+    }
+
+    fn resume_whole(&mut self) -> Result<bool> {
         let Some(found) = checkpoint::load_newest(&self.checkpoint_dir, &self.owner)? else {
             return Ok(false);
         };

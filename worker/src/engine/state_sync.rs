@@ -110,6 +110,12 @@ impl<C: Collective> Engine<C> {
     /// (the stage's replicas), then [`Engine::sync_stages`] checks that
     /// every stage holds the same step.
     pub(super) fn sync_state(&mut self) -> Result<()> {
+        // Under ZeRO-3 the parameters are whole while states move, then
+        // sharded at the new layout.
+        self.with_whole(Self::sync_whole)
+    }
+
+    fn sync_whole(&mut self) -> Result<()> {
         self.sync_replicas()?;
         if self.pipe.is_some() {
             self.sync_stages()?;

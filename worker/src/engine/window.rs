@@ -151,6 +151,9 @@ impl<C: Collective> Engine<C> {
             }
         };
         let (a, b) = self.plan.micro_batch_range(m);
+        // ZeRO-3 shards the parameters before the first forward (they are
+        // whole after a build, a resume or a state broadcast).
+        self.shard_params()?;
         // ZeRO stage 2 freed the buffer after the last reduction.
         self.placement.grads.restore(&self.model.params)?;
         if b > a {

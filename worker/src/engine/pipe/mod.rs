@@ -160,7 +160,16 @@ impl<C: Collective> Engine<C> {
                             let batch = batch.ok_or_else(|| {
                                 Error::Schedule("the last stage reads its batch".into())
                             })?;
-                            self.recompute_last(&batch, self.micro_scale(), &segs, &[], x)?;
+                            self.recompute_last(
+                                &batch,
+                                self.micro_scale(),
+                                &super::recompute::Recompute {
+                                    segments: segs.clone(),
+                                    shared: Vec::new(),
+                                    keep: false,
+                                },
+                                x,
+                            )?;
                             self.window.count += batch.count;
                             self.window.batches += 1;
                             if every {

@@ -18,9 +18,10 @@
 //!   released between uses (1/W of the gradients held between
 //!   micro-steps under `sync = "every_step"`).
 //!
-//! ZeRO-3 (parameters sharded too) is a fourth implementation of the same
-//! trait: it would gather parameters before the forward, which the trait
-//! does not need to know about beyond [`Placement::step`].
+//! - ZeRO-3 (stage 3, issue 41): stage 2 with the parameters sharded
+//!   too ([`ParamShards`]): each rank keeps its slice of the flat
+//!   parameters, steps it in place and gathers a unit (a block) around its
+//!   forward and its backward (engine/recompute.rs runs the blocks).
 //!
 //! **The clip norm** is assembled from what each rank owns, over exactly
 //! the axes on which the owned elements are distinct ([`Placement::
@@ -34,9 +35,11 @@
 //! it in the same all-reduce as the gradients (the ring's byte counts
 //! depend on it); the sharded strategies all-reduce it on its own.
 
+mod params;
 mod replicated;
 mod sharded;
 
+pub(super) use params::ParamShards;
 pub(super) use replicated::Replicated;
 pub(super) use sharded::{ShardedGradients, ShardedOptimizer};
 
@@ -89,7 +92,7 @@ impl<C: Collective> Parts<'_, C> {
 /// ranks. The sync step calls, in order: [`Placement::reduce`],
 /// [`Placement::clip_norm`], [`Placement::step`].
 pub(super) trait Placement<C: Collective>: Send {
-    /// The ZeRO stage this strategy is (0, 1, 2), for logs and the CUDA
+    /// The ZeRO stage this strategy is (0 to 3), for logs and the CUDA
     /// graph decisions.
     fn stage(&self) -> u32;
 
@@ -157,6 +160,11 @@ pub(super) trait Placement<C: Collective>: Send {
         saved: Vec<(String, Tensor)>,
         steps: u64,
     ) -> Result<()>;
+
+    /// ZeRO-3's sharded parameters (None: every rank holds them whole).
+    fn param_shards(&mut self) -> Option<&mut ParamShards> {
+        None
+    }
 }
 
 /// What a rank holds besides the parameters, owned by placement: the
@@ -175,13 +183,18 @@ pub(super) struct Placed<C: Collective> {
 impl<C: Collective> Placed<C> {
     /// The strategy of `[sharding] stage`, the optimizer state in its
     /// shape for `params` parameters, and the buffer `grads`.
+    /// Stage 3 takes the parameters' units (`shards`).
     pub fn new(
         stage: u32,
         optimizer: &crate::spec::OptimizerSpec,
         params: usize,
         grads: FlatGrads,
+        shards: Option<ParamShards>,
     ) -> Self {
-        let strategy = for_stage::<C>(stage);
+        let strategy = match shards {
+            Some(s) => Box::new(ShardedGradients::with_params(s)),
+            None => for_stage::<C>(stage),
+        };
         let optimizer = Optimizer::new(optimizer, strategy.stepped_tensors(params));
         Self {
             strategy,

@@ -27,6 +27,7 @@
 //! neighbour are not built.
 
 use super::replicated::WindowSums;
+use super::ParamShards;
 use super::{host_f32, host_f32_mut, Axis, Parts, Placement};
 use crate::collective::Collective;
 use crate::engine::flat::flatten;
@@ -111,12 +112,17 @@ impl Shard {
     /// gradient buffer (zeroed or released right after) is the gather's
     /// buffer, so no whole-model copy is allocated: only the slice's
     /// parameters.
+    ///
+    /// Under ZeRO-3 (`owned`: this rank's parameter shard) the shard is
+    /// stepped in place and nothing is gathered: the next forward gathers
+    /// each unit.
     fn step<C: Collective>(
         &mut self,
         p: &mut Parts<'_, C>,
         mut grad: Tensor,
         prep: GradPrep,
         lr: f64,
+        owned: Option<Tensor>,
     ) -> Result<()> {
         let s = my_slice(p);
         let (at, n) = (s.start as i64, s.len() as i64);
@@ -131,8 +137,14 @@ impl Shard {
                 .and_then(|v| v.f_narrow(0, q.within.start as i64, q.within.len() as i64))
                 .ctx("a parameter piece")
         };
-        let parts: Vec<Tensor> = pieces.iter().map(part).collect::<Result<_>>()?;
-        let mine = if parts.is_empty() {
+        let parts: Vec<Tensor> = if owned.is_some() {
+            Vec::new()
+        } else {
+            pieces.iter().map(part).collect::<Result<_>>()?
+        };
+        let mine = if let Some(o) = &owned {
+            Ok(o.shallow_clone())
+        } else if parts.is_empty() {
             Tensor::f_zeros([0], (tch::Kind::Float, p.device))
         } else {
             Tensor::f_cat(&parts, 0)
@@ -159,6 +171,10 @@ impl Shard {
                 .step_pairs(&[(mine.shallow_clone(), grad.shallow_clone())], lr)?;
         }
         self.layout = Some(p.layout());
+        if owned.is_some() {
+            self.dirty = false;
+            return Ok(());
+        }
         // The stepped slice goes to its place in the gradient buffer
         // (restored first under stage 2 with sync = "every_step"); the
         // gather fills in every other rank's.
@@ -352,7 +368,8 @@ macro_rules! sharded_common {
             // This rank's slice only; the fused CPU pass prepares it.
             if let Some(prep) = prep {
                 let grad = self.grad_slice(p)?;
-                self.shard.step(p, grad, prep, lr)?;
+                let owned = self.owned_params()?;
+                self.shard.step(p, grad, prep, lr, owned)?;
                 self.clear(p)?;
                 p.grads.zero_extra()?;
             } else {
@@ -386,6 +403,11 @@ impl ShardedOptimizer {
     fn clear<C: Collective>(&mut self, p: &mut Parts<'_, C>) -> Result<()> {
         self.sums.clear();
         p.grads.zero()
+    }
+
+    /// Stage 1 steps the parameters' slice and gathers them.
+    fn owned_params(&self) -> Result<Option<Tensor>> {
+        Ok(None)
     }
 }
 
@@ -424,13 +446,31 @@ impl<C: Collective> Placement<C> for ShardedOptimizer {
 
 /// Stage 2: stage 1 with the gradient buffer released after each sync
 /// step, and under `sync = "every_step"` after each micro-step's
-/// reduce-scatter (this rank's slice kept apart).
+/// reduce-scatter (this rank's slice kept apart). Stage 3 is stage 2 with
+/// the parameters sharded too ([`ParamShards`]).
 #[derive(Default)]
 pub(in crate::engine) struct ShardedGradients {
     shard: Shard,
     /// `sync = "every_step"`: this rank's slice of the window's reduced
     /// gradients so far (the buffer is released).
     slice_sum: Option<Tensor>,
+    /// Stage 3: the parameters, sharded and gathered unit by unit.
+    params: Option<ParamShards>,
+}
+
+impl ShardedGradients {
+    /// ZeRO-3: stage 2 over parameters sharded by `params`.
+    pub fn with_params(params: ParamShards) -> Self {
+        Self {
+            params: Some(params),
+            ..Self::default()
+        }
+    }
+
+    /// Stage 3 steps its parameter shard in place.
+    fn owned_params(&self) -> Result<Option<Tensor>> {
+        self.params.as_ref().map(ParamShards::owned).transpose()
+    }
 }
 
 impl ShardedGradients {
@@ -455,7 +495,15 @@ impl<C: Collective> Placement<C> for ShardedGradients {
     sharded_common!();
 
     fn stage(&self) -> u32 {
-        2
+        if self.params.is_some() {
+            3
+        } else {
+            2
+        }
+    }
+
+    fn param_shards(&mut self) -> Option<&mut ParamShards> {
+        self.params.as_mut()
     }
 
     /// Reduce-scatters the micro-step's gradients, adds this rank's slice

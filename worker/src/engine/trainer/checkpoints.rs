@@ -8,8 +8,13 @@ use std::path::PathBuf;
 
 impl<C: Collective> Engine<C> {
     /// Writes a checkpoint of the committed state (rank 0 writes; the
-    /// others hold identical parameters).
+    /// others hold identical parameters). Under ZeRO-3 the parameters are
+    /// gathered whole for it (engine/zero3.rs).
     pub fn checkpoint(&mut self) -> Result<PathBuf> {
+        self.with_whole(Self::checkpoint_whole)
+    }
+
+    fn checkpoint_whole(&mut self) -> Result<PathBuf> {
         if let Some((step, path)) = &self.last_checkpoint {
             if *step == self.state.step {
                 return Ok(path.clone());

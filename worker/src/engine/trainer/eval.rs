@@ -10,6 +10,14 @@ impl<C: Collective> Engine<C> {
     /// Loss, accuracy (and a language model's perplexity) on the held-out
     /// split (None without one).
     pub fn evaluate(&mut self) -> Result<Option<EvalReport>> {
+        if self.eval.is_none() {
+            return Ok(None);
+        }
+        // Under ZeRO-3 the parameters are gathered whole for it.
+        self.with_whole(Self::evaluate_whole)
+    }
+
+    fn evaluate_whole(&mut self) -> Result<Option<EvalReport>> {
         let Some(eval) = &self.eval else {
             return Ok(None);
         };

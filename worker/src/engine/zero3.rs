@@ -1,0 +1,147 @@
+//! ZeRO-3 in the engine (issue 41, `[sharding] stage = 3`): the units set
+//! up from the family's blocks, gathered and released around each block's
+//! forward and backward (engine/recompute.rs runs the blocks), and whole
+//! for every path that reads or writes the parameters as tensors (state
+//! broadcast, resume, evaluation, checkpoints).
+
+use super::placement::ParamShards;
+use super::Engine;
+use crate::collective::Collective;
+use crate::error::{Error, Result, TorchContext};
+use crate::family::model::Model;
+use crate::spec::JobSpec;
+use std::ops::Range;
+use tch::{Device, Tensor};
+
+/// Stage 3's units (the family's blocks) over `model`'s parameters;
+/// None below stage 3. Refuses what stage 3 does not run yet, naming it.
+pub(super) fn shards(
+    spec: &JobSpec,
+    model: &Model,
+    device: Device,
+    pipeline: bool,
+) -> Result<Option<ParamShards>> {
+    if spec.sharding.stage != 3 {
+        return Ok(None);
+    }
+    let refuse = |what: String| Err(Error::Sharding(format!("sharding.stage = 3 {what}")));
+    if device != Device::Cpu {
+        return refuse(format!(
+            "runs on the CPU so far; device {device:?} takes stages 0 to 2"
+        ));
+    }
+    if pipeline {
+        return refuse(
+            "with parallel.pipeline is not built yet; use stages 0 to 2 in pipeline stages".into(),
+        );
+    }
+    if model.staged().is_none() {
+        return refuse(format!(
+            "shards a model by its blocks: model.kind = {} has none (the mlp and the Llama family have)",
+            spec.model.kind
+        ));
+    }
+    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    let blocks = crate::family::family(spec.model.kind).blocks(&spec.model, &names)?;
+    let mut units = Vec::with_capacity(blocks.len());
+    let mut at = 0;
+    for b in &blocks {
+        let start = at;
+        for name in &b.params {
+            if names.get(at) != Some(name) {
+                return refuse(format!(
+                    "needs each block's parameters in the model's order; block {} holds {name}, the model has {:?} at {at}",
+                    b.name,
+                    names.get(at)
+                ));
+            }
+            at += 1;
+        }
+        units.push(start..at);
+    }
+    ParamShards::new(&model.params, &units).map(Some)
+}
+
+impl<C: Collective> Engine<C> {
+    /// The units a range of blocks uses: its own, and the embedding's
+    /// (block 0) for a tied head.
+    pub(super) fn units_of(&self, blocks: Range<usize>, tied_head: bool) -> Vec<usize> {
+        let mut u: Vec<usize> = blocks.collect();
+        if tied_head && !u.contains(&0) {
+            u.push(0);
+        }
+        u
+    }
+
+    /// Gathers `units` under ZeRO-3 (nothing otherwise).
+    pub(super) fn zero3_gather(&mut self, units: &[usize]) -> Result<()> {
+        match self.placement.strategy.param_shards() {
+            Some(s) => s.gather(units, &mut self.collective),
+            None => Ok(()),
+        }
+    }
+
+    /// Releases `units` under ZeRO-3 (nothing otherwise).
+    pub(super) fn zero3_release(&mut self, units: &[usize]) -> Result<()> {
+        match self.placement.strategy.param_shards() {
+            Some(s) => s.release(units),
+            None => Ok(()),
+        }
+    }
+
+    /// Every unit gathered, so the parameters can be read and written as
+    /// tensors; returns whether they were sharded (then
+    /// [`Engine::reshard_params`] afterwards).
+    pub(super) fn unshard(&mut self) -> Result<bool> {
+        match self.placement.strategy.param_shards() {
+            Some(s) => s.unshard(&mut self.collective),
+            None => Ok(false),
+        }
+    }
+
+    /// This rank's shard taken from the whole parameters at the current
+    /// layout, every unit released (nothing below stage 3).
+    pub(super) fn reshard_params(&mut self) -> Result<()> {
+        let layout = (self.collective.world_size(), self.collective.rank());
+        match self.placement.strategy.param_shards() {
+            Some(s) => s.reshard(layout),
+            None => Ok(()),
+        }
+    }
+
+    /// ZeRO-3: shards parameters that are whole (nothing otherwise).
+    pub(super) fn shard_params(&mut self) -> Result<()> {
+        if self
+            .placement
+            .strategy
+            .param_shards()
+            .is_some_and(|s| s.is_whole())
+        {
+            self.reshard_params()?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` with the parameters whole (gathered under ZeRO-3, then
+    /// sharded again from what `f` left in them).
+    pub(super) fn with_whole<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let sharded = self.unshard()?;
+        let out = f(self);
+        if sharded {
+            self.reshard_params()?;
+        }
+        out
+    }
+
+    /// Copies of every parameter by name, whole under any sharding stage
+    /// (a collective under stage 3: every rank must call it).
+    pub fn whole_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+        self.with_whole(|e| {
+            e.model
+                .params
+                .iter()
+                .map(|(n, t)| Ok((n.clone(), t.f_detach_copy().ctx("copying a parameter")?)))
+                .collect()
+        })
+    }
+}
