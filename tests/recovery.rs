@@ -275,6 +275,18 @@ async fn coordinator_restart_keeps_the_running_job() {
 /// the job ends where the same job without the kill ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharded_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
+    sharded_rollback(1).await;
+}
+
+/// ZeRO-3 (issue 41): the killed rank takes its slice of the parameters
+/// too; the spare and the survivor roll back to the checkpoint, shard the
+/// parameters at their places, and end where the undisturbed job ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_3_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
+    sharded_rollback(3).await;
+}
+
+async fn sharded_rollback(stage: u32) {
     let d = TempDir::new().unwrap();
     let h = coordinator(d.path()).await;
     let grpc = h.grpc_addr.to_string();
@@ -283,7 +295,7 @@ async fn a_sharded_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
     let mut c = client(&grpc).await;
     let text = |name: &str| {
         job(name, "workers = 2", 3, 384, "steps = 4")
-            + "[sharding]\nstage = 1\n[checkpoint]\nevery_steps = 2\n"
+            + &format!("[sharding]\nstage = {stage}\n[checkpoint]\nevery_steps = 2\n")
     };
     let hurt = submit_text(&mut c, &text("zhurt")).await;
     let running = wait_step(&mut c, &hurt.id, 5).await;
@@ -312,7 +324,7 @@ async fn a_sharded_job_rolls_back_to_its_checkpoint_when_a_rank_dies() {
         &Path::new(&end.checkpoint).join("model.safetensors"),
         &Path::new(&calm_end.checkpoint).join("model.safetensors"),
     );
-    eprintln!("sharded, interrupted vs uninterrupted: max relative difference {diff:e}");
+    eprintln!("stage {stage}, interrupted vs uninterrupted: max relative difference {diff:e}");
     assert!(diff <= 1e-5, "relative difference {diff}");
     h.stop().await;
 }

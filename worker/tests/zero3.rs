@@ -18,11 +18,21 @@ type Named = Vec<(String, Tensor)>;
 
 /// Every step's (loss, grad norm) and the final parameters of each rank.
 fn run(text: &str, world: usize, dir: &Path) -> Vec<(Vec<(f64, f64)>, Named)> {
+    run_with(text, world, dir, RunOptions::default())
+}
+
+/// [`run`] with `opts` (its checkpoint folder: `dir`).
+fn run_with(
+    text: &str,
+    world: usize,
+    dir: &Path,
+    opts: RunOptions,
+) -> Vec<(Vec<(f64, f64)>, Named)> {
     let (text, dir) = (text.to_string(), dir.to_path_buf());
     on_ring(world, move |rank, ring| {
         let opts = RunOptions {
             checkpoint_dir: Some(dir.clone()),
-            ..Default::default()
+            ..opts.clone()
         };
         let mut e = Engine::new(spec(&text), ring, opts).unwrap_or_else(|e| panic!("{e}"));
         let mut steps = Vec::new();
@@ -155,4 +165,39 @@ fn stage_3_tied_llama_equals_stage_0() {
     against_stage_0(&bf16, 2, tol, "tied llama W=2 bf16");
     let ac = format!("{text}\n[performance]\nactivation_checkpointing = \"full\"\n");
     against_stage_0(&ac, 2, tol, "tied llama W=2 activation checkpointing");
+}
+
+/// A checkpoint written under stage 3 (every rank gathering the
+/// parameters for it) resumes at stage 0 on another world size, and
+/// stage 0's resumes at stage 3: each continuation equals stage 0's own
+/// (within float error: the reduction's order differs).
+#[test]
+fn stage_3_checkpoints_resume_across_stages_and_world_sizes() {
+    let text = |stage| staged(&mlp("boundary").replace("epochs = 2", "epochs = 3"), stage);
+    let stop = RunOptions {
+        stop_after_steps: Some(5),
+        ..Default::default()
+    };
+    let resume = RunOptions {
+        resume: true,
+        ..Default::default()
+    };
+    let d = TempDir::new().unwrap();
+    let (a, b, c) = (d.path().join("a"), d.path().join("b"), d.path().join("c"));
+    run_with(&text(0), 4, &a, stop.clone());
+    let reference = run_with(&text(0), 2, &a, resume.clone());
+    assert!(reference[0].0.len() >= 2, "{:?}", reference[0].0);
+    run_with(&text(3), 4, &b, stop.clone());
+    let three_then_zero = run_with(&text(0), 2, &b, resume.clone());
+    run_with(&text(0), 4, &c, stop);
+    let zero_then_three = run_with(&text(3), 2, &c, resume);
+    for (got, what) in [
+        (&three_then_zero, "stage 3 W=4 -> stage 0 W=2"),
+        (&zero_then_three, "stage 0 W=4 -> stage 3 W=2"),
+    ] {
+        let d = max_rel_diff(&got[0].1, &reference[0].1);
+        eprintln!("{what}: {d:e}");
+        assert!(d <= 1e-6, "{what}: max relative difference {d:e}");
+        assert_eq!(got[0].0.len(), reference[0].0.len(), "{what}: steps");
+    }
 }

@@ -114,6 +114,9 @@ pub struct Engine<C: Collective> {
     /// `activation_checkpointing = "full"` (issue 41): the block ranges
     /// whose activations are recomputed in the backward.
     recompute: Option<recompute::Recompute>,
+    /// The sample shape and class count the model was built for (ZeRO-3
+    /// builds the initial weights again after a loss before any step).
+    build_shape: (Vec<i64>, i64),
 }
 
 impl<C: Collective> Engine<C> {
@@ -209,6 +212,7 @@ impl<C: Collective> Engine<C> {
             let tensors = setup::read_init(given)?;
             model.load_named(WeightsFrom::Init(given), tensors)?;
         }
+        let build_shape = (workload.sample_shape.clone(), workload.classes);
         let workload::Workload {
             train,
             eval,
@@ -361,6 +365,7 @@ impl<C: Collective> Engine<C> {
             folder_lock: None,
             pipe,
             recompute,
+            build_shape,
         };
         engine.check_sharding()?;
         if engine.writes_checkpoints() {

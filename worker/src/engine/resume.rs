@@ -44,8 +44,9 @@ impl<C: Collective> Engine<C> {
     /// newest step whose manifest verifies); false when the folder holds
     /// none. Weights, optimizer state and counters come from one folder.
     pub(super) fn resume(&mut self) -> Result<bool> {
-        // Under ZeRO-3 the parameters are written whole, then sharded.
-        self.with_whole(Self::resume_whole)
+        // Under ZeRO-3 every parameter is written whole (its storage
+        // allocated without a gather: a peer may be gone), then sharded.
+        self.with_local_whole(Self::resume_whole)
     }
 
     fn resume_whole(&mut self) -> Result<bool> {

@@ -110,9 +110,50 @@ impl<C: Collective> Engine<C> {
     /// (the stage's replicas), then [`Engine::sync_stages`] checks that
     /// every stage holds the same step.
     pub(super) fn sync_state(&mut self) -> Result<()> {
-        // Under ZeRO-3 the parameters are whole while states move, then
-        // sharded at the new layout.
-        self.with_whole(Self::sync_whole)
+        // Under ZeRO-3 no rank can hand another its parameters.
+        if self.placement.strategy.param_shards().is_some() {
+            return self.sync_zero3();
+        }
+        self.sync_whole()
+    }
+
+    /// [`Engine::sync_state`] under ZeRO-3, where every rank holds only
+    /// its slice of the parameters. Every rank at the same committed step
+    /// with its slices in place (or whole parameters not yet sharded):
+    /// nothing to move. A committed state some rank lost its slice of:
+    /// every rank rolls back to the last checkpoint, as stages 1 and 2 do.
+    /// Nothing committed anywhere but slices out of place (a rank lost
+    /// before the first step): every rank builds the initial weights
+    /// again, from the job's seed and `model.init`.
+    fn sync_zero3(&mut self) -> Result<()> {
+        if let Some(s) = self.placement.strategy.param_shards() {
+            s.settle()?;
+        }
+        let layout = (self.collective.world_size(), self.collective.rank());
+        let here = self
+            .placement
+            .strategy
+            .param_shards()
+            .is_none_or(|s| s.in_place(layout));
+        let mine = if self.holds_committed {
+            self.state.step + 1
+        } else {
+            0
+        };
+        let steps = all_gather_u64(&mut self.collective, mine)?;
+        let (_, best) = newest(&steps);
+        if best > 0 {
+            return self.sync_sharded(&steps, best, here);
+        }
+        let placed = all_gather_u64(&mut self.collective, u64::from(here))?;
+        if placed.iter().all(|&p| p == 1) {
+            return Ok(());
+        }
+        tracing::warn!(
+            rank = layout.1,
+            "parameter shards out of place before the first step: every rank builds the initial weights again"
+        );
+        self.initial_params_again()
     }
 
     fn sync_whole(&mut self) -> Result<()> {
@@ -177,7 +218,7 @@ impl<C: Collective> Engine<C> {
             // must roll back (or fail naming the lost shard).
             if !self.placement.strategy.holds_whole_state() && !self.shard_in_place() {
                 let mine = self.state.step + 1;
-                return self.sync_sharded(&[mine], mine);
+                return self.sync_sharded(&[mine], mine, true);
             }
             return Ok(());
         }
@@ -194,7 +235,7 @@ impl<C: Collective> Engine<C> {
             return self.broadcast_state(0);
         }
         if !self.placement.strategy.holds_whole_state() {
-            return self.sync_sharded(&steps, best);
+            return self.sync_sharded(&steps, best, true);
         }
         let mut bytes = if rank == source {
             self.pack_state()?
@@ -223,8 +264,10 @@ impl<C: Collective> Engine<C> {
     /// moved with the world size) **every rank rolls back to the last
     /// checkpoint**, which holds the whole state; with none, the job fails
     /// naming the lost shard rather than going on without it.
-    fn sync_sharded(&mut self, steps: &[u64], best: u64) -> Result<()> {
-        let mine = u64::from(self.shard_in_place());
+    /// `params_here`: this rank's parameters are in place (ZeRO-3's slice
+    /// at its place in the ring; always below stage 3).
+    fn sync_sharded(&mut self, steps: &[u64], best: u64, params_here: bool) -> Result<()> {
+        let mine = u64::from(self.shard_in_place() && params_here);
         let placed = all_gather_u64(&mut self.collective, mine)?;
         if steps.iter().all(|&s| s == best) && placed.iter().all(|&p| p == 1) {
             self.holds_committed = true;

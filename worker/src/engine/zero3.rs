@@ -133,6 +133,50 @@ impl<C: Collective> Engine<C> {
         out
     }
 
+    /// Runs `f`, which writes every parameter, with their storage whole
+    /// (allocated without a gather, so without any peer), then shards
+    /// them again.
+    pub(super) fn with_local_whole<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        let sharded = match self.placement.strategy.param_shards() {
+            Some(s) => s.unshard_local()?,
+            None => false,
+        };
+        let out = f(self);
+        if sharded {
+            self.reshard_params()?;
+        }
+        out
+    }
+
+    /// The initial weights again, as the engine built them (the job's
+    /// seed, then `model.init`), written into every parameter.
+    pub(super) fn initial_params_again(&mut self) -> Result<()> {
+        let (shape, classes) = &self.build_shape;
+        let mut fresh = Model::build(
+            &self.spec.model,
+            shape,
+            *classes,
+            self.device,
+            self.spec.seed,
+        )?;
+        if let Some(given) = &self.spec.model.init {
+            let tensors = super::setup::read_init(given)?;
+            fresh.load_named(crate::family::model::WeightsFrom::Init(given), tensors)?;
+        }
+        self.with_local_whole(|e| {
+            let _guard = tch::no_grad_guard();
+            for ((name, mine), (_, theirs)) in e.model.params.iter().zip(&fresh.params) {
+                mine.shallow_clone()
+                    .f_copy_(theirs)
+                    .map_err(|err| Error::Sharding(format!("initialising {name}: {err}")))?;
+            }
+            Ok(())
+        })
+    }
+
     /// Copies of every parameter by name, whole under any sharding stage
     /// (a collective under stage 3: every rank must call it).
     pub fn whole_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {

@@ -141,7 +141,6 @@ impl ParamShards {
             return Ok(());
         }
         crate::storage::resize(&unit.full, unit.flat.len() * 4).ctx("gathering a unit")?;
-        unit.gathered = true;
         let buf = host_f32_mut(&unit.full)?;
         buf.fill(-0.0);
         // The elements of this unit this rank owns.
@@ -154,6 +153,9 @@ impl ParamShards {
         }
         c.reduce_scatter_sum(buf)?;
         c.all_gather(buf)?;
+        // Only now: a gather a lost peer broke leaves the unit ungathered
+        // (its storage allocated; the next gather fills it).
+        unit.gathered = true;
         Ok(())
     }
 
@@ -177,6 +179,39 @@ impl ParamShards {
         let all: Vec<usize> = (0..self.units.len()).collect();
         self.gather(&all, c)?;
         Ok(true)
+    }
+
+    /// Every unit's storage allocated again *without* gathering (no
+    /// collective): for a caller that writes every parameter next (a
+    /// resume, a fresh initialisation). The values are NaN until then.
+    /// Returns whether anything was sharded.
+    pub fn unshard_local(&mut self) -> Result<bool> {
+        let mut any = false;
+        for unit in self.units.iter_mut().filter(|u| !u.gathered) {
+            crate::storage::resize(&unit.full, unit.flat.len() * 4).ctx("allocating a unit")?;
+            host_f32_mut(&unit.full)?.fill(f32::NAN);
+            unit.gathered = true;
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// After an interrupted generation: units a forward or backward left
+    /// gathered (or half gathered, a peer lost meanwhile) are released,
+    /// so that every rank gathers each unit again (no collective). Whole
+    /// parameters stay whole: they are all there.
+    pub fn settle(&mut self) -> Result<()> {
+        if self.is_whole() || self.owned.is_none() {
+            return Ok(());
+        }
+        let all: Vec<usize> = (0..self.units.len()).collect();
+        self.release(&all)
+    }
+
+    /// Whether this rank's parameters are usable at `layout` without
+    /// anyone else's: whole, or sharded at exactly that layout.
+    pub fn in_place(&self, layout: (usize, usize)) -> bool {
+        self.is_whole() || (self.owned.is_some() && self.layout == layout)
     }
 
     /// Takes this rank's slice at `layout` from the whole parameters
