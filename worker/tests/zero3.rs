@@ -50,26 +50,14 @@ fn staged(text: &str, stage: u32) -> String {
     format!("{text}\n[sharding]\nstage = {stage}\n")
 }
 
-/// Stage 3 against stage 2 and stage 0 at W ranks. Stage 2 reduces and
-/// steps the same slices, so stage 3 (which only adds gathering the
-/// parameters, exactly) equals it bit for bit on every rank. Against
-/// stage 0 (all-reduce, whole steps): every rank's final parameters
-/// within `tol` (relative) and every step's loss and norm within 1e-6.
+/// Stage 3 against stage 0 at W ranks (all-reduce, whole steps): every
+/// rank's final parameters within `tol` (relative) and every step's loss
+/// and norm within 1e-6.
 fn against_stage_0(text: &str, world: usize, tol: f64, what: &str) {
-    let (d0, d2, d3) = (
-        TempDir::new().unwrap(),
-        TempDir::new().unwrap(),
-        TempDir::new().unwrap(),
-    );
+    let (d0, d3) = (TempDir::new().unwrap(), TempDir::new().unwrap());
     let zero = run(&staged(text, 0), world, d0.path());
-    let two = run(&staged(text, 2), world, d2.path());
     let three = run(&staged(text, 3), world, d3.path());
     assert!(zero[0].0.len() >= 2, "{what}: {:?}", zero[0].0);
-    for (r, (steps, params)) in three.iter().enumerate() {
-        assert_eq!(steps, &two[r].0, "{what}: rank {r}: steps against stage 2");
-        let d2 = max_rel_diff(params, &two[r].1);
-        assert_eq!(d2, 0.0, "{what}: rank {r}: {d2:e} from stage 2");
-    }
     for (r, (steps, params)) in three.iter().enumerate() {
         for (i, (a, b)) in steps.iter().zip(&zero[0].0).enumerate() {
             assert!(
@@ -105,6 +93,20 @@ fn stage_3_mlp_equals_stage_0() {
             against_stage_0(&mlp(sync), world, 1e-6, &format!("mlp W={world} {sync}"));
         }
     }
+    // 18 samples over 4 ranks unpadded (5, 5, 4, 4) in windows of 2 x 2:
+    // ranks
+    // with empty micro-batches reduce zeros unit by unit beside ranks that
+    // ran a backward (the collectives must line up).
+    let uneven = mlp("every_step")
+        .replace("samples = 64", "samples = 18")
+        .replace("batch_size = 4", "batch_size = 2\npad = false");
+    assert!(uneven.contains("samples = 18") && uneven.contains("pad = false"));
+    against_stage_0(&uneven, 4, 1e-6, "mlp W=4 every_step, empty micro-batches");
+    let ac = format!(
+        "{}\n[performance]\nactivation_checkpointing = \"full\"\n",
+        mlp("every_step")
+    );
+    against_stage_0(&ac, 2, 1e-6, "mlp W=2 every_step, activation checkpointing");
 }
 
 /// A tied Llama with GQA (the embedding, 3 layers, the final norm),
@@ -153,8 +155,7 @@ fn tokens(d: &Path) -> PathBuf {
 fn stage_3_tied_llama_equals_stage_0() {
     let d = TempDir::new().unwrap();
     let text = llama(&tokens(d.path()));
-    // AdamW amplifies the last bits the reduce-scatter's order changes:
-    // stage 2 is as far from stage 0 (stage 3 equals it bit for bit).
+    // AdamW amplifies the last bits the reduction's order changes.
     let tol = 5e-5;
     against_stage_0(&text, 2, tol, "tied llama W=2 fp32");
     let every = text.replace("steps = 2\n", "steps = 2\nsync = \"every_step\"\n");

@@ -114,6 +114,9 @@ pub struct Engine<C: Collective> {
     /// `activation_checkpointing = "full"` (issue 41): the block ranges
     /// whose activations are recomputed in the backward.
     recompute: Option<recompute::Recompute>,
+    /// ZeRO-3 under `sync = "every_step"`: gradients kept and reduced by
+    /// unit (engine/zero3.rs).
+    zero3_by_unit: bool,
     /// The sample shape and class count the model was built for (ZeRO-3
     /// builds the initial weights again after a loss before any step).
     build_shape: (Vec<i64>, i64),
@@ -245,8 +248,10 @@ impl<C: Collective> Engine<C> {
         // The placement decides the optimizer state's shape (ZeRO stages 1
         // and 2 step one flat slice: one parameter's worth of state).
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
-        let grads = FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?;
-        let shards = zero3::shards(&spec, &model, device, stages.is_some())?;
+        let mut grads =
+            FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?;
+        let shards = zero3::shards(&spec, &model, &mut grads, device, stages.is_some())?;
+        let zero3_by_unit = shards.as_ref().is_some_and(|s| s.by_unit());
         let placement = placement::Placed::new(
             spec.sharding.stage,
             &spec.optimizer,
@@ -365,6 +370,7 @@ impl<C: Collective> Engine<C> {
             folder_lock: None,
             pipe,
             recompute,
+            zero3_by_unit,
             build_shape,
         };
         engine.check_sharding()?;

@@ -151,6 +151,7 @@ impl<C: Collective> Engine<C> {
         // stay gathered through the loss's backward.
         let last_units = self.units_of(last.clone(), !shared.is_empty());
         self.zero3_gather(&last_units)?;
+        self.zero3_open_grads(&last_units)?;
         // The last segment with its graph, the head and the loss, and its
         // backward.
         let x_last = if before.is_empty() {
@@ -167,7 +168,9 @@ impl<C: Collective> Engine<C> {
         // join the window's sum. So they are summed apart here, then added
         // (the one-pass head adds its part into the window's sum itself,
         // as it does without recomputing).
-        let apart = if one_pass {
+        // (ZeRO-3 with gradients by unit starts each micro-step's
+        // gradients at zero: nothing to set apart.)
+        let apart = if one_pass || self.zero3_by_unit {
             Vec::new()
         } else {
             self.set_apart(shared)?
@@ -187,6 +190,9 @@ impl<C: Collective> Engine<C> {
         };
         self.graph.add_loss(&loss_sum)?;
         self.zero3_release(&last_units)?;
+        // A tied embedding's gradient is complete after block 0's own
+        // backward: reduced then.
+        self.zero3_reduce_grads(&self.units_of(last.clone(), false))?;
         // Back through the kept segments, last to first, each run again
         // (or, keeping graphs, back-propagated).
         let grad = x_last.grad();
@@ -297,11 +303,14 @@ impl<C: Collective> Engine<C> {
             };
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
+            self.zero3_open_grads(&units)?;
             out.f_mul(&grad)
                 .and_then(|y| y.f_sum(Kind::Float))
                 .and_then(|y| y.f_backward())
                 .ctx("running backward")?;
+            drop(out);
             self.zero3_release(&units)?;
+            self.zero3_reduce_grads(&units)?;
             if i > 0 {
                 grad = x_in.grad();
             }
@@ -330,6 +339,7 @@ impl<C: Collective> Engine<C> {
         for (i, (seg, input)) in segments.iter().zip(saved).enumerate().rev() {
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
+            self.zero3_open_grads(&units)?;
             let x_in = if i == 0 {
                 input
             } else {
@@ -350,6 +360,7 @@ impl<C: Collective> Engine<C> {
                 .ctx("running backward")?;
             drop(out);
             self.zero3_release(&units)?;
+            self.zero3_reduce_grads(&units)?;
             if i > 0 {
                 grad = x_in.grad();
             }

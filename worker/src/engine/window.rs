@@ -50,6 +50,9 @@ pub(super) struct Window {
     pub(super) sync_replayed: bool,
     /// Why the sync step ran eagerly (None: on the device).
     pub(super) sync_eager_reason: Option<EagerReason>,
+    /// ZeRO-3 with gradients by unit: this micro-step's backward reduced
+    /// its units' gradients as it went.
+    pub(super) units_reduced: bool,
 }
 
 impl Window {
@@ -154,12 +157,18 @@ impl<C: Collective> Engine<C> {
         // ZeRO-3 shards the parameters before the first forward (they are
         // whole after a build, a resume or a state broadcast).
         self.shard_params()?;
-        // ZeRO stage 2 freed the buffer after the last reduction.
-        self.placement.grads.restore(&self.model.params)?;
+        // ZeRO stage 2 freed the buffer after the last reduction (ZeRO-3
+        // with gradients by unit keeps it freed: each unit has its own).
+        if !self.zero3_by_unit {
+            self.placement.grads.restore(&self.model.params)?;
+        }
         if b > a {
             // Eagerly, or as a CUDA graph (engine/graph.rs).
             self.window.count += self.run_micro_batch(a, b)?;
             self.window.batches += 1;
+        } else if self.placement.strategy.stage() == 3 {
+            // The other ranks gather and reduce unit by unit meanwhile.
+            self.zero3_empty_micro_step()?;
         }
         if let Some(d) = self.opts.micro_step_delay {
             std::thread::sleep(d);
@@ -320,6 +329,16 @@ impl<C: Collective> Engine<C> {
     /// sync = every_step: reduce this micro-step's gradients now and add
     /// them to the window's sums (as the placement keeps them).
     pub(super) fn reduce_micro_step(&mut self) -> Result<()> {
+        if self.zero3_by_unit {
+            // Each unit was reduced as its backward ended; a micro-step
+            // without a backward reduces zeros, in the same order.
+            if !std::mem::take(&mut self.window.units_reduced) {
+                return Err(Error::Sharding(
+                    "a micro-step under sharding.stage = 3 reduced no unit".into(),
+                ));
+            }
+            return Ok(());
+        }
         let (placement, mut parts) = self.placed();
         placement.reduce_micro_step(&mut parts)
     }

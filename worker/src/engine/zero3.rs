@@ -18,6 +18,7 @@ use tch::{Device, Tensor};
 pub(super) fn shards(
     spec: &JobSpec,
     model: &Model,
+    grads: &mut crate::grads::FlatGrads,
     device: Device,
     pipeline: bool,
 ) -> Result<Option<ParamShards>> {
@@ -59,7 +60,13 @@ pub(super) fn shards(
         }
         units.push(start..at);
     }
-    ParamShards::new(&model.params, &units).map(Some)
+    // `sync = "every_step"`: each unit's gradients get a buffer of their
+    // own; the whole one is freed for good.
+    let by_unit = spec.accumulation.sync == crate::spec::SyncMode::EveryStep;
+    if by_unit {
+        grads.release(&model.params)?;
+    }
+    ParamShards::new(&model.params, &units, by_unit).map(Some)
 }
 
 impl<C: Collective> Engine<C> {
@@ -87,6 +94,66 @@ impl<C: Collective> Engine<C> {
             Some(s) => s.release(units),
             None => Ok(()),
         }
+    }
+
+    /// Gradients by unit: zeroed buffers under `units` before their
+    /// backward (nothing otherwise).
+    pub(super) fn zero3_open_grads(&mut self, units: &[usize]) -> Result<()> {
+        if !self.zero3_by_unit {
+            return Ok(());
+        }
+        match self.placement.strategy.param_shards() {
+            Some(s) => s.open_grads(units),
+            None => Ok(()),
+        }
+    }
+
+    /// Gradients by unit: `units`' backward is done; their gradients are
+    /// reduce-scattered into this rank's chunks and released (nothing
+    /// otherwise).
+    pub(super) fn zero3_reduce_grads(&mut self, units: &[usize]) -> Result<()> {
+        if !self.zero3_by_unit {
+            return Ok(());
+        }
+        self.window.units_reduced = true;
+        let (placement, mut parts) = self.placed();
+        placement.reduce_units(&mut parts, units)
+    }
+
+    /// A micro-step without a batch (an empty micro-batch: a rank with
+    /// fewer samples) under ZeRO-3: the other ranks gather and reduce
+    /// unit by unit, so this one takes part in the same collectives in
+    /// the same order as [`Engine::recompute_last`] runs them, without
+    /// computing (its gradients are zeros).
+    pub(super) fn zero3_empty_micro_step(&mut self) -> Result<()> {
+        let plan = self
+            .recompute
+            .clone()
+            .ok_or_else(|| Error::Sharding("stage 3 runs its blocks in segments".into()))?;
+        let (last, before) = plan
+            .segments
+            .split_last()
+            .ok_or_else(|| Error::Sharding("no blocks".into()))?;
+        // The forward: each segment gathered and released.
+        for seg in before {
+            let units = self.units_of(seg.clone(), false);
+            self.zero3_gather(&units)?;
+            self.zero3_release(&units)?;
+        }
+        // The last segment with the head (and a tied embedding) and the
+        // loss; its gradients reduced, a tied embedding's after block 0.
+        let last_units = self.units_of(last.clone(), !plan.shared.is_empty());
+        self.zero3_gather(&last_units)?;
+        self.zero3_release(&last_units)?;
+        self.zero3_reduce_grads(&self.units_of(last.clone(), false))?;
+        // The backward, last to first.
+        for seg in before.iter().rev() {
+            let units = self.units_of(seg.clone(), false);
+            self.zero3_gather(&units)?;
+            self.zero3_release(&units)?;
+            self.zero3_reduce_grads(&units)?;
+        }
+        Ok(())
     }
 
     /// Every unit gathered, so the parameters can be read and written as

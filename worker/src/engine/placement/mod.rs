@@ -18,10 +18,10 @@
 //!   released between uses (1/W of the gradients held between
 //!   micro-steps under `sync = "every_step"`).
 //!
-//! - ZeRO-3 (stage 3, issue 41): stage 2 with the parameters sharded
-//!   too ([`ParamShards`]): each rank keeps its slice of the flat
-//!   parameters, steps it in place and gathers a unit (a block) around its
-//!   forward and its backward (engine/recompute.rs runs the blocks).
+//! - [`ShardedParameters`] (stage 3, issue 41): the parameters sharded
+//!   too ([`ParamShards`]): each rank keeps its chunk of every unit (a
+//!   block), steps them in place and gathers a unit around its forward
+//!   and its backward (engine/recompute.rs runs the blocks).
 //!
 //! **The clip norm** is assembled from what each rank owns, over exactly
 //! the axes on which the owned elements are distinct ([`Placement::
@@ -38,10 +38,12 @@
 mod params;
 mod replicated;
 mod sharded;
+mod stage3;
 
 pub(super) use params::ParamShards;
 pub(super) use replicated::Replicated;
 pub(super) use sharded::{ShardedGradients, ShardedOptimizer};
+pub(super) use stage3::ShardedParameters;
 
 use crate::collective::Collective;
 use crate::error::{Error, Result};
@@ -165,6 +167,16 @@ pub(super) trait Placement<C: Collective>: Send {
     fn param_shards(&mut self) -> Option<&mut ParamShards> {
         None
     }
+
+    /// ZeRO-3 with gradients by unit (`sync = "every_step"`): reduces
+    /// `units`' gradients now, their backward done, into this rank's
+    /// chunks of the window's sum.
+    fn reduce_units(&mut self, _p: &mut Parts<'_, C>, units: &[usize]) -> Result<()> {
+        Err(Error::Sharding(format!(
+            "units {units:?} reduced by a placement of stage {} (stage 3 reduces by unit)",
+            self.stage()
+        )))
+    }
 }
 
 /// What a rank holds besides the parameters, owned by placement: the
@@ -192,7 +204,7 @@ impl<C: Collective> Placed<C> {
         shards: Option<ParamShards>,
     ) -> Self {
         let strategy = match shards {
-            Some(s) => Box::new(ShardedGradients::with_params(s)),
+            Some(s) => Box::new(ShardedParameters::new(s)),
             None => for_stage::<C>(stage),
         };
         let optimizer = Optimizer::new(optimizer, strategy.stepped_tensors(params));

@@ -10,18 +10,21 @@
 //! forward's graph saved of them. Gathering resizes it back and fills it,
 //! so the backward finds the same values through the same views.
 //!
-//! **The shard** a rank owns is stage 1 and 2's: its slice of the flat
-//! parameters, `shard::slice(total, W, r)` (the optimizer state's and the
-//! reduce-scatter's layout too, so checkpoints and resumes are stage 1 and
-//! 2's). A unit's range spans the slices of one or more ranks; gathering
-//! it is an all-reduce of a buffer in which every rank writes the elements
-//! it owns and `-0.0` elsewhere: `x + (-0.0) = x` for every float, signed
-//! zeros included, so the sum is exactly the owner's values (a
-//! reduce-scatter then an all-gather of the unit).
+//! **The shard** a rank owns is, in every unit, the unit's chunk r of W
+//! (`shard::slice(unit length, W, r)`, the ring's reduce-scatter and
+//! all-gather layout): gathering a unit is one all-gather, and reducing
+//! its gradients one reduce-scatter that leaves each rank exactly its
+//! chunk. `owned` is the rank's chunks of every unit, in unit order: what
+//! the optimizer steps, with its state in the same layout.
+//!
+//! **Gradients by unit** (`sync = "every_step"`): each unit's `.grad`s are
+//! views of a unit gradient buffer, released the same way; it is zeroed
+//! before the unit's backward and reduce-scattered and released after it,
+//! so only the units in flight hold gradients.
 //!
 //! **Whole** (every unit gathered, the shard possibly stale) is the state
 //! the engine's other paths read and write parameters in: building,
-//! `model.init`, a resume, a state broadcast, evaluation and checkpoints
+//! `model.init`, a resume, evaluation and checkpoints
 //! ([`ParamShards::unshard`]). [`ParamShards::reshard`] takes the shard
 //! from the whole parameters again (at the current layout: the world may
 //! have changed) and releases every unit.
@@ -35,31 +38,63 @@ use tch::{Device, Kind, Tensor};
 
 /// One unit: its parameters' range in the flat order and its storage.
 struct Unit {
+    /// Parameters `params` of the model (indices).
+    params: Range<usize>,
     /// Elements `flat` of the flat parameters (the model's order).
     flat: Range<usize>,
     /// The unit's parameters are views of this buffer.
     full: Tensor,
     gathered: bool,
+    /// Gradients by unit: the parameters' `.grad`s are views of this.
+    grad: Option<Tensor>,
+    grad_open: bool,
 }
 
-/// Every parameter sharded over the data axis, held as this rank's flat
-/// slice and gathered unit by unit (see the module documentation).
+impl Unit {
+    fn len(&self) -> usize {
+        self.flat.len()
+    }
+}
+
+/// Every parameter sharded over the data axis, held as this rank's chunk
+/// of each unit and gathered unit by unit (see the module documentation).
 pub(in crate::engine) struct ParamShards {
     units: Vec<Unit>,
-    /// This rank's slice of the flat parameters (what the optimizer
+    /// This rank's chunk of every unit, in unit order (what the optimizer
     /// steps); None while whole before the first reshard.
     owned: Option<Tensor>,
-    /// The (world size, rank) `owned` is the slice of.
+    /// The (world size, rank) `owned` is the chunks of.
     layout: (usize, usize),
-    total: usize,
+}
+
+/// Makes `params` views of `buf` (their `.data`, or with `grads` their
+/// `.grad`'s), copying their values in first unless `grads`.
+fn point_at(params: &[(String, Tensor)], buf: &Tensor, grads: bool) -> Result<()> {
+    let mut off = 0i64;
+    for (_, t) in params {
+        let n = t.numel() as i64;
+        let view = buf
+            .f_narrow(0, off, n)
+            .and_then(|v| v.f_view(t.size().as_slice()))
+            .ctx("a unit's view")?;
+        if grads {
+            t.grad().f_set_data(&view).ctx("a unit's gradient view")?;
+        } else {
+            view.shallow_clone().f_copy_(t).ctx("a unit's parameter")?;
+            t.shallow_clone().set_data(&view);
+        }
+        off += n;
+    }
+    Ok(())
 }
 
 impl ParamShards {
     /// Makes each unit's parameters views of one buffer holding their
     /// current values (whole: nothing is sharded until
     /// [`ParamShards::reshard`]). `units`: ranges of parameter indices,
-    /// in order and covering every parameter.
-    pub fn new(params: &[(String, Tensor)], units: &[Range<usize>]) -> Result<Self> {
+    /// in order and covering every parameter. `by_unit`: their gradients
+    /// too, by unit (every `.grad` must be defined).
+    pub fn new(params: &[(String, Tensor)], units: &[Range<usize>], by_unit: bool) -> Result<Self> {
         let covered: Vec<usize> = units.iter().flat_map(Clone::clone).collect();
         if covered != (0..params.len()).collect::<Vec<_>>() {
             return Err(Error::Sharding(format!(
@@ -71,31 +106,37 @@ impl ParamShards {
         let mut out = Vec::with_capacity(units.len());
         let mut at = 0;
         for range in units {
-            let len: usize = params[range.clone()].iter().map(|(_, t)| t.numel()).sum();
+            let ps = &params[range.clone()];
+            if let Some((name, t)) = ps
+                .iter()
+                .find(|(_, t)| t.kind() != Kind::Float || t.device() != Device::Cpu)
+            {
+                return Err(Error::Sharding(format!(
+                    "sharding.stage = 3 shards float32 parameters on the CPU; {name} is {:?} on {:?}",
+                    t.kind(),
+                    t.device()
+                )));
+            }
+            let len: usize = ps.iter().map(|(_, t)| t.numel()).sum();
             let full =
                 Tensor::f_empty([len as i64], (Kind::Float, Device::Cpu)).ctx("a unit's buffer")?;
-            let mut off = 0i64;
-            for (name, t) in &params[range.clone()] {
-                if t.kind() != Kind::Float || t.device() != Device::Cpu {
-                    return Err(Error::Sharding(format!(
-                        "sharding.stage = 3 shards float32 parameters on the CPU; {name} is {:?} on {:?}",
-                        t.kind(),
-                        t.device()
-                    )));
-                }
-                let n = t.numel() as i64;
-                let view = full
-                    .f_narrow(0, off, n)
-                    .and_then(|v| v.f_view(t.size().as_slice()))
-                    .ctx("a unit's parameter")?;
-                view.shallow_clone().f_copy_(t).ctx("a unit's parameter")?;
-                t.shallow_clone().set_data(&view);
-                off += n;
-            }
+            point_at(ps, &full, false)?;
+            let grad = if by_unit {
+                let g = Tensor::f_zeros([len as i64], (Kind::Float, Device::Cpu))
+                    .ctx("a unit's gradient buffer")?;
+                point_at(ps, &g, true)?;
+                crate::storage::resize(&g, 0).ctx("releasing a unit's gradients")?;
+                Some(g)
+            } else {
+                None
+            };
             out.push(Unit {
+                params: range.clone(),
                 flat: at..at + len,
                 full,
                 gathered: true,
+                grad,
+                grad_open: false,
             });
             at += len;
         }
@@ -103,7 +144,6 @@ impl ParamShards {
             units: out,
             owned: None,
             layout: (1, 0),
-            total: at,
         })
     }
 
@@ -112,13 +152,52 @@ impl ParamShards {
         self.units.iter().all(|u| u.gathered)
     }
 
-    /// This rank's slice of the flat parameters (what the optimizer
-    /// steps in place).
+    /// Whether gradients are kept by unit (`sync = "every_step"`).
+    pub fn by_unit(&self) -> bool {
+        self.units.first().is_some_and(|u| u.grad.is_some())
+    }
+
+    /// Unit `u`'s chunk this rank owns, within the unit.
+    fn mine(&self, u: usize) -> Range<usize> {
+        self.mine_at(u, self.layout)
+    }
+
+    fn mine_at(&self, u: usize, layout: (usize, usize)) -> Range<usize> {
+        shard::slice(self.units[u].len(), layout.0, layout.1)
+    }
+
+    /// Where unit `u`'s chunk lies in `owned`.
+    fn owned_range(&self, u: usize) -> Range<usize> {
+        self.owned_range_at(u, self.layout)
+    }
+
+    fn owned_range_at(&self, u: usize, layout: (usize, usize)) -> Range<usize> {
+        let at: usize = (0..u).map(|v| self.mine_at(v, layout).len()).sum();
+        at..at + self.mine_at(u, layout).len()
+    }
+
+    /// Elements this rank owns at `layout` (the optimizer's slice).
+    pub fn owned_len(&self, layout: (usize, usize)) -> usize {
+        self.units
+            .iter()
+            .map(|u| shard::slice(u.len(), layout.0, layout.1).len())
+            .sum()
+    }
+
+    /// This rank's chunks (what the optimizer steps in place).
     pub fn owned(&self) -> Result<Tensor> {
         self.owned
             .as_ref()
             .map(Tensor::shallow_clone)
             .ok_or_else(|| Error::Sharding("the parameters are not sharded yet".into()))
+    }
+
+    /// The flat parameter ranges and parameter ranges of every unit.
+    pub fn layout_of_units(&self) -> Vec<(Range<usize>, Range<usize>)> {
+        self.units
+            .iter()
+            .map(|u| (u.flat.clone(), u.params.clone()))
+            .collect()
     }
 
     /// Gathers units `which` (each once; those gathered stay).
@@ -130,28 +209,15 @@ impl ParamShards {
     }
 
     fn gather_one<C: Collective>(&mut self, u: usize, c: &mut C) -> Result<()> {
-        let owned = self.owned()?;
-        let total = self.total;
-        let (w, r) = self.layout;
-        let unit = self
-            .units
-            .get_mut(u)
-            .ok_or_else(|| Error::Sharding(format!("no unit {u}")))?;
-        if unit.gathered {
+        if self.units.get(u).is_none_or(|x| x.gathered) {
             return Ok(());
         }
-        crate::storage::resize(&unit.full, unit.flat.len() * 4).ctx("gathering a unit")?;
+        let owned = self.owned()?;
+        let (mine, at) = (self.mine(u), self.owned_range(u));
+        let unit = &mut self.units[u];
+        crate::storage::resize(&unit.full, unit.len() * 4).ctx("gathering a unit")?;
         let buf = host_f32_mut(&unit.full)?;
-        buf.fill(-0.0);
-        // The elements of this unit this rank owns.
-        let mine = shard::slice(total, w, r);
-        let (a, b) = (mine.start.max(unit.flat.start), mine.end.min(unit.flat.end));
-        if a < b {
-            let src = host_f32(&owned)?;
-            buf[a - unit.flat.start..b - unit.flat.start]
-                .copy_from_slice(&src[a - mine.start..b - mine.start]);
-        }
-        c.reduce_scatter_sum(buf)?;
+        buf[mine].copy_from_slice(&host_f32(&owned)?[at]);
         c.all_gather(buf)?;
         // Only now: a gather a lost peer broke leaves the unit ungathered
         // (its storage allocated; the next gather fills it).
@@ -168,6 +234,65 @@ impl ParamShards {
             }
         }
         Ok(())
+    }
+
+    /// Gradients by unit: zeroed buffers under units `which` (those open
+    /// stay as they are).
+    pub fn open_grads(&mut self, which: &[usize]) -> Result<()> {
+        for &u in which {
+            let Some(unit) = self.units.get_mut(u).filter(|u| !u.grad_open) else {
+                continue;
+            };
+            if let Some(g) = &unit.grad {
+                crate::storage::resize(g, unit.flat.len() * 4).ctx("a unit's gradients")?;
+                host_f32_mut(g)?.fill(0.0);
+                unit.grad_open = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gradients by unit: reduce-scatters unit `u`'s gradients (zeros
+    /// when not open: a micro-step without a backward), adds this rank's
+    /// chunk into `sum` (owned's layout), and releases them.
+    pub fn reduce_grads<C: Collective>(&mut self, u: usize, c: &mut C, sum: &Tensor) -> Result<()> {
+        let (mine, at) = (self.mine(u), self.owned_range(u));
+        let unit = &mut self.units[u];
+        let Some(g) = &unit.grad else {
+            return Err(Error::Sharding("gradients are not kept by unit".into()));
+        };
+        if !unit.grad_open {
+            crate::storage::resize(g, unit.flat.len() * 4).ctx("a unit's gradients")?;
+            host_f32_mut(g)?.fill(0.0);
+        }
+        let buf = host_f32_mut(g)?;
+        c.reduce_scatter_sum(buf)?;
+        let acc = &mut host_f32_mut(sum)?[at];
+        for (a, b) in acc.iter_mut().zip(&buf[mine]) {
+            *a += *b;
+        }
+        crate::storage::resize(g, 0).ctx("releasing a unit's gradients")?;
+        unit.grad_open = false;
+        Ok(())
+    }
+
+    /// After an interrupted generation: units a forward or backward left
+    /// gathered (or half gathered, a peer lost meanwhile) are released,
+    /// and gradients left open too, so that every rank starts each unit
+    /// afresh (no collective). Whole parameters stay whole: they are all
+    /// there.
+    pub fn settle(&mut self) -> Result<()> {
+        for unit in &mut self.units {
+            if let (Some(g), true) = (&unit.grad, unit.grad_open) {
+                crate::storage::resize(g, 0).ctx("releasing a unit's gradients")?;
+                unit.grad_open = false;
+            }
+        }
+        if self.is_whole() || self.owned.is_none() {
+            return Ok(());
+        }
+        let all: Vec<usize> = (0..self.units.len()).collect();
+        self.release(&all)
     }
 
     /// Every unit gathered: the parameters are whole and readable.
@@ -196,25 +321,13 @@ impl ParamShards {
         Ok(any)
     }
 
-    /// After an interrupted generation: units a forward or backward left
-    /// gathered (or half gathered, a peer lost meanwhile) are released,
-    /// so that every rank gathers each unit again (no collective). Whole
-    /// parameters stay whole: they are all there.
-    pub fn settle(&mut self) -> Result<()> {
-        if self.is_whole() || self.owned.is_none() {
-            return Ok(());
-        }
-        let all: Vec<usize> = (0..self.units.len()).collect();
-        self.release(&all)
-    }
-
     /// Whether this rank's parameters are usable at `layout` without
     /// anyone else's: whole, or sharded at exactly that layout.
     pub fn in_place(&self, layout: (usize, usize)) -> bool {
         self.is_whole() || (self.owned.is_some() && self.layout == layout)
     }
 
-    /// Takes this rank's slice at `layout` from the whole parameters
+    /// Takes this rank's chunks at `layout` from the whole parameters
     /// (they may have been written meanwhile) and releases every unit.
     pub fn reshard(&mut self, layout: (usize, usize)) -> Result<()> {
         if !self.is_whole() {
@@ -222,20 +335,52 @@ impl ParamShards {
                 "resharding needs every unit gathered".into(),
             ));
         }
-        let s = shard::slice(self.total, layout.0, layout.1);
-        let mut mine = vec![0f32; s.len()];
-        for unit in &self.units {
-            let (a, b) = (s.start.max(unit.flat.start), s.end.min(unit.flat.end));
-            if a < b {
-                let src = host_f32(&unit.full)?;
-                mine[a - s.start..b - s.start]
-                    .copy_from_slice(&src[a - unit.flat.start..b - unit.flat.start]);
-            }
+        self.layout = layout;
+        let mut mine = Vec::with_capacity(self.owned_len(layout));
+        for (u, unit) in self.units.iter().enumerate() {
+            let r = shard::slice(unit.len(), layout.0, layout.1);
+            debug_assert_eq!(mine.len(), self.owned_range(u).start);
+            mine.extend_from_slice(&host_f32(&unit.full)?[r]);
         }
         self.owned = Some(Tensor::f_from_slice(&mine).ctx("this rank's parameter shard")?);
-        self.layout = layout;
         let all: Vec<usize> = (0..self.units.len()).collect();
         self.release(&all)
+    }
+
+    /// A whole flat tensor (the flat parameters' layout) of every unit's
+    /// chunks at `c`'s layout, gathered unit by unit: `part` is this
+    /// rank's (the optimizer state).
+    pub fn gather_flat<C: Collective>(&self, part: &Tensor, c: &mut C) -> Result<Tensor> {
+        let layout = (c.world_size(), c.rank());
+        let total = self.units.last().map_or(0, |u| u.flat.end);
+        let whole =
+            Tensor::f_zeros([total as i64], (Kind::Float, Device::Cpu)).ctx("gathering state")?;
+        let src = host_f32(part)?;
+        let dst = host_f32_mut(&whole)?;
+        for (u, unit) in self.units.iter().enumerate() {
+            let buf = &mut dst[unit.flat.clone()];
+            buf[self.mine_at(u, layout)].copy_from_slice(&src[self.owned_range_at(u, layout)]);
+            c.all_gather(buf)?;
+        }
+        Ok(whole)
+    }
+
+    /// This rank's chunks at `layout`, in `owned`'s order, of a whole
+    /// flat vector (the flat parameters' layout).
+    pub fn chunks_of(&self, whole: &[f32], layout: (usize, usize)) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.owned_len(layout));
+        for (u, unit) in self.units.iter().enumerate() {
+            let r = self.mine_at(u, layout);
+            out.extend_from_slice(&whole[unit.flat.start + r.start..unit.flat.start + r.end]);
+        }
+        out
+    }
+
+    /// This rank's chunks at `layout` of the flat buffer `flat` after a
+    /// reduce-scatter of each unit's range.
+    pub fn chunks_of_tensor(&self, flat: &Tensor, layout: (usize, usize)) -> Result<Tensor> {
+        let v = self.chunks_of(host_f32(flat)?, layout);
+        Tensor::f_from_slice(&v).ctx("this rank's gradient chunks")
     }
 }
 
@@ -256,7 +401,7 @@ mod tests {
     #[test]
     fn units_round_trip_through_the_shard_and_release_their_storage() {
         let ps = params();
-        let mut s = ParamShards::new(&ps, &[0..2, 2..3]).unwrap();
+        let mut s = ParamShards::new(&ps, &[0..2, 2..3], false).unwrap();
         assert!(s.is_whole());
         s.reshard((1, 0)).unwrap();
         assert!(!s.is_whole());
@@ -267,7 +412,6 @@ mod tests {
         s.gather(&[0], &mut c).unwrap();
         assert_eq!(crate::storage::nbytes(&ps[0].1), Some(5 * 4));
         assert_eq!(Vec::<f32>::try_from(&ps[0].1).unwrap(), vec![1.0; 3]);
-        // The signed zero comes back as it was.
         let b = Vec::<f32>::try_from(&ps[1].1).unwrap();
         assert!(b.iter().all(|x| *x == 0.0 && x.is_sign_negative()));
         s.release(&[0]).unwrap();
@@ -276,8 +420,24 @@ mod tests {
     }
 
     #[test]
+    fn each_unit_is_chunked_over_the_ranks() {
+        let ps = params();
+        let mut s = ParamShards::new(&ps, &[0..2, 2..3], false).unwrap();
+        // Rank 1 of 2: chunk 1 of unit 0 (5 elements: 3..5) and of unit 1
+        // (4 elements: 2..4).
+        s.reshard((2, 1)).unwrap();
+        assert_eq!(s.owned_len((2, 1)), 4);
+        assert_eq!(
+            Vec::<f32>::try_from(&s.owned().unwrap()).unwrap(),
+            vec![-0.0, -0.0, 2.5, 2.5]
+        );
+        let whole: Vec<f32> = (0..9).map(|i| i as f32).collect();
+        assert_eq!(s.chunks_of(&whole, (2, 1)), vec![3.0, 4.0, 7.0, 8.0]);
+    }
+
+    #[test]
     fn units_must_cover_every_parameter_in_order() {
-        let e = ParamShards::new(&params(), &[0..1, 2..3])
+        let e = ParamShards::new(&params(), &[0..1, 2..3], false)
             .err()
             .unwrap()
             .to_string();

@@ -27,7 +27,6 @@
 //! neighbour are not built.
 
 use super::replicated::WindowSums;
-use super::ParamShards;
 use super::{host_f32, host_f32_mut, Axis, Parts, Placement};
 use crate::collective::Collective;
 use crate::engine::flat::flatten;
@@ -39,17 +38,17 @@ use std::time::Duration;
 use tch::{Device, Tensor};
 
 /// The optimizer state kinds, as PyTorch names them.
-const KEYS: [&str; 3] = ["exp_avg", "exp_avg_sq", "momentum_buffer"];
+pub(super) const KEYS: [&str; 3] = ["exp_avg", "exp_avg_sq", "momentum_buffer"];
 
-/// What both sharded stages keep: where this rank's optimizer slice is.
+/// What the sharded stages keep: where this rank's optimizer slice is.
 #[derive(Default)]
-struct Shard {
+pub(super) struct Shard {
     /// The (world size, rank) whose slice the optimizer state holds (None:
     /// no state yet).
-    layout: Option<(usize, usize)>,
+    pub layout: Option<(usize, usize)>,
     /// The slice was stepped but the step not finished (its parameters
     /// not all-gathered): its state is ahead of the committed step.
-    dirty: bool,
+    pub dirty: bool,
 }
 
 /// This rank's slice of the flat buffer.
@@ -90,7 +89,7 @@ fn buffer_slice<C: Collective>(p: &Parts<'_, C>) -> Result<Tensor> {
 
 /// The `norm_type` partial of this rank's slice `g`, combined over the
 /// data axis.
-fn slice_norm<C: Collective>(
+pub(super) fn slice_norm<C: Collective>(
     p: &mut Parts<'_, C>,
     g: Tensor,
     axes: &[Axis],
@@ -105,6 +104,35 @@ fn slice_norm<C: Collective>(
     super::combine_norm(p.collective, mine, axes, norm_type)
 }
 
+/// Prepares the gradient slice `grad` and steps the flat parameter
+/// slice `mine` with the optimizer's state for it (one tensor's worth):
+/// on the CPU PyTorch's fused pass as stage 0 takes it, elsewhere tensor
+/// ops. ZeRO-3 steps its shard with it too.
+pub(super) fn step_slice(
+    optimizer: &mut Optimizer,
+    mine: &Tensor,
+    grad: &mut Tensor,
+    prep: GradPrep,
+    lr: f64,
+) -> Result<()> {
+    let slot = [(String::new(), mine.shallow_clone())];
+    let fused = grad.device() == Device::Cpu
+        && optimizer.step_fused(&slot, host_f32_mut(grad)?, lr, prep)?;
+    if !fused {
+        match prep {
+            GradPrep::Mul(f) => grad.f_mul_scalar_(f as f64).map(|_| ()),
+            GradPrep::Div(d) => grad.f_div_scalar_(d as f64).map(|_| ()),
+            GradPrep::DivClamp(d, v) => grad
+                .f_div_scalar_(d as f64)
+                .and_then(|mut g| g.f_clamp_(-(v as f64), v as f64))
+                .map(|_| ()),
+        }
+        .ctx("preparing the gradient slice")?;
+        optimizer.step_pairs(&[(mine.shallow_clone(), grad.shallow_clone())], lr)?;
+    }
+    Ok(())
+}
+
 impl Shard {
     /// Prepares this rank's gradient slice `grad`, steps its parameters
     /// with the slice's optimizer state (on the CPU the fused pass, as
@@ -112,17 +140,12 @@ impl Shard {
     /// gradient buffer (zeroed or released right after) is the gather's
     /// buffer, so no whole-model copy is allocated: only the slice's
     /// parameters.
-    ///
-    /// Under ZeRO-3 (`owned`: this rank's parameter shard) the shard is
-    /// stepped in place and nothing is gathered: the next forward gathers
-    /// each unit.
     fn step<C: Collective>(
         &mut self,
         p: &mut Parts<'_, C>,
         mut grad: Tensor,
         prep: GradPrep,
         lr: f64,
-        owned: Option<Tensor>,
     ) -> Result<()> {
         let s = my_slice(p);
         let (at, n) = (s.start as i64, s.len() as i64);
@@ -137,14 +160,8 @@ impl Shard {
                 .and_then(|v| v.f_narrow(0, q.within.start as i64, q.within.len() as i64))
                 .ctx("a parameter piece")
         };
-        let parts: Vec<Tensor> = if owned.is_some() {
-            Vec::new()
-        } else {
-            pieces.iter().map(part).collect::<Result<_>>()?
-        };
-        let mine = if let Some(o) = &owned {
-            Ok(o.shallow_clone())
-        } else if parts.is_empty() {
+        let parts: Vec<Tensor> = pieces.iter().map(part).collect::<Result<_>>()?;
+        let mine = if parts.is_empty() {
             Tensor::f_zeros([0], (tch::Kind::Float, p.device))
         } else {
             Tensor::f_cat(&parts, 0)
@@ -153,28 +170,8 @@ impl Shard {
         // Until the gather below is through, the slice's state is a step
         // ahead of the committed one: a ring re-formed meanwhile rolls back.
         self.dirty = true;
-        let slot = [(String::new(), mine.shallow_clone())];
-        let fused = grad.device() == Device::Cpu
-            && p.optimizer
-                .step_fused(&slot, host_f32_mut(&grad)?, lr, prep)?;
-        if !fused {
-            match prep {
-                GradPrep::Mul(f) => grad.f_mul_scalar_(f as f64).map(|_| ()),
-                GradPrep::Div(d) => grad.f_div_scalar_(d as f64).map(|_| ()),
-                GradPrep::DivClamp(d, v) => grad
-                    .f_div_scalar_(d as f64)
-                    .and_then(|mut g| g.f_clamp_(-(v as f64), v as f64))
-                    .map(|_| ()),
-            }
-            .ctx("preparing the gradient slice")?;
-            p.optimizer
-                .step_pairs(&[(mine.shallow_clone(), grad.shallow_clone())], lr)?;
-        }
+        step_slice(p.optimizer, &mine, &mut grad, prep, lr)?;
         self.layout = Some(p.layout());
-        if owned.is_some() {
-            self.dirty = false;
-            return Ok(());
-        }
         // The stepped slice goes to its place in the gradient buffer
         // (restored first under stage 2 with sync = "every_step"); the
         // gather fills in every other rank's.
@@ -220,11 +217,11 @@ impl Shard {
         Ok(())
     }
 
-    fn in_place(&self, layout: (usize, usize)) -> bool {
+    pub fn in_place(&self, layout: (usize, usize)) -> bool {
         !self.dirty && self.layout.is_none_or(|l| l == layout)
     }
 
-    fn state_bytes(optimizer: &Optimizer) -> usize {
+    pub fn state_bytes(optimizer: &Optimizer) -> usize {
         optimizer
             .first_state()
             .iter()
@@ -368,8 +365,7 @@ macro_rules! sharded_common {
             // This rank's slice only; the fused CPU pass prepares it.
             if let Some(prep) = prep {
                 let grad = self.grad_slice(p)?;
-                let owned = self.owned_params()?;
-                self.shard.step(p, grad, prep, lr, owned)?;
+                self.shard.step(p, grad, prep, lr)?;
                 self.clear(p)?;
                 p.grads.zero_extra()?;
             } else {
@@ -403,11 +399,6 @@ impl ShardedOptimizer {
     fn clear<C: Collective>(&mut self, p: &mut Parts<'_, C>) -> Result<()> {
         self.sums.clear();
         p.grads.zero()
-    }
-
-    /// Stage 1 steps the parameters' slice and gathers them.
-    fn owned_params(&self) -> Result<Option<Tensor>> {
-        Ok(None)
     }
 }
 
@@ -446,31 +437,13 @@ impl<C: Collective> Placement<C> for ShardedOptimizer {
 
 /// Stage 2: stage 1 with the gradient buffer released after each sync
 /// step, and under `sync = "every_step"` after each micro-step's
-/// reduce-scatter (this rank's slice kept apart). Stage 3 is stage 2 with
-/// the parameters sharded too ([`ParamShards`]).
+/// reduce-scatter (this rank's slice kept apart).
 #[derive(Default)]
 pub(in crate::engine) struct ShardedGradients {
     shard: Shard,
     /// `sync = "every_step"`: this rank's slice of the window's reduced
     /// gradients so far (the buffer is released).
     slice_sum: Option<Tensor>,
-    /// Stage 3: the parameters, sharded and gathered unit by unit.
-    params: Option<ParamShards>,
-}
-
-impl ShardedGradients {
-    /// ZeRO-3: stage 2 over parameters sharded by `params`.
-    pub fn with_params(params: ParamShards) -> Self {
-        Self {
-            params: Some(params),
-            ..Self::default()
-        }
-    }
-
-    /// Stage 3 steps its parameter shard in place.
-    fn owned_params(&self) -> Result<Option<Tensor>> {
-        self.params.as_ref().map(ParamShards::owned).transpose()
-    }
 }
 
 impl ShardedGradients {
@@ -495,15 +468,7 @@ impl<C: Collective> Placement<C> for ShardedGradients {
     sharded_common!();
 
     fn stage(&self) -> u32 {
-        if self.params.is_some() {
-            3
-        } else {
-            2
-        }
-    }
-
-    fn param_shards(&mut self) -> Option<&mut ParamShards> {
-        self.params.as_mut()
+        2
     }
 
     /// Reduce-scatters the micro-step's gradients, adds this rank's slice
