@@ -38,6 +38,22 @@ int accrue_storage_resize(void* t, int64_t nbytes, char* err, size_t len) {
       err, len);
 }
 
+// Makes `g` the `.grad` of `t` (PyTorch's `t.grad = g` without its
+// checks: the caller gives a float32 tensor of t's shape on t's device).
+// Setting it needs no backward and reads none of t's values, so it works
+// on a parameter whose storage is released (ZeRO-3).
+int accrue_set_grad(void* t, void* g, char* err, size_t len) {
+  return accrue_shim::guarded(
+      [&] {
+        at::Tensor& x = *static_cast<at::Tensor*>(t);
+        const at::Tensor& grad = *static_cast<at::Tensor*>(g);
+        TORCH_CHECK(grad.sizes() == x.sizes(), "a gradient of shape ", grad.sizes(),
+                    " for a parameter of shape ", x.sizes());
+        x.mutable_grad() = grad;
+      },
+      err, len);
+}
+
 // The storage's size in bytes, or -1.
 int64_t accrue_storage_nbytes(void* t) {
   try {

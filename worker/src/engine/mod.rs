@@ -149,6 +149,13 @@ impl<C: Collective> Engine<C> {
             tch::set_num_threads(t as i32);
         }
         let workload = workload::load(&spec, device)?;
+        zero3::check(&spec, device, stages.is_some())?;
+        if spec.sharding.stage == 3 {
+            // Each gathered unit is freed after use: give the memory back.
+            crate::storage::return_freed_memory();
+        }
+        // ZeRO-3 without `model.init` builds each rank's chunks only.
+        let mut built = None;
         // A pipeline stage trains its blocks' parameters: a first build
         // holding none gives every parameter's name and shape (the plan's
         // input), the second holds the stage's only; both draw the whole
@@ -174,6 +181,18 @@ impl<C: Collective> Engine<C> {
                 keep.extend(shared.clone());
                 let model = build(Box::new(move |n| keep.contains(n)))?;
                 (model, Some((p, names, shared)))
+            }
+            None if spec.sharding.stage == 3 && spec.model.init.is_none() => {
+                let layout = (world, rank);
+                let (model, owned) = zero3::build(
+                    &spec,
+                    &workload.sample_shape,
+                    workload.classes,
+                    device,
+                    layout,
+                )?;
+                built = Some((owned, layout));
+                (model, None)
             }
             None => (
                 Model::build(
@@ -248,10 +267,14 @@ impl<C: Collective> Engine<C> {
         // The placement decides the optimizer state's shape (ZeRO stages 1
         // and 2 step one flat slice: one parameter's worth of state).
         let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
-        let mut grads =
-            FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?;
-        let shards = zero3::shards(&spec, &model, &mut grads, device, stages.is_some())?;
-        let zero3_by_unit = shards.as_ref().is_some_and(|s| s.by_unit());
+        // ZeRO-3 with gradients by unit never allocates the whole buffer.
+        let zero3_by_unit = zero3::by_unit(&spec);
+        let grads = if zero3_by_unit {
+            FlatGrads::unallocated(&model.params)?
+        } else {
+            FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?
+        };
+        let shards = zero3::shards(&spec, &model, built)?;
         let placement = placement::Placed::new(
             spec.sharding.stage,
             &spec.optimizer,
@@ -405,7 +428,9 @@ impl<C: Collective> Engine<C> {
         // at every one): a run that fails before writes nothing.
         engine.sync_state()?;
         engine.reshard();
-        tracing::info!(rank, world, k, total_steps = engine.total_steps, step = engine.state.step, device = ?device, cuda_graphs = ?engine.graph.mode(), "engine ready");
+        // The peak so far is the build's (the model, `init`, a resume).
+        let peak_rss_mib = report::peak_rss_bytes().map(|b| b >> 20);
+        tracing::info!(rank, world, k, total_steps = engine.total_steps, step = engine.state.step, device = ?device, cuda_graphs = ?engine.graph.mode(), peak_rss_mib, "engine ready");
         Ok(engine)
     }
 

@@ -4,26 +4,22 @@
 //! for every path that reads or writes the parameters as tensors (state
 //! broadcast, resume, evaluation, checkpoints).
 
-use super::placement::ParamShards;
+use super::placement::{ParamShards, ShardTaker};
 use super::Engine;
 use crate::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use crate::family::model::Model;
 use crate::spec::JobSpec;
+use std::cell::RefCell;
 use std::ops::Range;
+use std::rc::Rc;
 use tch::{Device, Tensor};
 
-/// Stage 3's units (the family's blocks) over `model`'s parameters;
-/// None below stage 3. Refuses what stage 3 does not run yet, naming it.
-pub(super) fn shards(
-    spec: &JobSpec,
-    model: &Model,
-    grads: &mut crate::grads::FlatGrads,
-    device: Device,
-    pipeline: bool,
-) -> Result<Option<ParamShards>> {
+/// Refuses what stage 3 does not run yet, naming it (nothing below
+/// stage 3).
+pub(super) fn check(spec: &JobSpec, device: Device, pipeline: bool) -> Result<()> {
     if spec.sharding.stage != 3 {
-        return Ok(None);
+        return Ok(());
     }
     let refuse = |what: String| Err(Error::Sharding(format!("sharding.stage = 3 {what}")));
     if device != Device::Cpu {
@@ -36,37 +32,114 @@ pub(super) fn shards(
             "with parallel.pipeline is not built yet; use stages 0 to 2 in pipeline stages".into(),
         );
     }
-    if model.staged().is_none() {
+    let family = crate::family::family(spec.model.kind);
+    if !family.builds_by_stage() {
         return refuse(format!(
             "shards a model by its blocks: model.kind = {} has none (the mlp and the Llama family have)",
             spec.model.kind
         ));
     }
-    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
-    let blocks = crate::family::family(spec.model.kind).blocks(&spec.model, &names)?;
+    Ok(())
+}
+
+/// Whether stage 3 gradients are kept by unit (`sync = "every_step"`).
+pub(super) fn by_unit(spec: &JobSpec) -> bool {
+    spec.sharding.stage == 3 && spec.accumulation.sync == crate::spec::SyncMode::EveryStep
+}
+
+/// Stage 3's units over parameters `names` (the model's order): the
+/// family's blocks, as ranges of parameter indices.
+pub(super) fn units(spec: &JobSpec, names: &[String]) -> Result<Vec<Range<usize>>> {
+    let blocks = crate::family::family(spec.model.kind).blocks(&spec.model, names)?;
     let mut units = Vec::with_capacity(blocks.len());
     let mut at = 0;
     for b in &blocks {
         let start = at;
         for name in &b.params {
             if names.get(at) != Some(name) {
-                return refuse(format!(
-                    "needs each block's parameters in the model's order; block {} holds {name}, the model has {:?} at {at}",
+                return Err(Error::Sharding(format!(
+                    "sharding.stage = 3 needs each block's parameters in the model's order; block {} holds {name}, the model has {:?} at {at}",
                     b.name,
                     names.get(at)
-                ));
+                )));
             }
             at += 1;
         }
         units.push(start..at);
     }
-    // `sync = "every_step"`: each unit's gradients get a buffer of their
-    // own; the whole one is freed for good.
-    let by_unit = spec.accumulation.sync == crate::spec::SyncMode::EveryStep;
-    if by_unit {
-        grads.release(&model.params)?;
+    Ok(units)
+}
+
+/// Stage 3's build (no `model.init`): a first build that keeps nothing
+/// gives every parameter's name and shape, then the real one hands each
+/// parameter's values to a [`ShardTaker`] as it is made and releases them
+/// (the same draws from the seed: the values are one process's). Returns
+/// the model and this rank's chunks at `layout`.
+pub(super) fn build(
+    spec: &JobSpec,
+    shape: &[i64],
+    classes: i64,
+    device: Device,
+    layout: (usize, usize),
+) -> Result<(Model, Tensor)> {
+    let all = Model::build_stage(
+        &spec.model,
+        shape,
+        classes,
+        device,
+        spec.seed,
+        Box::new(|_| false),
+    )?
+    .frozen;
+    let names: Vec<String> = all.iter().map(|(n, _)| n.clone()).collect();
+    let numels: Vec<usize> = all
+        .iter()
+        .map(|(_, s)| s.iter().product::<i64>().max(0) as usize)
+        .collect();
+    let units = units(spec, &names)?;
+    let taker = Rc::new(RefCell::new(ShardTaker::new(
+        &names, &numels, &units, layout,
+    )));
+    let took = taker.clone();
+    let model = Model::build_sharded(
+        &spec.model,
+        shape,
+        classes,
+        device,
+        spec.seed,
+        Box::new(move |n, t| took.borrow_mut().take(n, t)),
+    )?;
+    let built: Vec<&String> = model.params.iter().map(|(n, _)| n).collect();
+    if built != names.iter().collect::<Vec<_>>() {
+        return Err(Error::Sharding(format!(
+            "the sharded build made the parameters {built:?}, its first build {names:?}"
+        )));
     }
-    ParamShards::new(&model.params, &units, by_unit).map(Some)
+    let taker = Rc::try_unwrap(taker)
+        .map_err(|_| Error::Sharding("the build kept its parameter taker".into()))?
+        .into_inner();
+    Ok((model, taker.finish()?))
+}
+
+/// Stage 3's parameters over `model` (None below stage 3): from the
+/// sharded build's chunks (`built`), or, the model built whole (with
+/// `model.init`), copied into the units.
+pub(super) fn shards(
+    spec: &JobSpec,
+    model: &Model,
+    built: Option<(Tensor, (usize, usize))>,
+) -> Result<Option<ParamShards>> {
+    if spec.sharding.stage != 3 {
+        return Ok(None);
+    }
+    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    let units = units(spec, &names)?;
+    match built {
+        Some((owned, layout)) => {
+            ParamShards::from_built(&model.params, &units, by_unit(spec), owned, layout).map(Some)
+        }
+        None => ParamShards::new(&model.params, &units, by_unit(spec)).map(Some),
+    }
 }
 
 impl<C: Collective> Engine<C> {

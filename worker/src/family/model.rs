@@ -21,7 +21,7 @@ static INIT_LOCK: Mutex<()> = Mutex::new(());
 /// Tensors by PyTorch name.
 pub use crate::family::Named;
 
-pub use super::stage_build::{made, Keep};
+pub use super::stage_build::{made, Keep, Take};
 
 /// Where weights loaded by name come from: errors name the file
 /// (`model.init`) or the checkpoint folder.
@@ -151,7 +151,7 @@ impl Model {
         device: Device,
         seed: u64,
     ) -> Result<Self> {
-        let model = Self::make(spec, sample_shape, classes, device, seed, None)?;
+        let model = Self::make(spec, sample_shape, classes, device, seed, None, None)?;
         model.probe(sample_shape, classes, device)?;
         Ok(model)
     }
@@ -178,7 +178,30 @@ impl Model {
                 spec.kind
             )));
         }
-        Self::make(spec, sample_shape, classes, device, seed, Some(keep))
+        Self::make(spec, sample_shape, classes, device, seed, Some(keep), None)
+    }
+
+    /// ZeRO-3's build (issue 41): the model as [`Model::build`] makes it,
+    /// but each parameter's values go to `take` as the family makes it
+    /// and its storage is released at once (its shape kept), so no rank
+    /// holds the whole model. The parameters' storage must be given back
+    /// before anything reads them (engine/placement/params.rs).
+    pub fn build_sharded(
+        spec: &ModelSpec,
+        sample_shape: &[i64],
+        classes: i64,
+        device: Device,
+        seed: u64,
+        take: Take,
+    ) -> Result<Self> {
+        let family = crate::family::family(spec.kind);
+        if !family.draws_weights() || !family.builds_by_stage() {
+            return Err(Error::Schedule(format!(
+                "model.kind = {} does not build by block",
+                spec.kind
+            )));
+        }
+        Self::make(spec, sample_shape, classes, device, seed, None, Some(take))
     }
 
     /// The family's build, seeded under the initialisation lock where it
@@ -190,6 +213,7 @@ impl Model {
         device: Device,
         seed: u64,
         keep: Option<Keep>,
+        take: Option<Take>,
     ) -> Result<Self> {
         let family = crate::family::family(spec.kind);
         let vs = nn::VarStore::new(device);
@@ -205,7 +229,9 @@ impl Model {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             tch::manual_seed(seed as i64);
-            let (built, released) = super::stage_build::during(keep, || family.build(&to));
+            let (built, released) = super::stage_build::during(keep, || {
+                super::stage_build::sharding(take, || family.build(&to))
+            });
             (built?, released)
         } else {
             (family.build(&to)?, Vec::new())

@@ -82,7 +82,6 @@ impl FlatGrads {
         let len: usize = sizes.iter().sum();
         let flat = Tensor::f_zeros([(len + EXTRA) as i64], (Kind::Float, device))
             .ctx("allocating the gradient buffer")?;
-        define_grads(params)?;
         point(&flat, params, true)?;
         let mut buckets: Vec<Range<usize>> = crate::comm::chunks::buckets(&sizes, bucket_cap)
             .into_iter()
@@ -116,6 +115,21 @@ impl FlatGrads {
             buckets,
             host,
             released: false,
+        })
+    }
+
+    /// ZeRO-3 with gradients by unit: a buffer that is never allocated
+    /// (the EXTRA slots only, released for good; the gradients live by
+    /// unit, engine/placement/params.rs). Nothing is attached.
+    pub fn unallocated(params: &[(String, Tensor)]) -> Result<Self> {
+        let len = params.iter().map(|(_, p)| p.numel()).sum();
+        Ok(Self {
+            flat: Tensor::f_zeros([EXTRA as i64], (Kind::Float, Device::Cpu))
+                .ctx("allocating the count slots")?,
+            len,
+            released: true,
+            buckets: vec![0..EXTRA],
+            host: None,
         })
     }
 
@@ -407,13 +421,19 @@ fn point(flat: &Tensor, params: &[(String, Tensor)], keep: bool) -> Result<()> {
             .f_narrow(0, off as i64, n as i64)
             .and_then(|v| v.f_view(p.size().as_slice()))
             .ctx("viewing the gradient buffer")?;
-        if keep {
+        if !g.defined() {
+            // No gradient yet: the view becomes it (nothing to keep, and
+            // no backward to define one; the values are never read).
+            crate::storage::set_grad(p, &view).ctx("moving a gradient into the buffer")?;
+        } else if keep {
             view.shallow_clone()
                 .f_copy_(&g)
                 .ctx("moving a gradient into the buffer")?;
         }
-        g.f_set_data(&view)
-            .ctx("moving a gradient into the buffer")?;
+        if p.grad().data_ptr() != view.data_ptr() {
+            g.f_set_data(&view)
+                .ctx("moving a gradient into the buffer")?;
+        }
         // The view must be what backward accumulates into from now on.
         let want = flat.data_ptr() as usize + off * 4;
         if p.grad().data_ptr() as usize != want {

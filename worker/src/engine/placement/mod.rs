@@ -40,7 +40,7 @@ mod replicated;
 mod sharded;
 mod stage3;
 
-pub(super) use params::ParamShards;
+pub(super) use params::{ParamShards, ShardTaker};
 pub(super) use replicated::Replicated;
 pub(super) use sharded::{ShardedGradients, ShardedOptimizer};
 pub(super) use stage3::ShardedParameters;

@@ -68,8 +68,8 @@ pub(in crate::engine) struct ParamShards {
 }
 
 /// Makes `params` views of `buf` (their `.data`, or with `grads` their
-/// `.grad`'s), copying their values in first unless `grads`.
-fn point_at(params: &[(String, Tensor)], buf: &Tensor, grads: bool) -> Result<()> {
+/// `.grad`s), copying their values in first with `values`.
+fn point_at(params: &[(String, Tensor)], buf: &Tensor, grads: bool, values: bool) -> Result<()> {
     let mut off = 0i64;
     for (_, t) in params {
         let n = t.numel() as i64;
@@ -78,9 +78,11 @@ fn point_at(params: &[(String, Tensor)], buf: &Tensor, grads: bool) -> Result<()
             .and_then(|v| v.f_view(t.size().as_slice()))
             .ctx("a unit's view")?;
         if grads {
-            t.grad().f_set_data(&view).ctx("a unit's gradient view")?;
-        } else {
+            crate::storage::set_grad(t, &view).ctx("a unit's gradient view")?;
+        } else if values {
             view.shallow_clone().f_copy_(t).ctx("a unit's parameter")?;
+            t.shallow_clone().set_data(&view);
+        } else {
             t.shallow_clone().set_data(&view);
         }
         off += n;
@@ -95,6 +97,18 @@ impl ParamShards {
     /// in order and covering every parameter. `by_unit`: their gradients
     /// too, by unit (every `.grad` must be defined).
     pub fn new(params: &[(String, Tensor)], units: &[Range<usize>], by_unit: bool) -> Result<Self> {
+        Self::make(params, units, by_unit, true)
+    }
+
+    /// [`ParamShards::new`]; `whole`: the parameters hold their values
+    /// (copied into the units, which start gathered), else their storage
+    /// is released already (the units start released).
+    fn make(
+        params: &[(String, Tensor)],
+        units: &[Range<usize>],
+        by_unit: bool,
+        whole: bool,
+    ) -> Result<Self> {
         let covered: Vec<usize> = units.iter().flat_map(Clone::clone).collect();
         if covered != (0..params.len()).collect::<Vec<_>>() {
             return Err(Error::Sharding(format!(
@@ -120,11 +134,15 @@ impl ParamShards {
             let len: usize = ps.iter().map(|(_, t)| t.numel()).sum();
             let full =
                 Tensor::f_empty([len as i64], (Kind::Float, Device::Cpu)).ctx("a unit's buffer")?;
-            point_at(ps, &full, false)?;
+            point_at(ps, &full, false, whole)?;
+            if !whole {
+                // (Views are made of allocated storage, then released.)
+                crate::storage::resize(&full, 0).ctx("a unit's buffer")?;
+            }
             let grad = if by_unit {
                 let g = Tensor::f_zeros([len as i64], (Kind::Float, Device::Cpu))
                     .ctx("a unit's gradient buffer")?;
-                point_at(ps, &g, true)?;
+                point_at(ps, &g, true, false)?;
                 crate::storage::resize(&g, 0).ctx("releasing a unit's gradients")?;
                 Some(g)
             } else {
@@ -134,7 +152,7 @@ impl ParamShards {
                 params: range.clone(),
                 flat: at..at + len,
                 full,
-                gathered: true,
+                gathered: whole,
                 grad,
                 grad_open: false,
             });
@@ -145,6 +163,31 @@ impl ParamShards {
             owned: None,
             layout: (1, 0),
         })
+    }
+
+    /// ZeRO-3's build ([`crate::family::model::Model::build_sharded`]):
+    /// the parameters' storage is released already and this rank's chunks
+    /// at `layout` are `owned` ([`ShardTaker`]). The units start released.
+    pub fn from_built(
+        params: &[(String, Tensor)],
+        units: &[Range<usize>],
+        by_unit: bool,
+        owned: Tensor,
+        layout: (usize, usize),
+    ) -> Result<Self> {
+        let mut s = Self::make(params, units, by_unit, false)?;
+        if owned.numel() != s.owned_len(layout) {
+            return Err(Error::Sharding(format!(
+                "the build took {} elements of the parameters, rank {} of {} owns {}",
+                owned.numel(),
+                layout.1,
+                layout.0,
+                s.owned_len(layout)
+            )));
+        }
+        s.owned = Some(owned);
+        s.layout = layout;
+        Ok(s)
     }
 
     /// Whether every unit is gathered (the parameters readable).
@@ -381,6 +424,71 @@ impl ParamShards {
     pub fn chunks_of_tensor(&self, flat: &Tensor, layout: (usize, usize)) -> Result<Tensor> {
         let v = self.chunks_of(host_f32(flat)?, layout);
         Tensor::f_from_slice(&v).ctx("this rank's gradient chunks")
+    }
+}
+
+/// What ZeRO-3's build takes of each parameter as the family makes it
+/// ([`crate::family::model::Take`]): the parameter's part of this rank's
+/// chunk of its unit, copied into `owned`'s layout.
+pub(in crate::engine) struct ShardTaker {
+    /// Each parameter: (its unit's chunk at `layout` within the unit, the
+    /// parameter's range within the unit, where the chunk starts in
+    /// `owned`), by name.
+    places: std::collections::HashMap<String, (Range<usize>, Range<usize>, usize)>,
+    owned: Vec<f32>,
+}
+
+impl ShardTaker {
+    /// For parameters `names` with `numels` (the model's order) in
+    /// `units` (ranges of parameter indices), rank `layout.1` of
+    /// `layout.0`.
+    pub fn new(
+        names: &[String],
+        numels: &[usize],
+        units: &[Range<usize>],
+        layout: (usize, usize),
+    ) -> Self {
+        let mut places = std::collections::HashMap::new();
+        let mut at = 0;
+        for range in units {
+            let len: usize = numels[range.clone()].iter().sum();
+            let chunk = shard::slice(len, layout.0, layout.1);
+            let mut off = 0;
+            for i in range.clone() {
+                places.insert(names[i].clone(), (chunk.clone(), off..off + numels[i], at));
+                off += numels[i];
+            }
+            at += chunk.len();
+        }
+        Self {
+            places,
+            owned: vec![0.0; at],
+        }
+    }
+
+    /// Takes parameter `name`'s part of this rank's chunk.
+    pub fn take(&mut self, name: &str, t: &Tensor) -> Result<()> {
+        let (chunk, within, at) = self.places.get(name).cloned().ok_or_else(|| {
+            Error::Sharding(format!("the build made {name}, which no block holds"))
+        })?;
+        let (a, b) = (chunk.start.max(within.start), chunk.end.min(within.end));
+        if a >= b {
+            return Ok(());
+        }
+        let flat = t
+            .f_detach()
+            .and_then(|v| v.f_reshape([-1]))
+            .and_then(|v| v.f_narrow(0, (a - within.start) as i64, (b - a) as i64))
+            .and_then(|v| v.f_contiguous())
+            .ctx("taking a parameter's chunk")?;
+        let dst = at + (a - chunk.start);
+        self.owned[dst..dst + (b - a)].copy_from_slice(host_f32(&flat)?);
+        Ok(())
+    }
+
+    /// The chunks taken, as `owned`.
+    pub fn finish(self) -> Result<Tensor> {
+        Tensor::f_from_slice(&self.owned).ctx("this rank's parameter shard")
     }
 }
 
