@@ -30,6 +30,17 @@ Trainer does it (CE_sum * W / N_global per rank, then DDP's average).
       in bfloat16 to DIR/hf-bf16) and the loss per target token of its
       first 16 rows (accrue's rows-to-samples rule) to DIR/hf-loss.json.
 
+Optional "reference": "fsdp" trains with FSDP2 instead of DDP (issue 41,
+ZeRO-3): fully_shard on every decoder layer and on the model (gloo), and
+with CONFIG["sync"] = "boundary" set_requires_gradient_sync(False) on all
+but each window's last micro-batch ("every_step": every micro-batch
+reduces); global_count only: FSDP2's reduce-scatter averages (its
+set_gradient_divide_factor(1.0) asks gloo for PREMUL_SUM, which gloo
+refuses), so each micro-batch's backward is of CE_sum * W / N_global, then
+clip_grad_norm_ on the sharded gradients, AdamW; rank r writes the full
+state_dict to DIR/fsdp-<sync>-global_count-rank<r>.safetensors and its
+steps to the .json beside it.
+
 CONFIG_JSON: seed, batch, k, epochs, seq_len, max_norm, lr, weight_decay,
 pad_id, model (LlamaConfig fields), modes; optional "model_type" (qwen2,
 mistral: their class, "model" with their keys); optional "precision": "bf16"
@@ -153,6 +164,8 @@ def train():
     bf16 = precision == "bf16"
     fp16 = precision == "fp16"
     tag = "" if precision == "fp32" else precision + "-"
+    if cfg.get("reference") == "fsdp":
+        return train_fsdp(data, n, b, k, world)
     for norm_mode in cfg["modes"]:
         model = build()
         missing, unexpected = model.load_state_dict(
@@ -236,6 +249,63 @@ def train():
     # Every file is written: leave without tearing gloo down
     # (destroy_process_group, or the interpreter's exit, once sat in a
     # futex for minutes on one rank after both had written everything).
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def train_fsdp(data, n, b, k, world):
+    """FSDP2 (see the module documentation): accrue's ZeRO-3 reference."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DistributedSampler
+
+    sync_mode = cfg["sync"]
+    model = build()
+    missing, unexpected = model.load_state_dict(
+        load_file(f"{out_dir}/init.safetensors"), strict=False)
+    tied = model.config.tie_word_embeddings
+    assert list(missing) == (["lm_head.weight"] if tied else []), missing
+    assert list(unexpected) == [], unexpected
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
+    steps = []
+    for epoch in range(cfg["epochs"]):
+        sampler.set_epoch(epoch)
+        mine = list(sampler)
+        micro = [mine[i:i + b] for i in range(0, len(mine), b)]
+        for w in range(0, len(micro), k):
+            window = [rows_to_batch(data, idx) for idx in micro[w:w + k]]
+            count = torch.tensor(float(sum(int((t != -100).sum()) for _, t in window)))
+            dist.all_reduce(count)
+            n_global = count.item()
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for i, (x, t) in enumerate(window):
+                last = i + 1 == len(window)
+                model.set_requires_gradient_sync(last or sync_mode == "every_step")
+                logits = model(input_ids=x).logits.float()
+                ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
+                                     ignore_index=-100, reduction="sum")
+                loss_sum += ce.detach().double()
+                (ce * world / n_global).backward()
+            dist.all_reduce(loss_sum)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
+            opt.step()
+            opt.zero_grad()
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            steps.append({"loss": loss_sum.item() / n_global, "grad_norm": norm.item(),
+                          "tokens": n_global, "loss_scale": 0.0})
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).contiguous()
+            for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")}
+    name = f"fsdp-{sync_mode}-global_count-rank{rank}"
+    save_file(full, f"{out_dir}/{name}.safetensors")
+    with open(f"{out_dir}/{name}.json", "w") as f:
+        json.dump({"world": world, "steps": steps}, f)
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
