@@ -423,8 +423,11 @@ fn point(flat: &Tensor, params: &[(String, Tensor)], keep: bool) -> Result<()> {
             .ctx("viewing the gradient buffer")?;
         if !g.defined() {
             // No gradient yet: the view becomes it (nothing to keep, and
-            // no backward to define one; the values are never read).
-            crate::storage::set_grad(p, &view).ctx("moving a gradient into the buffer")?;
+            // no backward to define one; the values are never read). A
+            // detached alias, not the view itself: a view holds its base,
+            // and a released buffer would stay alive through it.
+            let alias = view.f_detach().ctx("moving a gradient into the buffer")?;
+            crate::storage::set_grad(p, &alias).ctx("moving a gradient into the buffer")?;
         } else if keep {
             view.shallow_clone()
                 .f_copy_(&g)
