@@ -22,7 +22,14 @@ Per rank:
 
 Beside them, the arithmetic of the issue: 16 bytes a parameter (fp32
 weights, gradients and AdamW's two moments) over the data degree where
-sharded.
+sharded. With --fsdp (the default), each (W, sync, checkpointing) also
+runs PyTorch FSDP2 on the same model and token file
+(worker/benches/fsdp2_train.py under torchrun): its peak resident memory
+per rank (ru_maxrss at the end of training) and its step time, so
+tokens/s compare in one run. "above idle" subtracts each side's peak on a
+tiny Llama (L = 1, H = 64, the same vocab and W, stage 3 for accrue):
+what the process costs before the model (libtorch; for FSDP2 also
+Python, torch and transformers).
 
 Usage:
     .venv/bin/python worker/benches/zero3_memory.py --worker target/release/accrue-worker
@@ -108,6 +115,24 @@ def launch(worker, d, text, world):
     return steps, whole
 
 
+def fsdp(d, root, fields, a, sync, ac, world):
+    """FSDP2's run of the same configuration: each rank's peak (MiB) and
+    rank 0's median step time over steps 2 onwards."""
+    cfg = {"model": fields, "ac": ac, "sync": sync, "seq_len": a.seq_len, "batch": a.batch,
+           "k": a.k, "steps": a.steps, "tokens": str(root / "train.bin")}
+    port = free_ports(1)[0]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+         "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(Path(__file__).resolve().parent / "fsdp2_train.py"), json.dumps(cfg), str(d)],
+        capture_output=True, text=True, env=env, timeout=3600)
+    if run.returncode != 0:
+        sys.exit(f"FSDP2 failed:\n{run.stderr[-3000:]}")
+    ranks = [json.loads((d / f"fsdp-rank{r}.json").read_text()) for r in range(world)]
+    return [r["peak_mib"] for r in ranks], statistics.median(ranks[0]["times"][1:])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", required=True)
@@ -122,6 +147,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--no-fsdp", action="store_true", help="accrue alone")
     a = ap.parse_args()
     fields = model_fields(a.layers, a.hidden, a.vocab)
     h, i, v, n = a.hidden, fields["intermediate_size"], a.vocab, a.layers
@@ -132,6 +158,18 @@ def main():
         worlds = [int(x) for x in a.worlds.split(",")]
         token_file(root / "train.bin",
                    (a.steps + 1) * a.k * a.batch * max(worlds) * (a.seq_len + 1) + 1, a.vocab)
+        tiny = model_fields(1, 64, a.vocab)
+        idle = {}
+        for world in worlds:
+            d = root / f"idle-{world}"
+            d.mkdir()
+            steps, _ = launch(a.worker, d, job(root, tiny, a, 3, "boundary", False, world), world)
+            idle[("accrue", world)] = statistics.median(
+                max(s["peak_rss_bytes"] for s in st) / 2**20 for st in steps)
+            if not a.no_fsdp:
+                (d / "fsdp").mkdir()
+                peaks, _ = fsdp(d / "fsdp", root, tiny, a, "boundary", False, world)
+                idle[("fsdp", world)] = statistics.median(peaks)
         for world in worlds:
             for sync in a.syncs.split(","):
                 for ac in ([False, True] if a.ac else [False]):
@@ -144,9 +182,18 @@ def main():
                         train = [max(s["peak_rss_bytes"] for s in st) / 2**20 for st in steps]
                         t = statistics.median(s["samples"] / s["samples_per_sec"]
                                               for s in steps[0][1:])
-                        rows.append((world, sync, ac, stage, train, whole, t))
+                        rows.append((world, sync, ac, f"accrue stage {stage}", stage, train,
+                                     whole, t))
                         print(f"W={world} {sync} ac={ac} stage {stage}: train peak "
                               f"{', '.join(f'{m:.0f}' for m in train)} MiB, step {t * 1000:.0f} ms",
+                              file=sys.stderr)
+                    if not a.no_fsdp:
+                        d = root / f"w{world}-fsdp-{sync}-{int(ac)}"
+                        d.mkdir()
+                        peaks, t = fsdp(d, root, fields, a, sync, ac, world)
+                        rows.append((world, sync, ac, "FSDP2", 3, peaks, [None], t))
+                        print(f"W={world} {sync} ac={ac} FSDP2: peak "
+                              f"{', '.join(f'{m:.0f}' for m in peaks)} MiB, step {t * 1000:.0f} ms",
                               file=sys.stderr)
     print(f"- command: `{' '.join(sys.argv)}`")
     print(f"- CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
@@ -154,17 +201,24 @@ def main():
           f"({params / 1e6:.1f} M parameters, {params * 4 / 2**20:.0f} MiB of fp32 weights); "
           f"AdamW; T={a.seq_len}, b={a.batch}, k={a.k}; {a.steps} steps")
     print()
-    print("| W | sync | act. ckpt | stage | peak RSS training, per rank (MiB) "
-          "| peak RSS whole run (MiB) | step ms | 16 B/param arithmetic (MiB) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for world, sync, ac, stage, train, whole, t in rows:
+    print(f"- idle (tiny Llama) peaks, MiB: "
+          f"{', '.join(f'{k[0]} W={k[1]} {v:.0f}' for k, v in idle.items())}")
+    print()
+    print("| W | sync | act. ckpt | run | peak RSS training, per rank (MiB) "
+          "| above idle, max (MiB) | peak RSS whole run (MiB) | step ms | tokens/s "
+          "| 16 B/param arithmetic (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for world, sync, ac, run, stage, train, whole, t in rows:
         shard = lambda nbytes, on: nbytes / world if on else nbytes  # noqa: E731
         every = sync == "every_step"
         arith = (shard(4 * params, stage >= 3) + shard(4 * params, stage >= 2 and every)
                  + shard(8 * params, stage >= 1)) / 2**20
         w = ", ".join(f"{m:.0f}" for m in whole) if whole[0] is not None else "-"
-        print(f"| {world} | {sync} | {'full' if ac else 'none'} | {stage} | "
-              f"{', '.join(f'{m:.0f}' for m in train)} | {w} | {t * 1000:.0f} | {arith:.0f} |")
+        tokens = world * a.k * a.batch * a.seq_len / t
+        base = idle[("fsdp" if run == "FSDP2" else "accrue", world)]
+        print(f"| {world} | {sync} | {'full' if ac else 'none'} | {run} | "
+              f"{', '.join(f'{m:.0f}' for m in train)} | {max(train) - base:.0f} | {w} "
+              f"| {t * 1000:.0f} | {tokens:,.0f} | {arith:.0f} |")
 
 
 if __name__ == "__main__":
