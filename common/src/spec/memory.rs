@@ -119,6 +119,12 @@ impl JobSpec {
     /// stage 1 keeps 1/D of the optimizer state; stage 2 also 1/D of the
     /// gradients under `sync = "every_step"` (under `"boundary"` the
     /// window's whole sum is held until the sync step, as stage 1's).
+    /// Stage 3 (issue 41) keeps 1/D of the parameters plus two gathered
+    /// units (the last block's and a tied embedding's); its gradients are
+    /// the flat buffer alone under `"boundary"` (the `.grad`s are its
+    /// views), and under `"every_step"` 1/D of them plus one unit's by
+    /// unit. Precision changes none of it (fp32 master weights); what
+    /// activation checkpointing saves is activations, counted apart.
     pub fn model_state_bytes(&self, params: u64, largest_unit: u64, states: u64) -> u64 {
         let f32s = |n: u64| n.saturating_mul(4);
         let dims = self.parallel_dims().ok();
@@ -132,8 +138,20 @@ impl JobSpec {
         let zero = self.sharding.stage;
         let every = self.accumulation.sync == super::SyncMode::EveryStep;
         let shard = |n: u64, sharded: bool| if sharded { n.div_ceil(data) } else { n };
-        let weights = f32s(stage);
-        let grads = shard(f32s(stage).saturating_mul(2), zero >= 2 && every);
+        let unit = f32s(largest_unit.min(stage));
+        let (weights, grads) = if zero >= 3 {
+            let grads = if every {
+                shard(f32s(stage), true).saturating_add(unit)
+            } else {
+                f32s(stage)
+            };
+            (shard(f32s(stage), true).saturating_add(unit.saturating_mul(2)), grads)
+        } else {
+            (
+                f32s(stage),
+                shard(f32s(stage).saturating_mul(2), zero >= 2 && every),
+            )
+        };
         let optimizer = shard(f32s(stage).saturating_mul(states), zero >= 1);
         weights.saturating_add(grads).saturating_add(optimizer)
     }
@@ -290,6 +308,20 @@ mod tests {
             .memory_estimate()
             .model;
         assert_eq!(z2e, params * 4 + (params * 4 * 2) / 4 + params * 4 * 2 / 4);
+        // Stage 3: a quarter of the parameters plus two gathered units
+        // (the largest: the last layer with the norm and the head); the
+        // flat gradient buffer under boundary, a quarter plus one unit's
+        // gradients by unit under every_step.
+        let unit = layer + v * h + h;
+        let z3 = llama("[sharding]\nstage = 3\n").memory_estimate().model;
+        assert_eq!(z3, params * 4 / 4 + 2 * unit * 4 + params * 4 + params * 4 * 2 / 4);
+        let z3e = llama("[sharding]\nstage = 3\n[accumulation]\nsync = \"every_step\"\n")
+            .memory_estimate()
+            .model;
+        assert_eq!(z3e, params * 4 / 4 + 2 * unit * 4 + params * 4 / 4 + unit * 4 + params * 4 * 2 / 4);
+        // (Above stage 2's here: this model's head is as large as a
+        // quarter of it, and two units are counted whole.)
+        assert!(z3 < whole && z3e < whole, "{z3} {z3e} {whole}");
         // Both: the stage's parameters, sharded over its 2 data ranks.
         let both = llama("[parallel]\npipeline = 2\n[sharding]\nstage = 1\n")
             .memory_estimate()
