@@ -145,7 +145,10 @@ impl JobSpec {
             } else {
                 f32s(stage)
             };
-            (shard(f32s(stage), true).saturating_add(unit.saturating_mul(2)), grads)
+            (
+                shard(f32s(stage), true).saturating_add(unit.saturating_mul(2)),
+                grads,
+            )
         } else {
             (
                 f32s(stage),
@@ -314,11 +317,17 @@ mod tests {
         // gradients by unit under every_step.
         let unit = layer + v * h + h;
         let z3 = llama("[sharding]\nstage = 3\n").memory_estimate().model;
-        assert_eq!(z3, params * 4 / 4 + 2 * unit * 4 + params * 4 + params * 4 * 2 / 4);
+        assert_eq!(
+            z3,
+            params * 4 / 4 + 2 * unit * 4 + params * 4 + params * 4 * 2 / 4
+        );
         let z3e = llama("[sharding]\nstage = 3\n[accumulation]\nsync = \"every_step\"\n")
             .memory_estimate()
             .model;
-        assert_eq!(z3e, params * 4 / 4 + 2 * unit * 4 + params * 4 / 4 + unit * 4 + params * 4 * 2 / 4);
+        assert_eq!(
+            z3e,
+            params * 4 / 4 + 2 * unit * 4 + params * 4 / 4 + unit * 4 + params * 4 * 2 / 4
+        );
         // (Above stage 2's here: this model's head is as large as a
         // quarter of it, and two units are counted whole.)
         assert!(z3 < whole && z3e < whole, "{z3} {z3e} {whole}");
