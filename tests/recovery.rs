@@ -320,10 +320,8 @@ async fn sharded_rollback(stage: u32) {
     let calm = submit_text(&mut c, &text("zcalm")).await;
     let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
-    let diff = relative_difference(
-        &Path::new(&end.checkpoint).join("model.safetensors"),
-        &Path::new(&calm_end.checkpoint).join("model.safetensors"),
-    );
+    // (The step folders: stage 3 writes its model as shards.)
+    let diff = relative_difference(Path::new(&end.checkpoint), Path::new(&calm_end.checkpoint));
     eprintln!("stage {stage}, interrupted vs uninterrupted: max relative difference {diff:e}");
     assert!(diff <= 1e-5, "relative difference {diff}");
     h.stop().await;

@@ -189,6 +189,17 @@ fn stage_3_checkpoints_resume_across_stages_and_world_sizes() {
     let reference = run_with(&text(0), 2, &a, resume.clone());
     assert!(reference[0].0.len() >= 2, "{:?}", reference[0].0);
     run_with(&text(3), 4, &b, stop.clone());
+    // Every rank wrote its share: the model as Hugging Face shards with
+    // their index, the optimizer state in one part per rank.
+    let step = b.join("step-5");
+    for f in [
+        "model.safetensors.index.json",
+        "optimizer-00001-of-00004.safetensors",
+        "optimizer-00004-of-00004.safetensors",
+    ] {
+        assert!(step.join(f).is_file(), "{} lacks {f}", step.display());
+    }
+    assert!(!step.join("model.safetensors").exists());
     let three_then_zero = run_with(&text(0), 2, &b, resume.clone());
     run_with(&text(0), 4, &c, stop);
     let zero_then_three = run_with(&text(3), 2, &c, resume);
@@ -250,7 +261,7 @@ fn stage_3_llama_equals_fsdp2() {
         assert!(text.contains("tie_word_embeddings = true") && text.contains("sync = "));
         let ranks = common::procs::run_ranks(&out, &text, 2, |_| {});
         let steps = ranks[0].steps();
-        let model = lm_ddp::read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
+        let model = step_model(&out.join(format!("ckpt/step-{}", steps.len())));
         lm_ddp::finish(&mut fsdp, &format!("FSDP2 {sync}: "));
         runs.push((sync, steps, model));
     }

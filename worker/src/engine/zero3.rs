@@ -329,3 +329,133 @@ impl<C: Collective> Engine<C> {
         })
     }
 }
+
+/// Which rank writes unit `u` of `units` at world size `w`: contiguous
+/// runs of units, so the shard files number in the model's order.
+pub(super) fn writer_of(u: usize, units: usize, w: usize) -> usize {
+    u * w / units.max(1)
+}
+
+impl<C: Collective> Engine<C> {
+    /// A ZeRO-3 checkpoint written by every rank, never whole on one
+    /// (docs/SEMANTICS.md): rank r writes the whole tensors of its run of
+    /// units ([`writer_of`]) as shards of one Hugging Face checkpoint, and
+    /// their optimizer state as `optimizer-0000r-of-0000W`; each unit is
+    /// gathered once (every rank takes part) and kept only by its writer.
+    /// Rank 0 (holding the folder's lock) begins the step, writes the
+    /// index, the trainer state and the other files, and publishes it
+    /// under the usual rules (engine/pipe/checkpoint.rs).
+    pub(super) fn zero3_checkpoint(&mut self) -> Result<std::path::PathBuf> {
+        use super::pipe::checkpoint::{decode, encode, sizes, write_stage, Outcome};
+        use crate::checkpoint::{self, shards as files};
+        let (w, r) = (self.collective.world_size(), self.collective.rank());
+        let step = self.state.step;
+        let dir = self.checkpoint_dir.clone();
+        let units = match self.placement.strategy.param_shards() {
+            Some(s) => s.layout_of_units(),
+            None => return Err(Error::Sharding("a ZeRO-3 checkpoint below stage 3".into())),
+        };
+        let n = units.len();
+        let state = self.placement.optimizer.first_state();
+        let mut model: Vec<(String, Tensor)> = Vec::new();
+        let mut opt: Vec<(String, Tensor)> = Vec::new();
+        for (u, (_, params)) in units.iter().enumerate() {
+            let mine = writer_of(u, n, w) == r;
+            self.zero3_gather(&[u])?;
+            if mine {
+                for (name, t) in &self.model.params[params.clone()] {
+                    model.push((name.clone(), t.f_detach_copy().ctx("copying a parameter")?));
+                }
+            }
+            self.zero3_release(&[u])?;
+            for (key, t) in &state {
+                let whole = match self.placement.strategy.param_shards() {
+                    Some(s) => s.gather_unit_of(t, u, &mut self.collective)?,
+                    None => continue,
+                };
+                if !mine {
+                    continue;
+                }
+                let mut off = 0;
+                for (name, p) in &self.model.params[params.clone()] {
+                    let k = p.numel() as i64;
+                    let part = whole
+                        .f_narrow(0, off, k)
+                        .and_then(|v| v.f_view(p.size().as_slice()))
+                        .ctx("optimizer state")?;
+                    opt.push((format!("{name}.{key}"), part));
+                    off += k;
+                }
+            }
+        }
+        if r == 0 {
+            model.extend(
+                self.model
+                    .buffers
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone())),
+            );
+        }
+        let max_shard = accrue_common::spec::shard_size_bytes(&self.spec.checkpoint.max_shard_size)
+            .unwrap_or(u64::MAX);
+        let plan = files::plan(&sizes(&model)?, max_shard);
+        let counts = crate::collective::gather_u64(&mut self.collective, plan.len() as u64)?;
+        let total = counts.iter().sum::<u64>() as usize;
+        let first = counts[..r].iter().sum::<u64>() as usize;
+        // Rank 0 begins; every rank learns the temporary folder (empty:
+        // rank 0 could not begin, and says why at the end).
+        let began = if r == 0 {
+            if self.folder_lock.is_none() {
+                self.take_folder_lock()?;
+            }
+            checkpoint::begin_step(&mut checkpoint::disk::Local, &dir, step, &self.owner).map(Some)
+        } else {
+            Ok(None)
+        };
+        let mut name = match &began {
+            Ok(Some(tmp)) => tmp.to_string_lossy().into_owned().into_bytes(),
+            _ => Vec::new(),
+        };
+        self.collective.broadcast_bytes(&mut name, 0)?;
+        let tmp = (!name.is_empty())
+            .then(|| std::path::PathBuf::from(String::from_utf8_lossy(&name).into_owned()));
+        let outcome: Outcome = match &tmp {
+            Some(tmp) => {
+                write_stage(tmp, &model, &plan, first, total, &opt, r, w).map_err(|e| e.to_string())
+            }
+            None => Err("rank 0 could not begin the step".into()),
+        };
+        drop((model, opt));
+        let mut parts = Vec::with_capacity(w);
+        for root in 0..w {
+            let mut b = if root == r {
+                encode(&outcome)?
+            } else {
+                Vec::new()
+            };
+            self.collective.broadcast_bytes(&mut b, root)?;
+            if r == 0 {
+                parts.push(decode::<Outcome>(&b, root)?);
+            }
+        }
+        let result = if r == 0 {
+            match (began, tmp) {
+                (Ok(Some(_)), Some(tmp)) => self.finish_parts(&tmp, parts),
+                (Err(e), _) => Err(e),
+                _ => Err(Error::Sharding("rank 0 began no step".into())),
+            }
+        } else {
+            Ok(dir.join(checkpoint::step_name(step)))
+        };
+        let mut done = encode(&match &result {
+            Ok(_) => Ok(()),
+            Err(e) => Err(format!("rank 0's write failed: {e}")),
+        })?;
+        self.collective.broadcast_bytes(&mut done, 0)?;
+        let done: std::result::Result<(), String> = decode(&done, 0)?;
+        match done {
+            Ok(()) => result,
+            Err(reason) => Err(Error::Checkpoint { path: dir, reason }),
+        }
+    }
+}

@@ -128,7 +128,7 @@ impl FlatGrads {
                 .ctx("allocating the count slots")?,
             len,
             released: true,
-            buckets: vec![0..EXTRA],
+            buckets: std::iter::once(0..EXTRA).collect(),
             host: None,
         })
     }

@@ -19,9 +19,10 @@ use crate::error::{Error, Result, TorchContext};
 use crate::family::Named;
 use std::path::{Path, PathBuf};
 
-/// What a stage wrote, for the writer's index and manifest.
+/// What a stage (or a ZeRO-3 rank, engine/zero3.rs) wrote, for the
+/// writer's index and manifest.
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
-struct Part {
+pub(in crate::engine) struct Part {
     entries: Vec<Entry>,
     /// Tensor name -> its shard file.
     weight_map: Vec<(String, String)>,
@@ -30,19 +31,22 @@ struct Part {
 }
 
 /// A stage's outcome as it crosses to the writer: its part, or why not.
-type Outcome = std::result::Result<Part, String>;
+pub(in crate::engine) type Outcome = std::result::Result<Part, String>;
 
-fn encode<T: serde::Serialize>(v: &T) -> Result<Vec<u8>> {
+pub(in crate::engine) fn encode<T: serde::Serialize>(v: &T) -> Result<Vec<u8>> {
     serde_json::to_vec(v).map_err(|e| Error::Schedule(format!("encoding a stage's part: {e}")))
 }
 
-fn decode<T: serde::de::DeserializeOwned>(b: &[u8], from: usize) -> Result<T> {
+pub(in crate::engine) fn decode<T: serde::de::DeserializeOwned>(
+    b: &[u8],
+    from: usize,
+) -> Result<T> {
     serde_json::from_slice(b)
         .map_err(|e| Error::Schedule(format!("stage {from}'s checkpoint report: {e}")))
 }
 
 /// The tensors' bytes, each.
-fn sizes(tensors: &Named) -> Result<Vec<u64>> {
+pub(in crate::engine) fn sizes(tensors: &Named) -> Result<Vec<u64>> {
     tensors
         .iter()
         .map(|(_, t)| {
@@ -57,7 +61,7 @@ fn sizes(tensors: &Named) -> Result<Vec<u64>> {
 /// Writes `model`'s shards (`plan`, numbered from `first` of `total`) and
 /// the optimizer state `opt` (part `stage` of `stages`) into `tmp`.
 #[allow(clippy::too_many_arguments)]
-fn write_stage(
+pub(in crate::engine) fn write_stage(
     tmp: &Path,
     model: &Named,
     plan: &[Vec<usize>],
@@ -189,7 +193,7 @@ impl<C: Collective> Engine<C> {
             parts.push(decode(&b, s)?);
         }
         let result = match began {
-            Ok(Some(tmp)) => self.finish_pipeline_step(&tmp, parts),
+            Ok(Some(tmp)) => self.finish_parts(&tmp, parts),
             Ok(None) => Err(Error::Schedule("the writer began no step".into())),
             Err(e) => Err(e),
         };
@@ -208,7 +212,11 @@ impl<C: Collective> Engine<C> {
     /// trainer state and the other files written, the manifest listing
     /// them all, the folder published; a failed part removes the
     /// temporary folder.
-    fn finish_pipeline_step(&mut self, tmp: &Path, parts: Vec<Outcome>) -> Result<PathBuf> {
+    pub(in crate::engine) fn finish_parts(
+        &mut self,
+        tmp: &Path,
+        parts: Vec<Outcome>,
+    ) -> Result<PathBuf> {
         let dir = self.checkpoint_dir.clone();
         let mut disk = checkpoint::disk::Local;
         let fail = |disk: &mut checkpoint::disk::Local, reason: String| {

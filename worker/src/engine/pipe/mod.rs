@@ -27,7 +27,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
 
-mod checkpoint;
+pub(super) mod checkpoint;
 mod plan;
 mod tied;
 mod wire;

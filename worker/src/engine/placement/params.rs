@@ -408,6 +408,25 @@ impl ParamShards {
         Ok(whole)
     }
 
+    /// Unit `u`'s whole values of `part` (this rank's chunks in
+    /// `owned`'s layout at `c`'s: the optimizer state), all-gathered.
+    pub fn gather_unit_of<C: Collective>(
+        &self,
+        part: &Tensor,
+        u: usize,
+        c: &mut C,
+    ) -> Result<Tensor> {
+        let layout = (c.world_size(), c.rank());
+        let unit = &self.units[u];
+        let whole = Tensor::f_zeros([unit.len() as i64], (Kind::Float, Device::Cpu))
+            .ctx("gathering state")?;
+        let buf = host_f32_mut(&whole)?;
+        buf[self.mine_at(u, layout)]
+            .copy_from_slice(&host_f32(part)?[self.owned_range_at(u, layout)]);
+        c.all_gather(buf)?;
+        Ok(whole)
+    }
+
     /// This rank's chunks at `layout`, in `owned`'s order, of a whole
     /// flat vector (the flat parameters' layout).
     pub fn chunks_of(&self, whole: &[f32], layout: (usize, usize)) -> Vec<f32> {

@@ -8,18 +8,24 @@ use std::path::PathBuf;
 
 impl<C: Collective> Engine<C> {
     /// Writes a checkpoint of the committed state (rank 0 writes; the
-    /// others hold identical parameters). Under ZeRO-3 the parameters are
-    /// gathered whole for it (engine/zero3.rs).
+    /// others hold identical parameters). Under ZeRO-3 every rank writes
+    /// its share (engine/zero3.rs).
     pub fn checkpoint(&mut self) -> Result<PathBuf> {
-        self.with_whole(Self::checkpoint_whole)
-    }
-
-    fn checkpoint_whole(&mut self) -> Result<PathBuf> {
         if let Some((step, path)) = &self.last_checkpoint {
             if *step == self.state.step {
                 return Ok(path.clone());
             }
         }
+        if self.placement.strategy.param_shards().is_some() {
+            // ZeRO-3: every rank writes its share, never whole on one.
+            let path = self.zero3_checkpoint()?;
+            self.last_checkpoint = Some((self.state.step, path.clone()));
+            return Ok(path);
+        }
+        self.checkpoint_whole()
+    }
+
+    fn checkpoint_whole(&mut self) -> Result<PathBuf> {
         // Under sharding every rank takes part in gathering the state;
         // pipeline stages write their own parts (engine/pipe/checkpoint.rs).
         let opt = self.optimizer_state()?;
