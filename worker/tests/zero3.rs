@@ -16,7 +16,8 @@ use tempfile::TempDir;
 
 type Named = Vec<(String, Tensor)>;
 
-/// Every step's (loss, grad norm) and the final parameters of each rank.
+/// Every step's (loss, grad norm) and evaluation's (loss, accuracy), and
+/// the final parameters of each rank.
 fn run(text: &str, world: usize, dir: &Path) -> Vec<(Vec<(f64, f64)>, Named)> {
     run_with(text, world, dir, RunOptions::default())
 }
@@ -36,10 +37,11 @@ fn run_with(
         };
         let mut e = Engine::new(spec(&text), ring, opts).unwrap_or_else(|e| panic!("{e}"));
         let mut steps = Vec::new();
-        e.run(|ev| {
-            if let accrue_worker::Event::Step(r) = ev {
-                steps.push((r.loss, r.grad_norm));
-            }
+        e.run(|ev| match ev {
+            accrue_worker::Event::Step(r) => steps.push((r.loss, r.grad_norm)),
+            // Evaluations join the list: (loss, accuracy).
+            accrue_worker::Event::Eval(r) => steps.push((r.loss, r.accuracy)),
+            _ => {}
         })
         .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         (steps, e.whole_parameters().unwrap())
@@ -72,9 +74,12 @@ fn against_stage_0(text: &str, world: usize, tol: f64, what: &str) {
     }
 }
 
-/// An mlp 6-13-11-4 (not divisible by 2 or 4), AdamW with clipping.
+/// An mlp 6-13-11-4 (not divisible by 2 or 4), AdamW with clipping, 16
+/// held-out samples (evaluated at the end: stage 3 runs the blocks one
+/// unit at a time there too).
 fn mlp(sync: &str) -> String {
     mlp_job(64, 4, 2, "global_count", "")
+        .replace("eval_samples = 0", "eval_samples = 16")
         .replace("hidden = [16]", "hidden = [13, 11]")
         .replace(
             "[optimizer]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\nweight_decay = 0.001\n",

@@ -169,6 +169,34 @@ impl<C: Collective> Engine<C> {
         }
     }
 
+    /// ZeRO-3's evaluation forward (no graph): the blocks one unit at a
+    /// time, the last one gathered (with a tied head's embedding) through
+    /// the head; the model's output, as [`Model::forward`] gives it.
+    pub(super) fn zero3_eval_forward(&mut self, inputs: &Tensor) -> Result<Tensor> {
+        let plan = self
+            .recompute
+            .clone()
+            .ok_or_else(|| Error::Sharding("stage 3 runs its blocks in segments".into()))?;
+        let blocks = plan.segments.last().map_or(0, |s| s.end);
+        let packed = self.spec.data.pack.then_some(inputs);
+        let mut x = inputs.shallow_clone();
+        for b in 0..blocks {
+            let last = b + 1 == blocks;
+            let units = self.units_of(b..b + 1, last && !plan.shared.is_empty());
+            self.zero3_gather(&units)?;
+            let staged = self
+                .model
+                .staged()
+                .ok_or_else(|| Error::Sharding("this model does not run in blocks".into()))?;
+            x = staged.stage_forward_with(&x, b..b + 1, packed)?;
+            if last {
+                x = self.stage_logits(x)?;
+            }
+            self.zero3_release(&units)?;
+        }
+        Ok(x)
+    }
+
     /// Gradients by unit: zeroed buffers under `units` before their
     /// backward (nothing otherwise).
     pub(super) fn zero3_open_grads(&mut self, units: &[usize]) -> Result<()> {

@@ -13,12 +13,18 @@ impl<C: Collective> Engine<C> {
         if self.eval.is_none() {
             return Ok(None);
         }
-        // Under ZeRO-3 the parameters are gathered whole for it.
-        self.with_whole(Self::evaluate_whole)
+        // (Under ZeRO-3 the blocks run one unit at a time, engine/zero3.rs.)
+        let eval = self.eval.take();
+        let out = self.evaluate_on(eval.as_deref());
+        self.eval = eval;
+        out
     }
 
-    fn evaluate_whole(&mut self) -> Result<Option<EvalReport>> {
-        let Some(eval) = &self.eval else {
+    fn evaluate_on(
+        &mut self,
+        eval: Option<&dyn crate::source::DataSource>,
+    ) -> Result<Option<EvalReport>> {
+        let Some(eval) = eval else {
             return Ok(None);
         };
         let _guard = tch::no_grad_guard();
@@ -34,7 +40,11 @@ impl<C: Collective> Engine<C> {
             while start < n {
                 let len = bs.min(n - start);
                 let batch = eval.range(start, len, self.device)?;
-                let output = self.model.forward(&batch.inputs, false)?;
+                let output = if self.placement.strategy.stage() == 3 {
+                    self.zero3_eval_forward(&batch.inputs)?
+                } else {
+                    self.model.forward(&batch.inputs, false)?
+                };
                 sums.add(self.objective.evaluate(&output, &batch)?);
                 start += len;
             }
