@@ -563,31 +563,6 @@ fn fewer_micro_batches_than_stages_warn_of_the_bubble() {
     within(&model_at(d.path(), 3), &want, 1e-5, "mlp, k = 1, P = 2");
 }
 
-/// transformers' `from_pretrained` on a step folder gives its tensors.
-fn from_pretrained_equals(step: &Path, want: &Named) {
-    let out = step.with_file_name("loaded.safetensors");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/load_step.py");
-    let run = std::process::Command::new(python())
-        .arg(script)
-        .arg(step)
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let loaded = Tensor::read_safetensors(&out).unwrap();
-    for (name, t) in want {
-        let (_, l) = loaded
-            .iter()
-            .find(|(n, _)| n == name)
-            .unwrap_or_else(|| panic!("transformers loaded no {name}"));
-        assert!(l.equal(t), "{name} differs after from_pretrained");
-    }
-}
-
 /// ZeRO stages 1 and 2 inside each stage's data group (2 data x 2
 /// stages, a tied Llama: the embedding's state and shards live on the
 /// first stage only): every step's loss and norm as stage 0's within 1e-6,

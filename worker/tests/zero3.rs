@@ -266,7 +266,10 @@ fn stage_3_llama_equals_fsdp2() {
         assert!(text.contains("tie_word_embeddings = true") && text.contains("sync = "));
         let ranks = common::procs::run_ranks(&out, &text, 2, |_| {});
         let steps = ranks[0].steps();
-        let model = step_model(&out.join(format!("ckpt/step-{}", steps.len())));
+        let step = out.join(format!("ckpt/step-{}", steps.len()));
+        let model = step_model(&step);
+        // Every rank's shards load as one model in transformers.
+        from_pretrained_equals(&step, &model);
         lm_ddp::finish(&mut fsdp, &format!("FSDP2 {sync}: "));
         runs.push((sync, steps, model));
     }

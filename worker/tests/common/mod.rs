@@ -317,3 +317,28 @@ pub fn prompt_rows(path: &Path, lens: &[usize]) {
     }
     write_sequences(path, &tokens, &offsets, &mask);
 }
+
+/// transformers' `from_pretrained` on a step folder gives its tensors.
+pub fn from_pretrained_equals(step: &Path, want: &[(String, Tensor)]) {
+    let out = step.with_file_name("loaded.safetensors");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/load_step.py");
+    let run = std::process::Command::new(python())
+        .arg(script)
+        .arg(step)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let loaded = Tensor::read_safetensors(&out).unwrap();
+    for (name, t) in want {
+        let (_, l) = loaded
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("transformers loaded no {name}"));
+        assert!(l.equal(t), "{name} differs after from_pretrained");
+    }
+}
