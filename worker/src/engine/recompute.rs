@@ -304,18 +304,25 @@ impl<C: Collective> Engine<C> {
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
             self.zero3_open_grads(&units)?;
-            out.f_mul(&grad)
-                .and_then(|y| y.f_sum(Kind::Float))
-                .and_then(|y| y.f_backward())
-                .ctx("running backward")?;
-            drop(out);
-            self.zero3_release(&units)?;
-            self.zero3_reduce_grads(&units)?;
+            self.segment_backward(out, &grad, &units)?;
             if i > 0 {
                 grad = x_in.grad();
             }
         }
         Ok(())
+    }
+
+    /// A segment's backward: its output back-propagated with the gradient
+    /// it received (the backward of `sum(out * grad)`), then under ZeRO-3
+    /// its `units` released and their gradients reduced.
+    fn segment_backward(&mut self, out: Tensor, grad: &Tensor, units: &[usize]) -> Result<()> {
+        out.f_mul(grad)
+            .and_then(|y| y.f_sum(Kind::Float))
+            .and_then(|y| y.f_backward())
+            .ctx("running backward")?;
+        drop(out);
+        self.zero3_release(units)?;
+        self.zero3_reduce_grads(units)
     }
 
     /// The model's blocks, run one range at a time.
@@ -354,13 +361,7 @@ impl<C: Collective> Engine<C> {
                 self.staged()?
                     .stage_forward_with(&x_in, seg.clone(), packed)?
             };
-            out.f_mul(&grad)
-                .and_then(|y| y.f_sum(Kind::Float))
-                .and_then(|y| y.f_backward())
-                .ctx("running backward")?;
-            drop(out);
-            self.zero3_release(&units)?;
-            self.zero3_reduce_grads(&units)?;
+            self.segment_backward(out, &grad, &units)?;
             if i > 0 {
                 grad = x_in.grad();
             }

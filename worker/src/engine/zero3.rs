@@ -404,16 +404,11 @@ impl<C: Collective> Engine<C> {
                 if !mine {
                     continue;
                 }
-                let mut off = 0;
-                for (name, p) in &self.model.params[params.clone()] {
-                    let k = p.numel() as i64;
-                    let part = whole
-                        .f_narrow(0, off, k)
-                        .and_then(|v| v.f_view(p.size().as_slice()))
-                        .ctx("optimizer state")?;
-                    opt.push((format!("{name}.{key}"), part));
-                    off += k;
-                }
+                opt.extend(super::placement::views_by_name(
+                    &self.model.params[params.clone()],
+                    &whole,
+                    key,
+                )?);
             }
         }
         if r == 0 {

@@ -150,10 +150,37 @@ def rows_to_batch(data, idx):
     return inputs, targets
 
 
+def load_init(model):
+    """The prepared initial weights, strictly but for a tied head (which
+    is the embedding)."""
+    missing, unexpected = model.load_state_dict(
+        load_file(f"{out_dir}/init.safetensors"), strict=False)
+    tied = model.config.tie_word_embeddings
+    assert list(missing) == (["lm_head.weight"] if tied else []), missing
+    assert list(unexpected) == [], unexpected
+
+
+def windows(data, n, b, k, world):
+    """Each window of this rank's micro-batches (DistributedSampler, no
+    shuffle, every epoch) with the window's global target count."""
+    import torch.distributed as dist
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
+    for epoch in range(cfg["epochs"]):
+        sampler.set_epoch(epoch)
+        mine = list(sampler)
+        micro = [mine[i:i + b] for i in range(0, len(mine), b)]
+        for w in range(0, len(micro), k):
+            window = [rows_to_batch(data, idx) for idx in micro[w:w + k]]
+            count = torch.tensor(float(sum(int((t != -100).sum()) for _, t in window)))
+            dist.all_reduce(count)
+            yield window, count.item()
+
+
 def train():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DistributedSampler
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -168,81 +195,67 @@ def train():
         return train_fsdp(data, n, b, k, world)
     for norm_mode in cfg["modes"]:
         model = build()
-        missing, unexpected = model.load_state_dict(
-            load_file(f"{out_dir}/init.safetensors"), strict=False)
-        # Strict but for a tied head, which is the embedding.
-        tied = model.config.tie_word_embeddings
-        assert list(missing) == (["lm_head.weight"] if tied else []), missing
-        assert list(unexpected) == [], unexpected
+        load_init(model)
         ddp = DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
         scaler = torch.amp.GradScaler("cpu") if fp16 else None
         scales = []
-        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
         steps = []
-        for epoch in range(cfg["epochs"]):
-            sampler.set_epoch(epoch)
-            mine = list(sampler)
-            micro = [mine[i:i + b] for i in range(0, len(mine), b)]
-            for w in range(0, len(micro), k):
-                window = [rows_to_batch(data, idx) for idx in micro[w:w + k]]
-                count = torch.tensor(float(sum(int((t != -100).sum()) for _, t in window)))
-                dist.all_reduce(count)
-                n_global = count.item()
-                loss_sum = torch.zeros((), dtype=torch.float64)
-                for i, (x, t) in enumerate(window):
-                    sync = i + 1 == len(window)
-                    amp = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
-                           else torch.autocast("cpu", dtype=torch.float16) if fp16
-                           else contextlib.nullcontext())
-                    with contextlib.nullcontext() if sync else ddp.no_sync():
-                        with amp:
-                            logits = ddp(input_ids=x).logits.float()
-                            ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
-                                                 ignore_index=-100, reduction="sum")
-                            loss_sum += ce.detach().double()
-                            if norm_mode == "global_count" and fp16:
-                                # accrue's order: each rank's backward of
-                                # the sum * scale / k (GradScaler's scale),
-                                # so fp16 overflows where accrue's would;
-                                # DDP averages, then the gradients are
-                                # unscaled and multiplied by k * W / N.
-                                loss = scaler.scale(ce / len(window))
-                            elif norm_mode == "global_count" and bf16:
-                                # accrue's order: backward of the sum (x W
-                                # against DDP's average), 1/N after the
-                                # reduction; 1/N inside a bf16 backward
-                                # rounds differently (and AdamW's first
-                                # steps turn a flipped near-zero gradient
-                                # into a whole lr).
-                                loss = ce * world
-                            elif norm_mode == "global_count":
-                                loss = ce * world / n_global
-                            else:
-                                targets = int((t != -100).sum())
-                                loss = (ce / targets if targets else ce * 0.0) / len(window)
-                        loss.backward()
-                dist.all_reduce(loss_sum)
-                if norm_mode == "global_count" and bf16:
-                    for p in model.parameters():
-                        p.grad.div_(n_global)
-                if fp16:
-                    scales.append(scaler.get_scale())
-                    scaler.unscale_(opt)
-                    for p in model.parameters():
-                        p.grad.mul_(len(window) * world / n_global)
-                norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=cfg["max_norm"])
-                if fp16:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                opt.zero_grad()
-                # JSON has no inf: a non-finite norm (an fp16 overflow) is null.
-                g = norm.item()
-                steps.append({"loss": loss_sum.item() / n_global,
-                              "grad_norm": g if math.isfinite(g) else None,
-                              "tokens": n_global, "loss_scale": scales[-1] if fp16 else 0.0})
+        for window, n_global in windows(data, n, b, k, world):
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for i, (x, t) in enumerate(window):
+                sync = i + 1 == len(window)
+                amp = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
+                       else torch.autocast("cpu", dtype=torch.float16) if fp16
+                       else contextlib.nullcontext())
+                with contextlib.nullcontext() if sync else ddp.no_sync():
+                    with amp:
+                        logits = ddp(input_ids=x).logits.float()
+                        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
+                                             ignore_index=-100, reduction="sum")
+                        loss_sum += ce.detach().double()
+                        if norm_mode == "global_count" and fp16:
+                            # accrue's order: each rank's backward of
+                            # the sum * scale / k (GradScaler's scale),
+                            # so fp16 overflows where accrue's would;
+                            # DDP averages, then the gradients are
+                            # unscaled and multiplied by k * W / N.
+                            loss = scaler.scale(ce / len(window))
+                        elif norm_mode == "global_count" and bf16:
+                            # accrue's order: backward of the sum (x W
+                            # against DDP's average), 1/N after the
+                            # reduction; 1/N inside a bf16 backward
+                            # rounds differently (and AdamW's first
+                            # steps turn a flipped near-zero gradient
+                            # into a whole lr).
+                            loss = ce * world
+                        elif norm_mode == "global_count":
+                            loss = ce * world / n_global
+                        else:
+                            targets = int((t != -100).sum())
+                            loss = (ce / targets if targets else ce * 0.0) / len(window)
+                    loss.backward()
+            dist.all_reduce(loss_sum)
+            if norm_mode == "global_count" and bf16:
+                for p in model.parameters():
+                    p.grad.div_(n_global)
+            if fp16:
+                scales.append(scaler.get_scale())
+                scaler.unscale_(opt)
+                for p in model.parameters():
+                    p.grad.mul_(len(window) * world / n_global)
+            norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=cfg["max_norm"])
+            if fp16:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+            # JSON has no inf: a non-finite norm (an fp16 overflow) is null.
+            g = norm.item()
+            steps.append({"loss": loss_sum.item() / n_global,
+                          "grad_norm": g if math.isfinite(g) else None,
+                          "tokens": n_global, "loss_scale": scales[-1] if fp16 else 0.0})
         save_file(weights(model), f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.safetensors")
         with open(f"{out_dir}/ddp-{tag}{norm_mode}-rank{rank}.json", "w") as f:
             json.dump({"world": world, "steps": steps}, f)
@@ -259,46 +272,33 @@ def train_fsdp(data, n, b, k, world):
     """FSDP2 (see the module documentation): accrue's ZeRO-3 reference."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from torch.utils.data import DistributedSampler
 
     sync_mode = cfg["sync"]
     model = build()
-    missing, unexpected = model.load_state_dict(
-        load_file(f"{out_dir}/init.safetensors"), strict=False)
+    load_init(model)
     tied = model.config.tie_word_embeddings
-    assert list(missing) == (["lm_head.weight"] if tied else []), missing
-    assert list(unexpected) == [], unexpected
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
     steps = []
-    for epoch in range(cfg["epochs"]):
-        sampler.set_epoch(epoch)
-        mine = list(sampler)
-        micro = [mine[i:i + b] for i in range(0, len(mine), b)]
-        for w in range(0, len(micro), k):
-            window = [rows_to_batch(data, idx) for idx in micro[w:w + k]]
-            count = torch.tensor(float(sum(int((t != -100).sum()) for _, t in window)))
-            dist.all_reduce(count)
-            n_global = count.item()
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            for i, (x, t) in enumerate(window):
-                last = i + 1 == len(window)
-                model.set_requires_gradient_sync(last or sync_mode == "every_step")
-                logits = model(input_ids=x).logits.float()
-                ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
-                                     ignore_index=-100, reduction="sum")
-                loss_sum += ce.detach().double()
-                (ce * world / n_global).backward()
-            dist.all_reduce(loss_sum)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
-            opt.step()
-            opt.zero_grad()
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            steps.append({"loss": loss_sum.item() / n_global, "grad_norm": norm.item(),
-                          "tokens": n_global, "loss_scale": 0.0})
+    for window, n_global in windows(data, n, b, k, world):
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, (x, t) in enumerate(window):
+            last = i + 1 == len(window)
+            model.set_requires_gradient_sync(last or sync_mode == "every_step")
+            logits = model(input_ids=x).logits.float()
+            ce = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1),
+                                 ignore_index=-100, reduction="sum")
+            loss_sum += ce.detach().double()
+            (ce * world / n_global).backward()
+        dist.all_reduce(loss_sum)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
+        opt.step()
+        opt.zero_grad()
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        steps.append({"loss": loss_sum.item() / n_global, "grad_norm": norm.item(),
+                      "tokens": n_global, "loss_scale": 0.0})
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).contiguous()
             for k, v in model.state_dict().items()
             if not (tied and k == "lm_head.weight")}

@@ -42,7 +42,7 @@ mod stage3;
 
 pub(super) use params::{ParamShards, ShardTaker};
 pub(super) use replicated::Replicated;
-pub(super) use sharded::{ShardedGradients, ShardedOptimizer};
+pub(super) use sharded::{views_by_name, ShardedGradients, ShardedOptimizer};
 pub(super) use stage3::ShardedParameters;
 
 use crate::collective::Collective;

@@ -133,6 +133,79 @@ pub(super) fn step_slice(
     Ok(())
 }
 
+/// Views of the flat tensor `whole` (the parameters' elements in order)
+/// shaped as `params`, named `<param>.<key>` (or the parameter's own name
+/// with an empty key): a state kind by PyTorch's names.
+pub(in crate::engine) fn views_by_name(
+    params: &[(String, Tensor)],
+    whole: &Tensor,
+    key: &str,
+) -> Result<Vec<(String, Tensor)>> {
+    let mut off = 0;
+    params
+        .iter()
+        .map(|(name, t)| {
+            let n = t.numel() as i64;
+            let view = whole
+                .f_narrow(0, off, n)
+                .and_then(|v| v.f_view(t.size().as_slice()))
+                .ctx("a view by name")?;
+            off += n;
+            let name = if key.is_empty() {
+                name.clone()
+            } else {
+                format!("{name}.{key}")
+            };
+            Ok((name, view))
+        })
+        .collect()
+}
+
+/// A whole saved optimizer state by PyTorch's per-parameter names, kind
+/// by kind, as one flat vector in the parameters' order, of which `keep`
+/// makes this rank's tensor; refuses a missing, misshapen or unknown
+/// tensor. Stages 1 to 3 resume with it (each keeps its own part).
+pub(super) fn keep_of_saved<C: Collective>(
+    p: &Parts<'_, C>,
+    saved: Vec<(String, Tensor)>,
+    mut keep: impl FnMut(&[f32]) -> Result<Tensor>,
+) -> Result<Vec<(&'static str, Tensor)>> {
+    let mut saved: std::collections::HashMap<String, Tensor> = saved.into_iter().collect();
+    let mut state = Vec::new();
+    for key in KEYS {
+        let parts: Vec<Option<Tensor>> = p
+            .params
+            .iter()
+            .map(|(name, _)| saved.remove(&format!("{name}.{key}")))
+            .collect();
+        if parts.iter().all(Option::is_none) {
+            continue;
+        }
+        let mut flat = Vec::with_capacity(p.flat_len());
+        for ((name, t), part) in p.params.iter().zip(parts) {
+            let part = part.ok_or_else(|| Error::OptimizerStateMissing {
+                key: key.to_string(),
+                param: name.clone(),
+            })?;
+            if part.size() != t.size() {
+                return Err(Error::OptimizerStateShape {
+                    name: format!("{name}.{key}"),
+                    got: part.size(),
+                    want: t.size(),
+                });
+            }
+            flat.extend(flatten(&[part])?);
+        }
+        state.push((key, keep(&flat)?));
+    }
+    if let Some(extra) = saved.keys().next() {
+        return Err(Error::OptimizerStateUnknown {
+            name: extra.clone(),
+        });
+    }
+    Ok(state)
+}
+
 impl Shard {
     /// Prepares this rank's gradient slice `grad`, steps its parameters
     /// with the slice's optimizer state (on the CPU the fused pass, as
@@ -201,17 +274,10 @@ impl Shard {
                 .ok_or_else(|| Error::Sharding("gradients are not on the CPU".into()))?;
             p.collective.all_gather(g)?;
         }
-        let mut off = 0;
-        for (_, t) in p.params {
-            let n = t.numel() as i64;
-            let src = flat
-                .f_narrow(0, off, n)
-                .and_then(|v| v.f_view(t.size().as_slice()))
-                .ctx("the gathered parameters")?;
+        for ((_, t), (_, src)) in p.params.iter().zip(views_by_name(p.params, &flat, "")?) {
             t.shallow_clone()
                 .f_copy_(&src)
                 .ctx("the gathered parameters")?;
-            off += n;
         }
         self.dirty = false;
         Ok(())
@@ -248,16 +314,7 @@ impl Shard {
             let buf =
                 unsafe { std::slice::from_raw_parts_mut(whole.data_ptr() as *mut f32, total) };
             p.collective.all_gather(buf)?;
-            let mut off = 0;
-            for (name, t) in p.params {
-                let n = t.numel() as i64;
-                let part = whole
-                    .f_narrow(0, off, n)
-                    .and_then(|v| v.f_view(t.size().as_slice()))
-                    .ctx("optimizer state")?;
-                out.push((format!("{name}.{key}"), part));
-                off += n;
-            }
+            out.extend(views_by_name(p.params, &whole, key)?);
         }
         Ok(out)
     }
@@ -269,43 +326,13 @@ impl Shard {
         saved: Vec<(String, Tensor)>,
         steps: u64,
     ) -> Result<()> {
-        let mut saved: std::collections::HashMap<String, Tensor> = saved.into_iter().collect();
         let s = my_slice(p);
-        let mut state = Vec::new();
-        for key in KEYS {
-            let parts: Vec<Option<Tensor>> = p
-                .params
-                .iter()
-                .map(|(name, _)| saved.remove(&format!("{name}.{key}")))
-                .collect();
-            if parts.iter().all(Option::is_none) {
-                continue;
-            }
-            let mut flat = Vec::with_capacity(p.flat_len());
-            for ((name, t), part) in p.params.iter().zip(parts) {
-                let part = part.ok_or_else(|| Error::OptimizerStateMissing {
-                    key: key.to_string(),
-                    param: name.clone(),
-                })?;
-                if part.size() != t.size() {
-                    return Err(Error::OptimizerStateShape {
-                        name: format!("{name}.{key}"),
-                        got: part.size(),
-                        want: t.size(),
-                    });
-                }
-                flat.extend(flatten(&[part])?);
-            }
-            let slice = Tensor::from_slice(&flat[s.clone()])
-                .f_to_device(p.device)
-                .ctx("optimizer state")?;
-            state.push((key, slice));
-        }
-        if let Some(extra) = saved.keys().next() {
-            return Err(Error::OptimizerStateUnknown {
-                name: extra.clone(),
-            });
-        }
+        let device = p.device;
+        let state = keep_of_saved(p, saved, |flat| {
+            Tensor::from_slice(&flat[s.clone()])
+                .f_to_device(device)
+                .ctx("optimizer state")
+        })?;
         p.optimizer.set_first_state(state, steps);
         self.layout = Some(p.layout());
         self.dirty = false;

@@ -18,10 +18,9 @@
 //! into PyTorch's per-parameter names, so they load under any stage and
 //! world size.
 
-use super::sharded::{slice_norm, step_slice, Shard, KEYS};
+use super::sharded::{keep_of_saved, slice_norm, step_slice, views_by_name, Shard};
 use super::{Axis, ParamShards, Parts, Placement};
 use crate::collective::Collective;
-use crate::engine::flat::flatten;
 use crate::error::{Error, Result, TorchContext};
 use crate::optim::{GradPrep, Optimizer};
 use std::time::Duration;
@@ -163,16 +162,7 @@ impl<C: Collective> Placement<C> for ShardedParameters {
         let mut out = Vec::new();
         for (key, t) in p.optimizer.first_state() {
             let whole = self.params.gather_flat(&t, p.collective)?;
-            let mut off = 0;
-            for (name, t) in p.params {
-                let n = t.numel() as i64;
-                let part = whole
-                    .f_narrow(0, off, n)
-                    .and_then(|v| v.f_view(t.size().as_slice()))
-                    .ctx("optimizer state")?;
-                out.push((format!("{name}.{key}"), part));
-                off += n;
-            }
+            out.extend(views_by_name(p.params, &whole, key)?);
         }
         Ok(out)
     }
@@ -184,40 +174,11 @@ impl<C: Collective> Placement<C> for ShardedParameters {
         saved: Vec<(String, Tensor)>,
         steps: u64,
     ) -> Result<()> {
-        let mut saved: std::collections::HashMap<String, Tensor> = saved.into_iter().collect();
-        let mut state = Vec::new();
-        for key in KEYS {
-            let parts: Vec<Option<Tensor>> = p
-                .params
-                .iter()
-                .map(|(name, _)| saved.remove(&format!("{name}.{key}")))
-                .collect();
-            if parts.iter().all(Option::is_none) {
-                continue;
-            }
-            let mut flat = Vec::with_capacity(p.flat_len());
-            for ((name, t), part) in p.params.iter().zip(parts) {
-                let part = part.ok_or_else(|| Error::OptimizerStateMissing {
-                    key: key.to_string(),
-                    param: name.clone(),
-                })?;
-                if part.size() != t.size() {
-                    return Err(Error::OptimizerStateShape {
-                        name: format!("{name}.{key}"),
-                        got: part.size(),
-                        want: t.size(),
-                    });
-                }
-                flat.extend(flatten(&[part])?);
-            }
-            let mine = self.params.chunks_of(&flat, p.layout());
-            state.push((key, Tensor::f_from_slice(&mine).ctx("optimizer state")?));
-        }
-        if let Some(extra) = saved.keys().next() {
-            return Err(Error::OptimizerStateUnknown {
-                name: extra.clone(),
-            });
-        }
+        let layout = p.layout();
+        let params = &self.params;
+        let state = keep_of_saved(p, saved, |flat| {
+            Tensor::f_from_slice(&params.chunks_of(flat, layout)).ctx("optimizer state")
+        })?;
         p.optimizer.set_first_state(state, steps);
         self.shard.layout = Some(p.layout());
         self.shard.dirty = false;
