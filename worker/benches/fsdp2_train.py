@@ -8,7 +8,8 @@ AdamW, the same token file and windows as accrue's run (rank r reads rows
 r, r + W, ... of T + 1 tokens), k micro-batches of b rows a step:
 `sync = "boundary"` sets `set_requires_gradient_sync(False)` on all but
 the window's last micro-batch, `"every_step"` reduces every one; with
-`ac`, transformers' gradient checkpointing on every layer. Each rank
+`ac`, transformers' gradient checkpointing on every layer; with
+`keep_gathered`, `reshard_after_forward=False`. Each rank
 writes OUT/fsdp-rank<r>.json: its step times (seconds) and its peak
 resident memory (MiB, getrusage's ru_maxrss at the end of training).
 
@@ -35,9 +36,10 @@ torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(**cfg["model"], use_cache=False))
 if cfg["ac"]:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+keep = cfg.get("keep_gathered", False)
 for layer in model.model.layers:
-    fully_shard(layer)
-fully_shard(model)
+    fully_shard(layer, reshard_after_forward=not keep)
+fully_shard(model, reshard_after_forward=not keep)
 opt = torch.optim.AdamW(model.parameters(), lr=0.001, weight_decay=0.1)
 t, b, k = cfg["seq_len"], cfg["batch"], cfg["k"]
 with open(cfg["tokens"], "rb") as f:

@@ -53,6 +53,7 @@ from pipeline_vs_torch import free_ports, model_fields, token_file  # noqa: E402
 
 
 def job(d, fields, a, stage, sync, ac, world):
+    keep = "reshard_after_forward = false\n" if stage == 3 and a.keep_gathered else ""
     model = "\n".join(f"{key} = {json.dumps(v)}" for key, v in fields.items())
     perf = '[performance]\nactivation_checkpointing = "full"\n' if ac else ""
     return f"""
@@ -80,7 +81,7 @@ lr = 0.001
 weight_decay = 0.1
 [sharding]
 stage = {stage}
-[comm]
+{keep}[comm]
 timeout_s = 300
 connect_timeout_s = 60
 {perf}"""
@@ -119,7 +120,8 @@ def fsdp(d, root, fields, a, sync, ac, world):
     """FSDP2's run of the same configuration: each rank's peak (MiB) and
     rank 0's median step time over steps 2 onwards."""
     cfg = {"model": fields, "ac": ac, "sync": sync, "seq_len": a.seq_len, "batch": a.batch,
-           "k": a.k, "steps": a.steps, "tokens": str(root / "train.bin")}
+           "k": a.k, "steps": a.steps, "tokens": str(root / "train.bin"),
+           "keep_gathered": a.keep_gathered}
     port = free_ports(1)[0]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(
@@ -148,6 +150,8 @@ def main():
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--no-fsdp", action="store_true", help="accrue alone")
+    ap.add_argument("--keep-gathered", action="store_true",
+                    help="stage 3 with reshard_after_forward = false (FSDP2 too)")
     a = ap.parse_args()
     fields = model_fields(a.layers, a.hidden, a.vocab)
     h, i, v, n = a.hidden, fields["intermediate_size"], a.vocab, a.layers

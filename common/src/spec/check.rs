@@ -211,6 +211,16 @@ impl JobSpec {
                 format!("must be {SHARDING_STAGES}"),
             );
         }
+        if let (Some(r), true) = (self.sharding.reshard_after_forward, self.sharding.stage < 3) {
+            c.fail(
+                "sharding.reshard_after_forward",
+                r,
+                format!(
+                    "applies to sharding.stage = 3 (the parameters sharded), not {}",
+                    self.sharding.stage
+                ),
+            );
+        }
         self.validate_precision(&mut c);
         self.validate_model(&mut c);
         self.validate_data(&mut c);

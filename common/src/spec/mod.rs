@@ -183,6 +183,12 @@ pub struct ShardingSpec {
     /// backward (issue 41).
     #[serde(default)]
     pub stage: u32,
+    /// Stage 3: release each unit's gathered parameters after its forward
+    /// and gather them again for its backward (None: true, FSDP2's
+    /// default); false keeps them from the forward to the backward (more
+    /// memory, half the gathers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reshard_after_forward: Option<bool>,
 }
 
 /// The sharding stages built so far.

@@ -329,6 +329,23 @@ fn sharding_stage_is_0_to_3_and_defaults_to_0() {
         text.starts_with("sharding.stage = 4: must be 0 (none), 1 (optimizer state sharded), 2 (optimizer state and gradients sharded) or 3"),
         "{text}"
     );
+    // reshard_after_forward is stage 3's alone.
+    let e = invalid(&format!(
+        "{BASE}[sharding]\nstage = 2\nreshard_after_forward = false\n"
+    ));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(
+        e[0].to_string()
+            == "sharding.reshard_after_forward = false: applies to sharding.stage = 3 (the parameters sharded), not 2",
+        "{}",
+        e[0]
+    );
+    let three = JobSpec::fields_from_toml_str(
+        &format!("{BASE}[sharding]\nstage = 3\nreshard_after_forward = false\n"),
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    assert_eq!(three.sharding.reshard_after_forward, Some(false));
 }
 
 #[test]

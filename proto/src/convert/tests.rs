@@ -455,7 +455,8 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 optimizer,
                 schedule,
                 sharding: ShardingSpec {
-                    stage: (seed % 3) as u32,
+                    stage: (seed % 4) as u32,
+                    reshard_after_forward: (seed % 4 == 3).then_some(seed / 4 % 2 == 0),
                 },
                 precision: Precision::ALL[(seed / 3 % 3) as usize],
                 loss_scaling: if Precision::ALL[(seed / 3 % 3) as usize] == Precision::Fp16 {

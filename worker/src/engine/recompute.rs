@@ -242,7 +242,7 @@ impl<C: Collective> Engine<C> {
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
             let next = self.staged()?.stage_forward_with(&x, seg.clone(), packed)?;
-            self.zero3_release(&units)?;
+            self.zero3_release_after_forward(&units)?;
             saved.push(std::mem::replace(&mut x, next));
         }
         Ok((x, saved))
@@ -278,7 +278,7 @@ impl<C: Collective> Engine<C> {
                 self.staged()?
                     .stage_forward_with(&x_in, seg.clone(), packed)?
             };
-            self.zero3_release(&units)?;
+            self.zero3_release_after_forward(&units)?;
             x = out.shallow_clone();
             kept.push(x_in);
             kept.push(out);

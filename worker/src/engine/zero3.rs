@@ -161,6 +161,16 @@ impl<C: Collective> Engine<C> {
         }
     }
 
+    /// After a segment's forward: releases `units` under ZeRO-3 unless
+    /// `sharding.reshard_after_forward = false` keeps them gathered until
+    /// its backward.
+    pub(super) fn zero3_release_after_forward(&mut self, units: &[usize]) -> Result<()> {
+        if self.spec.sharding.reshard_after_forward == Some(false) {
+            return Ok(());
+        }
+        self.zero3_release(units)
+    }
+
     /// Releases `units` under ZeRO-3 (nothing otherwise).
     pub(super) fn zero3_release(&mut self, units: &[usize]) -> Result<()> {
         match self.placement.strategy.param_shards() {
@@ -235,11 +245,11 @@ impl<C: Collective> Engine<C> {
             .segments
             .split_last()
             .ok_or_else(|| Error::Sharding("no blocks".into()))?;
-        // The forward: each segment gathered and released.
+        // The forward: each segment gathered and released (or kept).
         for seg in before {
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
-            self.zero3_release(&units)?;
+            self.zero3_release_after_forward(&units)?;
         }
         // The last segment with the head (and a tied embedding) and the
         // loss; its gradients reduced, a tied embedding's after block 0.
