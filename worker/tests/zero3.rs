@@ -169,6 +169,32 @@ fn stage_3_tied_llama_equals_stage_0() {
     against_stage_0(&untied, 4, tol, "untied llama W=4");
     let bf16 = text.replace("threads = 1", "threads = 1\nprecision = \"bf16\"");
     against_stage_0(&bf16, 2, tol, "tied llama W=2 bf16");
+    // fp16 with the loss scaler (its scale, its skips) on every rank.
+    let fp16 = every.replace("threads = 1", "threads = 1\nprecision = \"fp16\"")
+        + "[loss_scaling]\ninit_scale = 32768.0\n";
+    // Under fp16 every sharded stage is 1.4e-3 from stage 0 after 3
+    // steps (the norm from f64 partials moves step 1's clip in the last
+    // bits; fp16's rounding amplifies it, and stages 1 and 2 end at the
+    // same place): stage 3 against stage 2, the same sharded arithmetic.
+    let (d2, d3) = (TempDir::new().unwrap(), TempDir::new().unwrap());
+    let two = run(&staged(&fp16, 2), 2, d2.path());
+    let three = run(&staged(&fp16, 3), 2, d3.path());
+    // At 32768 the first step overflows: every rank skips it (its norm
+    // non-finite), the scale halves and the rest step.
+    assert!(!three[0].0[0].1.is_finite(), "fp16: {:?}", three[0].0);
+    for (r, (a, b)) in three.iter().zip(&two).enumerate() {
+        for (x, y) in a.0.iter().zip(&b.0) {
+            let same_skip = !x.1.is_finite() && !y.1.is_finite();
+            assert!(
+                (x.0 - y.0).abs() <= 1e-6 * y.0.abs()
+                    && (same_skip || (x.1 - y.1).abs() <= 1e-6 * y.1.abs()),
+                "fp16, rank {r}: {x:?} against stage 2's {y:?}"
+            );
+        }
+        let d = max_rel_diff(&a.1, &b.1);
+        eprintln!("tied llama W=2 fp16, every_step, against stage 2: rank {r}: {d:e}");
+        assert!(d <= 1e-5, "fp16, rank {r}: {d:e} from stage 2");
+    }
     let ac = format!("{text}\n[performance]\nactivation_checkpointing = \"full\"\n");
     against_stage_0(&ac, 2, tol, "tied llama W=2 activation checkpointing");
     // Units kept gathered from the forward to the backward: the same
