@@ -422,6 +422,11 @@ fn point(flat: &Tensor, params: &[(String, Tensor)], keep: bool) -> Result<()> {
             .and_then(|v| v.f_view(p.size().as_slice()))
             .ctx("viewing the gradient buffer")?;
         if !g.defined() {
+            if !p.requires_grad() {
+                return Err(Error::GradBuffer(format!(
+                    "parameter {name} has no gradient (does it require grad?)"
+                )));
+            }
             // No gradient yet: the view becomes it (nothing to keep, and
             // no backward to define one; the values are never read). A
             // detached alias, not the view itself: a view holds its base,
