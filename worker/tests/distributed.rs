@@ -61,7 +61,7 @@ fn run_ranks(
     dir: &Path,
     text: &str,
     world: usize,
-    before_rank0: impl FnOnce(&[String]),
+    before_rank0: impl FnMut(&[String]),
 ) -> (Vec<(String, Tensor)>, Vec<Vec<serde_json::Value>>) {
     let ranks = common::procs::run_ranks(dir, text, world, before_rank0);
     let model = Tensor::read_safetensors(dir.join("ckpt/step-10/model.safetensors")).unwrap();

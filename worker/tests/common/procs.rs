@@ -105,11 +105,14 @@ pub fn spawn_rank_with(
 /// Writes `text` to `dir/job.toml` and runs `world` ranks of it to the
 /// end: ranks 1.. first, then `before_rank0` (given the peers), then rank
 /// 0. Panics, with the rank's log, when a rank fails or runs past 120 s.
+/// The peers' ports were free when picked, but another test may take one
+/// before its rank binds it: a launch that failed so ("Address already in
+/// use") runs again on fresh ports, twice at most.
 pub fn run_ranks(
     dir: &Path,
     text: &str,
     world: usize,
-    before_rank0: impl FnOnce(&[String]),
+    before_rank0: impl FnMut(&[String]),
 ) -> Vec<Rank> {
     run_ranks_with(dir, text, world, &[], before_rank0)
 }
@@ -120,23 +123,41 @@ pub fn run_ranks_with(
     text: &str,
     world: usize,
     extra: &[&str],
-    before_rank0: impl FnOnce(&[String]),
+    mut before_rank0: impl FnMut(&[String]),
 ) -> Vec<Rank> {
     let job = dir.join("job.toml");
     std::fs::write(&job, text).unwrap();
-    let peers = free_addrs(world);
-    let mut ranks: Vec<Rank> = (1..world)
-        .map(|r| spawn_rank_with(&job, r, &peers, dir, extra))
-        .collect();
-    before_rank0(&peers);
-    ranks.insert(0, spawn_rank_with(&job, 0, &peers, dir, extra));
-    for r in &mut ranks {
-        let status = r
-            .wait(Duration::from_secs(120))
-            .unwrap_or_else(|| panic!("rank {} did not finish", r.rank));
-        assert!(status.success(), "rank {} failed:\n{}", r.rank, r.stderr());
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let peers = free_addrs(world);
+        let mut ranks: Vec<Rank> = (1..world)
+            .map(|r| spawn_rank_with(&job, r, &peers, dir, extra))
+            .collect();
+        before_rank0(&peers);
+        ranks.insert(0, spawn_rank_with(&job, 0, &peers, dir, extra));
+        let mut failed = None;
+        for r in &mut ranks {
+            let status = r
+                .wait(Duration::from_secs(120))
+                .unwrap_or_else(|| panic!("rank {} did not finish", r.rank));
+            if !status.success() {
+                failed = Some(r.rank);
+                break;
+            }
+        }
+        let Some(rank) = failed else {
+            return ranks;
+        };
+        let taken = ranks
+            .iter()
+            .any(|r| r.stderr().contains("Address already in use"));
+        if taken && attempt <= 2 {
+            eprintln!("a peer's port was taken before its rank bound it: launching again");
+            continue;
+        }
+        panic!("rank {rank} failed:\n{}", ranks[rank].stderr());
     }
-    ranks
 }
 
 /// `python -m torch.distributed.run` (torchrun) running `script` on
