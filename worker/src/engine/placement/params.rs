@@ -256,15 +256,12 @@ impl ParamShards {
             return Ok(());
         }
         let owned = self.owned()?;
-        let (mine, at) = (self.mine(u), self.owned_range(u));
-        let unit = &mut self.units[u];
-        crate::storage::resize(&unit.full, unit.len() * 4).ctx("gathering a unit")?;
-        let buf = host_f32_mut(&unit.full)?;
-        buf[mine].copy_from_slice(&host_f32(&owned)?[at]);
-        c.all_gather(buf)?;
+        let full = &self.units[u].full;
+        crate::storage::resize(full, self.units[u].len() * 4).ctx("gathering a unit")?;
+        self.gather_into(host_f32_mut(full)?, host_f32(&owned)?, u, self.layout, c)?;
         // Only now: a gather a lost peer broke leaves the unit ungathered
         // (its storage allocated; the next gather fills it).
-        unit.gathered = true;
+        self.units[u].gathered = true;
         Ok(())
     }
 
@@ -394,18 +391,24 @@ impl ParamShards {
     /// chunks at `c`'s layout, gathered unit by unit: `part` is this
     /// rank's (the optimizer state).
     pub fn gather_flat<C: Collective>(&self, part: &Tensor, c: &mut C) -> Result<Tensor> {
-        let layout = (c.world_size(), c.rank());
-        let total = self.units.last().map_or(0, |u| u.flat.end);
-        let whole =
-            Tensor::f_zeros([total as i64], (Kind::Float, Device::Cpu)).ctx("gathering state")?;
-        let src = host_f32(part)?;
-        let dst = host_f32_mut(&whole)?;
-        for (u, unit) in self.units.iter().enumerate() {
-            let buf = &mut dst[unit.flat.clone()];
-            buf[self.mine_at(u, layout)].copy_from_slice(&src[self.owned_range_at(u, layout)]);
-            c.all_gather(buf)?;
-        }
-        Ok(whole)
+        let units: Vec<Tensor> = (0..self.units.len())
+            .map(|u| self.gather_unit_of(part, u, c))
+            .collect::<Result<_>>()?;
+        Tensor::f_cat(&units, 0).ctx("gathering state")
+    }
+
+    /// Unit `u` into `buf` (its length): this rank's chunk at `layout`
+    /// from `src` (`owned`'s order), every other rank's all-gathered.
+    fn gather_into<C: Collective>(
+        &self,
+        buf: &mut [f32],
+        src: &[f32],
+        u: usize,
+        layout: (usize, usize),
+        c: &mut C,
+    ) -> Result<()> {
+        buf[self.mine_at(u, layout)].copy_from_slice(&src[self.owned_range_at(u, layout)]);
+        Ok(c.all_gather(buf)?)
     }
 
     /// Unit `u`'s whole values of `part` (this rank's chunks in
@@ -420,10 +423,7 @@ impl ParamShards {
         let unit = &self.units[u];
         let whole = Tensor::f_zeros([unit.len() as i64], (Kind::Float, Device::Cpu))
             .ctx("gathering state")?;
-        let buf = host_f32_mut(&whole)?;
-        buf[self.mine_at(u, layout)]
-            .copy_from_slice(&host_f32(part)?[self.owned_range_at(u, layout)]);
-        c.all_gather(buf)?;
+        self.gather_into(host_f32_mut(&whole)?, host_f32(part)?, u, layout, c)?;
         Ok(whole)
     }
 
