@@ -316,8 +316,24 @@ fn stage_3_llama_equals_fsdp2() {
         let model = step_model(&step);
         // Every rank's shards load as one model in transformers.
         from_pretrained_equals(&step, &model);
+        runs.push((format!("stage 3, {sync}"), sync, steps, model));
+        // 2 pipeline stages x 2 data ranks, each stage's units sharded
+        // over its data group: the same reference.
+        let out = d.join(format!("accrue-2x2-{sync}"));
+        std::fs::create_dir_all(&out).unwrap();
+        let staged = text.replacen("seed = 5\n", "seed = 5\nworkers = 4\n", 1)
+            + "[parallel]\npipeline = 2\n";
+        assert!(staged.contains("workers = 4"));
+        let ranks = common::procs::run_ranks(&out, &staged, 4, |_| {});
+        let steps = ranks[0].steps();
+        let model = step_model(&out.join(format!("ckpt/step-{}", steps.len())));
+        runs.push((
+            format!("stage 3 in 2 x 2 stages, {sync}"),
+            sync,
+            steps,
+            model,
+        ));
         lm_ddp::finish(&mut fsdp, &format!("FSDP2 {sync}: "));
-        runs.push((sync, steps, model));
     }
     let reference = |sync: &str| d.join(format!("fsdp-{sync}-global_count-rank0"));
     let read = |sync: &str| lm_ddp::read(&reference(sync).with_extension("safetensors"));
@@ -338,14 +354,13 @@ fn stage_3_llama_equals_fsdp2() {
         .into_iter()
         .max_by(|a, b| a.0.total_cmp(&b.0))
         .unwrap();
-    for (sync, steps, model) in &runs {
-        let what = format!("stage 3, {sync}");
+    for (what, sync, steps, model) in &runs {
         let (diff, name) = lm_ddp::rel_diff(model, &read(sync));
         eprintln!(
             "{what}: parameters vs FSDP2 {diff:.3e} ({name}); PyTorch's floor {floor:.3e} \
              ({floor_name})"
         );
-        lm_ddp::steps_match(steps, &reference(sync).with_extension("json"), &what);
+        lm_ddp::steps_match(steps, &reference(sync).with_extension("json"), what);
         assert!(
             diff <= 1e-5_f64.max(4.0 * floor),
             "{what}: {name} differs from FSDP2 by {diff:.3e}, PyTorch's floor {floor:.3e}"

@@ -149,13 +149,14 @@ impl<C: Collective> Engine<C> {
             tch::set_num_threads(t as i32);
         }
         let workload = workload::load(&spec, device)?;
-        zero3::check(&spec, device, stages.is_some())?;
+        zero3::check(&spec, device)?;
         if spec.sharding.stage == 3 {
             // Each gathered unit is freed after use: give the memory back.
             crate::storage::return_freed_memory();
         }
         // ZeRO-3 without `model.init` builds each rank's chunks only.
         let mut built = None;
+        let mut all_names: Vec<String> = Vec::new();
         // A pipeline stage trains its blocks' parameters: a first build
         // holding none gives every parameter's name and shape (the plan's
         // input), the second holds the stage's only; both draw the whole
@@ -175,7 +176,8 @@ impl<C: Collective> Engine<C> {
                 };
                 let all = build(Box::new(|_| false))?.frozen;
                 let (p, names) = pipe::plan(&spec, &all, stage, n)?;
-                drop(all);
+                // ZeRO-3 in stages: the stage's blocks are its units.
+                all_names = all.into_iter().map(|(n, _)| n).collect();
                 let shared = p.tied.clone().filter(|_| p.is_last());
                 let mut keep = names.clone();
                 keep.extend(shared.clone());
@@ -274,7 +276,10 @@ impl<C: Collective> Engine<C> {
         } else {
             FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?
         };
-        let shards = zero3::shards(&spec, &model, built)?;
+        let stage_blocks = pipe
+            .as_ref()
+            .map(|p| (all_names.as_slice(), p.blocks.clone()));
+        let shards = zero3::shards(&spec, &model, built, stage_blocks)?;
         let placement = placement::Placed::new(
             spec.sharding.stage,
             &spec.optimizer,

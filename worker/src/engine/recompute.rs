@@ -56,7 +56,7 @@ pub(super) struct Recompute {
 /// The segments `activation_checkpointing = "full"` recomputes, or
 /// ZeRO-3's one block a segment with their graphs kept; None for neither.
 pub(super) fn plan(spec: &JobSpec, model: &Model, staged: bool) -> Result<Option<Recompute>> {
-    // Pipeline stages segment their own blocks (Engine::stage_segments).
+    // Pipeline stages segment their own blocks (Engine::stage_recompute).
     if staged {
         return Ok(None);
     }
@@ -142,11 +142,7 @@ impl<C: Collective> Engine<C> {
             .ok_or_else(|| Error::Schedule("no blocks to recompute".into()))?;
         let packed = self.spec.data.pack.then_some(&batch.inputs);
         let (device, precision) = (self.device, self.spec.precision);
-        let (x, saved) = if plan.keep {
-            self.forward_graphs(before, input, packed)?
-        } else {
-            self.forward_kept(before, input, packed)?
-        };
+        let (x, saved) = self.forward_segments(plan.keep, before, input, packed)?;
         // ZeRO-3: the last segment's units (and a tied head's embedding)
         // stay gathered through the loss's backward.
         let last_units = self.units_of(last.clone(), !shared.is_empty());
@@ -197,25 +193,64 @@ impl<C: Collective> Engine<C> {
         // (or, keeping graphs, back-propagated).
         let grad = x_last.grad();
         drop(x_last);
-        if plan.keep {
-            self.backward_graphs(before, saved, grad)?;
-        } else {
-            self.backward_kept(before, saved, grad, packed)?;
-        }
+        self.backward_segments(plan.keep, before, saved, grad, packed)?;
         for (mut g, window) in apart {
             let _ = g.f_add_(&window).ctx("adding a shared gradient")?;
         }
         Ok(batch.count)
     }
 
-    /// A pipeline stage's blocks in segments under activation
-    /// checkpointing; None without it.
-    pub(super) fn stage_segments(&self, pipe: &super::pipe::Pipe) -> Option<Vec<Range<usize>>> {
-        (self.spec.performance.activation_checkpointing == Some(ActivationCheckpointing::Full))
-            .then(|| {
-                let every = self.spec.performance.checkpoint_every.unwrap_or(1) as usize;
-                split_range(pipe.blocks.clone(), every)
-            })
+    /// A pipeline stage's blocks in segments: recomputed under activation
+    /// checkpointing, or ZeRO-3's one block a segment with their graphs
+    /// kept; None for neither.
+    pub(super) fn stage_recompute(&self, pipe: &super::pipe::Pipe) -> Option<Recompute> {
+        let full =
+            self.spec.performance.activation_checkpointing == Some(ActivationCheckpointing::Full);
+        if !full && self.spec.sharding.stage != 3 {
+            return None;
+        }
+        let every = match full {
+            true => self.spec.performance.checkpoint_every.unwrap_or(1) as usize,
+            false => 1,
+        };
+        Some(Recompute {
+            segments: split_range(pipe.blocks.clone(), every),
+            shared: Vec::new(),
+            keep: !full,
+        })
+    }
+
+    /// `segments`' forward from `input`: with their graphs kept
+    /// ([`Engine::forward_graphs`]) or without ([`Engine::forward_kept`]).
+    pub(super) fn forward_segments(
+        &mut self,
+        keep: bool,
+        segments: &[Range<usize>],
+        input: Tensor,
+        packed: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        if keep {
+            self.forward_graphs(segments, input, packed)
+        } else {
+            self.forward_kept(segments, input, packed)
+        }
+    }
+
+    /// The backward of what [`Engine::forward_segments`] kept, from the
+    /// gradient `grad` of the last segment's output.
+    pub(super) fn backward_segments(
+        &mut self,
+        keep: bool,
+        segments: &[Range<usize>],
+        saved: Vec<Tensor>,
+        grad: Tensor,
+        packed: Option<&Tensor>,
+    ) -> Result<()> {
+        if keep {
+            self.backward_graphs(segments, saved, grad)
+        } else {
+            self.backward_kept(segments, saved, grad, packed)
+        }
     }
 
     /// fp16's loss scale over k for a micro-batch's backward (1 without).
@@ -326,7 +361,7 @@ impl<C: Collective> Engine<C> {
     }
 
     /// The model's blocks, run one range at a time.
-    fn staged(&self) -> Result<&dyn crate::family::Staged> {
+    pub(super) fn staged(&self) -> Result<&dyn crate::family::Staged> {
         self.model
             .staged()
             .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))

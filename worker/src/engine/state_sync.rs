@@ -112,9 +112,17 @@ impl<C: Collective> Engine<C> {
     pub(super) fn sync_state(&mut self) -> Result<()> {
         // Under ZeRO-3 no rank can hand another its parameters.
         if self.placement.strategy.param_shards().is_some() {
-            return self.sync_zero3();
+            self.sync_zero3()?;
+            // Every rank sharded (no collective), so that the stages'
+            // exchanges gather on every data rank alike.
+            self.shard_params()?;
+        } else {
+            self.sync_replicas()?;
         }
-        self.sync_whole()
+        if self.pipe.is_some() {
+            self.sync_stages()?;
+        }
+        Ok(())
     }
 
     /// [`Engine::sync_state`] under ZeRO-3, where every rank holds only
@@ -154,14 +162,6 @@ impl<C: Collective> Engine<C> {
             "parameter shards out of place before the first step: every rank builds the initial weights again"
         );
         self.initial_params_again()
-    }
-
-    fn sync_whole(&mut self) -> Result<()> {
-        self.sync_replicas()?;
-        if self.pipe.is_some() {
-            self.sync_stages()?;
-        }
-        Ok(())
     }
 
     /// Pipeline stages: after each stage's replicas agreed, every stage of

@@ -168,7 +168,11 @@ impl<C: Collective> Engine<C> {
             self.window.batches += 1;
         } else if self.placement.strategy.stage() == 3 {
             // The other ranks gather and reduce unit by unit meanwhile.
-            self.zero3_empty_micro_step()?;
+            let plan = self
+                .recompute
+                .clone()
+                .ok_or_else(|| Error::Sharding("stage 3 runs its blocks in segments".into()))?;
+            self.zero3_empty_micro_step(&plan)?;
         }
         if let Some(d) = self.opts.micro_step_delay {
             std::thread::sleep(d);

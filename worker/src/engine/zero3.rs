@@ -5,6 +5,7 @@
 //! broadcast, resume, evaluation, checkpoints).
 
 use super::placement::{ParamShards, ShardTaker};
+use super::recompute::Recompute;
 use super::Engine;
 use crate::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
@@ -17,7 +18,7 @@ use tch::{Device, Tensor};
 
 /// Refuses what stage 3 does not run yet, naming it (nothing below
 /// stage 3).
-pub(super) fn check(spec: &JobSpec, device: Device, pipeline: bool) -> Result<()> {
+pub(super) fn check(spec: &JobSpec, device: Device) -> Result<()> {
     if spec.sharding.stage != 3 {
         return Ok(());
     }
@@ -26,11 +27,6 @@ pub(super) fn check(spec: &JobSpec, device: Device, pipeline: bool) -> Result<()
         return refuse(format!(
             "runs on the CPU so far; device {device:?} takes stages 0 to 2"
         ));
-    }
-    if pipeline {
-        return refuse(
-            "with parallel.pipeline is not built yet; use stages 0 to 2 in pipeline stages".into(),
-        );
     }
     let family = crate::family::family(spec.model.kind);
     if !family.builds_by_stage() {
@@ -51,9 +47,33 @@ pub(super) fn by_unit(spec: &JobSpec) -> bool {
 /// family's blocks, as ranges of parameter indices.
 pub(super) fn units(spec: &JobSpec, names: &[String]) -> Result<Vec<Range<usize>>> {
     let blocks = crate::family::family(spec.model.kind).blocks(&spec.model, names)?;
+    units_over(&blocks, names)
+}
+
+/// A pipeline stage's units: the family's blocks `stage` (of the whole
+/// model's parameters `all`) over the stage's parameters `here`.
+pub(super) fn stage_units(
+    spec: &JobSpec,
+    all: &[String],
+    stage: Range<usize>,
+    here: &[String],
+) -> Result<Vec<Range<usize>>> {
+    let blocks = crate::family::family(spec.model.kind).blocks(&spec.model, all)?;
+    let mine = blocks.get(stage.clone()).ok_or_else(|| {
+        Error::Sharding(format!(
+            "the stage's blocks {stage:?} are beyond the model's {}",
+            blocks.len()
+        ))
+    })?;
+    units_over(mine, here)
+}
+
+/// `blocks` as ranges of indices into `names`, which they must cover in
+/// order.
+fn units_over(blocks: &[crate::family::Block], names: &[String]) -> Result<Vec<Range<usize>>> {
     let mut units = Vec::with_capacity(blocks.len());
     let mut at = 0;
-    for b in &blocks {
+    for b in blocks {
         let start = at;
         for name in &b.params {
             if names.get(at) != Some(name) {
@@ -66,6 +86,13 @@ pub(super) fn units(spec: &JobSpec, names: &[String]) -> Result<Vec<Range<usize>
             at += 1;
         }
         units.push(start..at);
+    }
+    if at != names.len() {
+        return Err(Error::Sharding(format!(
+            "sharding.stage = 3: the blocks cover {at} of the {} parameters ({:?} left)",
+            names.len(),
+            &names[at..]
+        )));
     }
     Ok(units)
 }
@@ -124,16 +151,22 @@ pub(super) fn build(
 /// Stage 3's parameters over `model` (None below stage 3): from the
 /// sharded build's chunks (`built`), or, the model built whole (with
 /// `model.init`), copied into the units.
+/// A pipeline stage's parameters are its blocks' (`stage`: the whole
+/// model's parameter names and the stage's blocks).
 pub(super) fn shards(
     spec: &JobSpec,
     model: &Model,
     built: Option<(Tensor, (usize, usize))>,
+    stage: Option<(&[String], Range<usize>)>,
 ) -> Result<Option<ParamShards>> {
     if spec.sharding.stage != 3 {
         return Ok(None);
     }
     let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
-    let units = units(spec, &names)?;
+    let units = match stage {
+        Some((all, blocks)) => stage_units(spec, all, blocks, &names)?,
+        None => units(spec, &names)?,
+    };
     match built {
         Some((owned, layout)) => {
             ParamShards::from_built(&model.params, &units, by_unit(spec), owned, layout).map(Some)
@@ -145,8 +178,11 @@ pub(super) fn shards(
 impl<C: Collective> Engine<C> {
     /// The units a range of blocks uses: its own, and the embedding's
     /// (block 0) for a tied head.
+    /// (In a pipeline stage the units are the stage's blocks, from its
+    /// first.)
     pub(super) fn units_of(&self, blocks: Range<usize>, tied_head: bool) -> Vec<usize> {
-        let mut u: Vec<usize> = blocks.collect();
+        let first = self.pipe.as_ref().map_or(0, |p| p.blocks.start);
+        let mut u: Vec<usize> = blocks.map(|b| b.saturating_sub(first)).collect();
         if tied_head && !u.contains(&0) {
             u.push(0);
         }
@@ -177,6 +213,27 @@ impl<C: Collective> Engine<C> {
             Some(s) => s.release(units),
             None => Ok(()),
         }
+    }
+
+    /// `blocks` of the model from `x` (a pipeline stage's evaluation):
+    /// under ZeRO-3 one block at a time, each gathered and released.
+    pub(super) fn blocks_forward(
+        &mut self,
+        x: &Tensor,
+        blocks: Range<usize>,
+        packed: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        if self.placement.strategy.stage() != 3 {
+            return self.staged()?.stage_forward_with(x, blocks, packed);
+        }
+        let mut x = x.shallow_clone();
+        for b in blocks {
+            let units = self.units_of(b..b + 1, false);
+            self.zero3_gather(&units)?;
+            x = self.staged()?.stage_forward_with(&x, b..b + 1, packed)?;
+            self.zero3_release(&units)?;
+        }
+        Ok(x)
     }
 
     /// ZeRO-3's evaluation forward (no graph): the blocks one unit at a
@@ -222,10 +279,42 @@ impl<C: Collective> Engine<C> {
     /// Gradients by unit: `units`' backward is done; their gradients are
     /// reduce-scattered into this rank's chunks and released (nothing
     /// otherwise).
+    ///
+    /// A first pipeline stage's tied embedding (unit 0) waits for the
+    /// last stage's head gradient ([`Engine::zero3_reduce_tied`]).
     pub(super) fn zero3_reduce_grads(&mut self, units: &[usize]) -> Result<()> {
         if !self.zero3_by_unit {
             return Ok(());
         }
+        let tied_waits = self
+            .pipe
+            .as_ref()
+            .is_some_and(|p| p.is_first() && p.stages > 1 && p.tied.is_some());
+        let now: Vec<usize> = units
+            .iter()
+            .copied()
+            .filter(|&u| !(tied_waits && u == 0))
+            .collect();
+        self.zero3_reduce_now(&now)
+    }
+
+    /// Gradients by unit, a first pipeline stage's tied embedding: the
+    /// last stage's head gradient `add` (added into the embedding's
+    /// gradient, opened first if its backward had none), then unit 0
+    /// reduced (nothing without gradients by unit).
+    pub(super) fn zero3_reduce_tied(
+        &mut self,
+        add: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
+        if !self.zero3_by_unit {
+            return add(self);
+        }
+        self.zero3_open_grads(&[0])?;
+        add(self)?;
+        self.zero3_reduce_now(&[0])
+    }
+
+    fn zero3_reduce_now(&mut self, units: &[usize]) -> Result<()> {
         self.window.units_reduced = true;
         let (placement, mut parts) = self.placed();
         placement.reduce_units(&mut parts, units)
@@ -236,29 +325,37 @@ impl<C: Collective> Engine<C> {
     /// unit by unit, so this one takes part in the same collectives in
     /// the same order as [`Engine::recompute_last`] runs them, without
     /// computing (its gradients are zeros).
-    pub(super) fn zero3_empty_micro_step(&mut self) -> Result<()> {
-        let plan = self
-            .recompute
-            .clone()
-            .ok_or_else(|| Error::Sharding("stage 3 runs its blocks in segments".into()))?;
+    pub(super) fn zero3_empty_micro_step(&mut self, plan: &Recompute) -> Result<()> {
         let (last, before) = plan
             .segments
             .split_last()
             .ok_or_else(|| Error::Sharding("no blocks".into()))?;
-        // The forward: each segment gathered and released (or kept).
-        for seg in before {
-            let units = self.units_of(seg.clone(), false);
-            self.zero3_gather(&units)?;
-            self.zero3_release_after_forward(&units)?;
-        }
+        self.zero3_empty_forward(before)?;
         // The last segment with the head (and a tied embedding) and the
         // loss; its gradients reduced, a tied embedding's after block 0.
         let last_units = self.units_of(last.clone(), !plan.shared.is_empty());
         self.zero3_gather(&last_units)?;
         self.zero3_release(&last_units)?;
         self.zero3_reduce_grads(&self.units_of(last.clone(), false))?;
-        // The backward, last to first.
-        for seg in before.iter().rev() {
+        self.zero3_empty_backward(before)
+    }
+
+    /// An empty micro-batch's forward over `segments`: each gathered and
+    /// released (or kept), as [`Engine::forward_segments`] does.
+    pub(super) fn zero3_empty_forward(&mut self, segments: &[Range<usize>]) -> Result<()> {
+        for seg in segments {
+            let units = self.units_of(seg.clone(), false);
+            self.zero3_gather(&units)?;
+            self.zero3_release_after_forward(&units)?;
+        }
+        Ok(())
+    }
+
+    /// An empty micro-batch's backward over `segments`, last to first:
+    /// each gathered, released and its (zero) gradients reduced, as
+    /// [`Engine::backward_segments`] does.
+    pub(super) fn zero3_empty_backward(&mut self, segments: &[Range<usize>]) -> Result<()> {
+        for seg in segments.iter().rev() {
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
             self.zero3_release(&units)?;

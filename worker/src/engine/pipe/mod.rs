@@ -17,6 +17,7 @@
 //! over the stages before any division, so every stage divides by the same
 //! N.
 
+use super::recompute::Recompute;
 use super::trainer::pipeline::{stage_ops, PipeOp, PipeSchedule};
 use super::trainer::Op;
 use super::{Engine, StepReport};
@@ -74,13 +75,15 @@ struct InFlight {
     /// waited for then, so the activation's storage goes with the
     /// backward instead of at the window's end.
     sent: Vec<Posted>,
-    /// Activation checkpointing: the stage's segments, each one's input
-    /// (the output above has no graph) and packed rows' inputs.
+    /// Activation checkpointing (or ZeRO-3's one block a segment): the
+    /// stage's segments, what their forward kept (each one's input, and
+    /// under ZeRO-3 without recomputing its output with its graph) and
+    /// packed rows' inputs.
     kept: Option<Kept>,
 }
 
-/// What a recomputed stage keeps of a micro-batch's forward.
-type Kept = (Vec<Range<usize>>, Vec<Tensor>, Option<Tensor>);
+/// What a stage run in segments keeps of a micro-batch's forward.
+type Kept = (Recompute, Vec<Tensor>, Option<Tensor>);
 
 impl<C: Collective> Engine<C> {
     /// The whole window of a pipeline stage: the schedule's forwards and
@@ -106,7 +109,15 @@ impl<C: Collective> Engine<C> {
                 Op::Sync => None,
             })
             .collect();
-        self.placement.grads.restore(&self.model.params)?;
+        // ZeRO-3 shards the parameters before the first forward; with
+        // gradients by unit the flat buffer stays unallocated.
+        self.shard_params()?;
+        if !self.zero3_by_unit {
+            self.placement.grads.restore(&self.model.params)?;
+        }
+        // The blocks in segments: activation checkpointing, or ZeRO-3.
+        let segmented = self.stage_recompute(&pipe);
+        let zero3 = segmented.as_ref().filter(|_| self.spec.sharding.stage == 3);
         let ops = stage_ops(pipe.schedule, pipe.stage, pipe.stages, micros.len());
         let mut flight: Vec<Option<InFlight>> = (0..micros.len()).map(|_| None).collect();
         let mut sends: Vec<Posted> = Vec::new();
@@ -123,6 +134,15 @@ impl<C: Collective> Engine<C> {
                 PipeOp::Forward { micro } => {
                     let (a, b) = self.plan.micro_batch_range(micros[micro]);
                     if b == a {
+                        // ZeRO-3: the stage's other data ranks gather
+                        // (and reduce) unit by unit meanwhile; this one
+                        // takes part (its backward's share at the
+                        // micro-batch's backward, on the last stage now).
+                        match zero3 {
+                            Some(rc) if pipe.is_last() => self.zero3_empty_micro_step(rc)?,
+                            Some(rc) => self.zero3_empty_forward(&rc.segments)?,
+                            None => {}
+                        }
                         if every && pipe.is_last() {
                             self.pipeline_reduce_micro()?;
                         }
@@ -150,8 +170,9 @@ impl<C: Collective> Engine<C> {
                         (None, None) => unreachable!("the first stage reads its batch"),
                     };
                     // Activation checkpointing: the stage's blocks in
-                    // segments, recomputed in the backward (recompute.rs).
-                    if let Some(segs) = self.stage_segments(&pipe) {
+                    // segments, recomputed in the backward; ZeRO-3: one
+                    // block a segment, each gathered (recompute.rs).
+                    if let Some(rc) = &segmented {
                         let inputs = batch
                             .as_ref()
                             .filter(|_| packed)
@@ -160,16 +181,7 @@ impl<C: Collective> Engine<C> {
                             let batch = batch.ok_or_else(|| {
                                 Error::Schedule("the last stage reads its batch".into())
                             })?;
-                            self.recompute_last(
-                                &batch,
-                                self.micro_scale(),
-                                &super::recompute::Recompute {
-                                    segments: segs.clone(),
-                                    shared: Vec::new(),
-                                    keep: false,
-                                },
-                                x,
-                            )?;
+                            self.recompute_last(&batch, self.micro_scale(), rc, x)?;
                             self.window.count += batch.count;
                             self.window.batches += 1;
                             if every {
@@ -177,12 +189,14 @@ impl<C: Collective> Engine<C> {
                             }
                             (None, Vec::new(), None)
                         } else {
-                            let (out, saved) = self.forward_kept(&segs, x, inputs.as_ref())?;
+                            let (out, saved) =
+                                self.forward_segments(rc.keep, &rc.segments, x, inputs.as_ref())?;
                             let t = Instant::now();
                             let g = self.collective.pipeline_group()?;
-                            let sent = send_with_shape(g, out.shallow_clone(), pipe.stage + 1)?;
+                            let detached = out.f_detach().ctx("sending an activation")?;
+                            let sent = send_with_shape(g, detached, pipe.stage + 1)?;
                             transfer += t.elapsed();
-                            (Some(out), sent, Some((segs, saved, inputs)))
+                            (Some(out), sent, Some((rc.clone(), saved, inputs)))
                         };
                         flight[micro] = Some(InFlight {
                             input,
@@ -254,6 +268,11 @@ impl<C: Collective> Engine<C> {
                 }
                 PipeOp::Backward { micro } => {
                     let f = flight[micro].take();
+                    // ZeRO-3: an empty micro-batch's share of its stage's
+                    // backward collectives (the last stage's ran above).
+                    if let (None, Some(rc), false) = (&f, zero3, pipe.is_last()) {
+                        self.zero3_empty_backward(&rc.segments)?;
+                    }
                     if let Some(f) = f {
                         // The last stage's backward ran with its forward.
                         if let Some(output) = &f.output {
@@ -271,9 +290,13 @@ impl<C: Collective> Engine<C> {
                             // whose gradient at the output is `grad` exactly
                             // (recomputed first under activation checkpointing).
                             match f.kept {
-                                Some((segs, saved, inputs)) => {
-                                    self.backward_kept(&segs, saved, grad, inputs.as_ref())?
-                                }
+                                Some((rc, saved, inputs)) => self.backward_segments(
+                                    rc.keep,
+                                    &rc.segments,
+                                    saved,
+                                    grad,
+                                    inputs.as_ref(),
+                                )?,
                                 None => output
                                     .f_mul(&grad)
                                     .and_then(|y| y.f_sum(Kind::Float))
@@ -353,7 +376,9 @@ impl<C: Collective> Engine<C> {
     fn pipeline_reduce_micro(&mut self) -> Result<()> {
         let t = Instant::now();
         self.reduce_micro_step()?;
-        self.placement.grads.restore(&self.model.params)?;
+        if !self.zero3_by_unit {
+            self.placement.grads.restore(&self.model.params)?;
+        }
         self.window.comm += t.elapsed();
         Ok(())
     }
@@ -468,11 +493,8 @@ impl<C: Collective> Engine<C> {
                     recv_with_shape(self.collective.pipeline_group()?, pipe.stage - 1, device)?
                 }
             };
-            let staged = self.model.staged().ok_or_else(|| {
-                Error::Schedule("this model does not run in pipeline stages".into())
-            })?;
             let inputs = batch.as_ref().filter(|_| packed).map(|b| &b.inputs);
-            let out = staged.stage_forward_with(&x, pipe.blocks.clone(), inputs)?;
+            let out = self.blocks_forward(&x, pipe.blocks.clone(), inputs)?;
             if pipe.is_last() {
                 let batch = batch
                     .as_ref()

@@ -108,7 +108,9 @@ impl<C: Collective> Engine<C> {
                 let _ = g.f_zero_().ctx("clearing the tied gradient")?;
             }
         } else if pipe.is_first() {
-            self.add_tied_from_last(&name, pipe.stages)?;
+            // (ZeRO-3 with gradients by unit: the embedding's unit was
+            // kept open for this, and is reduced now.)
+            self.zero3_reduce_tied(|e| e.add_tied_from_last(&name, pipe.stages))?;
         }
         Ok(())
     }
@@ -121,10 +123,14 @@ impl<C: Collective> Engine<C> {
         };
         let _guard = tch::no_grad_guard();
         if pipe.is_first() {
+            // ZeRO-3: the embedding's unit (the stage's first) gathered
+            // for this.
+            self.zero3_gather(&[0])?;
             let values = self
                 .tied_tensor(&name, false)?
-                .f_contiguous()
+                .f_detach_copy()
                 .ctx("sending the tied embedding")?;
+            self.zero3_release(&[0])?;
             self.exchange(&values, pipe.stages - 1, true)?;
         } else if pipe.is_last() {
             let mut copy = self.tied_tensor(&name, true)?;
