@@ -18,6 +18,7 @@ mod format;
 pub mod hub;
 pub mod lock;
 pub mod manifest;
+pub mod mapped;
 pub mod owner;
 pub mod shards;
 mod write;

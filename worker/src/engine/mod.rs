@@ -154,7 +154,7 @@ impl<C: Collective> Engine<C> {
             // Each gathered unit is freed after use: give the memory back.
             crate::storage::return_freed_memory();
         }
-        // ZeRO-3 without `model.init` builds each rank's chunks only.
+        // ZeRO-3 builds each rank's chunks only (of `model.init` too).
         let mut built = None;
         let mut all_names: Vec<String> = Vec::new();
         // A pipeline stage trains its blocks' parameters: a first build
@@ -184,7 +184,7 @@ impl<C: Collective> Engine<C> {
                 let model = build(Box::new(move |n| keep.contains(n)))?;
                 (model, Some((p, names, shared)))
             }
-            None if spec.sharding.stage == 3 && spec.model.init.is_none() => {
+            None if spec.sharding.stage == 3 => {
                 let layout = (world, rank);
                 let (model, owned) = zero3::build(
                     &spec,
@@ -229,7 +229,8 @@ impl<C: Collective> Engine<C> {
             }
             None => None,
         };
-        if let Some(given) = &spec.model.init {
+        // (ZeRO-3 took its chunks of `init` in its build.)
+        if let Some(given) = spec.model.init.as_ref().filter(|_| built.is_none()) {
             // A file, or a folder transformers wrote (save_pretrained):
             // model.safetensors, or shards and their index (a stage takes
             // its own tensors, as from a checkpoint).

@@ -97,11 +97,14 @@ fn units_over(blocks: &[crate::family::Block], names: &[String]) -> Result<Vec<R
     Ok(units)
 }
 
-/// Stage 3's build (no `model.init`): a first build that keeps nothing
-/// gives every parameter's name and shape, then the real one hands each
-/// parameter's values to a [`ShardTaker`] as it is made and releases them
-/// (the same draws from the seed: the values are one process's). Returns
-/// the model and this rank's chunks at `layout`.
+/// Stage 3's build: a first build that keeps nothing gives every
+/// parameter's name and shape, then the real one hands each parameter's
+/// values to a [`ShardTaker`] as it is made and releases them (the same
+/// draws from the seed: the values are one process's). With `model.init`
+/// the chunks are taken from the file instead, through a memory map, so
+/// only this rank's parts of each tensor are read
+/// ([`crate::checkpoint::mapped`]). Returns the model and this rank's
+/// chunks at `layout`.
 pub(super) fn build(
     spec: &JobSpec,
     shape: &[i64],
@@ -145,7 +148,45 @@ pub(super) fn build(
     let taker = Rc::try_unwrap(taker)
         .map_err(|_| Error::Sharding("the build kept its parameter taker".into()))?
         .into_inner();
-    Ok((model, taker.finish()?))
+    let Some(given) = &spec.model.init else {
+        return Ok((model, taker.finish()?));
+    };
+    drop(taker);
+    let mut model = model;
+    let owned = init_chunks(&mut model, given, &names, &numels, &units, layout)?;
+    Ok((model, owned))
+}
+
+/// This rank's chunks at `layout` of `model.init` (`given`), checked as
+/// [`Model::load_named`] checks it; its buffers are loaded whole.
+fn init_chunks(
+    model: &mut Model,
+    given: &std::path::Path,
+    names: &[String],
+    numels: &[usize],
+    units: &[Range<usize>],
+    layout: (usize, usize),
+) -> Result<Tensor> {
+    use crate::family::model::WeightsFrom;
+    let from = WeightsFrom::Init(given);
+    crate::checkpoint::mapped::with_mapped(given, |tensors, forget| {
+        let mut by_name = model.fit_named(from, tensors)?;
+        let mut taker = ShardTaker::new(names, numels, units, layout);
+        for name in names {
+            let t = by_name
+                .get(name)
+                .ok_or_else(|| Error::Sharding(format!("model.init lost {name}")))?;
+            taker.take(name, t)?;
+            // Only this rank's chunks stay: the file's pages go.
+            forget();
+        }
+        model.copy_named(from, &mut by_name, false)?;
+        taker.finish()
+    })
+    .map_err(|reason| Error::Init {
+        path: given.to_path_buf(),
+        reason,
+    })?
 }
 
 /// Stage 3's parameters over `model` (None below stage 3): from the

@@ -440,6 +440,18 @@ impl Model {
         from: WeightsFrom<'_>,
         tensors: Vec<(String, Tensor)>,
     ) -> Result<()> {
+        let mut by_name = self.fit_named(from, tensors)?;
+        self.copy_named(from, &mut by_name, true)
+    }
+
+    /// [`Model::load_named`]'s checks: `tensors` fitted (a `model.init`
+    /// file by its family) and refused unless they are exactly this
+    /// model's; returns them by name, another stage's parameters left out.
+    pub fn fit_named(
+        &self,
+        from: WeightsFrom<'_>,
+        tensors: Vec<(String, Tensor)>,
+    ) -> Result<HashMap<String, Tensor>> {
         let mut by_name: HashMap<String, Tensor> = tensors.into_iter().collect();
         if let WeightsFrom::Init(_) = from {
             // The whole model's names (a pipeline stage's frozen and
@@ -452,14 +464,30 @@ impl Model {
         if let Some(reason) = self.mismatch(from.noun(), &by_name) {
             return Err(from.error(reason));
         }
-        let err = |reason: String| from.error(reason);
-        let _guard = tch::no_grad_guard();
         // Another stage's parameters are that stage's to load.
         for (name, _) in &self.frozen {
             by_name.remove(name);
         }
-        for (name, t) in self
-            .params
+        Ok(by_name)
+    }
+
+    /// Copies what [`Model::fit_named`] gave into the shared parameters
+    /// and buffers, and with `params` into the parameters (ZeRO-3 takes
+    /// its chunks of them itself).
+    pub fn copy_named(
+        &mut self,
+        from: WeightsFrom<'_>,
+        by_name: &mut HashMap<String, Tensor>,
+        params: bool,
+    ) -> Result<()> {
+        let err = |reason: String| from.error(reason);
+        let _guard = tch::no_grad_guard();
+        let params = if params {
+            &mut self.params[..]
+        } else {
+            &mut []
+        };
+        for (name, t) in params
             .iter_mut()
             .chain(self.shared.iter_mut())
             .chain(self.buffers.iter_mut())

@@ -485,7 +485,8 @@ impl ShardTaker {
         }
     }
 
-    /// Takes parameter `name`'s part of this rank's chunk.
+    /// Takes parameter `name`'s part of this rank's chunk (of any float
+    /// kind: reading only that part of `t`).
     pub fn take(&mut self, name: &str, t: &Tensor) -> Result<()> {
         let (chunk, within, at) = self.places.get(name).cloned().ok_or_else(|| {
             Error::Sharding(format!("the build made {name}, which no block holds"))
@@ -498,6 +499,7 @@ impl ShardTaker {
             .f_detach()
             .and_then(|v| v.f_reshape([-1]))
             .and_then(|v| v.f_narrow(0, (a - within.start) as i64, (b - a) as i64))
+            .and_then(|v| v.f_to_kind(Kind::Float))
             .and_then(|v| v.f_contiguous())
             .ctx("taking a parameter's chunk")?;
         let dst = at + (a - chunk.start);
