@@ -78,7 +78,9 @@ fn views(map: &Mmap) -> Result<Vec<(String, Tensor)>, String> {
             .ok_or_else(|| format!("{name} has dtype {:?}, which libtorch lacks", view.dtype()))?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         let data = view.data();
-        let t = if (data.as_ptr() as usize) % kind.elt_size_in_bytes() == 0 && !data.is_empty() {
+        let t = if (data.as_ptr() as usize).is_multiple_of(kind.elt_size_in_bytes())
+            && !data.is_empty()
+        {
             // SAFETY: `data` lies in `map`, which outlives every view
             // (with_mapped's contract), holds exactly shape x kind bytes
             // (safetensors checked the offsets) and is aligned for kind.
