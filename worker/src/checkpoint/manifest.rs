@@ -58,6 +58,32 @@ pub fn read_verified_only(
     step: u64,
     wanted: impl Fn(&str) -> bool,
 ) -> Result<BTreeMap<String, Vec<u8>>, String> {
+    let files = verified(folder, step, wanted, |_| true)?;
+    Ok(files
+        .into_iter()
+        .filter_map(|(n, b)| Some((n, b?)))
+        .collect())
+}
+
+/// Verifies every file `folder`'s manifest lists, reading each in pieces;
+/// returns every file's name with the contents of those `keep` takes
+/// (a reader that maps the large files: they are never held whole).
+pub fn verify_keeping(
+    folder: &Path,
+    step: u64,
+    keep: impl Fn(&str) -> bool,
+) -> Result<BTreeMap<String, Option<Vec<u8>>>, String> {
+    verified(folder, step, |_| true, keep)
+}
+
+/// The files `wanted` takes checked, by name, with the contents of those
+/// `keep` takes.
+fn verified(
+    folder: &Path,
+    step: u64,
+    wanted: impl Fn(&str) -> bool,
+    keep: impl Fn(&str) -> bool,
+) -> Result<BTreeMap<String, Option<Vec<u8>>>, String> {
     let text = match std::fs::read(folder.join(MANIFEST_FILE)) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -84,17 +110,21 @@ pub fn read_verified_only(
         if !wanted(&e.name) {
             continue;
         }
-        let bytes =
-            std::fs::read(folder.join(&e.name)).map_err(|err| format!("{}: {err}", e.name))?;
-        if bytes.len() as u64 != e.bytes {
+        let (len, crc, bytes) = if keep(&e.name) {
+            let bytes =
+                std::fs::read(folder.join(&e.name)).map_err(|err| format!("{}: {err}", e.name))?;
+            (bytes.len() as u64, crc32fast::hash(&bytes), Some(bytes))
+        } else {
+            let (len, crc) =
+                crc_of(&folder.join(&e.name)).map_err(|err| format!("{}: {err}", e.name))?;
+            (len, crc, None)
+        };
+        if len != e.bytes {
             return Err(format!(
-                "{}: {} bytes, the manifest says {}",
-                e.name,
-                bytes.len(),
-                e.bytes
+                "{}: {len} bytes, the manifest says {}",
+                e.name, e.bytes
             ));
         }
-        let crc = crc32fast::hash(&bytes);
         if crc != e.crc32 {
             return Err(format!(
                 "{}: checksum {crc:08x}, the manifest says {:08x}",
@@ -104,6 +134,23 @@ pub fn read_verified_only(
         out.insert(e.name.clone(), bytes);
     }
     Ok(out)
+}
+
+/// A file's length and CRC-32, read 1 MiB at a time.
+fn crc_of(path: &Path) -> std::io::Result<(u64, u32)> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut len = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok((len, h.finalize()));
+        }
+        h.update(&buf[..n]);
+        len += n as u64;
+    }
 }
 
 #[cfg(test)]

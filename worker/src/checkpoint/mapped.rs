@@ -40,7 +40,15 @@ pub fn with_mapped<T, E>(
     given: &Path,
     f: impl FnOnce(Vec<(String, Tensor)>, &dyn Fn()) -> Result<T, E>,
 ) -> Result<Result<T, E>, String> {
-    let files = shards::weight_files(given)?;
+    with_mapped_files(shards::weight_files(given)?, f)
+}
+
+/// [`with_mapped`] over `files` (each with the tensors it must hold, or
+/// None: whatever it holds); no tensor may be in two.
+pub fn with_mapped_files<T, E>(
+    files: Vec<shards::WeightFile>,
+    f: impl FnOnce(Vec<(String, Tensor)>, &dyn Fn()) -> Result<T, E>,
+) -> Result<Result<T, E>, String> {
     let mut maps = Vec::with_capacity(files.len());
     for (file, _) in &files {
         let opened = std::fs::File::open(file).map_err(|e| format!("{}: {e}", file.display()))?;

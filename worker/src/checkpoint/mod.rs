@@ -255,12 +255,7 @@ pub struct Loaded {
 /// Reads step folder `path` (named `step-<N>`), verifying its manifest and
 /// that trainer.json is step N's. The error is one line.
 fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
-    let step: u64 = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix("step-"))
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| format!("{} is not a step-<N> folder", path.display()))?;
+    let step = step_of(path)?;
     let mut files = manifest::read_verified(path, step)?;
     let mut take = |name: &str| {
         files
@@ -476,6 +471,113 @@ pub fn list_skipped(skipped: &[(u64, String)]) -> String {
 /// what was found when steps exist and none reads, or when the folder or a
 /// checkpoint belongs to another job.
 pub fn load_newest(dir: &Path, me: &Owner) -> Result<Option<Found>> {
+    let found = find_newest(dir, me, read_step, |l: &Loaded| (&l.path, &l.state))?;
+    Ok(found.map(|(loaded, why, fell_back)| Found {
+        loaded,
+        why,
+        fell_back,
+    }))
+}
+
+/// A step folder [`newest_verified`] chose: verified, its trainer state
+/// read, its tensors not (ZeRO-3 maps them: [`mapped`]).
+pub struct FoundStep {
+    pub path: PathBuf,
+    pub state: TrainerState,
+    pub why: String,
+    pub fell_back: bool,
+}
+
+/// [`load_newest`]'s choice, every file of the step verified (read in
+/// pieces, never held) and only its trainer state kept. The files are
+/// immutable once published, so what a reader maps next is what was
+/// verified.
+pub fn newest_verified(dir: &Path, me: &Owner) -> Result<Option<FoundStep>> {
+    let found = find_newest(dir, me, verify_step, |f: &FoundStep| (&f.path, &f.state))?;
+    Ok(found.map(|(mut f, why, fell_back)| {
+        f.why = why;
+        f.fell_back = fell_back;
+        f
+    }))
+}
+
+/// Step folder `path`'s number (named `step-<N>`).
+fn step_of(path: &Path) -> std::result::Result<u64, String> {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("step-"))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("{} is not a step-<N> folder", path.display()))
+}
+
+/// Verifies step folder `path` as [`read_step`] does, keeping only the
+/// trainer state; its model and optimizer files must be listed.
+fn verify_step(path: &Path) -> std::result::Result<FoundStep, String> {
+    let step = step_of(path)?;
+    let mut files = manifest::verify_keeping(path, step, |n| n == TRAINER_FILE)?;
+    let trainer = files
+        .remove(TRAINER_FILE)
+        .flatten()
+        .ok_or_else(|| format!("{} lists no {TRAINER_FILE}", manifest::MANIFEST_FILE))?;
+    let listed: Vec<&String> = files.keys().collect();
+    if !listed
+        .iter()
+        .any(|n| *n == MODEL_FILE || *n == shards::INDEX_FILE)
+    {
+        return Err(format!(
+            "{} lists no {MODEL_FILE} (nor {})",
+            manifest::MANIFEST_FILE,
+            shards::INDEX_FILE
+        ));
+    }
+    if !listed
+        .iter()
+        .any(|n| *n == OPTIMIZER_FILE || is_optimizer_part(n))
+    {
+        return Err(format!(
+            "{} lists no {OPTIMIZER_FILE} (nor a part optimizer-*-of-*.safetensors)",
+            manifest::MANIFEST_FILE
+        ));
+    }
+    let state: TrainerState =
+        serde_json::from_slice(&trainer).map_err(|e| format!("{TRAINER_FILE}: {e}"))?;
+    if state.step != step {
+        return Err(format!(
+            "{TRAINER_FILE} holds step {}, the folder is step {step}",
+            state.step
+        ));
+    }
+    Ok(FoundStep {
+        path: path.to_path_buf(),
+        state,
+        why: String::new(),
+        fell_back: false,
+    })
+}
+
+/// The optimizer state files of verified step folder `path`:
+/// `optimizer.safetensors`, or every part in order.
+pub fn optimizer_files(path: &Path) -> std::result::Result<Vec<PathBuf>, String> {
+    if path.join(OPTIMIZER_FILE).is_file() {
+        return Ok(vec![path.join(OPTIMIZER_FILE)]);
+    }
+    let mut parts: Vec<String> = std::fs::read_dir(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| is_optimizer_part(n))
+        .collect();
+    parts.sort();
+    Ok(parts.into_iter().map(|n| path.join(n)).collect())
+}
+
+/// The choice of [`load_newest`] and [`newest_verified`], with `read`
+/// reading (or verifying) a step folder and `parts` its path and state.
+fn find_newest<L>(
+    dir: &Path,
+    me: &Owner,
+    read: impl Fn(&Path) -> std::result::Result<L, String>,
+    parts: impl Fn(&L) -> (&PathBuf, &TrainerState),
+) -> Result<Option<(L, String, bool)>> {
     if let Some(o) = owner::read(dir).map_err(|e| ckpt_err(dir, e))? {
         if let Some(r) = owner::refusal(dir, &o, me) {
             return Err(ckpt_err(dir, r));
@@ -483,9 +585,9 @@ pub fn load_newest(dir: &Path, me: &Owner) -> Result<Option<Found>> {
     }
     let latest = latest_name(dir);
     let steps = list_steps(dir)?;
-    let mut cache: Option<(u64, Loaded)> = None;
+    let mut cache: Option<(u64, L)> = None;
     let choice = choose(&latest, &steps, |s| {
-        let l = read_step(&dir.join(step_name(s)))?;
+        let l = read(&dir.join(step_name(s)))?;
         cache = Some((s, l));
         Ok(())
     });
@@ -516,9 +618,13 @@ pub fn load_newest(dir: &Path, me: &Owner) -> Result<Option<Found>> {
                 Some((s, l)) if s == step => l,
                 // choose() stops at the first step that verifies, which is
                 // the last one read; read again only if that ever changes.
-                _ => read(&dir.join(step_name(step)))?,
+                _ => {
+                    let path = dir.join(step_name(step));
+                    read(&path).map_err(|e| ckpt_err(&path, e))?
+                }
             };
-            check_job(&loaded, me)?;
+            let (path, state) = parts(&loaded);
+            check_job(path, state, me)?;
             let why = if fell_back {
                 format!(
                     "step-{step} ({latest_text}{})",
@@ -534,25 +640,21 @@ pub fn load_newest(dir: &Path, me: &Owner) -> Result<Option<Found>> {
             if fell_back {
                 tracing::warn!(dir = %dir.display(), step, "recovery without a readable LATEST: {why}");
             }
-            Ok(Some(Found {
-                loaded,
-                why,
-                fell_back,
-            }))
+            Ok(Some((loaded, why, fell_back)))
         }
     }
 }
 
 /// A checkpoint of another job is refused, naming both.
-fn check_job(loaded: &Loaded, me: &Owner) -> Result<()> {
-    let theirs = if loaded.state.job_id.is_empty() {
-        &loaded.state.job
+fn check_job(path: &Path, state: &TrainerState, me: &Owner) -> Result<()> {
+    let theirs = if state.job_id.is_empty() {
+        &state.job
     } else {
-        &loaded.state.job_id
+        &state.job_id
     };
     if *theirs != me.job_id {
         return Err(ckpt_err(
-            &loaded.path,
+            path,
             format!(
                 "was written by job {theirs}; this is job {}: a job resumes only from its own checkpoints",
                 me.job_id

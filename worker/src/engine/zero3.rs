@@ -9,7 +9,7 @@ use super::recompute::Recompute;
 use super::Engine;
 use crate::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
-use crate::family::model::Model;
+use crate::family::model::{Model, WeightsFrom};
 use crate::spec::JobSpec;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -153,26 +153,30 @@ pub(super) fn build(
     };
     drop(taker);
     let mut model = model;
-    let owned = init_chunks(&mut model, given, &names, &numels, &units, layout)?;
+    let owned = chunks_of(&mut model, WeightsFrom::Init(given), &units, layout)?;
     Ok((model, owned))
 }
 
-/// This rank's chunks at `layout` of `model.init` (`given`), checked as
-/// [`Model::load_named`] checks it; its buffers are loaded whole.
-fn init_chunks(
+/// This rank's chunks at `layout` (over `units`) of the weights `from`
+/// names (`model.init`, or a checkpoint's step folder), checked as
+/// [`Model::load_named`] checks them and read through a memory map, only
+/// this rank's parts of each tensor; the buffers and a tied head's copy
+/// are loaded whole.
+fn chunks_of(
     model: &mut Model,
-    given: &std::path::Path,
-    names: &[String],
-    numels: &[usize],
+    from: WeightsFrom<'_>,
     units: &[Range<usize>],
     layout: (usize, usize),
 ) -> Result<Tensor> {
-    use crate::family::model::WeightsFrom;
-    let from = WeightsFrom::Init(given);
+    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    let numels: Vec<usize> = model.params.iter().map(|(_, t)| t.numel()).collect();
+    let given = match from {
+        WeightsFrom::Init(p) | WeightsFrom::Checkpoint(p) => p,
+    };
     crate::checkpoint::mapped::with_mapped(given, |tensors, forget| {
         let mut by_name = model.fit_named(from, tensors)?;
-        let mut taker = ShardTaker::new(names, numels, units, layout);
-        for name in names {
+        let mut taker = ShardTaker::new(&names, &numels, units, layout);
+        for name in &names {
             let t = by_name
                 .get(name)
                 .ok_or_else(|| Error::Sharding(format!("model.init lost {name}")))?;
@@ -183,9 +187,15 @@ fn init_chunks(
         model.copy_named(from, &mut by_name, false)?;
         taker.finish()
     })
-    .map_err(|reason| Error::Init {
-        path: given.to_path_buf(),
-        reason,
+    .map_err(|reason| match from {
+        WeightsFrom::Init(_) => Error::Init {
+            path: given.to_path_buf(),
+            reason,
+        },
+        WeightsFrom::Checkpoint(_) => Error::Checkpoint {
+            path: given.to_path_buf(),
+            reason,
+        },
     })?
 }
 
@@ -491,6 +501,26 @@ impl<C: Collective> Engine<C> {
             }
             Ok(())
         })
+    }
+
+    /// ZeRO-3's resume: this rank's chunks of the parameters in step
+    /// folder `path` at the current layout, every unit released.
+    pub(super) fn zero3_load_chunks(&mut self, path: &std::path::Path) -> Result<()> {
+        let layout = (self.collective.world_size(), self.collective.rank());
+        let units: Vec<Range<usize>> = match self.placement.strategy.param_shards() {
+            Some(s) => s.layout_of_units().into_iter().map(|(_, p)| p).collect(),
+            None => return Err(Error::Sharding("a ZeRO-3 resume below stage 3".into())),
+        };
+        let owned = chunks_of(
+            &mut self.model,
+            WeightsFrom::Checkpoint(path),
+            &units,
+            layout,
+        )?;
+        match self.placement.strategy.param_shards() {
+            Some(s) => s.set_owned(owned, layout),
+            None => Ok(()),
+        }
     }
 
     /// Copies of every parameter by name, whole under any sharding stage

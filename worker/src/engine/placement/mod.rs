@@ -163,6 +163,21 @@ pub(super) trait Placement<C: Collective>: Send {
         steps: u64,
     ) -> Result<()>;
 
+    /// [`Placement::load_optimizer_state`] from tensors that may view a
+    /// mapped file ([`crate::checkpoint::mapped`]): a placement that reads
+    /// only its part of each calls `forget` after each, dropping the
+    /// pages read so far.
+    fn load_optimizer_state_mapped(
+        &mut self,
+        p: &mut Parts<'_, C>,
+        saved: Vec<(String, Tensor)>,
+        steps: u64,
+        forget: &dyn Fn(),
+    ) -> Result<()> {
+        let _ = forget;
+        self.load_optimizer_state(p, saved, steps)
+    }
+
     /// ZeRO-3's sharded parameters (None: every rank holds them whole).
     fn param_shards(&mut self) -> Option<&mut ParamShards> {
         None
@@ -348,6 +363,17 @@ impl<C: Collective> super::Engine<C> {
     ) -> Result<()> {
         let (placement, mut parts) = self.placed();
         placement.load_optimizer_state(&mut parts, saved, steps)
+    }
+
+    /// [`Placement::load_optimizer_state_mapped`].
+    pub(super) fn load_optimizer_state_mapped(
+        &mut self,
+        saved: Vec<(String, Tensor)>,
+        steps: u64,
+        forget: &dyn Fn(),
+    ) -> Result<()> {
+        let (placement, mut parts) = self.placed();
+        placement.load_optimizer_state_mapped(&mut parts, saved, steps, forget)
     }
 }
 

@@ -190,6 +190,24 @@ impl ParamShards {
         Ok(s)
     }
 
+    /// This rank's chunks at `layout` given whole (a resume took them
+    /// from a checkpoint); every unit released.
+    pub fn set_owned(&mut self, owned: Tensor, layout: (usize, usize)) -> Result<()> {
+        if owned.numel() != self.owned_len(layout) {
+            return Err(Error::Sharding(format!(
+                "{} elements taken for rank {} of {}, which owns {}",
+                owned.numel(),
+                layout.1,
+                layout.0,
+                self.owned_len(layout)
+            )));
+        }
+        self.owned = Some(owned);
+        self.layout = layout;
+        let all: Vec<usize> = (0..self.units.len()).collect();
+        self.release(&all)
+    }
+
     /// Whether every unit is gathered (the parameters readable).
     pub fn is_whole(&self) -> bool {
         self.units.iter().all(|u| u.gathered)

@@ -18,8 +18,8 @@
 //! into PyTorch's per-parameter names, so they load under any stage and
 //! world size.
 
-use super::sharded::{keep_of_saved, slice_norm, step_slice, views_by_name, Shard};
-use super::{Axis, ParamShards, Parts, Placement};
+use super::sharded::{slice_norm, step_slice, views_by_name, Shard, KEYS};
+use super::{Axis, ParamShards, Parts, Placement, ShardTaker};
 use crate::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use crate::optim::{GradPrep, Optimizer};
@@ -167,18 +167,67 @@ impl<C: Collective> Placement<C> for ShardedParameters {
         Ok(out)
     }
 
-    /// Keeps this rank's chunks of a whole saved state.
+    /// Keeps this rank's chunks of a whole saved state, taking from each
+    /// saved tensor only the part in them (it may be a view of a mapped
+    /// file: only those pages are read).
     fn load_optimizer_state(
         &mut self,
         p: &mut Parts<'_, C>,
         saved: Vec<(String, Tensor)>,
         steps: u64,
     ) -> Result<()> {
+        self.load_optimizer_state_mapped(p, saved, steps, &|| {})
+    }
+
+    fn load_optimizer_state_mapped(
+        &mut self,
+        p: &mut Parts<'_, C>,
+        saved: Vec<(String, Tensor)>,
+        steps: u64,
+        forget: &dyn Fn(),
+    ) -> Result<()> {
         let layout = p.layout();
-        let params = &self.params;
-        let state = keep_of_saved(p, saved, |flat| {
-            Tensor::f_from_slice(&params.chunks_of(flat, layout)).ctx("optimizer state")
-        })?;
+        let names: Vec<String> = p.params.iter().map(|(n, _)| n.clone()).collect();
+        let numels: Vec<usize> = p.params.iter().map(|(_, t)| t.numel()).collect();
+        let units: Vec<_> = self
+            .params
+            .layout_of_units()
+            .into_iter()
+            .map(|(_, params)| params)
+            .collect();
+        let mut saved: std::collections::HashMap<String, Tensor> = saved.into_iter().collect();
+        let mut state = Vec::new();
+        for key in KEYS {
+            let named = |n: &str| format!("{n}.{key}");
+            if !names.iter().any(|n| saved.contains_key(&named(n))) {
+                continue;
+            }
+            let mut taker = ShardTaker::new(&names, &numels, &units, layout);
+            for (name, t) in p.params.iter() {
+                let part =
+                    saved
+                        .remove(&named(name))
+                        .ok_or_else(|| Error::OptimizerStateMissing {
+                            key: key.to_string(),
+                            param: name.clone(),
+                        })?;
+                if part.size() != t.size() {
+                    return Err(Error::OptimizerStateShape {
+                        name: named(name),
+                        got: part.size(),
+                        want: t.size(),
+                    });
+                }
+                taker.take(name, &part)?;
+                forget();
+            }
+            state.push((key, taker.finish()?));
+        }
+        if let Some(extra) = saved.keys().next() {
+            return Err(Error::OptimizerStateUnknown {
+                name: extra.clone(),
+            });
+        }
         p.optimizer.set_first_state(state, steps);
         self.shard.layout = Some(p.layout());
         self.shard.dirty = false;
