@@ -52,8 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_vs_torch import free_ports, model_fields, token_file  # noqa: E402
 
 
-def job(d, fields, a, stage, sync, ac, world):
+def job(d, fields, a, stage, sync, ac, world, prefetch=True):
     keep = "reshard_after_forward = false\n" if stage == 3 and a.keep_gathered else ""
+    if stage == 3 and not prefetch:
+        keep += "prefetch = false\n"
     model = "\n".join(f"{key} = {json.dumps(v)}" for key, v in fields.items())
     perf = '[performance]\nactivation_checkpointing = "full"\n' if ac else ""
     return f"""
@@ -150,6 +152,8 @@ def main():
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--no-fsdp", action="store_true", help="accrue alone")
+    ap.add_argument("--prefetch", choices=["on", "off", "both"], default="on",
+                    help="stage 3 with sharding.prefetch (the default), without, or both")
     ap.add_argument("--keep-gathered", action="store_true",
                     help="stage 3 with reshard_after_forward = false (FSDP2 too)")
     a = ap.parse_args()
@@ -177,18 +181,24 @@ def main():
         for world in worlds:
             for sync in a.syncs.split(","):
                 for ac in ([False, True] if a.ac else [False]):
-                    for stage in [int(x) for x in a.stages.split(",")]:
-                        d = root / f"w{world}-s{stage}-{sync}-{int(ac)}"
+                    runs = [(int(x), p) for x in a.stages.split(",")
+                            for p in ({"on": [True], "off": [False], "both": [True, False]}
+                                      [a.prefetch] if int(x) == 3 else [True])]
+                    for stage, prefetch in runs:
+                        d = root / f"w{world}-s{stage}-{sync}-{int(ac)}-{int(prefetch)}"
                         d.mkdir()
                         steps, whole = launch(a.worker, d,
-                                              job(root, fields, a, stage, sync, ac, world),
+                                              job(root, fields, a, stage, sync, ac, world,
+                                                  prefetch),
                                               world)
                         train = [max(s["peak_rss_bytes"] for s in st) / 2**20 for st in steps]
                         t = statistics.median(s["samples"] / s["samples_per_sec"]
                                               for s in steps[0][1:])
-                        rows.append((world, sync, ac, f"accrue stage {stage}", stage, train,
-                                     whole, t))
-                        print(f"W={world} {sync} ac={ac} stage {stage}: train peak "
+                        name = f"accrue stage {stage}"
+                        if stage == 3 and a.prefetch == "both":
+                            name += ", prefetch" if prefetch else ", no prefetch"
+                        rows.append((world, sync, ac, name, stage, train, whole, t))
+                        print(f"W={world} {sync} ac={ac} {name}: train peak "
                               f"{', '.join(f'{m:.0f}' for m in train)} MiB, step {t * 1000:.0f} ms",
                               file=sys.stderr)
                     if not a.no_fsdp:

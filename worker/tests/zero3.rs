@@ -264,24 +264,20 @@ fn stage_3_tied_llama_equals_stage_0() {
     }
     let ac = format!("{text}\n[performance]\nactivation_checkpointing = \"full\"\n");
     against_stage_0(&ac, 2, tol, "tied llama W=2 activation checkpointing");
-    // Units kept gathered from the forward to the backward: the same
-    // operations on the same values, so the same bits as releasing them.
-    for base in [&text, &every] {
+    // Units kept gathered from the forward to the backward, and units
+    // gathered only when needed (no prefetch): the same operations on the
+    // same values, so the same bits as releasing and prefetching them
+    // (with activation checkpointing too).
+    for base in [&text, &every, &ac] {
         let d = TempDir::new().unwrap();
         let released = run(&staged(base, 3), 2, d.path());
-        let d = TempDir::new().unwrap();
-        let kept = run(
-            &format!("{}reshard_after_forward = false\n", staged(base, 3)),
-            2,
-            d.path(),
-        );
-        for (r, (a, b)) in kept.iter().zip(&released).enumerate() {
-            assert_eq!(a.0, b.0, "reshard_after_forward = false, rank {r}: steps");
-            assert_eq!(
-                max_rel_diff(&a.1, &b.1),
-                0.0,
-                "reshard_after_forward = false, rank {r}"
-            );
+        for option in ["reshard_after_forward = false", "prefetch = false"] {
+            let d = TempDir::new().unwrap();
+            let other = run(&format!("{}{option}\n", staged(base, 3)), 2, d.path());
+            for (r, (a, b)) in other.iter().zip(&released).enumerate() {
+                assert_eq!(a.0, b.0, "{option}, rank {r}: steps");
+                assert_eq!(max_rel_diff(&a.1, &b.1), 0.0, "{option}, rank {r}");
+            }
         }
     }
 }

@@ -211,15 +211,23 @@ impl JobSpec {
                 format!("must be {SHARDING_STAGES}"),
             );
         }
-        if let (Some(r), true) = (self.sharding.reshard_after_forward, self.sharding.stage < 3) {
-            c.fail(
+        for (field, value) in [
+            (
                 "sharding.reshard_after_forward",
-                r,
-                format!(
-                    "applies to sharding.stage = 3 (the parameters sharded), not {}",
-                    self.sharding.stage
-                ),
-            );
+                self.sharding.reshard_after_forward,
+            ),
+            ("sharding.prefetch", self.sharding.prefetch),
+        ] {
+            if let (Some(r), true) = (value, self.sharding.stage < 3) {
+                c.fail(
+                    field,
+                    r,
+                    format!(
+                        "applies to sharding.stage = 3 (the parameters sharded), not {}",
+                        self.sharding.stage
+                    ),
+                );
+            }
         }
         self.validate_precision(&mut c);
         self.validate_model(&mut c);

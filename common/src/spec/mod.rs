@@ -189,6 +189,11 @@ pub struct ShardingSpec {
     /// memory, half the gathers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reshard_after_forward: Option<bool>,
+    /// Stage 3: gather the next unit on a thread beside the current
+    /// unit's forward or backward (None: true, as FSDP2 prefetches);
+    /// false gathers each unit when it is needed (one unit less held).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<bool>,
 }
 
 /// The sharding stages built so far.

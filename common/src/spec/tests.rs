@@ -340,12 +340,20 @@ fn sharding_stage_is_0_to_3_and_defaults_to_0() {
         "{}",
         e[0]
     );
+    // So is prefetch.
+    let e = invalid(&format!("{BASE}[sharding]\nstage = 1\nprefetch = false\n"));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert_eq!(
+        e[0].to_string(),
+        "sharding.prefetch = false: applies to sharding.stage = 3 (the parameters sharded), not 1"
+    );
     let three = JobSpec::fields_from_toml_str(
-        &format!("{BASE}[sharding]\nstage = 3\nreshard_after_forward = false\n"),
+        &format!("{BASE}[sharding]\nstage = 3\nreshard_after_forward = false\nprefetch = false\n"),
         Path::new("t.toml"),
     )
     .unwrap();
     assert_eq!(three.sharding.reshard_after_forward, Some(false));
+    assert_eq!(three.sharding.prefetch, Some(false));
 }
 
 #[test]

@@ -256,6 +256,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         sharding: Some(v1::ShardingSpec {
             stage: s.sharding.stage,
             reshard_after_forward: s.sharding.reshard_after_forward,
+            prefetch: s.sharding.prefetch,
         }),
         precision: s.precision.to_proto().into(),
         loss_scaling: Some(v1::LossScalingSpec {
@@ -530,6 +531,7 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
         sharding: ShardingSpec {
             stage: p.sharding.as_ref().map_or(0, |s| s.stage),
             reshard_after_forward: p.sharding.as_ref().and_then(|s| s.reshard_after_forward),
+            prefetch: p.sharding.as_ref().and_then(|s| s.prefetch),
         },
         precision,
         loss_scaling: match &p.loss_scaling {

@@ -457,6 +457,7 @@ fn spec() -> impl Strategy<Value = JobSpec> {
                 sharding: ShardingSpec {
                     stage: (seed % 4) as u32,
                     reshard_after_forward: (seed % 4 == 3).then_some(seed / 4 % 2 == 0),
+                    prefetch: (seed % 4 == 3).then_some(seed / 8 % 2 == 0),
                 },
                 precision: Precision::ALL[(seed / 3 % 3) as usize],
                 loss_scaling: if Precision::ALL[(seed / 3 % 3) as usize] == Precision::Fp16 {

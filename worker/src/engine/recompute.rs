@@ -307,12 +307,12 @@ impl<C: Collective> Engine<C> {
             };
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
-            let out = {
-                let _autocast =
-                    crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
-                self.staged()?
-                    .stage_forward_with(&x_in, seg.clone(), packed)?
-            };
+            let next = self.next_units(segments.get(i + 1));
+            let (device, precision) = (self.device, self.spec.precision);
+            let out = self.with_prefetch(&next, |model| {
+                let _autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
+                staged_of(model)?.stage_forward_with(&x_in, seg.clone(), packed)
+            })?;
             self.zero3_release_after_forward(&units)?;
             x = out.shallow_clone();
             kept.push(x_in);
@@ -339,7 +339,8 @@ impl<C: Collective> Engine<C> {
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
             self.zero3_open_grads(&units)?;
-            self.segment_backward(out, &grad, &units)?;
+            let next = self.next_units(i.checked_sub(1).and_then(|j| segments.get(j)));
+            self.segment_backward(out, &grad, &units, &next)?;
             if i > 0 {
                 grad = x_in.grad();
             }
@@ -348,23 +349,36 @@ impl<C: Collective> Engine<C> {
     }
 
     /// A segment's backward: its output back-propagated with the gradient
-    /// it received (the backward of `sum(out * grad)`), then under ZeRO-3
-    /// its `units` released and their gradients reduced.
-    fn segment_backward(&mut self, out: Tensor, grad: &Tensor, units: &[usize]) -> Result<()> {
-        out.f_mul(grad)
-            .and_then(|y| y.f_sum(Kind::Float))
-            .and_then(|y| y.f_backward())
-            .ctx("running backward")?;
+    /// it received (the backward of `sum(out * grad)`; under ZeRO-3 the
+    /// `next` segment's units gathered beside it), then its `units`
+    /// released and their gradients reduced.
+    fn segment_backward(
+        &mut self,
+        out: Tensor,
+        grad: &Tensor,
+        units: &[usize],
+        next: &[usize],
+    ) -> Result<()> {
+        self.with_prefetch(next, |_| {
+            out.f_mul(grad)
+                .and_then(|y| y.f_sum(Kind::Float))
+                .and_then(|y| y.f_backward())
+                .ctx("running backward")
+        })?;
         drop(out);
         self.zero3_release(units)?;
         self.zero3_reduce_grads(units)
     }
 
+    /// The units of segment `seg` (none without one).
+    fn next_units(&self, seg: Option<&Range<usize>>) -> Vec<usize> {
+        seg.map(|s| self.units_of(s.clone(), false))
+            .unwrap_or_default()
+    }
+
     /// The model's blocks, run one range at a time.
     pub(super) fn staged(&self) -> Result<&dyn crate::family::Staged> {
-        self.model
-            .staged()
-            .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))
+        staged_of(&self.model)
     }
 
     /// Runs `segments` again from their kept inputs, last to first, each
@@ -396,7 +410,8 @@ impl<C: Collective> Engine<C> {
                 self.staged()?
                     .stage_forward_with(&x_in, seg.clone(), packed)?
             };
-            self.segment_backward(out, &grad, &units)?;
+            let next = self.next_units(i.checked_sub(1).and_then(|j| segments.get(j)));
+            self.segment_backward(out, &grad, &units, &next)?;
             if i > 0 {
                 grad = x_in.grad();
             }
@@ -420,6 +435,13 @@ impl<C: Collective> Engine<C> {
             })
             .collect()
     }
+}
+
+/// `model`'s blocks, run one range at a time.
+fn staged_of(model: &Model) -> Result<&dyn crate::family::Staged> {
+    model
+        .staged()
+        .ok_or_else(|| Error::Schedule("this model does not run in blocks".into()))
 }
 
 #[cfg(test)]

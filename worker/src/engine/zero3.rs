@@ -258,6 +258,43 @@ impl<C: Collective> Engine<C> {
         self.zero3_release(units)
     }
 
+    /// Runs `f` on the model while `next`'s units are gathered on a thread
+    /// beside it (ZeRO-3 with `sharding.prefetch`, the default: the next
+    /// unit's all-gather overlaps this unit's compute); otherwise just
+    /// `f`. Every rank gathers the same units in the same order either
+    /// way; `f` must not communicate.
+    pub(super) fn with_prefetch<T>(
+        &mut self,
+        next: &[usize],
+        f: impl FnOnce(&Model) -> Result<T>,
+    ) -> Result<T> {
+        let on = !next.is_empty() && self.zero3_prefetches();
+        let shards = match self.placement.strategy.param_shards() {
+            Some(s) if on => s,
+            _ => return f(&self.model),
+        };
+        let (collective, model) = (&mut self.collective, &self.model);
+        std::thread::scope(|scope| {
+            let gathering = std::thread::Builder::new()
+                .name("accrue-prefetch".into())
+                .spawn_scoped(scope, move || shards.gather(next, collective))
+                .map_err(|e| Error::Sharding(format!("starting a unit's prefetch: {e}")))?;
+            let out = f(model);
+            let gathered = gathering
+                .join()
+                .map_err(|_| Error::Sharding("a unit's prefetch panicked".into()))?;
+            // The compute's failure first; then the gather's.
+            let out = out?;
+            gathered?;
+            Ok(out)
+        })
+    }
+
+    /// Whether ZeRO-3 gathers the next unit beside the current one.
+    pub(super) fn zero3_prefetches(&self) -> bool {
+        self.spec.sharding.stage == 3 && self.spec.sharding.prefetch != Some(false)
+    }
+
     /// Releases `units` under ZeRO-3 (nothing otherwise).
     pub(super) fn zero3_release(&mut self, units: &[usize]) -> Result<()> {
         match self.placement.strategy.param_shards() {
@@ -406,9 +443,14 @@ impl<C: Collective> Engine<C> {
     /// each gathered, released and its (zero) gradients reduced, as
     /// [`Engine::backward_segments`] does.
     pub(super) fn zero3_empty_backward(&mut self, segments: &[Range<usize>]) -> Result<()> {
-        for seg in segments.iter().rev() {
+        for (i, seg) in segments.iter().enumerate().rev() {
             let units = self.units_of(seg.clone(), false);
             self.zero3_gather(&units)?;
+            // The prefetch of the segment before, where the others run it.
+            if let Some(prev) = i.checked_sub(1).filter(|_| self.zero3_prefetches()) {
+                let before = self.units_of(segments[prev].clone(), false);
+                self.zero3_gather(&before)?;
+            }
             self.zero3_release(&units)?;
             self.zero3_reduce_grads(&units)?;
         }
