@@ -347,6 +347,31 @@ fn checkpoints_resume_across_pipeline_degrees() {
         1e-5,
         "P = 1 then P = 2: against the uninterrupted run",
     );
+    // ZeRO-3 (issue 41): 2 data x 2 stages written by every rank (an
+    // optimizer part each), going on at 2 data x 1 stage, against the
+    // uninterrupted 2 x 2 run.
+    let zero3 = |stages: u32, steps: u32| {
+        format!("{}[sharding]\nstage = 3\n", text(stages, steps))
+            .replace("workers = 2", "workers = 4")
+            .replace("workers = 1", "workers = 2")
+    };
+    let whole = TempDir::new().unwrap();
+    common::procs::run_ranks(whole.path(), &zero3(2, 4), 4, |_| {});
+    let z = TempDir::new().unwrap();
+    common::procs::run_ranks(z.path(), &zero3(2, 2), 4, |_| {});
+    for i in 1..=4 {
+        let part = z
+            .path()
+            .join(format!("ckpt/step-2/optimizer-{i:05}-of-00004.safetensors"));
+        assert!(part.is_file(), "no {}", part.display());
+    }
+    common::procs::run_ranks_with(z.path(), &zero3(1, 4), 2, &["--resume"], |_| {});
+    within(
+        &model_at(z.path(), 4),
+        &model_at(whole.path(), 4),
+        1e-5,
+        "ZeRO-3 2 x 2 then 2 x 1: against the uninterrupted 2 x 2 run",
+    );
 }
 
 /// Two replicas of two stages (W = 4): each stage's gradients summed over

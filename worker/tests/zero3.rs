@@ -389,7 +389,15 @@ fn stage_3_llama_equals_fsdp2() {
         assert!(staged.contains("workers = 4"));
         let ranks = common::procs::run_ranks(&out, &staged, 4, |_| {});
         let steps = ranks[0].steps();
-        let model = step_model(&out.join(format!("ckpt/step-{}", steps.len())));
+        let step = out.join(format!("ckpt/step-{}", steps.len()));
+        let model = step_model(&step);
+        // Every rank of every stage wrote its share: one optimizer part
+        // each, and the shards load as one model in transformers.
+        for i in 1..=4 {
+            let part = step.join(format!("optimizer-{i:05}-of-00004.safetensors"));
+            assert!(part.is_file(), "no {}", part.display());
+        }
+        from_pretrained_equals(&step, &model);
         runs.push((
             format!("stage 3 in 2 x 2 stages, {sync}"),
             sync,

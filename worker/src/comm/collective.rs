@@ -121,6 +121,13 @@ pub trait Collective: Send {
     {
         gather_u64(self, mine)
     }
+    /// [`Collective::broadcast_bytes`] over the whole world (`root` a
+    /// world rank, in [`Collective::world_gather_u64`]'s order). The
+    /// default is this collective's, whose ranks are the world's when the
+    /// model is not split.
+    fn world_broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
+        self.broadcast_bytes(buf, root)
+    }
 }
 
 /// Every rank's `mine` over `c`, in rank order: one 8-byte broadcast from

@@ -153,6 +153,13 @@ impl Collective for MeshCollective {
     fn world_gather_u64(&mut self, mine: u64) -> Result<Vec<u64>, CollectiveError> {
         crate::collective::gather_u64(self.mesh()?.control(), mine)
     }
+    fn world_broadcast_bytes(
+        &mut self,
+        buf: &mut Vec<u8>,
+        root: usize,
+    ) -> Result<(), CollectiveError> {
+        Collective::broadcast_bytes(self.mesh()?.control(), buf, root)
+    }
     fn pipeline_group(&mut self) -> Result<&mut dyn Group, CollectiveError> {
         if self.stages.is_none() {
             return Err(CollectiveError::Interrupted(

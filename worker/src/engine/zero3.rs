@@ -586,17 +586,22 @@ pub(super) fn writer_of(u: usize, units: usize, w: usize) -> usize {
 
 impl<C: Collective> Engine<C> {
     /// A ZeRO-3 checkpoint written by every rank, never whole on one
-    /// (docs/SEMANTICS.md): rank r writes the whole tensors of its run of
-    /// units ([`writer_of`]) as shards of one Hugging Face checkpoint, and
-    /// their optimizer state as `optimizer-0000r-of-0000W`; each unit is
-    /// gathered once (every rank takes part) and kept only by its writer.
-    /// Rank 0 (holding the folder's lock) begins the step, writes the
-    /// index, the trainer state and the other files, and publishes it
-    /// under the usual rules (engine/pipe/checkpoint.rs).
+    /// (docs/SEMANTICS.md): rank r of a data group writes the whole
+    /// tensors of its run of the units ([`writer_of`]) as shards of one
+    /// Hugging Face checkpoint, and their optimizer state as an
+    /// `optimizer-0000i-of-0000N` part; each unit is gathered once (every
+    /// rank of the group takes part) and kept only by its writer. In
+    /// pipeline stages each stage's data group writes its stage's units,
+    /// the files numbered stage by stage. The first stage's data rank 0
+    /// (holding the folder's lock) begins the step, writes the index, the
+    /// trainer state and the other files, and publishes it under the
+    /// usual rules (engine/pipe/checkpoint.rs); only names, sizes,
+    /// checksums and outcomes cross the world.
     pub(super) fn zero3_checkpoint(&mut self) -> Result<std::path::PathBuf> {
         use super::pipe::checkpoint::{decode, encode, sizes, write_stage, Outcome};
         use crate::checkpoint::{self, shards as files};
         let (w, r) = (self.collective.world_size(), self.collective.rank());
+        let stage = self.pipe.as_ref().map_or(0, |p| p.stage);
         let step = self.state.step;
         let dir = self.checkpoint_dir.clone();
         let units = match self.placement.strategy.param_shards() {
@@ -631,7 +636,8 @@ impl<C: Collective> Engine<C> {
                 )?);
             }
         }
-        if r == 0 {
+        let writer = r == 0 && stage == 0;
+        if writer {
             model.extend(
                 self.model
                     .buffers
@@ -642,12 +648,22 @@ impl<C: Collective> Engine<C> {
         let max_shard = accrue_common::spec::shard_size_bytes(&self.spec.checkpoint.max_shard_size)
             .unwrap_or(u64::MAX);
         let plan = files::plan(&sizes(&model)?, max_shard);
-        let counts = crate::collective::gather_u64(&mut self.collective, plan.len() as u64)?;
+        // Every rank's place (stage, data rank) and shard count, in world
+        // rank order: the files number in the model's order (stage by
+        // stage, data rank by data rank), the optimizer parts too.
+        let place = (stage as u64) << 32 | r as u64;
+        let places = self.collective.world_gather_u64(place)?;
+        let counts = self.collective.world_gather_u64(plan.len() as u64)?;
+        let before = |p: u64| places.iter().zip(&counts).filter(move |(q, _)| **q < p);
+        let first = before(place).map(|(_, c)| c).sum::<u64>() as usize;
         let total = counts.iter().sum::<u64>() as usize;
-        let first = counts[..r].iter().sum::<u64>() as usize;
-        // Rank 0 begins; every rank learns the temporary folder (empty:
-        // rank 0 could not begin, and says why at the end).
-        let began = if r == 0 {
+        let part = before(place).count();
+        let root = places.iter().position(|&p| p == 0).ok_or_else(|| {
+            Error::Sharding(format!("no rank holds stage 0's data rank 0: {places:?}"))
+        })?;
+        // The writer begins; every rank learns the temporary folder
+        // (empty: the writer could not begin, and says why at the end).
+        let began = if writer {
             if self.folder_lock.is_none() {
                 self.take_folder_lock()?;
             }
@@ -659,43 +675,45 @@ impl<C: Collective> Engine<C> {
             Ok(Some(tmp)) => tmp.to_string_lossy().into_owned().into_bytes(),
             _ => Vec::new(),
         };
-        self.collective.broadcast_bytes(&mut name, 0)?;
+        self.collective.world_broadcast_bytes(&mut name, root)?;
         let tmp = (!name.is_empty())
             .then(|| std::path::PathBuf::from(String::from_utf8_lossy(&name).into_owned()));
         let outcome: Outcome = match &tmp {
-            Some(tmp) => {
-                write_stage(tmp, &model, &plan, first, total, &opt, r, w).map_err(|e| e.to_string())
-            }
-            None => Err("rank 0 could not begin the step".into()),
+            Some(tmp) => write_stage(tmp, &model, &plan, first, total, &opt, part, places.len())
+                .map_err(|e| e.to_string()),
+            None => Err("the writer could not begin the step".into()),
         };
         drop((model, opt));
-        let mut parts = Vec::with_capacity(w);
-        for root in 0..w {
-            let mut b = if root == r {
+        // Every outcome to the writer, in the files' order.
+        let mut parts = Vec::with_capacity(places.len());
+        for from in 0..places.len() {
+            let mut b = if places[from] == place {
                 encode(&outcome)?
             } else {
                 Vec::new()
             };
-            self.collective.broadcast_bytes(&mut b, root)?;
-            if r == 0 {
-                parts.push(decode::<Outcome>(&b, root)?);
+            self.collective.world_broadcast_bytes(&mut b, from)?;
+            if writer {
+                parts.push((places[from], decode::<Outcome>(&b, from)?));
             }
         }
-        let result = if r == 0 {
+        parts.sort_by_key(|(p, _)| *p);
+        let parts = parts.into_iter().map(|(_, o)| o).collect();
+        let result = if writer {
             match (began, tmp) {
                 (Ok(Some(_)), Some(tmp)) => self.finish_parts(&tmp, parts),
                 (Err(e), _) => Err(e),
-                _ => Err(Error::Sharding("rank 0 began no step".into())),
+                _ => Err(Error::Sharding("the writer began no step".into())),
             }
         } else {
             Ok(dir.join(checkpoint::step_name(step)))
         };
         let mut done = encode(&match &result {
             Ok(_) => Ok(()),
-            Err(e) => Err(format!("rank 0's write failed: {e}")),
+            Err(e) => Err(format!("the writer's write failed: {e}")),
         })?;
-        self.collective.broadcast_bytes(&mut done, 0)?;
-        let done: std::result::Result<(), String> = decode(&done, 0)?;
+        self.collective.world_broadcast_bytes(&mut done, root)?;
+        let done: std::result::Result<(), String> = decode(&done, root)?;
         match done {
             Ok(()) => result,
             Err(reason) => Err(Error::Checkpoint { path: dir, reason }),

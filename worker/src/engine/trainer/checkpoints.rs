@@ -16,12 +16,6 @@ impl<C: Collective> Engine<C> {
                 return Ok(path.clone());
             }
         }
-        if self.placement.strategy.param_shards().is_some() && self.pipe.is_some() {
-            // ZeRO-3 in pipeline stages: each stage's units gathered on
-            // its data ranks, its replica 0 writing the stage's part as
-            // without ZeRO-3 (a stage is 1/P of the model).
-            return self.with_whole(Self::checkpoint_whole);
-        }
         if self.placement.strategy.param_shards().is_some() {
             // ZeRO-3: every rank writes its share, never whole on one.
             let path = self.zero3_checkpoint()?;
