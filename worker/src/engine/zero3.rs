@@ -686,15 +686,15 @@ impl<C: Collective> Engine<C> {
         drop((model, opt));
         // Every outcome to the writer, in the files' order.
         let mut parts = Vec::with_capacity(places.len());
-        for from in 0..places.len() {
-            let mut b = if places[from] == place {
+        for (from, &at) in places.iter().enumerate() {
+            let mut b = if at == place {
                 encode(&outcome)?
             } else {
                 Vec::new()
             };
             self.collective.world_broadcast_bytes(&mut b, from)?;
             if writer {
-                parts.push((places[from], decode::<Outcome>(&b, from)?));
+                parts.push((at, decode::<Outcome>(&b, from)?));
             }
         }
         parts.sort_by_key(|(p, _)| *p);
