@@ -161,6 +161,33 @@ async fn a_lost_last_stage_is_replaced_from_its_replica_and_the_result_is_unchan
     h.stop().await;
 }
 
+/// ZeRO-3 in 2 data x 2 stages (issue 41), the same kill: the lost
+/// rank's shard of the last stage is gone with it, so that stage's ranks
+/// roll back to the checkpoint (every step) by chunks; the first stage's
+/// hold the same step, so nothing else moves, and the job ends where the
+/// undisturbed run ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_3_pipeline_job_recovers_a_lost_last_stage_from_its_checkpoint() {
+    let d = TempDir::new().unwrap();
+    let data = token_file(d.path(), 1025);
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let ids = ["z0", "z1", "z2", "z3", "z4"];
+    let mut w = spawn_all(&grpc, &ids, d.path());
+    let mut c = client(&grpc).await;
+    let zero3 = |name: &str| {
+        tied_llama(name, &data) + "[sharding]\nstage = 3\n[checkpoint]\nevery_steps = 1\n"
+    };
+    let hurt = submit_text(&mut c, &zero3("z3-hurt")).await;
+    let (_, end) = kill_rank_at(&mut c, &mut w, &ids, &hurt.id, 2, 1).await;
+    assert_eq!(end.recoveries[0].world_size, 4);
+    assert_eq!(end.counters.unwrap().step, 8);
+    let diff = against_undisturbed(&mut c, &end, &zero3("z3-calm")).await;
+    eprintln!("ZeRO-3 in stages, lost last stage: max relative difference {diff:e}");
+    assert!(diff <= 1e-6, "relative difference {diff}");
+    h.stop().await;
+}
+
 /// 1 x 3 stages, the middle one killed with a spare attached: no other
 /// worker held that stage, so every rank rolls back to the checkpoint
 /// (every 2 steps) and the job still ends where the undisturbed run ends.
