@@ -13,6 +13,7 @@
 
 mod lenet5;
 pub mod llama;
+mod load;
 mod mistral;
 mod mlp;
 pub mod model;
