@@ -320,6 +320,29 @@ async fn sharded_rollback(stage: u32) {
     let calm = submit_text(&mut c, &text("zcalm")).await;
     let calm_end = ended(&mut c, &calm.id).await;
     assert_eq!(calm_end.state(), JobState::Succeeded, "{calm_end:?}");
+    // Issue 41: the status carries the spec's estimate at this stage
+    // (below stage 0's) and every rank's measured peak.
+    let estimate = |t: &str| {
+        accrue_common::JobSpec::from_toml_str(t, Path::new("t.toml"))
+            .unwrap()
+            .memory_estimate()
+            .total()
+    };
+    let whole = estimate(&text("z").replace(&format!("stage = {stage}\n"), "stage = 0\n"));
+    assert_eq!(
+        calm_end.memory_estimate_bytes,
+        estimate(&text("z")),
+        "{calm_end:?}"
+    );
+    assert!(
+        calm_end.memory_estimate_bytes < whole,
+        "{calm_end:?} against stage 0's {whole}"
+    );
+    assert_eq!(calm_end.peak_rss_bytes.len(), 2, "{calm_end:?}");
+    assert!(
+        calm_end.peak_rss_bytes.iter().all(|&p| p > 20 << 20),
+        "{calm_end:?}"
+    );
     // (The step folders: stage 3 writes its model as shards.)
     let diff = relative_difference(Path::new(&end.checkpoint), Path::new(&calm_end.checkpoint));
     eprintln!("stage {stage}, interrupted vs uninterrupted: max relative difference {diff:e}");
