@@ -152,6 +152,8 @@ def main():
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--no-fsdp", action="store_true", help="accrue alone")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="each configuration N times, accrue and FSDP2 alternating")
     ap.add_argument("--prefetch", choices=["on", "off", "both"], default="on",
                     help="stage 3 with sharding.prefetch (the default), without, or both")
     ap.add_argument("--keep-gathered", action="store_true",
@@ -181,34 +183,38 @@ def main():
         for world in worlds:
             for sync in a.syncs.split(","):
                 for ac in ([False, True] if a.ac else [False]):
-                    runs = [(int(x), p) for x in a.stages.split(",")
-                            for p in ({"on": [True], "off": [False], "both": [True, False]}
-                                      [a.prefetch] if int(x) == 3 else [True])]
-                    for stage, prefetch in runs:
-                        d = root / f"w{world}-s{stage}-{sync}-{int(ac)}-{int(prefetch)}"
-                        d.mkdir()
-                        steps, whole = launch(a.worker, d,
-                                              job(root, fields, a, stage, sync, ac, world,
-                                                  prefetch),
-                                              world)
-                        train = [max(s["peak_rss_bytes"] for s in st) / 2**20 for st in steps]
-                        t = statistics.median(s["samples"] / s["samples_per_sec"]
-                                              for s in steps[0][1:])
-                        name = f"accrue stage {stage}"
-                        if stage == 3 and a.prefetch == "both":
-                            name += ", prefetch" if prefetch else ", no prefetch"
-                        rows.append((world, sync, ac, name, stage, train, whole, t))
-                        print(f"W={world} {sync} ac={ac} {name}: train peak "
-                              f"{', '.join(f'{m:.0f}' for m in train)} MiB, step {t * 1000:.0f} ms",
-                              file=sys.stderr)
-                    if not a.no_fsdp:
-                        d = root / f"w{world}-fsdp-{sync}-{int(ac)}"
-                        d.mkdir()
-                        peaks, t = fsdp(d, root, fields, a, sync, ac, world)
-                        rows.append((world, sync, ac, "FSDP2", 3, peaks, [None], t))
-                        print(f"W={world} {sync} ac={ac} FSDP2: peak "
-                              f"{', '.join(f'{m:.0f}' for m in peaks)} MiB, step {t * 1000:.0f} ms",
-                              file=sys.stderr)
+                    for rep in range(a.repeat):
+                        runs = [(int(x), p) for x in a.stages.split(",")
+                                for p in ({"on": [True], "off": [False], "both": [True, False]}
+                                          [a.prefetch] if int(x) == 3 else [True])]
+                        for stage, prefetch in runs:
+                            d = root / f"w{world}-s{stage}-{sync}-{int(ac)}-{int(prefetch)}-{rep}"
+                            d.mkdir()
+                            steps, whole = launch(a.worker, d,
+                                                  job(root, fields, a, stage, sync, ac, world,
+                                                      prefetch),
+                                                  world)
+                            train = [max(s["peak_rss_bytes"] for s in st) / 2**20 for st in steps]
+                            t = statistics.median(s["samples"] / s["samples_per_sec"]
+                                                  for s in steps[0][1:])
+                            name = f"accrue stage {stage}"
+                            if stage == 3 and a.prefetch == "both":
+                                name += ", prefetch" if prefetch else ", no prefetch"
+                            if a.repeat > 1:
+                                name += f" #{rep + 1}"
+                            rows.append((world, sync, ac, name, stage, train, whole, t))
+                            print(f"W={world} {sync} ac={ac} {name}: train peak "
+                                  f"{', '.join(f'{m:.0f}' for m in train)} MiB, step {t * 1000:.0f} ms",
+                                  file=sys.stderr)
+                        if not a.no_fsdp:
+                            d = root / f"w{world}-fsdp-{sync}-{int(ac)}-{rep}"
+                            d.mkdir()
+                            peaks, t = fsdp(d, root, fields, a, sync, ac, world)
+                            rows.append((world, sync, ac, "FSDP2" + (f" #{rep + 1}" if a.repeat > 1 else ""),
+                                         3, peaks, [None], t))
+                            print(f"W={world} {sync} ac={ac} FSDP2: peak "
+                                  f"{', '.join(f'{m:.0f}' for m in peaks)} MiB, step {t * 1000:.0f} ms",
+                                  file=sys.stderr)
     print(f"- command: `{' '.join(sys.argv)}`")
     print(f"- CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     print(f"- model: Llama L={a.layers}, H={a.hidden}, intermediate {i}, vocab {a.vocab}, untied "
