@@ -250,20 +250,6 @@ fn one_process(
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Files and folders of `from` into `to` (a checkpoint folder's copy).
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let target = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_tree(&e.path(), &target);
-        } else {
-            std::fs::copy(e.path(), target).unwrap();
-        }
-    }
-}
-
 /// A pipeline checkpoint is one Hugging Face folder (each stage's shards
 /// and optimizer part): a job stopped at step 2 at P = 2 goes on at P = 1
 /// and at P = 4, and one stopped at P = 1 goes on at P = 2, each to the

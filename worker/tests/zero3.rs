@@ -570,16 +570,3 @@ stage = {}
     assert!(peaks[4] - peaks[2] <= 25.0, "{msg}");
 }
 
-/// Copies folder `from` into `to`, recursively.
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let dst = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_tree(&e.path(), &dst);
-        } else {
-            std::fs::copy(e.path(), &dst).unwrap();
-        }
-    }
-}

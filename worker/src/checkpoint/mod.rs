@@ -272,14 +272,7 @@ fn read_step(path: &Path) -> std::result::Result<Loaded, String> {
             Ok((file, expected, tensors))
         })
         .collect::<std::result::Result<Vec<_>, String>>()?;
-    let state: TrainerState =
-        serde_json::from_slice(&trainer).map_err(|e| format!("{TRAINER_FILE}: {e}"))?;
-    if state.step != step {
-        return Err(format!(
-            "{TRAINER_FILE} holds step {}, the folder is step {step}",
-            state.step
-        ));
-    }
+    let state = trainer_state(&trainer, step)?;
     Ok(Loaded {
         path: path.to_path_buf(),
         state,
@@ -501,6 +494,20 @@ pub fn newest_verified(dir: &Path, me: &Owner) -> Result<Option<FoundStep>> {
     }))
 }
 
+/// The trainer state of step folder `step` from its `trainer.json`, which
+/// must be that step's.
+fn trainer_state(bytes: &[u8], step: u64) -> std::result::Result<TrainerState, String> {
+    let state: TrainerState =
+        serde_json::from_slice(bytes).map_err(|e| format!("{TRAINER_FILE}: {e}"))?;
+    if state.step != step {
+        return Err(format!(
+            "{TRAINER_FILE} holds step {}, the folder is step {step}",
+            state.step
+        ));
+    }
+    Ok(state)
+}
+
 /// Step folder `path`'s number (named `step-<N>`).
 fn step_of(path: &Path) -> std::result::Result<u64, String> {
     path.file_name()
@@ -539,14 +546,7 @@ fn verify_step(path: &Path) -> std::result::Result<FoundStep, String> {
             manifest::MANIFEST_FILE
         ));
     }
-    let state: TrainerState =
-        serde_json::from_slice(&trainer).map_err(|e| format!("{TRAINER_FILE}: {e}"))?;
-    if state.step != step {
-        return Err(format!(
-            "{TRAINER_FILE} holds step {}, the folder is step {step}",
-            state.step
-        ));
-    }
+    let state = trainer_state(&trainer, step)?;
     Ok(FoundStep {
         path: path.to_path_buf(),
         state,

@@ -20,7 +20,8 @@ pub enum WeightsFrom<'a> {
 }
 
 impl WeightsFrom<'_> {
-    fn error(&self, reason: String) -> Error {
+    /// An error naming this source.
+    pub fn error(&self, reason: String) -> Error {
         match *self {
             WeightsFrom::Init(path) => Error::Init {
                 path: path.to_path_buf(),

@@ -342,3 +342,17 @@ pub fn from_pretrained_equals(step: &Path, want: &[(String, Tensor)]) {
         assert!(l.equal(t), "{name} differs after from_pretrained");
     }
 }
+
+/// Copies folder `from` into `to`, recursively.
+pub fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}

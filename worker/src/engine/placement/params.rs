@@ -176,26 +176,16 @@ impl ParamShards {
         layout: (usize, usize),
     ) -> Result<Self> {
         let mut s = Self::make(params, units, by_unit, false)?;
-        if owned.numel() != s.owned_len(layout) {
-            return Err(Error::Sharding(format!(
-                "the build took {} elements of the parameters, rank {} of {} owns {}",
-                owned.numel(),
-                layout.1,
-                layout.0,
-                s.owned_len(layout)
-            )));
-        }
-        s.owned = Some(owned);
-        s.layout = layout;
+        s.set_owned(owned, layout)?;
         Ok(s)
     }
 
-    /// This rank's chunks at `layout` given whole (a resume took them
-    /// from a checkpoint); every unit released.
+    /// This rank's chunks at `layout` given whole (the sharded build or a
+    /// resume took them); every unit released.
     pub fn set_owned(&mut self, owned: Tensor, layout: (usize, usize)) -> Result<()> {
         if owned.numel() != self.owned_len(layout) {
             return Err(Error::Sharding(format!(
-                "{} elements taken for rank {} of {}, which owns {}",
+                "{} elements of the parameters taken for rank {} of {}, which owns {}",
                 owned.numel(),
                 layout.1,
                 layout.0,

@@ -182,16 +182,7 @@ pub(super) fn chunks_of(
         model.copy_named(from, &mut by_name, false)?;
         taker.finish()
     })
-    .map_err(|reason| match from {
-        WeightsFrom::Init(_) => Error::Init {
-            path: given.to_path_buf(),
-            reason,
-        },
-        WeightsFrom::Checkpoint(_) => Error::Checkpoint {
-            path: given.to_path_buf(),
-            reason,
-        },
-    })?
+    .map_err(|reason| from.error(reason))?
 }
 
 /// Stage 3's parameters over `model` (None below stage 3): from the
