@@ -569,4 +569,3 @@ stage = {}
     assert!(builds[4] - builds[2] <= 78.0 + 25.0, "{msg}");
     assert!(peaks[4] - peaks[2] <= 25.0, "{msg}");
 }
-
