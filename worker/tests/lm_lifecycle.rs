@@ -195,12 +195,10 @@ fn run_w(text: &str, world: usize, dir: PathBuf) -> Vec<RankEnd> {
 }
 
 fn last_optimizer_state(d: &Path) -> Named {
+    // (Under ZeRO 1 and 2, one part a rank.)
     let last = accrue_worker::checkpoint::list_steps(d).unwrap();
-    let file = d.join(format!(
-        "step-{}/optimizer.safetensors",
-        last.last().unwrap()
-    ));
-    let mut t = Tensor::read_safetensors(file).unwrap();
+    let step = d.join(format!("step-{}", last.last().unwrap()));
+    let mut t = accrue_worker::checkpoint::read(&step).unwrap().optimizer;
     t.sort_by(|a, b| a.0.cmp(&b.0));
     t
 }

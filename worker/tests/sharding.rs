@@ -181,14 +181,11 @@ fn assert_sharded(
         );
     }
     // The checkpoints hold the whole optimizer state by PyTorch's names,
-    // the same under every stage.
+    // the same under every stage (stages 1 and 2 in one part a rank).
     let state = |d: &Path| {
         let last = accrue_worker::checkpoint::list_steps(d).unwrap();
-        let file = d.join(format!(
-            "step-{}/optimizer.safetensors",
-            last.last().unwrap()
-        ));
-        let mut t = Tensor::read_safetensors(file).unwrap();
+        let step = d.join(format!("step-{}", last.last().unwrap()));
+        let mut t = accrue_worker::checkpoint::read(&step).unwrap().optimizer;
         t.sort_by(|a, b| a.0.cmp(&b.0));
         t
     };
@@ -436,7 +433,9 @@ fn a_leaving_rank_has_every_rank_checkpoint_before_it_goes() {
     );
     let steps = accrue_worker::checkpoint::list_steps(d.path()).unwrap();
     assert_eq!(steps, [3], "one checkpoint, after the agreed step");
-    let opt = Tensor::read_safetensors(d.path().join("step-3/optimizer.safetensors")).unwrap();
+    let opt = accrue_worker::checkpoint::read(&d.path().join("step-3"))
+        .unwrap()
+        .optimizer;
     assert_eq!(
         opt.len(),
         2 * 4,

@@ -116,7 +116,8 @@ fn stage_3_mlp_equals_stage_0() {
 
 /// `model.init` under stage 3: each rank takes its chunks of the file
 /// through a memory map (never the whole model). A stage-3 run at W = 4
-/// writes a sharded folder (Hugging Face shards of 1 KB and their index);
+/// writes a sharded folder (its 3 layers' shards, ranks 0 to 2 one each,
+/// rank 3 none, and their index);
 /// that folder, and the same weights as one bf16 file, initialise stage 3
 /// and stage 0 at W = 2 alike: every step within 1e-6, the weights within
 /// 1e-6. A file of another shape is refused naming the tensor.
@@ -132,7 +133,7 @@ fn stage_3_takes_its_chunks_of_model_init() {
     let folder = first.join(format!("step-{}", steps - 1));
     assert!(
         folder.join("model.safetensors.index.json").is_file()
-            && folder.join("model-00002-of-00004.safetensors").is_file(),
+            && folder.join("model-00003-of-00003.safetensors").is_file(),
         "{} holds no sharded model",
         folder.display()
     );

@@ -75,7 +75,11 @@ pub(in crate::engine) fn write_stage(
     let mut files: Vec<(String, Vec<u8>)> = Vec::with_capacity(plan.len() + 1);
     let mut weight_map = Vec::with_capacity(model.len());
     for (i, members) in plan.iter().enumerate() {
-        let name = shards::shard_name(first + i, total);
+        // One file in all: `model.safetensors`, as a whole model's.
+        let name = match total {
+            1 => checkpoint::MODEL_FILE.to_string(),
+            _ => shards::shard_name(first + i, total),
+        };
         let part: Named = members
             .iter()
             .map(|&j| (model[j].0.clone(), model[j].1.shallow_clone()))
@@ -246,10 +250,11 @@ impl<C: Collective> Engine<C> {
             what: "the trainer state".into(),
             reason: e.to_string(),
         })?;
-        let mut files: Vec<(&str, Vec<u8>)> = vec![
-            (shards::INDEX_FILE, shards::index_json(bytes, &weight_map)),
-            (checkpoint::TRAINER_FILE, trainer),
-        ];
+        let mut files: Vec<(&str, Vec<u8>)> = vec![(checkpoint::TRAINER_FILE, trainer)];
+        // A single `model.safetensors` needs no index.
+        if weight_map.iter().any(|(_, f)| f != checkpoint::MODEL_FILE) {
+            files.push((shards::INDEX_FILE, shards::index_json(bytes, &weight_map)));
+        }
         files.extend(
             self.extra_files
                 .iter()

@@ -154,6 +154,24 @@ pub(super) trait Placement<C: Collective>: Send {
     /// collective under sharding: every rank must call it).
     fn optimizer_state(&mut self, p: &mut Parts<'_, C>) -> Result<Vec<(String, Tensor)>>;
 
+    /// The whole optimizer state of parameters `run` (indices, contiguous
+    /// in the flat order) by PyTorch's names: a collective under sharding
+    /// (every rank calls it for the same run; a checkpoint's writer of the
+    /// run keeps it), so that no rank holds more than a run at a time.
+    fn optimizer_state_of(
+        &mut self,
+        p: &mut Parts<'_, C>,
+        run: std::ops::Range<usize>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let names: std::collections::HashSet<&str> =
+            p.params[run].iter().map(|(n, _)| n.as_str()).collect();
+        Ok(p.optimizer
+            .named_state(p.params)
+            .into_iter()
+            .filter(|(n, _)| n.rsplit_once('.').is_some_and(|(q, _)| names.contains(q)))
+            .collect())
+    }
+
     /// Restores state saved by [`Placement::optimizer_state`] under any
     /// placement and world size: this rank keeps the part it owns.
     fn load_optimizer_state(
@@ -345,6 +363,15 @@ impl<C: Collective> super::Engine<C> {
     /// (while not released) and the window's sums the placement keeps.
     pub fn gradient_bytes(&self) -> usize {
         self.placement.grads.bytes() + self.placement.strategy.held_gradient_bytes()
+    }
+
+    /// [`Placement::optimizer_state_of`] (every rank calls it).
+    pub(super) fn optimizer_state_of(
+        &mut self,
+        run: std::ops::Range<usize>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let (placement, mut parts) = self.placed();
+        placement.optimizer_state_of(&mut parts, run)
     }
 
     /// The optimizer state by PyTorch's names, whole (every rank must

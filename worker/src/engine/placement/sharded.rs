@@ -295,6 +295,36 @@ impl Shard {
             .sum()
     }
 
+    /// The whole state of parameters `run` by PyTorch's names: each rank's
+    /// part of their flat range summed into zeros (one all-reduce a kind;
+    /// every rank holds the run's state until it drops it).
+    fn gather_state_of<C: Collective>(
+        p: &mut Parts<'_, C>,
+        run: Range<usize>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let at: usize = p.params[..run.start].iter().map(|(_, t)| t.numel()).sum();
+        let len: usize = p.params[run.clone()].iter().map(|(_, t)| t.numel()).sum();
+        let s = my_slice(p);
+        // This rank's part of the run, within the run and within its slice.
+        let (a, b) = (s.start.max(at), s.end.min(at + len));
+        let mut out = Vec::new();
+        for (key, t) in p.optimizer.first_state() {
+            let mut buf = vec![0f32; len];
+            if a < b {
+                let mine = t
+                    .f_narrow(0, (a - s.start) as i64, (b - a) as i64)
+                    .and_then(|v| v.f_to_device(Device::Cpu))
+                    .and_then(|v| v.f_contiguous())
+                    .ctx("optimizer state")?;
+                buf[a - at..b - at].copy_from_slice(host_f32(&mine)?);
+            }
+            p.collective.all_reduce_sum(&mut buf)?;
+            let whole = Tensor::f_from_slice(&buf).ctx("optimizer state")?;
+            out.extend(views_by_name(&p.params[run.clone()], &whole, key)?);
+        }
+        Ok(out)
+    }
+
     /// The whole state by PyTorch's names: every rank's slice all-gathered.
     fn gather_state<C: Collective>(p: &mut Parts<'_, C>) -> Result<Vec<(String, Tensor)>> {
         let total = p.flat_len();
@@ -360,6 +390,14 @@ macro_rules! sharded_common {
 
         fn state_in_place(&self, layout: (usize, usize)) -> bool {
             self.shard.in_place(layout)
+        }
+
+        fn optimizer_state_of(
+            &mut self,
+            p: &mut Parts<'_, C>,
+            run: Range<usize>,
+        ) -> Result<Vec<(String, Tensor)>> {
+            Shard::gather_state_of(p, run)
         }
 
         fn optimizer_state_bytes(

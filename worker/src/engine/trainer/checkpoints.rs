@@ -22,6 +22,16 @@ impl<C: Collective> Engine<C> {
             self.last_checkpoint = Some((self.state.step, path.clone()));
             return Ok(path);
         }
+        if self.pipe.is_none()
+            && matches!(self.placement.strategy.stage(), 1 | 2)
+            && self.collective.world_size() > 1
+        {
+            // ZeRO 1 and 2: every rank writes its run's optimizer state,
+            // never gathered whole.
+            let path = self.sharded_checkpoint()?;
+            self.last_checkpoint = Some((self.state.step, path.clone()));
+            return Ok(path);
+        }
         self.checkpoint_whole()
     }
 

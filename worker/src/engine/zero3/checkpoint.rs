@@ -1,4 +1,6 @@
-//! ZeRO-3's checkpoints, written by every rank (docs/SEMANTICS.md).
+//! Checkpoints written by every rank (docs/SEMANTICS.md): ZeRO-3's (each
+//! rank its run of the units), and ZeRO 1 and 2's (rank 0 the parameters,
+//! every rank its run's optimizer state), never whole on one rank.
 
 use crate::collective::Collective;
 use crate::engine::Engine;
@@ -9,6 +11,24 @@ use tch::Tensor;
 /// runs of units, so the shard files number in the model's order.
 pub(in crate::engine) fn writer_of(u: usize, units: usize, w: usize) -> usize {
     u * w / units.max(1)
+}
+
+/// Each of `w` ranks' run of tensors of sizes `numels` (contiguous, in
+/// order, about equal in elements: a tensor goes to the rank its first
+/// element falls to); a run may be empty.
+pub(in crate::engine) fn runs_by_size(numels: &[usize], w: usize) -> Vec<std::ops::Range<usize>> {
+    let total: usize = numels.iter().sum::<usize>().max(1);
+    let mut runs = vec![0..0; w.max(1)];
+    let mut start = 0usize;
+    for (i, &n) in numels.iter().enumerate() {
+        let q = (start * w / total).min(w.max(1) - 1);
+        if runs[q].is_empty() {
+            runs[q] = i..i;
+        }
+        runs[q].end = i + 1;
+        start += n;
+    }
+    runs
 }
 
 impl<C: Collective> Engine<C> {
@@ -25,12 +45,8 @@ impl<C: Collective> Engine<C> {
     /// usual rules (engine/pipe/checkpoint.rs); only names, sizes,
     /// checksums and outcomes cross the world.
     pub(in crate::engine) fn zero3_checkpoint(&mut self) -> Result<std::path::PathBuf> {
-        use crate::checkpoint::{self, shards as files};
-        use crate::engine::pipe::checkpoint::{decode, encode, sizes, write_stage, Outcome};
         let (w, r) = (self.collective.world_size(), self.collective.rank());
         let stage = self.pipe.as_ref().map_or(0, |p| p.stage);
-        let step = self.state.step;
-        let dir = self.checkpoint_dir.clone();
         let units = match self.placement.strategy.param_shards() {
             Some(s) => s.layout_of_units(),
             None => return Err(Error::Sharding("a ZeRO-3 checkpoint below stage 3".into())),
@@ -63,8 +79,7 @@ impl<C: Collective> Engine<C> {
                 )?);
             }
         }
-        let writer = r == 0 && stage == 0;
-        if writer {
+        if r == 0 && stage == 0 {
             model.extend(
                 self.model
                     .buffers
@@ -72,9 +87,58 @@ impl<C: Collective> Engine<C> {
                     .map(|(n, t)| (n.clone(), t.shallow_clone())),
             );
         }
+        self.checkpoint_by_ranks(model, opt)
+    }
+
+    /// ZeRO 1 and 2 without pipeline stages: rank 0 writes the parameters
+    /// (whole on every rank) and the buffers; every rank writes the
+    /// optimizer state of its run of the parameters ([`runs_by_size`]),
+    /// gathered run by run, so no rank holds more than its run's state
+    /// beside its own slice (where gathering the whole state on every
+    /// rank would hold it all).
+    pub(in crate::engine) fn sharded_checkpoint(&mut self) -> Result<std::path::PathBuf> {
+        let (w, r) = (self.collective.world_size(), self.collective.rank());
+        let numels: Vec<usize> = self.model.params.iter().map(|(_, t)| t.numel()).collect();
+        let mut opt = Vec::new();
+        for (q, run) in runs_by_size(&numels, w).into_iter().enumerate() {
+            let state = self.optimizer_state_of(run)?;
+            if q == r {
+                opt = state;
+            }
+        }
+        let model = if r == 0 {
+            self.model_state()
+        } else {
+            Vec::new()
+        };
+        self.checkpoint_by_ranks(model, opt)
+    }
+
+    /// Writes the committed step from every rank's `model` tensors and
+    /// `opt` state: the files numbered in the model's order (stage by
+    /// stage, data rank by data rank); the first stage's data rank 0 (the
+    /// writer, holding the folder's lock) begins the step, takes every
+    /// rank's outcome and finishes it. Every rank returns the step
+    /// folder's path, or the same failure.
+    fn checkpoint_by_ranks(
+        &mut self,
+        model: Vec<(String, Tensor)>,
+        opt: Vec<(String, Tensor)>,
+    ) -> Result<std::path::PathBuf> {
+        use crate::checkpoint::{self, shards as files};
+        use crate::engine::pipe::checkpoint::{decode, encode, sizes, write_stage, Outcome};
+        let r = self.collective.rank();
+        let stage = self.pipe.as_ref().map_or(0, |p| p.stage);
+        let step = self.state.step;
+        let dir = self.checkpoint_dir.clone();
+        let writer = r == 0 && stage == 0;
         let max_shard = accrue_common::spec::shard_size_bytes(&self.spec.checkpoint.max_shard_size)
             .unwrap_or(u64::MAX);
-        let plan = files::plan(&sizes(&model)?, max_shard);
+        // (A rank without model tensors writes no shard.)
+        let plan = match model.is_empty() {
+            true => Vec::new(),
+            false => files::plan(&sizes(&model)?, max_shard),
+        };
         // Every rank's place (stage, data rank) and shard count, in world
         // rank order: the files number in the model's order (stage by
         // stage, data rank by data rank), the optimizer parts too.
@@ -144,6 +208,26 @@ impl<C: Collective> Engine<C> {
         match done {
             Ok(()) => result,
             Err(reason) => Err(Error::Checkpoint { path: dir, reason }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs_by_size;
+
+    #[test]
+    fn runs_cover_the_tensors_in_order_by_size() {
+        assert_eq!(runs_by_size(&[10, 10, 10, 10], 2), vec![0..2, 2..4]);
+        // One large tensor first: it is rank 0's; the rest follow.
+        assert_eq!(runs_by_size(&[90, 5, 5], 2), vec![0..1, 1..3]);
+        assert_eq!(runs_by_size(&[1, 1], 4), vec![0..1, 0..0, 1..2, 0..0]);
+        assert_eq!(runs_by_size(&[], 3), vec![0..0, 0..0, 0..0]);
+        for w in 1..6 {
+            let sizes = [3, 7, 1, 12, 5, 5, 9];
+            let runs = runs_by_size(&sizes, w);
+            let covered: Vec<usize> = runs.iter().flat_map(Clone::clone).collect();
+            assert_eq!(covered, (0..sizes.len()).collect::<Vec<_>>(), "w = {w}");
         }
     }
 }
