@@ -182,6 +182,42 @@ fn stage_3_takes_its_chunks_of_model_init() {
     }
 }
 
+/// A rank lost before any committed step under stage 3: no rank holds
+/// the lost chunks, so the survivor builds the initial weights again by
+/// the sharded build (its chunks at the new layout only) and trains on;
+/// it ends where a run started at W = 1 ends.
+#[test]
+fn stage_3_rebuilds_its_chunks_when_a_rank_is_lost_before_any_step() {
+    use accrue_worker::comm::{bind, RingConfig, TcpRing};
+    let text = staged(&mlp("every_step"), 3);
+    let d = TempDir::new().unwrap();
+    let alone = run(&text, 1, &d.path().join("alone"));
+    let dir = d.path().join("shrunk");
+    let t = text.clone();
+    let got = on_ring(2, move |rank, ring| {
+        let opts = RunOptions {
+            checkpoint_dir: Some(dir.clone()),
+            ..Default::default()
+        };
+        let mut e = Engine::new(spec(&t), ring, opts).unwrap_or_else(|e| panic!("{e}"));
+        if rank == 1 {
+            return None;
+        }
+        // Rank 1 is gone: rank 0 alone on a ring of one.
+        let l = bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let cfg = RingConfig::new("alone", 0, 1, vec![addr], b"ring".to_vec());
+        e.reconfigure(TcpRing::start(Some(l), cfg).unwrap(), None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        e.run(|_| {}).unwrap_or_else(|e| panic!("{e}"));
+        Some(e.whole_parameters().unwrap())
+    });
+    let got = got[0].as_ref().expect("rank 0's parameters");
+    let diff = max_rel_diff(got, &alone[0].1);
+    eprintln!("lost before any step, rebuilt: {diff:e} from W = 1");
+    assert!(diff <= 1e-6, "{diff:e}");
+}
+
 /// A tied Llama with GQA (the embedding, 3 layers, the final norm),
 /// AdamW with clipping, k = 2.
 fn llama(tokens: &Path) -> String {

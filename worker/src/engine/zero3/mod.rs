@@ -313,25 +313,46 @@ impl<C: Collective> Engine<C> {
     }
 
     /// The initial weights again, as the engine built them (the job's
-    /// seed, then `model.init`), written into every parameter.
+    /// seed, then `model.init`): this rank's chunks by the sharded build
+    /// (never the whole model); a pipeline stage's own parameters built
+    /// again (1/P of the model) and written by name.
     pub(super) fn initial_params_again(&mut self) -> Result<()> {
-        let (shape, classes) = &self.build_shape;
-        let mut fresh = Model::build(
+        let (shape, classes) = self.build_shape.clone();
+        let (device, seed) = (self.device, self.spec.seed);
+        if self.pipe.is_none() {
+            let layout = (self.collective.world_size(), self.collective.rank());
+            let (_, owned) = build(&self.spec, &shape, classes, device, layout)?;
+            return match self.placement.strategy.param_shards() {
+                Some(s) => s.set_owned(owned, layout),
+                None => Ok(()),
+            };
+        }
+        let names: std::collections::HashSet<String> =
+            self.model.params.iter().map(|(n, _)| n.clone()).collect();
+        let keep = names.clone();
+        let mut fresh = Model::build_stage(
             &self.spec.model,
-            shape,
-            *classes,
-            self.device,
-            self.spec.seed,
+            &shape,
+            classes,
+            device,
+            seed,
+            Box::new(move |n| keep.contains(n)),
         )?;
+        fresh.restrict(&names, None)?;
         if let Some(given) = &self.spec.model.init {
             let tensors = super::setup::read_init(given)?;
-            fresh.load_named(crate::family::model::WeightsFrom::Init(given), tensors)?;
+            fresh.load_named(WeightsFrom::Init(given), tensors)?;
         }
+        let theirs: std::collections::HashMap<&str, &Tensor> =
+            fresh.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
         self.with_local_whole(|e| {
             let _guard = tch::no_grad_guard();
-            for ((name, mine), (_, theirs)) in e.model.params.iter().zip(&fresh.params) {
+            for (name, mine) in &e.model.params {
+                let src = theirs.get(name.as_str()).ok_or_else(|| {
+                    Error::Sharding(format!("the stage built again lacks {name}"))
+                })?;
                 mine.shallow_clone()
-                    .f_copy_(theirs)
+                    .f_copy_(src)
                     .map_err(|err| Error::Sharding(format!("initialising {name}: {err}")))?;
             }
             Ok(())
