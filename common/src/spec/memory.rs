@@ -92,11 +92,13 @@ impl JobSpec {
         let data = samples
             .saturating_mul(f32s(numel).saturating_add(8))
             .saturating_mul(copies);
+        let size = family(self.model.kind).size(&self.model, &shape, classes);
         let ModelSize {
             parameters: params,
-            activations,
             largest_unit,
-        } = family(self.model.kind).size(&self.model, &shape, classes);
+            ..
+        } = size;
+        let activations = self.activations_per_sample(&size);
         let o = &self.optimizer;
         let states = match o.kind {
             OptimizerKind::Sgd => u64::from(o.momentum > 0.0),
@@ -108,6 +110,42 @@ impl JobSpec {
             .saturating_mul(b.saturating_add(self.eval.batch_size))
             .saturating_add(f32s(activations).saturating_mul(b).saturating_mul(2));
         MemoryEstimate { data, model, batch }
+    }
+
+    /// Activations a sample's micro-step holds, f32 elements: the
+    /// family's (a language model's logits) and its blocks', which follow
+    /// the precision (bf16 and fp16 autocast save about half the bytes)
+    /// and activation checkpointing (`"full"` every N: N blocks at a time
+    /// recomputed, plus each segment's input). A pipeline stage holds its
+    /// share of the blocks.
+    fn activations_per_sample(&self, size: &ModelSize) -> u64 {
+        let pipeline = self
+            .parallel_dims()
+            .ok()
+            .map_or(1, |d| u64::from(d.pipeline.max(1)));
+        let layers = size.layers.div_ceil(pipeline);
+        let full =
+            self.performance.activation_checkpointing == Some(super::ActivationCheckpointing::Full);
+        let every = u64::from(self.performance.checkpoint_every.unwrap_or(1).max(1));
+        let (kept, inputs) = if full && layers > 0 {
+            let every = every.min(layers);
+            (
+                every,
+                layers.div_ceil(every).saturating_mul(size.layer_input),
+            )
+        } else {
+            (layers, 0)
+        };
+        let mut blocks = kept.saturating_mul(size.layer_activations);
+        if matches!(
+            self.precision,
+            super::Precision::Bf16 | super::Precision::Fp16
+        ) {
+            blocks /= 2;
+        }
+        size.activations
+            .saturating_add(blocks)
+            .saturating_add(inputs)
     }
 
     /// The model state one worker holds, bytes: the parameters of its
@@ -336,5 +374,30 @@ mod tests {
             .memory_estimate()
             .model;
         assert_eq!(both, stage * 4 * 3 + (stage * 4 * 2).div_ceil(2));
+        // The activations follow the precision, activation checkpointing
+        // and the stages (T = 64, b = 4: the batch term counts each
+        // sample's activations twice, for their gradients).
+        let t = 64u64;
+        let one_layer = t * (10 * h + 4 * i + 2 * t);
+        // Each sample's activations (f32) count 4 bytes x b = 4 x 2.
+        let batch = |extra: &str| llama(extra).memory_estimate().batch;
+        let base = batch("");
+        let fewer = |extra: &str| (base - batch(extra)) / (4 * 4 * 2);
+        assert!(base > 4 * 4 * 2 * (t * v + 4 * one_layer), "{base}");
+        let mut bf16 = llama("");
+        bf16.precision = crate::spec::Precision::Bf16;
+        assert_eq!(
+            (base - bf16.memory_estimate().batch) / (4 * 4 * 2),
+            4 * one_layer / 2
+        );
+        assert_eq!(
+            fewer("[performance]\nactivation_checkpointing = \"full\"\n"),
+            4 * one_layer - (one_layer + 4 * t * h)
+        );
+        assert_eq!(
+            fewer("[performance]\nactivation_checkpointing = \"full\"\ncheckpoint_every = 2\n"),
+            4 * one_layer - (2 * one_layer + 2 * t * h)
+        );
+        assert_eq!(fewer("[parallel]\npipeline = 2\n"), 2 * one_layer);
     }
 }

@@ -26,6 +26,7 @@ impl ModelFamily for LeNet5 {
                 .saturating_add(layer(84, classes)),
             activations: 0,
             largest_unit: 0,
+            ..ModelSize::default()
         }
     }
 }

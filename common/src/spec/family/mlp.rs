@@ -28,6 +28,7 @@ impl ModelFamily for Mlp {
                 .map(|w| layer(w[0], w[1]))
                 .max()
                 .unwrap_or(0),
+            ..ModelSize::default()
         }
     }
 }

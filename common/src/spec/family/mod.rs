@@ -126,6 +126,15 @@ pub(super) struct ModelSize {
     /// norm and head; an mlp's largest layer); 0 for a family without
     /// stages.
     pub largest_unit: u64,
+    /// Blocks whose activations activation checkpointing recomputes (a
+    /// Llama's decoder layers; 0: none counted).
+    pub layers: u64,
+    /// One such block's saved activations per sample, f32 elements (under
+    /// bf16 or fp16 autocast about half as many bytes).
+    pub layer_activations: u64,
+    /// One block's input per sample, f32 elements (what checkpointing
+    /// keeps of each recomputed segment).
+    pub layer_input: u64,
 }
 
 /// One model family, as the spec sees it.

@@ -25,6 +25,7 @@ impl ModelFamily for ResNet {
             parameters: body.saturating_add(layer(512, classes)),
             activations: 0,
             largest_unit: 0,
+            ..ModelSize::default()
         }
     }
 }

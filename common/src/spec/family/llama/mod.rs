@@ -738,12 +738,26 @@ impl ModelFamily for Llama {
             return ModelSize::default();
         };
         // Activations counted: the logits, T x vocab per sample (the
-        // largest tensor of a language model's step).
+        // largest tensor of a language model's step), and each decoder
+        // layer's saved tensors, T x (10 H + 4 I + heads x T) a sample
+        // (the norms' inputs, q, k, v and their rotations, the attention
+        // weights, the MLP's gate, up, their activation and product:
+        // within 3% of what PyTorch saves for transformers' model with
+        // eager attention, worker/benches/activation_bytes.py).
         let t = shape.first().copied().unwrap_or(0);
+        let c = |v: i64| v.max(0) as u64;
+        let (h, i) = (c(config.hidden_size), c(config.intermediate_size));
+        let per_token = h
+            .saturating_mul(10)
+            .saturating_add(i.saturating_mul(4))
+            .saturating_add(c(config.num_attention_heads).saturating_mul(t));
         ModelSize {
             parameters: config.parameter_count(),
-            activations: t.saturating_mul(config.vocab_size.max(0) as u64),
+            activations: t.saturating_mul(c(config.vocab_size)),
             largest_unit: config.largest_unit(),
+            layers: c(config.num_hidden_layers),
+            layer_activations: t.saturating_mul(per_token),
+            layer_input: t.saturating_mul(h),
         }
     }
 }
