@@ -275,3 +275,52 @@ pub(super) fn read_config(path: &Path, c: &mut Checker) -> Option<Map<String, Va
         }
     }
 }
+
+impl LlamaConfig {
+    /// A `config.json` that transformers' `LlamaConfig` and
+    /// `LlamaForCausalLM.from_pretrained` read (offline), fp32 weights.
+    pub fn to_hf_json(&self) -> Value {
+        let mut v = json!({
+            "architectures": [self.arch.architecture()],
+            "model_type": self.arch.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim(),
+            "hidden_act": "silu",
+            "initializer_range": self.initializer_range,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": self.rope_scaling.to_json(self.rope_theta),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "mlp_bias": self.mlp_bias,
+            "pretraining_tp": 1,
+            "use_cache": true,
+            "dtype": "float32",
+            "torch_dtype": "float32",
+        });
+        // What the families that extend Llama say their own way.
+        let o = v.as_object_mut().expect("a JSON object literal");
+        match self.arch {
+            DecoderArch::Llama => {}
+            DecoderArch::Qwen2 => {
+                o.remove("attention_bias");
+                o.remove("mlp_bias");
+                o.insert("use_sliding_window".into(), false.into());
+                o.insert("max_window_layers".into(), self.num_hidden_layers.into());
+            }
+            DecoderArch::Mistral => {
+                o.remove("attention_bias");
+                o.remove("mlp_bias");
+                o.insert("sliding_window".into(), self.sliding_window.into());
+            }
+        }
+        v
+    }
+}

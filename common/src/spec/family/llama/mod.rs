@@ -18,6 +18,7 @@ use std::path::Path;
 
 mod arch;
 mod hf;
+mod size;
 mod spec;
 pub use arch::{DecoderArch, RopeScaling};
 use hf::read_config;
@@ -559,105 +560,6 @@ impl LlamaConfig {
     pub fn qkv_bias(&self) -> bool {
         self.attention_bias || self.arch == DecoderArch::Qwen2
     }
-
-    pub fn parameter_count(&self) -> u64 {
-        let u = |x: i64| x.max(0) as u64;
-        let (v, h, i) = (
-            u(self.vocab_size),
-            u(self.hidden_size),
-            u(self.intermediate_size),
-        );
-        let kv = u(self.num_key_value_heads).saturating_mul(u(self.head_dim()));
-        // q_proj's rows and o_proj's columns: heads x head_dim.
-        let q = u(self.num_attention_heads).saturating_mul(u(self.head_dim()));
-        let m = |a: u64, b: u64| a.saturating_mul(b);
-        let attention = m(h, q)
-            .saturating_add(m(h, kv))
-            .saturating_add(m(h, kv))
-            .saturating_add(m(q, h))
-            .saturating_add(if self.attention_bias {
-                q.saturating_add(kv).saturating_add(kv).saturating_add(h)
-            } else if self.qkv_bias() {
-                q.saturating_add(kv).saturating_add(kv)
-            } else {
-                0
-            });
-        let mlp = m(3, m(h, i)).saturating_add(if self.mlp_bias {
-            m(2, i).saturating_add(h)
-        } else {
-            0
-        });
-        let layer = attention.saturating_add(mlp).saturating_add(m(2, h));
-        let head = if self.tie_word_embeddings { 0 } else { m(v, h) };
-        m(v, h)
-            .saturating_add(m(u(self.num_hidden_layers), layer))
-            .saturating_add(h)
-            .saturating_add(head)
-    }
-
-    /// The parameters of the largest pipeline unit: the embedding with the
-    /// first layer, or the last layer with the final norm and the head (a
-    /// tied head: the last stage's copy of the embedding).
-    pub fn largest_unit(&self) -> u64 {
-        let layers = (self.num_hidden_layers.max(1)) as u64;
-        let v_h = (self.vocab_size.max(0) as u64).saturating_mul(self.hidden_size.max(0) as u64);
-        let without = self
-            .parameter_count()
-            .saturating_sub(v_h)
-            .saturating_sub(self.hidden_size.max(0) as u64)
-            .saturating_sub(if self.tie_word_embeddings { 0 } else { v_h });
-        let layer = without / layers;
-        layer
-            .saturating_add(v_h)
-            .saturating_add(self.hidden_size.max(0) as u64)
-    }
-
-    /// A `config.json` that transformers' `LlamaConfig` and
-    /// `LlamaForCausalLM.from_pretrained` read (offline), fp32 weights.
-    pub fn to_hf_json(&self) -> Value {
-        let mut v = json!({
-            "architectures": [self.arch.architecture()],
-            "model_type": self.arch.model_type(),
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim(),
-            "hidden_act": "silu",
-            "initializer_range": self.initializer_range,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": self.rope_scaling.to_json(self.rope_theta),
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "mlp_bias": self.mlp_bias,
-            "pretraining_tp": 1,
-            "use_cache": true,
-            "dtype": "float32",
-            "torch_dtype": "float32",
-        });
-        // What the families that extend Llama say their own way.
-        let o = v.as_object_mut().expect("a JSON object literal");
-        match self.arch {
-            DecoderArch::Llama => {}
-            DecoderArch::Qwen2 => {
-                o.remove("attention_bias");
-                o.remove("mlp_bias");
-                o.insert("use_sliding_window".into(), false.into());
-                o.insert("max_window_layers".into(), self.num_hidden_layers.into());
-            }
-            DecoderArch::Mistral => {
-                o.remove("attention_bias");
-                o.remove("mlp_bias");
-                o.insert("sliding_window".into(), self.sliding_window.into());
-            }
-        }
-        v
-    }
 }
 
 pub(super) struct Llama;
@@ -737,28 +639,7 @@ impl ModelFamily for Llama {
         let Ok(config) = LlamaConfig::resolve(model) else {
             return ModelSize::default();
         };
-        // Activations counted: the logits, T x vocab per sample (the
-        // largest tensor of a language model's step), and each decoder
-        // layer's saved tensors, T x (10 H + 4 I + heads x T) a sample
-        // (the norms' inputs, q, k, v and their rotations, the attention
-        // weights, the MLP's gate, up, their activation and product:
-        // within 3% of what PyTorch saves for transformers' model with
-        // eager attention, worker/benches/activation_bytes.py).
-        let t = shape.first().copied().unwrap_or(0);
-        let c = |v: i64| v.max(0) as u64;
-        let (h, i) = (c(config.hidden_size), c(config.intermediate_size));
-        let per_token = h
-            .saturating_mul(10)
-            .saturating_add(i.saturating_mul(4))
-            .saturating_add(c(config.num_attention_heads).saturating_mul(t));
-        ModelSize {
-            parameters: config.parameter_count(),
-            activations: t.saturating_mul(c(config.vocab_size)),
-            largest_unit: config.largest_unit(),
-            layers: c(config.num_hidden_layers),
-            layer_activations: t.saturating_mul(per_token),
-            layer_input: t.saturating_mul(h),
-        }
+        config.model_size(shape.first().copied().unwrap_or(0))
     }
 }
 
