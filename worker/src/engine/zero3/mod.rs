@@ -126,22 +126,18 @@ impl<C: Collective> Engine<C> {
             .clone()
             .ok_or_else(|| Error::Sharding("stage 3 runs its blocks in segments".into()))?;
         let blocks = plan.segments.last().map_or(0, |s| s.end);
+        let last = blocks.saturating_sub(1);
         let packed = self.spec.data.pack.then_some(inputs);
-        let mut x = inputs.shallow_clone();
-        for b in 0..blocks {
-            let last = b + 1 == blocks;
-            let units = self.units_of(b..b + 1, last && !plan.shared.is_empty());
-            self.zero3_gather(&units)?;
-            let staged = self
-                .model
-                .staged()
-                .ok_or_else(|| Error::Sharding("this model does not run in blocks".into()))?;
-            x = staged.stage_forward_with(&x, b..b + 1, packed)?;
-            if last {
-                x = self.stage_logits(x)?;
-            }
-            self.zero3_release(&units)?;
-        }
+        let x = self.blocks_forward(inputs, 0..last, packed)?;
+        // The last block gathered (with a tied head's embedding) through
+        // the head.
+        let units = self.units_of(last..blocks, !plan.shared.is_empty());
+        self.zero3_gather(&units)?;
+        let x = self
+            .staged()?
+            .stage_forward_with(&x, last..blocks, packed)?;
+        let x = self.stage_logits(x)?;
+        self.zero3_release(&units)?;
         Ok(x)
     }
 
