@@ -1,4 +1,5 @@
-//! A pipeline job survives a lost worker (issue 40): real worker daemons
+//! A pipeline job (issue 40) and a tensor-parallel one (issue 42) survive
+//! a lost worker: real worker daemons
 //! run an mlp cut into stages, one of them is killed with SIGKILL in the
 //! middle of a window, and the job re-forms. A stage's state comes from
 //! another replica of that stage, or, when none is left, every rank rolls
@@ -326,5 +327,49 @@ async fn a_survivor_moved_to_a_lost_stage_rolls_back_to_the_checkpoint() {
     let counters = end.counters.unwrap();
     assert_eq!(counters.step, 16);
     assert_eq!(counters.samples_seen, 2 * 256);
+    h.stop().await;
+}
+
+/// Tensor parallelism (issue 42): 2 data x 2 tensor of a tied Llama with
+/// one key-value head (both tensor ranks serve it: its gradients are
+/// summed over them), tensor rank 1 of replica 0 killed mid-run with a
+/// spare attached: the spare builds the whole model, cuts its shard, takes
+/// the state from replica 1's tensor rank 1 over its data group, and the
+/// job ends where the undisturbed run ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_tensor_rank_is_replaced_from_its_replica_and_the_result_is_unchanged() {
+    let d = TempDir::new().unwrap();
+    let data = token_file(d.path(), 1025);
+    let h = coordinator(d.path()).await;
+    let grpc = h.grpc_addr.to_string();
+    let ids = ["t0", "t1", "t2", "t3", "t4"];
+    let mut w = spawn_all(&grpc, &ids, d.path());
+    let mut c = client(&grpc).await;
+    let text = |name: &str| {
+        tiny_llama_job(
+            name,
+            &data,
+            4,
+            2,
+            2,
+            "tie_word_embeddings = true\n",
+            "[parallel]\ntensor = 2\n",
+        )
+    };
+    let hurt = submit_text(&mut c, &text("tp-hurt")).await;
+    // Ranks (data, tensor): (0,0) (0,1) (1,0) (1,1).
+    let (running, end) = kill_rank_at(&mut c, &mut w, &ids, &hurt.id, 2, 1).await;
+    let r = &end.recoveries[0];
+    assert_eq!(r.world_size, 4);
+    let spare = ids
+        .iter()
+        .find(|x| !running.workers.iter().any(|r| r == *x))
+        .unwrap();
+    assert_eq!(end.workers[1], *spare, "the spare takes the lost tensor rank");
+    assert!(r.resumed_step >= 2, "{r:?}");
+    assert_eq!(end.counters.unwrap().step, 8);
+    let diff = against_undisturbed(&mut c, &end, &text("tp-calm")).await;
+    eprintln!("lost tensor rank, replaced: max relative difference {diff:e} to the undisturbed run");
+    assert!(diff <= 1e-6, "relative difference {diff}");
     h.stop().await;
 }

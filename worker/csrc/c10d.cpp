@@ -14,10 +14,12 @@
 #include "shim.h"
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/autograd/custom_function.h>
 #ifdef ACCRUE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -122,6 +124,9 @@ class RustStore : public c10d::Store {
 
 struct Group {
   c10::intrusive_ptr<c10d::Backend> backend;
+  // Every operation's timeout (the tensor-parallel operations below wait
+  // this long at most).
+  int64_t timeout_ms = 0;
 };
 
 struct Work {
@@ -149,9 +154,141 @@ int start(void* g, void** work, char* err, size_t len,
       err, len);
 }
 
+// Tensor parallelism (issue 42): Megatron-LM's mappings between a tensor
+// group's ranks as autograd functions, so that one backward of the model
+// runs their mirrors (megatron/core/tensor_parallel/mappings.py). The
+// function keeps the group's address: the Rust side keeps the group alive
+// while any graph made with it lives (a generation's graphs end with it).
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+void wait_for(Group* g, const c10::intrusive_ptr<c10d::Work>& w, const char* what) {
+  bool done = g->timeout_ms > 0 ? w->wait(std::chrono::milliseconds(g->timeout_ms)) : w->wait();
+  TORCH_CHECK(done, what, " over the tensor group did not complete within ", g->timeout_ms, " ms");
+}
+
+// Sums `t` (contiguous) over the group in place.
+void sum_now(Group* g, at::Tensor& t, const char* what) {
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  wait_for(g, g->backend->allreduce(ts, o), what);
+}
+
+Group* group_of(AutogradContext* ctx) {
+  return reinterpret_cast<Group*>(ctx->saved_data["group"].toInt());
+}
+
+// f (copy to the tensor-parallel region): the identity forward; the
+// gradient summed over the group backward (each rank's column shards gave
+// part of the input's gradient).
+struct TpCopy : public torch::autograd::Function<TpCopy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t g) {
+    ctx->saved_data["group"] = g;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor gx = grads[0].contiguous().clone();
+    sum_now(group_of(ctx), gx, "the input gradient's sum");
+    return {gx, at::Tensor()};
+  }
+};
+
+// g (reduce from the tensor-parallel region): the row shards' partial
+// outputs summed over the group forward; the identity backward.
+struct TpReduce : public torch::autograd::Function<TpReduce> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t g) {
+    (void)ctx;
+    at::Tensor y = x.contiguous().clone();
+    sum_now(reinterpret_cast<Group*>(g), y, "the partial outputs' sum");
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    (void)ctx;
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// Every rank's last-dimension shard (`sizes[r]` wide, rank order) joined:
+// the vocabulary-parallel head's logits whole. Backward: this rank's
+// columns of the gradient.
+struct TpGatherLast : public torch::autograd::Function<TpGatherLast> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t g,
+                            std::vector<int64_t> sizes, int64_t rank) {
+    auto* group = reinterpret_cast<Group*>(g);
+    int64_t widest = *std::max_element(sizes.begin(), sizes.end());
+    at::Tensor xp = x.contiguous();
+    if (xp.size(-1) < widest) {
+      xp = at::constant_pad_nd(xp, {0, widest - xp.size(-1)});
+    }
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (size_t r = 0; r < sizes.size(); ++r) {
+      out[0].push_back(at::empty_like(xp));
+    }
+    std::vector<at::Tensor> in{xp};
+    wait_for(group, group->backend->allgather(out, in), "gathering the shards");
+    std::vector<at::Tensor> parts;
+    int64_t start = 0;
+    for (size_t r = 0; r < sizes.size(); ++r) {
+      parts.push_back(out[0][r].narrow(-1, 0, sizes[r]));
+      if (static_cast<int64_t>(r) < rank) {
+        start += sizes[r];
+      }
+    }
+    ctx->saved_data["start"] = start;
+    ctx->saved_data["width"] = sizes[rank];
+    return at::cat(parts, -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor gx = grads[0].narrow(-1, ctx->saved_data["start"].toInt(),
+                                     ctx->saved_data["width"].toInt());
+    return {gx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 extern "C" {
+
+// Tensor parallelism: f, g and the gather (above) on group `g`; each makes
+// a new tensor handle in `out`.
+int accrue_tp_copy(void* g, void* x, void** out, char* err, size_t len) {
+  return guarded(
+      [&] { *out = new at::Tensor(TpCopy::apply(tensor(x), reinterpret_cast<int64_t>(g))); }, err,
+      len);
+}
+
+int accrue_tp_reduce(void* g, void* x, void** out, char* err, size_t len) {
+  return guarded(
+      [&] { *out = new at::Tensor(TpReduce::apply(tensor(x), reinterpret_cast<int64_t>(g))); },
+      err, len);
+}
+
+int accrue_tp_gather_last(void* g, void* x, const int64_t* sizes, int n, int rank, void** out,
+                          char* err, size_t len) {
+  return guarded(
+      [&] {
+        TORCH_CHECK(n > 0 && rank >= 0 && rank < n, "rank ", rank, " of ", n, " shards");
+        std::vector<int64_t> s(sizes, sizes + n);
+        *out = new at::Tensor(TpGatherLast::apply(tensor(x), reinterpret_cast<int64_t>(g), s,
+                                                  static_cast<int64_t>(rank)));
+      },
+      err, len);
+}
+
+// `t` (contiguous) reduced over the group in place, waiting (op: 0 sum, 1 max).
+int accrue_tp_all_reduce(void* g, void* t, int op, char* err, size_t len) {
+  return guarded(
+      [&] {
+        auto* group = static_cast<Group*>(g);
+        std::vector<at::Tensor> ts{tensor(t)};
+        c10d::AllreduceOptions o;
+        o.reduceOp = reduce_op(op);
+        wait_for(group, group->backend->allreduce(ts, o), "a reduction");
+      },
+      err, len);
+}
 
 // A store whose calls go to `call` with `ctx`; freed with accrue_c10d_store_free.
 void* accrue_c10d_store_new(void* ctx, void* call) {
@@ -179,7 +316,7 @@ int accrue_c10d_gloo_new(void* store, const char* hostname, int rank, int size, 
         opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
         opts->threads = 2;
         auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(s, rank, size, opts);
-        *group = new Group{pg};
+        *group = new Group{pg, timeout_ms};
       },
       err, len);
 }
@@ -209,7 +346,7 @@ int accrue_c10d_nccl_new(void* store, int rank, int size, int64_t timeout_ms, in
         opts->timeout = std::chrono::milliseconds(timeout_ms);
         auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(s, rank, size, opts);
         pg->eagerConnectSingleDevice(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
-        *group = new Group{pg};
+        *group = new Group{pg, timeout_ms};
 #else
         (void)store;
         (void)rank;

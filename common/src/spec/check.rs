@@ -495,13 +495,7 @@ impl JobSpec {
             }
         };
         self.validate_pipeline(c, dims.pipeline);
-        if dims.tensor > 1 {
-            c.fail(
-                "parallel.tensor",
-                dims.tensor,
-                "must be 1: tensor parallelism is not built yet",
-            );
-        }
+        self.validate_tensor(c, dims.tensor);
         let replica = dims.replica();
         for (field, bound) in [
             ("min_workers", self.min_workers),

@@ -98,4 +98,70 @@ impl JobSpec {
             }
         }
     }
+
+    /// `parallel.tensor = T >= 2` (issue 42): the Llama-like families,
+    /// their heads, key-value heads and MLP width split T ways, on the CPU
+    /// with the whole optimizer state per data rank (ZeRO stage 0).
+    pub(super) fn validate_tensor(&self, c: &mut Checker, t: u32) {
+        if t <= 1 {
+            return;
+        }
+        let kind = self.model.kind;
+        if !kind.is_decoder() {
+            c.fail(
+                "parallel.tensor",
+                t,
+                format!(
+                    "model.kind = {kind} has no tensor-parallel forward; the families that do: \
+                     llama, qwen2, mistral"
+                ),
+            );
+            return;
+        }
+        if let Ok(cfg) = super::LlamaConfig::resolve(&self.model) {
+            let t = i64::from(t);
+            let (heads, kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+            if heads % t != 0 {
+                c.fail(
+                    "parallel.tensor",
+                    t,
+                    format!("must divide model.num_attention_heads = {heads}"),
+                );
+            }
+            if kv > 0 && kv % t != 0 && t % kv != 0 {
+                c.fail(
+                    "parallel.tensor",
+                    t,
+                    format!(
+                        "must divide model.num_key_value_heads = {kv} or be a multiple of it \
+                         (each kv head then serves T / kv ranks)"
+                    ),
+                );
+            }
+            if cfg.intermediate_size % t != 0 {
+                c.fail(
+                    "parallel.tensor",
+                    t,
+                    format!(
+                        "must divide model.intermediate_size = {}",
+                        cfg.intermediate_size
+                    ),
+                );
+            }
+        }
+        if self.sharding.stage != 0 {
+            c.fail(
+                "sharding.stage",
+                self.sharding.stage,
+                format!("must be 0 with parallel.tensor = {t} (ZeRO with tensor parallelism is not built yet)"),
+            );
+        }
+        if self.device.starts_with("cuda") {
+            c.fail(
+                "device",
+                &self.device,
+                format!("must be \"cpu\" with parallel.tensor = {t} (tensor parallelism on CUDA is not built yet)"),
+            );
+        }
+    }
 }

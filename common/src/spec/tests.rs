@@ -569,10 +569,12 @@ fn parallel_degrees_multiply_to_workers_and_split_models_wait() {
             tensor: 1
         }
     );
-    let e = invalid(&format!("{two_layers}[parallel]\ntensor = 2\n"));
+    // Tensor parallelism: a decoder family only, its heads divided.
+    let e = invalid(&format!("{base}[parallel]\ntensor = 2\n"));
     assert_eq!(e[0].field, "parallel.tensor");
     assert!(
-        e[0].allowed.contains("tensor parallelism is not built yet"),
+        e[0].allowed
+            .contains("the families that do: llama, qwen2, mistral"),
         "{e:?}"
     );
     let e = invalid(&format!("{base}[parallel]\ntensor = 3\n"));

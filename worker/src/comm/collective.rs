@@ -103,6 +103,16 @@ pub trait Collective: Send {
     fn stages(&self) -> Option<(usize, usize)> {
         None
     }
+    /// This rank's tensor-parallel rank and the tensor degree when it is
+    /// above 1 (issue 42); None otherwise.
+    fn tensor(&self) -> Option<(usize, usize)> {
+        None
+    }
+    /// The tensor group of this generation (its rank is the tensor rank),
+    /// as the model's operations take it; None without tensor parallelism.
+    fn tensor_group(&mut self) -> Result<Option<crate::comm::tensor_ops::TensorGroup>> {
+        Ok(None)
+    }
     /// The group of this replica's stages (its rank is the stage): the
     /// activations and their gradients travel there, and the window's
     /// tally and norm are summed over it.

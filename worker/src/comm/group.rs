@@ -117,6 +117,11 @@ pub trait Group: Send {
     fn recv(&mut self, t: &Tensor, src: usize) -> Result<Pending, GroupError>;
     /// Fails every pending and later operation at once.
     fn abort(&mut self);
+    /// The group as tensor parallelism's in-graph operations take it
+    /// (crate::comm::tensor_ops): c10d groups only.
+    fn tensor_group(&self) -> Option<crate::comm::tensor_ops::TensorGroup> {
+        None
+    }
 }
 
 /// The dtypes groups carry.

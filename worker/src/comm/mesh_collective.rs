@@ -31,6 +31,8 @@ pub struct MeshCollective {
     world: usize,
     /// (stage, stages) when the pipeline degree is above 1.
     stages: Option<(usize, usize)>,
+    /// (tensor rank, degree) when the tensor degree is above 1.
+    tensor: Option<(usize, usize)>,
 }
 
 impl MeshCollective {
@@ -41,6 +43,7 @@ impl MeshCollective {
             rank: at.data as usize,
             world: dims.data as usize,
             stages: (dims.pipeline > 1).then_some((at.pipeline as usize, dims.pipeline as usize)),
+            tensor: (dims.tensor > 1).then_some((at.tensor as usize, dims.tensor as usize)),
             mesh: Some(mesh),
         }
     }
@@ -53,6 +56,7 @@ impl MeshCollective {
             rank: self.rank,
             world: self.world,
             stages: self.stages,
+            tensor: self.tensor,
         }
     }
 
@@ -60,6 +64,13 @@ impl MeshCollective {
         self.mesh.as_mut().ok_or_else(|| {
             CollectiveError::Interrupted("the groups of this generation are closed".into())
         })
+    }
+
+    /// Whether the model is split (pipeline stages or tensor shards): the
+    /// data axis is not the world then, and each data group agrees among
+    /// itself.
+    fn split(&self) -> bool {
+        self.stages.is_some() || self.tensor.is_some()
     }
 
     /// The data group when it is not the control ring.
@@ -168,6 +179,23 @@ impl Collective for MeshCollective {
         }
         Ok(self.mesh()?.axis(Axis::Pipeline))
     }
+    fn tensor(&self) -> Option<(usize, usize)> {
+        self.tensor
+    }
+    fn tensor_group(
+        &mut self,
+    ) -> Result<Option<crate::comm::tensor_ops::TensorGroup>, CollectiveError> {
+        if self.tensor.is_none() {
+            return Ok(None);
+        }
+        let g = self.mesh()?.axis(Axis::Tensor);
+        g.tensor_group().map(Some).ok_or_else(|| {
+            CollectiveError::Interrupted(format!(
+                "the tensor group runs on {}, tensor parallelism needs c10d",
+                g.transport()
+            ))
+        })
+    }
     fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> Result<(), CollectiveError> {
         match self.data_group()? {
             Some(g) => sum(g, buf),
@@ -188,7 +216,7 @@ impl Collective for MeshCollective {
     fn broadcast_bytes(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError> {
         // Pipeline stages: the data axis is not the world (each stage's
         // data ranks agree among themselves); its own group carries them.
-        if self.stages.is_some() {
+        if self.split() {
             if let Some(g) = self.data_group()? {
                 return bytes_over(g, buf, root);
             }
@@ -196,7 +224,7 @@ impl Collective for MeshCollective {
         Collective::broadcast_bytes(self.mesh()?.control(), buf, root)
     }
     fn barrier(&mut self) -> Result<(), CollectiveError> {
-        if self.stages.is_some() {
+        if self.split() {
             if let Some(g) = self.data_group()? {
                 let t = Tensor::f_zeros([1], (Kind::Int64, Device::Cpu))
                     .map_err(|e| CollectiveError::Transport(Box::new(e)))?;

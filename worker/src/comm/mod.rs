@@ -13,6 +13,7 @@ pub mod mesh;
 pub mod mesh_collective;
 pub mod ring;
 pub mod shard;
+pub mod tensor_ops;
 pub mod wire;
 
 pub use ring::{bind, CommError, RingConfig, TcpRing};

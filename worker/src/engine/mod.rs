@@ -28,6 +28,7 @@ mod resume;
 mod setup;
 mod state_sync;
 mod sync_graph;
+mod tensor;
 mod trainer;
 mod verdict;
 mod window;
@@ -120,6 +121,8 @@ pub struct Engine<C: Collective> {
     /// The sample shape and class count the model was built for (ZeRO-3
     /// builds the initial weights again after a loss before any step).
     build_shape: (Vec<i64>, i64),
+    /// This rank's place on the tensor axis (issue 42; None: T = 1).
+    tensor: Option<tensor::TensorAxis>,
 }
 
 impl<C: Collective> Engine<C> {
@@ -229,6 +232,10 @@ impl<C: Collective> Engine<C> {
             }
             None => None,
         };
+        // Tensor parallelism: the whole model drawn from the seed, cut to
+        // this rank's slices (`init` and checkpoints are cut as they load).
+        let mut collective = collective;
+        let tensor = tensor::split(&spec, &mut model, &mut collective)?;
         // (ZeRO-3 took its chunks of `init` in its build.)
         if let Some(given) = spec.model.init.as_ref().filter(|_| built.is_none()) {
             // A file, or a folder transformers wrote (save_pretrained):
@@ -401,6 +408,7 @@ impl<C: Collective> Engine<C> {
             recompute,
             zero3_by_unit,
             build_shape,
+            tensor,
         };
         engine.check_sharding()?;
         if engine.writes_checkpoints() {
@@ -461,6 +469,7 @@ impl<C: Collective> Engine<C> {
         self.graph.holder.reset();
         self.sync_graph.holder.reset();
         self.collective = collective;
+        self.renew_tensor_group()?;
         // Rank 0 of the new generation (the first stage's, with stages)
         // writes the folder: it holds the lock; one that no longer does
         // lets go.
@@ -507,7 +516,9 @@ impl<C: Collective> Engine<C> {
     /// Whether this rank writes the checkpoints: data rank 0 of the first
     /// stage (every stage sends it its part).
     pub(super) fn writes_checkpoints(&self) -> bool {
-        self.collective.rank() == 0 && self.pipe.as_ref().is_none_or(|p| p.is_first())
+        self.collective.rank() == 0
+            && self.pipe.as_ref().is_none_or(|p| p.is_first())
+            && self.tensor_rank() == 0
     }
 
     /// This rank's pipeline stage and the number of stages (None: the

@@ -62,6 +62,7 @@ impl<C: Collective> Engine<C> {
             checkpoint::to_device(loaded.model, self.device)?,
         )?;
         let optimizer = self.stage_optimizer_state(loaded.optimizer);
+        let optimizer = self.tensor_slice_state(optimizer)?;
         self.load_optimizer_state(optimizer, loaded.state.optimizer_steps)?;
         self.resumed_with(loaded.state, &loaded.path, &found.why, found.fell_back);
         Ok(true)

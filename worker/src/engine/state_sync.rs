@@ -119,7 +119,9 @@ impl<C: Collective> Engine<C> {
         } else {
             self.sync_replicas()?;
         }
-        if self.pipe.is_some() {
+        // Stages and tensor ranks hold parts of one replica: every part
+        // must be at the same step (or all roll back).
+        if self.pipe.is_some() || self.tensor.is_some() {
             self.sync_stages()?;
         }
         Ok(())

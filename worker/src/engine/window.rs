@@ -318,13 +318,29 @@ impl<C: Collective> Engine<C> {
         let (flat, targets) = flat?;
         let all_counted = !graph && batch.count == targets.numel() as u64;
         let vocab = weight.size().first().copied().unwrap_or(1);
+        let rows = crate::objective::head_loss::block_rows(vocab, self.device);
+        if let Some(shard) = model.vocab_shard() {
+            // Tensor parallelism: this rank's vocabulary rows (issue 42).
+            let group = shard.group.get().ctx("computing the loss")?;
+            let out = crate::objective::head_loss::vocab_parallel_cross_entropy(
+                &flat,
+                weight,
+                &weight_grad,
+                &targets,
+                shard.start,
+                &group,
+                rows,
+            )?;
+            crate::objective::head_loss::backward_into(features, &out.features_grad)?;
+            return Ok(out.sum);
+        }
         let out = crate::objective::head_loss::linear_cross_entropy(
             &flat,
             weight,
             &weight_grad,
             &targets,
             all_counted,
-            crate::objective::head_loss::block_rows(vocab, self.device),
+            rows,
         )?;
         crate::objective::head_loss::backward_into(features, &out.features_grad)?;
         Ok(out.sum)
@@ -399,6 +415,9 @@ impl<C: Collective> Engine<C> {
             let (placement, mut parts) = self.placed();
             placement.reduce(&mut parts, &mut stats)?;
         }
+        // Tensor parallelism: a key-value head's gradients over the ranks
+        // it serves (engine/tensor.rs).
+        self.tensor_shared_grads()?;
         self.pipeline_tally(&mut stats)?;
         let comm = self.window.comm + t_comm.elapsed();
         let global = WindowTally::decode(&stats);
@@ -449,8 +468,14 @@ impl<C: Collective> Engine<C> {
             _ if no_terms => 0.0,
             Some(norm) => norm,
             None => {
-                let (placement, mut parts) = self.placed();
-                let norm = placement.clip_norm(&mut parts, norm_type)?;
+                // Each element once over the tensor ranks (engine/tensor.rs).
+                let norm = match self.tensor_norm(norm_type)? {
+                    Some(norm) => norm,
+                    None => {
+                        let (placement, mut parts) = self.placed();
+                        placement.clip_norm(&mut parts, norm_type)?
+                    }
+                };
                 self.pipeline_norm(norm, norm_type)?
             }
         };

@@ -96,6 +96,15 @@ impl Model {
         for (name, _) in &self.frozen {
             by_name.remove(name);
         }
+        // Tensor parallelism: this rank's slices of the whole tensors.
+        if let Some(split) = &self.tensor_split {
+            for (name, t) in by_name.iter_mut() {
+                if let Some(slice) = split.slices.get(name) {
+                    *t = crate::family::tensor::take(t, slice, split.rank)
+                        .ctx("cutting the weights for tensor parallelism")?;
+                }
+            }
+        }
         Ok(by_name)
     }
 

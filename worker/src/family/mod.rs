@@ -21,6 +21,7 @@ mod plan;
 mod qwen2;
 mod resnet;
 mod stage_build;
+pub mod tensor;
 mod torchscript;
 
 pub use plan::{check_blocks, matches, stage_units, units, Block, ParallelPlan, PlanError, Split};
@@ -57,8 +58,44 @@ pub trait Headed: ModuleT + Staged {
     fn features(&self, xs: &Tensor) -> Result<Tensor>;
 
     /// The head's weight `[outputs, H]` (a parameter; tied weights are
-    /// the shared one).
+    /// the shared one; under tensor parallelism this rank's vocabulary
+    /// rows).
     fn head_weight(&self) -> &Tensor;
+
+    /// The head's output over `features` (the model's output whole: under
+    /// tensor parallelism every rank's vocabulary columns joined), fp32.
+    fn logits(&self, features: &Tensor) -> Result<Tensor> {
+        let l = features
+            .f_linear(self.head_weight(), None::<&Tensor>)
+            .ctx("running the head")?;
+        if l.kind() == Kind::Float {
+            Ok(l)
+        } else {
+            l.f_to_kind(Kind::Float).ctx("running the head")
+        }
+    }
+
+    /// Tensor parallelism (issue 42): takes this rank's geometry once its
+    /// parameters hold their slices (family/tensor.rs). Families without
+    /// a tensor-parallel forward refuse.
+    fn split_tensor(&mut self, _place: &tensor::TensorPlace) -> Result<()> {
+        Err(Error::Schedule(
+            "this model has no tensor-parallel forward".into(),
+        ))
+    }
+
+    /// The head's vocabulary shard under tensor parallelism (None: whole).
+    fn vocab_shard(&self) -> Option<VocabShard> {
+        None
+    }
+}
+
+/// A head split by vocabulary rows: this rank's first row and the group
+/// its cross-entropy reduces over (objective/head_loss.rs).
+#[derive(Clone, Debug)]
+pub struct VocabShard {
+    pub start: i64,
+    pub group: crate::comm::tensor_ops::TensorGroupCell,
 }
 
 /// A model that runs a range of its blocks alone: a pipeline stage
@@ -158,6 +195,20 @@ pub trait Family: Sync {
     /// Where pipeline stages may begin among [`Family::blocks`] and how
     /// each parameter splits under tensor parallelism. By default the
     /// model is one stage and nothing is split.
+    /// Each parameter's slice at tensor degree `t` (issue 42), in the
+    /// model's order, or an error naming what does not split. Families
+    /// without a tensor-parallel forward refuse (the spec's check names
+    /// those that have one).
+    fn tensor_layout(&self, spec: &ModelSpec, t: usize) -> Result<Vec<(String, tensor::TpSlice)>> {
+        Err(Error::ModelInput {
+            model: spec.kind.to_string(),
+            reason: format!(
+                "has no tensor-parallel forward (parallel.tensor = {t}); llama, qwen2 and \
+                 mistral have one"
+            ),
+        })
+    }
+
     fn parallel_plan(&self, _spec: &ModelSpec) -> Result<ParallelPlan> {
         Ok(ParallelPlan::default())
     }

@@ -5,6 +5,7 @@
 //! `llama` (Hugging Face LlamaForCausalLM's names).
 
 use crate::error::{torch_text, Error, Result, TorchContext};
+use crate::family::tensor::{take, TensorPlace, TpSlice};
 use crate::family::{Built, Headed};
 use crate::spec::{ModelKind, ModelSpec};
 use std::collections::{HashMap, HashSet};
@@ -85,6 +86,40 @@ pub struct Model {
     /// Non-trainable state saved with the model (BatchNorm running stats).
     pub buffers: Named,
     pub kind: ModelKind,
+    /// Tensor parallelism (issue 42, [`Model::split_tensor`]): this rank's
+    /// slices; weights load whole and are cut by it.
+    pub tensor_split: Option<ModelSplit>,
+}
+
+/// A model cut for tensor parallelism: this rank, each parameter's slice
+/// and its whole shape.
+#[derive(Clone, Debug)]
+pub struct ModelSplit {
+    pub rank: usize,
+    pub slices: HashMap<String, TpSlice>,
+    pub whole: HashMap<String, Vec<i64>>,
+}
+
+impl ModelSplit {
+    /// The slice of a parameter, or of its optimizer state
+    /// (`<param>.<state>` of the parameter's shape here): None for what is
+    /// whole on every rank.
+    pub fn slice_of(
+        &self,
+        name: &str,
+        shape: &[i64],
+        local: &HashMap<&str, Vec<i64>>,
+    ) -> Option<&TpSlice> {
+        let sliced = |s: &&TpSlice| !matches!(s, TpSlice::Replicated);
+        if let Some(s) = self.slices.get(name).filter(sliced) {
+            return Some(s);
+        }
+        let (param, _) = name.rsplit_once('.')?;
+        let s = self.slices.get(param).filter(sliced)?;
+        (local.get(param).map(|l| l.as_slice()) == Some(shape)
+            || self.whole.get(param).map(|w| w.as_slice()) == Some(shape))
+        .then_some(s)
+    }
 }
 
 impl std::fmt::Debug for Model {
@@ -205,6 +240,7 @@ impl Model {
                     shared: Vec::new(),
                     buffers: Vec::new(),
                     kind: spec.kind,
+                    tensor_split: None,
                 };
                 let path = spec.path.clone().unwrap_or_default();
                 model.probe_gradients(&path, sample_shape, device)?;
@@ -230,6 +266,7 @@ impl Model {
             shared: Vec::new(),
             buffers,
             kind,
+            tensor_split: None,
         }
     }
 
@@ -344,13 +381,20 @@ impl Model {
         self.params.iter().chain(self.buffers.iter())
     }
 
-    /// Every tensor's name and shape: the state's and the frozen ones'.
+    /// Every tensor's name and shape: the state's and the frozen ones'
+    /// (whole ones under tensor parallelism: what files hold).
     pub(super) fn shapes(&self) -> Vec<(&str, Vec<i64>)> {
+        let whole = |n: &str, t: &Tensor| {
+            self.tensor_split
+                .as_ref()
+                .and_then(|s| s.whole.get(n).cloned())
+                .unwrap_or_else(|| t.size())
+        };
         self.params
             .iter()
-            .map(|(n, t)| (n.as_str(), t.size()))
+            .map(|(n, t)| (n.as_str(), whole(n, t)))
             .chain(self.frozen.iter().map(|(n, s)| (n.as_str(), s.clone())))
-            .chain(self.shared.iter().map(|(n, t)| (n.as_str(), t.size())))
+            .chain(self.shared.iter().map(|(n, t)| (n.as_str(), whole(n, t))))
             .chain(self.buffers.iter().map(|(n, t)| (n.as_str(), t.size())))
             .collect()
     }
@@ -377,6 +421,50 @@ impl Model {
                 self.frozen.push((name, shape));
             }
         }
+        Ok(())
+    }
+
+    /// Tensor parallelism (issue 42): keeps this rank's slice of each
+    /// parameter (`layout`: every parameter's, family/tensor.rs) of the
+    /// whole values the build drew, then the network takes its geometry.
+    pub fn split_tensor(
+        &mut self,
+        layout: &[(String, TpSlice)],
+        place: &TensorPlace,
+    ) -> Result<()> {
+        let slices: HashMap<String, TpSlice> = layout.iter().cloned().collect();
+        let mut whole = HashMap::new();
+        {
+            let _guard = tch::no_grad_guard();
+            for (name, t) in self.params.iter().chain(self.shared.iter()) {
+                let slice = slices.get(name).ok_or_else(|| {
+                    Error::Sharding(format!("the tensor-parallel layout has no {name}"))
+                })?;
+                whole.insert(name.clone(), t.size());
+                if matches!(slice, TpSlice::Replicated) {
+                    continue;
+                }
+                let part = take(t, slice, place.rank)
+                    .ctx("cutting the parameters for tensor parallelism")?;
+                let mut t = t.shallow_clone();
+                t.f_set_data(&part)
+                    .ctx("cutting the parameters for tensor parallelism")?;
+            }
+        }
+        match &mut self.net {
+            Net::Headed(h) => h.split_tensor(place)?,
+            _ => {
+                return Err(Error::Schedule(format!(
+                    "model.kind = {} has no tensor-parallel forward",
+                    self.kind
+                )))
+            }
+        }
+        self.tensor_split = Some(ModelSplit {
+            rank: place.rank,
+            slices,
+            whole,
+        });
         Ok(())
     }
 

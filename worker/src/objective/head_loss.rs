@@ -147,6 +147,111 @@ fn run(
     Ok(HeadLoss { sum, features_grad })
 }
 
+/// [`linear_cross_entropy`] with the head split by vocabulary rows over a
+/// tensor group (issue 42; Megatron-LM's vocabulary-parallel
+/// cross-entropy): this rank holds rows `start..start + weight rows`. Per
+/// block of rows: the logits of this rank's columns, the max of each row
+/// over the group (all-reduce max), then the sum of exponentials and the
+/// target's logit over the group (one all-reduce of both); each row's loss
+/// is `log(sum) + max - target logit`, the same on every rank. The
+/// gradient is local: `softmax - onehot` on this rank's columns, its
+/// matmuls giving the weight's gradient (this rank's rows) and a partial
+/// gradient of the features, summed over the group once at the end (the
+/// head's input is replicated). The loss is counted once by the caller.
+pub fn vocab_parallel_cross_entropy(
+    features: &Tensor,
+    weight: &Tensor,
+    weight_grad: &Tensor,
+    targets: &Tensor,
+    start: i64,
+    group: &crate::comm::tensor_ops::TensorGroup,
+    rows: i64,
+) -> Result<HeadLoss> {
+    let _guard = tch::no_grad_guard();
+    run_split(
+        features,
+        weight,
+        weight_grad,
+        targets,
+        start,
+        group,
+        rows.max(1),
+    )
+    .ctx("computing the vocabulary-parallel loss and the head's gradient")
+}
+
+fn run_split(
+    x: &Tensor,
+    w: &Tensor,
+    w_grad: &Tensor,
+    targets: &Tensor,
+    start: i64,
+    group: &crate::comm::tensor_ops::TensorGroup,
+    rows: i64,
+) -> Result<HeadLoss, tch::TchError> {
+    use crate::comm::tensor_ops::Reduce;
+    let (m, h) = x.size2()?;
+    let (width, _) = w.size2()?;
+    let device = x.device();
+    let features_grad = Tensor::f_zeros([m, h], (Kind::Float, device))?;
+    let mut sum = Tensor::f_zeros([], (Kind::Double, device))?;
+    let mut w_grad = w_grad.shallow_clone();
+    let w_t = w.f_transpose(0, 1)?;
+    let counted = targets.f_ne(-100)?;
+    let local = targets.f_sub_scalar(start)?;
+    // The target is among this rank's columns.
+    let here = counted
+        .f_logical_and(&local.f_ge(0)?)?
+        .f_logical_and(&local.f_lt(width)?)?;
+    let at = local
+        .f_masked_fill(&here.f_logical_not()?, 0)?
+        .f_unsqueeze(1)?;
+    let here = here.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
+    let counted = counted.f_to_kind(Kind::Float)?.f_unsqueeze(1)?;
+    let block = rows.min(m.max(1));
+    let mut first = 0;
+    while first < m {
+        let n = block.min(m - first);
+        let xb = x.f_narrow(0, first, n)?;
+        let at_b = at.f_narrow(0, first, n)?;
+        let here_b = here.f_narrow(0, first, n)?;
+        let counted_b = counted.f_narrow(0, first, n)?;
+        let logits = xb.f_mm(&w_t)?;
+        let max = logits.f_amax([1i64].as_slice(), true)?.f_contiguous()?;
+        group.all_reduce_(&max, Reduce::Max)?;
+        let mut e = logits.f_sub(&max)?;
+        let _ = e.f_exp_()?;
+        let target = logits.f_gather(1, &at_b, false)?.f_mul(&here_b)?;
+        let both = Tensor::f_cat(
+            &[
+                e.f_sum_dim_intlist([1i64].as_slice(), true, None::<Kind>)?,
+                target,
+            ],
+            1,
+        )?
+        .f_contiguous()?;
+        group.all_reduce_(&both, Reduce::Sum)?;
+        let total = both.f_narrow(1, 0, 1)?;
+        let target = both.f_narrow(1, 1, 1)?;
+        // -log softmax at the target: log(sum) + max - target logit.
+        let loss = total
+            .f_log()?
+            .f_add(&max)?
+            .f_sub(&target)?
+            .f_mul(&counted_b)?;
+        sum = sum.f_add(&loss.f_sum(Kind::Double)?)?;
+        // softmax - onehot on this rank's columns, zero for ignored rows.
+        let _ = e.f_div_(&total)?;
+        let _ = e.f_mul_(&counted_b)?;
+        let _ = e.f_scatter_add_(1, &at_b, &here_b.f_neg()?)?;
+        let _ = e.f_mm_out(&features_grad.f_narrow(0, first, n)?, w)?;
+        let _ = w_grad.f_addmm_(&e.f_transpose(0, 1)?, &xb)?;
+        first += n;
+    }
+    group.all_reduce_(&features_grad, Reduce::Sum)?;
+    Ok(HeadLoss { sum, features_grad })
+}
+
 /// Sends `grad` (d loss / d `features`) into `features`' graph: a backward
 /// of `(features * grad).sum()`, whose gradient with respect to `features`
 /// is `grad` exactly (1 · grad). Gradients add into the leaves' `.grad`.

@@ -453,6 +453,11 @@ impl Group for C10dGroup {
             accrue_c10d_recv(g, h, src, 0, w, e, l)
         })
     }
+    fn tensor_group(&self) -> Option<crate::comm::tensor_ops::TensorGroup> {
+        // SAFETY: the group lives as long as this value; the engine drops
+        // the model's graphs before the generation's groups.
+        Some(unsafe { crate::comm::tensor_ops::TensorGroup::new(self.ptr, self.rank, self.size) })
+    }
     fn abort(&mut self) {
         // SAFETY: the group is live.
         if let Err(m) = call(|e, l| unsafe { accrue_c10d_group_abort(self.ptr, e, l) }) {

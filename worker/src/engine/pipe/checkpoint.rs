@@ -136,6 +136,12 @@ impl<C: Collective> Engine<C> {
                 .map(|(n, t)| (n.clone(), t.shallow_clone()))
                 .collect()
         };
+        // Tensor parallelism: the stage's tensors whole (every tensor rank
+        // takes part), written by tensor rank 0 (engine/tensor.rs).
+        let model = self.tensor_whole(model)?;
+        if self.tensor_rank() != 0 {
+            return Ok(final_dir);
+        }
         // Validated with the spec: never None here.
         let max_shard = accrue_common::spec::shard_size_bytes(&self.spec.checkpoint.max_shard_size)
             .unwrap_or(u64::MAX);

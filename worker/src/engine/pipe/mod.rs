@@ -343,16 +343,7 @@ impl<C: Collective> Engine<C> {
         match self.model.headed() {
             // fp32 logits whatever the autocast type, as the whole model's
             // head gives them.
-            Some(h) => out
-                .f_linear(h.head_weight(), None::<&Tensor>)
-                .and_then(|l| {
-                    if l.kind() == Kind::Float {
-                        Ok(l)
-                    } else {
-                        l.f_to_kind(Kind::Float)
-                    }
-                })
-                .ctx("running the head"),
+            Some(h) => h.logits(&out),
             None => Ok(out),
         }
     }

@@ -39,13 +39,27 @@ impl<C: Collective> Engine<C> {
         // Under sharding every rank takes part in gathering the state;
         // pipeline stages write their own parts (engine/pipe/checkpoint.rs).
         let opt = self.optimizer_state()?;
+        // Tensor parallelism: whole, gathered over the tensor ranks
+        // (engine/tensor.rs); tensor rank 0 writes.
+        let opt = self.tensor_whole(opt)?;
+        // The model whole on the writer's tensor group (every tensor rank
+        // of data rank 0 takes part).
+        let model = if self.pipe.is_none() && self.collective.rank() == 0 {
+            let state = self.model_state();
+            Some(self.tensor_whole(state)?)
+        } else {
+            None
+        };
         let path = if self.pipe.is_some() {
             self.pipeline_checkpoint(opt)?
         } else if self.writes_checkpoints() {
             if self.folder_lock.is_none() {
                 self.take_folder_lock()?;
             }
-            let model = self.model_state();
+            let model = match model {
+                Some(m) => m,
+                None => self.model_state(),
+            };
             checkpoint::write(
                 &self.checkpoint_dir,
                 &self.state,

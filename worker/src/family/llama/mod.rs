@@ -30,6 +30,7 @@
 //! names, blocks and their parallel plan), fused.rs (the fused
 //! projections), tests.rs.
 
+use super::tensor::{TensorPlace, TpSlice};
 use super::{check_blocks, Block, BuildTo, Built, Family, Headed, ParallelPlan};
 use crate::error::{Error, Result, TorchContext};
 use crate::family::model::made;
@@ -43,6 +44,7 @@ pub mod packed;
 pub mod plan;
 mod rope;
 mod stage;
+mod tensor;
 
 pub(crate) use rope::scaled_inv_freq;
 use rope::{paired_rows, rotate, Rope};
@@ -106,6 +108,13 @@ impl Family for Llama {
 
     fn parallel_plan(&self, spec: &ModelSpec) -> Result<ParallelPlan> {
         Ok(plan::parallel_plan(&LlamaConfig::resolve(spec)?))
+    }
+
+    fn tensor_layout(&self, spec: &ModelSpec, t: usize) -> Result<Vec<(String, TpSlice)>> {
+        tensor::layout(&LlamaConfig::resolve(spec)?, t as i64).map_err(|reason| Error::ModelInput {
+            model: spec.kind.to_string(),
+            reason,
+        })
     }
 
     /// As transformers loads a folder: RoPE's `inv_freq` buffers (which
@@ -207,6 +216,10 @@ impl Family for Extends {
 
     fn parallel_plan(&self, spec: &ModelSpec) -> Result<ParallelPlan> {
         Llama.parallel_plan(spec)
+    }
+
+    fn tensor_layout(&self, spec: &ModelSpec, t: usize) -> Result<Vec<(String, TpSlice)>> {
+        Llama.tensor_layout(spec, t)
     }
 
     fn check_output(
@@ -343,6 +356,11 @@ pub struct Net {
     /// inside one product (docs/SEMANTICS.md). Off on the CPU, where the
     /// separate products keep transformers' roundings.
     fuse_projections: bool,
+    /// The whole vocabulary (the embedding holds a shard of it under
+    /// tensor parallelism).
+    vocab: i64,
+    /// Tensor parallelism (tensor.rs): None at T = 1.
+    tp: Option<tensor::Tp>,
     /// Under autocast, the norms, RoPE and SwiGLU of the training forward
     /// through crate::fused_ops (with the fused projections), and with
     /// `kernels` their CUDA kernels: on CUDA in a build that has them,
@@ -432,6 +450,8 @@ impl Net {
             scale: (d as f64).powf(-0.5),
             sliding_window: c.sliding_window,
             fuse_projections: root.device().is_cuda(),
+            vocab: c.vocab_size,
+            tp: None,
             fused_ops: root.device().is_cuda() && d % 2 == 0,
             kernels: crate::fused_ops::use_kernels(root.device()),
         })
@@ -474,7 +494,8 @@ impl Net {
         mask: Option<&Tensor>,
     ) -> Result<Tensor, TchError> {
         let (n, t, _) = x.size3()?;
-        self.attend(l, &self.qkv(l, x, rope)?, n, t, mask)
+        let x = self.to_region(x)?;
+        self.attend(l, &self.qkv(l, &x, rope)?, n, t, mask)
     }
 
     /// `[N, kv_heads, S, D]` with each key-value head repeated for the
@@ -532,7 +553,8 @@ impl Net {
                 false,
             )?,
         };
-        l.o.forward(
+        self.row_out(
+            &l.o,
             &out.f_transpose(1, 2)?
                 .f_contiguous()?
                 .f_reshape([n, t, -1])?,
@@ -563,7 +585,7 @@ impl Net {
             return self.try_features_fused(ids, kind);
         }
         let (_, t) = ids.size2()?;
-        let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
+        let mut h = self.embed_ids(ids)?;
         let (rope, mask) = match &packed {
             None => (self.rope(0, t, &h)?, None),
             Some(p) => (
@@ -582,8 +604,8 @@ impl Net {
     /// The residual MLP block: h + down(silu(gate(x)) * up(x)), x the
     /// post-attention norm of h.
     fn mlp_block(&self, l: &Layer, h: &Tensor) -> Result<Tensor, TchError> {
-        let x = l.post_norm.forward(h)?;
-        h.f_add(&l.down.forward(&self.swiglu(l, &x)?)?)
+        let x = self.to_region(&l.post_norm.forward(h)?)?;
+        h.f_add(&self.row_out(&l.down, &self.swiglu(l, &x)?)?)
     }
 
     /// The head's weight: lm_head's, or the embedding's when tied.
@@ -599,7 +621,7 @@ impl Net {
 
     /// The head over the final norm's output `h`: fp32 logits.
     fn head(&self, h: &Tensor) -> Result<Tensor, TchError> {
-        let logits = h.f_linear(self.head_weight(), None::<&Tensor>)?;
+        let logits = self.head_logits(h)?;
         if logits.kind() == Kind::Float {
             Ok(logits)
         } else {
@@ -650,6 +672,12 @@ impl Net {
     }
 
     fn try_forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor, TchError> {
+        if self.tp.is_some() {
+            return Err(TchError::Torch(
+                "generation runs on the whole model (a checkpoint is whole): not on a tensor shard"
+                    .into(),
+            ));
+        }
         let (n, t) = ids.size2()?;
         let past = cache.len;
         let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
@@ -755,6 +783,18 @@ impl Headed for Net {
 
     fn head_weight(&self) -> &Tensor {
         Net::head_weight(self)
+    }
+
+    fn split_tensor(&mut self, place: &TensorPlace) -> Result<()> {
+        Net::split_tensor(self, place)
+    }
+
+    fn vocab_shard(&self) -> Option<crate::family::VocabShard> {
+        Net::vocab_shard(self)
+    }
+
+    fn logits(&self, features: &Tensor) -> Result<Tensor> {
+        self.head(features).ctx("running the head")
     }
 }
 

@@ -28,7 +28,7 @@ impl Net {
         };
         let mut h = if blocks.start == 0 {
             let ids = packed.as_ref().map_or(x, |p| &p.ids);
-            Tensor::f_embedding(&self.embed, ids, -1, false, false)?
+            self.embed_ids(ids)?
         } else {
             x.shallow_clone()
         };

@@ -1,0 +1,150 @@
+//! Tensor parallelism's operations on a tensor group (issue 42): Megatron-
+//! LM's mappings as autograd functions of the c10d shim (csrc/c10d.cpp),
+//! so the model's forward writes them once and one backward runs their
+//! mirrors:
+//! - [`TensorGroup::copy`] (Megatron's `f`): the identity forward, the
+//!   gradient summed over the group backward (before column-split layers);
+//! - [`TensorGroup::reduce`] (`g`): row-split layers' partial outputs
+//!   summed forward, the identity backward;
+//! - [`TensorGroup::gather_last`]: the vocabulary shards' logits joined,
+//!   each rank's columns of the gradient backward;
+//! - [`TensorGroup::all_reduce_`]: a plain reduction outside the graph (the
+//!   vocabulary-parallel cross-entropy's max and sums, the gradients of
+//!   replicated key-value heads, the clip norm).
+//!
+//! The group of a generation changes when the mesh re-forms; the model
+//! reaches the current one through a [`TensorGroupCell`] the engine sets.
+
+use std::ffi::{c_char, c_void};
+use std::sync::{Arc, Mutex};
+use tch::{TchError, Tensor};
+
+extern "C" {
+    fn accrue_tp_copy(
+        g: *mut c_void,
+        x: *mut c_void,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn accrue_tp_reduce(
+        g: *mut c_void,
+        x: *mut c_void,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn accrue_tp_gather_last(
+        g: *mut c_void,
+        x: *mut c_void,
+        sizes: *const i64,
+        n: i32,
+        rank: i32,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn accrue_tp_all_reduce(
+        g: *mut c_void,
+        t: *mut c_void,
+        op: i32,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+}
+
+/// A c10d tensor group as the model's operations take it: the shim's group
+/// and this rank's place in it.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorGroup {
+    ptr: *mut c_void,
+    pub rank: usize,
+    pub size: usize,
+}
+
+// SAFETY: the pointer is a c10d backend (thread-safe); the engine's thread
+// alone runs the model and its backward, and the mesh that owns the group
+// outlives every graph made with it (a generation's graphs are dropped
+// before its groups).
+unsafe impl Send for TensorGroup {}
+unsafe impl Sync for TensorGroup {}
+
+/// The reductions [`TensorGroup::all_reduce_`] offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Sum,
+    Max,
+}
+
+impl TensorGroup {
+    /// # Safety
+    /// `ptr` is the shim's live group (csrc/c10d.cpp `Group*`), kept alive
+    /// while this value or a graph made with it is used.
+    pub unsafe fn new(ptr: *mut c_void, rank: usize, size: usize) -> Self {
+        Self { ptr, rank, size }
+    }
+
+    /// `f`: `x` forward, its gradient summed over the group backward.
+    pub fn copy(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        one(|out, err, len| unsafe { accrue_tp_copy(self.ptr, handle(x), out, err, len) })
+    }
+
+    /// `g`: `x` summed over the group forward, the identity backward.
+    pub fn reduce(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        one(|out, err, len| unsafe { accrue_tp_reduce(self.ptr, handle(x), out, err, len) })
+    }
+
+    /// Every rank's `x` joined along the last dimension in rank order
+    /// (rank r's is `widths[r]` wide; they may differ).
+    pub fn gather_last(&self, x: &Tensor, widths: &[i64]) -> Result<Tensor, TchError> {
+        let n = i32::try_from(widths.len()).unwrap_or(i32::MAX);
+        let rank = i32::try_from(self.rank).unwrap_or(i32::MAX);
+        one(|out, err, len| unsafe {
+            accrue_tp_gather_last(self.ptr, handle(x), widths.as_ptr(), n, rank, out, err, len)
+        })
+    }
+
+    /// `t` (contiguous) reduced over the group in place, outside any graph.
+    pub fn all_reduce_(&self, t: &Tensor, op: Reduce) -> Result<(), TchError> {
+        let op = match op {
+            Reduce::Sum => 0,
+            Reduce::Max => 1,
+        };
+        crate::fused_ops::call(|err, len| unsafe {
+            accrue_tp_all_reduce(self.ptr, handle(t), op, err, len)
+        })
+    }
+}
+
+fn handle(t: &Tensor) -> *mut c_void {
+    t.as_ptr() as *mut c_void
+}
+
+/// Calls a shim function that makes one tensor.
+fn one(f: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> i32) -> Result<Tensor, TchError> {
+    let mut out = std::ptr::null_mut();
+    crate::fused_ops::call(|err, len| f(&mut out, err, len))?;
+    // SAFETY: on success the shim set `out` to a new tensor handle that
+    // nobody else owns.
+    Ok(unsafe { Tensor::from_ptr(out.cast()) })
+}
+
+/// The tensor group of the current generation, shared by the model (which
+/// runs the operations) and the engine (which sets it when the mesh
+/// re-forms, and clears it between generations).
+#[derive(Clone, Debug, Default)]
+pub struct TensorGroupCell(Arc<Mutex<Option<TensorGroup>>>);
+
+impl TensorGroupCell {
+    pub fn set(&self, g: Option<TensorGroup>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = g;
+    }
+
+    /// The group, or an error naming what is missing.
+    pub fn get(&self) -> Result<TensorGroup, TchError> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .ok_or_else(|| TchError::Torch("the tensor group of this generation is closed".into()))
+    }
+}

@@ -1,0 +1,229 @@
+//! Tensor parallelism in the engine (issue 42). The model is built whole
+//! from the job's seed and cut to this rank's slices
+//! (family/tensor.rs), so the result does not depend on T; each data
+//! group is the ranks of one tensor rank, so the data axis's reduction,
+//! ZeRO-free optimizer step and tally are as before. What the tensor axis
+//! adds at the sync step:
+//! - the partial gradients of a slice several ranks share (a key-value
+//!   head serving T / kv ranks) are summed over them ([`Engine::tensor_shared_grads`]);
+//! - the clip norm counts each element once: this rank's slices, a
+//!   replicated tensor on tensor rank 0 only, a shared slice on its first
+//!   holder, summed over the tensor group ([`Engine::tensor_norm`]; the
+//!   pipeline's sum over stages follows);
+//! - checkpoints are whole: every tensor rank's slices gathered, tensor
+//!   rank 0 writes ([`Engine::tensor_whole`]); weights and optimizer state
+//!   load whole and are cut ([`Engine::tensor_slice_state`]).
+
+use super::Engine;
+use crate::collective::Collective;
+use crate::comm::tensor_ops::{Reduce, TensorGroupCell};
+use crate::error::{Error, Result, TorchContext};
+use crate::family::model::Model;
+use crate::family::tensor::{counts, join, take, TensorPlace, TpSlice};
+use crate::spec::JobSpec;
+use std::collections::HashMap;
+use tch::{Kind, Tensor};
+
+/// This rank's place on the tensor axis.
+pub(super) struct TensorAxis {
+    pub rank: usize,
+    pub size: usize,
+    /// The current generation's group, which the model's operations use.
+    pub cell: TensorGroupCell,
+    /// Every parameter's slice.
+    pub layout: HashMap<String, TpSlice>,
+}
+
+/// Cuts `model` (built whole from the seed) to this rank's slices; None
+/// without tensor parallelism.
+pub(super) fn split<C: Collective>(
+    spec: &JobSpec,
+    model: &mut Model,
+    collective: &mut C,
+) -> Result<Option<TensorAxis>> {
+    let Some((rank, size)) = collective.tensor() else {
+        return Ok(None);
+    };
+    let layout = crate::family::family(spec.model.kind).tensor_layout(&spec.model, size)?;
+    let cell = TensorGroupCell::default();
+    cell.set(collective.tensor_group()?);
+    let place = TensorPlace {
+        rank,
+        size,
+        group: cell.clone(),
+    };
+    model.split_tensor(&layout, &place)?;
+    let elements: i64 = model.params.iter().map(|(_, t)| t.numel() as i64).sum();
+    tracing::info!(rank, size, elements, "tensor-parallel shard");
+    Ok(Some(TensorAxis {
+        rank,
+        size,
+        cell,
+        layout: layout.into_iter().collect(),
+    }))
+}
+
+impl<C: Collective> Engine<C> {
+    /// A new generation's tensor group for the model's operations; a rank
+    /// keeps its tensor rank across generations.
+    pub(super) fn renew_tensor_group(&mut self) -> Result<()> {
+        let was = self.tensor.as_ref().map(|t| (t.rank, t.size));
+        if self.collective.tensor() != was {
+            return Err(Error::Schedule(format!(
+                "this rank's tensor place (rank, degree) was {was:?} and is {:?} in the new \
+                 generation; a rank that changes place needs a new engine",
+                self.collective.tensor()
+            )));
+        }
+        if let Some(t) = &self.tensor {
+            t.cell.set(self.collective.tensor_group()?);
+        }
+        Ok(())
+    }
+
+    /// The tensor rank (0 without tensor parallelism).
+    pub(super) fn tensor_rank(&self) -> usize {
+        self.tensor.as_ref().map_or(0, |t| t.rank)
+    }
+
+    /// Sums the partial gradients of the slices several ranks share (a
+    /// key-value head serving T / kv ranks) over those ranks: one
+    /// reduction over the group of a zero tensor of the whole shape with
+    /// this rank's range filled.
+    pub(super) fn tensor_shared_grads(&mut self) -> Result<()> {
+        let Some(axis) = &self.tensor else {
+            return Ok(());
+        };
+        let group = axis.cell.get().ctx("summing shared gradients")?;
+        let _guard = tch::no_grad_guard();
+        for (name, p) in &self.model.params {
+            let Some(slice @ TpSlice::Sliced { dim, ranges }) = axis.layout.get(name) else {
+                continue;
+            };
+            if !slice.partial(axis.rank) {
+                continue;
+            }
+            let grad = p.grad();
+            let (a, b) = ranges[axis.rank];
+            let mut shape = grad.size();
+            shape[*dim as usize] = ranges.iter().map(|r| r.1).max().unwrap_or(b);
+            let sum = || -> std::result::Result<(), tch::TchError> {
+                let buf = Tensor::f_zeros(shape.as_slice(), (grad.kind(), grad.device()))?;
+                buf.f_narrow(*dim, a, b - a)?.f_copy_(&grad)?;
+                group.all_reduce_(&buf, Reduce::Sum)?;
+                let mut grad = grad.shallow_clone();
+                grad.f_copy_(&buf.f_narrow(*dim, a, b - a)?)
+            };
+            sum().ctx("summing shared gradients")?;
+        }
+        Ok(())
+    }
+
+    /// The `norm_type` norm of the whole model's gradients over the
+    /// tensor ranks, each element counted once (None without tensor
+    /// parallelism): p-th powers of this rank's counted parameters' norms
+    /// summed (max for inf), then over the group.
+    pub(super) fn tensor_norm(&mut self, norm_type: f64) -> Result<Option<f64>> {
+        let Some(axis) = &self.tensor else {
+            return Ok(None);
+        };
+        let inf = norm_type.is_infinite();
+        let mut mine = 0f64;
+        for (name, p) in &self.model.params {
+            let counted = axis.layout.get(name).is_some_and(|s| counts(s, axis.rank));
+            if !counted {
+                continue;
+            }
+            let n = p
+                .grad()
+                .f_reshape([-1])
+                .and_then(|g| g.f_linalg_norm(norm_type, None::<&[i64]>, false, None::<Kind>))
+                .and_then(|n| n.f_double_value(&[]))
+                .ctx("computing the gradient norm")?;
+            mine = if inf {
+                mine.max(n)
+            } else {
+                mine + n.powf(norm_type)
+            };
+        }
+        let group = axis.cell.get().ctx("computing the gradient norm")?;
+        let t = Tensor::f_from_slice(&[mine]).ctx("computing the gradient norm")?;
+        let op = if inf { Reduce::Max } else { Reduce::Sum };
+        group
+            .all_reduce_(&t, op)
+            .ctx("summing the gradient norm over the tensor group")?;
+        let total = t.f_double_value(&[0]).ctx("computing the gradient norm")?;
+        Ok(Some(if inf {
+            total
+        } else {
+            total.powf(1.0 / norm_type)
+        }))
+    }
+
+    /// `named` (this rank's parameters or optimizer state, the same names
+    /// in the same order on every tensor rank) whole: each slice gathered
+    /// over the tensor group and joined (every rank takes part).
+    pub(super) fn tensor_whole(
+        &mut self,
+        named: Vec<(String, Tensor)>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let (Some(split), Some(axis)) = (self.model.tensor_split.as_ref(), self.tensor.as_ref())
+        else {
+            return Ok(named);
+        };
+        let group = axis.cell.get().ctx("gathering the tensor shards")?;
+        let local: HashMap<&str, Vec<i64>> = self
+            .model
+            .params
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.size()))
+            .collect();
+        let _guard = tch::no_grad_guard();
+        let mut out = Vec::with_capacity(named.len());
+        for (name, t) in named {
+            let Some(slice @ TpSlice::Sliced { dim, ranges }) =
+                split.slice_of(&name, &t.size(), &local)
+            else {
+                out.push((name, t));
+                continue;
+            };
+            let widths: Vec<i64> = ranges.iter().map(|(a, b)| b - a).collect();
+            let whole = || -> std::result::Result<Tensor, tch::TchError> {
+                let last = t.dim() as i64 - 1;
+                let moved = t.f_transpose(*dim, last)?.f_contiguous()?;
+                let all = group.gather_last(&moved, &widths)?;
+                let parts = all
+                    .f_split_with_sizes(widths.as_slice(), last)?
+                    .into_iter()
+                    .map(|p| p.f_transpose(*dim, last))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                join(&parts, slice)?.f_contiguous()
+            };
+            out.push((name, whole().ctx("gathering the tensor shards")?));
+        }
+        Ok(out)
+    }
+
+    /// This rank's slices of whole optimizer state (`<param>.<state>` of
+    /// the whole parameter's shape), as a checkpoint holds it.
+    pub(super) fn tensor_slice_state(
+        &self,
+        saved: Vec<(String, Tensor)>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let Some(split) = self.model.tensor_split.as_ref() else {
+            return Ok(saved);
+        };
+        let none = HashMap::new();
+        saved
+            .into_iter()
+            .map(|(name, t)| match split.slice_of(&name, &t.size(), &none) {
+                Some(slice) => {
+                    let part = take(&t, slice, split.rank)
+                        .ctx("cutting the optimizer state for tensor parallelism")?;
+                    Ok((name, part))
+                }
+                None => Ok((name, t)),
+            })
+            .collect()
+    }
+}

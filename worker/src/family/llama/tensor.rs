@@ -1,0 +1,228 @@
+//! Tensor parallelism for the Llama family (issue 42): Megatron-LM's
+//! mapping. q, k, v, gate and up split by output rows, o and down by input
+//! columns; `f` (the input's gradient summed over the group) before each
+//! pair and `g` (the partial outputs summed) after it, so a decoder layer
+//! costs one all-reduce of `[N, T, H]` after o_proj and one after
+//! down_proj in the forward, and their mirrors in the backward. Attention
+//! heads split T ways; with fewer key-value heads than T each serves
+//! T / kv ranks. The embedding and the head split by vocabulary rows
+//! (`shard::slice`: a vocabulary T does not divide gives the first ranks
+//! one row more, no padding ever visible); the embedding's lookups outside
+//! the rank's rows give zeros and the rows are summed (`g`).
+
+use super::Net;
+use crate::comm::tensor_ops::TensorGroupCell;
+use crate::error::{Error, Result, TorchContext};
+use crate::family::tensor::{TensorPlace, TpSlice};
+use crate::family::Split;
+use crate::spec::LlamaConfig;
+use tch::{Kind, TchError, Tensor};
+
+/// The vocabulary's rows of each rank (`shard::slice`).
+pub(super) fn vocab_ranges(vocab: i64, t: i64) -> Vec<(i64, i64)> {
+    (0..t)
+        .map(|r| {
+            let s = crate::shard::slice(vocab as usize, t as usize, r as usize);
+            (s.start as i64, s.end as i64)
+        })
+        .collect()
+}
+
+/// Whether `c` splits `t` ways, or an error naming the setting and T.
+pub(super) fn check(c: &LlamaConfig, t: i64) -> std::result::Result<(), String> {
+    let (heads, kv) = (c.num_attention_heads, c.num_key_value_heads);
+    if heads % t != 0 {
+        return Err(format!(
+            "parallel.tensor = {t} must divide num_attention_heads = {heads} (each rank takes \
+             num_attention_heads / tensor heads)"
+        ));
+    }
+    if kv % t != 0 && t % kv != 0 {
+        return Err(format!(
+            "parallel.tensor = {t} and num_key_value_heads = {kv}: one must divide the other \
+             (each rank takes kv / T heads, or each kv head serves T / kv ranks)"
+        ));
+    }
+    if c.intermediate_size % t != 0 {
+        return Err(format!(
+            "parallel.tensor = {t} must divide intermediate_size = {} (gate, up and down split \
+             by it)",
+            c.intermediate_size
+        ));
+    }
+    if c.vocab_size < t {
+        return Err(format!(
+            "parallel.tensor = {t} is above vocab_size = {} (each rank holds rows of the \
+             vocabulary)",
+            c.vocab_size
+        ));
+    }
+    Ok(())
+}
+
+/// Every parameter's [`TpSlice`] at degree `t`, in the model's order.
+pub(super) fn layout(
+    c: &LlamaConfig,
+    t: i64,
+) -> std::result::Result<Vec<(String, TpSlice)>, String> {
+    check(c, t)?;
+    let d = c.head_dim();
+    let plan = super::plan::parallel_plan(c);
+    let q = TpSlice::even(0, c.num_attention_heads * d, t);
+    let kv = if c.num_key_value_heads >= t {
+        TpSlice::even(0, c.num_key_value_heads * d, t)
+    } else {
+        let share = t / c.num_key_value_heads;
+        TpSlice::Sliced {
+            dim: 0,
+            ranges: (0..t)
+                .map(|r| {
+                    let head = r / share;
+                    (head * d, (head + 1) * d)
+                })
+                .collect(),
+        }
+    };
+    let inner = TpSlice::even(0, c.intermediate_size, t);
+    let vocab = TpSlice::Sliced {
+        dim: 0,
+        ranges: vocab_ranges(c.vocab_size, t),
+    };
+    let by_rows = |s: &TpSlice| match s {
+        TpSlice::Sliced { ranges, .. } => TpSlice::Sliced {
+            dim: 1,
+            ranges: ranges.clone(),
+        },
+        TpSlice::Replicated => TpSlice::Replicated,
+    };
+    let mut out = Vec::new();
+    for name in super::plan::param_names(c) {
+        let slice = match plan.split_of(&name) {
+            Split::Replicated => TpSlice::Replicated,
+            Split::Vocab => vocab.clone(),
+            split => {
+                let layer = if name.contains(".q_proj.") || name.contains(".o_proj.") {
+                    &q
+                } else if name.contains(".k_proj.") || name.contains(".v_proj.") {
+                    &kv
+                } else {
+                    &inner
+                };
+                match split {
+                    Split::Row => by_rows(layer),
+                    _ => layer.clone(),
+                }
+            }
+        };
+        out.push((name, slice));
+    }
+    Ok(out)
+}
+
+/// A split model's tensor-parallel state.
+#[derive(Debug)]
+pub(super) struct Tp {
+    group: TensorGroupCell,
+    /// This rank's first vocabulary row and every rank's row count.
+    vocab_start: i64,
+    vocab_widths: Vec<i64>,
+}
+
+impl Net {
+    /// Takes this rank's geometry after its parameters were cut to its
+    /// slices (family/tensor.rs): its heads, key-value heads and
+    /// vocabulary rows, and the group its operations run on. The fused
+    /// CUDA paths stay off (they take whole q/k/v).
+    pub(super) fn split_tensor(&mut self, place: &TensorPlace) -> Result<()> {
+        let t = place.size as i64;
+        let d = self.head_dim;
+        let vocab = self.embed.size().first().copied().unwrap_or(0);
+        let ranges = vocab_ranges(self.vocab, t);
+        let (start, end) = ranges[place.rank];
+        if vocab != end - start {
+            return Err(Error::Sharding(format!(
+                "the embedding holds {vocab} rows, rank {} of {t} takes {}",
+                place.rank,
+                end - start
+            )));
+        }
+        self.heads /= t;
+        self.kv_heads = (self.kv_heads / t).max(1);
+        let device = self.embed.device();
+        self.q_rows =
+            super::rope::paired_rows(self.heads, d, device).ctx("computing RoPE's row order")?;
+        self.k_rows =
+            super::rope::paired_rows(self.kv_heads, d, device).ctx("computing RoPE's row order")?;
+        self.fuse_projections = false;
+        self.fused_ops = false;
+        self.tp = Some(Tp {
+            group: place.group.clone(),
+            vocab_start: start,
+            vocab_widths: ranges.iter().map(|(a, b)| b - a).collect(),
+        });
+        Ok(())
+    }
+
+    /// `f` before column-split layers (the identity at T = 1).
+    pub(super) fn to_region(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        match &self.tp {
+            Some(tp) => tp.group.get()?.copy(x),
+            None => Ok(x.shallow_clone()),
+        }
+    }
+
+    /// A row-split layer: the partial products summed over the group
+    /// (`g`), then the bias (replicated) once.
+    pub(super) fn row_out(&self, lin: &super::Linear, x: &Tensor) -> Result<Tensor, TchError> {
+        let Some(tp) = &self.tp else {
+            return lin.forward(x);
+        };
+        let y = tp
+            .group
+            .get()?
+            .reduce(&x.f_linear(&lin.weight, None::<&Tensor>)?)?;
+        match &lin.bias {
+            Some(b) => y.f_add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// The token embeddings of `ids`: each rank looks up its rows (zeros
+    /// for ids outside them), summed over the group.
+    pub(super) fn embed_ids(&self, ids: &Tensor) -> Result<Tensor, TchError> {
+        let Some(tp) = &self.tp else {
+            return Tensor::f_embedding(&self.embed, ids, -1, false, false);
+        };
+        let rows = self.embed.size().first().copied().unwrap_or(0);
+        let local = ids.f_sub_scalar(tp.vocab_start)?;
+        let outside = local.f_lt(0)?.f_logical_or(&local.f_ge(rows)?)?;
+        let local = local.f_masked_fill(&outside, 0)?;
+        let e = Tensor::f_embedding(&self.embed, &local, -1, false, false)?
+            .f_masked_fill(&outside.f_unsqueeze(-1)?, 0.0)?;
+        tp.group.get()?.reduce(&e)
+    }
+
+    /// The head's logits over `h`: this rank's vocabulary columns, joined
+    /// over the group (each rank's columns of the gradient backward).
+    pub(super) fn head_logits(&self, h: &Tensor) -> Result<Tensor, TchError> {
+        let Some(tp) = &self.tp else {
+            return h.f_linear(self.head_weight(), None::<&Tensor>);
+        };
+        let g = tp.group.get()?;
+        let local = g.copy(h)?.f_linear(self.head_weight(), None::<&Tensor>)?;
+        let local = if local.kind() == Kind::Float {
+            local
+        } else {
+            local.f_to_kind(Kind::Float)?
+        };
+        g.gather_last(&local, &tp.vocab_widths)
+    }
+
+    /// The head's vocabulary shard, when split.
+    pub(super) fn vocab_shard(&self) -> Option<crate::family::VocabShard> {
+        self.tp.as_ref().map(|tp| crate::family::VocabShard {
+            start: tp.vocab_start,
+            group: tp.group.clone(),
+        })
+    }
+}
