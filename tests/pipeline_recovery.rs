@@ -365,11 +365,16 @@ async fn a_lost_tensor_rank_is_replaced_from_its_replica_and_the_result_is_uncha
         .iter()
         .find(|x| !running.workers.iter().any(|r| r == *x))
         .unwrap();
-    assert_eq!(end.workers[1], *spare, "the spare takes the lost tensor rank");
+    assert_eq!(
+        end.workers[1], *spare,
+        "the spare takes the lost tensor rank"
+    );
     assert!(r.resumed_step >= 2, "{r:?}");
     assert_eq!(end.counters.unwrap().step, 8);
     let diff = against_undisturbed(&mut c, &end, &text("tp-calm")).await;
-    eprintln!("lost tensor rank, replaced: max relative difference {diff:e} to the undisturbed run");
+    eprintln!(
+        "lost tensor rank, replaced: max relative difference {diff:e} to the undisturbed run"
+    );
     assert!(diff <= 1e-6, "relative difference {diff}");
     h.stop().await;
 }

@@ -91,9 +91,13 @@ fn steps_within(
 /// and a fully masked row, clipping active, AdamW: against PyTorch's
 /// large-batch loop (torchrun + DDP + no_sync at W = 2, k = 4; alone at
 /// W = 1, k = 8) within PyTorch's own floor, each step within 1e-5; the
-/// 2 x 2 run against accrue's W = 2, T = 1 run: every step's loss and
-/// gradient norm within 1e-6, the parameters within 1e-6. Tied: the
-/// per-micro-batch mean too (the gathered logits' autograd path).
+/// 2 x 2 run against accrue's W = 2, T = 1 run: the parameters within
+/// 1e-6 (untied; tied, within twice PyTorch's floor), every step within 1e-5.
+/// (T = 1 takes the norm as one float32 reduction over the whole buffer,
+/// T > 1 per parameter as clip_grad_norm_ does: on the tied model the
+/// first step's norm is 1.4e-6 from PyTorch's at T = 1, 3e-8 at T = 2.)
+/// Tied: the per-micro-batch mean too (the gathered logits' autograd
+/// path), and 2 data x 2 pipeline x 2 tensor (W = 8).
 #[test]
 fn llama_tensor_parallel_equals_transformers_and_t1() {
     let py = python();
@@ -181,28 +185,33 @@ fn llama_tensor_parallel_equals_transformers_and_t1() {
                 "{what}: {name} differs from PyTorch by {diff:.3e}, PyTorch's floor {floor:.3e}"
             );
         }
-        // Counting a replicated norm weight (or the tied copy) twice would
-        // move the norm far past these bars: their share of it.
+        // Counting the replicated norm weights (or the tied copy) twice
+        // would move the norm by about half their share of its square:
+        // at least 5x the 1e-5 bar of every step against PyTorch above.
         let (norms, embed) = replicated_shares(d, tied);
-        eprintln!("tied = {tied}: the norm weights' share of the squared gradient norm {norms:.3e}, the embedding's {embed:.3e}");
+        eprintln!(
+            "tied = {tied}: the norm weights' share of the squared gradient norm {norms:.3e}, \
+             the embedding's {embed:.3e}"
+        );
         assert!(
-            norms > 1e-3 && embed > 1e-3,
+            norms / 2.0 >= 5e-5 && embed / 2.0 >= 5e-5,
             "tied = {tied}: shares {norms:e} {embed:e}"
         );
         let (_, model, steps) = (&runs[0].0, &runs[0].2, &runs[0].3);
         let step_diff = steps_within(
             steps,
             &t1_steps,
-            1e-6,
+            1e-5,
             &format!("tied = {tied}: T = 2 vs T = 1"),
         );
         let (diff, name) = lm_ddp::rel_diff(model, &t1);
         eprintln!(
             "tied = {tied}: T = 2 vs T = 1: parameters {diff:.3e} ({name}), steps {step_diff:.3e}"
         );
+        let bar = if tied { 2.0 * floor } else { 1e-6 };
         assert!(
-            diff <= 1e-6,
-            "tied = {tied}: T = 2 vs T = 1: {name} differs by {diff:.3e}"
+            diff <= bar,
+            "tied = {tied}: T = 2 vs T = 1: {name} differs by {diff:.3e} (bar {bar:.3e})"
         );
         if !tied {
             // The forward's logits at T = 2 and 4 against transformers'
@@ -386,8 +395,11 @@ fn checkpoints_resume_across_tensor_degrees() {
     lm_ddp::run_script("prepare", d, &lm_ddp::config());
     let job = |tensor: u32, steps: u32| {
         let workers = 2 * tensor;
-        tp_job(d, "global_count", 4, workers, tensor, false)
-            .replacen("seed = 5\n", &format!("seed = 5\nmax_steps = {steps}\n"), 1)
+        tp_job(d, "global_count", 4, workers, tensor, false).replacen(
+            "seed = 5\n",
+            &format!("seed = 5\nmax_steps = {steps}\n"),
+            1,
+        )
     };
     let (want, _) = run(&d.join("whole"), &job(1, 4), 2, false);
     // T = 2 for two steps, then T = 1.
@@ -404,14 +416,20 @@ fn checkpoints_resume_across_tensor_degrees() {
     common::procs::run_ranks_with(&a, &job(1, 4), 2, &["--resume"], |_| {});
     let (diff, name) = lm_ddp::rel_diff(&step_model(&a.join("ckpt/step-4")), &want);
     eprintln!("T = 2 then T = 1: {diff:.3e} ({name})");
-    assert!(diff <= 1e-6, "T = 2 then T = 1: {name} differs by {diff:.3e}");
+    assert!(
+        diff <= 1e-6,
+        "T = 2 then T = 1: {name} differs by {diff:.3e}"
+    );
     // T = 1 for two steps, then T = 2.
     let b = d.join("b");
     run(&b, &job(1, 2), 2, false);
     common::procs::run_ranks_with(&b, &job(2, 4), 4, &["--resume"], |_| {});
     let (diff, name) = lm_ddp::rel_diff(&step_model(&b.join("ckpt/step-4")), &want);
     eprintln!("T = 1 then T = 2: {diff:.3e} ({name})");
-    assert!(diff <= 1e-6, "T = 1 then T = 2: {name} differs by {diff:.3e}");
+    assert!(
+        diff <= 1e-6,
+        "T = 1 then T = 2: {name} differs by {diff:.3e}"
+    );
 }
 
 /// Settings that cannot split are refused before anything runs, naming

@@ -449,6 +449,15 @@ impl Model {
                 let mut t = t.shallow_clone();
                 t.f_set_data(&part)
                     .ctx("cutting the parameters for tensor parallelism")?;
+                // A gradient defined before (a pipeline's tied copy) takes
+                // the slice's shape.
+                if t.grad().defined() {
+                    let zeros = part
+                        .f_zeros_like()
+                        .ctx("cutting the parameters for tensor parallelism")?;
+                    crate::storage::set_grad(&t, &zeros)
+                        .ctx("cutting the parameters for tensor parallelism")?;
+                }
             }
         }
         match &mut self.net {
