@@ -20,7 +20,9 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -163,17 +165,48 @@ int start(void* g, void** work, char* err, size_t len,
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-void wait_for(Group* g, const c10::intrusive_ptr<c10d::Work>& w, const char* what) {
-  bool done = g->timeout_ms > 0 ? w->wait(std::chrono::milliseconds(g->timeout_ms)) : w->wait();
-  TORCH_CHECK(done, what, " over the tensor group did not complete within ", g->timeout_ms, " ms");
+// Payload bytes of this process's tensor-parallel reductions: the layers'
+// (f, g and the shared slices' sums) and the rest (the cross-entropy's
+// reductions, the logits' gathers, the norm), for the benchmarks.
+std::atomic<int64_t> layer_bytes{0};
+std::atomic<int64_t> other_bytes{0};
+
+// A failed operation of the tensor group: the message starts with this
+// marker, which the worker's error conversion reads as a lost peer (a new
+// generation), not a fault of the job (worker/src/error.rs).
+const char* const kTensorGroupFailed = "accrue tensor group: ";
+
+// Runs `op` (which starts an operation) and waits for it, at most the
+// group's timeout; any failure is rethrown with the marker.
+void wait_for(Group* g, const std::function<c10::intrusive_ptr<c10d::Work>()>& op,
+              const char* what) {
+  try {
+    auto w = op();
+    bool done = g->timeout_ms > 0 ? w->wait(std::chrono::milliseconds(g->timeout_ms)) : w->wait();
+    TORCH_CHECK(done, what, " did not complete within ", g->timeout_ms, " ms");
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(std::string(kTensorGroupFailed) + what + ": " +
+                             e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string(kTensorGroupFailed) + what + ": " + e.what());
+  }
 }
 
-// Sums `t` (contiguous) over the group in place.
+// Sums `t` (contiguous) over the group in place; bf16 and fp16 partials
+// are summed in float32 and rounded once, as one matmul's accumulation
+// would be.
 void sum_now(Group* g, at::Tensor& t, const char* what) {
+  if (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) {
+    at::Tensor wide = t.to(at::kFloat);
+    sum_now(g, wide, what);
+    t.copy_(wide);
+    return;
+  }
+  layer_bytes += t.numel() * static_cast<int64_t>(t.element_size());
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::SUM;
-  wait_for(g, g->backend->allreduce(ts, o), what);
+  wait_for(g, [&] { return g->backend->allreduce(ts, o); }, what);
 }
 
 Group* group_of(AutogradContext* ctx) {
@@ -210,6 +243,35 @@ struct TpReduce : public torch::autograd::Function<TpReduce> {
   }
 };
 
+// A slice several ranks hold (rows start..start + n of a tensor `whole`
+// rows long along `dim`: a key-value head serving T / kv ranks): the
+// identity forward; backward, each rank's gradient placed at its rows of
+// a zero tensor of the whole shape, summed over the group, and its rows
+// taken back: the sum over the ranks that share the slice.
+struct TpSharedSum : public torch::autograd::Function<TpSharedSum> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t g, int64_t dim,
+                            int64_t start, int64_t whole) {
+    ctx->saved_data["group"] = g;
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["start"] = start;
+    ctx->saved_data["whole"] = whole;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    int64_t dim = ctx->saved_data["dim"].toInt();
+    int64_t start = ctx->saved_data["start"].toInt();
+    const at::Tensor& gx = grads[0];
+    std::vector<int64_t> shape = gx.sizes().vec();
+    int64_t n = shape[dim];
+    shape[dim] = ctx->saved_data["whole"].toInt();
+    at::Tensor all = at::zeros(shape, gx.options());
+    all.narrow(dim, start, n).copy_(gx);
+    sum_now(group_of(ctx), all, "the shared slice's gradient sum");
+    return {all.narrow(dim, start, n).contiguous(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 // Every rank's last-dimension shard (`sizes[r]` wide, rank order) joined:
 // the vocabulary-parallel head's logits whole. Backward: this rank's
 // columns of the gradient.
@@ -227,7 +289,8 @@ struct TpGatherLast : public torch::autograd::Function<TpGatherLast> {
       out[0].push_back(at::empty_like(xp));
     }
     std::vector<at::Tensor> in{xp};
-    wait_for(group, group->backend->allgather(out, in), "gathering the shards");
+    other_bytes += xp.numel() * static_cast<int64_t>(xp.element_size());
+    wait_for(group, [&] { return group->backend->allgather(out, in); }, "gathering the shards");
     std::vector<at::Tensor> parts;
     int64_t start = 0;
     for (size_t r = 0; r < sizes.size(); ++r) {
@@ -277,15 +340,32 @@ int accrue_tp_gather_last(void* g, void* x, const int64_t* sizes, int n, int ran
       err, len);
 }
 
+int accrue_tp_shared_sum(void* g, void* x, int64_t dim, int64_t start, int64_t whole, void** out,
+                         char* err, size_t len) {
+  return guarded(
+      [&] {
+        *out = new at::Tensor(
+            TpSharedSum::apply(tensor(x), reinterpret_cast<int64_t>(g), dim, start, whole));
+      },
+      err, len);
+}
+
+// The payload bytes above: the layers' reductions, then the rest.
+void accrue_tp_bytes(int64_t* layers, int64_t* other) {
+  *layers = layer_bytes.load();
+  *other = other_bytes.load();
+}
+
 // `t` (contiguous) reduced over the group in place, waiting (op: 0 sum, 1 max).
 int accrue_tp_all_reduce(void* g, void* t, int op, char* err, size_t len) {
   return guarded(
       [&] {
         auto* group = static_cast<Group*>(g);
+        other_bytes += tensor(t).numel() * static_cast<int64_t>(tensor(t).element_size());
         std::vector<at::Tensor> ts{tensor(t)};
         c10d::AllreduceOptions o;
         o.reduceOp = reduce_op(op);
-        wait_for(group, group->backend->allreduce(ts, o), "a reduction");
+        wait_for(group, [&] { return group->backend->allreduce(ts, o); }, "a reduction");
       },
       err, len);
 }

@@ -170,10 +170,20 @@ impl<T> TorchContext<T> for std::result::Result<T, tch::TchError> {
 /// the operation and libtorch's first line; the full text (C++ stack
 /// frames included) goes to the log at debug level.
 pub fn torch_error(context: &'static str, e: &tch::TchError) -> Error {
-    Error::Torch {
-        context,
-        message: torch_text(context, e),
+    let message = torch_text(context, e);
+    // A tensor-parallel operation that failed inside libtorch (a lost
+    // peer of the tensor group, csrc/c10d.cpp marks it): the generation's
+    // end, as any collective's failure, not the job's fault.
+    if matches!(e, tch::TchError::Torch(t) if tensor_group_failed(t)) {
+        return Error::Interrupted(format!("{context}: {message}"));
     }
+    Error::Torch { context, message }
+}
+
+/// Whether libtorch's `text` is a failed tensor-group operation (the
+/// marker csrc/c10d.cpp puts on it).
+pub fn tensor_group_failed(text: &str) -> bool {
+    text.contains("accrue tensor group: ")
 }
 
 /// Longest libtorch text kept in a user-facing message, in characters.

@@ -100,6 +100,7 @@ fn steps_within(
 /// path), and 2 data x 2 pipeline x 2 tensor (W = 8).
 #[test]
 fn llama_tensor_parallel_equals_transformers_and_t1() {
+    let _turn = lm_ddp::torchrun_turn();
     let py = python();
     for tied in [false, true] {
         let dir = TempDir::new().unwrap();
@@ -385,7 +386,8 @@ fn replicated_shares(d: &Path, tied: bool) -> (f64, f64) {
 }
 
 /// Checkpoints are whole (Hugging Face's layout, the true vocabulary): a
-/// job stopped at step 2 at 2 data x 2 tensor goes on at T = 1, and one
+/// job stopped at step 2 at 2 data x 2 tensor (ZeRO 2) goes on at T = 1
+/// (stage 0), and one
 /// stopped at T = 1 goes on at T = 2 (Adam's moments cut and joined with
 /// their parameters), each to the uninterrupted T = 1 run's parameters.
 #[test]
@@ -402,17 +404,29 @@ fn checkpoints_resume_across_tensor_degrees() {
         )
     };
     let (want, _) = run(&d.join("whole"), &job(1, 4), 2, false);
-    // T = 2 for two steps, then T = 1.
+    // T = 2 (under ZeRO 2: each data rank writes its run of the optimizer
+    // state, gathered over its tensor ranks) for two steps, then T = 1.
     let a = d.join("a");
-    run(&a, &job(2, 2), 4, true);
+    run(&a, &format!("{}[sharding]\nstage = 2\n", job(2, 2)), 4, true);
     let step = a.join("ckpt/step-2");
     from_pretrained_equals(&step, &step_model(&step));
-    let opt = Tensor::read_safetensors(step.join("optimizer.safetensors")).unwrap();
-    let embed = opt
-        .iter()
-        .find(|(n, _)| n == "model.embed_tokens.weight.exp_avg")
-        .unwrap_or_else(|| panic!("{:?}", opt.iter().map(|(n, _)| n).collect::<Vec<_>>()));
-    assert_eq!(embed.1.size(), vec![97, 32], "the optimizer state is whole");
+    let opt: Vec<(String, Tensor)> = (1..=2)
+        .flat_map(|i| {
+            Tensor::read_safetensors(step.join(format!("optimizer-{i:05}-of-00002.safetensors")))
+                .unwrap()
+        })
+        .collect();
+    for (name, shape) in [
+        ("model.embed_tokens.weight.exp_avg", vec![97, 32]),
+        ("model.layers.0.self_attn.q_proj.weight.exp_avg_sq", vec![32, 32]),
+        ("model.layers.1.mlp.down_proj.weight.exp_avg", vec![32, 64]),
+    ] {
+        let t = opt
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{name}: {:?}", opt.iter().map(|(n, _)| n).collect::<Vec<_>>()));
+        assert_eq!(t.1.size(), shape, "{name} is whole");
+    }
     common::procs::run_ranks_with(&a, &job(1, 4), 2, &["--resume"], |_| {});
     let (diff, name) = lm_ddp::rel_diff(&step_model(&a.join("ckpt/step-4")), &want);
     eprintln!("T = 2 then T = 1: {diff:.3e} ({name})");
@@ -444,7 +458,7 @@ fn settings_that_do_not_split_are_refused() {
         "{err}"
     );
     let text = format!(
-        "{}[sharding]\nstage = 2\n",
+        "{}[sharding]\nstage = 3\n",
         tp_job(d.path(), "global_count", 4, 4, 2, false)
     );
     let err = refused(&text);
@@ -456,5 +470,60 @@ fn refused(text: &str) -> String {
     match accrue_worker::JobSpec::from_toml_str(text, Path::new("t.toml")) {
         Err(e) => format!("{e:?} {e}"),
         Ok(_) => panic!("accepted:\n{text}"),
+    }
+}
+
+/// `precision = "bf16"` at 2 data x 2 tensor against DDP at W = 2 under
+/// `torch.autocast("cpu", bfloat16)` (the bars of the T = 1 test in
+/// lm_training.rs: each step's loss and grad norm within 1e-5, the
+/// parameters within 1e-3; the row-split layers' partial outputs are
+/// summed in float32 and rounded to bf16 once).
+#[test]
+fn bf16_at_two_tensor_ranks_equals_transformers_ddp_under_autocast() {
+    let _turn = lm_ddp::torchrun_turn();
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let mut cfg = lm_ddp::config();
+    cfg["modes"] = serde_json::json!(["global_count"]);
+    cfg["precision"] = serde_json::json!("bf16");
+    lm_ddp::run_script("prepare", d, &cfg);
+    let mut ddp = Torchrun::start(
+        &python(),
+        &lm_ddp::script(),
+        2,
+        d,
+        &["train", d.to_str().unwrap(), &cfg.to_string()],
+    );
+    let text = tp_job(d, "global_count", 4, 4, 2, false)
+        .replace("device = \"cpu\"", "device = \"cpu\"\nprecision = \"bf16\"");
+    let (model, steps) = run(&d.join("accrue-bf16"), &text, 4, true);
+    lm_ddp::finish(&mut ddp, "");
+    lm_ddp::steps_match(&steps, &d.join("ddp-bf16-global_count-rank0.json"), "bf16, 2 x 2");
+    let want = lm_ddp::read(&d.join("ddp-bf16-global_count-rank0.safetensors"));
+    let (diff, name) = lm_ddp::rel_diff(&model, &want);
+    eprintln!("bf16, 2 x 2: parameters vs DDP under autocast {diff:.3e} ({name})");
+    assert!(diff <= 1e-3, "bf16, 2 x 2: {name} differs from DDP by {diff:.3e}");
+}
+
+/// ZeRO 1 and 2 on the data axis of 2 data x 2 tensor (and stage 2 under
+/// `sync = "every_step"`): the same steps and parameters as stage 0 at
+/// 2 x 2 (each data rank's slice of the flat buffer, its replicated
+/// tensors counted on tensor rank 0 only).
+#[test]
+fn zero_1_and_2_on_the_data_axis_equal_stage_0() {
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    lm_ddp::run_script("prepare", d, &lm_ddp::config());
+    let base = tp_job(d, "global_count", 4, 4, 2, false);
+    let (want, want_steps) = run(&d.join("stage0"), &base, 4, true);
+    for (stage, sync) in [(1, "boundary"), (2, "boundary"), (2, "every_step")] {
+        let text = format!("{base}[sharding]\nstage = {stage}\n")
+            .replace("[accumulation]\n", &format!("[accumulation]\nsync = \"{sync}\"\n"));
+        let (got, steps) = run(&d.join(format!("stage{stage}-{sync}")), &text, 4, true);
+        let what = format!("ZeRO {stage} ({sync}) at 2 x 2");
+        let s = steps_within(&steps, &want_steps, 1e-6, &what);
+        let (diff, name) = lm_ddp::rel_diff(&got, &want);
+        eprintln!("{what}: parameters {diff:.3e} ({name}), steps {s:.3e} from stage 0");
+        assert!(diff <= 1e-6, "{what}: {name} differs by {diff:.3e}");
     }
 }

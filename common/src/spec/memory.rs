@@ -163,6 +163,9 @@ impl JobSpec {
     /// views), and under `"every_step"` 1/D of them plus one unit's by
     /// unit. Precision changes none of it (fp32 master weights); what
     /// activation checkpointing saves is activations, counted apart.
+    /// Tensor parallelism divides the stage's parameters by T; the
+    /// activations stay counted whole (an upper bound: the residual
+    /// stream and the gathered logits are whole on every tensor rank).
     pub fn model_state_bytes(&self, params: u64, largest_unit: u64, states: u64) -> u64 {
         let f32s = |n: u64| n.saturating_mul(4);
         let dims = self.parallel_dims().ok();
@@ -173,6 +176,11 @@ impl JobSpec {
         } else {
             params
         };
+        // Tensor parallelism (issue 42): each rank holds 1/T of its
+        // stage's weights (the replicated norms are a few H each: left
+        // out of the arithmetic).
+        let tensor = dims.map_or(1, |d| u64::from(d.tensor.max(1)));
+        let stage = stage.div_ceil(tensor);
         let zero = self.sharding.stage;
         let every = self.accumulation.sync == super::SyncMode::EveryStep;
         let shard = |n: u64, sharded: bool| if sharded { n.div_ceil(data) } else { n };
@@ -335,6 +343,9 @@ mod tests {
         assert_eq!(whole, params * 4 * 5);
         // 2 stages of 2 data ranks: total / 2 plus the largest unit (the
         // last layer with the norm and the head).
+        // 2 tensor ranks of 2 data ranks: half of everything.
+        let split = llama("[parallel]\ntensor = 2\n").memory_estimate().model;
+        assert_eq!(split, params.div_ceil(2) * 4 * 5);
         let staged = llama("[parallel]\npipeline = 2\n").memory_estimate().model;
         let stage = params / 2 + layer + v * h + h;
         assert_eq!(staged, stage * 4 * 5);

@@ -100,8 +100,8 @@ impl JobSpec {
     }
 
     /// `parallel.tensor = T >= 2` (issue 42): the Llama-like families,
-    /// their heads, key-value heads and MLP width split T ways, on the CPU
-    /// with the whole optimizer state per data rank (ZeRO stage 0).
+    /// their heads, key-value heads and MLP width split T ways, on the CPU,
+    /// with ZeRO stages 0 to 2 on the data axis.
     pub(super) fn validate_tensor(&self, c: &mut Checker, t: u32) {
         if t <= 1 {
             return;
@@ -149,11 +149,14 @@ impl JobSpec {
                 );
             }
         }
-        if self.sharding.stage != 0 {
+        if self.sharding.stage == 3 {
             c.fail(
                 "sharding.stage",
                 self.sharding.stage,
-                format!("must be 0 with parallel.tensor = {t} (ZeRO with tensor parallelism is not built yet)"),
+                format!(
+                    "must be 0, 1 or 2 with parallel.tensor = {t} (ZeRO-3 with tensor \
+                     parallelism is not built yet)"
+                ),
             );
         }
         if self.device.starts_with("cuda") {

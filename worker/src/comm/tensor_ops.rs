@@ -8,9 +8,10 @@
 //!   summed forward, the identity backward;
 //! - [`TensorGroup::gather_last`]: the vocabulary shards' logits joined,
 //!   each rank's columns of the gradient backward;
+//! - [`TensorGroup::shared_sum`]: a slice several ranks hold (a key-value
+//!   head serving T / kv ranks), its gradient summed over them backward;
 //! - [`TensorGroup::all_reduce_`]: a plain reduction outside the graph (the
-//!   vocabulary-parallel cross-entropy's max and sums, the gradients of
-//!   replicated key-value heads, the clip norm).
+//!   vocabulary-parallel cross-entropy's max and sums, the clip norm).
 //!
 //! The group of a generation changes when the mesh re-forms; the model
 //! reaches the current one through a [`TensorGroupCell`] the engine sets.
@@ -44,6 +45,17 @@ extern "C" {
         err: *mut c_char,
         len: usize,
     ) -> i32;
+    fn accrue_tp_shared_sum(
+        g: *mut c_void,
+        x: *mut c_void,
+        dim: i64,
+        start: i64,
+        whole: i64,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    fn accrue_tp_bytes(layers: *mut i64, other: *mut i64);
     fn accrue_tp_all_reduce(
         g: *mut c_void,
         t: *mut c_void,
@@ -104,6 +116,16 @@ impl TensorGroup {
         })
     }
 
+    /// A slice several ranks hold (rows `start..` of a tensor `whole`
+    /// long along `dim`): `x` forward; backward, its gradient summed over
+    /// the ranks that hold the same rows (a key-value head that serves
+    /// T / kv ranks), so its `.grad` is whole on each of them.
+    pub fn shared_sum(&self, x: &Tensor, dim: i64, start: i64, whole: i64) -> Result<Tensor, TchError> {
+        one(|out, err, len| unsafe {
+            accrue_tp_shared_sum(self.ptr, handle(x), dim, start, whole, out, err, len)
+        })
+    }
+
     /// `t` (contiguous) reduced over the group in place, outside any graph.
     pub fn all_reduce_(&self, t: &Tensor, op: Reduce) -> Result<(), TchError> {
         let op = match op {
@@ -147,4 +169,14 @@ impl TensorGroupCell {
             .unwrap_or_else(|p| p.into_inner())
             .ok_or_else(|| TchError::Torch("the tensor group of this generation is closed".into()))
     }
+}
+
+/// Payload bytes this process's tensor-parallel reductions have carried
+/// so far: the layers' (f, g, shared slices) and the rest (the
+/// cross-entropy's, the logits' gathers, the norm).
+pub fn bytes_so_far() -> (u64, u64) {
+    let (mut layers, mut other) = (0i64, 0i64);
+    // SAFETY: two plain integer outputs.
+    unsafe { accrue_tp_bytes(&mut layers, &mut other) };
+    (layers.max(0) as u64, other.max(0) as u64)
 }

@@ -4,8 +4,9 @@
 //! group is the ranks of one tensor rank, so the data axis's reduction,
 //! ZeRO-free optimizer step and tally are as before. What the tensor axis
 //! adds at the sync step:
-//! - the partial gradients of a slice several ranks share (a key-value
-//!   head serving T / kv ranks) are summed over them ([`Engine::tensor_shared_grads`]);
+//! - (the gradients of a slice several ranks share, a key-value head
+//!   serving T / kv ranks, are summed over them in the backward:
+//!   family/llama/tensor.rs);
 //! - the clip norm counts each element once: this rank's slices, a
 //!   replicated tensor on tensor rank 0 only, a shared slice on its first
 //!   holder, summed over the tensor group ([`Engine::tensor_norm`]; the
@@ -86,57 +87,37 @@ impl<C: Collective> Engine<C> {
         self.tensor.as_ref().map_or(0, |t| t.rank)
     }
 
-    /// Sums the partial gradients of the slices several ranks share (a
-    /// key-value head serving T / kv ranks) over those ranks: one
-    /// reduction over the group of a zero tensor of the whole shape with
-    /// this rank's range filled.
-    pub(super) fn tensor_shared_grads(&mut self) -> Result<()> {
-        let Some(axis) = &self.tensor else {
-            return Ok(());
-        };
-        let group = axis.cell.get().ctx("summing shared gradients")?;
-        let _guard = tch::no_grad_guard();
-        for (name, p) in &self.model.params {
-            let Some(slice @ TpSlice::Sliced { dim, ranges }) = axis.layout.get(name) else {
-                continue;
-            };
-            if !slice.partial(axis.rank) {
-                continue;
-            }
-            let grad = p.grad();
-            let (a, b) = ranges[axis.rank];
-            let mut shape = grad.size();
-            shape[*dim as usize] = ranges.iter().map(|r| r.1).max().unwrap_or(b);
-            let sum = || -> std::result::Result<(), tch::TchError> {
-                let buf = Tensor::f_zeros(shape.as_slice(), (grad.kind(), grad.device()))?;
-                buf.f_narrow(*dim, a, b - a)?.f_copy_(&grad)?;
-                group.all_reduce_(&buf, Reduce::Sum)?;
-                let mut grad = grad.shallow_clone();
-                grad.f_copy_(&buf.f_narrow(*dim, a, b - a)?)
-            };
-            sum().ctx("summing shared gradients")?;
-        }
-        Ok(())
-    }
-
     /// The `norm_type` norm of the whole model's gradients over the
     /// tensor ranks, each element counted once (None without tensor
-    /// parallelism): p-th powers of this rank's counted parameters' norms
-    /// summed (max for inf), then over the group.
+    /// parallelism): the p-th powers of the norms of this rank's counted
+    /// parameters' elements (max for inf) within what it owns of the
+    /// flat buffer (all of it at stage 0, its slice under ZeRO 1 and 2,
+    /// combined over the data axis), then summed over the tensor group.
     pub(super) fn tensor_norm(&mut self, norm_type: f64) -> Result<Option<f64>> {
         let Some(axis) = &self.tensor else {
             return Ok(None);
         };
         let inf = norm_type.is_infinite();
+        let flat = self.placement.grads.view()?;
+        let len = flat.size().first().copied().unwrap_or(0) as usize;
+        let sharded = matches!(self.placement.strategy.stage(), 1 | 2);
+        let own = if sharded {
+            crate::shard::slice(len, self.collective.world_size(), self.collective.rank())
+        } else {
+            0..len
+        };
         let mut mine = 0f64;
+        let mut at = 0usize;
         for (name, p) in &self.model.params {
+            let (start, end) = (at, at + p.numel());
+            at = end;
             let counted = axis.layout.get(name).is_some_and(|s| counts(s, axis.rank));
-            if !counted {
+            let (a, b) = (start.max(own.start), end.min(own.end));
+            if !counted || a >= b {
                 continue;
             }
-            let n = p
-                .grad()
-                .f_reshape([-1])
+            let n = flat
+                .f_narrow(0, a as i64, (b - a) as i64)
                 .and_then(|g| g.f_linalg_norm(norm_type, None::<&[i64]>, false, None::<Kind>))
                 .and_then(|n| n.f_double_value(&[]))
                 .ctx("computing the gradient norm")?;
@@ -145,6 +126,17 @@ impl<C: Collective> Engine<C> {
             } else {
                 mine + n.powf(norm_type)
             };
+        }
+        if sharded {
+            // Over the data axis: this rank's slice with the others'.
+            let root = if inf { mine } else { mine.powf(1.0 / norm_type) };
+            let all = super::placement::combine_norm(
+                &mut self.collective,
+                root,
+                &[super::placement::Axis::Data],
+                norm_type,
+            )?;
+            mine = if inf { all } else { all.powf(norm_type) };
         }
         let group = axis.cell.get().ctx("computing the gradient norm")?;
         let t = Tensor::f_from_slice(&[mine]).ctx("computing the gradient norm")?;

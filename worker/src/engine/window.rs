@@ -415,9 +415,6 @@ impl<C: Collective> Engine<C> {
             let (placement, mut parts) = self.placed();
             placement.reduce(&mut parts, &mut stats)?;
         }
-        // Tensor parallelism: a key-value head's gradients over the ranks
-        // it serves (engine/tensor.rs).
-        self.tensor_shared_grads()?;
         self.pipeline_tally(&mut stats)?;
         let comm = self.window.comm + t_comm.elapsed();
         let global = WindowTally::decode(&stats);

@@ -334,9 +334,18 @@ impl Model {
             // thread.
             Run::Layers(m) => {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.forward_t(xs, train)))
-                    .map_err(|p| Error::Torch {
-                        context: "running the model's forward pass",
-                        message: panic_text(&*p),
+                    .map_err(|p| {
+                        let message = panic_text(&*p);
+                        if crate::error::tensor_group_failed(&message) {
+                            // A lost peer of the tensor group (issue 42).
+                            return Error::Interrupted(format!(
+                                "running the model's forward pass: {message}"
+                            ));
+                        }
+                        Error::Torch {
+                            context: "running the model's forward pass",
+                            message,
+                        }
                     })
             }
             Run::Script(m) => m.forward_ts(&[xs]).ctx("running the TorchScript module"),

@@ -166,6 +166,16 @@ impl<'e, C: Collective> Trainer<'e, C> {
             gradient_bytes_after_sync = e.gradient_bytes(),
             "optimizer state held by this rank"
         );
+        if let Some(t) = &e.tensor {
+            // What the tensor group carried (worker/benches/tensor_parallel.py).
+            let (layers, other) = crate::comm::tensor_ops::bytes_so_far();
+            tracing::info!(
+                tensor_rank = t.rank,
+                layer_allreduce_bytes = layers,
+                other_tensor_bytes = other,
+                "tensor-parallel traffic of this rank"
+            );
+        }
         let checkpoint = e.checkpoint()?;
         on_event(Event::Checkpoint(&checkpoint));
         let eval = if stopped { None } else { e.evaluate()? };

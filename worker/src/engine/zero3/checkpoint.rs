@@ -98,7 +98,19 @@ impl<C: Collective> Engine<C> {
     /// rank would hold it all).
     pub(in crate::engine) fn sharded_checkpoint(&mut self) -> Result<std::path::PathBuf> {
         let (w, r) = (self.collective.world_size(), self.collective.rank());
-        let numels: Vec<usize> = self.model.params.iter().map(|(_, t)| t.numel()).collect();
+        // The whole tensors' sizes: under tensor parallelism every tensor
+        // rank then takes the same run.
+        let split = self.model.tensor_split.as_ref();
+        let numels: Vec<usize> = self
+            .model
+            .params
+            .iter()
+            .map(|(n, t)| {
+                split
+                    .and_then(|s| s.whole.get(n))
+                    .map_or(t.numel(), |w| w.iter().product::<i64>() as usize)
+            })
+            .collect();
         let mut opt = Vec::new();
         for (q, run) in runs_by_size(&numels, w).into_iter().enumerate() {
             let state = self.optimizer_state_of(run)?;
@@ -106,11 +118,18 @@ impl<C: Collective> Engine<C> {
                 opt = state;
             }
         }
+        // Tensor parallelism: whole, gathered over the tensor ranks; tensor
+        // rank 0 writes (engine/tensor.rs).
+        let opt = self.tensor_whole(opt)?;
         let model = if r == 0 {
-            self.model_state()
+            let state = self.model_state();
+            self.tensor_whole(state)?
         } else {
             Vec::new()
         };
+        if self.tensor_rank() != 0 {
+            return self.checkpoint_by_ranks(Vec::new(), Vec::new());
+        }
         self.checkpoint_by_ranks(model, opt)
     }
 
@@ -142,8 +161,16 @@ impl<C: Collective> Engine<C> {
         // Every rank's place (stage, data rank) and shard count, in world
         // rank order: the files number in the model's order (stage by
         // stage, data rank by data rank), the optimizer parts too.
-        let place = (stage as u64) << 32 | r as u64;
+        // A tensor rank past 0 writes nothing (its tensor rank 0 writes the
+        // whole tensors): no place.
+        let silent = self.tensor_rank() != 0;
+        let place = if silent {
+            u64::MAX
+        } else {
+            (stage as u64) << 32 | r as u64
+        };
         let places = self.collective.world_gather_u64(place)?;
+        let writers = places.iter().filter(|&&p| p != u64::MAX).count();
         let counts = self.collective.world_gather_u64(plan.len() as u64)?;
         let before = |p: u64| places.iter().zip(&counts).filter(move |(q, _)| **q < p);
         let first = before(place).map(|(_, c)| c).sum::<u64>() as usize;
@@ -170,7 +197,8 @@ impl<C: Collective> Engine<C> {
         let tmp = (!name.is_empty())
             .then(|| std::path::PathBuf::from(String::from_utf8_lossy(&name).into_owned()));
         let outcome: Outcome = match &tmp {
-            Some(tmp) => write_stage(tmp, &model, &plan, first, total, &opt, part, places.len())
+            Some(_) if silent => Ok(Default::default()),
+            Some(tmp) => write_stage(tmp, &model, &plan, first, total, &opt, part, writers)
                 .map_err(|e| e.to_string()),
             None => Err("the writer could not begin the step".into()),
         };

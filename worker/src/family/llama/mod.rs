@@ -238,6 +238,8 @@ impl Family for Extends {
 struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// Tensor parallelism: rows several ranks hold (tensor.rs).
+    shared: Option<tensor::SharedRows>,
 }
 
 impl Linear {
@@ -254,21 +256,38 @@ impl Linear {
         if let Some(b) = &bias {
             made(&p.path("bias"), b)?;
         }
-        Ok(Self { weight, bias })
+        Ok(Self {
+            weight,
+            bias,
+            shared: None,
+        })
+    }
+
+    /// The weight and bias as the forward uses them: through
+    /// [`tensor::SharedRows`] when several tensor ranks hold them.
+    fn params(&self) -> Result<(Tensor, Option<Tensor>), TchError> {
+        match &self.shared {
+            None => Ok((
+                self.weight.shallow_clone(),
+                self.bias.as_ref().map(|b| b.shallow_clone()),
+            )),
+            Some(s) => Ok((
+                s.of(&self.weight)?,
+                self.bias.as_ref().map(|b| s.of(b)).transpose()?,
+            )),
+        }
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        x.f_linear(&self.weight, self.bias.as_ref())
+        let (w, b) = self.params()?;
+        x.f_linear(&w, b.as_ref())
     }
 
     /// The outputs in the order `rows` gives (a permutation of the rows).
     fn forward_rows(&self, x: &Tensor, rows: &Tensor) -> Result<Tensor, TchError> {
-        let bias = self
-            .bias
-            .as_ref()
-            .map(|b| b.f_index_select(0, rows))
-            .transpose()?;
-        x.f_linear(&self.weight.f_index_select(0, rows)?, bias.as_ref())
+        let (w, b) = self.params()?;
+        let bias = b.map(|b| b.f_index_select(0, rows)).transpose()?;
+        x.f_linear(&w.f_index_select(0, rows)?, bias.as_ref())
     }
 }
 

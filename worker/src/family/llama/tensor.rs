@@ -119,6 +119,24 @@ pub(super) fn layout(
     Ok(out)
 }
 
+/// Rows of a key-value projection several tensor ranks hold (fewer kv
+/// heads than ranks): used through [`TensorGroup::shared_sum`], so each
+/// holder's gradient is the sum over the holders.
+///
+/// [`TensorGroup::shared_sum`]: crate::comm::tensor_ops::TensorGroup::shared_sum
+#[derive(Debug, Clone)]
+pub(super) struct SharedRows {
+    group: TensorGroupCell,
+    start: i64,
+    whole: i64,
+}
+
+impl SharedRows {
+    pub(super) fn of(&self, t: &Tensor) -> Result<Tensor, TchError> {
+        self.group.get()?.shared_sum(t, 0, self.start, self.whole)
+    }
+}
+
 /// A split model's tensor-parallel state.
 #[derive(Debug)]
 pub(super) struct Tp {
@@ -145,6 +163,19 @@ impl Net {
                 place.rank,
                 end - start
             )));
+        }
+        if self.kv_heads < t {
+            // Each kv head serves t / kv ranks: its gradients summed over them.
+            let head = place.rank as i64 / (t / self.kv_heads);
+            let shared = SharedRows {
+                group: place.group.clone(),
+                start: head * d,
+                whole: self.kv_heads * d,
+            };
+            for l in &mut self.layers {
+                l.k.shared = Some(shared.clone());
+                l.v.shared = Some(shared.clone());
+            }
         }
         self.heads /= t;
         self.kv_heads = (self.kv_heads / t).max(1);
