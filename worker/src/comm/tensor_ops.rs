@@ -120,7 +120,13 @@ impl TensorGroup {
     /// long along `dim`): `x` forward; backward, its gradient summed over
     /// the ranks that hold the same rows (a key-value head that serves
     /// T / kv ranks), so its `.grad` is whole on each of them.
-    pub fn shared_sum(&self, x: &Tensor, dim: i64, start: i64, whole: i64) -> Result<Tensor, TchError> {
+    pub fn shared_sum(
+        &self,
+        x: &Tensor,
+        dim: i64,
+        start: i64,
+        whole: i64,
+    ) -> Result<Tensor, TchError> {
         one(|out, err, len| unsafe {
             accrue_tp_shared_sum(self.ptr, handle(x), dim, start, whole, out, err, len)
         })

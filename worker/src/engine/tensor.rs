@@ -94,18 +94,23 @@ impl<C: Collective> Engine<C> {
     /// flat buffer (all of it at stage 0, its slice under ZeRO 1 and 2,
     /// combined over the data axis), then summed over the tensor group.
     pub(super) fn tensor_norm(&mut self, norm_type: f64) -> Result<Option<f64>> {
+        if self.tensor.is_none() {
+            return Ok(None);
+        }
+        let inf = norm_type.is_infinite();
+        let sharded = matches!(self.placement.strategy.stage(), 1 | 2);
+        let owned = {
+            let (placement, mut parts) = self.placed();
+            placement.owned_grads(&mut parts)?
+        };
         let Some(axis) = &self.tensor else {
             return Ok(None);
         };
-        let inf = norm_type.is_infinite();
-        let flat = self.placement.grads.view()?;
-        let len = flat.size().first().copied().unwrap_or(0) as usize;
-        let sharded = matches!(self.placement.strategy.stage(), 1 | 2);
-        let own = if sharded {
-            crate::shard::slice(len, self.collective.world_size(), self.collective.rank())
-        } else {
-            0..len
-        };
+        let (flat, own) = owned.ok_or_else(|| {
+            Error::Sharding(
+                "tensor parallelism needs the gradients flat (ZeRO stages 0 to 2)".into(),
+            )
+        })?;
         let mut mine = 0f64;
         let mut at = 0usize;
         for (name, p) in &self.model.params {
@@ -117,7 +122,7 @@ impl<C: Collective> Engine<C> {
                 continue;
             }
             let n = flat
-                .f_narrow(0, a as i64, (b - a) as i64)
+                .f_narrow(0, (a - own.start) as i64, (b - a) as i64)
                 .and_then(|g| g.f_linalg_norm(norm_type, None::<&[i64]>, false, None::<Kind>))
                 .and_then(|n| n.f_double_value(&[]))
                 .ctx("computing the gradient norm")?;
@@ -128,11 +133,11 @@ impl<C: Collective> Engine<C> {
             };
         }
         if sharded {
-            // Over the data axis: this rank's slice with the others'.
-            let root = if inf { mine } else { mine.powf(1.0 / norm_type) };
+            // Over the data axis: this rank's partial (the sum of squares,
+            // or the max) with the others' (ZeRO's norms are 2 or inf).
             let all = super::placement::combine_norm(
                 &mut self.collective,
-                root,
+                mine,
                 &[super::placement::Axis::Data],
                 norm_type,
             )?;

@@ -439,6 +439,10 @@ macro_rules! sharded_common {
             Ok(Duration::ZERO)
         }
 
+        fn owned_grads(&mut self, p: &mut Parts<'_, C>) -> Result<Option<(Tensor, Range<usize>)>> {
+            Ok(Some((self.grad_slice(p)?, my_slice(p))))
+        }
+
         fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64> {
             let g = self.grad_slice(p)?;
             let axes = <Self as Placement<C>>::norm_axes(self);

@@ -150,7 +150,10 @@ impl<C: Collective> Engine<C> {
         let stage = self.pipe.as_ref().map_or(0, |p| p.stage);
         let step = self.state.step;
         let dir = self.checkpoint_dir.clone();
-        let writer = r == 0 && stage == 0;
+        // A tensor rank past 0 writes nothing (its tensor rank 0 writes the
+        // whole tensors): no place.
+        let silent = self.tensor_rank() != 0;
+        let writer = r == 0 && stage == 0 && !silent;
         let max_shard = accrue_common::spec::shard_size_bytes(&self.spec.checkpoint.max_shard_size)
             .unwrap_or(u64::MAX);
         // (A rank without model tensors writes no shard.)
@@ -161,9 +164,6 @@ impl<C: Collective> Engine<C> {
         // Every rank's place (stage, data rank) and shard count, in world
         // rank order: the files number in the model's order (stage by
         // stage, data rank by data rank), the optimizer parts too.
-        // A tensor rank past 0 writes nothing (its tensor rank 0 writes the
-        // whole tensors): no place.
-        let silent = self.tensor_rank() != 0;
         let place = if silent {
             u64::MAX
         } else {
