@@ -163,6 +163,15 @@ bench-pipeline-bubble: setup
 	$(CARGO) build --release -p accrue-worker
 	.venv/bin/python worker/benches/pipeline_bubble.py --worker target/release/accrue-worker $(BENCH_ARGS)
 
+# Issue 42: tensor parallelism at T = 1, 2, 4 (tokens/s, peak memory per
+# worker, the tensor group's bytes per layer against Megatron's count)
+# beside PyTorch's parallelize_module on gloo (docs/BENCHMARKS.md section
+# 16). BENCH_ARGS passes flags through (e.g. --hidden 256 --degrees 1,2).
+.PHONY: bench-tensor
+bench-tensor: setup
+	$(CARGO) build --release -p accrue-worker
+	.venv/bin/python worker/benches/tensor_parallel.py --worker target/release/accrue-worker $(BENCH_ARGS)
+
 # The CUDA checks (issues 17, 18, 19), run ON the GPU machine, which has no
 # Rust and no network: `make gpu-worker` here builds the worker and the
 # CUDA test binaries with ACCRUE_CUDA=1 (reference tests pointed at the GPU

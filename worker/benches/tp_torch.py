@@ -8,8 +8,9 @@ transformers' LlamaForCausalLM on a 1-D device mesh over gloo (CPU),
 gate and up `ColwiseParallel`, o and down `RowwiseParallel`; the
 embedding `RowwiseParallel(input_layouts=Replicate())` and the head
 `ColwiseParallel(output_layouts=Replicate())` (the logits gathered whole,
-as accrue's autograd path does). AdamW, the norm clipped at 1.0 (DTensor's
-norm over the mesh), the same token file and windows as accrue's run
+as accrue's autograd path does). AdamW, the norm clipped at 1.0 (the
+sharded gradients' norm over the mesh with the replicated ones', counted
+once: clip_grad_norm_ itself refuses the mix), the same token file and windows as accrue's run
 (data = 1: every rank reads the same rows), k micro-batches of b rows a
 step. Each rank writes OUT/tp-rank<r>.json: its step times (seconds) and
 its peak resident memory (MiB, ru_maxrss at the end of training).
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,6 +55,27 @@ if world > 1:
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     })
+
+
+def clip(params, max_norm):
+    """clip_grad_norm_ over sharded (DTensor) and replicated (plain)
+    gradients: clip_grad_norm_ refuses the mix, so each kind's norm is
+    taken apart (a DTensor's over the mesh, a replicated tensor's once)
+    and the grads scaled by one coefficient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    total = torch.zeros(())
+    if sharded:
+        n = torch.nn.utils.get_total_norm(sharded, 2.0)
+        total = total + (n.full_tensor() if isinstance(n, DTensor) else n) ** 2
+    if whole:
+        total = total + torch.nn.utils.get_total_norm(whole, 2.0) ** 2
+    coef = min(1.0, max_norm / (float(total.sqrt()) + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+
+
 opt = torch.optim.AdamW(model.parameters(), lr=0.001, weight_decay=0.1)
 t, b, k = cfg["seq_len"], cfg["batch"], cfg["k"]
 with open(cfg["tokens"], "rb") as f:
@@ -70,7 +92,7 @@ for step in range(cfg["steps"]):
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
                                batch[:, 1:].reshape(-1), reduction="sum") / (b * t * k)
         loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
     times.append(time.perf_counter() - start)
