@@ -132,16 +132,32 @@ fn tied_llama(name: &str, data: &Path) -> String {
 /// undisturbed run ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_last_stage_is_replaced_from_its_replica_and_the_result_is_unchanged() {
+    // Ranks (data, stage): (0,0) (0,1) (1,0) (1,1).
+    let diff = replaced_from_a_replica(["p0", "p1", "p2", "p3", "p4"], "pp", |name, data| {
+        tied_llama(name, data)
+    })
+    .await;
+    eprintln!("lost last stage, replaced: max relative difference {diff:e} to the undisturbed run");
+    assert!(diff <= 1e-6, "relative difference {diff}");
+}
+
+/// A 2 x 2 job of `text(name, token file)` on the workers `ids` (one a
+/// spare), rank 1 killed at step 2: the spare takes its place, the
+/// survivors keep theirs, the job resumes past step 2 and ends at step 8;
+/// returns the largest relative difference from the undisturbed run.
+async fn replaced_from_a_replica(
+    ids: [&str; 5],
+    name: &str,
+    text: impl Fn(&str, &Path) -> String,
+) -> f64 {
     let d = TempDir::new().unwrap();
     // (1025 - 1) / 8 = 128 samples; data x k x b = 32: 4 windows an epoch.
     let data = token_file(d.path(), 1025);
     let h = coordinator(d.path()).await;
     let grpc = h.grpc_addr.to_string();
-    let ids = ["p0", "p1", "p2", "p3", "p4"];
     let mut w = spawn_all(&grpc, &ids, d.path());
     let mut c = client(&grpc).await;
-    let hurt = submit_text(&mut c, &tied_llama("pp-hurt", &data)).await;
-    // Ranks (data, stage): (0,0) (0,1) (1,0) (1,1).
+    let hurt = submit_text(&mut c, &text(&format!("{name}-hurt"), &data)).await;
     let (running, end) = kill_rank_at(&mut c, &mut w, &ids, &hurt.id, 2, 1).await;
     let r = &end.recoveries[0];
     assert_eq!(r.world_size, 4);
@@ -149,17 +165,19 @@ async fn a_lost_last_stage_is_replaced_from_its_replica_and_the_result_is_unchan
         .iter()
         .find(|x| !running.workers.iter().any(|r| r == *x))
         .unwrap();
-    assert_eq!(end.workers[1], *spare, "the spare takes the lost stage");
+    assert_eq!(
+        end.workers[1], *spare,
+        "the spare takes the lost rank's place"
+    );
     assert_eq!(
         end.workers[0], running.workers[0],
         "survivors keep their place"
     );
     assert!(r.resumed_step >= 2, "{r:?}");
     assert_eq!(end.counters.unwrap().step, 8);
-    let diff = against_undisturbed(&mut c, &end, &tied_llama("pp-calm", &data)).await;
-    eprintln!("lost last stage, replaced: max relative difference {diff:e} to the undisturbed run");
-    assert!(diff <= 1e-6, "relative difference {diff}");
+    let diff = against_undisturbed(&mut c, &end, &text(&format!("{name}-calm"), &data)).await;
     h.stop().await;
+    diff
 }
 
 /// ZeRO-3 in 2 data x 2 stages (issue 41), the same kill: the lost
@@ -338,43 +356,21 @@ async fn a_survivor_moved_to_a_lost_stage_rolls_back_to_the_checkpoint() {
 /// job ends where the undisturbed run ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_tensor_rank_is_replaced_from_its_replica_and_the_result_is_unchanged() {
-    let d = TempDir::new().unwrap();
-    let data = token_file(d.path(), 1025);
-    let h = coordinator(d.path()).await;
-    let grpc = h.grpc_addr.to_string();
-    let ids = ["t0", "t1", "t2", "t3", "t4"];
-    let mut w = spawn_all(&grpc, &ids, d.path());
-    let mut c = client(&grpc).await;
-    let text = |name: &str| {
+    // Ranks (data, tensor): (0,0) (0,1) (1,0) (1,1).
+    let diff = replaced_from_a_replica(["t0", "t1", "t2", "t3", "t4"], "tp", |name, data| {
         tiny_llama_job(
             name,
-            &data,
+            data,
             4,
             2,
             2,
             "tie_word_embeddings = true\n",
             "[parallel]\ntensor = 2\n",
         )
-    };
-    let hurt = submit_text(&mut c, &text("tp-hurt")).await;
-    // Ranks (data, tensor): (0,0) (0,1) (1,0) (1,1).
-    let (running, end) = kill_rank_at(&mut c, &mut w, &ids, &hurt.id, 2, 1).await;
-    let r = &end.recoveries[0];
-    assert_eq!(r.world_size, 4);
-    let spare = ids
-        .iter()
-        .find(|x| !running.workers.iter().any(|r| r == *x))
-        .unwrap();
-    assert_eq!(
-        end.workers[1], *spare,
-        "the spare takes the lost tensor rank"
-    );
-    assert!(r.resumed_step >= 2, "{r:?}");
-    assert_eq!(end.counters.unwrap().step, 8);
-    let diff = against_undisturbed(&mut c, &end, &text("tp-calm")).await;
+    })
+    .await;
     eprintln!(
         "lost tensor rank, replaced: max relative difference {diff:e} to the undisturbed run"
     );
     assert!(diff <= 1e-6, "relative difference {diff}");
-    h.stop().await;
 }

@@ -169,24 +169,7 @@ fn llama_tensor_parallel_equals_transformers_and_t1() {
             ));
         }
         lm_ddp::finish(&mut single, "");
-        let (floor, floor_name) = lm_ddp::rel_diff(
-            &lm_ddp::read(&one.join("ddp-global_count-rank0.safetensors")),
-            &lm_ddp::read(&d.join("ddp-global_count-rank0.safetensors")),
-        );
-        for (what, reference, model, steps) in &runs {
-            let what = format!("tied = {tied}, {what}");
-            let want = lm_ddp::read(&d.join(format!("{reference}.safetensors")));
-            let (diff, name) = lm_ddp::rel_diff(model, &want);
-            eprintln!(
-                "{what}: parameters vs PyTorch {diff:.3e} ({name}); PyTorch's floor \
-                 (W=1,k=8 eager vs W=2,k=4 SDPA) {floor:.3e} ({floor_name})"
-            );
-            lm_ddp::steps_match(steps, &d.join(format!("{reference}.json")), &what);
-            assert!(
-                diff <= 1e-5_f64.max(4.0 * floor),
-                "{what}: {name} differs from PyTorch by {diff:.3e}, PyTorch's floor {floor:.3e}"
-            );
-        }
+        let floor = lm_ddp::runs_match_pytorch(d, &one, &runs, &format!("tied = {tied}, "));
         // Counting the replicated norm weights (or the tied copy) twice
         // would move the norm by about half their share of its square:
         // at least 5x the 1e-5 bar of every step against PyTorch above.

@@ -179,3 +179,34 @@ pub fn finish(run: &mut Torchrun, what: &str) {
         .unwrap_or_else(|| panic!("{what}torchrun did not finish:\n{}", run.logs()));
     assert!(status.success(), "{what}torchrun failed:\n{}", run.logs());
 }
+
+/// One accrue run against PyTorch's: its label, the name of PyTorch's
+/// `ddp-*` outputs it is held to (in `d`), its final parameters and its
+/// step reports.
+pub type Run = (String, String, Named, Vec<serde_json::Value>);
+
+/// Every run's parameters within 1e-5 or 4x PyTorch's own floor (its
+/// W = 1, k = 8 eager run in `one` against its W = 2, k = 4 SDPA run in
+/// `d`), and every step within 1e-5 ([`steps_match`]); `label` prefixes
+/// the messages. Returns the floor.
+pub fn runs_match_pytorch(d: &Path, one: &Path, runs: &[Run], label: &str) -> f64 {
+    let (floor, floor_name) = rel_diff(
+        &read(&one.join("ddp-global_count-rank0.safetensors")),
+        &read(&d.join("ddp-global_count-rank0.safetensors")),
+    );
+    for (what, reference, model, steps) in runs {
+        let what = format!("{label}{what}");
+        let want = read(&d.join(format!("{reference}.safetensors")));
+        let (diff, name) = rel_diff(model, &want);
+        eprintln!(
+            "{what}: parameters vs PyTorch {diff:.3e} ({name}); PyTorch's floor \
+             (W=1,k=8 eager vs W=2,k=4 SDPA) {floor:.3e} ({floor_name})"
+        );
+        steps_match(steps, &d.join(format!("{reference}.json")), &what);
+        assert!(
+            diff <= 1e-5_f64.max(4.0 * floor),
+            "{what}: {name} differs from PyTorch by {diff:.3e}, PyTorch's floor {floor:.3e}"
+        );
+    }
+    floor
+}
