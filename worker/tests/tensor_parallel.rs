@@ -370,8 +370,8 @@ fn replicated_shares(d: &Path, tied: bool) -> (f64, f64) {
 }
 
 /// Checkpoints are whole (Hugging Face's layout, the true vocabulary): a
-/// job stopped at step 2 at 2 data x 2 tensor (ZeRO 2) goes on at T = 1
-/// (stage 0), and one
+/// job stopped at step 2 at 2 data x 2 tensor (ZeRO 2, and ZeRO-3) goes
+/// on at T = 1 (stage 0), and one
 /// stopped at T = 1 goes on at T = 2 (Adam's moments cut and joined with
 /// their parameters), each to the uninterrupted T = 1 run's parameters.
 #[test]
@@ -428,16 +428,34 @@ fn checkpoints_resume_across_tensor_degrees() {
         diff <= 1e-6,
         "T = 2 then T = 1: {name} differs by {diff:.3e}"
     );
-    // T = 1 for two steps, then T = 2.
-    let b = d.join("b");
-    run(&b, &job(1, 2), 2, false);
-    common::procs::run_ranks_with(&b, &job(2, 4), 4, &["--resume"], |_| {});
-    let (diff, name) = lm_ddp::rel_diff(&step_model(&b.join("ckpt/step-4")), &want);
-    eprintln!("T = 1 then T = 2: {diff:.3e} ({name})");
+    // ZeRO-3 at T = 2 (each unit's writer gathers its tensors over its
+    // tensor ranks) for two steps, then stage 0 at T = 1.
+    let z = d.join("z");
+    run(
+        &z,
+        &format!("{}[sharding]\nstage = 3\n", job(2, 2)),
+        4,
+        true,
+    );
+    common::procs::run_ranks_with(&z, &job(1, 4), 2, &["--resume"], |_| {});
+    let (diff, name) = lm_ddp::rel_diff(&step_model(&z.join("ckpt/step-4")), &want);
+    eprintln!("ZeRO-3 at T = 2 then T = 1: {diff:.3e} ({name})");
     assert!(
         diff <= 1e-6,
-        "T = 1 then T = 2: {name} differs by {diff:.3e}"
+        "ZeRO-3 at T = 2 then T = 1: {name} differs by {diff:.3e}"
     );
+    // T = 1 for two steps, then T = 2, and T = 2 under ZeRO-3 (each rank
+    // reads its chunks of its slices through memory maps).
+    for (tag, tail) in [("b", ""), ("c", "[sharding]\nstage = 3\n")] {
+        let b = d.join(tag);
+        run(&b, &job(1, 2), 2, false);
+        let text = format!("{}{tail}", job(2, 4));
+        common::procs::run_ranks_with(&b, &text, 4, &["--resume"], |_| {});
+        let (diff, name) = lm_ddp::rel_diff(&step_model(&b.join("ckpt/step-4")), &want);
+        let what = format!("T = 1 then T = 2 {tail:?}");
+        eprintln!("{what}: {diff:.3e} ({name})");
+        assert!(diff <= 1e-6, "{what}: {name} differs by {diff:.3e}");
+    }
 }
 
 /// Settings that cannot split are refused before anything runs, naming
@@ -451,12 +469,13 @@ fn settings_that_do_not_split_are_refused() {
         err.contains("parallel.tensor") && err.contains("num_attention_heads = 4"),
         "{err}"
     );
-    let text = format!(
-        "{}[sharding]\nstage = 3\n",
-        tp_job(d.path(), "global_count", 4, 4, 2, false)
-    );
+    let text = tp_job(d.path(), "global_count", 4, 4, 2, false)
+        .replace("device = \"cpu\"", "device = \"cuda\"");
     let err = refused(&text);
-    assert!(err.contains("sharding.stage"), "{err}");
+    assert!(
+        err.contains("device") && err.contains("parallel.tensor = 2"),
+        "{err}"
+    );
 }
 
 /// Why `text` is refused (its errors, all of them).
@@ -496,18 +515,25 @@ fn bf16_at_two_tensor_ranks_equals_t1() {
     assert!(diff <= 1e-3, "bf16: {name} differs by {diff:.3e}");
 }
 
-/// ZeRO 1 and 2 on the data axis of 2 data x 2 tensor (and stage 2 under
-/// `sync = "every_step"`): the same steps and parameters as stage 0 at
-/// 2 x 2 (each data rank's slice of the flat buffer, its replicated
-/// tensors counted on tensor rank 0 only).
+/// ZeRO 1, 2 and 3 on the data axis of 2 data x 2 tensor (stages 2 and 3
+/// under both sync modes): the same steps and parameters as stage 0 at
+/// 2 x 2 (each data rank's slice of the flat buffer, or its chunk of each
+/// unit of its tensor slices, its replicated tensors counted on tensor
+/// rank 0 only).
 #[test]
-fn zero_1_and_2_on_the_data_axis_equal_stage_0() {
+fn zero_1_2_and_3_on_the_data_axis_equal_stage_0() {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     lm_ddp::run_script("prepare", d, &lm_ddp::config());
     let base = tp_job(d, "global_count", 4, 4, 2, false);
     let (want, want_steps) = run(&d.join("stage0"), &base, 4, true);
-    for (stage, sync) in [(1, "boundary"), (2, "boundary"), (2, "every_step")] {
+    for (stage, sync) in [
+        (1, "boundary"),
+        (2, "boundary"),
+        (2, "every_step"),
+        (3, "boundary"),
+        (3, "every_step"),
+    ] {
         let text = format!("{base}[sharding]\nstage = {stage}\n").replace(
             "[accumulation]\n",
             &format!("[accumulation]\nsync = \"{sync}\"\n"),

@@ -100,8 +100,8 @@ impl JobSpec {
     }
 
     /// `parallel.tensor = T >= 2` (issue 42): the Llama-like families,
-    /// their heads, key-value heads and MLP width split T ways, on the CPU,
-    /// with ZeRO stages 0 to 2 on the data axis.
+    /// their heads, key-value heads and MLP width split T ways, on the CPU
+    /// (ZeRO stages 0 to 3 on the data axis).
     pub(super) fn validate_tensor(&self, c: &mut Checker, t: u32) {
         if t <= 1 {
             return;
@@ -148,16 +148,6 @@ impl JobSpec {
                     ),
                 );
             }
-        }
-        if self.sharding.stage == 3 {
-            c.fail(
-                "sharding.stage",
-                self.sharding.stage,
-                format!(
-                    "must be 0, 1 or 2 with parallel.tensor = {t} (ZeRO-3 with tensor \
-                     parallelism is not built yet)"
-                ),
-            );
         }
         if self.device.starts_with("cuda") {
             c.fail(

@@ -187,7 +187,9 @@ impl<C: Collective> Engine<C> {
                 let model = build(Box::new(move |n| keep.contains(n)))?;
                 (model, Some((p, names, shared)))
             }
-            None if spec.sharding.stage == 3 => {
+            // (Under tensor parallelism the model is built whole, cut, then
+            // sharded over the data axis by the first micro-step.)
+            None if spec.sharding.stage == 3 && collective.tensor().is_none() => {
                 let layout = (world, rank);
                 let (model, owned) = zero3::build(
                     &spec,

@@ -90,6 +90,8 @@ impl<C: Collective> Engine<C> {
         let steps = found.state.optimizer_steps;
         checkpoint::mapped::with_mapped_files(files, |tensors, forget| {
             let optimizer = self.stage_optimizer_state(tensors);
+            // Tensor parallelism: this rank's slices of the whole state.
+            let optimizer = self.tensor_slice_state(optimizer)?;
             self.load_optimizer_state_mapped(optimizer, steps, forget)
         })
         .map_err(|reason| Error::Checkpoint {

@@ -91,46 +91,51 @@ impl<C: Collective> Engine<C> {
     /// tensor ranks, each element counted once (None without tensor
     /// parallelism): the p-th powers of the norms of this rank's counted
     /// parameters' elements (max for inf) within what it owns of the
-    /// flat buffer (all of it at stage 0, its slice under ZeRO 1 and 2,
-    /// combined over the data axis), then summed over the tensor group.
+    /// gradients (all of them at stage 0, its slice under ZeRO 1 and 2,
+    /// its chunk of each unit under ZeRO-3, combined over the data axis),
+    /// then summed over the tensor group.
     pub(super) fn tensor_norm(&mut self, norm_type: f64) -> Result<Option<f64>> {
         if self.tensor.is_none() {
             return Ok(None);
         }
         let inf = norm_type.is_infinite();
-        let sharded = matches!(self.placement.strategy.stage(), 1 | 2);
-        let owned = {
+        let sharded = self.placement.strategy.stage() >= 1;
+        let (flat, segments) = {
             let (placement, mut parts) = self.placed();
             placement.owned_grads(&mut parts)?
         };
         let Some(axis) = &self.tensor else {
             return Ok(None);
         };
-        let (flat, own) = owned.ok_or_else(|| {
-            Error::Sharding(
-                "tensor parallelism needs the gradients flat (ZeRO stages 0 to 2)".into(),
-            )
-        })?;
         let mut mine = 0f64;
         let mut at = 0usize;
         for (name, p) in &self.model.params {
             let (start, end) = (at, at + p.numel());
             at = end;
-            let counted = axis.layout.get(name).is_some_and(|s| counts(s, axis.rank));
-            let (a, b) = (start.max(own.start), end.min(own.end));
-            if !counted || a >= b {
+            if !axis.layout.get(name).is_some_and(|s| counts(s, axis.rank)) {
                 continue;
             }
-            let n = flat
-                .f_narrow(0, (a - own.start) as i64, (b - a) as i64)
-                .and_then(|g| g.f_linalg_norm(norm_type, None::<&[i64]>, false, None::<Kind>))
-                .and_then(|n| n.f_double_value(&[]))
-                .ctx("computing the gradient norm")?;
-            mine = if inf {
-                mine.max(n)
-            } else {
-                mine + n.powf(norm_type)
-            };
+            // This parameter's elements among the owned segments (laid
+            // one after another in `flat`).
+            let mut offset = 0usize;
+            for seg in &segments {
+                let (a, b) = (start.max(seg.start), end.min(seg.end));
+                if a < b {
+                    let n = flat
+                        .f_narrow(0, (offset + a - seg.start) as i64, (b - a) as i64)
+                        .and_then(|g| {
+                            g.f_linalg_norm(norm_type, None::<&[i64]>, false, None::<Kind>)
+                        })
+                        .and_then(|n| n.f_double_value(&[]))
+                        .ctx("computing the gradient norm")?;
+                    mine = if inf {
+                        mine.max(n)
+                    } else {
+                        mine + n.powf(norm_type)
+                    };
+                }
+                offset += seg.len();
+            }
         }
         if sharded {
             // Over the data axis: this rank's partial (the sum of squares,

@@ -121,17 +121,15 @@ pub(super) trait Placement<C: Collective>: Send {
     /// [`Placement::norm_axes`].
     fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64>;
 
-    /// The reduced gradients this rank owns, flat, and the range of the
-    /// model's flat buffer they are (the whole buffer at stage 0, the
-    /// rank's slice at stages 1 and 2): what a norm that counts elements
-    /// by parameter reads (tensor parallelism, engine/tensor.rs). None
-    /// where gradients are kept by unit (ZeRO-3).
+    /// The reduced gradients this rank owns, flat, and the ranges of the
+    /// model's flat parameter order they are, in the tensor's order (the
+    /// whole buffer at stage 0, the rank's slice at stages 1 and 2, its
+    /// chunk of each unit at stage 3): what a norm that counts elements
+    /// by parameter reads (tensor parallelism, engine/tensor.rs).
     fn owned_grads(
         &mut self,
-        _p: &mut Parts<'_, C>,
-    ) -> Result<Option<(Tensor, std::ops::Range<usize>)>> {
-        Ok(None)
-    }
+        p: &mut Parts<'_, C>,
+    ) -> Result<(Tensor, Vec<std::ops::Range<usize>>)>;
 
     /// Steps the elements this rank owns with `prep` applied to their
     /// gradients (None: a skipped step, nothing stepped), brings the

@@ -100,8 +100,8 @@ impl<C: Collective> Placement<C> for Replicated {
     fn owned_grads(
         &mut self,
         p: &mut Parts<'_, C>,
-    ) -> Result<Option<(Tensor, std::ops::Range<usize>)>> {
-        Ok(Some((p.grads.view()?, 0..p.flat_len())))
+    ) -> Result<(Tensor, Vec<std::ops::Range<usize>>)> {
+        Ok((p.grads.view()?, vec![0..p.flat_len()]))
     }
 
     fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64> {

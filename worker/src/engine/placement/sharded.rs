@@ -439,8 +439,8 @@ macro_rules! sharded_common {
             Ok(Duration::ZERO)
         }
 
-        fn owned_grads(&mut self, p: &mut Parts<'_, C>) -> Result<Option<(Tensor, Range<usize>)>> {
-            Ok(Some((self.grad_slice(p)?, my_slice(p))))
+        fn owned_grads(&mut self, p: &mut Parts<'_, C>) -> Result<(Tensor, Vec<Range<usize>>)> {
+            Ok((self.grad_slice(p)?, vec![my_slice(p)]))
         }
 
         fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64> {

@@ -71,6 +71,24 @@ impl<C: Collective> Placement<C> for ShardedParameters {
         3
     }
 
+    /// This rank's chunk of every unit, in unit order (`sum_at`'s layout).
+    fn owned_grads(
+        &mut self,
+        p: &mut Parts<'_, C>,
+    ) -> Result<(Tensor, Vec<std::ops::Range<usize>>)> {
+        let (w, r) = p.layout();
+        let chunks = self
+            .params
+            .layout_of_units()
+            .into_iter()
+            .map(|(flat, _)| {
+                let c = crate::shard::slice(flat.len(), w, r);
+                flat.start + c.start..flat.start + c.end
+            })
+            .collect();
+        Ok((self.sum_at(p)?, chunks))
+    }
+
     fn stepped_tensors(&self, _params: usize) -> usize {
         1
     }

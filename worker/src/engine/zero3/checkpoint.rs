@@ -87,6 +87,14 @@ impl<C: Collective> Engine<C> {
                     .map(|(n, t)| (n.clone(), t.shallow_clone())),
             );
         }
+        // Tensor parallelism: each unit's writer gathers its tensors whole
+        // over its tensor ranks (the same units on each), and tensor rank
+        // 0 writes them.
+        let model = self.tensor_whole(model)?;
+        let opt = self.tensor_whole(opt)?;
+        if self.tensor_rank() != 0 {
+            return self.checkpoint_by_ranks(Vec::new(), Vec::new());
+        }
         self.checkpoint_by_ranks(model, opt)
     }
 

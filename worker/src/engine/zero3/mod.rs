@@ -315,7 +315,8 @@ impl<C: Collective> Engine<C> {
     pub(super) fn initial_params_again(&mut self) -> Result<()> {
         let (shape, classes) = self.build_shape.clone();
         let (device, seed) = (self.device, self.spec.seed);
-        if self.pipe.is_none() {
+        // Tensor parallelism builds the whole model and cuts it (below).
+        if self.pipe.is_none() && self.tensor.is_none() {
             let layout = (self.collective.world_size(), self.collective.rank());
             let (_, owned) = build(&self.spec, &shape, classes, device, layout)?;
             return match self.placement.strategy.param_shards() {
@@ -338,6 +339,16 @@ impl<C: Collective> Engine<C> {
         if let Some(given) = &self.spec.model.init {
             let tensors = super::setup::read_init(given)?;
             fresh.load_named(WeightsFrom::Init(given), tensors)?;
+        }
+        // Tensor parallelism: this rank's slices of the whole values.
+        if let Some(t) = &self.tensor {
+            let _guard = tch::no_grad_guard();
+            for (name, p) in &mut fresh.params {
+                if let Some(slice) = t.layout.get(name) {
+                    *p = crate::family::tensor::take(p, slice, t.rank)
+                        .ctx("cutting the initial weights for tensor parallelism")?;
+                }
+            }
         }
         let theirs: std::collections::HashMap<&str, &Tensor> =
             fresh.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
