@@ -449,6 +449,11 @@ fn checkpoints_resume_across_tensor_degrees() {
     for (tag, tail) in [("b", ""), ("c", "[sharding]\nstage = 3\n")] {
         let b = d.join(tag);
         run(&b, &job(1, 2), 2, false);
+        if tag == "b" {
+            // `accrue sample` of the T = 2 step folder: the T = 1 one's
+            // greedy continuation.
+            same_continuation(&a.join("ckpt/step-2"), &b.join("ckpt/step-2"));
+        }
         let text = format!("{}{tail}", job(2, 4));
         common::procs::run_ranks_with(&b, &text, 4, &["--resume"], |_| {});
         let (diff, name) = lm_ddp::rel_diff(&step_model(&b.join("ckpt/step-4")), &want);
@@ -456,6 +461,27 @@ fn checkpoints_resume_across_tensor_degrees() {
         eprintln!("{what}: {diff:.3e} ({name})");
         assert!(diff <= 1e-6, "{what}: {name} differs by {diff:.3e}");
     }
+}
+
+/// The greedy continuations of one prompt from two step folders
+/// (`accrue sample`'s model), equal.
+fn same_continuation(got: &Path, want: &Path) {
+    use accrue_worker::sample::{GenerateOptions, LoadedModel};
+    let greedy = GenerateOptions {
+        max_tokens: 12,
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let tokens = |dir: &Path| {
+        LoadedModel::from_step_dir(dir, tch::Device::Cpu)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .generate(&[5, 17, 3, 42], &greedy, |_| Ok(()))
+            .unwrap()
+            .tokens
+    };
+    let (g, w) = (tokens(got), tokens(want));
+    assert_eq!(g.len(), 12);
+    assert_eq!(g, w, "the T = 2 checkpoint's continuation");
 }
 
 /// Settings that cannot split are refused before anything runs, naming
@@ -486,33 +512,48 @@ fn refused(text: &str) -> String {
     }
 }
 
-/// `precision = "bf16"` at 2 data x 2 tensor against the same job at
-/// T = 1 (which lm_training.rs holds to DDP under autocast within 1e-5 a
-/// step), under SGD, which does not amplify roundings as AdamW does: each
+/// `precision = "bf16"` and `"fp16"` (from a loss scale of 1024) at
+/// 2 data x 2 tensor against the same job at T = 1 (which lm_training.rs
+/// holds to DDP under autocast within 1e-5 a step), under SGD, which does not amplify roundings as AdamW does: each
 /// step's loss and grad norm within 1e-3, the parameters within 1e-3
 /// (bf16's rounding unit is 3.9e-3). At T = 2 each rank's partial
 /// products are rounded to bf16 before they are summed (in float32) and
-/// rounded again, where one matmul rounds once. Measured: the norms
-/// within 9.6e-5, the losses within 1.5e-5, the parameters 4.0e-4 apart
-/// after 4 steps at lr 0.05. A real error (the scale applied twice, a
+/// rounded again, where one matmul rounds once. Measured: bf16's norms
+/// within 9.6e-5, losses within 1.5e-5, parameters 4.0e-4 apart after 4
+/// steps at lr 0.05; fp16's 3.8e-5 and 4.8e-5. A real error (the scale applied twice, a
 /// missed normalization) moves them by 1e-2 or more.
 #[test]
-fn bf16_at_two_tensor_ranks_equals_t1() {
+fn bf16_and_fp16_at_two_tensor_ranks_equal_t1() {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     lm_ddp::run_script("prepare", d, &lm_ddp::config());
-    let job = |workers: u32, tensor: u32| {
-        tp_job(d, "global_count", 4, workers, tensor, false)
-            .replace("device = \"cpu\"", "device = \"cpu\"\nprecision = \"bf16\"")
+    for precision in ["bf16", "fp16"] {
+        let job = |workers: u32, tensor: u32| {
+            // fp16 from a loss scale of 1024: no step overflows.
+            let scale = if precision == "fp16" {
+                "[loss_scaling]\ninit_scale = 1024.0\n"
+            } else {
+                ""
+            };
+            format!(
+                "{}{scale}",
+                tp_job(d, "global_count", 4, workers, tensor, false)
+            )
+            .replace(
+                "device = \"cpu\"",
+                &format!("device = \"cpu\"\nprecision = \"{precision}\""),
+            )
             .replace("kind = \"adamw\"", "kind = \"sgd\"")
             .replace("lr = 0.001", "lr = 0.05")
-    };
-    let (want, want_steps) = run(&d.join("t1"), &job(2, 1), 2, false);
-    let (got, steps) = run(&d.join("t2"), &job(4, 2), 4, true);
-    let s = steps_within(&steps, &want_steps, 1e-3, "bf16, T = 2 vs T = 1");
-    let (diff, name) = lm_ddp::rel_diff(&got, &want);
-    eprintln!("bf16, T = 2 vs T = 1 (SGD): parameters {diff:.3e} ({name}), steps {s:.3e}");
-    assert!(diff <= 1e-3, "bf16: {name} differs by {diff:.3e}");
+        };
+        let (want, want_steps) = run(&d.join(format!("{precision}-t1")), &job(2, 1), 2, false);
+        let (got, steps) = run(&d.join(format!("{precision}-t2")), &job(4, 2), 4, true);
+        let what = format!("{precision}, T = 2 vs T = 1");
+        let s = steps_within(&steps, &want_steps, 1e-3, &what);
+        let (diff, name) = lm_ddp::rel_diff(&got, &want);
+        eprintln!("{what} (SGD): parameters {diff:.3e} ({name}), steps {s:.3e}");
+        assert!(diff <= 1e-3, "{what}: {name} differs by {diff:.3e}");
+    }
 }
 
 /// ZeRO 1, 2 and 3 on the data axis of 2 data x 2 tensor (stages 2 and 3
