@@ -818,3 +818,22 @@ fn pipeline_fields_fit_the_model() {
         "{e:?}"
     );
 }
+
+/// Every example job in jobs/ is a valid spec, its files aside (the
+/// tensor-parallel one's heads, key-value heads and MLP divide by its T).
+#[test]
+fn the_example_jobs_are_valid() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../jobs");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            // Fields only: the data files are made by `make demo-lm`.
+            JobSpec::fields_from_toml_str(&text, &path)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 3, "{seen} example jobs");
+}
