@@ -96,7 +96,11 @@ fn steps_within(
 /// 1e-6 (untied; tied, within twice PyTorch's floor), every step within 1e-5.
 /// (T = 1 takes the norm as one float32 reduction over the whole buffer,
 /// T > 1 per parameter as clip_grad_norm_ does: on the tied model the
-/// first step's norm is 1.4e-6 from PyTorch's at T = 1, 3e-8 at T = 2.)
+/// first step's norm is 1.4e-6 from PyTorch's at T = 1, 3e-8 at T = 2.
+/// The tied model's parameters are 6.3e-5 apart, at PyTorch's own floor
+/// for it, 6.4e-5: with T = 1's norm taken in chunks of 4096, its steps
+/// came within 4e-7 of T = 2's and the parameters stayed 6.3e-5 apart, so
+/// it is AdamW's amplification of last bits, not the norm.)
 /// Tied: the per-micro-batch mean too (the gathered logits' autograd
 /// path), and 2 data x 2 pipeline x 2 tensor (W = 8).
 #[test]
