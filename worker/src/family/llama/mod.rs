@@ -26,9 +26,11 @@
 //! keys and values (per layer, appended each call); the training forward
 //! is untouched by it.
 //!
-//! The folder: this file (the family and the model), plan.rs (parameter
-//! names, blocks and their parallel plan), fused.rs (the fused
-//! projections), tests.rs.
+//! The folder: this file (the family and the model), layers.rs (linear,
+//! RMSNorm, a decoder layer), cached.rs (generation's forward with a KV
+//! cache), plan.rs (parameter names, blocks and their parallel plan),
+//! tensor.rs (tensor parallelism), fused.rs (the fused projections),
+//! stage.rs (a pipeline stage), tests.rs.
 
 use super::tensor::{TensorPlace, TpSlice};
 use super::{check_blocks, Block, BuildTo, Built, Family, Headed, ParallelPlan};
@@ -39,12 +41,18 @@ use std::collections::HashMap;
 use tch::nn::{self, Init, ModuleT};
 use tch::{Device, Kind, TchError, Tensor};
 
+mod cached;
 mod fused;
+mod layers;
 pub mod packed;
 pub mod plan;
 mod rope;
 mod stage;
 mod tensor;
+
+pub use cached::KvCache;
+
+use layers::{Layer, Linear, RmsNorm};
 
 pub(crate) use rope::scaled_inv_freq;
 use rope::{paired_rows, rotate, Rope};
@@ -231,119 +239,6 @@ impl Family for Extends {
     ) -> Result<()> {
         Llama.check_output(kind, shape, got, classes)
     }
-}
-
-/// A linear layer as torch.nn.Linear stores it: weight `[out, in]`.
-#[derive(Debug)]
-struct Linear {
-    weight: Tensor,
-    bias: Option<Tensor>,
-    /// Tensor parallelism: rows several ranks hold (tensor.rs).
-    shared: Option<tensor::SharedRows>,
-}
-
-impl Linear {
-    /// Weight drawn from `init`, zero bias.
-    fn new(p: nn::Path<'_>, input: i64, output: i64, bias: bool, init: Init) -> Result<Self> {
-        let weight = p
-            .f_var("weight", &[output, input], init)
-            .ctx("creating the llama parameters")?;
-        made(&p.path("weight"), &weight)?;
-        let bias = bias
-            .then(|| p.f_var("bias", &[output], Init::Const(0.0)))
-            .transpose()
-            .ctx("creating the llama parameters")?;
-        if let Some(b) = &bias {
-            made(&p.path("bias"), b)?;
-        }
-        Ok(Self {
-            weight,
-            bias,
-            shared: None,
-        })
-    }
-
-    /// The weight and bias as the forward uses them: through
-    /// [`tensor::SharedRows`] when several tensor ranks hold them.
-    fn params(&self) -> Result<(Tensor, Option<Tensor>), TchError> {
-        match &self.shared {
-            None => Ok((
-                self.weight.shallow_clone(),
-                self.bias.as_ref().map(|b| b.shallow_clone()),
-            )),
-            Some(s) => Ok((
-                s.of(&self.weight)?,
-                self.bias.as_ref().map(|b| s.of(b)).transpose()?,
-            )),
-        }
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        let (w, b) = self.params()?;
-        x.f_linear(&w, b.as_ref())
-    }
-
-    /// The outputs in the order `rows` gives (a permutation of the rows).
-    fn forward_rows(&self, x: &Tensor, rows: &Tensor) -> Result<Tensor, TchError> {
-        let (w, b) = self.params()?;
-        let bias = b.map(|b| b.f_index_select(0, rows)).transpose()?;
-        x.f_linear(&w.f_index_select(0, rows)?, bias.as_ref())
-    }
-}
-
-/// Hugging Face's LlamaRMSNorm.
-#[derive(Debug)]
-struct RmsNorm {
-    weight: Tensor,
-    eps: f64,
-}
-
-impl RmsNorm {
-    fn new(p: nn::Path<'_>, width: i64, eps: f64) -> Result<Self> {
-        let weight = p
-            .f_var("weight", &[width], Init::Const(1.0))
-            .ctx("creating the llama parameters")?;
-        made(&p.path("weight"), &weight)?;
-        Ok(Self { weight, eps })
-    }
-
-    /// `weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`.
-    ///
-    /// A float32 `x` (the residual stream, also under autocast: the
-    /// embedding's output plus the projections') goes through libtorch's
-    /// `_fused_rms_norm`: on the CPU that is the same composite of ops as
-    /// below (the same numbers to the bit, forward and backward), on CUDA
-    /// one kernel forward and one backward instead of about six and ten
-    /// (docs/SEMANTICS.md). Another type keeps transformers' ops, whose
-    /// result is float32 where the fused op's would be `x`'s type.
-    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        let kind = x.kind();
-        if kind == Kind::Float && self.weight.kind() == Kind::Float {
-            let width = self.weight.size();
-            return Ok(x
-                .f_internal_fused_rms_norm(width.as_slice(), Some(&self.weight), self.eps)?
-                .0);
-        }
-        let x32 = x.f_to_kind(Kind::Float)?;
-        let variance =
-            x32.f_pow_tensor_scalar(2)?
-                .f_mean_dim(Some([-1i64].as_slice()), true, None::<Kind>)?;
-        let normed = x32.f_mul(&variance.f_add_scalar(self.eps)?.f_rsqrt()?)?;
-        self.weight.f_mul(&normed.f_to_kind(kind)?)
-    }
-}
-
-#[derive(Debug)]
-struct Layer {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-    input_norm: RmsNorm,
-    post_norm: RmsNorm,
 }
 
 /// The model itself: built by the family for training, and by
@@ -649,114 +544,11 @@ impl Net {
     }
 }
 
-/// Keys and values of the positions a [`Net::forward_cached`] has seen,
-/// per layer (`[N, kv_heads, S, head_dim]`, after RoPE), for generation.
-#[derive(Debug, Default)]
-pub struct KvCache {
-    layers: Vec<(Tensor, Tensor)>,
-    len: i64,
-}
-
-impl KvCache {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Positions cached (the next token's position).
-    pub fn len(&self) -> i64 {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
 impl Net {
     /// Logits `[N, T, vocab]` (fp32) of token ids `[N, T]`: the training
     /// forward, with errors instead of panics.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         self.try_forward(ids).ctx("running the llama forward")
-    }
-
-    /// Logits `[N, t, vocab]` of `t` new tokens `[N, t]` at positions
-    /// `cache.len()..cache.len() + t`, attending to the cached positions
-    /// and causally among themselves; their keys and values are appended
-    /// to `cache`. The first call (empty cache) computes what
-    /// [`Net::forward`] computes; later ones give the logits the full
-    /// forward of the whole sequence gives at those positions.
-    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        self.try_forward_cached(ids, cache)
-            .ctx("running the llama forward (KV cache)")
-    }
-
-    fn try_forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor, TchError> {
-        if self.tp.is_some() {
-            return Err(TchError::Torch(
-                "generation runs on the whole model (a checkpoint is whole): not on a tensor shard"
-                    .into(),
-            ));
-        }
-        let (n, t) = ids.size2()?;
-        let past = cache.len;
-        let mut h = Tensor::f_embedding(&self.embed, ids, -1, false, false)?;
-        let rope = self.rope(past, t, &h)?;
-        // The prompt pass is the training forward's causal attention; one
-        // new token attends to every cached position; several new tokens
-        // after a cache need a mask (is_causal aligns top-left when the
-        // query and key lengths differ): key j is seen by query i when
-        // j <= past + i.
-        let window = window_mask(past, t, self.sliding_window, ids.device())?;
-        let causal = past == 0 && t > 1 && window.is_none();
-        let mask = if window.is_some() {
-            window
-        } else if past > 0 && t > 1 {
-            let device = ids.device();
-            let keys = Tensor::f_arange(past + t, (Kind::Int64, device))?.f_unsqueeze(0)?;
-            let queries = Tensor::f_arange(t, (Kind::Int64, device))?
-                .f_add_scalar(past)?
-                .f_unsqueeze(-1)?;
-            Some(keys.f_le_tensor(&queries)?)
-        } else {
-            None
-        };
-        for (i, l) in self.layers.iter().enumerate() {
-            let x = l.input_norm.forward(&h)?;
-            let [q, k, v] = self.qkv(l, &x, &rope)?;
-            let (k, v) = match cache.layers.get(i) {
-                Some((pk, pv)) => (Tensor::f_cat(&[pk, &k], 2)?, Tensor::f_cat(&[pv, &v], 2)?),
-                None => (k, v),
-            };
-            // Under Mistral's window, as the training forward (`attend`).
-            let windowed = self.sliding_window.is_some() && mask.is_some();
-            let (ke, ve) = if windowed {
-                (self.repeat_kv(&k)?, self.repeat_kv(&v)?)
-            } else {
-                (k.shallow_clone(), v.shallow_clone())
-            };
-            let out = Tensor::f_scaled_dot_product_attention(
-                &q,
-                &ke,
-                &ve,
-                mask.as_ref(),
-                0.0,
-                causal,
-                Some(self.scale),
-                self.kv_heads < self.heads && !windowed,
-            )?;
-            match cache.layers.get_mut(i) {
-                Some(slot) => *slot = (k, v),
-                None => cache.layers.push((k, v)),
-            }
-            let out = out
-                .f_transpose(1, 2)?
-                .f_contiguous()?
-                .f_reshape([n, t, -1])?;
-            h = h.f_add(&l.o.forward(&out)?)?;
-            h = self.mlp_block(l, &h)?;
-        }
-        cache.len = past + t;
-        self.logits(&h)
     }
 }
 
