@@ -186,7 +186,7 @@ bench-tensor: setup
 GPU_PYTHON ?= /opt/torch/.venv/bin/python
 CUDA_HEADERS := nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88
 CUDA_TARGET ?= target/cuda
-GPU_TESTS := graphs sharding pytorch_reference distributed lm_lifecycle lm_data fused_ops c10d_jobs pipeline
+GPU_TESTS := graphs sharding pytorch_reference distributed lm_lifecycle lm_data fused_ops c10d_jobs pipeline tensor_parallel
 gpu-worker: setup
 	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps $(CUDA_HEADERS)
 	ACCRUE_CUDA=1 ACCRUE_PYTHON=$(GPU_PYTHON) $(CARGO) build --release -p accrue-worker --target-dir $(CUDA_TARGET)

@@ -77,6 +77,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   check c10d_jobs gpu-bin/c10d_jobs --ignored --nocapture --test-threads 1 nccl &
   # issue 40: pipeline stages on cuda:0 (two processes sharing the GPU).
   check pipeline gpu-bin/pipeline --ignored --nocapture --test-threads 1 on_cuda &
+  # issue 42: tensor parallelism on cuda:0 (two ranks sharing the GPU).
+  check tensor_parallel gpu-bin/tensor_parallel --ignored --nocapture --test-threads 1 on_cuda &
   for job in $(jobs -p); do wait "$job" || status=1; done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

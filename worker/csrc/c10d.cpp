@@ -192,6 +192,12 @@ void wait_for(Group* g, const std::function<c10::intrusive_ptr<c10d::Work>()>& o
   }
 }
 
+// Whether `t` must go through the host for the group: a CUDA tensor on a
+// gloo group (ranks that share a GPU, where NCCL cannot run).
+bool through_host(Group* g, const at::Tensor& t) {
+  return t.is_cuda() && g->backend->getBackendName() == "gloo";
+}
+
 // Sums `t` (contiguous) over the group in place; bf16 and fp16 partials
 // are summed in float32 and rounded once, as one matmul's accumulation
 // would be.
@@ -200,6 +206,12 @@ void sum_now(Group* g, at::Tensor& t, const char* what) {
     at::Tensor wide = t.to(at::kFloat);
     sum_now(g, wide, what);
     t.copy_(wide);
+    return;
+  }
+  if (through_host(g, t)) {
+    at::Tensor host = t.cpu();
+    sum_now(g, host, what);
+    t.copy_(host);
     return;
   }
   layer_bytes += t.numel() * static_cast<int64_t>(t.element_size());
@@ -280,7 +292,7 @@ struct TpGatherLast : public torch::autograd::Function<TpGatherLast> {
                             std::vector<int64_t> sizes, int64_t rank) {
     auto* group = reinterpret_cast<Group*>(g);
     int64_t widest = *std::max_element(sizes.begin(), sizes.end());
-    at::Tensor xp = x.contiguous();
+    at::Tensor xp = through_host(group, x) ? x.cpu() : x.contiguous();
     if (xp.size(-1) < widest) {
       xp = at::constant_pad_nd(xp, {0, widest - xp.size(-1)});
     }
@@ -301,7 +313,7 @@ struct TpGatherLast : public torch::autograd::Function<TpGatherLast> {
     }
     ctx->saved_data["start"] = start;
     ctx->saved_data["width"] = sizes[rank];
-    return at::cat(parts, -1);
+    return at::cat(parts, -1).to(x.device());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     at::Tensor gx = grads[0].narrow(-1, ctx->saved_data["start"].toInt(),
@@ -361,11 +373,16 @@ int accrue_tp_all_reduce(void* g, void* t, int op, char* err, size_t len) {
   return guarded(
       [&] {
         auto* group = static_cast<Group*>(g);
-        other_bytes += tensor(t).numel() * static_cast<int64_t>(tensor(t).element_size());
-        std::vector<at::Tensor> ts{tensor(t)};
+        at::Tensor& target = tensor(t);
+        other_bytes += target.numel() * static_cast<int64_t>(target.element_size());
+        at::Tensor work = through_host(group, target) ? target.cpu() : target;
+        std::vector<at::Tensor> ts{work};
         c10d::AllreduceOptions o;
         o.reduceOp = reduce_op(op);
         wait_for(group, [&] { return group->backend->allreduce(ts, o); }, "a reduction");
+        if (!work.is_same(target)) {
+          target.copy_(work);
+        }
       },
       err, len);
 }

@@ -100,8 +100,8 @@ impl JobSpec {
     }
 
     /// `parallel.tensor = T >= 2` (issue 42): the Llama-like families,
-    /// their heads, key-value heads and MLP width split T ways, on the CPU
-    /// (ZeRO stages 0 to 3 on the data axis).
+    /// their heads, key-value heads and MLP width split T ways (ZeRO stages
+    /// 0 to 3 on the data axis).
     pub(super) fn validate_tensor(&self, c: &mut Checker, t: u32) {
         if t <= 1 {
             return;
@@ -148,13 +148,6 @@ impl JobSpec {
                     ),
                 );
             }
-        }
-        if self.device.starts_with("cuda") {
-            c.fail(
-                "device",
-                &self.device,
-                format!("must be \"cpu\" with parallel.tensor = {t} (tensor parallelism on CUDA is not built yet)"),
-            );
         }
     }
 }

@@ -72,6 +72,9 @@ pub struct TensorGroup {
     ptr: *mut c_void,
     pub rank: usize,
     pub size: usize,
+    /// Where the group's reductions want their tensors (NCCL: its GPU;
+    /// gloo: the CPU, a CUDA tensor staged through the host).
+    pub device: tch::Device,
 }
 
 // SAFETY: the pointer is a c10d backend (thread-safe); the engine's thread
@@ -92,8 +95,13 @@ impl TensorGroup {
     /// # Safety
     /// `ptr` is the shim's live group (csrc/c10d.cpp `Group*`), kept alive
     /// while this value or a graph made with it is used.
-    pub unsafe fn new(ptr: *mut c_void, rank: usize, size: usize) -> Self {
-        Self { ptr, rank, size }
+    pub unsafe fn new(ptr: *mut c_void, rank: usize, size: usize, device: tch::Device) -> Self {
+        Self {
+            ptr,
+            rank,
+            size,
+            device,
+        }
     }
 
     /// `f`: `x` forward, its gradient summed over the group backward.

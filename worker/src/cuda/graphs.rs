@@ -81,6 +81,10 @@ pub enum EagerReason {
     /// the gradient norm over the stages between the reduction and the
     /// step (graphing a stage is later work).
     PipelineStage,
+    /// `parallel.tensor > 1`: the layers' collectives run inside the
+    /// micro-step and wait on the host, and the norm is summed over the
+    /// tensor group inside the sync step.
+    TensorParallel,
     /// `activation_checkpointing = "full"`: the micro-step runs its blocks
     /// in segments, recomputing each in the backward (graphing that is
     /// later work).
@@ -114,6 +118,7 @@ impl fmt::Display for EagerReason {
                 write!(f, "the optimizer makes its state in its first step")
             }
             Self::PipelineStage => write!(f, "pipeline stages run eagerly"),
+            Self::TensorParallel => write!(f, "tensor parallelism runs eagerly"),
             Self::ActivationCheckpointing => {
                 write!(f, "activation checkpointing recomputes blocks eagerly")
             }

@@ -369,6 +369,11 @@ impl<C: Collective> Engine<C> {
                 crate::graphs::Mode::Off(crate::graphs::EagerReason::PipelineStage)
             }
             crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
+                if tensor.is_some() =>
+            {
+                crate::graphs::Mode::Off(crate::graphs::EagerReason::TensorParallel)
+            }
+            crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
                 if recompute.is_some() =>
             {
                 crate::graphs::Mode::Off(crate::graphs::EagerReason::ActivationCheckpointing)

@@ -149,7 +149,9 @@ impl<C: Collective> Engine<C> {
             mine = if inf { all } else { all.powf(norm_type) };
         }
         let group = axis.cell.get().ctx("computing the gradient norm")?;
-        let t = Tensor::f_from_slice(&[mine]).ctx("computing the gradient norm")?;
+        let t = Tensor::f_from_slice(&[mine])
+            .and_then(|t| t.f_to_device(group.device))
+            .ctx("computing the gradient norm")?;
         let op = if inf { Reduce::Max } else { Reduce::Sum };
         group
             .all_reduce_(&t, op)

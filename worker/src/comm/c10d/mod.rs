@@ -456,7 +456,9 @@ impl Group for C10dGroup {
     fn tensor_group(&self) -> Option<crate::comm::tensor_ops::TensorGroup> {
         // SAFETY: the group lives as long as this value; the engine drops
         // the model's graphs before the generation's groups.
-        Some(unsafe { crate::comm::tensor_ops::TensorGroup::new(self.ptr, self.rank, self.size) })
+        Some(unsafe {
+            crate::comm::tensor_ops::TensorGroup::new(self.ptr, self.rank, self.size, self.device)
+        })
     }
     fn abort(&mut self) {
         // SAFETY: the group is live.
