@@ -160,45 +160,7 @@ fn mlp_in_two_stages_equals_one_process() {
 }
 
 fn llama(tokens: &Path, pipeline: u32, tied: bool, schedule: &str) -> String {
-    let parallel = parallel(pipeline, schedule);
-    format!(
-        r#"
-name = "pp-lm"
-seed = 3
-workers = {workers}
-max_steps = 4
-device = "cpu"
-threads = 1
-[model]
-kind = "llama"
-vocab_size = 64
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 4
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 16
-tie_word_embeddings = {tied}
-[data]
-kind = "tokens"
-path = "{path}"
-seq_len = 8
-batch_size = 2
-[accumulation]
-steps = 4
-[clipping]
-max_norm = 0.5
-[optimizer]
-kind = "adamw"
-lr = 0.01
-weight_decay = 0.1
-[comm]
-timeout_s = 20
-connect_timeout_s = 30
-{parallel}"#,
-        workers = pipeline.max(1),
-        path = tokens.display()
-    )
+    tiny_llama_job(tokens, pipeline.max(1), tied, &parallel(pipeline, schedule))
 }
 
 /// A Llama with GQA, tied and untied, in 2 and 4 stages (the embedding

@@ -662,47 +662,12 @@ fn tensor_parallel_on_cuda_equals_one_process_on_cuda() {
     // initial weights (the GPU machine's Python may lack transformers).
     let tokens = token_file(d, 4 * 4 * 2 * 8 + 1);
     let job = |workers: u32, tensor: u32| {
-        let parallel = if tensor > 1 {
-            format!("[parallel]\ntensor = {tensor}\n")
-        } else {
-            String::new()
+        let parallel = match tensor {
+            1 => String::new(),
+            t => format!("[parallel]\ntensor = {t}\n"),
         };
-        format!(
-            r#"
-name = "tp-cuda"
-seed = 3
-workers = {workers}
-max_steps = 4
-device = "cuda:0"
-threads = 1
-[model]
-kind = "llama"
-vocab_size = 64
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 16
-[data]
-kind = "tokens"
-path = "{}"
-seq_len = 8
-batch_size = 2
-[accumulation]
-steps = 4
-[clipping]
-max_norm = 0.5
-[optimizer]
-kind = "adamw"
-lr = 0.01
-weight_decay = 0.1
-[comm]
-timeout_s = 20
-connect_timeout_s = 30
-{parallel}"#,
-            tokens.display()
-        )
+        tiny_llama_job(&tokens, workers, false, &parallel)
+            .replace("device = \"cpu\"", "device = \"cuda:0\"")
     };
     let (want, want_steps) = run(&d.join("t1"), &job(1, 1), 1, false);
     let (got, steps) = run(&d.join("t2"), &job(2, 2), 2, true);

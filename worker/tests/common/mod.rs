@@ -356,3 +356,47 @@ pub fn copy_tree(from: &Path, to: &Path) {
         }
     }
 }
+
+/// A tiny Llama with GQA (vocabulary 64, width 16, 4 layers, 4 heads, 2
+/// key-value heads) on llm.c token file `tokens`, T = 8, b = 2, k = 4,
+/// AdamW, clipped at 0.5, 4 steps on `workers` ranks, on the CPU; `tail`
+/// ends it (a `[parallel]` table).
+pub fn tiny_llama_job(tokens: &Path, workers: u32, tied: bool, tail: &str) -> String {
+    format!(
+        r#"
+name = "pp-lm"
+seed = 3
+workers = {workers}
+max_steps = 4
+device = "cpu"
+threads = 1
+[model]
+kind = "llama"
+vocab_size = 64
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = 4
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 16
+tie_word_embeddings = {tied}
+[data]
+kind = "tokens"
+path = "{path}"
+seq_len = 8
+batch_size = 2
+[accumulation]
+steps = 4
+[clipping]
+max_norm = 0.5
+[optimizer]
+kind = "adamw"
+lr = 0.01
+weight_decay = 0.1
+[comm]
+timeout_s = 20
+connect_timeout_s = 30
+{tail}"#,
+        path = tokens.display()
+    )
+}

@@ -101,7 +101,9 @@ impl<C: Collective> Placement<C> for Replicated {
         &mut self,
         p: &mut Parts<'_, C>,
     ) -> Result<(Tensor, Vec<std::ops::Range<usize>>)> {
-        Ok((p.grads.view()?, vec![0..p.flat_len()]))
+        // One range: the whole buffer.
+        let whole = 0..p.flat_len();
+        Ok((p.grads.view()?, vec![whole]))
     }
 
     fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64> {
