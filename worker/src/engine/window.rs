@@ -75,8 +75,12 @@ pub(super) struct EpochIndices {
 
 impl<C: Collective> Engine<C> {
     /// Forgets the window in flight (its gradients and counts): the
-    /// committed state stays as it is.
+    /// committed state stays as it is. The generation's tensor group is
+    /// let go too (its groups close next; a new generation renews it).
     pub fn discard_window(&mut self) -> Result<()> {
+        if let Some(t) = &self.tensor {
+            t.cell.set(None);
+        }
         let w = std::mem::take(&mut self.window);
         self.state.micro_step = self.state.micro_step.saturating_sub(w.micro as u64);
         self.placement.strategy.discard();
