@@ -257,3 +257,93 @@ impl Net {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(heads: i64, kv: i64, vocab: i64) -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: vocab,
+            hidden_size: 8 * heads,
+            intermediate_size: 48,
+            num_hidden_layers: 1,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            max_position_embeddings: 16,
+            tie_word_embeddings: false,
+            attention_bias: true,
+            mlp_bias: false,
+            initializer_range: 0.02,
+            rope_scaling: Default::default(),
+            arch: Default::default(),
+            sliding_window: None,
+            explicit_head_dim: None,
+        }
+    }
+
+    fn slice<'a>(l: &'a [(String, TpSlice)], name: &str) -> &'a TpSlice {
+        &l.iter().find(|(n, _)| n == name).unwrap().1
+    }
+
+    /// Megatron's mapping with the heads' arithmetic: q by heads, k and v
+    /// by kv heads (shared by T / kv ranks when fewer), o by q's columns,
+    /// the vocabulary by rows with the remainder on the first ranks.
+    #[test]
+    fn the_layout_follows_the_heads() {
+        let l = layout(&config(4, 2, 97), 4).unwrap();
+        let at = |name: &str| slice(&l, &format!("model.layers.0.{name}")).clone();
+        let rows = |dim: i64, r: &[(i64, i64)]| TpSlice::Sliced {
+            dim,
+            ranges: r.to_vec(),
+        };
+        // head_dim 8: each rank one q head, the two kv heads two ranks each.
+        assert_eq!(
+            at("self_attn.q_proj.weight"),
+            rows(0, &[(0, 8), (8, 16), (16, 24), (24, 32)])
+        );
+        assert_eq!(at("self_attn.q_proj.bias"), at("self_attn.q_proj.weight"));
+        let kv = rows(0, &[(0, 8), (0, 8), (8, 16), (8, 16)]);
+        assert_eq!(at("self_attn.k_proj.weight"), kv);
+        assert_eq!(at("self_attn.v_proj.bias"), kv);
+        assert_eq!(
+            at("self_attn.o_proj.weight"),
+            rows(1, &[(0, 8), (8, 16), (16, 24), (24, 32)])
+        );
+        assert_eq!(at("self_attn.o_proj.bias"), TpSlice::Replicated);
+        assert_eq!(
+            at("mlp.down_proj.weight"),
+            rows(1, &[(0, 12), (12, 24), (24, 36), (36, 48)])
+        );
+        assert_eq!(at("input_layernorm.weight"), TpSlice::Replicated);
+        assert_eq!(
+            slice(&l, "model.embed_tokens.weight"),
+            &rows(0, &[(0, 25), (25, 49), (49, 73), (73, 97)])
+        );
+        // Counted once: rank 0 and 2 count the kv heads, rank 0 the norms.
+        let counted: Vec<usize> = (0..4)
+            .filter(|&r| crate::family::tensor::counts(&kv, r))
+            .collect();
+        assert_eq!(counted, vec![0, 2]);
+    }
+
+    /// What does not split is refused naming the setting and T.
+    #[test]
+    fn settings_that_do_not_divide_are_named() {
+        let e = layout(&config(6, 2, 97), 4).unwrap_err();
+        assert!(e.contains("num_attention_heads = 6"), "{e}");
+        let e = layout(&config(8, 3, 97), 2).unwrap_err();
+        assert!(e.contains("num_key_value_heads = 3"), "{e}");
+        let mut c = config(4, 2, 97);
+        c.intermediate_size = 50;
+        assert!(layout(&c, 4)
+            .unwrap_err()
+            .contains("intermediate_size = 50"));
+        assert!(layout(&config(4, 4, 3), 4)
+            .unwrap_err()
+            .contains("vocab_size = 3"));
+        assert!(layout(&config(4, 1, 97), 4).is_ok());
+    }
+}
