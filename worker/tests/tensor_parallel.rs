@@ -679,3 +679,48 @@ fn tensor_parallel_on_cuda_equals_one_process_on_cuda() {
     eprintln!("T = 2 on cuda:0 vs T = 1: parameters {diff:.3e} ({name}), steps {s:.3e}");
     assert!(diff <= 1e-5, "cuda: {name} differs by {diff:.3e}");
 }
+
+/// The held-out evaluation at T = 2 (the logits gathered whole on each
+/// tensor rank) equals T = 1's: the loss within 1e-6, the same accuracy
+/// and count, and both tensor ranks report the same numbers.
+#[test]
+fn evaluation_at_two_tensor_ranks_equals_t1() {
+    let d = TempDir::new().unwrap();
+    // token_file writes train.bin: the held-out file first, moved aside.
+    let eval = d.path().join("eval.bin");
+    std::fs::rename(token_file(d.path(), 601), &eval).unwrap();
+    let tokens = token_file(d.path(), 3000);
+    let job = |workers: u32, tail: &str| {
+        tiny_llama_job(&tokens, workers, false, tail).replace(
+            "seq_len = 8\n",
+            &format!("seq_len = 8\neval_path = \"{}\"\n", eval.display()),
+        )
+    };
+    let evals = |out: &Path, text: &str, world: usize| -> Vec<serde_json::Value> {
+        std::fs::create_dir_all(out).unwrap();
+        common::procs::run_ranks(out, text, world, |_| {})
+            .iter()
+            .map(|r| {
+                r.stdout()
+                    .lines()
+                    .rev()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    .find(|v| v["event"] == "eval")
+                    .map(|v| v["eval"].clone())
+                    .unwrap_or_else(|| panic!("rank {} reported no evaluation", r.rank))
+            })
+            .collect()
+    };
+    let want = evals(&d.path().join("t1"), &job(1, ""), 1).remove(0);
+    let got = evals(&d.path().join("t2"), &job(2, "[parallel]\ntensor = 2\n"), 2);
+    assert_eq!(got[0], got[1], "both tensor ranks evaluate alike");
+    let (g, w) = (
+        got[0]["loss"].as_f64().unwrap(),
+        want["loss"].as_f64().unwrap(),
+    );
+    eprintln!("evaluation at T = 2: loss {g} vs T = 1's {w}");
+    assert!((g - w).abs() <= 1e-6 * w.abs(), "loss {g} vs {w}");
+    for key in ["accuracy", "samples", "step"] {
+        assert_eq!(got[0][key], want[key], "{key}");
+    }
+}
