@@ -16,6 +16,7 @@
 //! The group of a generation changes when the mesh re-forms; the model
 //! reaches the current one through a [`TensorGroupCell`] the engine sets.
 
+use crate::fused_ops::{handle, one};
 use std::ffi::{c_char, c_void};
 use std::sync::{Arc, Mutex};
 use tch::{TchError, Tensor};
@@ -150,19 +151,6 @@ impl TensorGroup {
             accrue_tp_all_reduce(self.ptr, handle(t), op, err, len)
         })
     }
-}
-
-fn handle(t: &Tensor) -> *mut c_void {
-    t.as_ptr() as *mut c_void
-}
-
-/// Calls a shim function that makes one tensor.
-fn one(f: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> i32) -> Result<Tensor, TchError> {
-    let mut out = std::ptr::null_mut();
-    crate::fused_ops::call(|err, len| f(&mut out, err, len))?;
-    // SAFETY: on success the shim set `out` to a new tensor handle that
-    // nobody else owns.
-    Ok(unsafe { Tensor::from_ptr(out.cast()) })
 }
 
 /// The tensor group of the current generation, shared by the model (which

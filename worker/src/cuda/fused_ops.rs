@@ -111,7 +111,9 @@ pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), TchE
 }
 
 /// Calls a shim function that makes one tensor.
-fn one(f: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> i32) -> Result<Tensor, TchError> {
+pub(crate) fn one(
+    f: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> i32,
+) -> Result<Tensor, TchError> {
     let mut out = std::ptr::null_mut();
     call(|err, len| f(&mut out, err, len))?;
     // SAFETY: on success the shim set `out` to a new handle.
