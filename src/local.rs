@@ -53,7 +53,8 @@ impl Drop for Children {
 
 /// `accrue local`'s flags.
 pub(crate) struct LocalOptions {
-    pub(crate) workers: u32,
+    /// `--workers`: None takes the spec's `workers`.
+    pub(crate) workers: Option<u32>,
     pub(crate) state_dir: PathBuf,
     pub(crate) worker_bin: Option<PathBuf>,
     pub(crate) threads: Option<u32>,
@@ -71,6 +72,9 @@ struct LocalCreds {
     tokens: PathBuf,
     /// The `submit` token the CLI side submits (and may cancel) with.
     submit: BearerToken,
+    /// The same token as text: what the status page's one-use sign-in
+    /// link stands for (the page may then cancel or resume this run's job).
+    submit_text: String,
 }
 
 /// Throw-away credentials for `accrue local` under `state_dir/tls`: a
@@ -108,6 +112,7 @@ fn local_creds(state_dir: &Path, ids: &[String]) -> anyhow::Result<LocalCreds> {
         },
         tokens: dir.join("tokens.toml"),
         submit: BearerToken::new(submit.trim())?,
+        submit_text: submit.trim().to_string(),
     })
 }
 
@@ -156,6 +161,9 @@ struct Started {
     coordinator: Option<accrue_coordinator::Handle>,
     client: Option<Client>,
     job: Option<String>,
+    /// `<state-dir>/env`, removed when the run stops (its coordinator
+    /// goes with it).
+    env_file: Option<PathBuf>,
 }
 
 impl Started {
@@ -177,12 +185,15 @@ impl Started {
         if let Some(h) = self.coordinator {
             h.stop().await;
         }
+        if let Some(f) = self.env_file {
+            let _ = std::fs::remove_file(f);
+        }
     }
 }
 
 pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<ExitCode> {
-    let (workers, state_dir) = (opts.workers, opts.state_dir.as_path());
-    if workers == 0 {
+    let state_dir = opts.state_dir.as_path();
+    if opts.workers == Some(0) {
         bail!("--workers must be at least 1");
     }
     // Refuse a bad spec before starting anything, with --workers as the
@@ -190,6 +201,13 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
     // process).
     let mut spec = JobSpec::load(job)?;
     let name = spec.name.clone();
+    let workers = opts.workers.unwrap_or(spec.workers);
+    if workers != spec.workers {
+        eprintln!(
+            "--workers {workers} overrides the spec's workers = {}",
+            spec.workers
+        );
+    }
     spec.workers = workers;
     spec.validate_fields()
         .map_err(|e| anyhow::anyhow!("with --workers {workers}: {e}"))?;
@@ -215,7 +233,7 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
         StopSignals::listen().context("cannot listen for SIGINT, SIGTERM and SIGHUP")?;
     let mut started = Started::default();
     let outcome = tokio::select! {
-        r = start_and_watch(job, &name, &opts, &bin, threads, &mut started) => Ok(r),
+        r = start_and_watch(job, &name, &opts, workers, &bin, threads, &mut started) => Ok(r),
         s = signals.recv() => Err(s),
     };
     let end = match outcome {
@@ -277,11 +295,12 @@ async fn start_and_watch(
     job: &Path,
     name: &str,
     opts: &LocalOptions,
+    workers: u32,
     bin: &Path,
     threads: u32,
     started: &mut Started,
 ) -> anyhow::Result<Job> {
-    let (workers, state_dir) = (opts.workers, opts.state_dir.as_path());
+    let state_dir = opts.state_dir.as_path();
     let ids: Vec<String> = (0..workers).map(|i| format!("local-{i}")).collect();
     // TLS, mutual TLS and tokens with throw-away credentials unless
     // --insecure.
@@ -295,10 +314,14 @@ async fn start_and_watch(
         tls: creds.as_ref().map(|c| c.server.clone()),
         tokens: creds.as_ref().map(|c| c.tokens.clone()),
         insecure: opts.insecure,
+        tensorboard_dir: Some(state_dir.join("tensorboard")),
         ..Default::default()
     };
     let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;
     let (grpc_addr, http_addr) = (handle.grpc_addr, handle.http_addr);
+    let sign_in = creds
+        .as_ref()
+        .and_then(|c| handle.sign_in_link(&c.submit_text));
     started.coordinator = Some(handle);
     let scheme = if creds.is_some() { "https" } else { "http" };
     let url = format!("{scheme}://{grpc_addr}");
@@ -310,6 +333,19 @@ async fn start_and_watch(
         ),
         None => println!("coordinator {url} (status {scheme}://{http_addr}/)"),
     }
+    if let Some(link) = sign_in {
+        println!("status page, signed in (the link works once, within 10 minutes): {link}");
+    }
+    let env = write_env_file(state_dir, &url, creds.as_ref())?;
+    println!(
+        "env {} (in another shell: source it, then accrue list, accrue watch JOB)",
+        env.display()
+    );
+    started.env_file = Some(env);
+    println!(
+        "TensorBoard: tensorboard --logdir {}",
+        state_dir.join("tensorboard").display()
+    );
     let logs = state_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
     for (i, id) in ids.iter().enumerate() {
@@ -373,11 +409,61 @@ async fn start_and_watch(
 /// The command that continues this run's job.
 fn resume_hint(job: &Path, opts: &LocalOptions) -> String {
     format!(
-        "accrue local {} --workers {} --state-dir {} --resume",
+        "accrue local {}{} --state-dir {} --resume",
         job.display(),
-        opts.workers,
+        opts.workers
+            .map_or(String::new(), |w| format!(" --workers {w}")),
         opts.state_dir.display()
     )
+}
+
+/// `s` as one shell word: single-quoted, each `'` as `'\''`.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The lines of `<state-dir>/env`: what a CLI in another shell needs to
+/// reach this run's coordinator (its URL, the CA and the submit token's
+/// file, as absolute paths; `ACCRUE_INSECURE` for a plaintext run).
+/// `ACCRUE_TOKEN` is unset: it would contradict the token file.
+fn env_lines(url: &str, tls: Option<(&Path, &Path)>) -> String {
+    let mut out = String::from(
+        "# accrue local: `source` this file to reach the run's coordinator from another shell\n",
+    );
+    out.push_str("unset ACCRUE_TOKEN ACCRUE_INSECURE ACCRUE_CA ACCRUE_TOKEN_FILE\n");
+    out.push_str(&format!("export ACCRUE_COORDINATOR={}\n", shell_quote(url)));
+    match tls {
+        Some((ca, token)) => {
+            for (name, p) in [("ACCRUE_CA", ca), ("ACCRUE_TOKEN_FILE", token)] {
+                let p = p.to_string_lossy();
+                out.push_str(&format!("export {name}={}\n", shell_quote(&p)));
+            }
+        }
+        None => out.push_str("export ACCRUE_INSECURE=true\n"),
+    }
+    out
+}
+
+/// Writes `<state-dir>/env` (whole or not at all: a temporary file
+/// renamed); its path.
+fn write_env_file(
+    state_dir: &Path,
+    url: &str,
+    creds: Option<&LocalCreds>,
+) -> anyhow::Result<PathBuf> {
+    let abs = |p: &Path| std::path::absolute(p).with_context(|| format!("{}", p.display()));
+    let paths = match creds {
+        Some(c) => Some((
+            abs(&c.client.ca)?,
+            abs(&c.tokens.with_file_name("submit.token"))?,
+        )),
+        None => None,
+    };
+    let text = env_lines(url, paths.as_ref().map(|(a, b)| (a.as_path(), b.as_path())));
+    let (path, tmp) = (state_dir.join("env"), state_dir.join("env.tmp"));
+    std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(path)
 }
 
 /// `--resume`: the newest job named after spec `name` in the embedded
@@ -423,7 +509,26 @@ async fn resume_newest(client: &mut Client, name: &str, state_dir: &Path) -> any
 
 #[cfg(test)]
 mod tests {
-    use super::threads_per_worker;
+    use super::{env_lines, shell_quote, threads_per_worker};
+    use std::path::Path;
+
+    /// The env file is shell: every value one quoted word, whatever it
+    /// holds, and a plaintext run says so instead of naming a CA.
+    #[test]
+    fn env_lines_are_shell_words() {
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        let tls = env_lines(
+            "https://127.0.0.1:5",
+            Some((Path::new("/s d/ca.pem"), Path::new("/s d/submit.token"))),
+        );
+        assert!(tls.contains("export ACCRUE_COORDINATOR='https://127.0.0.1:5'\n"));
+        assert!(tls.contains("export ACCRUE_CA='/s d/ca.pem'\n"));
+        assert!(tls.contains("export ACCRUE_TOKEN_FILE='/s d/submit.token'\n"));
+        assert!(!tls.contains("ACCRUE_INSECURE="));
+        let plain = env_lines("http://127.0.0.1:5", None);
+        assert!(plain.contains("export ACCRUE_INSECURE=true\n") && !plain.contains("ACCRUE_CA="));
+    }
 
     #[test]
     fn local_workers_share_the_cores() {

@@ -108,3 +108,98 @@ pub(crate) fn print_job(j: &Job) {
         }
     }
 }
+
+/// `accrue list`'s header; [`list_row`] fills its columns.
+pub(crate) fn list_header() -> String {
+    format!(
+        "{:<28} {:<16} {:<11} {:>12} {:>11} {:>16}  {}",
+        "JOB", "OWNER", "STATE", "STEP", "LOSS", "THROUGHPUT", "EVAL"
+    )
+}
+
+/// One job of `accrue list`: its throughput in its unit (a language
+/// model's tokens/s, others' samples/s) and its last evaluation (a
+/// language model's perplexity, others' accuracy; `-` before the first).
+pub(crate) fn list_row(j: &Job) -> String {
+    let c = j.counters.unwrap_or_default();
+    let lm = accrue_coordinator::domain::is_lm(j);
+    let rate = format!(
+        "{:.0} {}",
+        c.samples_per_sec,
+        if lm { "tok/s" } else { "samples/s" }
+    );
+    let eval = match (&j.eval, lm) {
+        (None, _) => "-".to_string(),
+        (Some(e), true) => match accrue_coordinator::domain::perplexity(e.loss) {
+            Some(p) => format!("ppl {p:.2}"),
+            None => "ppl -".to_string(),
+        },
+        (Some(e), false) => format!("acc {:.2}%", 100.0 * e.accuracy),
+    };
+    format!(
+        "{:<28} {:<16} {:<11} {:>12} {:>11.4} {:>16}  {}",
+        j.id,
+        if j.owner.is_empty() { "-" } else { &j.owner },
+        state_name(j.state()),
+        format!("{}/{}", c.step, c.total_steps),
+        c.loss,
+        rate,
+        eval
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use accrue_proto::v1::{Counters, EvalResult, JobSpec, ModelKind, ModelSpec};
+
+    fn job(kind: ModelKind, eval: Option<EvalResult>) -> Job {
+        Job {
+            id: "j-1".into(),
+            spec: Some(JobSpec {
+                model: Some(ModelSpec {
+                    kind: kind as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            counters: Some(Counters {
+                step: 3,
+                total_steps: 9,
+                loss: 2.5,
+                samples_per_sec: 15300.4,
+                ..Default::default()
+            }),
+            eval,
+            ..Default::default()
+        }
+    }
+
+    /// A language model's row speaks of tokens and perplexity, another
+    /// job's of samples and accuracy; the columns line up with the header.
+    #[test]
+    fn list_rows_speak_each_jobs_units() {
+        let e = EvalResult {
+            loss: 2.0,
+            accuracy: 0.5,
+            ..Default::default()
+        };
+        let lm = list_row(&job(ModelKind::Llama, Some(e)));
+        assert!(
+            lm.contains("15300 tok/s") && lm.ends_with("ppl 7.39"),
+            "{lm}"
+        );
+        let mlp = list_row(&job(ModelKind::Mlp, Some(e)));
+        assert!(
+            mlp.contains("15300 samples/s") && mlp.ends_with("acc 50.00%"),
+            "{mlp}"
+        );
+        assert!(list_row(&job(ModelKind::Mlp, None)).ends_with("  -"));
+        let (h, r) = (list_header(), &lm);
+        assert_eq!(
+            h.find("THROUGHPUT").map(|i| i + 10),
+            r.find(" tok/s").map(|i| i + 6)
+        );
+        assert_eq!(h.find("EVAL"), r.find("ppl"));
+    }
+}

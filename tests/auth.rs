@@ -84,6 +84,7 @@ fn job_spec(name: &str) -> v1::JobSpec {
 async fn submit(c: &mut Client, name: &str) -> Result<v1::Job, tonic::Status> {
     c.submit_job(v1::SubmitJobRequest {
         spec: Some(job_spec(name)),
+        ..Default::default()
     })
     .await
     .map(|r| r.into_inner())
@@ -207,7 +208,10 @@ async fn job_service_refuses_by_kind_and_records_the_owner() {
     evil.name = r#""<>&'"#.into();
     let (c, m) = code(
         alice
-            .submit_job(v1::SubmitJobRequest { spec: Some(evil) })
+            .submit_job(v1::SubmitJobRequest {
+                spec: Some(evil),
+                ..Default::default()
+            })
             .await,
     );
     assert_eq!(c, Code::InvalidArgument, "{m}");

@@ -121,4 +121,9 @@ fn local_refuses_a_workers_override_before_starting_anything() {
         err.contains("--workers 1025") && err.contains("workers = 1025: must be"),
         "{err}"
     );
+    // Issue 43: a --workers that differs from the spec's says so.
+    assert!(
+        err.contains("--workers 1025 overrides the spec's workers = 2"),
+        "{err}"
+    );
 }

@@ -3,7 +3,10 @@
 //! against a real coordinator with real worker daemons training a real
 //! job. The page must show the job's curve point by point while it runs,
 //! a worker killed with SIGKILL in its recovery log and as a chart marker,
-//! and stored text as text. Screenshots go to `runs/tests/dashboard/`.
+//! and stored text as text; it compares runs, shows a job's spec, draws
+//! the loss on a log scale, smoothed, with its evaluations, exports the
+//! curve, and signs in with `accrue local`'s one-use link. Screenshots go
+//! to `runs/tests/dashboard/`.
 
 mod common;
 
@@ -95,8 +98,13 @@ async fn coordinator_with(dir: &Path, tokens: &Path) -> accrue_coordinator::Hand
 
 const STEPS: u64 = 240;
 
+/// One browser test at a time: each trains real jobs on this machine's
+/// cores, and the live one times what its job does.
+static ONE_BROWSER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text() {
+    let _one = ONE_BROWSER.lock().await;
     let d = TempDir::new().unwrap();
     let tokens = write(
         d.path(),
@@ -121,6 +129,7 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     let job = alice
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("live", 2, STEPS, extra))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -131,6 +140,7 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     let evil_job = evil
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("evil", 2, 10, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -145,6 +155,7 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     let mine = alice
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("mine", 2, 4, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -262,6 +273,217 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     drop(w);
 }
 
+/// An `accrue local` run (killed on drop, its workers with it) and the
+/// lines of its stdout.
+struct LocalRun {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Drop for LocalRun {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl LocalRun {
+    /// `accrue local` on a long synthetic job (one worker) in `dir`.
+    fn start(dir: &Path) -> LocalRun {
+        common::worker_bin();
+        let job = write(dir, "local.toml", &job_toml("local", 1, 1_000_000, ""));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_accrue"))
+            .args([
+                "local",
+                job.to_str().unwrap(),
+                "--workers",
+                "1",
+                "--state-dir",
+            ])
+            .arg(dir.join("local"))
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.join("local.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        LocalRun { child, lines }
+    }
+
+    /// The one-use sign-in link its banner prints.
+    fn sign_in_link(&self) -> String {
+        let mut seen = Vec::new();
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| {
+                    panic!("no sign-in link from accrue local; it printed {seen:?}")
+                });
+            if let Some(link) = line.split_whitespace().find(|w| w.contains("#signin=")) {
+                return link.to_string();
+            }
+            seen.push(line);
+        }
+    }
+
+    /// Stops it as Ctrl-C would (SIGTERM: the job is cancelled, the
+    /// workers asked to stop), within 30 s.
+    fn stop(&mut self) {
+        // SAFETY: kill(2) on our own child, not yet waited for.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        for _ in 0..300 {
+            if self.child.try_wait().unwrap().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("accrue local did not stop within 30 s of SIGTERM");
+    }
+}
+
+/// The status page compares runs: two finished jobs (with evaluations,
+/// different learning rates) ticked in the jobs list and drawn on one
+/// chart; the first one's spec as TOML and its hyperparameters, its loss
+/// on a log scale, smoothed, with its evaluations as points, and its
+/// curve exported as CSV and JSON (read back from the downloads against
+/// the series API). First, an `accrue local` run's printed one-use link
+/// opens the page signed in, and the same link is refused the second
+/// time. One browser session; screenshots in `runs/tests/dashboard/`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_compares_runs_and_signs_in_with_a_one_use_link() {
+    let _one = ONE_BROWSER.lock().await;
+    let d = TempDir::new().unwrap();
+    let tokens = write(
+        d.path(),
+        "tokens.toml",
+        &tokens_toml(&[("alice", ALICE, &["read", "submit"])]),
+    );
+    let h = coordinator_with(d.path(), &tokens).await;
+    let grpc = h.grpc_addr.to_string();
+    let _w = start_workers(&grpc, 2, d.path(), "c");
+    let mut alice = client_with(&grpc, ALICE).await;
+    // 512 samples, b = 8, k = 2, one rank: 32 steps an epoch, evaluated
+    // after each of the two.
+    let extra = "[eval]\nevery_epochs = 1\n";
+    let mut ids = Vec::new();
+    for (name, lr) in [("cmp-a", "0.1"), ("cmp-b", "0.03")] {
+        let text = job_toml(name, 1, 64, extra).replace("lr = 0.1", &format!("lr = {lr}"));
+        ids.push(submit_text(&mut alice, &text).await.id);
+    }
+    for id in &ids {
+        let j = wait_state(
+            &mut alice,
+            id,
+            &[v1::JobState::Succeeded],
+            Duration::from_secs(120),
+        )
+        .await;
+        assert_eq!(j.state(), v1::JobState::Succeeded, "{j:?}");
+    }
+    // The sign-in link comes from a real `accrue local` run (its own
+    // coordinator, CA and tokens), stopped once the link is checked.
+    let mut local = LocalRun::start(d.path());
+    let link = local.sign_in_link();
+    let code = link.rsplit_once("#signin=").unwrap().1;
+    assert!(
+        link.starts_with("https://127.0.0.1:")
+            && code.len() == 64
+            && code.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{link}"
+    );
+    let submit_token = std::fs::read_to_string(d.path().join("local/tls/submit.token")).unwrap();
+
+    let out = shots();
+    let args = serde_json::json!({
+        "base": format!("https://{}", h.http_addr),
+        "token": ALICE,
+        "jobs": ids,
+        "signin_link": link,
+        "signin_principal": "submit",
+        "signin_token": submit_token.trim(),
+        "out": out,
+        "bound": 1000,
+    });
+    let log = out.join("driver-compare.log");
+    let started = std::time::Instant::now();
+    let mut drv = run_driver("compare", &args, d.path(), &log);
+    let rx = lines(&mut drv);
+    let next = |what: &str| {
+        rx.recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the browser driver said nothing while {what}; see {}",
+                    log.display()
+                )
+            })
+    };
+    let signed = next("opening the sign-in link");
+    assert_eq!(
+        signed["phase"],
+        "signed_in",
+        "{signed}; see {}",
+        log.display()
+    );
+    tokio::task::block_in_place(|| local.stop());
+    let done = next("comparing, exporting and the job's page");
+    let status = drv.0.wait().unwrap();
+    assert!(
+        status.success(),
+        "the browser checks failed ({status}): {done}; see {} and {}/failure.png",
+        log.display(),
+        out.display()
+    );
+    eprintln!(
+        "browser ({:.1} s): {done}; screenshots in {}",
+        started.elapsed().as_secs_f64(),
+        out.display()
+    );
+    assert_eq!(done["ok"], true, "{done}");
+    assert_eq!(
+        done["signin_reuse"]["stored"],
+        serde_json::Value::Null,
+        "{done}"
+    );
+    assert!(done["eval_points"].as_u64().unwrap() >= 2, "{done}");
+    assert_eq!(done["export_rows"]["csv"], 64, "{done}");
+    assert_eq!(done["export_rows"]["json"], 64, "{done}");
+
+    // The sign-in POST over HTTP: open without a token, a code works once,
+    // and a cross-site POST is refused before any code is looked at.
+    let http = https_client(&creds().ca());
+    let url = format!("https://{}/v1/signin", h.http_addr);
+    let code = |link: String| link.rsplit_once("#signin=").unwrap().1.to_string();
+    let alice_code = code(h.sign_in_link(ALICE).unwrap());
+    let post = |code: &str, origin: Option<&str>| {
+        let mut r = http.post(&url).json(&serde_json::json!({ "code": code }));
+        if let Some(o) = origin {
+            r = r.header("origin", o);
+        }
+        r.send()
+    };
+    let cross = post(&alice_code, Some("https://evil.example"))
+        .await
+        .unwrap();
+    assert_eq!(cross.status(), 403);
+    let ok = post(&alice_code, None).await.unwrap();
+    assert_eq!(ok.status(), 200);
+    let ok: serde_json::Value = ok.json().await.unwrap();
+    assert_eq!(
+        (ok["token"].as_str(), ok["principal"].as_str()),
+        (Some(ALICE), Some("alice")),
+        "{ok}"
+    );
+    assert_eq!(post(&alice_code, None).await.unwrap().status(), 401);
+    assert_eq!(post(&"0".repeat(64), None).await.unwrap().status(), 401);
+    assert_eq!(h.sign_in_link("not-a-token"), None);
+}
+
 /// docs/BENCHMARKS.md section 6 (run by hand: `cargo test --release --test
 /// dashboard -- --ignored`): the page's load time and bytes at 100 jobs
 /// and with a 100,000-step job, measured in Chromium against a real
@@ -284,6 +506,7 @@ async fn status_page_load_at_100_jobs_and_a_100k_step_job() {
     let long = alice
         .submit_job(v1::SubmitJobRequest {
             spec: Some(submit("long", LONG)),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -292,6 +515,7 @@ async fn status_page_load_at_100_jobs_and_a_100k_step_job() {
         alice
             .submit_job(v1::SubmitJobRequest {
                 spec: Some(submit(&format!("short-{i}"), 20)),
+                ..Default::default()
             })
             .await
             .unwrap();

@@ -88,7 +88,10 @@ rendezvous_timeout_s = 20
 async fn submit(grpc: &str, spec: v1::JobSpec) -> Job {
     client(grpc)
         .await
-        .submit_job(v1::SubmitJobRequest { spec: Some(spec) })
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner()
@@ -402,6 +405,7 @@ async fn etcd_outage_loses_nothing() {
         Duration::from_secs(15),
         client(&co.grpc).await.submit_job(v1::SubmitJobRequest {
             spec: Some(spec("during", 1)),
+            ..Default::default()
         }),
     )
     .await
@@ -677,6 +681,7 @@ async fn a_deposed_leader_steps_down_and_never_writes_after_the_new_leader() {
         .await
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec("stale", 1)),
+            ..Default::default()
         })
         .await
         .unwrap_err();

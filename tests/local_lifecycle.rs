@@ -79,16 +79,22 @@ struct Local {
 
 impl Local {
     fn start(dir: &Path, name: &str, job: &Path, state: &Path, extra: &[&Path]) -> Self {
+        let mut args = vec![job.as_os_str(), "--workers".as_ref(), "2".as_ref()];
+        args.extend(extra.iter().map(|p| p.as_os_str()));
+        Self::with_args(dir, name, state, &args)
+    }
+
+    /// `accrue local ARGS --threads 1 --state-dir STATE`.
+    fn with_args(dir: &Path, name: &str, state: &Path, args: &[&std::ffi::OsStr]) -> Self {
         let (stdout, stderr) = (
             dir.join(format!("{name}.stdout")),
             dir.join(format!("{name}.stderr")),
         );
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_accrue"));
         cmd.arg("local")
-            .arg(job)
-            .args(["--workers", "2", "--threads", "1", "--state-dir"])
+            .args(args)
+            .args(["--threads", "1", "--state-dir"])
             .arg(state)
-            .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).unwrap())
@@ -417,4 +423,157 @@ fn an_interrupted_local_resumes_its_job() {
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
     assert!(again.exit_within(Duration::from_secs(20)).is_some());
+}
+
+/// `accrue ARGS...` as a second shell runs it: `source ENV` first, no
+/// ACCRUE_* variable of this process inherited, in another directory.
+/// With no ARGS, the program and its arguments are the caller's to add.
+fn cli_from_env(env: &Path, cwd: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        .arg(r#"source "$1" && shift && exec "$@""#)
+        .arg("sh")
+        .arg(env);
+    if !args.is_empty() {
+        cmd.arg(env!("CARGO_BIN_EXE_accrue")).args(args);
+    }
+    cmd.current_dir(cwd).stdin(Stdio::null());
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("ACCRUE_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+/// Issue 43: `accrue local` without `--workers` runs the spec's W, and
+/// writes `<state-dir>/env`, named in its banner; a second CLI process
+/// that sources it (no flag) lists the job, shows it, follows it with
+/// `watch --json` and cancels it. The file goes when the run ends.
+#[test]
+fn a_second_shell_follows_local_through_its_env_file() {
+    let d = TempDir::new().unwrap();
+    let state = d.path().join("state");
+    let _reaper = Reaper(state.display().to_string());
+    let job = common::write(
+        d.path(),
+        "job.toml",
+        &common::job_toml("envjob", 1, 1_000_000, ""),
+    );
+    let mut local = Local::with_args(d.path(), "local", &state, &[job.as_os_str()]);
+    assert!(
+        poll_until(Duration::from_secs(60), || local
+            .stdout()
+            .lines()
+            .any(|l| l.starts_with("step "))),
+        "the job did not start training\n{}",
+        local.report(&state)
+    );
+    let env = state.join("env");
+    assert!(
+        local.stdout().contains(&format!("env {}", env.display())),
+        "{}",
+        local.report(&state)
+    );
+    assert!(!local.stderr().contains("overrides"), "{}", local.stderr());
+    let elsewhere = d.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let run = |args: &[&str]| {
+        let out = cli_from_env(&env, &elsewhere, args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "accrue {args:?}: {text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let list = run(&["list"]);
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("envjob-1") && l.contains("running")),
+        "{list}"
+    );
+    // The spec says workers = 1 and no --workers was given: one worker.
+    let status = run(&["status", "envjob-1"]);
+    assert!(
+        status.contains("workers    local-0 (generation"),
+        "{status}"
+    );
+    let watch_out = d.path().join("watch.jsonl");
+    let mut watch = cli_from_env(&env, &elsewhere, &["watch", "--json", "envjob-1"])
+        .stdout(std::fs::File::create(&watch_out).unwrap())
+        .stderr(std::fs::File::create(d.path().join("watch.stderr")).unwrap())
+        .spawn()
+        .unwrap();
+    let text = || std::fs::read_to_string(&watch_out).unwrap_or_default();
+    assert!(
+        poll_until(Duration::from_secs(30), || text()
+            .contains(r#""event":"step""#)),
+        "watch --json printed no step: {}",
+        text()
+    );
+    assert!(run(&["cancel", "envjob-1"]).contains("envjob-1 cancelled"));
+    let mut ended = None;
+    poll_until(Duration::from_secs(30), || {
+        ended = watch.try_wait().unwrap();
+        ended.is_some()
+    });
+    let _ = watch.kill();
+    assert_eq!(
+        ended.and_then(|s| s.code()),
+        Some(1),
+        "a cancelled job's watch exits 1"
+    );
+    let lines: Vec<serde_json::Value> = text()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .collect();
+    let last = lines.last().unwrap();
+    assert_eq!(last["event"], "transition", "{last}");
+    assert_eq!(last["to"], "cancelled", "{last}");
+    assert!(local.exit_within(Duration::from_secs(20)).is_some());
+    assert!(!env.exists(), "the env file outlived its coordinator");
+}
+
+/// Issue 43: the Python client (clients/python, installed in the venv by
+/// `make setup`) drives a real `accrue local` run (TLS, tokens, real
+/// workers) from the environment its env file sets: list, get, watch,
+/// series (pandas and plain), submit (a dict and a path, checked as a
+/// file is), cancel, resume, and the server's refusals as exceptions
+/// (clients/python/tests/drive_local.py says what it checks).
+#[test]
+fn the_python_client_drives_a_local_run() {
+    let d = TempDir::new().unwrap();
+    let state = d.path().join("state");
+    let _reaper = Reaper(state.display().to_string());
+    let text = common::job_toml("pyjob", 1, 1_000_000, "[eval]\nevery_steps = 2");
+    let job = common::write(d.path(), "job.toml", &text);
+    let mut local = Local::with_args(d.path(), "local", &state, &[job.as_os_str()]);
+    let env = state.join("env");
+    assert!(
+        poll_until(Duration::from_secs(60), || local
+            .stdout()
+            .lines()
+            .any(|l| l.starts_with("step "))),
+        "the job did not start training\n{}",
+        local.report(&state)
+    );
+    let python = common::repo().join(".venv/bin/python");
+    let script = common::repo().join("clients/python/tests/drive_local.py");
+    let out = cli_from_env(&env, d.path(), &[])
+        .arg(python)
+        .arg(script)
+        .arg("pyjob-1")
+        .arg(&job)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("ok"),
+        "{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        local.report(&state)
+    );
+    assert!(local.exit_within(Duration::from_secs(20)).is_some());
 }

@@ -136,6 +136,7 @@ async fn paths_outside_their_roots_are_refused_and_nothing_is_written_outside() 
         let e = c
             .submit_job(v1::SubmitJobRequest {
                 spec: Some(proto(text)),
+                ..Default::default()
             })
             .await
             .expect_err("refused");
@@ -229,6 +230,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 async fn submit_ok(c: &mut accrue::Client, text: &str) -> String {
     c.submit_job(v1::SubmitJobRequest {
         spec: Some(spec(text)),
+        ..Default::default()
     })
     .await
     .unwrap()

@@ -42,6 +42,7 @@ fn with_dir(name: &str, dir: &Path) -> String {
 async fn submit(c: &mut accrue::Client, toml: &str) -> Result<v1::Job, tonic::Status> {
     c.submit_job(v1::SubmitJobRequest {
         spec: Some(spec(toml)),
+        ..Default::default()
     })
     .await
     .map(|r| r.into_inner())

@@ -20,6 +20,7 @@ async fn assignment(grpc: &str, name: &str) -> (String, v1::Assignment) {
         .await
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml(name, 1, 5, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()

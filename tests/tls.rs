@@ -542,6 +542,7 @@ async fn a_worker_certificate_is_no_credential_for_job_service() {
     let job = admin
         .submit_job(v1::SubmitJobRequest {
             spec: Some(common::spec(&common::job_toml("held", 1, 5, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()

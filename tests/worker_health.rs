@@ -152,6 +152,7 @@ async fn sigterm_detaches_and_waits_for_the_job_thread_to_checkpoint() {
                 10_000,
                 &format!("[checkpoint]\ndir = {:?}\nevery_steps = 100000\n", ckpt),
             ))),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -1,5 +1,6 @@
 //! Bakes libtorch's lib/ folder into the rpath of every binary, test and
-//! example of this crate, so they run without LD_LIBRARY_PATH (SETUP-NOTES).
+//! example of this crate, so they run without LD_LIBRARY_PATH
+//! (docs/ARCHITECTURE.md, "Build and run-time linking").
 //! Compiles the autocast shim (csrc/amp.cpp), the profiler's
 //! (csrc/profile.cpp), the storage resize (csrc/storage.cpp, ZeRO-3) and the fused operations' (csrc/fused_ops.cpp, with
 //! PyTorch's fused Adam/AdamW; with ACCRUE_CUDA=1 also csrc/kernels.cu). `ACCRUE_CUDA=1` also links

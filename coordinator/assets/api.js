@@ -50,6 +50,15 @@ export async function api(path, opts = {}) {
 }
 export const getJSON = async (path, opts) => (await api(path, opts)).json();
 
+// A one-use sign-in code exchanged for {token, principal, scopes}: POST
+// /v1/signin, without a token (a refusal here is not a refused token).
+export async function redeemSignIn(code) {
+  const r = await fetch('/v1/signin', { method: 'POST', cache: 'no-store', credentials: 'same-origin',
+    headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ code }) });
+  if (!r.ok) throw new HttpError(r.status, await errorText(r));
+  return r.json();
+}
+
 // Every job, oldest first: GET /v1/jobs pages (at most 1000 jobs each),
 // followed until next_page_token is empty.
 export async function listJobs() {

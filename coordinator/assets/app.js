@@ -1,14 +1,16 @@
 // accrue status page, the entry module: sign in, routing, the jobs list and
 // the page's controls. Plain JavaScript modules, no dependencies: util.js
 // (formatting, DOM), api.js (token, requests), series.js (the curve's
-// buckets), charts.js (SVG charts), job.js (a job's page). Every string that
+// buckets), charts.js (SVG charts), job.js (a job's page), compare.js
+// (jobs' losses on one chart). Every string that
 // comes from the server is inserted as text (textContent / createTextNode /
 // attribute values), never parsed as markup.
 import { $, DASH, FINAL, enc, fin, sig, fmtInt, fmtDur, str, el, setText, setBadge, setProgress, showOnly,
   showWorkerCount, note, clearNotes } from './util.js';
-import { session, saveToken, forgetToken, onUnauthorized, getJSON, listJobs, poller, POLL_MS } from './api.js';
+import { session, saveToken, forgetToken, onUnauthorized, getJSON, listJobs, poller, POLL_MS, redeemSignIn } from './api.js';
 import { bindCharts } from './charts.js';
 import { jobView } from './job.js';
+import { compareView, compareIds, compareHash } from './compare.js';
 
 let view = null; // the current view: {stop(), render?()}
 let bootTimer = null;
@@ -29,6 +31,25 @@ function showLogin(msg) {
   setText(e, msg || '');
   e.hidden = !msg;
   $('token').focus();
+}
+// A one-use sign-in link (`accrue local` prints one): #signin=CODE. The
+// code leaves the address bar (and the history) at once, then is
+// exchanged for a token, kept as a typed one is.
+const SIGNIN = /^#signin=(.*)$/;
+function signInFromLink() {
+  const m = SIGNIN.exec(location.hash);
+  if (!m) return false;
+  history.replaceState(null, '', location.pathname + location.search);
+  (async () => {
+    try {
+      saveToken((await redeemSignIn(m[1])).token);
+      boot();
+    } catch (e) {
+      const msg = 'This sign-in link was refused (' + e.message + '). Ask for a new one, or paste a token.';
+      if (session.token) { await boot(); note('signin', msg); } else showLogin(msg);
+    }
+  })();
+  return true;
 }
 async function boot() {
   clearTimeout(bootTimer);
@@ -60,10 +81,13 @@ function route() {
   if (view) { view.stop(); view = null; }
   clearNotes();
   const m = /^#\/jobs\/(.+)$/.exec(location.hash);
+  const cmp = /^#\/compare\/(.+)$/.exec(location.hash);
   if (m) {
     let id = m[1];
     try { id = decodeURIComponent(id); } catch (_) { /* keep raw */ }
     view = jobView(id);
+  } else if (cmp) {
+    view = compareView(compareIds(cmp[1]));
   } else {
     view = listView();
   }
@@ -71,13 +95,28 @@ function route() {
 
 // ---- jobs list ----------------------------------------------------------
 const listRows = new Map(); // job id -> row cells, reused across refreshes and visits
+const picked = new Set(); // ids ticked for comparing
 
+function showPicked() {
+  const b = $('compare');
+  b.disabled = picked.size < 2;
+  setText(b, picked.size ? 'Compare ' + picked.size : 'Compare');
+}
 function makeRow(id) {
-  const c = { tr: el('tr'), a: el('a', null, id), name: el('td', 'cell-name'), owner: el('td', 'cell-owner'),
+  const c = { tr: el('tr'), pick: el('input', 'pick'), a: el('a', null, id), name: el('td', 'cell-name'), owner: el('td', 'cell-owner'),
     badge: el('span', 'badge'), prog: el('progress'), steps: el('span'), eta: el('td'),
     loss: el('td', 'num'), sps: el('td', 'num'), workers: el('td', 'num') };
   c.tr.dataset.job = id;
   c.a.href = '#/jobs/' + enc(id);
+  c.pick.type = 'checkbox';
+  c.pick.setAttribute('aria-label', 'compare ' + id);
+  c.pick.checked = picked.has(id);
+  c.pick.addEventListener('change', () => {
+    if (c.pick.checked) picked.add(id); else picked.delete(id);
+    showPicked();
+  });
+  const tdPick = el('td', 'pick');
+  tdPick.append(c.pick);
   const tdId = el('td');
   tdId.append(c.a);
   const tdState = el('td');
@@ -86,7 +125,7 @@ function makeRow(id) {
   const wrap = el('div', 'progress-cell');
   wrap.append(c.prog, c.steps);
   tdProg.append(wrap);
-  c.tr.append(tdId, c.name, c.owner, tdState, tdProg, c.eta, c.loss, c.sps, c.workers);
+  c.tr.append(tdPick, tdId, c.name, c.owner, tdState, tdProg, c.eta, c.loss, c.sps, c.workers);
   return c;
 }
 function updateRow(c, j) {
@@ -123,8 +162,9 @@ function listView() {
       i++;
     }
     for (const [id, c] of listRows) {
-      if (!seen.has(id)) { c.tr.remove(); listRows.delete(id); }
+      if (!seen.has(id)) { c.tr.remove(); listRows.delete(id); picked.delete(id); }
     }
+    showPicked();
     const counts = {};
     for (const j of js) counts[j.state] = (counts[j.state] || 0) + 1;
     setText($('jobs-summary'), js.length + (js.length === 1 ? ' job' : ' jobs')
@@ -158,9 +198,16 @@ $('signout').addEventListener('click', () => {
   setText($('worker-count'), '');
   boot();
 });
-$('x-axis').addEventListener('change', () => {
-  if (view && view.schedule) { view.dirty.charts = true; view.schedule(); }
-});
+const redraw = () => {
+  if (view && view.schedule) { view.dirty.charts = true; view.schedule(); } else if (view && view.render) view.render();
+};
+$('x-axis').addEventListener('change', redraw);
+for (const [box, range, out] of [['log-y', 'smoothing', 'smoothing-value'], ['cmp-log', 'cmp-smoothing', 'cmp-smoothing-value']]) {
+  $(box).addEventListener('change', redraw);
+  $(range).addEventListener('input', () => { setText($(out), Number($(range).value).toFixed(2)); redraw(); });
+}
+for (const fmt of ['csv', 'json']) $('export-' + fmt).addEventListener('click', () => { if (view && view.exportSeries) view.exportSeries(fmt); });
+$('compare').addEventListener('click', () => { if (picked.size >= 2) location.hash = compareHash([...picked]); });
 $('cancel').addEventListener('click', async () => {
   const v = view;
   if (!v || !v.job || !v.setJob) return;
@@ -196,7 +243,7 @@ $('resume').addEventListener('click', async () => {
     b.disabled = false;
   }
 });
-window.addEventListener('hashchange', route);
+window.addEventListener('hashchange', () => { if (!signInFromLink()) route(); });
 // For measurements: one full synchronous render of the current view, in ms.
 window.__accrueRender = () => {
   if (!view || !view.render) return null;
@@ -204,4 +251,4 @@ window.__accrueRender = () => {
   view.render();
   return performance.now() - t0;
 };
-boot();
+if (!signInFromLink()) boot();

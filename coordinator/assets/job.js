@@ -4,9 +4,9 @@
 // Every string that comes from the server is inserted as text (textContent /
 // createTextNode / attribute values), never parsed as markup.
 import { $, DASH, FINAL, enc, fin, sig, fmtLr, fmtInt, fmtCount, fmtDur, fmtPct, fmtClock, fmtWhen, list, str, el, row,
-  setText, setBadge, setProgress, showOnly, showWorkerCount, note } from './util.js';
+  setText, setBadge, setProgress, showOnly, showWorkerCount, note, download } from './util.js';
 import { api, getJSON, quiet, canCancel, canResume, poller, POLL_MS } from './api.js';
-import { BOUND, emptyCols, snapshot, appendBuckets, evalPoints, perplexityOf } from './series.js';
+import { BOUND, emptyCols, snapshot, appendBuckets, evalPoints, perplexityOf, seriesCSV, seriesJSON } from './series.js';
 import { renderCharts, clearCharts, resumedKnown } from './charts.js';
 
 const RENDER_MS = 250; // at most ~4 renders a second
@@ -26,7 +26,8 @@ export function jobView(id) {
   };
   // reset what a previous job left
   for (const e of ['job-title', 'job-name', 'job-owner', 'job-generation', 'job-workers', 'job-accum', 'job-epoch',
-    'job-loss', 'job-gradnorm', 'job-lr', 'job-sps', 'job-seen', 'job-skipped', 'job-clip', 'job-steps', 'job-eta', 'series-info', 'eval']) setText($(e), '');
+    'job-loss', 'job-gradnorm', 'job-lr', 'job-sps', 'job-seen', 'job-skipped', 'job-clip', 'job-steps', 'job-eta', 'series-info', 'eval',
+    'job-spec', ...HPARAMS]) setText($(e), '');
   setText($('job-title'), id);
   setBadge($('job-state'), '');
   for (const e of ['job-error', 'cancel', 'cancel-error', 'resume', 'resume-error', 'evals', 'job-seen-fact']) $(e).hidden = true;
@@ -54,6 +55,12 @@ export function jobView(id) {
   };
   v.render = () => { v.dirty = { head: true, charts: true, tables: true }; render(); };
   v.schedule = schedule;
+  // The curve as held (what the charts draw), saved as a file.
+  v.exportSeries = (fmt) => {
+    const lm = (v.job || {}).unit === 'tokens';
+    if (fmt === 'csv') download(id + '-series.csv', 'text/csv', seriesCSV(v.pts, lm));
+    else download(id + '-series.json', 'application/json', seriesJSON(v.pts, lm, id));
+  };
 
   function setJob(job) {
     if (!job || typeof job !== 'object') return;
@@ -239,9 +246,30 @@ function setUnit(lm) {
   setText($('x-samples'), lm ? 'tokens' : 'samples');
 }
 
+// The spec as submitted (TOML, as text) and its hyperparameters in short.
+const HPARAMS = ['hp-workers', 'hp-accum', 'hp-batch', 'hp-optimizer', 'hp-lr', 'hp-clip', 'hp-precision', 'hp-parallel'];
+function renderSpec(j) {
+  setText($('job-spec'), typeof j.spec_toml === 'string' ? j.spec_toml : 'not available');
+  const h = j.hparams || {};
+  const c = j.clip || {};
+  const p = h.parallel;
+  const num = (x) => (fin(x) ? String(x) : DASH);
+  setText($('hp-workers'), num(h.workers));
+  setText($('hp-accum'), num(h.accumulation_steps));
+  setText($('hp-batch'), fin(h.batch_size) ? h.batch_size + ' per rank' + (fin(h.global_batch) ? ', ' + h.global_batch + ' a step' : '') : DASH);
+  setText($('hp-optimizer'), str(h.optimizer) + (fin(h.weight_decay) ? ', weight decay ' + sig(h.weight_decay, 3) : '')
+    + (h.schedule && h.schedule !== 'constant' ? ', ' + h.schedule : ''));
+  setText($('hp-lr'), fmtLr(h.lr));
+  setText($('hp-clip'), fin(c.max_norm) ? 'max_norm ' + sig(c.max_norm) : fin(c.clip_value) ? 'value ' + sig(c.clip_value) : 'off');
+  setText($('hp-precision'), str(h.precision || j.precision));
+  setText($('hp-parallel'), p ? p.data + ' × ' + p.pipeline + ' × ' + p.tensor
+    + (fin(h.sharding_stage) && h.sharding_stage > 0 ? ', ZeRO ' + h.sharding_stage : '') : DASH);
+}
+
 function renderHead(v) {
   const j = v.job;
   if (!j) return;
+  renderSpec(j);
   const k = j.counters || {};
   setText($('job-title'), j.id || v.id);
   setBadge($('job-state'), j.state);

@@ -138,3 +138,26 @@ export function smooth(ys, w) {
   }
   return out;
 }
+
+// Values on a log10 scale: a value <= 0 (or not a number) has no place
+// there and becomes a gap (null).
+export const logY = (ys) => ys.map((y) => (fin(y) && y > 0 ? Math.log10(y) : null));
+
+// The held columns as exported (CSV, JSON): a language model's samples
+// columns count tokens and are named so.
+const EXPORT = ['first_step', 'last_step', 'count', 'samples_seen', 'wall_ms', 'loss', 'loss_min', 'loss_max',
+  'grad_norm', 'clip_coef', 'lr', 'samples_per_sec'];
+const exportName = (k, lm) => (lm ? k.replace('samples', 'tokens') : k);
+const cell = (x) => (fin(x) ? x : null);
+export function seriesCSV(p, lm) {
+  const n = p.first_step.length;
+  const lines = [EXPORT.map((k) => exportName(k, lm)).join(',')];
+  for (let i = 0; i < n; i++) lines.push(EXPORT.map((k) => (fin(p[k][i]) ? String(p[k][i]) : '')).join(','));
+  return lines.join('\n') + '\n';
+}
+export function seriesJSON(p, lm, job) {
+  const n = p.first_step.length;
+  const points = [];
+  for (let i = 0; i < n; i++) points.push(Object.fromEntries(EXPORT.map((k) => [exportName(k, lm), cell(p[k][i])])));
+  return JSON.stringify({ job, unit: lm ? 'tokens' : 'samples', points }, null, 1) + '\n';
+}

@@ -85,13 +85,26 @@ export function setProgress(p, step, total) {
     p.removeAttribute('value');
   }
 }
+// `text` saved as file `name` (a Blob behind an object URL and a click on
+// an <a download>).
+export function download(name, type, text) {
+  const url = URL.createObjectURL(new Blob([text], { type }));
+  const a = el('a');
+  a.href = url;
+  a.download = name;
+  a.hidden = true;
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000);
+}
 export function row(cells) {
   const tr = el('tr');
   for (const [text, cls] of cells) tr.append(el('td', cls, text));
   return tr;
 }
 export function showOnly(id) {
-  for (const s of ['login', 'view-list', 'view-job']) $(s).hidden = s !== id;
+  for (const s of ['login', 'view-list', 'view-job', 'view-compare']) $(s).hidden = s !== id;
 }
 export function showWorkerCount(ws) {
   const busy = ws.filter((w) => w.job).length;

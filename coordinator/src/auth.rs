@@ -331,7 +331,7 @@ pub fn grpc_rule(path: &str) -> Rule {
         return Rule::Open;
     }
     match path.strip_prefix(JOB_SERVICE) {
-        Some("GetJob" | "ListJobs" | "WatchJob") => Rule::Need(Scope::Read),
+        Some("GetJob" | "ListJobs" | "WatchJob" | "GetSeries") => Rule::Need(Scope::Read),
         Some("SubmitJob" | "CancelJob" | "ResumeJob") => Rule::Need(Scope::Submit),
         _ => Rule::Need(Scope::Admin),
     }
@@ -339,13 +339,15 @@ pub fn grpc_rule(path: &str) -> Rule {
 
 /// The rule for an HTTP request: probes are open, `/metrics` needs
 /// `metrics`, the cancel and resume POSTs need `submit` (and ownership, or
-/// admin),
+/// admin), the sign-in POST is open (its one-use code is the credential;
+/// the cross-site refusal still applies),
 /// everything else (dashboard, JSON, unknown paths) needs `read`.
 pub fn http_rule(method: &axum::http::Method, path: &str) -> Rule {
     match path {
         // The page shell and its assets hold no data.
         "/healthz" | "/readyz" | "/" | "/favicon.ico" => Rule::Open,
         _ if path.starts_with("/assets/") && method == axum::http::Method::GET => Rule::Open,
+        SIGN_IN_PATH if method == axum::http::Method::POST => Rule::Open,
         "/metrics" => Rule::Need(Scope::Metrics),
         _ if method == axum::http::Method::POST => Rule::Need(Scope::Submit),
         _ => Rule::Need(Scope::Read),
@@ -417,6 +419,9 @@ struct Loaded {
 pub struct Tokens {
     path: PathBuf,
     loaded: Mutex<Loaded>,
+    /// One-use sign-in codes for the status page, each for a token of
+    /// this file.
+    signins: signin::SignIns,
 }
 
 fn read_table(path: &Path) -> Result<TokenTable, TokensError> {
@@ -450,6 +455,7 @@ impl Tokens {
                 stamp: Some(st),
                 checked: Instant::now(),
             }),
+            signins: signin::SignIns::default(),
         })
     }
 
@@ -494,6 +500,36 @@ impl Tokens {
 
     pub fn current(&self) -> Arc<TokenTable> {
         self.current_at(Instant::now())
+    }
+
+    /// A one-use sign-in code ([`signin`]) standing for `token`, which must
+    /// be in the file now with the `read` scope.
+    pub fn sign_in_code(&self, token: &str) -> Result<String, AuthError> {
+        let p = self.current().lookup(token).cloned();
+        let p = p.ok_or(AuthError::UnknownToken)?;
+        if !p.has(Scope::Read) {
+            return Err(AuthError::Forbidden {
+                have: p
+                    .scopes
+                    .iter()
+                    .map(|s| s.name())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                principal: p.name,
+                need: Scope::Read,
+                what: "a sign-in link".into(),
+            });
+        }
+        Ok(self.signins.issue_at(token, Instant::now()))
+    }
+
+    /// The token a sign-in code stands for and its principal, once: None
+    /// when the code is unknown, used or expired, or its token has left
+    /// the file (or lost `read`) since.
+    pub fn redeem_sign_in(&self, code: &str) -> Option<(String, Principal)> {
+        let token = self.signins.redeem_at(code, Instant::now())?;
+        let p = self.current().lookup(&token).cloned()?;
+        p.has(Scope::Read).then_some((token, p))
     }
 }
 
@@ -568,6 +604,11 @@ where
         }
     }
 }
+
+pub mod signin;
+
+/// Where the status page exchanges a sign-in code for its token.
+pub const SIGN_IN_PATH: &str = "/v1/signin";
 
 #[cfg(test)]
 mod tests;

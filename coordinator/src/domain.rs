@@ -8,6 +8,7 @@
 /// A job's state; the proto's enum is the domain's (the names below are
 /// how it is shown).
 pub use accrue_proto::v1::JobState;
+use accrue_proto::v1::{EvalResult, Job};
 
 /// A state's name in messages, JSON and the CLI.
 pub fn state_name(s: JobState) -> &'static str {
@@ -48,3 +49,58 @@ impl Caller {
 /// function in tests. The scheduler only calls it when it forms a
 /// generation and puts the key in that generation's Assignments.
 pub type RingKeys = Box<dyn Fn(&str, u64) -> Vec<u8> + Send>;
+
+/// Whether `j` trains a language model (`model.kind = "llama"`, issue 30):
+/// its step reports count target tokens where other jobs count samples
+/// (`samples` = the step's target tokens, `samples_per_sec` = tokens/s,
+/// samples seen = tokens seen), and its evaluation loss is per token.
+pub fn is_lm(j: &Job) -> bool {
+    j.spec
+        .as_ref()
+        .and_then(|s| s.model.as_ref())
+        .is_some_and(|m| {
+            use accrue_proto::v1::ModelKind as K;
+            [K::Llama, K::Qwen2, K::Mistral].contains(&K::try_from(m.kind).unwrap_or_default())
+        })
+}
+
+/// What a job's throughput counts: `"tokens"` for a language model,
+/// `"samples"` otherwise.
+pub fn unit(j: &Job) -> &'static str {
+    if is_lm(j) {
+        "tokens"
+    } else {
+        "samples"
+    }
+}
+
+/// The perplexity of a mean loss per token, exp(loss); None when that is
+/// not a finite number.
+pub fn perplexity(loss: f64) -> Option<f64> {
+    Some(loss.exp()).filter(|p| p.is_finite())
+}
+
+/// `j` as a reader sees it (GetJob, ListJobs, WatchJob): its `unit`, and
+/// for a language model the token names of its numbers
+/// (`counters.tokens_per_sec`, `counters.tokens_seen`) and its
+/// evaluation's `perplexity` and `tokens`. None of these is stored.
+pub fn add_reader_fields(j: &mut Job) {
+    j.unit = unit(j).to_string();
+    if !is_lm(j) {
+        return;
+    }
+    if let Some(c) = j.counters.as_mut() {
+        c.tokens_per_sec = Some(c.samples_per_sec);
+        c.tokens_seen = Some(c.samples_seen);
+    }
+    if let Some(e) = j.eval.as_mut() {
+        add_lm_eval_fields(e);
+    }
+}
+
+/// A language model's evaluation with its perplexity (when finite) and
+/// the target tokens it evaluated.
+pub fn add_lm_eval_fields(e: &mut EvalResult) {
+    e.perplexity = perplexity(e.loss);
+    e.tokens = Some(e.samples);
+}

@@ -65,10 +65,7 @@ impl v1::job_service_server::JobService for JobApi {
             .get::<Principal>()
             .map(|p| p.name.clone())
             .unwrap_or_default();
-        let spec = req
-            .into_inner()
-            .spec
-            .ok_or_else(|| CoordError::InvalidArgument("spec: (missing): required".into()))?;
+        let spec = submitted_spec(req.into_inner())?;
         // Answers once the job is durable (bounded; UNAVAILABLE otherwise).
         Ok(Response::new(self.0.get()?.submit_as(spec, owner).await?))
     }
@@ -104,6 +101,17 @@ impl v1::job_service_server::JobService for JobApi {
             self.0.get()?.resume_as(&req.into_inner().id, by).await?,
         ))
     }
+    async fn get_series(
+        &self,
+        req: Request<v1::GetSeriesRequest>,
+    ) -> Result<Response<v1::GetSeriesResponse>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(self.0.get()?.series(
+            &r.id,
+            r.from_step,
+            r.max_points,
+        )?))
+    }
     type WatchJobStream = BoxStream<JobEvent>;
     async fn watch_job(
         &self,
@@ -111,6 +119,27 @@ impl v1::job_service_server::JobService for JobApi {
     ) -> Result<Response<Self::WatchJobStream>, Status> {
         let s = self.0.get()?.watch(&req.into_inner().id)?;
         Ok(Response::new(Box::pin(s)))
+    }
+}
+
+/// The spec of a SubmitJob: the structured one, or the TOML text parsed
+/// and checked as `accrue submit` checks a file (its fields; the
+/// coordinator's own checks follow for both).
+fn submitted_spec(r: v1::SubmitJobRequest) -> Result<v1::JobSpec, CoordError> {
+    match (r.spec, r.spec_toml.is_empty()) {
+        (Some(_), false) => Err(CoordError::InvalidArgument(
+            "spec and spec_toml are both set: give one".into(),
+        )),
+        (Some(spec), true) => Ok(spec),
+        (None, false) => {
+            let origin = std::path::Path::new("spec_toml");
+            let spec = accrue_common::JobSpec::fields_from_toml_str(&r.spec_toml, origin)
+                .map_err(|e| CoordError::InvalidArgument(e.to_string()))?;
+            Ok(accrue_proto::spec_to_proto(&spec))
+        }
+        (None, true) => Err(CoordError::InvalidArgument(
+            "spec: (missing): required (the structured spec or spec_toml)".into(),
+        )),
     }
 }
 

@@ -16,6 +16,7 @@ pub mod series;
 pub mod service;
 pub mod state;
 pub mod store;
+pub mod tensorboard;
 pub mod tls;
 
 pub use error::CoordError;
@@ -36,9 +37,24 @@ pub struct Handle {
     pub gate: Arc<gate::Gate>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    /// The tokens file (None: authentication off), and whether the status
+    /// endpoint serves TLS: what a sign-in link needs.
+    tokens: Option<Arc<auth::Tokens>>,
+    https: bool,
 }
 
 impl Handle {
+    /// A one-use link to the status page, `https://HOST:PORT/#signin=CODE`,
+    /// that signs the page in as `token` (a token of the tokens file with
+    /// `read`; the page gets that token, so its scopes too) once, within
+    /// [`auth::signin::CODE_TTL`]. None when authentication is off or the
+    /// token is not such a token.
+    pub fn sign_in_link(&self, token: &str) -> Option<String> {
+        let code = self.tokens.as_ref()?.sign_in_code(token).ok()?;
+        let scheme = if self.https { "https" } else { "http" };
+        Some(format!("{scheme}://{}/#signin={code}", self.http_addr))
+    }
+
     /// The coordinator, when this process leads (always in embedded mode).
     pub fn coordinator(&self) -> Option<Arc<Coordinator>> {
         self.gate.coordinator()
@@ -179,15 +195,17 @@ async fn serve(
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let https = http_tls.is_some();
     let router = http::router(gate.clone(), tokens.clone())
         .layer(axum::Extension(http::Stopping(stop_tx.clone())));
     let ticker = gate.clone();
     let ttl = cfg.heartbeat_ttl;
+    let grpc_tokens = tokens.clone();
     let task = tokio::spawn(async move {
         let mut stop_grpc = stop_tx.subscribe();
         let mut stop_http = stop_tx.subscribe();
         let grpc = builder
-            .layer(auth::GrpcAuthLayer::new(tokens))
+            .layer(auth::GrpcAuthLayer::new(grpc_tokens))
             .add_service(jobs)
             .add_service(workers)
             .serve_with_incoming_shutdown(
@@ -238,5 +256,7 @@ async fn serve(
         gate,
         shutdown: Some(tx),
         task,
+        tokens,
+        https,
     })
 }

@@ -87,6 +87,11 @@ struct Args {
     /// in etcd mode, a random in-memory secret per replica.
     #[arg(long, value_name = "FILE")]
     ring_secret_file: Option<PathBuf>,
+    /// TensorBoard event files: one run folder per job (its id) under this
+    /// folder, written as steps and evaluations come (`tensorboard
+    /// --logdir <this>`). Default: <state-dir>/tensorboard.
+    #[arg(long, value_name = "DIR")]
+    tensorboard_dir: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -113,6 +118,9 @@ async fn serve() -> anyhow::Result<()> {
     let a = Args::parse();
     let tls = accrue_coordinator::tls::server_transport(a.tls_cert, a.tls_key, a.client_ca)?;
     let etcd_tls = a.etcd_tls.for_endpoints(&a.etcd)?;
+    let tensorboard_dir = a
+        .tensorboard_dir
+        .unwrap_or_else(|| a.state_dir.join("tensorboard"));
     let cfg = accrue_coordinator::Config {
         state_dir: a.state_dir,
         heartbeat_ttl: Duration::try_from_secs_f64(a.heartbeat_ttl)
@@ -131,6 +139,7 @@ async fn serve() -> anyhow::Result<()> {
         tls,
         ring_secret_file: a.ring_secret_file,
         insecure: a.insecure,
+        tensorboard_dir: Some(tensorboard_dir),
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

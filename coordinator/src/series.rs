@@ -267,6 +267,45 @@ pub fn query_json(s: &JobSeries, from_step: u64, max_points: usize) -> Value {
     })
 }
 
+/// The answer to GetSeries: as [`query_json`], the buckets themselves
+/// (sums and counts, so a client takes means where it needs them), with
+/// the job's unit and recoveries, and a language model's evaluations with
+/// their perplexity.
+pub fn query(
+    s: &JobSeries,
+    job: &accrue_proto::v1::Job,
+    from_step: u64,
+    max_points: usize,
+) -> accrue_proto::v1::GetSeriesResponse {
+    let start = s.buckets.partition_point(|b| b.last_step < from_step);
+    let lm = crate::domain::is_lm(job);
+    let evals = s
+        .evals
+        .iter()
+        .map(|p| {
+            let mut p = *p;
+            if let (true, Some(e)) = (lm, p.eval.as_mut()) {
+                crate::domain::add_lm_eval_fields(e);
+            }
+            p
+        })
+        .collect();
+    accrue_proto::v1::GetSeriesResponse {
+        job_id: s.job_id.clone(),
+        unit: crate::domain::unit(job).to_string(),
+        width: s.width,
+        points: downsample(&s.buckets[start..], max_points),
+        skipped: s
+            .skipped
+            .iter()
+            .filter(|x| x.last >= from_step)
+            .copied()
+            .collect(),
+        evals,
+        recoveries: job.recoveries.clone(),
+    }
+}
+
 /// Why a series request is refused (None: it is fine).
 pub fn check_points(max_points: usize) -> Option<String> {
     (!POINTS_RANGE.contains(&max_points)).then(|| {

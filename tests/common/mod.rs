@@ -141,6 +141,7 @@ pub async fn wait_state(c: &mut Client, id: &str, want: &[JobState], limit: Dura
 pub async fn submit_text(c: &mut Client, text: &str) -> Job {
     c.submit_job(v1::SubmitJobRequest {
         spec: Some(spec(text)),
+        ..Default::default()
     })
     .await
     .unwrap()

@@ -14,6 +14,7 @@ async fn submit_watch_succeed_and_status_endpoint() {
     let job = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("wj", 2, 12, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -132,6 +133,7 @@ async fn gang_scheduling_waits_for_a_whole_gang() {
     let a = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("ga", 2, GA_STEPS, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -139,6 +141,7 @@ async fn gang_scheduling_waits_for_a_whole_gang() {
     let b = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("gb", 2, 5, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -204,6 +207,7 @@ async fn cancel_stops_workers_and_they_take_the_next_job() {
     let long = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("long", 2, 1_000_000, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -228,6 +232,7 @@ async fn cancel_stops_workers_and_they_take_the_next_job() {
     let next = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("next", 2, 4, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -277,6 +282,7 @@ async fn restart_on_the_same_state_dir_lists_every_job() {
     let done = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("done", 1, 3, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -291,6 +297,7 @@ async fn restart_on_the_same_state_dir_lists_every_job() {
     let cancelled = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("gone", 2, 3, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -303,6 +310,7 @@ async fn restart_on_the_same_state_dir_lists_every_job() {
     let waiting = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("later", 2, 3, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -332,6 +340,7 @@ async fn restart_on_the_same_state_dir_lists_every_job() {
     let next = c2
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("later", 1, 3, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -49,6 +49,7 @@ async fn list_jobs_pages_and_a_page_of_maximal_jobs_fits_a_standard_client() {
                 for i in (t..N).step_by(4) {
                     c.submit_job(v1::SubmitJobRequest {
                         spec: Some(maximal_spec(i)),
+                        ..Default::default()
                     })
                     .await
                     .unwrap();
@@ -206,7 +207,10 @@ async fn an_oversized_spec_is_refused_at_submit_naming_the_field() {
     let mut s = spec(&job_toml("big", 1, 4, ""));
     s.data.as_mut().unwrap().path = Some("x".repeat(1_000_000));
     let e = c
-        .submit_job(v1::SubmitJobRequest { spec: Some(s) })
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(s),
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
@@ -385,6 +389,7 @@ async fn model_configs_cannot_exhaust_the_coordinator_or_a_daemon() {
         let err = c
             .submit_job(v1::SubmitJobRequest {
                 spec: Some(llama_with_config("cfg", &config)),
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -430,6 +435,7 @@ async fn model_configs_cannot_exhaust_the_coordinator_or_a_daemon() {
     let job = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(llama_with_config("linked", "cfg-37.json")),
+            ..Default::default()
         })
         .await
         .unwrap()

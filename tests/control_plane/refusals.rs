@@ -14,7 +14,10 @@ async fn bad_input_is_refused_with_the_right_codes() {
     bad.accumulation.as_mut().unwrap().steps = Some(0);
     bad.model.as_mut().unwrap().kind = 99;
     let err = c
-        .submit_job(v1::SubmitJobRequest { spec: Some(bad) })
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(bad),
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
@@ -39,17 +42,50 @@ async fn bad_input_is_refused_with_the_right_codes() {
         let mut s = spec(&job_toml("ok", 1, 5, ""));
         s.name = name.clone();
         let err = c
-            .submit_job(v1::SubmitJobRequest { spec: Some(s) })
+            .submit_job(v1::SubmitJobRequest {
+                spec: Some(s),
+                ..Default::default()
+            })
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}");
         assert!(err.message().contains("name = "), "{}", err.message());
     }
     let none = c
-        .submit_job(v1::SubmitJobRequest { spec: None })
+        .submit_job(v1::SubmitJobRequest {
+            spec: None,
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(none.code(), tonic::Code::InvalidArgument);
+    // Issue 43: the spec as TOML text is checked as a file is (every
+    // refused value at once, by its field), and is one of the two forms.
+    let bad_toml = job_toml("ok", 1, 5, "").replace("lr = 0.1", "lr = -1");
+    let refused = c
+        .submit_job(v1::SubmitJobRequest {
+            spec_toml: bad_toml,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused
+            .message()
+            .contains("optimizer.lr = -1.0: must be a finite number > 0"),
+        "{}",
+        refused.message()
+    );
+    let both = c
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(spec(&job_toml("ok", 1, 5, ""))),
+            spec_toml: job_toml("ok", 1, 5, ""),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(both.code(), tonic::Code::InvalidArgument);
+    assert!(both.message().contains("give one"), "{}", both.message());
     assert!(
         c.list_jobs(v1::ListJobsRequest::default())
             .await
@@ -87,7 +123,10 @@ async fn bad_input_is_refused_with_the_right_codes() {
     let mut huge = spec(&job_toml("huge", 1, 5, ""));
     huge.model.as_mut().unwrap().hidden = vec![1; 2_000_000];
     let err = c
-        .submit_job(v1::SubmitJobRequest { spec: Some(huge) })
+        .submit_job(v1::SubmitJobRequest {
+            spec: Some(huge),
+            ..Default::default()
+        })
         .await
         .map(|r| r.into_inner().id)
         .unwrap_err();
@@ -118,6 +157,7 @@ async fn stale_generation_reports_are_refused() {
                 5,
                 "[comm]\nrendezvous_timeout_s = 0.5",
             ))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -227,7 +267,10 @@ async fn bad_specs_never_take_a_worker_out_of_service() {
     refused.push((zero, "workers = 0"));
     for (s, needle) in refused {
         let err = c
-            .submit_job(v1::SubmitJobRequest { spec: Some(s) })
+            .submit_job(v1::SubmitJobRequest {
+                spec: Some(s),
+                ..Default::default()
+            })
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{needle}");
@@ -242,6 +285,7 @@ async fn bad_specs_never_take_a_worker_out_of_service() {
     let two = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("two", 2, 4, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -258,6 +302,7 @@ async fn bad_specs_never_take_a_worker_out_of_service() {
     let missing = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(missing),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -274,6 +319,7 @@ async fn bad_specs_never_take_a_worker_out_of_service() {
     let small = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("small", 1, 4, ""))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -325,6 +371,7 @@ async fn a_rendezvous_that_cannot_complete_ends_within_connect_timeout() {
     let job = c
         .submit_job(v1::SubmitJobRequest {
             spec: Some(spec(&job_toml("rv", 2, 5, comm))),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -383,6 +430,7 @@ async fn a_rendezvous_that_cannot_complete_ends_within_connect_timeout() {
         async move {
             c.submit_job(v1::SubmitJobRequest {
                 spec: Some(spec(&text)),
+                ..Default::default()
             })
             .await
             .unwrap()

@@ -236,8 +236,9 @@ fn killed_rank_is_named_by_the_others() {
 /// momentum, weight decay and clipping, against PyTorch on CUDA training the
 /// same MLP from the same weights with one batch of 32 per step in the same
 /// order (torch_reference.py e2e-compare). Tolerance 1e-5 relative, as on the
-/// CPU: no convolutions, so no TF32; GPU-NOTES saw 7.8e-8 for two workers
-/// on one GPU. Ignored (needs CUDA): scripts/gpu-checks.sh runs it.
+/// CPU: no convolutions, so no TF32; an early GPU run measured 7.8e-8 for
+/// two workers on one GPU, and an H100 1.5e-7 (docs/BENCHMARKS.md section
+/// 10). Ignored (needs CUDA): scripts/gpu-checks.sh runs it.
 #[test]
 #[ignore = "needs CUDA"]
 fn two_processes_on_cuda_equal_pytorch_on_cuda() {

@@ -639,4 +639,6 @@ impl JobSpec {
 }
 
 #[cfg(test)]
+mod reference_tests;
+#[cfg(test)]
 mod tests;

@@ -168,6 +168,37 @@ fn grpc_methods_and_http_routes_need_their_scopes() {
             "{action}"
         );
     }
+    // The sign-in POST is open (its code is the credential); nothing else
+    // under that name is.
+    assert_eq!(http_rule(&Method::POST, "/v1/signin"), Open);
+    assert_eq!(http_rule(&Method::GET, "/v1/signin"), Need(Scope::Read));
+    assert_eq!(
+        http_rule(&Method::POST, "/v1/signin/x"),
+        Need(Scope::Submit)
+    );
+}
+
+#[test]
+fn sign_in_codes_stand_for_a_reading_token_once() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("tokens.toml");
+    let f = file(&[("s", "st", &["read", "submit"]), ("m", "mt", &["metrics"])]);
+    std::fs::write(&path, f).unwrap();
+    let t = Tokens::load(&path).unwrap();
+    let code = t.sign_in_code("st").unwrap();
+    let (token, p) = t.redeem_sign_in(&code).unwrap();
+    assert_eq!((token.as_str(), p.name.as_str()), ("st", "s"));
+    assert_eq!(p.scopes, [Scope::Read, Scope::Submit]);
+    assert_eq!(t.redeem_sign_in(&code), None, "a second use");
+    // Only for a token of the file that may read.
+    assert_eq!(t.sign_in_code("nope"), Err(AuthError::UnknownToken));
+    assert!(matches!(
+        t.sign_in_code("mt"),
+        Err(AuthError::Forbidden {
+            need: Scope::Read,
+            ..
+        })
+    ));
 }
 
 #[test]

@@ -163,6 +163,7 @@ async fn main() -> anyhow::Result<()> {
         ids.push(
             jobs.submit_job(v1::SubmitJobRequest {
                 spec: Some(spec(&format!("b{j}"))),
+                ..Default::default()
             })
             .await?
             .into_inner()

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 pub(super) const INDEX_HTML: &str = include_str!("../../assets/index.html");
 const JS: &str = "text/javascript; charset=utf-8";
 /// (path, content type, body): app.js, the modules it imports, the style.
-pub(super) const ASSETS: [(&str, &str, &str); 7] = [
+pub(super) const ASSETS: [(&str, &str, &str); 8] = [
     ("/assets/app.js", JS, include_str!("../../assets/app.js")),
     ("/assets/util.js", JS, include_str!("../../assets/util.js")),
     ("/assets/api.js", JS, include_str!("../../assets/api.js")),
@@ -24,6 +24,11 @@ pub(super) const ASSETS: [(&str, &str, &str); 7] = [
         include_str!("../../assets/charts.js"),
     ),
     ("/assets/job.js", JS, include_str!("../../assets/job.js")),
+    (
+        "/assets/compare.js",
+        JS,
+        include_str!("../../assets/compare.js"),
+    ),
     (
         "/assets/app.css",
         "text/css; charset=utf-8",

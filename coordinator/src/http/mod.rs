@@ -1,7 +1,8 @@
 //! The status endpoint: /healthz, /readyz, /v1/whoami, /v1/jobs,
 //! /v1/jobs/{id}, /v1/jobs/{id}/series, /v1/jobs/{id}/events (SSE),
 //! /v1/workers, POST /v1/jobs/{id}/cancel, POST /v1/jobs/{id}/resume,
-//! /metrics (Prometheus text) and
+//! POST /v1/signin (a one-use sign-in code for its token), /metrics
+//! (Prometheus text) and
 //! / (the status page: `coordinator/assets/`, embedded).
 //!
 //! With a tokens file every request but the probes needs `authorization:
@@ -9,7 +10,7 @@
 //! [`crate::auth::http_rule`]); the guard decides before any handler runs and
 //! leaves the principal in the request's extensions. Every response carries
 //! [`SECURITY_HEADERS`]; no CORS headers are ever sent, and a state change
-//! (the cancel and resume POSTs) from another site is refused whatever the credentials.
+//! (the cancel, resume and sign-in POSTs) from another site is refused whatever the credentials.
 //!
 //! One file per concern: `guard` (authentication, the cross-site check,
 //! the security headers), `views` (jobs, workers and the caller as JSON),
@@ -34,6 +35,7 @@ mod events;
 mod guard;
 mod metrics;
 mod series;
+mod signin;
 #[cfg(test)]
 mod tests;
 mod views;
@@ -73,6 +75,10 @@ pub fn router(g: Arc<Gate>, tokens: Option<Arc<Tokens>>) -> Router {
         .route("/v1/jobs/{id}", get(one))
         .route("/v1/jobs/{id}/cancel", post(cancel))
         .route("/v1/jobs/{id}/resume", post(resume))
+        .route(crate::auth::SIGN_IN_PATH, {
+            let tokens = tokens.clone();
+            post(move |body| signin::signin(tokens, body))
+        })
         .route("/metrics", get(metrics))
         .with_state(g)
         .layer(middleware::from_fn_with_state(tokens, guard))

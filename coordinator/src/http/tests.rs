@@ -32,6 +32,7 @@ fn job(id: &str, kind: ModelKind) -> Job {
             loss: 2.0,
             accuracy: 0.25,
             samples: 4096,
+            ..Default::default()
         }),
         ..Default::default()
     }
@@ -161,4 +162,62 @@ fn metrics_name_a_language_models_tokens_and_perplexity() {
         "{out}"
     );
     assert!(!out.contains("accrue_job_eval_perplexity{"), "{out}");
+}
+
+#[test]
+fn a_job_shows_its_spec_as_toml_and_its_hyperparameters() {
+    let text = r#"
+name = "hp"
+workers = 4
+seed = 9
+max_steps = 10
+[model]
+kind = "mlp"
+hidden = [8]
+[data]
+kind = "synthetic"
+samples = 64
+shape = [4]
+classes = 2
+batch_size = 8
+[accumulation]
+steps = 3
+[clipping]
+max_norm = 1.0
+[optimizer]
+kind = "adamw"
+lr = 0.003
+weight_decay = 0.01
+"#;
+    let spec =
+        accrue_common::JobSpec::from_toml_str(text, std::path::Path::new("hp.toml")).unwrap();
+    let mut j = job("hp-1", ModelKind::Mlp);
+    j.spec = Some(accrue_proto::spec_to_proto(&spec));
+    let v = job_view(&j, None);
+    // The TOML reads back as the spec the job holds.
+    let held = accrue_proto::spec_from_proto(j.spec.as_ref().unwrap()).unwrap();
+    let back: accrue_common::JobSpec = toml::from_str(v["spec_toml"].as_str().unwrap()).unwrap();
+    assert_eq!(back, held);
+    assert!(
+        v["spec_toml"].as_str().unwrap().contains("name = \"hp\""),
+        "{v}"
+    );
+    let h = &v["hparams"];
+    assert_eq!(h["workers"], 4);
+    assert_eq!(h["accumulation_steps"], 3);
+    assert_eq!(h["batch_size"], 8);
+    assert_eq!(h["global_batch"], 4 * 8 * 3);
+    assert_eq!(h["optimizer"], "adamw");
+    assert_eq!(h["lr"], json!(0.003));
+    assert_eq!(h["weight_decay"], json!(0.01));
+    assert_eq!(h["precision"], "fp32");
+    assert_eq!(
+        h["parallel"],
+        json!({"data": 4, "pipeline": 1, "tensor": 1})
+    );
+    assert_eq!(h["seed"], 9);
+    // No spec: nulls, not a failure.
+    j.spec = None;
+    let v = job_view(&j, None);
+    assert!(v["spec_toml"].is_null() && v["hparams"].is_null(), "{v}");
 }

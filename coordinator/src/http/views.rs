@@ -5,6 +5,7 @@
 use super::coordinator;
 use crate::auth::{self, Principal};
 use crate::domain::Caller;
+pub use crate::domain::{is_lm, perplexity, unit};
 use crate::domain::{state_name, JobState};
 use crate::error::CoordError;
 use crate::gate::Gate;
@@ -83,9 +84,16 @@ pub(super) async fn list(State(g): State<Arc<Gate>>, Query(q): Query<ListQuery>)
     };
     let (jobs, next) = c.with_cluster(|cl| {
         let (page, next) = cl.jobs_page(&req, |_| 0, usize::MAX);
+        // The list leaves each spec's TOML out (a job's own view has it).
         let jobs = page
             .into_iter()
-            .map(|j| job_view(j, cl.series(&j.id)))
+            .map(|j| {
+                let mut v = job_view(j, cl.series(&j.id));
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("spec_toml");
+                }
+                v
+            })
             .collect::<Vec<_>>();
         (jobs, next)
     });
@@ -160,36 +168,6 @@ pub(super) async fn whoami(p: Option<Extension<Principal>>) -> Response {
     Json(v).into_response()
 }
 
-/// Whether `j` trains a language model (`model.kind = "llama"`, issue 30):
-/// its step reports count target tokens where other jobs count samples
-/// (`samples` = the step's target tokens, `samples_per_sec` = tokens/s,
-/// samples seen = tokens seen), and its evaluation loss is per token.
-pub fn is_lm(j: &Job) -> bool {
-    j.spec
-        .as_ref()
-        .and_then(|s| s.model.as_ref())
-        .is_some_and(|m| {
-            use accrue_proto::v1::ModelKind as K;
-            [K::Llama, K::Qwen2, K::Mistral].contains(&K::try_from(m.kind).unwrap_or_default())
-        })
-}
-
-/// What a job's throughput counts: `"tokens"` for a language model,
-/// `"samples"` otherwise.
-pub fn unit(j: &Job) -> &'static str {
-    if is_lm(j) {
-        "tokens"
-    } else {
-        "samples"
-    }
-}
-
-/// The perplexity of a mean loss per token, exp(loss); None when that is
-/// not a finite number.
-pub fn perplexity(loss: f64) -> Option<f64> {
-    Some(loss.exp()).filter(|p| p.is_finite())
-}
-
 /// The language-model names of `j`'s numbers added to its JSON `v` (a
 /// [`job_json`]): `counters.tokens_per_sec`, `counters.tokens_seen`,
 /// `eval.perplexity` and `eval.tokens` (the target tokens it evaluated; its
@@ -217,6 +195,7 @@ pub(super) fn add_perplexities(evals: &mut Value) {
 }
 
 /// A job as the API shows it: [`job_json`], its ETA and its clipping, its
+/// spec (`spec_toml` and `hparams`, see `add_spec`), its
 /// `unit` (`"samples"`, or `"tokens"` for a language model, which also has
 /// `counters.tokens_per_sec`, `counters.tokens_seen`, `eval.perplexity` and
 /// `eval.tokens`).
@@ -241,7 +220,39 @@ pub fn job_view(j: &Job, series: Option<&accrue_proto::v1::JobSeries>) -> Value 
         Ok(accrue_proto::v1::Precision::Fp16) => "fp16",
         _ => "fp32",
     });
+    add_spec(j, &mut v);
     v
+}
+
+/// `spec_toml`: the job's spec as TOML (as submitted, defaults filled in),
+/// and `hparams`: what the status page sums up of it (k and the parallel
+/// degrees as the spec resolves them for its `workers`); nulls when the
+/// spec cannot be read back.
+fn add_spec(j: &Job, v: &mut Value) {
+    let spec = j
+        .spec
+        .as_ref()
+        .and_then(|s| accrue_proto::spec_from_proto(s).ok());
+    v["spec_toml"] = json!(spec.as_ref().and_then(|s| toml::to_string(s).ok()));
+    v["hparams"] = spec.as_ref().map_or(Value::Null, |s| {
+        let k = s.accumulation_steps(u64::from(s.workers)).ok();
+        let dims = s.parallel_dims().ok();
+        json!({
+            "workers": s.workers,
+            "accumulation_steps": k,
+            "batch_size": s.data.batch_size,
+            // Samples (sequences) per optimizer step: data ranks x b x k.
+            "global_batch": k.zip(dims).map(|(k, d)| u64::from(d.data) * s.data.batch_size * k),
+            "optimizer": s.optimizer.kind,
+            "lr": s.optimizer.lr,
+            "weight_decay": s.optimizer.weight_decay,
+            "schedule": s.schedule.kind,
+            "precision": s.precision,
+            "parallel": dims.map(|d| json!({"data": d.data, "pipeline": d.pipeline, "tensor": d.tensor})),
+            "sharding_stage": s.sharding.stage,
+            "seed": s.seed,
+        })
+    });
 }
 
 /// `GET /v1/workers`: every attached worker, what it runs and how lately

@@ -34,6 +34,10 @@ pub struct Config {
     /// without it, `start` refuses an incomplete set-up (see
     /// `accrue_proto::secure`).
     pub insecure: bool,
+    /// TensorBoard event files, one run folder per job under it
+    /// (`crate::tensorboard`). None: none written (the binary's default
+    /// is `<state-dir>/tensorboard`).
+    pub tensorboard_dir: Option<PathBuf>,
 }
 
 impl Config {
@@ -99,6 +103,7 @@ impl Default for Config {
             tls: None,
             ring_secret_file: None,
             insecure: false,
+            tensorboard_dir: None,
         }
     }
 }

@@ -108,6 +108,9 @@ pub struct Coordinator {
     /// Set when the coordinator stops (or steps down): nothing more is
     /// decided or written.
     closed: AtomicBool,
+    /// TensorBoard event files (`--tensorboard-dir`), fed as events are
+    /// published.
+    tensorboard: Option<crate::tensorboard::TensorBoard>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -149,6 +152,11 @@ impl Coordinator {
         cluster.restore_series(store.list_series()?);
         let (events, _) = broadcast::channel(16384);
         let progress = store.progress();
+        let tensorboard = cfg.tensorboard_dir.clone().and_then(|dir| {
+            crate::tensorboard::TensorBoard::start(dir)
+                .inspect_err(|e| tracing::warn!(error = %e, "no TensorBoard event files: cannot start their writer"))
+                .ok()
+        });
         let c = Arc::new(Self {
             cfg,
             inner: Mutex::new(Inner {
@@ -164,6 +172,7 @@ impl Coordinator {
             unpublished: Mutex::default(),
             events,
             closed: AtomicBool::new(false),
+            tensorboard,
         });
         let weak = Arc::downgrade(&c);
         c.progress.set_waker(Box::new(move || {
@@ -185,6 +194,9 @@ impl Coordinator {
         self.store.close();
         lock(&self.held).clear();
         lock(&self.conns).clear();
+        if let Some(tb) = &self.tensorboard {
+            tb.close(Duration::from_secs(5));
+        }
     }
 
     pub fn is_closed(&self) -> bool {
@@ -273,10 +285,14 @@ impl Coordinator {
         reply
     }
 
-    /// Publishes queued events to the watchers, oldest first.
+    /// Publishes queued events to the watchers (and the TensorBoard
+    /// writer, which never blocks), oldest first.
     fn publish(&self) {
         let mut q = lock(&self.unpublished);
         while let Some(ev) = q.pop_front() {
+            if let Some(tb) = &self.tensorboard {
+                tb.observe(&ev);
+            }
             let _ = self.events.send(ev);
         }
     }
@@ -340,20 +356,47 @@ impl Coordinator {
         let req = crate::paging::request(page_size, page_token)
             .map_err(|e| CoordError::InvalidArgument(e.to_string()))?;
         // As `repeated Job jobs = 1` encodes it: tag, length, message.
-        let bytes = |j: &Job| prost::encoding::message::encoded_len(1, j);
+        // Measured as sent: with the fields a reader sees.
+        let bytes = |j: &Job| prost::encoding::message::encoded_len(1, &read_view(j));
         let inner = lock(&self.inner);
         let (jobs, next_page_token) = inner.cluster.jobs_page(&req, bytes, MAX_LIST_PAGE_BYTES);
         Ok(v1::ListJobsResponse {
-            jobs: jobs.into_iter().cloned().collect(),
+            jobs: jobs.into_iter().map(read_view).collect(),
             next_page_token,
         })
     }
 
     pub fn job(&self, id: &str) -> Result<Job, CoordError> {
-        lock(&self.inner)
+        let mut j = lock(&self.inner)
             .cluster
             .job_view(id)
-            .ok_or_else(|| CoordError::JobNotFound(id.into()))
+            .ok_or_else(|| CoordError::JobNotFound(id.into()))?;
+        crate::domain::add_reader_fields(&mut j);
+        Ok(j)
+    }
+
+    /// `id`'s training curve for GetSeries: the buckets from `from_step`
+    /// merged down to `max_points` (0: the default), its skipped steps,
+    /// evaluations (with perplexity for a language model) and recoveries.
+    pub fn series(
+        &self,
+        id: &str,
+        from_step: u64,
+        max_points: u32,
+    ) -> Result<v1::GetSeriesResponse, CoordError> {
+        let max_points = match max_points {
+            0 => crate::series::DEFAULT_POINTS,
+            n => n as usize,
+        };
+        if let Some(why) = crate::series::check_points(max_points) {
+            return Err(CoordError::InvalidArgument(why));
+        }
+        let inner = lock(&self.inner);
+        let cl = &inner.cluster;
+        let (Some(job), Some(s)) = (cl.job(id), cl.series(id)) else {
+            return Err(CoordError::JobNotFound(id.into()));
+        };
+        Ok(crate::series::query(s, job, from_step, max_points))
     }
 
     /// Err (in words) while the job store cannot be written.
@@ -601,11 +644,18 @@ impl Coordinator {
             }
             loop {
                 match rx.recv().await {
-                    Ok(ev) => {
-                        let Some(job) = &ev.job else { continue };
+                    Ok(mut ev) => {
+                        let Some(job) = ev.job.as_mut() else { continue };
                         if job.id != id {
                             continue;
                         }
+                        crate::domain::add_reader_fields(job);
+                        let lm = crate::domain::is_lm(job);
+                        if let (true, Some(v1::job_event::Event::Eval(e))) = (lm, ev.event.as_mut())
+                        {
+                            crate::domain::add_lm_eval_fields(e);
+                        }
+                        let Some(job) = &ev.job else { continue };
                         let last = crate::state::is_final(job.state());
                         if tx.send(Ok(ev)).await.is_err() || last {
                             return;
@@ -624,6 +674,13 @@ impl Coordinator {
             }
         }))
     }
+}
+
+/// A job as a reader sees it ([`crate::domain::add_reader_fields`]).
+fn read_view(j: &Job) -> Job {
+    let mut j = j.clone();
+    crate::domain::add_reader_fields(&mut j);
+    j
 }
 
 /// A stream fed by a spawned task.

@@ -350,3 +350,114 @@ fn the_default_checkpoint_folder_must_lie_under_the_checkpoint_root() {
     // No checkpoint root: nothing to check.
     assert!(Config::default().with_checked_roots().is_ok());
 }
+
+/// Issue 43: GetJob, WatchJob and GetSeries carry what the HTTP JSON has
+/// for a language model: its unit, tokens/s and tokens seen, and each
+/// evaluation's perplexity (exp of its loss per token) and tokens; an MLP
+/// job has its unit and none of the token fields.
+#[tokio::test]
+async fn a_language_models_job_reads_in_tokens_and_perplexity() {
+    use tokio_stream::StreamExt;
+    let text = r#"
+name = "lm"
+max_steps = 4
+[model]
+kind = "llama"
+vocab_size = 64
+hidden_size = 16
+intermediate_size = 32
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+max_position_embeddings = 16
+[data]
+kind = "tokens"
+path = "/nowhere/train.bin"
+seq_len = 8
+batch_size = 4
+[optimizer]
+kind = "adamw"
+lr = 0.01
+"#;
+    let lm =
+        accrue_common::JobSpec::fields_from_toml_str(text, std::path::Path::new("t.toml")).unwrap();
+    let (c, progress, _) = behind(Duration::from_secs(30));
+    let (_rx, conn) = attach(&c, "w0");
+    let t = {
+        let c2 = c.clone();
+        let before = progress.issued();
+        let t = tokio::spawn(async move { c2.submit(accrue_proto::spec_to_proto(&lm)).await });
+        while progress.issued() == before {
+            tokio::task::yield_now().await;
+        }
+        t
+    };
+    progress.advance(progress.issued());
+    let job = t.await.unwrap().unwrap();
+    progress.advance(progress.issued());
+    let mut events = Box::pin(c.watch(&job.id).unwrap());
+    let r = v1::StepReport {
+        job_id: job.id.clone(),
+        generation: 1,
+        step: 1,
+        total_steps: 4,
+        loss: 3.0,
+        samples: 128,
+        samples_seen: 128,
+        samples_per_sec: 2500.0,
+        ..Default::default()
+    };
+    c.on_message("w0", conn, msg_of(worker_message::Msg::Step(r)));
+    let e = v1::EvalResult {
+        step: 1,
+        loss: 2.0,
+        samples: 96,
+        ..Default::default()
+    };
+    let ev = WorkerMessage {
+        job_id: job.id.clone(),
+        generation: 1,
+        ..msg_of(worker_message::Msg::Eval(e))
+    };
+    c.on_message("w0", conn, ev);
+    let got = c.job(&job.id).unwrap();
+    assert_eq!(got.unit, "tokens");
+    let counters = got.counters.unwrap();
+    assert_eq!(counters.tokens_per_sec, Some(2500.0));
+    assert_eq!(counters.tokens_seen, Some(128));
+    let eval = got.eval.unwrap();
+    assert!((eval.perplexity.unwrap() - 2f64.exp()).abs() < 1e-12);
+    assert_eq!(eval.tokens, Some(96));
+    // The watch: the snapshot, then the step and the evaluation, each job
+    // as a reader sees it.
+    let mut seen_eval = None;
+    for _ in 0..8 {
+        let ev = events.next().await.unwrap().unwrap();
+        assert_eq!(ev.job.as_ref().unwrap().unit, "tokens");
+        if let Some(v1::job_event::Event::Eval(e)) = ev.event {
+            seen_eval = Some(e);
+            break;
+        }
+    }
+    let seen_eval = seen_eval.expect("an evaluation event");
+    assert_eq!(seen_eval.perplexity, eval.perplexity);
+    let series = c.series(&job.id, 0, 0).unwrap();
+    assert_eq!((series.unit.as_str(), series.points.len()), ("tokens", 1));
+    assert_eq!(series.evals[0].eval.unwrap().perplexity, eval.perplexity);
+    assert!(matches!(
+        c.series(&job.id, 0, 1),
+        Err(CoordError::InvalidArgument(m)) if m.contains("allowed 2..=10000")
+    ));
+    // Another kind of job: samples, no token field.
+    let (_rx1, _c1) = attach(&c, "w1");
+    let before = progress.issued();
+    let c2 = c.clone();
+    let t = tokio::spawn(async move { c2.submit(spec()).await });
+    while progress.issued() == before {
+        tokio::task::yield_now().await;
+    }
+    progress.advance(progress.issued());
+    let mlp = c.job(&t.await.unwrap().unwrap().id).unwrap();
+    assert_eq!(mlp.unit, "samples");
+    assert!(mlp.counters.is_none_or(|c| c.tokens_per_sec.is_none()));
+}

@@ -67,6 +67,9 @@ fn eval_proto(e: &crate::engine::EvalReport) -> v1::EvalResult {
         loss: e.loss,
         accuracy: e.accuracy,
         samples: e.samples,
+        // The coordinator fills these when the job is read.
+        perplexity: None,
+        tokens: None,
     }
 }
 
