@@ -77,6 +77,23 @@ fn lines(d: &mut Driver) -> std::sync::mpsc::Receiver<serde_json::Value> {
     rx
 }
 
+/// The driver's next line, waiting at most `secs` (the panic names what
+/// it was doing and its log).
+fn next_line(
+    rx: &std::sync::mpsc::Receiver<serde_json::Value>,
+    secs: u64,
+    log: &Path,
+    what: &str,
+) -> serde_json::Value {
+    rx.recv_timeout(Duration::from_secs(secs))
+        .unwrap_or_else(|_| {
+            panic!(
+                "the browser driver said nothing while {what}; see {}",
+                log.display()
+            )
+        })
+}
+
 fn shots() -> PathBuf {
     let p = repo().join("runs/tests/dashboard");
     std::fs::create_dir_all(&p).unwrap();
@@ -182,15 +199,7 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     let log = out.join("driver.log");
     let mut drv = run_driver("live", &args, d.path(), &log);
     let rx = lines(&mut drv);
-    let next = |what: &str| {
-        rx.recv_timeout(Duration::from_secs(180))
-            .unwrap_or_else(|_| {
-                panic!(
-                    "the browser driver said nothing while {what}; see {}",
-                    log.display()
-                )
-            })
-    };
+    let next = |what: &str| next_line(&rx, 180, &log, what);
     let running = next("waiting for the page to follow the running job");
     assert_eq!(running["phase"], "running", "{running}");
     let coord = h.coordinator().unwrap();
@@ -414,15 +423,7 @@ async fn the_status_page_compares_runs_and_signs_in_with_a_one_use_link() {
     let started = std::time::Instant::now();
     let mut drv = run_driver("compare", &args, d.path(), &log);
     let rx = lines(&mut drv);
-    let next = |what: &str| {
-        rx.recv_timeout(Duration::from_secs(120))
-            .unwrap_or_else(|_| {
-                panic!(
-                    "the browser driver said nothing while {what}; see {}",
-                    log.display()
-                )
-            })
-    };
+    let next = |what: &str| next_line(&rx, 120, &log, what);
     let signed = next("opening the sign-in link");
     assert_eq!(
         signed["phase"],

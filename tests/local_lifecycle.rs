@@ -128,6 +128,18 @@ impl Local {
         r
     }
 
+    /// Returns once it prints its first step (at most a minute).
+    fn until_training(&self, state: &Path) {
+        assert!(
+            poll_until(Duration::from_secs(60), || self
+                .stdout()
+                .lines()
+                .any(|l| l.starts_with("step "))),
+            "the job did not start training\n{}",
+            self.report(state)
+        );
+    }
+
     /// Its exit status once it has exited within `limit`.
     fn exit_within(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
         let mut status = None;
@@ -252,14 +264,7 @@ fn a_second_local_on_a_busy_state_dir_is_refused_and_changes_nothing() {
 fn start_long_job(dir: &Path, name: &str, state: &Path) -> (PathBuf, Local) {
     let job = common::write(dir, "job.toml", &common::job_toml("long", 2, 1_000_000, ""));
     let local = Local::start(dir, name, &job, state, &[]);
-    assert!(
-        poll_until(Duration::from_secs(60), || local
-            .stdout()
-            .lines()
-            .any(|l| l.starts_with("step "))),
-        "the job did not start training\n{}",
-        local.report(state)
-    );
+    local.until_training(state);
     (job, local)
 }
 
@@ -461,14 +466,7 @@ fn a_second_shell_follows_local_through_its_env_file() {
         &common::job_toml("envjob", 1, 1_000_000, ""),
     );
     let mut local = Local::with_args(d.path(), "local", &state, &[job.as_os_str()]);
-    assert!(
-        poll_until(Duration::from_secs(60), || local
-            .stdout()
-            .lines()
-            .any(|l| l.starts_with("step "))),
-        "the job did not start training\n{}",
-        local.report(&state)
-    );
+    local.until_training(&state);
     let env = state.join("env");
     assert!(
         local.stdout().contains(&format!("env {}", env.display())),
@@ -551,14 +549,7 @@ fn the_python_client_drives_a_local_run() {
     let job = common::write(d.path(), "job.toml", &text);
     let mut local = Local::with_args(d.path(), "local", &state, &[job.as_os_str()]);
     let env = state.join("env");
-    assert!(
-        poll_until(Duration::from_secs(60), || local
-            .stdout()
-            .lines()
-            .any(|l| l.starts_with("step "))),
-        "the job did not start training\n{}",
-        local.report(&state)
-    );
+    local.until_training(&state);
     let python = common::repo().join(".venv/bin/python");
     let script = common::repo().join("clients/python/tests/drive_local.py");
     let out = cli_from_env(&env, d.path(), &[])

@@ -82,6 +82,25 @@ impl Principal {
     pub fn has(&self, need: Scope) -> bool {
         self.scopes.iter().any(|s| s.grants(need))
     }
+
+    /// Itself when it holds `need`, else the refusal naming what it has
+    /// and what `what` needs.
+    pub fn needing(self, need: Scope, what: &str) -> Result<Self, AuthError> {
+        if self.has(need) {
+            return Ok(self);
+        }
+        Err(AuthError::Forbidden {
+            have: self
+                .scopes
+                .iter()
+                .map(|s| s.name())
+                .collect::<Vec<_>>()
+                .join(", "),
+            principal: self.name,
+            need,
+            what: what.to_string(),
+        })
+    }
 }
 
 /// The scheduler's view of who asks (auth off: anyone).
@@ -366,21 +385,7 @@ pub fn decide(
     let (Some(table), Rule::Need(need)) = (table, rule) else {
         return Ok(None);
     };
-    let p = table.authenticate(header)?;
-    if !p.has(need) {
-        return Err(AuthError::Forbidden {
-            have: p
-                .scopes
-                .iter()
-                .map(|s| s.name())
-                .collect::<Vec<_>>()
-                .join(", "),
-            principal: p.name,
-            need,
-            what: what.to_string(),
-        });
-    }
-    Ok(Some(p))
+    Ok(Some(table.authenticate(header)?.needing(need, what)?))
 }
 
 /// How often the tokens file is looked at, at most.
@@ -506,20 +511,8 @@ impl Tokens {
     /// be in the file now with the `read` scope.
     pub fn sign_in_code(&self, token: &str) -> Result<String, AuthError> {
         let p = self.current().lookup(token).cloned();
-        let p = p.ok_or(AuthError::UnknownToken)?;
-        if !p.has(Scope::Read) {
-            return Err(AuthError::Forbidden {
-                have: p
-                    .scopes
-                    .iter()
-                    .map(|s| s.name())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                principal: p.name,
-                need: Scope::Read,
-                what: "a sign-in link".into(),
-            });
-        }
+        p.ok_or(AuthError::UnknownToken)?
+            .needing(Scope::Read, "a sign-in link")?;
         Ok(self.signins.issue_at(token, Instant::now()))
     }
 

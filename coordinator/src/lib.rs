@@ -17,6 +17,8 @@ pub mod service;
 pub mod state;
 pub mod store;
 pub mod tensorboard;
+#[cfg(test)]
+mod test_specs;
 pub mod tls;
 
 pub use error::CoordError;

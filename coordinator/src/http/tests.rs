@@ -166,33 +166,15 @@ fn metrics_name_a_language_models_tokens_and_perplexity() {
 
 #[test]
 fn a_job_shows_its_spec_as_toml_and_its_hyperparameters() {
-    let text = r#"
-name = "hp"
-workers = 4
-seed = 9
-max_steps = 10
-[model]
-kind = "mlp"
-hidden = [8]
-[data]
-kind = "synthetic"
-samples = 64
-shape = [4]
-classes = 2
-batch_size = 8
-[accumulation]
-steps = 3
-[clipping]
-max_norm = 1.0
-[optimizer]
-kind = "adamw"
-lr = 0.003
-weight_decay = 0.01
-"#;
-    let spec =
-        accrue_common::JobSpec::from_toml_str(text, std::path::Path::new("hp.toml")).unwrap();
+    let tables = "[accumulation]\nsteps = 3\n[clipping]\nmax_norm = 1.0\n\
+                  [optimizer]\nkind = \"adamw\"\nlr = 0.003\nweight_decay = 0.01\n";
+    let spec = crate::test_specs::mlp_spec(
+        "name = \"hp\"\nworkers = 4\nseed = 9\nmax_steps = 10",
+        8,
+        tables,
+    );
     let mut j = job("hp-1", ModelKind::Mlp);
-    j.spec = Some(accrue_proto::spec_to_proto(&spec));
+    j.spec = Some(spec);
     let v = job_view(&j, None);
     // The TOML reads back as the spec the job holds.
     let held = accrue_proto::spec_from_proto(j.spec.as_ref().unwrap()).unwrap();

@@ -39,25 +39,11 @@ impl JobStore for Behind {
 }
 
 fn spec() -> v1::JobSpec {
-    let text = r#"
-name = "held"
-workers = 2
-max_steps = 6
-[model]
-kind = "mlp"
-hidden = [8]
-[data]
-kind = "synthetic"
-samples = 64
-shape = [4]
-classes = 2
-batch_size = 4
-[optimizer]
-kind = "sgd"
-lr = 0.1
-"#;
-    let s = accrue_common::JobSpec::from_toml_str(text, std::path::Path::new("t.toml")).unwrap();
-    accrue_proto::spec_to_proto(&s)
+    crate::test_specs::mlp_spec(
+        "name = \"held\"\nworkers = 2\nmax_steps = 6",
+        4,
+        crate::test_specs::SGD,
+    )
 }
 
 type Inbox = mpsc::UnboundedReceiver<Result<CoordinatorMessage, Status>>;

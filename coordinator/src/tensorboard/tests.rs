@@ -226,25 +226,11 @@ fn only_plain_job_ids_name_a_run_folder() {
 }
 
 fn a_spec() -> v1::JobSpec {
-    let text = r#"
-name = "tb-spec"
-workers = 1
-max_steps = 4
-[model]
-kind = "mlp"
-hidden = [8]
-[data]
-kind = "synthetic"
-samples = 64
-shape = [4]
-classes = 2
-batch_size = 8
-[optimizer]
-kind = "sgd"
-lr = 0.1
-"#;
-    let s = accrue_common::JobSpec::from_toml_str(text, Path::new("t.toml")).unwrap();
-    accrue_proto::spec_to_proto(&s)
+    crate::test_specs::mlp_spec(
+        "name = \"tb-spec\"\nworkers = 1\nmax_steps = 4",
+        8,
+        crate::test_specs::SGD,
+    )
 }
 
 #[test]
