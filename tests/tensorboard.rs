@@ -70,6 +70,12 @@ async fn a_jobs_run_folder_reads_back_in_tensorboard_as_the_coordinator_saw_it()
     .await;
     let end = ended(&mut c, &job.id).await;
     assert_eq!(end.state(), JobState::Succeeded, "{:?}", end.error);
+    // Nothing was dropped, and /metrics says so.
+    let metrics = accrue_coordinator::http::metrics_text(&h.coordinator().unwrap());
+    assert!(
+        metrics.contains("\naccrue_tensorboard_points_dropped_total 0\n"),
+        "{metrics}"
+    );
     // Stopping the coordinator flushes and closes the writer.
     h.stop().await;
     let (mut steps, mut evals) = (Vec::new(), Vec::new());

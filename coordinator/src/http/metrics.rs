@@ -53,6 +53,19 @@ pub fn metrics_text(c: &Coordinator) -> String {
         let _ = writeln!(out, "{name}{{quantile=\"0.99\"}} {}", p99 as f64 / 1e6);
         let _ = writeln!(out, "{name}_count {n}");
     }
+    let _ = writeln!(
+        out,
+        "# HELP accrue_tensorboard_points_dropped_total TensorBoard points dropped because the event-file writer fell behind."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE accrue_tensorboard_points_dropped_total counter"
+    );
+    let _ = writeln!(
+        out,
+        "accrue_tensorboard_points_dropped_total {}",
+        c.tensorboard_dropped()
+    );
     job_metrics(&mut out, &jobs);
     out
 }

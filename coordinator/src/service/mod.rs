@@ -407,6 +407,11 @@ impl Coordinator {
         self.store.health()
     }
 
+    /// TensorBoard points dropped so far (0 without event files).
+    pub fn tensorboard_dropped(&self) -> u64 {
+        self.tensorboard.as_ref().map_or(0, |t| t.dropped())
+    }
+
     pub fn worker_count(&self) -> usize {
         lock(&self.inner).cluster.worker_count()
     }
