@@ -123,7 +123,7 @@ demo-lm: setup $(KJV)/train.bin
 # run as root (as CI does), the second command runs them with `--ignored`;
 # otherwise the harness lists them as ignored. Tests that need CUDA are
 # `#[ignore = "needs CUDA"]`: they run on the GPU machine
-# (scripts/gpu-checks.sh; docs/OPERATIONS.md, "Tests that need root or CUDA").
+# (scripts/gpu-checks.sh; docs/DEVELOPING.md, "Tests that need root or CUDA").
 test: setup data/digits/train-images-idx3-ubyte
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
@@ -191,8 +191,8 @@ bench-tensor: setup
 # machine's Python) into gpu-bin/ (ignored by git: name it in the device
 # tool's `carry`); there `scripts/gpu-checks.sh` runs their CUDA tests
 # (`#[ignore = "needs CUDA"]`: with `--ignored` and ACCRUE_REQUIRE_CUDA=1, so
-# a skip fails) and then `make bench-gpu` (docs/OPERATIONS.md, "The CUDA
-# checks").
+# a skip fails) and then `make bench-gpu` (docs/DEVELOPING.md, "The CUDA
+# checks on the GPU machine").
 # The graph shim's CUDA headers: the wheel's nvidia/cu13/include lacks
 # crt/ and nv/, which these two (the same CUDA 13.0) add; nvcc and its
 # cicc (nvvm) compile accrue's kernels (csrc/kernels.cu) for sm_75 to sm_120.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks of issues 17, 18 and 19 on the GPU machine
-# (docs/OPERATIONS.md, "The CUDA checks on the GPU machine"). Run from the
+# (docs/DEVELOPING.md, "The CUDA checks on the GPU machine"). Run from the
 # repository root of the carried tree, with gpu-bin/ from `make gpu-worker`:
 #
 #   scripts/gpu-checks.sh [tests|bench|bench-lm|zero|profile-lm|bubble|all]   (default: all)

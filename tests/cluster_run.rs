@@ -8,7 +8,7 @@
 //! pod are killed and replaced; then the CLI on this host submits a small
 //! job from outside through a forwarded port (as `kubectl port-forward`). It needs root (namespaces, mounts, chroot):
 //! `#[ignore = "needs root"]`, and `make test` runs it (with `--ignored`)
-//! when it runs as root (docs/OPERATIONS.md, "Tests that need root or CUDA").
+//! when it runs as root (docs/DEVELOPING.md, "Tests that need root or CUDA").
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -1,4 +1,4 @@
-//! accrue's shared domain types: the job spec (docs/OPERATIONS.md, "Job specs") and its
+//! accrue's shared domain types: the job spec (docs/SPEC.md) and its
 //! validation. No libtorch: the coordinator and the CLI use this crate too.
 pub mod flock;
 pub mod ringkey;

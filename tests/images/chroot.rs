@@ -5,7 +5,7 @@ use super::*;
 /// The tree as the image's file system: the worker's job runs chrooted
 /// into it, as a container would (see [`run_chrooted`]). Needs root (a
 /// mount namespace, chroot): ignored otherwise; `make test` runs it when
-/// it runs as root (docs/OPERATIONS.md, "Tests that need root or CUDA").
+/// it runs as root (docs/DEVELOPING.md, "Tests that need root or CUDA").
 #[test]
 #[ignore = "needs root"]
 fn the_runtime_tree_runs_chrooted_as_user_65532_as_root() {

@@ -297,7 +297,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     };
     // One rank trains alone, except when its spec asks for c10d: then its
     // groups are c10d groups of one, the path a larger job takes (NCCL on
-    // one GPU: docs/OPERATIONS.md).
+    // one GPU: docs/SPEC.md, "[comm]").
     let alone = spec.comm.backend != accrue_worker::spec::CommBackend::C10d;
     let summary = if args.world_size <= 1 && alone {
         train(spec, SingleRank, opts, args.json, lm)?

@@ -1,7 +1,8 @@
 //! Bad data and bad model files through the real `accrue-worker train`,
 //! in the real formats: each is refused before the first step with one
-//! line that names the field and the value (docs/OPERATIONS.md, "Errors"),
-//! never a panic (exit 101), an out-of-memory kill or libtorch's C++ stack.
+//! line that names the field and the value (docs/OPERATIONS.md, "Errors";
+//! the checks: docs/SPEC.md, "Where a spec is checked"), never a panic
+//! (exit 101), an out-of-memory kill or libtorch's C++ stack.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,4 +1,4 @@
-//! The job spec (common/src/spec, docs/OPERATIONS.md "Job specs"): unknown fields are
+//! The job spec (common/src/spec, docs/SPEC.md): unknown fields are
 //! refused at parse time; every bad value is reported, all at once, with its
 //! field path, the value and the allowed range.
 

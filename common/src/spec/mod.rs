@@ -1,4 +1,4 @@
-//! The job spec (docs/OPERATIONS.md, "Job specs"): TOML parsed with `deny_unknown_fields`,
+//! The job spec (docs/SPEC.md): TOML parsed with `deny_unknown_fields`,
 //! then validated as a whole so that every bad value is reported at once with
 //! its field path, the value and the allowed range.
 
@@ -536,7 +536,7 @@ pub const MAX_CUDA_INDEX: u32 = 1023;
 /// `data.path`, `data.eval_path`, `checkpoint.dir`), bytes: Linux's
 /// PATH_MAX. Every job, with its spec, is listed and sent to every rank;
 /// the bound keeps a page of jobs within what a gRPC client accepts
-/// (docs/OPERATIONS.md, "Sizes and limits").
+/// (docs/SPEC.md; docs/OPERATIONS.md, "Listing jobs, sizes and limits").
 pub const MAX_PATH_BYTES: usize = 4096;
 /// The largest job spec file, bytes (64 KiB; a spec is a few hundred).
 pub const MAX_SPEC_BYTES: usize = 64 << 10;

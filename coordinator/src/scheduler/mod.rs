@@ -56,8 +56,8 @@ pub const MAX_WORKER_ID: usize = 128;
 /// The most bytes of a worker's text (an error, a reason, where its state
 /// came from) that a job record keeps, and of a recovery's reasons
 /// together: a job is listed, watched and stored whole, so nothing a
-/// worker sends may grow it without bound (docs/OPERATIONS.md, "Sizes and
-/// limits").
+/// worker sends may grow it without bound (docs/OPERATIONS.md, "Listing
+/// jobs, sizes and limits").
 pub const MAX_REASON_BYTES: usize = 4096;
 
 /// `text` cut to at most [`MAX_REASON_BYTES`] (at a character boundary),
