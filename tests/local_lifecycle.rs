@@ -545,7 +545,9 @@ fn the_python_client_drives_a_local_run() {
     let d = TempDir::new().unwrap();
     let state = d.path().join("state");
     let _reaper = Reaper(state.display().to_string());
-    let text = common::job_toml("pyjob", 1, 1_000_000, "[eval]\nevery_steps = 2");
+    // Few enough evaluations that none is thinned while the script runs
+    // (thousands of steps a second).
+    let text = common::job_toml("pyjob", 1, 1_000_000, "[eval]\nevery_steps = 200");
     let job = common::write(d.path(), "job.toml", &text);
     let mut local = Local::with_args(d.path(), "local", &state, &[job.as_os_str()]);
     let env = state.join("env");
