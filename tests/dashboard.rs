@@ -94,6 +94,24 @@ fn next_line(
         })
 }
 
+/// A coordinator whose one token is alice's (read and submit), two
+/// workers (ids `<prefix>-N`) and alice's client.
+async fn alice_and_two_workers(
+    dir: &Path,
+    prefix: &str,
+) -> (accrue_coordinator::Handle, Workers, accrue::Client) {
+    let tokens = write(
+        dir,
+        "tokens.toml",
+        &tokens_toml(&[("alice", ALICE, &["read", "submit"])]),
+    );
+    let h = coordinator_with(dir, &tokens).await;
+    let grpc = h.grpc_addr.to_string();
+    let w = start_workers(&grpc, 2, dir, prefix);
+    let alice = client_with(&grpc, ALICE).await;
+    (h, w, alice)
+}
+
 fn shots() -> PathBuf {
     let p = repo().join("runs/tests/dashboard");
     std::fs::create_dir_all(&p).unwrap();
@@ -368,15 +386,7 @@ impl LocalRun {
 async fn the_status_page_compares_runs_and_signs_in_with_a_one_use_link() {
     let _one = ONE_BROWSER.lock().await;
     let d = TempDir::new().unwrap();
-    let tokens = write(
-        d.path(),
-        "tokens.toml",
-        &tokens_toml(&[("alice", ALICE, &["read", "submit"])]),
-    );
-    let h = coordinator_with(d.path(), &tokens).await;
-    let grpc = h.grpc_addr.to_string();
-    let _w = start_workers(&grpc, 2, d.path(), "c");
-    let mut alice = client_with(&grpc, ALICE).await;
+    let (h, _w, mut alice) = alice_and_two_workers(d.path(), "c").await;
     // 512 samples, b = 8, k = 2, one rank: 32 steps an epoch, evaluated
     // after each of the two.
     let extra = "[eval]\nevery_epochs = 1\n";
@@ -494,15 +504,7 @@ async fn the_status_page_compares_runs_and_signs_in_with_a_one_use_link() {
 async fn status_page_load_at_100_jobs_and_a_100k_step_job() {
     const LONG: u64 = 100_000;
     let d = TempDir::new().unwrap();
-    let tokens = write(
-        d.path(),
-        "tokens.toml",
-        &tokens_toml(&[("alice", ALICE, &["read", "submit"])]),
-    );
-    let h = coordinator_with(d.path(), &tokens).await;
-    let grpc = h.grpc_addr.to_string();
-    let _w = start_workers(&grpc, 2, d.path(), "b");
-    let mut alice = client_with(&grpc, ALICE).await;
+    let (h, _w, mut alice) = alice_and_two_workers(d.path(), "b").await;
     let submit = |name: &str, steps: u64| spec(&job_toml(name, 1, steps, ""));
     let long = alice
         .submit_job(v1::SubmitJobRequest {
