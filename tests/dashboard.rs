@@ -77,6 +77,18 @@ fn lines(d: &mut Driver) -> std::sync::mpsc::Receiver<serde_json::Value> {
     rx
 }
 
+/// Waits for the driver to exit and asserts it passed its checks (`done`:
+/// its last line).
+fn driver_succeeded(drv: &mut Driver, done: &serde_json::Value, log: &Path, out: &Path) {
+    let status = drv.0.wait().unwrap();
+    assert!(
+        status.success(),
+        "the browser checks failed ({status}): {done}; see {} and {}/failure.png",
+        log.display(),
+        out.display()
+    );
+}
+
 /// The driver's next line, waiting at most `secs` (the panic names what
 /// it was doing and its log).
 fn next_line(
@@ -235,13 +247,7 @@ async fn the_status_page_follows_a_job_through_a_recovery_and_shows_text_as_text
     writeln!(stdin, "killed").unwrap();
     stdin.flush().unwrap();
     let done = next("waiting for the recovery, the end of the job and the checks");
-    let status = drv.0.wait().unwrap();
-    assert!(
-        status.success(),
-        "the browser checks failed ({status}): {done}; see {} and {}/failure.png",
-        log.display(),
-        out.display()
-    );
+    driver_succeeded(&mut drv, &done, &log, &out);
     let end = coord.job(&job.id).unwrap();
     assert_eq!(end.state(), v1::JobState::Succeeded, "{end:?}");
     assert_eq!(end.recoveries.len(), 1, "{:?}", end.recoveries);
@@ -443,13 +449,7 @@ async fn the_status_page_compares_runs_and_signs_in_with_a_one_use_link() {
     );
     tokio::task::block_in_place(|| local.stop());
     let done = next("comparing, exporting and the job's page");
-    let status = drv.0.wait().unwrap();
-    assert!(
-        status.success(),
-        "the browser checks failed ({status}): {done}; see {} and {}/failure.png",
-        log.display(),
-        out.display()
-    );
+    driver_succeeded(&mut drv, &done, &log, &out);
     eprintln!(
         "browser ({:.1} s): {done}; screenshots in {}",
         started.elapsed().as_secs_f64(),

@@ -157,16 +157,7 @@ max_steps = 4
 device = "cpu"
 threads = 1
 precision = "bf16"
-[model]
-kind = "llama"
-vocab_size = 64
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-max_position_embeddings = 16
-[data]
+{model}[data]
 kind = "tokens"
 path = "{}"
 seq_len = 8
@@ -184,7 +175,8 @@ timeout_s = 20
 connect_timeout_s = 30
 backend = "{backend}"
 "#,
-        tokens.display()
+        tokens.display(),
+        model = tiny_llama_model(1, 2, 1, false),
     )
 }
 

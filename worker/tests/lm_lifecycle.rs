@@ -72,6 +72,7 @@ fn sequences_file(dir: &Path) -> PathBuf {
 /// [data] table's kind-specific lines), T = 8, b = 2, k = 2, AdamW with
 /// warm-up and cosine, clipping; `extra` is appended.
 fn llama_job(data: &str, epochs: u64, extra: &str) -> String {
+    let model = tiny_llama_model(1, 2, 1, false);
     format!(
         r#"
 name = "lm"
@@ -79,16 +80,7 @@ seed = 3
 epochs = {epochs}
 device = "cpu"
 threads = 1
-[model]
-kind = "llama"
-vocab_size = 64
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-max_position_embeddings = 16
-[data]
+{model}[data]
 {data}
 seq_len = 8
 batch_size = 2

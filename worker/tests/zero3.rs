@@ -228,17 +228,7 @@ seed = 5
 max_steps = 3
 device = "cpu"
 threads = 1
-[model]
-kind = "llama"
-vocab_size = 64
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 3
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 16
-tie_word_embeddings = true
-[data]
+{model}[data]
 kind = "tokens"
 path = "{}"
 seq_len = 8
@@ -252,7 +242,8 @@ kind = "adamw"
 lr = 0.01
 weight_decay = 0.1
 "#,
-        tokens.display()
+        tokens.display(),
+        model = tiny_llama_model(3, 4, 2, true),
     )
 }
 

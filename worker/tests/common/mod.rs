@@ -370,17 +370,7 @@ workers = {workers}
 max_steps = 4
 device = "cpu"
 threads = 1
-[model]
-kind = "llama"
-vocab_size = 64
-hidden_size = 16
-intermediate_size = 32
-num_hidden_layers = 4
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 16
-tie_word_embeddings = {tied}
-[data]
+{model}[data]
 kind = "tokens"
 path = "{path}"
 seq_len = 8
@@ -397,6 +387,19 @@ weight_decay = 0.1
 timeout_s = 20
 connect_timeout_s = 30
 {tail}"#,
-        path = tokens.display()
+        path = tokens.display(),
+        model = tiny_llama_model(4, 4, 2, tied),
+    )
+}
+
+/// A tiny Llama's `[model]` table: vocabulary 64, width 16, MLP 32,
+/// `layers` layers of `heads` heads and `kv_heads` key-value heads,
+/// positions up to 16, tied or untied embeddings.
+pub fn tiny_llama_model(layers: u32, heads: u32, kv_heads: u32, tied: bool) -> String {
+    format!(
+        "[model]\nkind = \"llama\"\nvocab_size = 64\nhidden_size = 16\n\
+         intermediate_size = 32\nnum_hidden_layers = {layers}\n\
+         num_attention_heads = {heads}\nnum_key_value_heads = {kv_heads}\n\
+         max_position_embeddings = 16\ntie_word_embeddings = {tied}\n"
     )
 }
