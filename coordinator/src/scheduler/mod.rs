@@ -247,6 +247,9 @@ pub struct JobEntry {
     recovering_since: Option<i64>,
     /// Re-formations since the last committed step.
     stalled: u32,
+    /// Why the job last began (or extended) a recovery: a rank's error, a
+    /// lost or detached worker. A job that stalls fails naming it.
+    last_cause: String,
     /// Members that confirmed (Interrupted) they left the current
     /// generation's ring: a recovery re-forms once every survivor has.
     acked: std::collections::BTreeSet<String>,
@@ -274,6 +277,7 @@ impl JobEntry {
             saved_ms: now,
             recovering_since: None,
             stalled: 0,
+            last_cause: String::new(),
             acked: Default::default(),
             reattach_by: None,
             admitted,

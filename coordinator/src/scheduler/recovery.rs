@@ -91,6 +91,7 @@ impl Cluster {
             return;
         }
         tracing::warn!(job = job_id, generation = entry.job.generation, %reason, "recovering");
+        entry.last_cause = clip(&reason);
         let open = entry
             .job
             .recoveries
@@ -208,10 +209,12 @@ impl Cluster {
                 .max(domain.workers) as usize;
             let world = if state_now == JobState::Recovering {
                 if entry.stalled >= MAX_STALLED_REFORMS {
-                    let reason = format!(
-                        "{} re-formations in a row without a committed step",
-                        entry.stalled
-                    );
+                    // The cause, not only the count: what each generation
+                    // broke on (a rank's error) is what the user must fix.
+                    let reason = clip(&format!(
+                        "{} re-formations in a row without a committed step; the last broke on: {}",
+                        entry.stalled, entry.last_cause
+                    ));
                     self.fail(&id, reason, now, fx);
                     continue;
                 }

@@ -346,3 +346,61 @@ fn a_job_that_keeps_re_forming_without_a_step_fails() {
     );
     assert_eq!(j.generation, 1 + MAX_STALLED_REFORMS as u64);
 }
+
+/// A stalled job's failure names what the ring last broke on (the ranks'
+/// error), not only the count: the cause was in the recovery records only.
+#[test]
+fn a_stalled_job_fails_naming_the_last_cause() {
+    let mut c = cluster();
+    attach_all(&mut c, &["w0", "w1"], 0);
+    let job = submit(&mut c, spec("sc", 2, ""), 0);
+    for g in 1..=MAX_STALLED_REFORMS as u64 + 1 {
+        assert_eq!(c.job(&job).unwrap().generation, g);
+        for (rank, w) in ["w0", "w1"].iter().enumerate() {
+            let error = format!(
+                "Gloo connectFullMesh failed: rank {rank} timed out after 3 ms (generation {g})"
+            );
+            let i = m(worker_message::Msg::Interrupted(v1::Interrupted {
+                job_id: job.clone(),
+                generation: g,
+                rank: rank as u32,
+                error,
+                ..Default::default()
+            }));
+            deliver(&mut c, w, i, g as i64 * 100 + rank as i64);
+        }
+    }
+    let j = c.job(&job).unwrap();
+    assert_eq!(j.state(), JobState::Failed, "{:?}", j.history);
+    assert!(
+        j.error
+            .contains("5 re-formations in a row without a committed step")
+            && j.error.contains(
+                "rank 0 on worker w0 interrupted at step 0: Gloo connectFullMesh failed: \
+                 rank 0 timed out after 3 ms (generation 6)"
+            ),
+        "{}",
+        j.error
+    );
+    // A cause as long as the reason allows is clipped, the count kept.
+    let mut c = cluster();
+    attach_all(&mut c, &["w0"], 0);
+    let job = submit(&mut c, spec("long", 1, ""), 0);
+    for g in 1..=MAX_STALLED_REFORMS as u64 + 1 {
+        let i = m(worker_message::Msg::Interrupted(v1::Interrupted {
+            job_id: job.clone(),
+            generation: g,
+            error: "x".repeat(2 * MAX_REASON_BYTES),
+            ..Default::default()
+        }));
+        deliver(&mut c, "w0", i, g as i64 * 100);
+    }
+    let j = c.job(&job).unwrap();
+    assert_eq!(j.state(), JobState::Failed, "{:?}", j.history);
+    assert!(
+        j.error.starts_with("5 re-formations in a row"),
+        "{}",
+        &j.error[..80]
+    );
+    assert!(j.error.len() <= MAX_REASON_BYTES, "{}", j.error.len());
+}
