@@ -89,8 +89,12 @@ impl Cluster {
         match m.msg {
             Some(worker_message::Msg::Step(r)) => self.on_step(worker, conn, r, now, fx),
             Some(worker_message::Msg::Eval(e)) => {
-                let rank0 = self.member(&m.job_id, m.generation, 0, worker);
-                if let Some(entry) = self.jobs.get_mut(&m.job_id).filter(|_| rank0) {
+                // The rank that owns the loss evaluates for the job (the
+                // last pipeline stage's tensor rank 0 of replica 0).
+                let owner = self.jobs.get(&m.job_id).is_some_and(|e| {
+                    self.member(&m.job_id, m.generation, loss_owner(&e.job), worker)
+                });
+                if let Some(entry) = self.jobs.get_mut(&m.job_id).filter(|_| owner) {
                     entry.job.eval = Some(e);
                     crate::series::push_eval(&mut entry.series, e, now);
                     fx.push(Effect::Event(Box::new(JobEvent {
