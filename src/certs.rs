@@ -308,10 +308,13 @@ pub fn dev_certs(dir: &Path, opts: &DevCerts) -> Result<Written, CertError> {
     for s in &opts.sans {
         san(s)?;
     }
-    std::fs::create_dir_all(dir).map_err(|source| CertError::Write {
-        path: dir.to_path_buf(),
-        source,
-    })?;
+    // Keys and tokens live here: a folder only its owner can enter.
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+        .create(dir)
+        .map_err(|source| CertError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
     let now = OffsetDateTime::now_utc();
     let leaf = Validity::days_from(now, opts.days);
     let (ca_pem, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));

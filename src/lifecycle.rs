@@ -37,6 +37,11 @@ pub enum StateDirError {
         store.display()
     )]
     StoreOpen { dir: PathBuf, store: PathBuf },
+    #[error("state dir {}: {source}", dir.display())]
+    NotPrivate {
+        dir: PathBuf,
+        source: accrue_common::strict_modes::StrictModesError,
+    },
     #[error("cannot lock the state dir: {}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -64,7 +69,14 @@ impl StateDirLock {
             let path = path.to_path_buf();
             move |source| StateDirError::Io { path, source }
         };
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        // Created 0700; one another user owns or may write (or anything
+        // in it) is refused before anything in it is written or trusted.
+        accrue_common::strict_modes::create_private_dir(dir).map_err(|source| {
+            StateDirError::NotPrivate {
+                dir: dir.to_path_buf(),
+                source,
+            }
+        })?;
         let lock = dir.join(LOCK_FILE);
         // Opened without truncating: the holder's pid must survive a
         // refused run. std opens with O_CLOEXEC, so workers never inherit
@@ -74,7 +86,7 @@ impl StateDirLock {
             .write(true)
             .create(true)
             .truncate(false)
-            .mode(0o644)
+            .mode(0o600)
             .open(&lock)
             .map_err(io(&lock))?;
         if !try_lock_exclusive(&file).map_err(io(&lock))? {

@@ -76,6 +76,18 @@ async fn paths_outside_their_roots_are_refused_and_nothing_is_written_outside() 
     // worker's checkpoint root that the coordinator cannot see.
     symlink(&outside, base.join("c/data/link")).unwrap();
     symlink(&outside, base.join("w/ckpt/sneaky")).unwrap();
+    // A sharded model.init folder whose index names a shard linked out of
+    // the model root: one the coordinator sees, one only the worker sees.
+    let index = r#"{"weight_map": {"w": "model-00001-of-00001.safetensors"}}"#;
+    std::fs::write(outside.join("secret.safetensors"), "x").unwrap();
+    let c_shard = base.join("c/models/sharded/model-00001-of-00001.safetensors");
+    let w_shard = base.join("w/models/wsharded/model-00001-of-00001.safetensors");
+    for shard in [&c_shard, &w_shard] {
+        let folder = shard.parent().unwrap();
+        std::fs::create_dir_all(folder).unwrap();
+        std::fs::write(folder.join("model.safetensors.index.json"), index).unwrap();
+        symlink(outside.join("secret.safetensors"), shard).unwrap();
+    }
     let logs = base.join("logs");
     std::fs::create_dir_all(&logs).unwrap();
 
@@ -131,6 +143,11 @@ async fn paths_outside_their_roots_are_refused_and_nothing_is_written_outside() 
             "data.path",
             "link/train.safetensors",
         ),
+        (
+            tensors_job("shard", "t", "sharded", "run"),
+            "model.init",
+            c_shard.to_str().unwrap(),
+        ),
     ];
     for (text, field, value) in &cases {
         let e = c
@@ -184,6 +201,28 @@ async fn paths_outside_their_roots_are_refused_and_nothing_is_written_outside() 
         "{why}"
     );
 
+    // The worker confines the shards of a model.init folder too, after
+    // following their links.
+    let wshard =
+        job_toml("wshard", 1, 4, "").replace("[model]\n", "[model]\ninit = \"wsharded\"\n");
+    let id = submit_ok(&mut c, &wshard).await;
+    let j = wait_state(&mut c, &id, &[JobState::Failed, JobState::Succeeded], LIMIT).await;
+    assert_eq!(j.state(), JobState::Failed, "{j:?}");
+    let why = j.error.clone();
+    for part in [
+        format!(
+            "model.init = {:?}: must lie under the model root {w_models}",
+            w_shard.display().to_string()
+        ),
+        format!(
+            "resolves to {}",
+            outside.join("secret.safetensors").display()
+        ),
+        "refused by worker paths0".into(),
+    ] {
+        assert!(why.contains(&part), "{why:?} lacks {part:?}");
+    }
+
     // The same worker then runs a job inside its roots.
     let good = job_toml("good", 1, 4, "[checkpoint]\ndir = \"good\"");
     let id = submit_ok(&mut c, &good).await;
@@ -196,7 +235,7 @@ async fn paths_outside_their_roots_are_refused_and_nothing_is_written_outside() 
     );
 
     // Nothing written outside the roots.
-    assert_eq!(entries(&outside), Vec::<PathBuf>::new());
+    assert_eq!(entries(&outside), vec![outside.join("secret.safetensors")]);
     assert!(!base.join("probe").exists());
     if !global_probe_existed {
         assert!(!Path::new("/tmp/probe/escaped").exists());

@@ -4,5 +4,6 @@ pub mod flock;
 pub mod ringkey;
 pub mod small_file;
 pub mod spec;
+pub mod strict_modes;
 
 pub use spec::JobSpec;

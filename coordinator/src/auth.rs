@@ -121,6 +121,9 @@ pub enum TokensError {
     Read { path: String, reason: String },
     #[error("tokens file {path}: {reason}")]
     Parse { path: String, reason: String },
+    /// Another user owns it or may write it (or its folder).
+    #[error("tokens file {path} refused: {reason}")]
+    NotPrivate { path: String, reason: String },
 }
 
 /// The longest token name (the principal; shown as a job's owner).
@@ -430,6 +433,13 @@ pub struct Tokens {
 }
 
 fn read_table(path: &Path) -> Result<TokenTable, TokensError> {
+    // Whoever may write the file (or replace it in its folder) could give
+    // themselves any scope: refused before it is read, at start and at
+    // every reload.
+    accrue_common::strict_modes::check_private_file(path).map_err(|e| TokensError::NotPrivate {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
     let text = std::fs::read_to_string(path).map_err(|e| TokensError::Read {
         path: path.display().to_string(),
         reason: e.to_string(),

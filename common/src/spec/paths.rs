@@ -153,6 +153,14 @@ pub trait View {
     /// Where the (absolute, lexically normal) `path` really is, symlinks
     /// followed as far as they can be seen.
     fn resolve(&self, path: &Path) -> Result<PathBuf, String>;
+
+    /// The symlinks directly in `path` when it is a folder: what a reader
+    /// opening files of the folder by name (a shard of `model.init`, a
+    /// file of an MNIST folder) would follow. None for a file, a path
+    /// that does not exist, or a view that cannot see.
+    fn links_in(&self, _path: &Path) -> Result<Vec<PathBuf>, String> {
+        Ok(Vec::new())
+    }
 }
 
 /// Sees nothing: paths are where they say (pure).
@@ -193,6 +201,22 @@ impl View for LocalFs {
             real.join(rest)
         })
     }
+
+    fn links_in(&self, path: &Path) -> Result<Vec<PathBuf>, String> {
+        if !path.is_dir() {
+            return Ok(Vec::new());
+        }
+        let list = |e: std::io::Error| format!("cannot list {}: {e}", path.display());
+        let mut links = Vec::new();
+        for entry in std::fs::read_dir(path).map_err(list)? {
+            let entry = entry.map_err(list)?;
+            if entry.file_type().map_err(list)?.is_symlink() {
+                links.push(entry.path());
+            }
+        }
+        links.sort();
+        Ok(links)
+    }
 }
 
 /// Confines one path of `area`: `Ok(None)` when that area has no root
@@ -208,16 +232,7 @@ pub fn confine_field(
     let Some(root) = roots.get(area) else {
         return Ok(None);
     };
-    let refuse = |why: String| FieldError {
-        field: field.to_string(),
-        value: format!("{:?}", path.display().to_string()),
-        allowed: format!(
-            "must lie under the {} root {} ({}) after resolving '..' and symlinks; {why}",
-            area.name(),
-            root.display(),
-            area.flag()
-        ),
-    };
+    let refuse = |why: String| refusal(area, root, field, path, why);
     let lexical = confine_lexically(root, path)
         .map_err(|lands| refuse(format!("it resolves to {}", lands.display())))?;
     let real_root = view
@@ -233,6 +248,66 @@ pub fn confine_field(
             real_root.display()
         )))
     }
+}
+
+/// The refusal of `path` for `field`: it must lie under `root`; `why` not.
+fn refusal(area: Area, root: &Path, field: &str, path: &Path, why: String) -> FieldError {
+    FieldError {
+        field: field.to_string(),
+        value: format!("{:?}", path.display().to_string()),
+        allowed: format!(
+            "must lie under the {} root {} ({}) after resolving '..' and symlinks; {why}",
+            area.name(),
+            root.display(),
+            area.flag()
+        ),
+    }
+}
+
+/// Confines what the worker opens inside the folder `dir` (a confined
+/// path of `field`, where it really lies): every symlink directly in it
+/// must resolve under the root of `area` too, or a shard or data file
+/// named by a plain file name could lead anywhere. The refusal names the
+/// link, where it leads and the root.
+pub fn confine_links(
+    roots: &Roots,
+    area: Area,
+    field: &str,
+    dir: &Path,
+    view: &dyn View,
+) -> Result<(), FieldError> {
+    let Some(root) = roots.get(area) else {
+        return Ok(());
+    };
+    let links = view
+        .links_in(dir)
+        .map_err(|e| refusal(area, root, field, dir, e))?;
+    if links.is_empty() {
+        return Ok(());
+    }
+    let real_root = view
+        .resolve(root)
+        .map_err(|e| refusal(area, root, field, dir, format!("the root: {e}")))?;
+    for link in links {
+        let refuse = |why: String| {
+            refusal(
+                area,
+                root,
+                field,
+                &link,
+                format!("a symlink in {}: {why}", dir.display()),
+            )
+        };
+        let real = view.resolve(&link).map_err(refuse)?;
+        if !real.starts_with(&real_root) {
+            return Err(refuse(format!(
+                "it resolves to {} (root {})",
+                real.display(),
+                real_root.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl JobSpec {
@@ -256,6 +331,14 @@ impl JobSpec {
         for (area, field, value) in fields {
             let Some(p) = value.as_mut() else { continue };
             match confine_field(roots, area, field, p, view) {
+                // A folder of data or weights: the files opened in it too
+                // (a checkpoint folder holds only what workers wrote).
+                Ok(Some(real)) if area != Area::Checkpoint => {
+                    if let Err(e) = confine_links(roots, area, field, &real, view) {
+                        errors.push(e);
+                    }
+                    *p = real;
+                }
                 Ok(Some(real)) => *p = real,
                 Ok(None) => {}
                 Err(e) => errors.push(e),
@@ -479,6 +562,71 @@ dir = "/tmp/probe/outside/../escaped"
             ),
             Ok(Some(root.join("x")))
         );
+    }
+
+    /// A shard of a `model.init` folder (or a file of a data folder) that
+    /// is a symlink must lead under the root too: the folder is confined,
+    /// so must be what the worker opens in it by name.
+    #[cfg(unix)]
+    #[test]
+    fn links_in_a_confined_folder_must_stay_under_the_root() {
+        use std::os::unix::fs::symlink;
+        let t = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(t.path()).unwrap();
+        let (root, outside) = (base.join("models"), base.join("outside"));
+        let folder = root.join("sharded");
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::create_dir_all(root.join("blobs")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("secret.safetensors"), "x").unwrap();
+        std::fs::write(root.join("blobs/b1"), "x").unwrap();
+        std::fs::write(folder.join("model.safetensors.index.json"), "{}").unwrap();
+        // Inside the root (as a Hugging Face cache links its blobs): fine.
+        symlink(
+            "../blobs/b1",
+            folder.join("model-00001-of-00002.safetensors"),
+        )
+        .unwrap();
+        let roots = Roots {
+            model: Some(root.clone()),
+            ..Default::default()
+        };
+        confine_links(&roots, Area::Model, "model.init", &folder, &LocalFs).unwrap();
+        let text = "name = \"j\"\n[model]\nkind = \"mlp\"\ninit = \"sharded\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+        let spec = JobSpec::fields_from_toml_str(text, Path::new("t.toml")).unwrap();
+        assert_eq!(
+            spec.confined(&roots, &LocalFs).unwrap().model.init,
+            Some(folder.clone())
+        );
+        // Out of the root: refused, naming the link, where it leads, the
+        // root and its flag.
+        let shard = folder.join("model-00002-of-00002.safetensors");
+        symlink(outside.join("secret.safetensors"), &shard).unwrap();
+        let SpecErrors(errors) = spec.confined(&roots, &LocalFs).unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let e = &errors[0];
+        assert_eq!(e.field, "model.init");
+        assert_eq!(e.value, format!("{:?}", shard.display().to_string()));
+        let text = e.to_string();
+        for part in [
+            root.display().to_string(),
+            "--model-root".into(),
+            format!(
+                "resolves to {}",
+                outside.join("secret.safetensors").display()
+            ),
+        ] {
+            assert!(text.contains(&part), "{text:?} lacks {part:?}");
+        }
+        // A dangling link is refused too (it cannot be judged).
+        std::fs::remove_file(&shard).unwrap();
+        symlink(base.join("nowhere"), &shard).unwrap();
+        assert!(confine_links(&roots, Area::Model, "model.init", &folder, &LocalFs).is_err());
+        // The lexical view sees no links.
+        assert!(confine_links(&roots, Area::Model, "model.init", &folder, &Lexical).is_ok());
+        // No root: not confined.
+        let none = Roots::default();
+        assert!(confine_links(&none, Area::Model, "model.init", &folder, &LocalFs).is_ok());
     }
 
     fn component() -> impl Strategy<Value = String> {

@@ -283,3 +283,63 @@ fn mesh_coordinates_must_match_the_spec() {
         "assignment of job j1 generation 2: rank 1 of 2 is at (data, pipeline, tensor) = (1, 0, 0) of a (2, 1, 1) mesh by the spec's [parallel], the coordinator says (0, 0, 0) of (2, 1, 1)"
     );
 }
+
+/// A `model.init` folder under `--model-root` whose index names a shard
+/// that is a symlink out of the root: refused before anything is opened,
+/// naming the shard, where it leads and the root; a shard linked inside
+/// the root is fine.
+#[test]
+fn a_shard_linked_out_of_the_model_root_is_refused() {
+    use std::os::unix::fs::symlink;
+    let t = tempfile::tempdir().unwrap();
+    let base = std::fs::canonicalize(t.path()).unwrap();
+    let (models, outside) = (base.join("models"), base.join("outside"));
+    let folder = models.join("sharded");
+    for d in [&folder, &outside, &models.join("blobs")] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::write(
+        folder.join("model.safetensors.index.json"),
+        r#"{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
+    std::fs::write(models.join("blobs/one"), "x").unwrap();
+    symlink(
+        "../blobs/one",
+        folder.join("model-00001-of-00002.safetensors"),
+    )
+    .unwrap();
+    let shard = folder.join("model-00002-of-00002.safetensors");
+    std::fs::write(outside.join("two"), "x").unwrap();
+    symlink(outside.join("two"), &shard).unwrap();
+    let mut c = cfg();
+    c.model_root = Some(models.clone());
+    let text = "name = \"p\"\n[model]\nkind = \"mlp\"\ninit = \"sharded\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+    let spec = crate::spec::JobSpec::fields_from_toml_str(text, std::path::Path::new("t")).unwrap();
+    let a = v1::Assignment {
+        job_id: "p-1".into(),
+        generation: 1,
+        world_size: 1,
+        accumulation_steps: 1,
+        spec: Some(accrue_proto::spec_to_proto(&spec)),
+        ..Default::default()
+    };
+    let e = assigned_spec(&a, &c).unwrap_err();
+    for part in [
+        format!(
+            "model.init = {:?}: must lie under",
+            shard.display().to_string()
+        ),
+        models.display().to_string(),
+        format!("resolves to {}", outside.join("two").display()),
+        "refused by worker w".into(),
+    ] {
+        assert!(e.contains(&part), "{e:?} lacks {part:?}");
+    }
+    // Linked inside the root instead: accepted, as before.
+    std::fs::remove_file(&shard).unwrap();
+    std::fs::write(models.join("blobs/two"), "x").unwrap();
+    symlink("../blobs/two", &shard).unwrap();
+    let spec = assigned_spec(&a, &c).unwrap();
+    assert_eq!(spec.model.init, Some(folder));
+}
