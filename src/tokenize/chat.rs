@@ -24,11 +24,43 @@
 //!   rule, its end-of-text quirk included).
 
 use super::{Result, TokenizeError};
+use accrue_common::small_file::{read_small, MAX_CONFIG_BYTES};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde::Serialize;
 use serde_json::Value as Json;
 use std::path::Path;
 use tokenizers::Tokenizer;
+
+/// The work one rendering of a chat template may do, in minijinja's fuel
+/// (one per instruction, and one per 64 bytes of data it builds or
+/// writes, checked before a large allocation): about a million
+/// instructions or 64 MB of strings and lists. Real templates over long
+/// chats need a small part of it; one that loops for ever or builds huge
+/// strings stops within about a second, naming the row.
+const TEMPLATE_FUEL: u64 = 1_000_000;
+
+/// The most text one rendering may produce.
+const MAX_RENDERED_BYTES: usize = 16 << 20;
+
+/// A rendering's output, refused past [`MAX_RENDERED_BYTES`].
+struct Capped {
+    bytes: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_RENDERED_BYTES {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered text is too long"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 /// What opens and closes a generation block once rendered.
 const START: char = '\u{E000}';
@@ -73,16 +105,22 @@ impl ChatTemplate {
                     .into(),
             ));
         };
+        // Both read as the workers read a model's files: regular files
+        // within 4 MiB, so a FIFO or a device fails naming it at once.
         let config_path = dir.join("tokenizer_config.json");
-        let config: Json = match std::fs::read(&config_path) {
+        let config: Json = match read_small(&config_path, MAX_CONFIG_BYTES, "tokenizer_config.json")
+        {
             Ok(b) => serde_json::from_slice(&b)
                 .map_err(|e| missing(format!("{}: not JSON ({e})", config_path.display())))?,
-            Err(_) => Json::Null,
+            Err(e) if e.is_not_found() => Json::Null,
+            Err(e) => return Err(missing(e.to_string())),
         };
         let jinja = dir.join("chat_template.jinja");
-        let source = if jinja.is_file() {
-            std::fs::read_to_string(&jinja)
-                .map_err(|e| missing(format!("{}: {e}", jinja.display())))?
+        let source = if jinja.exists() {
+            let bytes = read_small(&jinja, MAX_CONFIG_BYTES, "chat_template.jinja")
+                .map_err(|e| missing(e.to_string()))?;
+            String::from_utf8(bytes)
+                .map_err(|_| missing(format!("{}: is not UTF-8 text", jinja.display())))?
         } else {
             match config.get("chat_template") {
                 Some(Json::String(s)) => s.clone(),
@@ -114,6 +152,7 @@ impl ChatTemplate {
     pub(super) fn new(source: &str, config: &Json) -> Result<ChatTemplate> {
         let (rewritten, markers) = rewrite_generation(source);
         let mut env = Environment::new();
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_syntax(
             minijinja::syntax::SyntaxConfig::builder()
                 .trim_blocks(true)
@@ -167,8 +206,30 @@ impl ChatTemplate {
             ctx.insert(k.clone(), v.clone());
         }
         let t = self.env.get_template("chat").map_err(|e| e.to_string())?;
-        t.render(Value::from(minijinja::value::Serde(Json::Object(ctx))))
-            .map_err(|e| format!("the chat template fails on this row: {e}"))
+        let mut out = Capped {
+            bytes: Vec::new(),
+            over: false,
+        };
+        let ctx = Value::from(minijinja::value::Serde(Json::Object(ctx)));
+        match t.render_captured_to(ctx, &mut out) {
+            Ok(_) => {}
+            Err(_) if out.over => {
+                return Err(format!(
+                    "the chat template renders more than {} MiB for this row, the limit",
+                    MAX_RENDERED_BYTES >> 20
+                ))
+            }
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => {
+                return Err(format!(
+                    "the chat template needs more than its budget of {TEMPLATE_FUEL} steps \
+                     for this row (a loop too long, or strings too large)"
+                ))
+            }
+            Err(e) => return Err(format!("the chat template fails on this row: {e}")),
+        }
+        // minijinja writes whole UTF-8 strings; a cut never lands inside one.
+        String::from_utf8(out.bytes)
+            .map_err(|_| "the chat template's output is not UTF-8 text".to_string())
     }
 
     /// The row's text and its assistant spans, in characters.

@@ -29,6 +29,7 @@ use place::*;
 use tok::*;
 use write::*;
 
+use accrue_common::small_file::{read_small, MAX_CONFIG_BYTES};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::{seq::SliceRandom, SeedableRng};
 use std::collections::{HashMap, HashSet};
@@ -193,6 +194,10 @@ pub enum TokenizeError {
         path: PathBuf,
         source: tokenizers::Error,
     },
+    /// A tokenizer.json or tokenizer_config.json that is not a regular
+    /// file within its cap (the file names itself).
+    #[error("--tokenizer {0}")]
+    TokenizerRead(accrue_common::small_file::SmallFileError),
     #[error("--tokenizer: {} is not a JSON object (a model folder's tokenizer_config.json)", path.display())]
     TokenizerConfig { path: PathBuf },
     #[error("GPT-2's vocabulary from tiktoken-rs: {0}")]
@@ -386,9 +391,12 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<Summary> {
     // template) goes beside tokenizer.json; training's checkpoints carry
     // what it says.
     let source_config = match args.tokenizer.as_deref().map(Path::new) {
-        Some(dir) if dir.is_dir() && dir.join("tokenizer_config.json").is_file() => {
+        // exists(), not is_file(): a FIFO or a device there is refused by
+        // name rather than passed over (and then read by the chat template).
+        Some(dir) if dir.is_dir() && dir.join("tokenizer_config.json").exists() => {
             let p = dir.join("tokenizer_config.json");
-            let bytes = std::fs::read(&p).map_err(io_err(&p))?;
+            let bytes = read_small(&p, MAX_CONFIG_BYTES, "tokenizer_config.json")
+                .map_err(TokenizeError::TokenizerRead)?;
             match serde_json::from_slice::<serde_json::Value>(&bytes) {
                 Ok(v) if v.is_object() => Some(bytes),
                 _ => return Err(TokenizeError::TokenizerConfig { path: p }),

@@ -3,11 +3,13 @@
 
 #[allow(unused_imports)]
 use super::*;
+use accrue_common::small_file::{read_small, MAX_TOKENIZER_BYTES};
 
 pub(super) struct Tok {
     pub(super) tk: Tokenizer,
-    /// The file to copy as tokenizer.json (a given one), else `tk` is saved.
-    pub(super) source: Option<PathBuf>,
+    /// The bytes to write as tokenizer.json (a given file's), else `tk` is
+    /// saved.
+    pub(super) source: Option<Vec<u8>>,
     pub(super) eot: Option<u32>,
     /// A byte-level tokenizer with GPT-2's pre-tokenizer regex: texts may
     /// be cut into chunks (see `chunks`).
@@ -54,23 +56,18 @@ impl Tok {
     }
 
     pub(super) fn file(path: &Path) -> Result<Tok> {
-        let tk = Tokenizer::from_file(path).map_err(|source| {
-            // A missing file reads better as such than as a JSON error.
-            match std::fs::metadata(path) {
-                Err(e) => TokenizeError::TokenizerFile {
-                    path: path.to_path_buf(),
-                    source: Box::new(e),
-                },
-                Ok(_) => TokenizeError::TokenizerFile {
-                    path: path.to_path_buf(),
-                    source,
-                },
-            }
+        // A regular file of at most 64 MiB, as the workers read it (a
+        // device, a FIFO or a huge file is refused before it is read).
+        let bytes = read_small(path, MAX_TOKENIZER_BYTES, "tokenizer.json")
+            .map_err(TokenizeError::TokenizerRead)?;
+        let tk = Tokenizer::from_bytes(&bytes).map_err(|source| TokenizeError::TokenizerFile {
+            path: path.to_path_buf(),
+            source,
         })?;
         let eot = EOT_NAMES.iter().find_map(|n| tk.token_to_id(n));
         Ok(Tok {
             tk,
-            source: Some(path.to_path_buf()),
+            source: Some(bytes),
             eot,
             chunkable: false,
         })
@@ -130,10 +127,7 @@ impl Tok {
     /// The bytes of tokenizer.json: a given file's own, else `tk` saved.
     pub(super) fn json(&self) -> Result<Vec<u8>> {
         match &self.source {
-            Some(src) => std::fs::read(src).map_err(|e| TokenizeError::TokenizerFile {
-                path: src.clone(),
-                source: Box::new(e),
-            }),
+            Some(bytes) => Ok(bytes.clone()),
             None => Ok(self
                 .tk
                 .to_string(true)

@@ -328,3 +328,152 @@ fn json_lines_with_a_byte_order_mark_read_as_without() {
     assert!(!plain.is_empty());
     assert_eq!(plain, bom);
 }
+
+/// `accrue tokenize args` with stderr to a file, killed after `limit`:
+/// its exit code (None: killed), its stderr, how long it ran and its peak
+/// resident memory in MiB.
+fn bounded_run(dir: &Path, args: &[&str], limit: Duration) -> (Option<i32>, String, Duration, u64) {
+    let err_path = dir.join("stderr.txt");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .arg("tokenize")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    let t0 = Instant::now();
+    let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+    let code = loop {
+        // SAFETY: waits for our own child; `status` and `usage` are ours.
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        if r == pid {
+            break libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = t0.elapsed();
+    let err = std::fs::read_to_string(&err_path).unwrap_or_default();
+    (code, err, took, usage.ru_maxrss as u64 / 1024)
+}
+
+/// A model folder cannot make `accrue tokenize` hang, exhaust memory or
+/// abort: a chat template that loops (nested `range(100000)`), one that
+/// builds a 100 MB string or renders 100 MB, a FIFO or `/dev/zero` as
+/// `tokenizer_config.json` and `/dev/zero` as `tokenizer.json` each fail
+/// within seconds with one line naming the row or the file (they ran for
+/// ever, allocated gigabytes or ended in "out of memory").
+#[test]
+fn a_model_folder_cannot_exhaust_tokenize() {
+    let t = TempDir::new().unwrap();
+    let text = t.path().join("t.txt");
+    std::fs::write(&text, "a tokenizer for chats").unwrap();
+    ok(&[s(&text), "--out", s(&t.path().join("g/t.bin"))]);
+    let chats = t.path().join("chats.jsonl");
+    let row = serde_json::json!({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}]});
+    std::fs::write(&chats, format!("{row}\n{row}\n")).unwrap();
+    // A model folder: the tokenizer, and a config with `template`.
+    let model = |name: &str, template: &str| {
+        let dir = t.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            t.path().join("g/tokenizer.json"),
+            dir.join("tokenizer.json"),
+        )
+        .unwrap();
+        let config = serde_json::json!({"eos_token": "<|endoftext|>", "chat_template": template});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        dir
+    };
+    let plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}";
+    let zero = |dir: &Path, file: &str| {
+        std::fs::remove_file(dir.join(file)).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.join(file)).unwrap();
+    };
+    let fifo_dir = model("fifo", plain);
+    std::fs::remove_file(fifo_dir.join("tokenizer_config.json")).unwrap();
+    let made = Command::new("mkfifo")
+        .arg(fifo_dir.join("tokenizer_config.json"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let zero_config = model("zero-config", plain);
+    zero(&zero_config, "tokenizer_config.json");
+    let zero_tokenizer = model("zero-tokenizer", plain);
+    zero(&zero_tokenizer, "tokenizer.json");
+    let cases = [
+        (
+            model(
+                "loops",
+                "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            ),
+            "chats.jsonl line 1: the chat template needs more than its budget",
+        ),
+        (
+            model("string", "{% set s = 'x' * 100000000 %}{{ s | length }}"),
+            "chats.jsonl line 1: the chat template needs more than its budget",
+        ),
+        (
+            model(
+                "output",
+                "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+            ),
+            "chats.jsonl line 1: the chat template renders more than 16 MiB",
+        ),
+        (
+            fifo_dir,
+            "fifo/tokenizer_config.json: is not a regular file (it is a FIFO)",
+        ),
+        (
+            zero_config,
+            "zero-config/tokenizer_config.json: is not a regular file (it is a character device)",
+        ),
+        (
+            zero_tokenizer,
+            "zero-tokenizer/tokenizer.json: is not a regular file (it is a character device)",
+        ),
+    ];
+    for (dir, want) in cases {
+        let out = t.path().join("out/sft.safetensors");
+        let args = [
+            s(&chats),
+            "--out",
+            s(&out),
+            "--format",
+            "sequences",
+            "--tokenizer",
+            s(&dir),
+        ];
+        let (code, err, took, peak_mib) = bounded_run(t.path(), &args, Duration::from_secs(30));
+        eprintln!(
+            "{}: exit {code:?} after {took:?}, peak {peak_mib} MiB: {}",
+            dir.display(),
+            err.trim()
+        );
+        assert_eq!(code, Some(2), "{}: {err}", dir.display());
+        assert!(
+            err.contains(want),
+            "{}: wanted {want:?} in {err:?}",
+            dir.display()
+        );
+        assert_eq!(err.trim().lines().count(), 1, "{}: {err}", dir.display());
+        assert!(
+            took < Duration::from_secs(15),
+            "{}: took {took:?}",
+            dir.display()
+        );
+        assert!(
+            peak_mib < 1024,
+            "{}: peak memory {peak_mib} MiB",
+            dir.display()
+        );
+        assert!(!out.exists(), "{}: wrote {}", dir.display(), out.display());
+    }
+}
