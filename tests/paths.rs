@@ -268,7 +268,8 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 async fn submit_ok(c: &mut accrue::Client, text: &str) -> String {
     c.submit_job(v1::SubmitJobRequest {
-        spec: Some(spec(text)),
+        // Fields only: the files are the worker's, under its roots.
+        spec: Some(proto(text)),
         ..Default::default()
     })
     .await
