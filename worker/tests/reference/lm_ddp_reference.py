@@ -43,7 +43,9 @@ steps to the .json beside it.
 
 CONFIG_JSON: seed, batch, k, epochs, seq_len, max_norm, lr, weight_decay,
 pad_id, model (LlamaConfig fields), modes; optional "model_type" (qwen2,
-mistral: their class, "model" with their keys); optional "precision": "bf16"
+mistral: their class, "model" with their keys); optional "optimizer": "sgd"
+(torch.optim.SGD at lr and weight_decay, no momentum, instead of AdamW; the
+ddp mode only); optional "precision": "bf16"
 runs the forward and the loss under torch.autocast("cpu", bfloat16)
 (fp32 master weights, as accrue's precision = "bf16") with backward of
 CE_sum * W and the summed gradients divided by N_global after the
@@ -197,7 +199,8 @@ def train():
         model = build()
         load_init(model)
         ddp = DistributedDataParallel(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+        opt_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[cfg.get("optimizer", "adamw")]
+        opt = opt_class(ddp.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
         scaler = torch.amp.GradScaler("cpu") if fp16 else None
         scales = []
         steps = []
