@@ -534,6 +534,25 @@ fn a_second_shell_follows_local_through_its_env_file() {
     assert!(!env.exists(), "the env file outlived its coordinator");
 }
 
+/// The Python client's dict-to-TOML writer: any Unicode string (outside
+/// the Basic Multilingual Plane, control characters, quotes, backslashes),
+/// nested tables and arrays parse back equal with TOML's own parser
+/// (clients/python/tests/toml_roundtrip.py, run with the venv's Python).
+#[test]
+fn the_python_clients_toml_round_trips() {
+    let python = common::repo().join(".venv/bin/python");
+    let script = common::repo().join("clients/python/tests/toml_roundtrip.py");
+    let out = Command::new(&python).arg(&script).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("ok"),
+        "{} {}: {stdout}\n{}",
+        python.display(),
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Issue 43: the Python client (clients/python, installed in the venv by
 /// `make setup`) drives a real `accrue local` run (TLS, tokens, real
 /// workers) from the environment its env file sets: list, get, watch,
