@@ -93,6 +93,9 @@ pub enum Error {
     /// The step schedule yielded an operation the engine cannot run there.
     #[error("step schedule: {0}")]
     Schedule(String),
+    /// An evaluation whose sums do not cover the held-out split.
+    #[error("evaluation: {0}")]
+    Evaluation(String),
     /// libtorch's profiler refused to start or to write its trace.
     #[error("profiler: {0}")]
     Profiler(String),

@@ -439,25 +439,27 @@ impl<C: Collective> Engine<C> {
     /// The held-out split through the stages in chunks of `bs` rows: the
     /// first stage reads the inputs, the last the targets and sums the
     /// metrics, which every stage then takes from it.
-    pub(super) fn pipeline_eval(&mut self, bs: i64) -> Result<crate::objective::EvalSums> {
+    pub(super) fn pipeline_eval(
+        &mut self,
+        eval: &dyn crate::source::DataSource,
+        bs: i64,
+    ) -> Result<(crate::objective::EvalSums, Option<u64>)> {
         let pipe = self.pipe.clone().ok_or_else(|| {
             Error::Schedule("a pipeline evaluation on a job without stages".into())
         })?;
-        let Some(eval) = self.eval.take() else {
-            return Ok(Default::default());
-        };
-        let result = self.pipeline_eval_on(&pipe, eval.as_ref(), bs);
-        self.eval = Some(eval);
-        let sums = result?;
+        let (sums, read) = self.pipeline_eval_on(&pipe, eval, bs)?;
         // The last stage's sums on every stage (exact: f64, and counts
         // below 2^53).
         let each = self.pipeline_each(&[sums.loss_sum, sums.count as f64, sums.correct as f64])?;
         let last = each.last().cloned().unwrap_or_else(|| vec![0.0; 3]);
-        Ok(crate::objective::EvalSums {
-            loss_sum: last[0],
-            count: last[1] as u64,
-            correct: last[2] as u64,
-        })
+        Ok((
+            crate::objective::EvalSums {
+                loss_sum: last[0],
+                count: last[1] as u64,
+                correct: last[2] as u64,
+            },
+            read,
+        ))
     }
 
     fn pipeline_eval_on(
@@ -465,8 +467,11 @@ impl<C: Collective> Engine<C> {
         pipe: &Pipe,
         eval: &dyn crate::source::DataSource,
         bs: i64,
-    ) -> Result<crate::objective::EvalSums> {
+    ) -> Result<(crate::objective::EvalSums, Option<u64>)> {
         let mut sums = crate::objective::EvalSums::default();
+        // The loss terms of the batches this stage read (None on a middle
+        // stage that reads none).
+        let mut read: Option<u64> = None;
         let n = eval.len() as i64;
         let mut start = 0;
         while start < n {
@@ -477,6 +482,9 @@ impl<C: Collective> Engine<C> {
             } else {
                 None
             };
+            if let Some(b) = &batch {
+                read = Some(read.unwrap_or(0) + b.count as u64);
+            }
             let x = match &batch {
                 Some(b) if pipe.is_first() => b.inputs.shallow_clone(),
                 _ => {
@@ -500,6 +508,6 @@ impl<C: Collective> Engine<C> {
             }
             start += len;
         }
-        Ok(sums)
+        Ok((sums, read))
     }
 }

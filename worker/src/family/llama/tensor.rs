@@ -137,6 +137,12 @@ impl SharedRows {
     }
 }
 
+/// Whether `w` is another pipeline stage's parameter, released to an
+/// empty tensor (family/model.rs).
+fn released(w: &Tensor) -> bool {
+    w.dim() == 1 && w.numel() == 0
+}
+
 /// A split model's tensor-parallel state.
 #[derive(Debug)]
 pub(super) struct Tp {
@@ -154,15 +160,27 @@ impl Net {
     pub(super) fn split_tensor(&mut self, place: &TensorPlace) -> Result<()> {
         let t = place.size as i64;
         let d = self.head_dim;
-        let vocab = self.embed.size().first().copied().unwrap_or(0);
         let ranges = vocab_ranges(self.vocab, t);
         let (start, end) = ranges[place.rank];
-        if vocab != end - start {
-            return Err(Error::Sharding(format!(
-                "the embedding holds {vocab} rows, rank {} of {t} takes {}",
-                place.rank,
-                end - start
-            )));
+        // Each vocabulary matrix this stage holds (a pipeline stage holds
+        // the embedding, the head, both or neither: another stage's are
+        // released to empty tensors) takes this rank's rows.
+        let held = [
+            ("embedding", Some(&self.embed)),
+            ("head", self.head.as_ref()),
+        ];
+        for (what, w) in held {
+            let Some(w) = w.filter(|w| !released(w)) else {
+                continue;
+            };
+            let rows = w.size().first().copied().unwrap_or(0);
+            if rows != end - start {
+                return Err(Error::Sharding(format!(
+                    "the {what} holds {rows} rows, rank {} of {t} takes {}",
+                    place.rank,
+                    end - start
+                )));
+            }
         }
         if self.kv_heads < t {
             // Each kv head serves t / kv ranks: its gradients summed over them.
