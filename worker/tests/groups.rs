@@ -4,8 +4,8 @@
 //! receive both ways and wait on asynchronous handles; then one is killed
 //! mid-operation, every survivor must fail within the timeout, and the three
 //! form the next generation. And a process without the generation's key
-//! cannot join a c10d group.
-use accrue_worker::comm::c10d::store::{StoreClient, StoreServer};
+//! cannot join a c10d group, and the store's port is bounded against floods.
+use accrue_worker::comm::c10d::store::{StoreClient, StoreLimits, StoreServer};
 use accrue_worker::comm::c10d::C10dGroup;
 use accrue_worker::comm::group::{Group, ReduceOp};
 use std::io::{BufRead, BufReader, Write};
@@ -193,4 +193,153 @@ fn a_process_without_the_generation_key_cannot_join_a_c10d_group() {
     );
     assert_eq!(a.join().unwrap().unwrap(), 3.0);
     assert_eq!(b.join().unwrap().unwrap(), 3.0);
+}
+
+/// Threads of this process whose name starts with `prefix` (Linux cuts
+/// names at 15 bytes).
+fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|n| n.starts_with(prefix))
+        .count()
+}
+
+/// Whether the other end has closed `s` (non-blocking; data is drained).
+fn closed_by_peer(s: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// The c10d store's port under a flood (it used to spawn a thread per
+/// connection without limit, each handshake read had its own 10 s
+/// timeout): a client dripping its hello a byte at a time is cut at the
+/// whole handshake's deadline; 200 idle connections get at most 64
+/// handshake threads, the rest closed at once; the job's two ranks still
+/// rendezvous, and connections beyond them are refused.
+#[test]
+fn the_c10d_store_bounds_slow_idle_and_extra_connections() {
+    use accrue_worker::comm::c10d::store::{Op, Request};
+    use accrue_worker::comm::wire::{Hello, NONCE_LEN};
+    use std::net::TcpStream;
+    const IDLE: usize = 200;
+    let deadline = Duration::from_secs(2);
+    let limits = StoreLimits {
+        handshake_timeout: deadline,
+        ..StoreLimits::default()
+    };
+    let limit = limits.max_pending_handshakes;
+    assert_eq!(limit, 64);
+    let key = b"the generation's key".to_vec();
+    let server = StoreServer::start_with("127.0.0.1", key.clone(), "job", 1, 2, limits).unwrap();
+    let addr = server.addr();
+
+    // A byte every 100 ms: each read is quick, the whole handshake is not.
+    let mut slow = TcpStream::connect(addr).unwrap();
+    slow.set_nonblocking(true).unwrap();
+    let hello = Hello {
+        rank: 0,
+        generation: 1,
+        job: "job#c10d-store".into(),
+    }
+    .encode(&[0; NONCE_LEN])
+    .unwrap();
+    let mut drip = hello.into_iter().chain(std::iter::repeat(0u8));
+    let started = Instant::now();
+    let mut sent = 0;
+    let cut = loop {
+        if closed_by_peer(&mut slow) {
+            break started.elapsed();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(8),
+            "a client dripping a byte every 100 ms still held its connection after 8 s"
+        );
+        if slow.write_all(&[drip.next().unwrap_or(0)]).is_ok() {
+            sent += 1;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        cut >= deadline - Duration::from_millis(200) && cut < deadline * 3,
+        "the slow client was cut after {cut:?} ({sent} bytes; deadline {deadline:?})"
+    );
+
+    // Idle connections: count the store's threads until all are closed.
+    let mut idle: Vec<TcpStream> = (0..IDLE)
+        .map(|_| {
+            let s = TcpStream::connect(addr).unwrap();
+            s.set_nonblocking(true).unwrap();
+            s
+        })
+        .collect();
+    let flooded = Instant::now();
+    let mut most = 0;
+    loop {
+        most = most.max(threads_named("accrue-c10d-"));
+        let closed = idle.iter_mut().map(closed_by_peer).filter(|&c| c).count();
+        if closed == IDLE {
+            break;
+        }
+        assert!(
+            flooded.elapsed() < Duration::from_secs(20),
+            "{closed} of {IDLE} idle connections closed after 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let drained = flooded.elapsed();
+    eprintln!(
+        "slow client cut after {cut:?} ({sent} bytes); at most {most} store threads for {IDLE} \
+         idle connections, all closed after {drained:?}"
+    );
+    // The acceptor and, from other tests of this binary, a few more.
+    assert!(
+        most > limit / 2 && most <= limit + 8,
+        "{most} store threads at once for {IDLE} idle connections (limit {limit})"
+    );
+
+    // The job's ranks rendezvous afterwards.
+    let t = Duration::from_secs(5);
+    let req = |op, key: &str, value: &str| Request {
+        op,
+        key: key.into(),
+        value: value.into(),
+        arg: 0,
+        timeout_ms: 1000,
+    };
+    let mut a = StoreClient::connect(addr, &key, "job", 1, 0, t).unwrap();
+    a.call(&req(Op::Set, "rank_0", "addr")).unwrap();
+    // A second connection of a connected rank is closed after its handshake.
+    let dup = StoreClient::connect(addr, &key, "job", 1, 0, t)
+        .map_err(|e| e.to_string())
+        .and_then(|mut c| c.call(&req(Op::Get, "rank_0", "")));
+    assert!(dup.is_err(), "a second rank 0 was served: {dup:?}");
+    let mut b = StoreClient::connect(addr, &key, "job", 1, 1, t).unwrap();
+    assert_eq!(b.call(&req(Op::Get, "rank_0", "")).unwrap().0, b"addr");
+    // Every rank connected: anything more is closed at once, key or not.
+    let e = StoreClient::connect(addr, &key, "job", 1, 1, t)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("refused"), "{e}");
+    let mut extra = TcpStream::connect(addr).unwrap();
+    extra.set_nonblocking(true).unwrap();
+    let since = Instant::now();
+    while !closed_by_peer(&mut extra) {
+        assert!(
+            since.elapsed() < deadline / 2,
+            "a connection beyond the job's ranks was still open after {:?}",
+            since.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The ranks' connections still work.
+    assert_eq!(a.call(&req(Op::Get, "rank_0", "")).unwrap().0, b"addr");
 }

@@ -5,7 +5,7 @@
 //! group's listening address, so nothing unauthenticated decides who joins.
 
 use crate::collective::Collective;
-use crate::comm::c10d::store::{StoreClient, StoreServer};
+use crate::comm::c10d::store::{StoreClient, StoreLimits, StoreServer};
 use crate::comm::c10d::C10dGroup;
 use crate::comm::group::{Group, GroupError, RingGroup};
 use crate::comm::{RingConfig, TcpRing};
@@ -222,12 +222,16 @@ impl Mesh {
         let (store, client) = if wants_c10d {
             let server = if rank == 0 {
                 Some(
-                    StoreServer::start(
+                    StoreServer::start_with(
                         &cfg.host,
                         world_cfg.secret.clone(),
                         &world_cfg.job,
                         world_cfg.generation,
                         world,
+                        StoreLimits {
+                            max_pending_handshakes: world_cfg.max_pending_handshakes,
+                            handshake_timeout: world_cfg.handshake_timeout,
+                        },
                     )
                     .map_err(|e| setup(e.to_string()))?,
                 )

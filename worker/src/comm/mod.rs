@@ -5,6 +5,7 @@
 //! [`crate::shard`]) and implements [`crate::collective::Collective`]; its
 //! errors are its own ([`CommError`]), which the worker's `error::Error`
 //! wraps from above.
+pub mod admission;
 pub mod c10d;
 pub mod chunks;
 pub mod collective;

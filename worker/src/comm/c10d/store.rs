@@ -3,7 +3,9 @@
 //! authenticated handshake (`wire::handshake_connect`, HMAC proofs with the
 //! generation's key), so a process without the key can neither read nor
 //! write the addresses gloo's ranks exchange. libtorch's own TCPStore has no
-//! authentication at all (docs/SECURITY.md).
+//! authentication at all (docs/SECURITY.md). Its port is bounded as the
+//! ring's is ([`StoreLimits`]): so many handshakes at once, each within a
+//! deadline, one connection per rank.
 //!
 //! Protocol, after the handshake (little endian):
 //! ```text
@@ -13,6 +15,7 @@
 //! kinds: 0 set, 1 get (waits for the key, at most timeout_ms), 2 add (arg;
 //! the value is the decimal text c10d keeps), 3 check, 4 delete, 5 count.
 
+use crate::comm::admission::{admit, Deadline};
 use crate::comm::wire::{self, Hello};
 use crate::comm::CommError;
 use std::collections::HashMap;
@@ -194,6 +197,29 @@ fn respond(w: &mut impl Write, answer: &Result<(Vec<u8>, i64), String>) -> std::
 
 type Shared = Arc<(Mutex<Table>, Condvar)>;
 
+/// What a store's port lets in: at most `max_pending_handshakes`
+/// connections that have not proved the key yet (more are closed at once),
+/// each handshake within `handshake_timeout` (a slow or silent client is
+/// dropped, freeing its place), and one connection per rank of the job:
+/// once every rank is connected, any further connection is closed at once
+/// (`admission::admit`), and a second one of a connected rank is closed
+/// after its handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreLimits {
+    pub max_pending_handshakes: usize,
+    pub handshake_timeout: Duration,
+}
+
+impl Default for StoreLimits {
+    /// The ring's defaults (64 handshakes, 10 s each).
+    fn default() -> Self {
+        Self {
+            max_pending_handshakes: crate::comm::ring::MAX_PENDING_HANDSHAKES,
+            handshake_timeout: crate::comm::ring::HANDSHAKE_TIMEOUT,
+        }
+    }
+}
+
 /// World rank 0's store for one generation; stops (and drops every
 /// connection) when dropped.
 pub struct StoreServer {
@@ -203,15 +229,41 @@ pub struct StoreServer {
     acceptor: Option<JoinHandle<()>>,
 }
 
+/// What the acceptor and every connection's thread share.
+struct Port {
+    key: Vec<u8>,
+    /// The handshake's scope ([`scope`]).
+    job: String,
+    generation: u64,
+    world: u32,
+    limits: StoreLimits,
+    stop: Arc<AtomicBool>,
+    shared: Shared,
+    /// Which ranks hold a connection now.
+    ranks: Mutex<Vec<bool>>,
+}
+
 impl StoreServer {
     /// Listens on `host`:0 for ranks below `world` proving `key` for
-    /// `job` and `generation`.
+    /// `job` and `generation`, with the default [`StoreLimits`].
     pub fn start(
         host: &str,
         key: Vec<u8>,
         job: &str,
         generation: u64,
         world: u32,
+    ) -> Result<Self, CommError> {
+        Self::start_with(host, key, job, generation, world, StoreLimits::default())
+    }
+
+    /// [`StoreServer::start`] within `limits`.
+    pub fn start_with(
+        host: &str,
+        key: Vec<u8>,
+        job: &str,
+        generation: u64,
+        world: u32,
+        limits: StoreLimits,
     ) -> Result<Self, CommError> {
         let listener = TcpListener::bind((host, 0)).map_err(|e| {
             CommError::Setup(format!("the c10d store cannot listen on {host}: {e}"))
@@ -224,10 +276,19 @@ impl StoreServer {
             .map_err(|e| CommError::Setup(format!("the c10d store's listener: {e}")))?;
         let stop = Arc::new(AtomicBool::new(false));
         let shared: Shared = Arc::default();
-        let (stop2, shared2, job) = (stop.clone(), shared.clone(), scope(job));
+        let port = Arc::new(Port {
+            key,
+            job: scope(job),
+            generation,
+            world,
+            limits,
+            stop: stop.clone(),
+            shared: shared.clone(),
+            ranks: Mutex::new(vec![false; world as usize]),
+        });
         let acceptor = std::thread::Builder::new()
             .name("accrue-c10d-store".into())
-            .spawn(move || accept_loop(listener, key, job, generation, world, stop2, shared2))
+            .spawn(move || accept_loop(listener, port))
             .map_err(|e| CommError::Setup(format!("cannot start the c10d store: {e}")))?;
         Ok(Self {
             addr,
@@ -252,70 +313,140 @@ impl Drop for StoreServer {
     }
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    key: Vec<u8>,
-    job: String,
-    generation: u64,
-    world: u32,
-    stop: Arc<AtomicBool>,
-    shared: Shared,
-) {
-    let mut conns: Vec<(TcpStream, JoinHandle<()>)> = Vec::new();
-    while !stop.load(Ordering::SeqCst) {
+/// One connection's thread: a handshake, then (once `authenticated`) a
+/// rank's requests.
+struct Conn {
+    /// A clone of the socket, shut down when the store stops.
+    stream: TcpStream,
+    thread: JoinHandle<()>,
+    authenticated: Arc<AtomicBool>,
+}
+
+/// The connections whose thread still runs; those that ended are joined,
+/// so a place frees only once its thread is gone.
+fn reap(conns: Vec<Conn>) -> Vec<Conn> {
+    let (done, running): (Vec<_>, Vec<_>) = conns.into_iter().partition(|c| c.thread.is_finished());
+    for c in done {
+        // A connection's thread that panicked is over already.
+        let _ = c.thread.join();
+    }
+    running
+}
+
+fn accept_loop(listener: TcpListener, port: Arc<Port>) {
+    let mut conns: Vec<Conn> = Vec::new();
+    let mut refused: u64 = 0;
+    while !port.stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((s, peer)) => {
-                let (key, job, stop, shared) =
-                    (key.clone(), job.clone(), stop.clone(), shared.clone());
+                conns = reap(conns);
+                let connected = conns
+                    .iter()
+                    .filter(|c| c.authenticated.load(Ordering::SeqCst))
+                    .count();
+                let pending = conns.len() - connected;
+                let max = port.limits.max_pending_handshakes;
+                if let Err(why) = admit(pending, connected, max, port.world as usize) {
+                    refused += 1;
+                    // Logged once per burst size, not once per connection.
+                    if refused.is_power_of_two() {
+                        tracing::warn!(%peer, refused, reason = %why, "c10d store: refused a connection");
+                    }
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
                 let Ok(clone) = s.try_clone() else { continue };
+                let authenticated = Arc::new(AtomicBool::new(false));
+                let (port2, auth2) = (port.clone(), authenticated.clone());
+                // If the thread cannot start, the closure (and the socket
+                // in it) is dropped: the connection closes.
                 let t = std::thread::Builder::new()
-                    .name("accrue-c10d-store-conn".into())
+                    .name("accrue-c10d-conn".into())
                     .spawn(move || {
-                        if let Err(e) = serve(s, &key, &job, generation, world, &stop, &shared) {
+                        if let Err(e) = serve(s, &port2, &auth2) {
                             tracing::debug!(%peer, error = %e, "c10d store connection ended");
                         }
                     });
                 match t {
-                    Ok(t) => conns.push((clone, t)),
+                    Ok(thread) => conns.push(Conn {
+                        stream: clone,
+                        thread,
+                        authenticated,
+                    }),
                     Err(e) => tracing::warn!(error = %e, "cannot serve a c10d store connection"),
                 }
-                conns.retain(|(_, t)| !t.is_finished());
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                // Ended connections release their socket clone and thread.
+                conns = reap(conns);
                 std::thread::sleep(Duration::from_millis(10));
             }
             Err(e) => {
+                // E.g. out of file descriptors: do not spin on it.
                 tracing::warn!(error = %e, "the c10d store's accept failed");
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
     }
-    for (s, t) in conns {
-        let _ = s.shutdown(std::net::Shutdown::Both);
-        let _ = t.join();
+    for c in conns {
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        let _ = c.thread.join();
     }
 }
 
-fn serve(
-    mut s: TcpStream,
-    key: &[u8],
-    job: &str,
-    generation: u64,
-    world: u32,
-    stop: &AtomicBool,
-    shared: &Shared,
-) -> Result<(), String> {
+/// Frees a rank's place when its connection ends.
+struct RankHeld<'a> {
+    ranks: &'a Mutex<Vec<bool>>,
+    rank: usize,
+}
+
+impl Drop for RankHeld<'_> {
+    fn drop(&mut self) {
+        let mut r = self.ranks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(held) = r.get_mut(self.rank) {
+            *held = false;
+        }
+    }
+}
+
+/// Serves one connection, and closes it when done (the acceptor's clone
+/// of the socket would keep it open otherwise).
+fn serve(mut s: TcpStream, port: &Port, authenticated: &AtomicBool) -> Result<(), String> {
+    let r = serve_open(&mut s, port, authenticated);
+    let _ = s.shutdown(std::net::Shutdown::Both);
+    r
+}
+
+fn serve_open(s: &mut TcpStream, port: &Port, authenticated: &AtomicBool) -> Result<(), String> {
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(wire_handshake_timeout()))
-        .map_err(|e| e.to_string())?;
-    let hello = wire::handshake_accept_any(&mut s, key, job, generation, world)
-        .map_err(|e| format!("refused: {e}"))?;
-    tracing::debug!(rank = hello.rank, "c10d store: rank connected");
+    // The whole handshake, not each read, ends by the deadline.
+    let hello = {
+        let mut d = Deadline::new(s, port.limits.handshake_timeout);
+        wire::handshake_accept_any(&mut d, &port.key, &port.job, port.generation, port.world)
+            .map_err(|e| format!("refused: {e}"))?
+    };
+    // handshake_accept_any accepts ranks below `world` only.
+    let rank = hello.rank as usize;
+    let _held = {
+        let mut r = port.ranks.lock().unwrap_or_else(|p| p.into_inner());
+        match r.get_mut(rank) {
+            Some(held) if !*held => *held = true,
+            _ => return Err(format!("refused: rank {rank} is connected already")),
+        }
+        RankHeld {
+            ranks: &port.ranks,
+            rank,
+        }
+    };
+    authenticated.store(true, Ordering::SeqCst);
+    tracing::debug!(rank, "c10d store: rank connected");
     // Authenticated: requests may be far apart (gloo asks once per group).
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
+    s.set_write_timeout(None).map_err(|e| e.to_string())?;
     let _ = s.set_nodelay(true);
+    let (stop, shared) = (&*port.stop, &port.shared);
     loop {
-        let r = match Request::read(&mut s) {
+        let r = match Request::read(s) {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e.to_string()),
@@ -329,13 +460,8 @@ fn serve(
             cv.notify_all();
             a
         };
-        respond(&mut s, &answer).map_err(|e| e.to_string())?;
+        respond(s, &answer).map_err(|e| e.to_string())?;
     }
-}
-
-/// The handshake of a store connection ends within this.
-fn wire_handshake_timeout() -> Duration {
-    crate::comm::ring::HANDSHAKE_TIMEOUT
 }
 
 fn wait_for(shared: &Shared, r: &Request, stop: &AtomicBool) -> Result<(Vec<u8>, i64), String> {

@@ -1,10 +1,11 @@
 //! Forming the ring's links: the acceptor (every incoming connection
 //! authenticated, a bounded number of handshakes at once), the connection
-//! to the next rank, and the deadline both handshakes run within.
+//! to the next rank; both handshakes run within one deadline
+//! (`admission::Deadline`).
 
 use super::{resolve, spawn, CommError, RingConfig, HANDSHAKE_TIMEOUT};
+use crate::comm::admission::Deadline;
 use crate::comm::wire::{self, Hello};
-use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -88,59 +89,6 @@ fn reap(live: Vec<JoinHandle<()>>) -> Vec<JoinHandle<()>> {
         let _ = h.join();
     }
     running
-}
-
-/// A stream whose every read and write ends by one deadline (a per-call
-/// timeout alone would let a peer that sends a byte at a time hold it
-/// forever).
-pub(super) struct Deadline<'a> {
-    pub(super) s: &'a mut TcpStream,
-    pub(super) end: Instant,
-}
-
-impl<'a> Deadline<'a> {
-    fn new(s: &'a mut TcpStream, limit: Duration) -> Self {
-        Self {
-            s,
-            end: Instant::now() + limit,
-        }
-    }
-
-    fn left(&self) -> io::Result<Duration> {
-        let left = self.end.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the handshake's deadline passed",
-            ));
-        }
-        Ok(left)
-    }
-}
-
-impl Read for Deadline<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = self.left()?;
-        self.s.set_read_timeout(Some(left))?;
-        self.s.read(buf).map_err(|e| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
-                io::ErrorKind::TimedOut,
-                "no answer before the handshake's deadline",
-            ),
-            _ => e,
-        })
-    }
-}
-
-impl Write for Deadline<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let left = self.left()?;
-        self.s.set_write_timeout(Some(left))?;
-        self.s.write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        self.s.flush()
-    }
 }
 
 /// Connects to the next rank and completes the handshake, retrying (a
