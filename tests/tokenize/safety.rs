@@ -334,6 +334,8 @@ fn json_lines_with_a_byte_order_mark_read_as_without() {
 /// resident memory in MiB.
 fn bounded_run(dir: &Path, args: &[&str], limit: Duration) -> (Option<i32>, String, Duration, u64) {
     let err_path = dir.join("stderr.txt");
+    // Reaped by wait4 below (for its peak memory), not by Child::wait.
+    #[allow(clippy::zombie_processes)]
     let mut child = Command::new(env!("CARGO_BIN_EXE_accrue"))
         .arg("tokenize")
         .args(args)
