@@ -483,7 +483,7 @@ impl<C: Collective> Engine<C> {
                 None
             };
             if let Some(b) = &batch {
-                read = Some(read.unwrap_or(0) + b.count as u64);
+                read = Some(read.unwrap_or(0) + b.count);
             }
             let x = match &batch {
                 Some(b) if pipe.is_first() => b.inputs.shallow_clone(),
