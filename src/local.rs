@@ -315,6 +315,7 @@ async fn start_and_watch(
         tokens: creds.as_ref().map(|c| c.tokens.clone()),
         insecure: opts.insecure,
         tensorboard_dir: Some(state_dir.join("tensorboard")),
+        watch_buffer: accrue_coordinator::watch_buffer_from_env()?,
         ..Default::default()
     };
     let handle = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0").await?;

@@ -71,6 +71,9 @@ pub(crate) fn print_job(j: &Job) {
         println!("error      {}", j.error);
     }
     println!("history");
+    if j.history_dropped > 0 {
+        println!("  ({} earlier transitions not kept)", j.history_dropped);
+    }
     for h in &j.history {
         let from = JobState::try_from(h.from).unwrap_or(JobState::Unspecified);
         let to = JobState::try_from(h.to).unwrap_or(JobState::Unspecified);

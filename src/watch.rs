@@ -13,8 +13,10 @@ pub const REWATCH_LIMIT: Duration = Duration::from_secs(120);
 /// Whether `watch` opens the job's stream again: the stream failed with
 /// `code` (None: it ended cleanly) while the job was last seen in `last`,
 /// `lost_for` after the first failure in a row. A coordinator that dies or
-/// steps down ends the stream before the job ends; an answer about the
-/// request itself (not found, not allowed) is final.
+/// steps down ends the stream before the job ends; one from before
+/// watchers were sent a fresh snapshot ends a watcher that fell behind
+/// with DATA_LOSS; an answer about the request itself (not found, not
+/// allowed) is final.
 pub fn rewatch(code: Option<tonic::Code>, last: Option<JobState>, lost_for: Duration) -> bool {
     use tonic::Code;
     if lost_for > REWATCH_LIMIT {
@@ -30,6 +32,7 @@ pub fn rewatch(code: Option<tonic::Code>, last: Option<JobState>, lost_for: Dura
                 | Code::Cancelled
                 | Code::Aborted
                 | Code::DeadlineExceeded
+                | Code::DataLoss
         ),
     }
 }
@@ -90,11 +93,19 @@ pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<
             }
             break;
         }
-        let why = ended.map_or_else(
-            || "the stream ended before the job".to_string(),
-            |e| accrue_proto::status_chain(&e),
-        );
-        let text = format!("lost the coordinator ({why}); watching {id} again");
+        let text = match ended {
+            Some(e) if e.code() == tonic::Code::DataLoss => format!(
+                "fell behind the job's events ({}); watching {id} again",
+                accrue_proto::status_chain(&e)
+            ),
+            Some(e) => format!(
+                "lost the coordinator ({}); watching {id} again",
+                accrue_proto::status_chain(&e)
+            ),
+            None => format!(
+                "lost the coordinator (the stream ended before the job); watching {id} again"
+            ),
+        };
         match &bar {
             Some(b) => b.println(text),
             None => eprintln!("{text}"),
@@ -254,6 +265,23 @@ fn lm_json(v: &mut serde_json::Value) {
     }
 }
 
+/// Keeps in `last` the job `ev` carries: a step's carries only the job's
+/// id, state and numbers (the rest is the last whole job's, see
+/// `accrue_coordinator::domain::step_view`); every other event's is whole.
+fn keep_job(last: &mut Option<Job>, ev: &v1::JobEvent) {
+    let Some(j) = &ev.job else { return };
+    match (&ev.event, last.as_mut()) {
+        (Some(job_event::Event::Step(_)), Some(l)) if l.id == j.id => {
+            l.state = j.state;
+            l.counters = j.counters;
+            l.generation = j.generation;
+            l.version = j.version;
+            l.accumulation_steps = j.accumulation_steps;
+        }
+        _ => *last = Some(j.clone()),
+    }
+}
+
 fn show_event(
     ev: &v1::JobEvent,
     last: &mut Option<Job>,
@@ -261,9 +289,7 @@ fn show_event(
     json: bool,
     bar: Option<&indicatif::ProgressBar>,
 ) {
-    if let Some(j) = &ev.job {
-        *last = Some(j.clone());
-    }
+    keep_job(last, ev);
     // A language model counts tokens (issue 30).
     let lm = last.as_ref().is_some_and(accrue_coordinator::http::is_lm);
     if json {
@@ -431,6 +457,8 @@ mod tests {
             Code::Unknown,
             Code::Internal,
             Code::Cancelled,
+            // An older coordinator's answer to a watcher that fell behind.
+            Code::DataLoss,
         ] {
             assert!(rewatch(Some(c), running, soon), "{c:?}");
             assert!(
@@ -451,6 +479,52 @@ mod tests {
         for s in [JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
             assert!(!rewatch(None, Some(s), soon), "{s:?}");
         }
+    }
+
+    /// A step event's job is its id, state and numbers: the watcher keeps
+    /// the spec, history and evaluation of the last whole job it saw.
+    #[test]
+    fn a_step_updates_the_numbers_of_the_job_it_kept() {
+        use accrue_proto::v1::{job_event, Counters, Job, JobEvent, StepReport};
+        let whole = Job {
+            id: "j-1".into(),
+            spec: Some(Default::default()),
+            history: vec![Default::default(); 3],
+            eval: Some(Default::default()),
+            ..Default::default()
+        };
+        let mut last = None;
+        super::keep_job(
+            &mut last,
+            &JobEvent {
+                job: Some(whole.clone()),
+                event: None,
+            },
+        );
+        let mut slim = Job {
+            id: "j-1".into(),
+            counters: Some(Counters {
+                step: 7,
+                ..Default::default()
+            }),
+            generation: 2,
+            ..Default::default()
+        };
+        slim.set_state(JobState::Running);
+        super::keep_job(
+            &mut last,
+            &JobEvent {
+                job: Some(slim),
+                event: Some(job_event::Event::Step(StepReport::default())),
+            },
+        );
+        let kept = last.unwrap();
+        assert_eq!(kept.counters.unwrap().step, 7);
+        assert_eq!((kept.state(), kept.generation), (JobState::Running, 2));
+        assert_eq!(
+            (kept.spec, kept.history.len(), kept.eval.is_some()),
+            (whole.spec, 3, true)
+        );
     }
 
     #[test]

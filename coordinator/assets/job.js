@@ -344,7 +344,9 @@ function renderTables(v) {
   $('evals').hidden = evals.length === 0;
 
   const hist = Array.isArray(j.history) ? j.history : [];
-  $('history').replaceChildren(...hist.map((h) => {
+  const dropped = fin(j.history_dropped) && j.history_dropped > 0
+    ? [el('li', 'when', j.history_dropped + ' earlier transitions not kept')] : [];
+  $('history').replaceChildren(...dropped, ...hist.map((h) => {
     const li = el('li');
     li.append(el('span', 'when', fmtClock(h.at_unix_ms)),
       document.createTextNode(str(h.from) + ' \u2192 ' + str(h.to) + (h.reason ? ': ' + h.reason : '')));

@@ -98,6 +98,30 @@ pub fn add_reader_fields(j: &mut Job) {
     }
 }
 
+/// What a step event carries of its job: a step carries the step, not
+/// the job. Its id, state, counters, generation, version, accumulation
+/// steps and the reader's fields ([`add_reader_fields`]); not its spec,
+/// history, recoveries, workers or evaluation, so that its size does not
+/// grow with them (a watcher keeps those from the last event that
+/// carried the whole job).
+pub fn step_view(j: &Job) -> Job {
+    let mut v = Job {
+        id: j.id.clone(),
+        state: j.state,
+        counters: j.counters,
+        generation: j.generation,
+        version: j.version,
+        accumulation_steps: j.accumulation_steps,
+        unit: unit(j).to_string(),
+        ..Default::default()
+    };
+    if let (true, Some(c)) = (is_lm(j), v.counters.as_mut()) {
+        c.tokens_per_sec = Some(c.samples_per_sec);
+        c.tokens_seen = Some(c.samples_seen);
+    }
+    v
+}
+
 /// A language model's evaluation with its perplexity (when finite) and
 /// the target tokens it evaluated.
 pub fn add_lm_eval_fields(e: &mut EvalResult) {

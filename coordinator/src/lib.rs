@@ -22,7 +22,10 @@ mod test_specs;
 pub mod tls;
 
 pub use error::CoordError;
-pub use service::{Config, Coordinator, DEFAULT_MAX_JOB_MEMORY_GIB};
+pub use service::{
+    parse_watch_buffer, watch_buffer_from_env, Config, Coordinator, WatchBufferError,
+    DEFAULT_MAX_JOB_MEMORY_GIB, DEFAULT_WATCH_BUFFER,
+};
 
 use accrue_proto::v1::{
     job_service_server::JobServiceServer, worker_service_server::WorkerServiceServer,

@@ -92,6 +92,12 @@ struct Args {
     /// --logdir <this>`). Default: <state-dir>/tensorboard.
     #[arg(long, value_name = "DIR")]
     tensorboard_dir: Option<PathBuf>,
+    /// Job events kept for watchers (WatchJob, the status page), 1 to
+    /// 1048576: a watcher that falls further behind gets a fresh snapshot
+    /// of its job and goes on.
+    #[arg(long, env = "ACCRUE_WATCH_BUFFER", default_value_t = accrue_coordinator::DEFAULT_WATCH_BUFFER,
+          value_parser = |v: &str| accrue_coordinator::parse_watch_buffer("--watch-buffer", v))]
+    watch_buffer: usize,
 }
 
 #[tokio::main]
@@ -140,6 +146,7 @@ async fn serve() -> anyhow::Result<()> {
         ring_secret_file: a.ring_secret_file,
         insecure: a.insecure,
         tensorboard_dir: Some(tensorboard_dir),
+        watch_buffer: a.watch_buffer,
     };
     let handle = if a.etcd.is_empty() {
         accrue_coordinator::start(cfg, &a.listen, &a.http).await?

@@ -72,11 +72,28 @@ pub fn transition(
         at_unix_ms: now_ms,
     };
     job.set_state(to);
-    job.history.push(t.clone());
+    push_history(job, t.clone());
     if is_final(to) {
         drop_unformed(job);
     }
     Ok(t)
+}
+
+/// How many transitions a job's history keeps: the newest; older ones
+/// are dropped and counted in `history_dropped` (docs/OPERATIONS.md,
+/// "Watching a job"). A job cancelled and resumed in a loop would
+/// otherwise grow without bound, and with it every read of it.
+pub const HISTORY_KEPT: usize = 100;
+
+/// Appends `t` to `job`'s history, dropping (and counting) the oldest
+/// entries beyond [`HISTORY_KEPT`].
+pub fn push_history(job: &mut Job, t: Transition) {
+    job.history.push(t);
+    let over = job.history.len().saturating_sub(HISTORY_KEPT);
+    if over > 0 {
+        job.history.drain(..over);
+        job.history_dropped += over as u64;
+    }
 }
 
 /// **Decision (issue 28):** `recoveries` holds the re-formations that

@@ -237,13 +237,20 @@ class Client:
         """The job's events until it ends, as dicts: `{"event": "step",
         ...the step report}`, `{"event": "eval", ...}` and `{"event":
         "state", "from", "to", "reason"}`; the first is `{"event":
-        "snapshot", "job": {...}}`."""
-        try:
-            stream = self._stub.WatchJob(pb.WatchJobRequest(id=job_id), metadata=self._metadata)
-            for ev in stream:
-                yield _event(ev)
-        except grpc.RpcError as e:
-            _raise(e)
+        "snapshot", "job": {...}}`. A watcher that reads more slowly than
+        the job makes events and falls behind gets a fresh snapshot and
+        goes on (the events it missed are not sent)."""
+        while True:
+            try:
+                stream = self._stub.WatchJob(pb.WatchJobRequest(id=job_id), metadata=self._metadata)
+                for ev in stream:
+                    yield _event(ev)
+                return
+            except grpc.RpcError as e:
+                # A coordinator from before fresh snapshots ends a watcher
+                # that fell behind with DATA_LOSS: watch again.
+                if e.code() != grpc.StatusCode.DATA_LOSS:
+                    _raise(e)
 
     def series(self, job_id, from_step=0, max_points=0):
         """The job's training curve, one row per point (consecutive steps

@@ -75,7 +75,17 @@ pub(super) async fn events(
                         let Some(c) = c.upgrade().filter(|c| !c.is_closed()) else {
                             return;
                         };
-                        job = c.with_cluster(|cl| job_view(j, cl.series(&id)));
+                        // A step's job is only its numbers
+                        // (crate::domain::step_view): the whole job is the
+                        // scheduler's.
+                        let step = matches!(ev.event, Some(accrue_proto::v1::job_event::Event::Step(_)));
+                        let Some(view) = c.with_cluster(|cl| {
+                            let whole = if step { cl.job(&id) } else { Some(j) };
+                            whole.map(|w| job_view(w, cl.series(&id)))
+                        }) else {
+                            return;
+                        };
+                        job = view;
                         dirty = true;
                     }
                     Err(RecvError::Lagged(_)) => {

@@ -228,7 +228,7 @@ impl Cluster {
             }
         }
         fx.push(Effect::Event(Box::new(JobEvent {
-            job: Some(entry.job.clone()),
+            job: Some(crate::domain::step_view(&entry.job)),
             event: Some(v1::job_event::Event::Step(r)),
         })));
         if dirty || now - entry.saved_ms >= 1000 {

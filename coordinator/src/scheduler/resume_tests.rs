@@ -342,3 +342,84 @@ fn a_checkpoint_folder_of_another_job_is_refused_at_submit() {
     submit(&mut c, spec("d", 1, ""), 4);
     submit(&mut c, spec("d", 1, ""), 4);
 }
+
+/// The step event of `job` among `fx`.
+fn step_event(fx: &[Effect]) -> Option<&JobEvent> {
+    fx.iter().find_map(|e| match e {
+        Effect::Event(ev) if matches!(ev.event, Some(v1::job_event::Event::Step(_))) => {
+            Some(ev.as_ref())
+        }
+        _ => None,
+    })
+}
+
+/// The job a step event carries encodes to less than this, whatever the
+/// job's history, recoveries or spec (domain::step_view: its id, state and
+/// numbers).
+const STEP_JOB_BOUND: usize = 512;
+
+/// An owner's cancel/resume loop: the history keeps the newest
+/// HISTORY_KEPT transitions and counts the ones it dropped, and a step
+/// event's size does not grow with the history (it carries the step and
+/// the job's numbers, not the job).
+#[test]
+fn a_cancel_resume_loop_keeps_the_history_bounded_and_step_events_small() {
+    use prost::Message;
+    // A step event of a job fresh from its submission, for comparison.
+    let mut fresh = cluster();
+    let f = submit(&mut fresh, spec("j", 1, ""), 0);
+    attach_all(&mut fresh, &["w0"], 1);
+    let gen = fresh.job(&f).unwrap().generation;
+    let fx = deliver(&mut fresh, "w0", step_report(&f, gen, 0, 1), 2);
+    let small = step_event(&fx).expect("a step event").encoded_len();
+
+    let mut c = cluster();
+    let job = submit(&mut c, spec("j", 1, ""), 0);
+    let loops = 2_500i64;
+    for i in 0..loops {
+        let now = 10 + 2 * i;
+        let cancel = Input::Cancel {
+            job: job.clone(),
+            by: Caller::Anyone,
+        };
+        reply(&c.step(cancel, now)).unwrap();
+        let resume = Input::Resume {
+            job: job.clone(),
+            by: Caller::Anyone,
+        };
+        reply(&c.step(resume, now + 1)).unwrap();
+        c.step(Input::Admit { job: job.clone() }, now + 1);
+    }
+    let j = c.job(&job).unwrap().clone();
+    assert_eq!(j.history.len(), state::HISTORY_KEPT);
+    // Submitted, then a cancel and a resume per loop.
+    let made = 1 + 2 * loops as u64;
+    assert_eq!(j.history_dropped + j.history.len() as u64, made);
+    let newest = j.history.last().unwrap();
+    assert_eq!(
+        (newest.to, newest.at_unix_ms),
+        (JobState::Pending as i32, 10 + 2 * (loops - 1) + 1),
+        "the newest are kept"
+    );
+    // Its step events weigh what a fresh job's do.
+    attach_all(&mut c, &["w0"], 20_000);
+    let gen = c.job(&job).unwrap().generation;
+    let fx = deliver(&mut c, "w0", step_report(&job, gen, 0, 1), 20_001);
+    let ev = step_event(&fx).expect("a step event");
+    let carried = ev.job.as_ref().unwrap();
+    assert!(carried.history.is_empty() && carried.spec.is_none(), "{carried:?}");
+    assert_eq!(carried.counters.unwrap().step, 1);
+    assert!(
+        carried.encoded_len() < STEP_JOB_BOUND,
+        "{} bytes",
+        carried.encoded_len()
+    );
+    // A few bytes more at most: larger version and timestamps as varints.
+    assert!(
+        ev.encoded_len() <= small + 8,
+        "{} bytes after {made} transitions, {small} bytes fresh",
+        ev.encoded_len()
+    );
+    // The whole job the watchers keep is bounded too.
+    assert!(j.encoded_len() < 64 * 1024, "{} bytes", j.encoded_len());
+}

@@ -38,6 +38,10 @@ pub struct Config {
     /// (`crate::tensorboard`). None: none written (the binary's default
     /// is `<state-dir>/tensorboard`).
     pub tensorboard_dir: Option<PathBuf>,
+    /// Job events kept for watchers (WatchJob, the status page): a watcher
+    /// that falls further behind gets a fresh snapshot of its job
+    /// (`--watch-buffer`, default [`DEFAULT_WATCH_BUFFER`]).
+    pub watch_buffer: usize,
 }
 
 impl Config {
@@ -104,7 +108,50 @@ impl Default for Config {
             ring_secret_file: None,
             insecure: false,
             tensorboard_dir: None,
+            watch_buffer: DEFAULT_WATCH_BUFFER,
         }
+    }
+}
+
+/// The default of `--watch-buffer`: job events kept for watchers.
+pub const DEFAULT_WATCH_BUFFER: usize = 16384;
+
+/// The allowed values of `--watch-buffer` (and `ACCRUE_WATCH_BUFFER`).
+pub const WATCH_BUFFER_RANGE: std::ops::RangeInclusive<usize> = 1..=1 << 20;
+
+/// A `--watch-buffer` value that is not a whole number in
+/// [`WATCH_BUFFER_RANGE`].
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{name}={value:?}: the watch buffer must be a whole number of events from {} to {}", WATCH_BUFFER_RANGE.start(), WATCH_BUFFER_RANGE.end())]
+pub struct WatchBufferError {
+    pub name: &'static str,
+    pub value: String,
+}
+
+/// The watch buffer `value` names (`name`: where it came from, for the
+/// error).
+pub fn parse_watch_buffer(name: &'static str, value: &str) -> Result<usize, WatchBufferError> {
+    value
+        .trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|n| WATCH_BUFFER_RANGE.contains(n))
+        .ok_or_else(|| WatchBufferError {
+            name,
+            value: value.to_string(),
+        })
+}
+
+/// `ACCRUE_WATCH_BUFFER` when it is set (`accrue local`'s embedded
+/// coordinator), else [`DEFAULT_WATCH_BUFFER`].
+pub fn watch_buffer_from_env() -> Result<usize, WatchBufferError> {
+    match std::env::var("ACCRUE_WATCH_BUFFER") {
+        Ok(v) => parse_watch_buffer("ACCRUE_WATCH_BUFFER", &v),
+        Err(std::env::VarError::NotPresent) => Ok(DEFAULT_WATCH_BUFFER),
+        Err(std::env::VarError::NotUnicode(v)) => Err(WatchBufferError {
+            name: "ACCRUE_WATCH_BUFFER",
+            value: v.to_string_lossy().into_owned(),
+        }),
     }
 }
 

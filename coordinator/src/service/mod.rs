@@ -32,7 +32,10 @@ use tonic::Status;
 
 mod config;
 mod watch;
-pub use config::{Config, DEFAULT_MAX_JOB_MEMORY_GIB};
+pub use config::{
+    parse_watch_buffer, watch_buffer_from_env, Config, WatchBufferError, DEFAULT_MAX_JOB_MEMORY_GIB,
+    DEFAULT_WATCH_BUFFER,
+};
 
 pub fn now_ms() -> i64 {
     SystemTime::now()
@@ -150,7 +153,8 @@ impl Coordinator {
         );
         cluster.restore(store.list()?, now_ms());
         cluster.restore_series(store.list_series()?);
-        let (events, _) = broadcast::channel(16384);
+        // broadcast::channel panics on 0; the flag refuses it.
+        let (events, _) = broadcast::channel(cfg.watch_buffer.max(1));
         let progress = store.progress();
         let tensorboard = cfg.tensorboard_dir.clone().and_then(|dir| {
             crate::tensorboard::TensorBoard::start(dir)

@@ -11,8 +11,12 @@
 //! job and never touch the job.
 //!
 //! - The spec (as TOML, tag `spec`, at step 0) is written when a run file
-//!   is opened: at the job's first step or evaluation this coordinator
-//!   sees, and again after a restart or a resume.
+//!   is opened: when the job starts running (its ring formed), at its
+//!   first step or evaluation this coordinator sees, and again after a
+//!   restart or a resume. A step event carries no spec
+//!   ([`crate::domain::step_view`]): a job that this coordinator took
+//!   over running gets its spec with its next evaluation, or when it next
+//!   starts running.
 //! - A rollback (recovery from a checkpoint) writes the redone steps again:
 //!   TensorBoard keeps, per tag, the later value of a step (a new record
 //!   at step s replaces the ones at steps >= s).
@@ -124,10 +128,12 @@ pub fn point_of(ev: &JobEvent) -> Option<Point> {
     match ev.event.as_ref()? {
         job_event::Event::Step(r) => {
             let skipped = job.counters.as_ref().map_or(0, |c| c.skipped_steps);
+            // A step's job has no spec, only its unit.
+            let lm = crate::domain::is_lm(job) || job.unit == "tokens";
             Some(Point::Scalars {
                 job: id,
                 step: r.step,
-                values: step_scalars(r, crate::domain::is_lm(job), skipped),
+                values: step_scalars(r, lm, skipped),
             })
         }
         job_event::Event::Eval(e) => Some(Point::Scalars {
@@ -217,21 +223,19 @@ impl TensorBoard {
 
     /// Takes a published event (never blocks: see the module's doc).
     pub fn observe(&self, ev: &JobEvent) {
-        let Some(p) = point_of(ev) else { return };
         let wall = wall_now();
+        // The transition the steps follow carries the whole job (a step's
+        // job has no spec).
+        if let (Some(j), Some(job_event::Event::Transition(t))) = (&ev.job, &ev.event) {
+            if t.to() == v1::JobState::Running {
+                self.spec_once(j, wall);
+            }
+        }
+        let Some(p) = point_of(ev) else { return };
         match p {
             Point::Scalars { job, step, values } => {
-                if !lock(&self.seen).contains(&job) {
-                    if let Some(spec) = ev.job.as_ref().and_then(|j| j.spec.clone()) {
-                        let m = Msg::Spec {
-                            job: job.clone(),
-                            spec: Box::new(spec),
-                            wall,
-                        };
-                        if self.send(m) {
-                            lock(&self.seen).insert(job.clone());
-                        }
-                    }
+                if let Some(j) = &ev.job {
+                    self.spec_once(j, wall);
                 }
                 self.send(Msg::Scalars {
                     job,
@@ -243,6 +247,24 @@ impl TensorBoard {
             Point::End { job } => {
                 lock(&self.seen).remove(&job);
                 self.send(Msg::End { job });
+            }
+        }
+    }
+
+    /// Queues the spec of `job` (when it carries one) unless it was sent
+    /// since the job's file was last closed.
+    fn spec_once(&self, job: &v1::Job, wall: f64) {
+        if lock(&self.seen).contains(&job.id) {
+            return;
+        }
+        if let Some(spec) = job.spec.clone() {
+            let m = Msg::Spec {
+                job: job.id.clone(),
+                spec: Box::new(spec),
+                wall,
+            };
+            if self.send(m) {
+                lock(&self.seen).insert(job.id.clone());
             }
         }
     }

@@ -355,3 +355,50 @@ fn the_sink_never_blocks_and_writes_through_its_thread() {
     );
     assert_eq!(run[0][1].summary.as_ref().unwrap().value[0].tag, SPEC_TAG);
 }
+
+/// A step event carries no spec (domain::step_view): the spec goes out
+/// with the transition to Running the steps follow, and a language
+/// model's steps are told by the unit they carry.
+#[test]
+fn a_step_without_the_job_after_the_running_transition_writes_the_spec_first() {
+    let t = tempfile::tempdir().unwrap();
+    let tb = TensorBoard::start(t.path().join("tb")).unwrap();
+    let mut j = job("r-1", v1::ModelKind::Mlp, 0, v1::JobState::Running);
+    j.spec = Some(a_spec());
+    tb.observe(&JobEvent {
+        job: Some(j.clone()),
+        event: Some(job_event::Event::Transition(v1::Transition {
+            from: v1::JobState::Rendezvous as i32,
+            to: v1::JobState::Running as i32,
+            ..Default::default()
+        })),
+    });
+    for step in 1..=3 {
+        tb.observe(&JobEvent {
+            job: Some(crate::domain::step_view(&j)),
+            event: Some(job_event::Event::Step(report(step))),
+        });
+    }
+    tb.close(Duration::from_secs(30));
+    let run = read_run(&t.path().join("tb/r-1"));
+    assert_eq!(run.len(), 1);
+    assert_eq!(run[0].len(), 1 + 1 + 3, "file version, the spec, 3 steps");
+    assert_eq!(run[0][1].summary.as_ref().unwrap().value[0].tag, SPEC_TAG);
+    // A language model's step job says "tokens".
+    let lm = job("l-1", v1::ModelKind::Llama, 0, v1::JobState::Running);
+    let ev = JobEvent {
+        job: Some(crate::domain::step_view(&lm)),
+        event: Some(job_event::Event::Step(report(1))),
+    };
+    let Some(Point::Scalars { values, .. }) = point_of(&ev) else {
+        panic!("a step is a point")
+    };
+    let with_spec = JobEvent {
+        job: Some(lm),
+        ..ev
+    };
+    let Some(Point::Scalars { values: whole, .. }) = point_of(&with_spec) else {
+        panic!("a step is a point")
+    };
+    assert_eq!(values, whole);
+}
