@@ -99,21 +99,18 @@ pub enum StartError {
     RingKey(#[from] ringkey::RingKeyError),
     #[error(transparent)]
     Security(#[from] accrue_proto::secure::SecurityError),
-}
-
-/// Binds both listeners (port 0 allowed), opens the store under
     #[error("state dir {}: {source}", dir.display())]
     StateDir {
         dir: std::path::PathBuf,
         source: accrue_common::strict_modes::StrictModesError,
     },
+}
+
+/// Binds both listeners (port 0 allowed), opens the store under
 /// `cfg.state_dir` and serves until stopped.
 pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartError> {
     cfg.check_security(None)?;
     let cfg = cfg.with_checked_roots()?;
-    let master = ringkey::RingMaster::resolve(cfg.ring_secret_file.as_deref(), &cfg.state_dir)?;
-    let store = store::RedbStore::open(&cfg.state_dir)?;
-    let coordinator = Coordinator::with_ring_master(cfg.clone(), Box::new(store), master)?;
     // Created 0700; refused when another user owns or may write it or
     // what is in it (the ring secret, the job store, `accrue local`'s
     // credentials): before anything in it is read.
@@ -123,6 +120,9 @@ pub async fn start(cfg: Config, grpc: &str, http: &str) -> Result<Handle, StartE
             source,
         }
     })?;
+    let master = ringkey::RingMaster::resolve(cfg.ring_secret_file.as_deref(), &cfg.state_dir)?;
+    let store = store::RedbStore::open(&cfg.state_dir)?;
+    let coordinator = Coordinator::with_ring_master(cfg.clone(), Box::new(store), master)?;
     serve(cfg, grpc, http, gate::Gate::leading(coordinator)).await
 }
 
