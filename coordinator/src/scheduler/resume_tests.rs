@@ -407,7 +407,10 @@ fn a_cancel_resume_loop_keeps_the_history_bounded_and_step_events_small() {
     let fx = deliver(&mut c, "w0", step_report(&job, gen, 0, 1), 20_001);
     let ev = step_event(&fx).expect("a step event");
     let carried = ev.job.as_ref().unwrap();
-    assert!(carried.history.is_empty() && carried.spec.is_none(), "{carried:?}");
+    assert!(
+        carried.history.is_empty() && carried.spec.is_none(),
+        "{carried:?}"
+    );
     assert_eq!(carried.counters.unwrap().step, 1);
     assert!(
         carried.encoded_len() < STEP_JOB_BOUND,

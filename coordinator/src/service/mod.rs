@@ -33,8 +33,8 @@ use tonic::Status;
 mod config;
 mod watch;
 pub use config::{
-    parse_watch_buffer, watch_buffer_from_env, Config, WatchBufferError, DEFAULT_MAX_JOB_MEMORY_GIB,
-    DEFAULT_WATCH_BUFFER,
+    parse_watch_buffer, watch_buffer_from_env, Config, WatchBufferError,
+    DEFAULT_MAX_JOB_MEMORY_GIB, DEFAULT_WATCH_BUFFER,
 };
 
 pub fn now_ms() -> i64 {
