@@ -6,6 +6,7 @@
 pub mod certs;
 mod lifecycle;
 mod local;
+pub mod out;
 mod status;
 pub mod tokenize;
 mod watch;

@@ -2,7 +2,7 @@
 //! loopback, secured with throw-away credentials (or `--insecure`).
 
 use crate::lifecycle::{spawn_tied, StateDirLock};
-use crate::{certs, connect_client, exit_for, state_name, submit, watch, BearerToken, Client};
+use crate::{certs, connect_client, exit_for, state_name, submit, BearerToken, Client};
 use accrue_common::JobSpec;
 use accrue_proto::tls::ClientTls;
 use accrue_proto::v1::{self, Job};
@@ -179,7 +179,7 @@ impl Started {
         drop(self.client);
         tokio::select! {
             () = self.children.shutdown() => {}
-            s = signals.recv() => eprintln!("{s} again: killing the workers now"),
+            s = signals.recv() => crate::errln!("{s} again: killing the workers now"),
         }
         drop(self.children);
         if let Some(h) = self.coordinator {
@@ -203,7 +203,7 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
     let name = spec.name.clone();
     let workers = opts.workers.unwrap_or(spec.workers);
     if workers != spec.workers {
-        eprintln!(
+        crate::errln!(
             "--workers {workers} overrides the spec's workers = {}",
             spec.workers
         );
@@ -256,7 +256,7 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
     };
     let c = end.counters.unwrap_or_default();
     let lm = accrue_coordinator::http::is_lm(&end);
-    println!(
+    crate::outln!(
         "{} {}: step {}/{}, {} {}, loss {:.4}",
         end.id,
         state_name(end.state()),
@@ -268,18 +268,20 @@ pub(crate) async fn local(job: &Path, opts: LocalOptions) -> anyhow::Result<Exit
     );
     // A failed or cancelled job has no final numbers, only its last eval.
     match (&end.eval, end.state() == v1::JobState::Succeeded) {
-        (Some(e), true) => println!("final {}", crate::eval_words(e, lm)),
-        (Some(e), false) => println!("last eval (step {}): {}", e.step, crate::eval_words(e, lm)),
+        (Some(e), true) => crate::outln!("final {}", crate::eval_words(e, lm)),
+        (Some(e), false) => {
+            crate::outln!("last eval (step {}): {}", e.step, crate::eval_words(e, lm))
+        }
         (None, _) => {}
     }
     if !end.checkpoint.is_empty() {
-        println!("checkpoint {}", end.checkpoint);
+        crate::outln!("checkpoint {}", end.checkpoint);
     }
     if !end.error.is_empty() {
-        println!("error {}", end.error);
+        crate::outln!("error {}", end.error);
     }
     if matches!(end.state(), v1::JobState::Failed | v1::JobState::Cancelled) {
-        println!(
+        crate::outln!(
             "continue it from its newest checkpoint with: {}",
             resume_hint(job, &opts)
         );
@@ -327,23 +329,23 @@ async fn start_and_watch(
     let scheme = if creds.is_some() { "https" } else { "http" };
     let url = format!("{scheme}://{grpc_addr}");
     match &creds {
-        Some(c) => println!(
+        Some(c) => crate::outln!(
             "coordinator {url} (status {scheme}://{http_addr}/ with the token in {}; CA {})",
             c.tokens.with_file_name("read.token").display(),
             c.client.ca.display()
         ),
-        None => println!("coordinator {url} (status {scheme}://{http_addr}/)"),
+        None => crate::outln!("coordinator {url} (status {scheme}://{http_addr}/)"),
     }
     if let Some(link) = sign_in {
-        println!("status page, signed in (the link works once, within 10 minutes): {link}");
+        crate::outln!("status page, signed in (the link works once, within 10 minutes): {link}");
     }
     let env = write_env_file(state_dir, &url, creds.as_ref())?;
-    println!(
+    crate::outln!(
         "env {} (in another shell: source it, then accrue list, accrue watch JOB)",
         env.display()
     );
     started.env_file = Some(env);
-    println!(
+    crate::outln!(
         "TensorBoard: tensorboard --logdir {}",
         state_dir.join("tensorboard").display()
     );
@@ -396,15 +398,15 @@ async fn start_and_watch(
     let client = started.client.insert(client);
     let submitted = if opts.resume {
         let j = resume_newest(client, name, state_dir).await?;
-        println!("job {} resumed", j.id);
+        crate::outln!("job {} resumed", j.id);
         j
     } else {
         let j = submit(client, job, Some(workers)).await?;
-        println!("job {}", j.id);
+        crate::outln!("job {}", j.id);
         j
     };
     started.job = Some(submitted.id.clone());
-    watch(client, &submitted.id, opts.json).await
+    crate::watch::follow(client, &submitted.id, opts.json).await
 }
 
 /// The command that continues this run's job.

@@ -11,7 +11,7 @@ async fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
+        .with_writer(|| accrue::out::QuietStderr)
         .init();
     let cli = match Cli::from_arg_matches(&accrue::command().get_matches()) {
         Ok(c) => c,
@@ -21,7 +21,7 @@ async fn main() -> std::process::ExitCode {
         Ok(code) => code,
         Err(e) => {
             // One line, each cause once (docs/OPERATIONS.md, "Errors").
-            eprintln!("error: {}", accrue_proto::error_chain(e.as_ref()));
+            accrue::errln!("error: {}", accrue_proto::error_chain(e.as_ref()));
             std::process::ExitCode::from(2)
         }
     }

@@ -39,7 +39,24 @@ pub fn rewatch(code: Option<tonic::Code>, last: Option<JobState>, lost_for: Dura
 
 /// Follows a job until it ends; returns the final job. With `json` every
 /// event is printed as one JSON line (see [`event_json`]).
+/// Returns early, with the job as last seen, once stdout's reader has gone
+/// (`accrue watch ID | head`): the job itself goes on.
 pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<Job> {
+    watch_until(client, id, json, true).await
+}
+
+/// [`watch`] to the job's end even when nobody reads stdout any more
+/// (`accrue local`, whose job must not depend on its terminal).
+pub async fn follow(client: &mut Client, id: &str, json: bool) -> anyhow::Result<Job> {
+    watch_until(client, id, json, false).await
+}
+
+async fn watch_until(
+    client: &mut Client,
+    id: &str,
+    json: bool,
+    stop_unread: bool,
+) -> anyhow::Result<Job> {
     let tty = !json && std::io::IsTerminal::is_terminal(&std::io::stdout());
     let bar = tty.then(|| {
         let b = indicatif::ProgressBar::new(0);
@@ -80,6 +97,12 @@ pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<
                     lost = None;
                     backoff = Duration::from_millis(200);
                     show_event(&ev, &mut last, &mut recent, json, bar.as_ref());
+                    if stop_unread && crate::out::closed() {
+                        if let Some(b) = &bar {
+                            b.finish_and_clear();
+                        }
+                        return last.ok_or_else(|| anyhow::anyhow!("stdout closed"));
+                    }
                 }
                 Ok(None) => break None,
                 Err(e) => break Some(e),
@@ -108,7 +131,7 @@ pub async fn watch(client: &mut Client, id: &str, json: bool) -> anyhow::Result<
         };
         match &bar {
             Some(b) => b.println(text),
-            None => eprintln!("{text}"),
+            None => crate::errln!("{text}"),
         }
     }
     if let Some(b) = bar {
@@ -297,7 +320,7 @@ fn show_event(
             if lm {
                 lm_json(&mut v);
             }
-            println!("{v}");
+            crate::outln!("{v}");
         }
         return;
     }
@@ -323,7 +346,7 @@ fn show_event(
                     b.set_position(r.step);
                     b.set_message(line);
                 }
-                None => println!("step {}/{} epoch {} {line}", r.step, r.total_steps, r.epoch),
+                None => crate::outln!("step {}/{} epoch {} {line}", r.step, r.total_steps, r.epoch),
             }
         }
         Some(job_event::Event::Transition(t)) => {
@@ -331,14 +354,14 @@ fn show_event(
             let text = format!("{}: {}", state_name(to), t.reason);
             match bar {
                 Some(b) => b.println(text),
-                None => println!("{text}"),
+                None => crate::outln!("{text}"),
             }
         }
         Some(job_event::Event::Eval(e)) => {
             let text = eval_line(e, lm);
             match bar {
                 Some(b) => b.println(text),
-                None => println!("{text}"),
+                None => crate::outln!("{text}"),
             }
         }
         // The snapshot the stream opens with: where the job stands now
@@ -349,7 +372,7 @@ fn show_event(
                 let text = format!("{} {}: {why}", j.id, state_name(j.state()));
                 match bar {
                     Some(b) => b.println(text),
-                    None => println!("{text}"),
+                    None => crate::outln!("{text}"),
                 }
             }
         }

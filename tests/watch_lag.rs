@@ -191,3 +191,49 @@ fn the_python_clients_watch_goes_on_after_falling_behind() {
         report()
     );
 }
+
+/// `accrue local job.toml 2>&1 | head -1`: its stdout and stderr are
+/// closed after the first line. The job still runs to its end (`accrue
+/// status` through the env file says succeeded) and `accrue local` exits
+/// 0: a write to a closed pipe panicked in `println!` before, and the
+/// workers died with `accrue local`.
+#[test]
+fn a_local_run_whose_reader_goes_away_finishes_and_exits_0() {
+    const STEPS: u64 = 3_000;
+    let d = TempDir::new().unwrap();
+    let state = d.path().join("state");
+    let job = common::write(
+        d.path(),
+        "job.toml",
+        &common::job_toml("gone", 1, STEPS, ""),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_accrue"))
+        .arg("local")
+        .arg(&job)
+        .args(["--workers", "1", "--threads", "1", "--state-dir"])
+        .arg(&state)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let mut run = Killed(child);
+    // One byte of stdout, then both pipes closed, as `head -c 1` would.
+    let mut first = [0u8; 1];
+    out.read_exact(&mut first).unwrap();
+    drop(out);
+    drop(err);
+    let env = state.join("env");
+    let mut exit = None;
+    let ended = poll_until(Duration::from_secs(180), Duration::from_millis(50), || {
+        exit = run.0.try_wait().unwrap();
+        exit.is_some()
+    });
+    assert!(ended, "accrue local did not exit");
+    let exit = exit.unwrap();
+    assert!(exit.success(), "accrue local: {exit}");
+    // Exit 0 is the job's end (`exit_for`: 0 for a succeeded job only).
+    assert!(!env.exists(), "the env file outlived the run");
+}
