@@ -95,6 +95,7 @@ fn every_step_equals_boundary() {
         let a = train(spec(&every), d1.path());
         let b = train(spec(&mlp_job(108, 8, 4, normalize, "")), d2.path());
         let rel = max_rel_diff(&a, &b);
+        eprintln!("normalize {normalize}: every_step vs boundary {rel:e}");
         assert!(
             rel < 1e-6,
             "normalize {normalize}: every_step differs from boundary by {rel:e}"

@@ -86,18 +86,34 @@ fn llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch() {
             normalize,
         );
     }
-    // global_count at W = 2, k = 4 is one big batch; mean is not.
+    // global_count at W = 2, k = 4 is one big batch; mean is not: within
+    // 1e-5 or 4x PyTorch's own floor for this loop (its W = 1, k = 8 eager
+    // run against its W = 2, k = 4 SDPA run), measured here (a fixed 1e-6
+    // left a margin of 2: 4.6e-7 measured). mean is 1e-1 away.
+    let (one, mut alone) = lm_ddp::start_floor(d, &config(), Some(&["global_count"]));
+    lm_ddp::finish(&mut alone, "PyTorch alone: ");
+    let (floor, _) = rel_diff(
+        &read(&one.join("ddp-global_count-rank0.safetensors")),
+        &read(&d.join("ddp-global_count-rank0.safetensors")),
+    );
+    let bar = 1e-5_f64.max(4.0 * floor);
     let (single_model, single_steps) = single;
     let (diff, name) = rel_diff(&runs[0].1, &single_model);
-    eprintln!("global_count W=2,k=4 vs W=1,k=1: {diff:.3e} ({name})");
+    eprintln!("global_count W=2,k=4 vs W=1,k=1: {diff:.3e} ({name}); PyTorch's floor {floor:.3e}");
     assert!(
-        diff <= 1e-6,
-        "global_count W=2,k=4 vs W=1,k=1: {name} off by {diff:.3e}"
+        diff <= bar,
+        "global_count W=2,k=4 vs W=1,k=1: {name} off by {diff:.3e} (bar {bar:.3e})"
     );
     for (i, (g, s)) in runs[0].2.iter().zip(&single_steps).enumerate() {
         let (loss, norm) = (
             g["loss"].as_f64().unwrap(),
             g["grad_norm"].as_f64().unwrap(),
+        );
+        eprintln!(
+            "step {}: loss {:.2e}, norm {:.2e} from W=1,k=1",
+            i + 1,
+            (loss - s.0).abs() / s.0.abs(),
+            (norm - s.1).abs() / s.1.abs()
         );
         assert!(
             (loss - s.0).abs() <= 1e-6 * s.0.abs(),

@@ -335,6 +335,7 @@ fn torchscript_trains_like_the_builtin() {
     let a = train(spec(&script), &d.join("a"));
     let b = train(spec(&builtin), &d.join("b"));
     let rel = max_rel_diff(&a, &b);
+    eprintln!("torchscript vs built-in: {rel:e}");
     assert!(rel < 1e-6, "torchscript and built-in differ by {rel:e}");
     let saved = tch::Tensor::read_safetensors(d.join("a/step-8/model.safetensors")).unwrap();
     assert!(

@@ -98,6 +98,7 @@ const FUSED_ADAMW: &str =
 
 fn assert_same(a: &[(String, Tensor)], b: &[(String, Tensor)], what: &str) {
     let d = max_rel_diff(a, b);
+    eprintln!("{what}: max relative difference {d:e}");
     assert!(d <= 1e-6, "{what}: max relative difference {d:e}");
 }
 

@@ -61,6 +61,13 @@ fn against_stage_0(text: &str, world: usize, tol: f64, what: &str) {
     let three = run(&staged(text, 3), world, d3.path());
     assert!(zero[0].0.len() >= 2, "{what}: {:?}", zero[0].0);
     for (r, (steps, params)) in three.iter().enumerate() {
+        let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1.0);
+        let worst = steps
+            .iter()
+            .zip(&zero[0].0)
+            .map(|(a, b)| rel(a.0, b.0).max(rel(a.1, b.1)))
+            .fold(0.0, f64::max);
+        eprintln!("{what}: rank {r}: steps within {worst:e} of stage 0's");
         for (i, (a, b)) in steps.iter().zip(&zero[0].0).enumerate() {
             assert!(
                 (a.0 - b.0).abs() <= 1e-6 * b.0.abs().max(1.0)
