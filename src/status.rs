@@ -82,6 +82,9 @@ pub(crate) fn print_job(j: &Job) {
     if !j.recoveries.is_empty() {
         println!("recoveries");
     }
+    if j.recoveries_dropped > 0 {
+        println!("  ({} earlier recoveries not kept)", j.recoveries_dropped);
+    }
     for r in &j.recoveries {
         let took = if r.first_step_unix_ms > 0 {
             format!(

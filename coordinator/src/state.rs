@@ -96,6 +96,24 @@ pub fn push_history(job: &mut Job, t: Transition) {
     }
 }
 
+/// How many recovery records a job keeps: the newest; older ones are
+/// dropped and counted in `recoveries_dropped`, as the history's are (a
+/// job that re-forms again and again, or is resumed in a loop, would
+/// otherwise grow without bound).
+pub const RECOVERIES_KEPT: usize = 100;
+
+/// Appends `r` to `job`'s recoveries, dropping (and counting) the oldest
+/// beyond [`RECOVERIES_KEPT`]. The open record, when there is one, is
+/// always the last and so always kept.
+pub fn push_recovery(job: &mut Job, r: accrue_proto::v1::Recovery) {
+    job.recoveries.push(r);
+    let over = job.recoveries.len().saturating_sub(RECOVERIES_KEPT);
+    if over > 0 {
+        job.recoveries.drain(..over);
+        job.recoveries_dropped += over as u64;
+    }
+}
+
 /// **Decision (issue 28):** `recoveries` holds the re-formations that
 /// happened, each with the generation it formed, W and k; while a job
 /// waits to re-form (Recovering, or Pending after a resume) its last
@@ -146,11 +164,14 @@ pub fn resume(job: &mut Job, by: &str, now_ms: i64) -> Result<Transition, NotRes
     if job.generation > 0 {
         // It ran: its next generation goes on from its state (one that
         // never formed simply starts, as any pending job).
-        job.recoveries.push(accrue_proto::v1::Recovery {
-            reason,
-            started_unix_ms: now_ms,
-            ..Default::default()
-        });
+        push_recovery(
+            job,
+            accrue_proto::v1::Recovery {
+                reason,
+                started_unix_ms: now_ms,
+                ..Default::default()
+            },
+        );
     }
     Ok(t)
 }
@@ -308,6 +329,31 @@ pub fn expired(now_ms: i64, last_seen: &[(String, i64)], ttl_ms: i64) -> Vec<Str
 
 #[cfg(test)]
 mod tests {
+
+    /// A job resumed (or re-formed) again and again keeps the newest
+    /// RECOVERIES_KEPT records and counts the rest; the open record, the
+    /// newest, is among those kept.
+    #[test]
+    fn recoveries_keep_the_newest_and_count_the_rest() {
+        let mut job = Job::default();
+        for i in 0..250u64 {
+            push_recovery(
+                &mut job,
+                accrue_proto::v1::Recovery {
+                    generation: i + 1,
+                    ..Default::default()
+                },
+            );
+        }
+        assert_eq!(job.recoveries.len(), RECOVERIES_KEPT);
+        assert_eq!(job.recoveries_dropped, 250 - RECOVERIES_KEPT as u64);
+        assert_eq!(job.recoveries.first().map(|r| r.generation), Some(151));
+        assert_eq!(job.recoveries.last().map(|r| r.generation), Some(250));
+        // The open record (generation 0) pushed last is kept.
+        push_recovery(&mut job, accrue_proto::v1::Recovery::default());
+        assert_eq!(job.recoveries.last().map(|r| r.generation), Some(0));
+        assert_eq!(job.recoveries.len(), RECOVERIES_KEPT);
+    }
     use super::*;
     use proptest::prelude::*;
 

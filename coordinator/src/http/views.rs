@@ -48,6 +48,7 @@ pub fn job_json(j: &Job) -> Value {
         "created_unix_ms": j.created_unix_ms,
         "owner": j.owner,
         "history_dropped": j.history_dropped,
+        "recoveries_dropped": j.recoveries_dropped,
         "history": j.history.iter().map(|h| json!({
             "from": state_of(h.from), "to": state_of(h.to), "reason": h.reason, "at_unix_ms": h.at_unix_ms,
         })).collect::<Vec<_>>(),

@@ -109,7 +109,7 @@ impl Cluster {
                     ..Default::default()
                 };
                 add_lost(&mut record.lost, lost);
-                entry.job.recoveries.push(record);
+                state::push_recovery(&mut entry.job, record);
                 if let Ok(t) = state::transition(&mut entry.job, JobState::Recovering, reason, now)
                 {
                     fx.push(transition_event(&entry.job, t));
@@ -352,11 +352,14 @@ impl Cluster {
         } else {
             entry.stalled += 1;
             if growing {
-                entry.job.recoveries.push(v1::Recovery {
-                    reason: format!("growing: {} joined", joined.join(", ")),
-                    started_unix_ms: now,
-                    ..Default::default()
-                });
+                state::push_recovery(
+                    &mut entry.job,
+                    v1::Recovery {
+                        reason: format!("growing: {} joined", joined.join(", ")),
+                        started_unix_ms: now,
+                        ..Default::default()
+                    },
+                );
                 if let Ok(t) = state::transition(
                     &mut entry.job,
                     JobState::Recovering,
