@@ -5,9 +5,13 @@
 //! mid-operation, every survivor must fail within the timeout, and the three
 //! form the next generation. And a process without the generation's key
 //! cannot join a c10d group, and the store's port is bounded against floods.
+
+#[path = "common/flood.rs"]
+mod flood;
 use accrue_worker::comm::c10d::store::{StoreClient, StoreLimits, StoreServer};
 use accrue_worker::comm::c10d::C10dGroup;
 use accrue_worker::comm::group::{Group, ReduceOp};
+use flood::{closed_by_peer, threads_named};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -193,30 +197,6 @@ fn a_process_without_the_generation_key_cannot_join_a_c10d_group() {
     );
     assert_eq!(a.join().unwrap().unwrap(), 3.0);
     assert_eq!(b.join().unwrap().unwrap(), 3.0);
-}
-
-/// Threads of this process whose name starts with `prefix` (Linux cuts
-/// names at 15 bytes).
-fn threads_named(prefix: &str) -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .filter(|n| n.starts_with(prefix))
-        .count()
-}
-
-/// Whether the other end has closed `s` (non-blocking; data is drained).
-fn closed_by_peer(s: &mut std::net::TcpStream) -> bool {
-    use std::io::Read;
-    let mut buf = [0u8; 256];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
-            Err(_) => return true,
-        }
-    }
 }
 
 /// The c10d store's port under a flood (it used to spawn a thread per

@@ -1,8 +1,11 @@
 //! The TCP ring with real sockets on loopback, one thread per rank.
 
+#[path = "common/flood.rs"]
+mod flood;
 use accrue_worker::comm::chunks::{ring_recv_elems, ring_send_elems};
 use accrue_worker::comm::wire::{self, Hello, HEADER_LEN};
 use accrue_worker::comm::{bind, CommError, RingConfig, TcpRing};
+use flood::{closed_by_peer, threads_named};
 use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -429,30 +432,6 @@ fn a_rendezvous_with_an_unanswering_peer_fails_within_connect_timeout() {
         );
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// Threads of this process whose name starts with `prefix` (Linux names
-/// are cut at 15 bytes).
-fn threads_named(prefix: &str) -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .filter(|n| n.starts_with(prefix))
-        .count()
-}
-
-/// Whether the other end has closed `s` (non-blocking; data is drained).
-fn closed_by_peer(s: &mut TcpStream) -> bool {
-    use std::io::Read;
-    let mut buf = [0u8; 256];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
-            Err(_) => return true,
-        }
-    }
 }
 
 /// Many idle connections on a rank's data port (no hello ever sent): at
