@@ -8,7 +8,6 @@ mod common;
 
 use accrue_proto::v1::{job_event, EvalResult, JobState};
 use common::*;
-use std::time::Duration;
 use tempfile::TempDir;
 
 const STEPS: u64 = 4;
@@ -16,16 +15,7 @@ const STEPS: u64 = 4;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pipeline_jobs_evaluations_reach_the_watchers_as_one_stages() {
     let d = TempDir::new().unwrap();
-    let cfg = accrue_coordinator::Config {
-        state_dir: d.path().join("state"),
-        heartbeat_ttl: Duration::from_secs(3),
-        tls: Some(creds().server_tls()),
-        tokens: Some(creds().tokens_file()),
-        ..Default::default()
-    };
-    let h = accrue_coordinator::start(cfg, "127.0.0.1:0", "127.0.0.1:0")
-        .await
-        .unwrap();
+    let h = coordinator(d.path()).await;
     let grpc = h.grpc_addr.to_string();
     let mut events = h.coordinator().unwrap().subscribe();
     let _w = start_workers(&grpc, 3, d.path(), "pe");
