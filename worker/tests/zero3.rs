@@ -56,8 +56,13 @@ fn staged(text: &str, stage: u32) -> String {
 /// rank's final parameters within `tol` (relative) and every step's loss
 /// and norm within 1e-6.
 fn against_stage_0(text: &str, world: usize, tol: f64, what: &str) {
+    against_stage(text, world, 0, tol, what)
+}
+
+/// Stage 3 against stage `base` as [`against_stage_0`].
+fn against_stage(text: &str, world: usize, base: u32, tol: f64, what: &str) {
     let (d0, d3) = (TempDir::new().unwrap(), TempDir::new().unwrap());
-    let zero = run(&staged(text, 0), world, d0.path());
+    let zero = run(&staged(text, base), world, d0.path());
     let three = run(&staged(text, 3), world, d3.path());
     assert!(zero[0].0.len() >= 2, "{what}: {:?}", zero[0].0);
     for (r, (steps, params)) in three.iter().enumerate() {
@@ -67,12 +72,12 @@ fn against_stage_0(text: &str, world: usize, tol: f64, what: &str) {
             .zip(&zero[0].0)
             .map(|(a, b)| rel(a.0, b.0).max(rel(a.1, b.1)))
             .fold(0.0, f64::max);
-        eprintln!("{what}: rank {r}: steps within {worst:e} of stage 0's");
+        eprintln!("{what}: rank {r}: steps within {worst:e} of stage {base}'s");
         for (i, (a, b)) in steps.iter().zip(&zero[0].0).enumerate() {
             assert!(
                 (a.0 - b.0).abs() <= 1e-6 * b.0.abs().max(1.0)
                     && (a.1 - b.1).abs() <= 1e-6 * b.1.abs().max(1.0),
-                "{what}: rank {r} step {i}: {a:?} against stage 0's {b:?}"
+                "{what}: rank {r} step {i}: {a:?} against stage {base}'s {b:?}"
             );
         }
         let d = max_rel_diff(params, &zero[0].1);
@@ -270,7 +275,14 @@ fn stage_3_tied_llama_equals_stage_0() {
     let untied = text.replace("tie_word_embeddings = true", "tie_word_embeddings = false");
     against_stage_0(&untied, 4, tol, "untied llama W=4");
     let bf16 = text.replace("threads = 1", "threads = 1\nprecision = \"bf16\"");
-    against_stage_0(&bf16, 2, tol, "tied llama W=2 bf16");
+    // bf16: stage 3 against stage 2, the same sharded arithmetic. Stage 0
+    // reduces whole bf16 gradients in another order; how far that moves
+    // depends on the CPU's bf16 kernels (on an AVX2-only AMD EPYC stages
+    // 1, 2 and 3 all ended 1.6e-2 from stage 0 on the parameters, 2.4e-4
+    // on the steps; stage 0 with its micro-batches in another valid order,
+    // W = 1 and k = 4, ended 0.30 and 5.0e-3 from itself), so stage 0 is
+    // no bar here.
+    against_stage(&bf16, 2, 2, tol, "tied llama W=2 bf16");
     // fp16 with the loss scaler (its scale, its skips) on every rank.
     let fp16 = every.replace("threads = 1", "threads = 1\nprecision = \"fp16\"")
         + "[loss_scaling]\ninit_scale = 32768.0\n";
