@@ -109,6 +109,8 @@ fn stages_1_and_2_equal_stage_0_for_w_1_to_4() {
         for (normalize, tables) in cases {
             let d0 = TempDir::new().unwrap();
             let zero = run(&job(normalize, tables, 0), world, in_dir(d0.path().into()));
+            let df = TempDir::new().unwrap();
+            floor_run(&job(normalize, tables, 0), world, df.path());
             for stage in [1, 2] {
                 let what = format!(
                     "W={world} stage {stage} {normalize} {}",
@@ -120,7 +122,8 @@ fn stages_1_and_2_equal_stage_0_for_w_1_to_4() {
                     world,
                     in_dir(d1.path().into()),
                 );
-                assert_sharded(&zero, &one, d0.path(), d1.path(), world, &what);
+                let dirs = [d0.path(), d1.path(), df.path()];
+                assert_sharded(&zero, &one, dirs, world, &what);
             }
         }
     }
@@ -138,6 +141,8 @@ fn stages_1_and_2_with_fused_adamw_equal_stage_0() {
         world,
         in_dir(d0.path().into()),
     );
+    let df = TempDir::new().unwrap();
+    floor_run(&job("global_count", FUSED_ADAMW, 0), world, df.path());
     for stage in [1, 2] {
         let d1 = TempDir::new().unwrap();
         let one = run(
@@ -146,19 +151,44 @@ fn stages_1_and_2_with_fused_adamw_equal_stage_0() {
             in_dir(d1.path().into()),
         );
         let what = format!("W={world} stage {stage} fused adamw");
-        assert_sharded(&zero, &one, d0.path(), d1.path(), world, &what);
+        let dirs = [d0.path(), d1.path(), df.path()];
+        assert_sharded(&zero, &one, dirs, world, &what);
+    }
+}
+
+/// Stage 0's `text` (no [comm] table) in another valid order: the
+/// all-reduce in buckets of 26 floats instead of one, so the ring splits
+/// each bucket into its own W chunks and an element's W addends are summed
+/// starting at another rank (at W = 2 a sum of two is the same either way).
+fn other_order(text: &str) -> String {
+    assert!(!text.contains("[comm]"), "{text}");
+    format!("{text}\n[comm]\nbucket_cap_mb = 0.0001\n")
+}
+
+/// Runs `text` (stage 0) in [`other_order`] at W ranks with its
+/// checkpoints in `dir`, for [`assert_sharded`]'s floor; nothing to
+/// reorder at W = 1.
+fn floor_run(text: &str, world: usize, dir: &Path) {
+    if world > 1 {
+        run(&other_order(text), world, in_dir(dir.into()));
     }
 }
 
 /// `sharded` (W ranks under stage 1 or 2) ends as `zero` (stage 0) did:
 /// the same parameters on every rank, 1/W of the optimizer state each, and
 /// checkpoints (in `d0`, `d1`) holding the same whole state by PyTorch's
-/// names.
+/// names. The state within max(1e-6, 4 x floor), the floor stage 0's
+/// state against stage 0's in [`other_order`] (checkpoints in `df`, from
+/// [`floor_run`]; 0 at W = 1): float32's last bits, amplified by Adam.
+/// The floor never runs stages 1 or 2, so a broken one cannot widen it,
+/// and a wrong shard (a rank's slice stepped with another slice's
+/// gradient) or a missed reduce-scatter (a slice's moments from one
+/// rank's gradient) moves the moments by a fraction of their size, not in
+/// their last bits.
 fn assert_sharded(
     zero: &[RankEnd],
     sharded: &[RankEnd],
-    d0: &Path,
-    d1: &Path,
+    [d0, d1, df]: [&Path; 3],
     world: usize,
     what: &str,
 ) {
@@ -192,7 +222,18 @@ fn assert_sharded(
     };
     let (s0, s1) = (state(d0), state(d1));
     assert!(!s0.is_empty());
-    assert_same(&s1, &s0, &format!("{what}: optimizer state"));
+    let floor = if world > 1 {
+        max_rel_diff(&state(df), &s0)
+    } else {
+        0.0
+    };
+    let bar = 1e-6_f64.max(4.0 * floor);
+    let d = max_rel_diff(&s1, &s0);
+    eprintln!("{what}: optimizer state within {d:e} of stage 0's; floor {floor:e}, bar {bar:e}");
+    assert!(
+        d <= bar,
+        "{what}: optimizer state {d:e} from stage 0's, bar {bar:e} (floor {floor:e})"
+    );
 }
 
 /// Issue 17 on the GPU (ignored: needs CUDA and a worker built with
@@ -213,11 +254,14 @@ fn stages_1_and_2_on_cuda_equal_stage_0() {
         assert!(text(0).contains("cuda:0"));
         let d0 = TempDir::new().unwrap();
         let zero = run(&text(0), world, in_dir(d0.path().into()));
+        let df = TempDir::new().unwrap();
+        floor_run(&text(0), world, df.path());
         for stage in [1, 2] {
             let d1 = TempDir::new().unwrap();
             let one = run(&text(stage), world, in_dir(d1.path().into()));
             let what = format!("cuda W={world} stage {stage} {normalize}");
-            assert_sharded(&zero, &one, d0.path(), d1.path(), world, &what);
+            let dirs = [d0.path(), d1.path(), df.path()];
+            assert_sharded(&zero, &one, dirs, world, &what);
         }
     }
 }
@@ -239,13 +283,14 @@ fn every_step_sync_under_stage_2_holds_a_slice_of_the_gradients_between_micro_st
     let d = TempDir::new().unwrap();
     let dir = |s: u32| d.path().join(format!("s{s}"));
     let zero = run(&text(0), world, in_dir(dir(0)));
+    let floor = d.path().join("floor");
+    floor_run(&text(0), world, &floor);
     for stage in [1, 2] {
         let sharded = run(&text(stage), world, in_dir(dir(stage)));
         assert_sharded(
             &zero,
             &sharded,
-            &dir(0),
-            &dir(stage),
+            [&dir(0), &dir(stage), &floor],
             world,
             &format!("every_step stage {stage}"),
         );
