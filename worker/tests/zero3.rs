@@ -313,7 +313,10 @@ fn stage_3_tied_llama_equals_stage_0() {
     // norm, where the gradients are the same bits at W = 2: stage 3 sums
     // its squares in f64, stage 0 in float32 (clip_grad_norm_'s), which
     // no reordering of stage 0 moves; the 1e-6 minimum covers it.
-    let one_rank = |t: &str, k: u32| t.replace("steps = 2\n", &format!("steps = {k}\n"));
+    let one_rank = |t: &str, k: u32| {
+        let k = format!("[accumulation]\nsteps = {k}\n");
+        t.replace("[accumulation]\nsteps = 2\n", &k)
+    };
     assert!(one_rank(&text, 4).contains("[accumulation]\nsteps = 4\n"));
     let bar = against_stage(
         &text,
