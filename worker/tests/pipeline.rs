@@ -266,14 +266,14 @@ fn other_micro_batching(text: &str) -> String {
 }
 
 /// The bar for steps against `want_steps` (one process running `text`):
-/// max(1e-6, 4 x the floor), the floor being one process in
+/// max(NORM_ASSEMBLY, 4 x the floor), the floor being one process in
 /// [`other_micro_batching`] against `want_steps`, measured and printed.
 /// A wrong sum, a norm counted twice or a lost micro-batch moves a step by
 /// 1e-3 or more, far above it.
 fn step_bar(text: &str, want_steps: &[Step], what: &str) -> f64 {
     let (_, other_steps) = alone(&other_micro_batching(text));
     let floor = steps_apart(&other_steps, want_steps);
-    let bar = 1e-6_f64.max(4.0 * floor);
+    let bar = NORM_ASSEMBLY.max(4.0 * floor);
     eprintln!("{what}: one process in other micro-batches: steps {floor:e} apart (the floor; bar {bar:e})");
     bar
 }
@@ -413,8 +413,8 @@ fn checkpoints_resume_across_pipeline_degrees() {
 /// bits: the bar is the same job data-parallel alone (W = 2, no stages)
 /// against one process (measured: 2 x 2 9.2e-6, data-parallel alone
 /// 1.3e-5, the two 2.2e-5 apart), every step's loss and norm within
-/// max(1e-6, 4 x one process's floor in another micro-batching, measured
-/// here: 6e-8, so the 1e-6 minimum binds).
+/// max(NORM_ASSEMBLY, 4 x one process's floor in another micro-batching,
+/// measured here: 6e-8, so the minimum binds).
 #[test]
 fn llama_in_two_data_by_two_stages_equals_one_process() {
     let d = TempDir::new().unwrap();
@@ -495,8 +495,8 @@ fn mixed_precision_in_stages_equals_one_process() {
 /// 2 data x 2 stages without padding (9 rows: data rank 1 runs an empty
 /// micro-batch in each epoch's last window), SGD with clipping (no amplification):
 /// every step and the final weights as the same job data-parallel alone
-/// (W = 2), within max(1e-6, 4 x the floor of one process at k = 4
-/// against it, measured here: weights 1.0e-7, steps 8.9e-8, so the 1e-6
+/// (W = 2), within max(NORM_ASSEMBLY, 4 x the floor of one process at
+/// k = 4 against it, measured here: weights 1.0e-7, steps 8.9e-8, so the
 /// minimum binds; measured 2.1e-7 to 4.4e-7 weights, up to 7.6e-7 steps);
 /// with `sync = "every_step"` too.
 #[test]
@@ -549,7 +549,7 @@ fn uneven_masked_rows_and_an_empty_micro_batch_in_stages() {
     let dp_model = model_at(dp.path(), 4);
     // The floor: one process at k = 4 (W = 1, k doubled: the same
     // windows, the same rows summed in another order) against data
-    // parallelism alone; the bars max(1e-6, 4 x floor). A lost or doubled
+    // parallelism alone; the bars max(NORM_ASSEMBLY, 4 x floor). A lost or doubled
     // micro-batch moves the weights by 1e-2 and the steps by 1e-3 or more.
     let (one, one_steps) =
         alone(&job(1, 1).replace("steps = 2\n[clipping]", "steps = 4\n[clipping]"));
@@ -557,7 +557,10 @@ fn uneven_masked_rows_and_an_empty_micro_batch_in_stages() {
         max_rel_diff(&one, &dp_model),
         steps_apart(&one_steps, &as_steps(&want_steps)),
     );
-    let (bar, step_bar) = (1e-6_f64.max(4.0 * floor), 1e-6_f64.max(4.0 * step_floor));
+    let (bar, step_bar) = (
+        NORM_ASSEMBLY.max(4.0 * floor),
+        NORM_ASSEMBLY.max(4.0 * step_floor),
+    );
     eprintln!(
         "uneven rows: one process at k = 4 against data parallelism alone: weights {floor:e}, \
          steps {step_floor:e} (the floors)"
@@ -681,7 +684,7 @@ fn fewer_micro_batches_than_stages_warn_of_the_bubble() {
 /// ZeRO stages 1 and 2 inside each stage's data group (2 data x 2
 /// stages, a tied Llama: the embedding's state and shards live on the
 /// first stage only): every step's loss and norm as stage 0's within
-/// max(1e-6, 4 x one process's floor in another micro-batching),
+/// max(NORM_ASSEMBLY, 4 x one process's floor in another micro-batching),
 /// the weights within 1e-6 or four times data parallelism's own ZeRO 1
 /// against stage 0 on the same job (AdamW amplifies the reduce-scatter's
 /// other rounding).
@@ -914,7 +917,7 @@ fn llama_in_stages_on_cuda_equals_one_process_on_cuda() {
 /// (the tied head's gradient joining the embedding's first, an empty
 /// micro-batch reducing zeros), under 1F1B at ZeRO stage 0 and GPipe at
 /// stage 2 (the sharded accumulator): every step as one process with
-/// k = 8 within max(1e-6, 4 x its floor in another micro-batching,
+/// k = 8 within max(NORM_ASSEMBLY, 4 x its floor in another micro-batching,
 /// measured here), the weights within 5e-5 (data parallelism alone
 /// against one process: 1.3e-5, docs/SEMANTICS.md).
 #[test]
@@ -946,7 +949,7 @@ fn every_step_sync_in_stages_equals_one_process() {
 /// prompts masked) packed best-fit into samples of T = 12, every stage
 /// reading the rows' positions for its RoPE and block-diagonal attention,
 /// the evaluation of the same rows through the stages too: every step's
-/// loss and norm as one process's within max(1e-6, 4 x its floor in
+/// loss and norm as one process's within max(NORM_ASSEMBLY, 4 x its floor in
 /// another micro-batching, measured here), the weights within 1e-5.
 #[test]
 fn packed_rows_in_stages_equal_one_process() {

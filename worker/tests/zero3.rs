@@ -63,7 +63,7 @@ fn against_stage_0(text: &str, world: usize, tol: f64, what: &str) {
 /// 1)).
 enum StepBar<'a> {
     Fixed(f64),
-    /// max(1e-6, 4 x floor), the floor measured in the test: stage `base`
+    /// max(NORM_ASSEMBLY, 4 x floor), the floor measured in the test: stage `base`
     /// against stage `base` of this job (the same windows, the same
     /// samples per step, in another valid order: micro-batches summed on
     /// one rank instead of over the ring) at this many ranks.
@@ -95,7 +95,7 @@ fn against_stage(text: &str, world: usize, base: u32, tol: f64, steps: StepBar, 
                 &run(&staged(other, base), other_world, d.path())[0].0,
                 &zero[0].0,
             );
-            let bar = 1e-6_f64.max(4.0 * floor);
+            let bar = NORM_ASSEMBLY.max(4.0 * floor);
             eprintln!(
                 "{what}: stage {base}'s floor (W={other_world} in another order) {floor:e}, \
                  steps' bar {bar:e}"
@@ -301,7 +301,7 @@ fn stage_3_tied_llama_equals_stage_0() {
     let text = llama(&tokens(d.path()));
     // AdamW amplifies the last bits the reduction's order changes.
     let tol = 5e-5;
-    // The steps' bar: max(1e-6, 4 x stage 0's floor), the floor stage 0
+    // The steps' bar: max(NORM_ASSEMBLY, 4 x stage 0's floor), the floor stage 0
     // against itself with the same windows in another valid order (one
     // rank, k = 4: the same 8 rows a step, summed on one rank; measured
     // 2.4e-7 tied, 6.0e-8 untied, the largest of the orders tried). The
