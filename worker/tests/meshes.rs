@@ -245,3 +245,50 @@ fn every_mesh_trains_from_seed_and_init_and_evaluates_as_one_process() {
         }
     }
 }
+
+/// `accumulation.global_batch` on a mesh with tensor ranks: every worker
+/// takes k from the data degree, as the coordinator does (W = 4 at
+/// 2 data x 2 tensor, global batch 16 of rows of 2: k = 16 / (2 x 2) =
+/// 4), so the job's steps are those of `steps = 4`, bit for bit. Counting
+/// the workers as data x pipeline made k = 8 at T = 2.
+#[test]
+fn global_batch_at_two_tensor_ranks_takes_k_from_the_data_degree() {
+    let d = TempDir::new().unwrap();
+    let tokens = token_file(d.path(), 4 * 4 * 2 * 8 * 2 + 1);
+    let mesh = Mesh {
+        data: 2,
+        pipeline: 1,
+        tensor: 2,
+        zero: 0,
+    };
+    let by_steps = job(&tokens, false, None, mesh, 4);
+    let by_batch = by_steps.replacen("steps = 4\n[clipping]", "global_batch = 16\n[clipping]", 1);
+    assert_ne!(by_batch, by_steps);
+    // What the step computed (not its timings).
+    let numbers = |r: &Run| -> Vec<Vec<serde_json::Value>> {
+        r.steps
+            .iter()
+            .map(|s| {
+                [
+                    "step",
+                    "micro_step",
+                    "samples",
+                    "loss",
+                    "grad_norm",
+                    "clip_coef",
+                ]
+                .iter()
+                .map(|k| s[k].clone())
+                .collect()
+            })
+            .collect()
+    };
+    let want = on_mesh(&by_steps, mesh);
+    let got = on_mesh(&by_batch, mesh);
+    assert_eq!(
+        numbers(&got),
+        numbers(&want),
+        "global_batch = 16 against steps = 4 (step, micro_step, samples, loss, norm, clip)"
+    );
+    assert_eq!(got.evals, want.evals);
+}

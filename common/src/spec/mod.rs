@@ -615,6 +615,14 @@ impl JobSpec {
         }
     }
 
+    /// k for `data` data ranks (the data degree, as a worker's data axis
+    /// knows it): [`JobSpec::accumulation_steps`] of the whole mesh,
+    /// data x pipeline x tensor ranks, so a worker and the coordinator
+    /// always agree.
+    pub fn accumulation_steps_for_data(&self, data: u64) -> Result<u64, FieldError> {
+        self.accumulation_steps(data.max(1) * self.replica_size())
+    }
+
     pub fn norm_type(&self) -> f64 {
         self.clipping.norm_type.unwrap_or(2.0)
     }

@@ -604,6 +604,22 @@ fn the_global_batch_follows_the_data_degree() {
     );
 }
 
+/// A worker knows its data degree: k from it is the coordinator's k for
+/// the whole mesh, tensor ranks included (4 data x 2 pipeline x 2 tensor,
+/// b = 2, 32 a step: k = 4 both ways).
+#[test]
+fn k_from_the_data_degree_is_the_meshs() {
+    let mut s = JobSpec::fields_from_toml_str(BASE, Path::new("t.toml")).unwrap();
+    s.data.batch_size = 2;
+    s.accumulation.global_batch = Some(32);
+    s.parallel.pipeline = Some(2);
+    s.parallel.tensor = Some(2);
+    assert_eq!(s.accumulation_steps(16).unwrap(), 4);
+    assert_eq!(s.accumulation_steps_for_data(4).unwrap(), 4);
+    s.accumulation.steps = Some(3);
+    assert_eq!(s.accumulation_steps_for_data(4).unwrap(), 3);
+}
+
 /// Issue 39: `checkpoint.max_shard_size` reads as transformers'
 /// `convert_file_size_to_int` (5.24) does, and what it cannot read is
 /// refused by name with the allowed forms.

@@ -143,9 +143,10 @@ impl<C: Collective> Engine<C> {
         let world = collective.world_size();
         let rank = collective.rank();
         let stages = collective.stages();
-        let workers = world * stages.map_or(1, |(_, n)| n);
+        // k follows the data degree (the coordinator's k for the whole
+        // mesh, tensor ranks included).
         let k = spec
-            .accumulation_steps(workers as u64)
+            .accumulation_steps_for_data(world as u64)
             .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
         let device = resolve_device(&spec.device)?;
         if let Some(t) = spec.threads {
@@ -488,8 +489,6 @@ impl<C: Collective> Engine<C> {
             self.folder_lock = None;
         }
         let world = self.collective.world_size();
-        // k follows the data degree; accumulation_steps takes the world.
-        let workers = world * self.stage().map_or(1, |(_, n)| n);
         if let Some(k) = accumulation_steps {
             if k == 0 {
                 return Err(crate::spec::SpecErrors(vec![crate::spec::FieldError {
@@ -503,9 +502,10 @@ impl<C: Collective> Engine<C> {
             self.spec.accumulation.steps = Some(k);
             self.spec.accumulation.global_batch = None;
         }
+        // k follows the data degree.
         self.plan.k = self
             .spec
-            .accumulation_steps(workers as u64)
+            .accumulation_steps_for_data(world as u64)
             .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
         self.sync_state()?;
         self.reshard();
