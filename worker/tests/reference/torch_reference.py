@@ -76,6 +76,19 @@ def sampler():
     print(json.dumps(cases))
 
 
+def step_indices(n, cfg):
+    """Each optimizer step's sample indices over cfg["epochs"] epochs: one
+    rank's DistributedSampler order (shuffled with cfg["seed"]), cut into
+    steps of cfg["batch"] * cfg["k"] samples (the last of an epoch short)."""
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=cfg["seed"])
+    big_batch = cfg["batch"] * cfg["k"]
+    for epoch in range(cfg["epochs"]):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, len(order), big_batch):
+            yield torch.tensor(order[start:start + big_batch])
+
+
 N, FEATURES, HIDDEN, CLASSES = 100, 6, [16, 12], 4
 
 
@@ -113,20 +126,14 @@ def e2e_compare(d, engine_model, cfg):
         fused = cfg.get("fused", False)
         opt = cls(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
                   foreach=None if fused else False, fused=fused or None)
-    sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=cfg["seed"])
-    big_batch = cfg["batch"] * cfg["k"]
     loss_fn = torch.nn.CrossEntropyLoss()
     steps = 0
-    for epoch in range(cfg["epochs"]):
-        sampler.set_epoch(epoch)
-        order = list(sampler)
-        for start in range(0, len(order), big_batch):
-            idx = torch.tensor(order[start:start + big_batch])
-            opt.zero_grad()
-            loss_fn(model(x[idx]), y[idx]).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
-            opt.step()
-            steps += 1
+    for idx in step_indices(N, cfg):
+        opt.zero_grad()
+        loss_fn(model(x[idx]), y[idx]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
+        opt.step()
+        steps += 1
     engine = mlp().to(dev)
     engine.load_state_dict(load_file(engine_model), strict=True)
     ref, got = model.state_dict(), engine.state_dict()
@@ -284,28 +291,22 @@ def cifar_train(d, cfg):
         model = LeNet5(3, 32, 32, 10)
         model.load_state_dict(load_file(f"{d}/init.safetensors"), strict=True)
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
-        sampler = DistributedSampler(range(len(y)), num_replicas=1, rank=0, shuffle=True, seed=cfg["seed"])
-        big_batch = cfg["batch"] * cfg["k"]
         losses = []
-        for epoch in range(cfg["epochs"]):
-            sampler.set_epoch(epoch)
-            order = list(sampler)
-            for start in range(0, len(order), big_batch):
-                idx = torch.tensor(order[start:start + big_batch])
-                opt.zero_grad()
-                if micro >= len(idx):
-                    loss = F.cross_entropy(model(x[idx]), y[idx])
-                    loss.backward()
-                else:
-                    loss = 0.0
-                    for m in idx.split(micro):
-                        part = F.cross_entropy(model(x[m]), y[m], reduction="sum") / len(idx)
-                        part.backward()
-                        loss += part.item()
-                    loss = torch.tensor(loss)
-                losses.append(loss.item())
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
-                opt.step()
+        for idx in step_indices(len(y), cfg):
+            opt.zero_grad()
+            if micro >= len(idx):
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                loss.backward()
+            else:
+                loss = 0.0
+                for m in idx.split(micro):
+                    part = F.cross_entropy(model(x[m]), y[m], reduction="sum") / len(idx)
+                    part.backward()
+                    loss += part.item()
+                loss = torch.tensor(loss)
+            losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg["max_norm"])
+            opt.step()
         return model, losses
 
     def rel_diff(a, b):
