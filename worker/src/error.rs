@@ -143,9 +143,9 @@ impl From<crate::comm::CommError> for Error {
 /// A collective's failure, from below: the ring's error comes back out as
 /// [`Error::Comm`], a closed communicator as [`Error::Interrupted`]; both
 /// keep the rank's committed state ([`Error::is_recoverable`]).
-impl From<crate::collective::CollectiveError> for Error {
-    fn from(e: crate::collective::CollectiveError) -> Self {
-        use crate::collective::CollectiveError;
+impl From<crate::comm::collective::CollectiveError> for Error {
+    fn from(e: crate::comm::collective::CollectiveError) -> Self {
+        use crate::comm::collective::CollectiveError;
         match e {
             CollectiveError::Interrupted(why) => Error::Interrupted(why),
             CollectiveError::Transport(t) => match t.downcast::<crate::comm::CommError>() {

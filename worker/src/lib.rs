@@ -14,6 +14,11 @@
 //! sit at the root: every folder returns the one, and the other joins the
 //! ring's errors to it.
 //!
+//! Modules are reached only through their folder
+//! (`accrue_worker::source::data`, `crate::cuda::amp`): the root re-exports
+//! no module paths, only the few items every user of the crate needs
+//! (`Engine`, `Collective`, `SingleRank`, `Error`, `JobSpec`, ...).
+//!
 //! See docs/SEMANTICS.md for the accumulation, normalization and clipping
 //! contract and docs/ARCHITECTURE.md for where this crate sits.
 
@@ -33,19 +38,7 @@ pub mod source;
 pub mod storage;
 pub use accrue_common::spec;
 
-// The modules' paths before worker/src was grouped by concern (issue 38):
-// every `crate::x` and `accrue_worker::x` keeps working.
-pub use comm::{chunks, collective, shard};
-#[cfg(accrue_cuda)]
-pub use cuda::cuda_graph;
-pub use cuda::{amp, backends, fused_ops, graphs, profiler};
-pub use family::model;
-pub use grads::tally;
-pub use objective::head_loss;
-pub use optim::schedule;
-pub use source::{batch, data, rng, sampler};
-
-pub use collective::{Collective, SingleRank};
+pub use comm::collective::{Collective, SingleRank};
 pub use engine::{Engine, Event, RunOptions, StepReport};
 pub use error::{Error, Result};
 pub use spec::JobSpec;

@@ -288,7 +288,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         profile: args
             .profile
             .clone()
-            .map(|path| accrue_worker::profiler::Profile {
+            .map(|path| accrue_worker::cuda::profiler::Profile {
                 path,
                 after_steps: args.profile_after,
                 steps: args.profile_steps,

@@ -3,7 +3,7 @@
 //! only its own `CommError`) and the error module (which wraps it), so
 //! neither reaches up to the other.
 
-use crate::collective::BucketCopy;
+use crate::comm::collective::BucketCopy;
 use crate::comm::TcpRing;
 use crate::error::Error;
 

@@ -5,7 +5,7 @@
 
 mod common;
 
-use accrue_worker::backends::cudnn_deterministic;
+use accrue_worker::cuda::backends::cudnn_deterministic;
 use accrue_worker::engine::{Engine, RunOptions};
 use accrue_worker::SingleRank;
 use common::*;

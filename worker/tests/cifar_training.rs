@@ -4,7 +4,7 @@
 
 mod common;
 
-use accrue_worker::data::{load_cifar10, CIFAR_FILES};
+use accrue_worker::source::data::{load_cifar10, CIFAR_FILES};
 use accrue_worker::Event;
 use common::*;
 use std::path::Path;

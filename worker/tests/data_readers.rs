@@ -3,7 +3,7 @@
 //! files with `x` and `y`. Every failure must name the file and say what is
 //! wrong with it.
 
-use accrue_worker::data::{
+use accrue_worker::source::data::{
     load_cifar10, load_mnist, parse_cifar, parse_idx_images, parse_idx_labels, read_tensors,
     Dataset, CIFAR_FILES, MNIST_FILES,
 };

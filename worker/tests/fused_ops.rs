@@ -6,7 +6,7 @@
 
 mod common;
 
-use accrue_worker::fused_ops::{
+use accrue_worker::cuda::fused_ops::{
     add_rms_norm_cast, cross_entropy_sum, kernels_built, rms_norm_cast, rope_qkv, swiglu,
 };
 use common::cuda_or_skip;
@@ -302,7 +302,7 @@ fn cuda_kernels_equal_the_reference() {
 #[test]
 #[ignore = "needs CUDA"]
 fn cuda_llama_with_kernels_equals_the_reference() {
-    use accrue_worker::amp::Autocast;
+    use accrue_worker::cuda::amp::Autocast;
     use accrue_worker::family::llama::Net;
     use accrue_worker::spec::{LlamaConfig, Precision};
     if !cuda_or_skip("cuda_llama_with_kernels_equals_the_reference") {

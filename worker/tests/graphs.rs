@@ -24,8 +24,8 @@
 
 mod common;
 
+use accrue_worker::cuda::graphs::{self, reason_text, Action, EagerReason, Mode, Phase, WARMUP};
 use accrue_worker::engine::{Engine, Event, RunOptions};
-use accrue_worker::graphs::{self, reason_text, Action, EagerReason, Mode, Phase, WARMUP};
 use common::*;
 use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};

@@ -12,8 +12,8 @@
 //! 1e-5 relative to the largest value above (fp32, one thread each side;
 //! the same libtorch kernels, so only summation order differs).
 
-use accrue_worker::amp::Autocast;
-use accrue_worker::model::{Model, WeightsFrom};
+use accrue_worker::cuda::amp::Autocast;
+use accrue_worker::family::model::{Model, WeightsFrom};
 use accrue_worker::spec::{LlamaConfig, ModelSpec, Precision};
 use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Reduction, Tensor};

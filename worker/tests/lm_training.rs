@@ -143,7 +143,7 @@ fn llama_at_two_ranks_equals_transformers_ddp_and_one_big_batch() {
 /// on the same rows.
 #[test]
 fn checkpoints_are_transformers_folders_both_ways() {
-    use accrue_worker::model::Model;
+    use accrue_worker::family::model::Model;
     let dir = TempDir::new().unwrap();
     let d = dir.path();
     let mut cfg = config();
@@ -162,7 +162,7 @@ fn checkpoints_are_transformers_folders_both_ways() {
     let mut model = Model::build(&s.model, &[12], 97, tch::Device::Cpu, 1).unwrap();
     model
         .load_named(
-            accrue_worker::model::WeightsFrom::Checkpoint(&step_dir),
+            accrue_worker::family::model::WeightsFrom::Checkpoint(&step_dir),
             read(&step_dir.join("model.safetensors")),
         )
         .unwrap();
@@ -278,7 +278,10 @@ lr = 0.001
     let mut model = Model::build(&spec_bf16.model, &[12], 97, tch::Device::Cpu, 1).unwrap();
     let dir_bf16 = d.join("hf-bf16");
     model
-        .load_named(accrue_worker::model::WeightsFrom::Init(&dir_bf16), bf16)
+        .load_named(
+            accrue_worker::family::model::WeightsFrom::Init(&dir_bf16),
+            bf16,
+        )
         .unwrap();
     for (name, p) in &model.params {
         assert_eq!(

@@ -5,7 +5,7 @@
 
 mod common;
 
-use accrue_worker::collective::SingleRank;
+use accrue_worker::comm::collective::SingleRank;
 use accrue_worker::engine::{Engine, Event, RunOptions};
 use common::*;
 use std::path::Path;

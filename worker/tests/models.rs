@@ -3,7 +3,7 @@
 
 mod common;
 
-use accrue_worker::model::Model;
+use accrue_worker::family::model::Model;
 use accrue_worker::optim::Optimizer;
 use accrue_worker::spec::ModelSpec;
 use common::*;

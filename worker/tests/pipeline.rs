@@ -283,10 +283,10 @@ fn one_process(
     text: &str,
     dir: &Path,
     resume: bool,
-) -> accrue_worker::Engine<accrue_worker::collective::SingleRank> {
+) -> accrue_worker::Engine<accrue_worker::comm::collective::SingleRank> {
     accrue_worker::Engine::new(
         spec(text),
-        accrue_worker::collective::SingleRank,
+        accrue_worker::comm::collective::SingleRank,
         accrue_worker::RunOptions {
             checkpoint_dir: Some(dir.join("ckpt")),
             resume,

@@ -872,7 +872,7 @@ fn an_oversized_frame_fails_the_link_before_its_payload() {
 /// (2(W-1)/W of the buffer), as the byte counters show.
 #[test]
 fn reduce_scatter_then_all_gather_shard_and_cost_one_all_reduce() {
-    use accrue_worker::shard::{shard_send_elems, slice};
+    use accrue_worker::comm::shard::{shard_send_elems, slice};
     use accrue_worker::Collective;
     const LENS: [usize; 6] = [0, 1, 2, 7, 1001, 10_000];
     for world in [2, 3, 4] {

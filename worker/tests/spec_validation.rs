@@ -293,7 +293,7 @@ fn mnist_with_a_missing_folder_names_data_path() {
 
     // With the four files present (contents are checked by the loader), it passes.
     std::fs::create_dir(&folder).unwrap();
-    for f in accrue_worker::data::MNIST_FILES {
+    for f in accrue_worker::source::data::MNIST_FILES {
         std::fs::write(folder.join(f), b"").unwrap();
     }
     accepted(&mnist_spec(&folder));

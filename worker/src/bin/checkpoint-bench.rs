@@ -8,7 +8,7 @@
 //!
 //!   checkpoint-bench [--model resnet18] [--iters 7] [--dir /tmp/ckbench] [--keep]
 use accrue_worker::checkpoint::{self, disk, owner::Owner, Payload, TrainerState, WriteOptions};
-use accrue_worker::model::Model;
+use accrue_worker::family::model::Model;
 use anyhow::Context;
 use clap::Parser;
 use std::time::Instant;

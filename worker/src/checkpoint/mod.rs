@@ -80,7 +80,7 @@ pub struct TrainerState {
     pub epoch_offset: u64,
     /// fp16's loss scale and growth tracker (issue 18; None otherwise).
     #[serde(default)]
-    pub loss_scale: Option<crate::amp::LossScale>,
+    pub loss_scale: Option<crate::cuda::amp::LossScale>,
 }
 
 pub(super) fn ckpt_err(path: &Path, reason: impl Into<String>) -> Error {

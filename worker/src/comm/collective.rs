@@ -69,7 +69,7 @@ pub trait Collective: Send {
         Ok(())
     }
     /// ZeRO's reduce-scatter: afterwards slice `rank` of `buf`
-    /// ([`crate::shard::slice`]) holds the sum over all ranks; the rest is
+    /// ([`crate::comm::shard::slice`]) holds the sum over all ranks; the rest is
     /// scratch. The default goes through [`Collective::all_reduce_sum`]
     /// (right, but all-reduce traffic); the TCP ring sends (W-1)/W.
     fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> Result<()> {
@@ -86,7 +86,7 @@ pub trait Collective: Send {
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
         let w = self.world_size();
         if w > 1 {
-            let own = crate::shard::slice(buf.len(), w, self.rank());
+            let own = crate::comm::shard::slice(buf.len(), w, self.rank());
             let mut v = vec![0f32; buf.len()];
             v[own.clone()].copy_from_slice(&buf[own]);
             self.all_reduce_sum(&mut v)?;

@@ -4,9 +4,9 @@
 //! is the bootstrap: it carries the c10d store's address and each ring
 //! group's listening address, so nothing unauthenticated decides who joins.
 
-use crate::collective::Collective;
 use crate::comm::c10d::store::{StoreClient, StoreLimits, StoreServer};
 use crate::comm::c10d::C10dGroup;
+use crate::comm::collective::Collective;
 use crate::comm::group::{Group, GroupError, RingGroup};
 use crate::comm::{RingConfig, TcpRing};
 use crate::spec::{Axis, CommBackend, ParallelDims};

@@ -9,7 +9,7 @@
 //! ([`Staged`]): the engine's flat gradients are staged through the host
 //! on CUDA today, so NCCL carries the same bytes the ring would.
 
-use crate::collective::{BucketCopy, Collective, CollectiveError};
+use crate::comm::collective::{BucketCopy, Collective, CollectiveError};
 use crate::comm::group::{Group, GroupError, ReduceOp};
 use crate::comm::mesh::Mesh;
 use crate::spec::Axis;
@@ -162,7 +162,7 @@ impl Collective for MeshCollective {
         self.stages
     }
     fn world_gather_u64(&mut self, mine: u64) -> Result<Vec<u64>, CollectiveError> {
-        crate::collective::gather_u64(self.mesh()?.control(), mine)
+        crate::comm::collective::gather_u64(self.mesh()?.control(), mine)
     }
     fn world_broadcast_bytes(
         &mut self,
@@ -285,7 +285,7 @@ impl Collective for MeshCollective {
                 if !len.is_multiple_of(world) {
                     return sum(g, buf);
                 }
-                let own = crate::shard::slice(len, world, rank);
+                let own = crate::comm::shard::slice(len, world, rank);
                 // SAFETY: waited on before `buf` is released.
                 let whole = Staged::new(g, unsafe { over(buf)? })?;
                 let out = Tensor::zeros([own.len() as i64], (Kind::Float, g.device()));
@@ -306,7 +306,7 @@ impl Collective for MeshCollective {
         match self.data_group()? {
             Some(g) => {
                 let len = buf.len();
-                let own = crate::shard::slice(len, world, rank);
+                let own = crate::comm::shard::slice(len, world, rank);
                 if !len.is_multiple_of(world) {
                     // Uneven slices: zeros outside this rank's, summed.
                     let mut v = vec![0f32; len];

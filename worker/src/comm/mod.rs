@@ -1,8 +1,8 @@
 //! The worker-to-worker data plane (docs/ARCHITECTURE.md, "The data plane"):
 //! process groups per mesh axis ([`group`], formed by [`mesh`]) on two
 //! transports, libtorch's c10d ([`c10d`]) and the TCP ring and its wire
-//! format. It builds on the pure arithmetic below it ([`crate::chunks`],
-//! [`crate::shard`]) and implements [`crate::collective::Collective`]; its
+//! format. It builds on the pure arithmetic below it ([`crate::comm::chunks`],
+//! [`crate::comm::shard`]) and implements [`crate::comm::collective::Collective`]; its
 //! errors are its own ([`CommError`]), which the worker's `error::Error`
 //! wraps from above.
 pub mod admission;

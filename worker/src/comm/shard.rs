@@ -5,7 +5,7 @@
 //! rank's partial (Colossal-AI's point: a norm over shards must combine the
 //! shards, never clip each by its own norm).
 
-use crate::chunks::{self, chunk_range};
+use crate::comm::chunks::{self, chunk_range};
 use std::ops::Range;
 
 /// Slice `rank` of a flat buffer of `len` elements over `world` ranks:

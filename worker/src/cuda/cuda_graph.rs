@@ -1,6 +1,6 @@
 //! The Rust side of the CUDA-graph shim (csrc/graph.cpp), compiled only
 //! with `ACCRUE_CUDA=1` (cfg `accrue_cuda`). Thin wrappers that own the C++
-//! objects; when to use them is decided in crate::graphs.
+//! objects; when to use them is decided in crate::cuda::graphs.
 
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_void, CStr};

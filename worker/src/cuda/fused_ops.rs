@@ -131,7 +131,7 @@ unsafe fn owned(p: *mut c_void) -> Tensor {
 
 /// c10::ScalarType's number of an autocast type (as amp.rs maps it).
 fn dtype_code(kind: Kind) -> Result<i32, TchError> {
-    crate::amp::scalar_type(kind).ok_or_else(|| {
+    crate::cuda::amp::scalar_type(kind).ok_or_else(|| {
         TchError::Kind(format!(
             "fused operations cast to bf16 or fp16, not {kind:?}"
         ))

@@ -4,7 +4,7 @@
 
 use super::assign::{assigned_checkpoint_dir, assigned_spec};
 use super::{wrap, DaemonConfig};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::comm::mesh::{Mesh, MeshConfig};
 use crate::comm::mesh_collective::MeshCollective;
 use crate::comm::{RingConfig, TcpRing};
@@ -52,9 +52,9 @@ pub(super) fn step_msg(job: &str, generation: u64, rank: u32, r: &StepReport) ->
         bytes_received: r.bytes_received,
         loss_scale: r.loss_scale,
         graph_replays: r.graph_replays,
-        eager_reason: crate::graphs::reason_text(r.eager_reason.as_ref()),
+        eager_reason: crate::cuda::graphs::reason_text(r.eager_reason.as_ref()),
         sync_graph_replayed: r.sync_graph_replayed,
-        sync_eager_reason: crate::graphs::reason_text(r.sync_eager_reason.as_ref()),
+        sync_eager_reason: crate::cuda::graphs::reason_text(r.sync_eager_reason.as_ref()),
         resumed_from: r.resumed_from.clone(),
         peak_rss_bytes: r.peak_rss_bytes,
     }))

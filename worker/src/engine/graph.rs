@@ -1,6 +1,6 @@
 //! The micro-step as a CUDA graph (issue 19): the graph's static tensors,
 //! and the engine's side of warm-up, capture and replay. Decisions are in
-//! crate::graphs; the shim's wrappers in crate::cuda_graph (ACCRUE_CUDA=1
+//! crate::cuda::graphs; the shim's wrappers in crate::cuda::cuda_graph (ACCRUE_CUDA=1
 //! builds only).
 //!
 //! A graph replays fixed device addresses, so everything the body reads or
@@ -18,9 +18,9 @@
 
 use super::window::LossScaleBy;
 use super::Engine;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
+use crate::cuda::graphs::{self, Action, EagerReason, Mode, Phase};
 use crate::error::{Error, InPlace, Result, TorchContext};
-use crate::graphs::{self, Action, EagerReason, Mode, Phase};
 use tch::{Kind, Tensor};
 
 /// What the micro-step's graph and the sync step's graph
@@ -31,12 +31,12 @@ pub(super) struct GraphHolder {
     pub(super) phase: Phase,
     logged: Option<EagerReason>,
     #[cfg(accrue_cuda)]
-    graph: Option<crate::cuda_graph::Graph>,
+    graph: Option<crate::cuda::cuda_graph::Graph>,
 }
 
 /// A captured graph (none can exist in a build without ACCRUE_CUDA=1).
 #[cfg(accrue_cuda)]
-pub(super) type Captured = crate::cuda_graph::Graph;
+pub(super) type Captured = crate::cuda::cuda_graph::Graph;
 #[cfg(not(accrue_cuda))]
 pub(super) type Captured = std::convert::Infallible;
 
@@ -91,7 +91,7 @@ pub(super) fn warm_up(
 ) -> Result<()> {
     #[cfg(accrue_cuda)]
     if let (tch::Device::Cuda(d), true) = (device, capturing) {
-        let side = crate::cuda_graph::SideStream::enter(d)?;
+        let side = crate::cuda::cuda_graph::SideStream::enter(d)?;
         let ran = body();
         side.exit()?;
         return ran;
@@ -105,7 +105,7 @@ pub(super) fn warm_up(
 pub(super) fn capture(device: tch::Device, body: impl FnOnce() -> Result<()>) -> Result<Captured> {
     #[cfg(accrue_cuda)]
     if let tch::Device::Cuda(d) = device {
-        return crate::cuda_graph::Graph::capture(d, body);
+        return crate::cuda::cuda_graph::Graph::capture(d, body);
     }
     // Only a forced capture (RunOptions::force_graph_capture) gets here.
     drop(body);
@@ -162,9 +162,9 @@ impl MicroGraph {
 
     /// Staged: the batch in the static buffers (shallow), with the count
     /// the host took; None when the source is not staged.
-    pub(super) fn staged_batch(&self) -> Option<crate::batch::Batch> {
+    pub(super) fn staged_batch(&self) -> Option<crate::source::batch::Batch> {
         match (&self.inputs, &self.targets) {
-            (Some(i), Some(t)) if self.staged => Some(crate::batch::Batch {
+            (Some(i), Some(t)) if self.staged => Some(crate::source::batch::Batch {
                 inputs: i.shallow_clone(),
                 targets: t.shallow_clone(),
                 count: self.count,
@@ -175,7 +175,7 @@ impl MicroGraph {
 
     /// Staged: copies `batch` into the static buffers (allocating them
     /// the first time, before any capture) and keeps its count.
-    fn stage(&mut self, batch: crate::batch::Batch) -> Result<()> {
+    fn stage(&mut self, batch: crate::source::batch::Batch) -> Result<()> {
         for (slot, from) in [
             (&mut self.inputs, &batch.inputs),
             (&mut self.targets, &batch.targets),

@@ -45,13 +45,13 @@ use setup::{spec_hash, starved};
 pub use trainer::pipeline;
 
 use crate::checkpoint::{self, TrainerState};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{Error, Result};
 use crate::family::model::{Model, WeightsFrom};
 use crate::grads::FlatGrads;
 use crate::objective::Objective;
 use crate::optim::schedule::Schedule;
-use crate::sampler::{ShardSpec, WindowPlan};
+use crate::source::sampler::{ShardSpec, WindowPlan};
 use crate::source::DataSource;
 use crate::spec::JobSpec;
 use std::path::{Path, PathBuf};
@@ -318,7 +318,7 @@ impl<C: Collective> Engine<C> {
         };
         let state = TrainerState {
             loss_scale: (spec.precision == crate::spec::Precision::Fp16)
-                .then(|| crate::amp::LossScale::new(&spec.loss_scaling)),
+                .then(|| crate::cuda::amp::LossScale::new(&spec.loss_scaling)),
             job: spec.name.clone(),
             job_id: owner.job_id.clone(),
             spec_hash: owner.spec_hash.clone(),
@@ -333,17 +333,17 @@ impl<C: Collective> Engine<C> {
         // Process-wide, as torch.backends.cudnn.deterministic: set for
         // every job (absent: libtorch's default, off), so a daemon's next
         // job does not inherit the last one's.
-        crate::backends::set_cudnn_deterministic(
+        crate::cuda::backends::set_cudnn_deterministic(
             spec.performance.cudnn_deterministic.unwrap_or(false),
         )?;
         let graph_mode = if opts.graph_body_only {
-            crate::graphs::Mode::BodyOnly
+            crate::cuda::graphs::Mode::BodyOnly
         } else if opts.force_graph_capture {
-            crate::graphs::Mode::Capture {
-                warmup: crate::graphs::WARMUP,
+            crate::cuda::graphs::Mode::Capture {
+                warmup: crate::cuda::graphs::WARMUP,
             }
         } else {
-            crate::graphs::mode(
+            crate::cuda::graphs::mode(
                 spec.performance.cuda_graphs,
                 device.is_cuda(),
                 cfg!(accrue_cuda),
@@ -357,27 +357,29 @@ impl<C: Collective> Engine<C> {
         let staged = train.resident().is_empty();
         let recompute = recompute::plan(&spec, &model, stages.is_some())?;
         let graph_mode = match graph_mode {
-            crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
+            crate::cuda::graphs::Mode::Capture { .. } | crate::cuda::graphs::Mode::BodyOnly
                 if staged && spec.accumulation.normalize != crate::spec::Normalize::GlobalCount =>
             {
-                crate::graphs::Mode::Off(crate::graphs::EagerReason::PerBatchCount)
+                crate::cuda::graphs::Mode::Off(crate::cuda::graphs::EagerReason::PerBatchCount)
             }
             // A stage waits on its neighbours inside a micro-step and sums
             // the norm over the stages inside the sync step.
-            crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
+            crate::cuda::graphs::Mode::Capture { .. } | crate::cuda::graphs::Mode::BodyOnly
                 if stages.is_some() =>
             {
-                crate::graphs::Mode::Off(crate::graphs::EagerReason::PipelineStage)
+                crate::cuda::graphs::Mode::Off(crate::cuda::graphs::EagerReason::PipelineStage)
             }
-            crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
+            crate::cuda::graphs::Mode::Capture { .. } | crate::cuda::graphs::Mode::BodyOnly
                 if tensor.is_some() =>
             {
-                crate::graphs::Mode::Off(crate::graphs::EagerReason::TensorParallel)
+                crate::cuda::graphs::Mode::Off(crate::cuda::graphs::EagerReason::TensorParallel)
             }
-            crate::graphs::Mode::Capture { .. } | crate::graphs::Mode::BodyOnly
+            crate::cuda::graphs::Mode::Capture { .. } | crate::cuda::graphs::Mode::BodyOnly
                 if recompute.is_some() =>
             {
-                crate::graphs::Mode::Off(crate::graphs::EagerReason::ActivationCheckpointing)
+                crate::cuda::graphs::Mode::Off(
+                    crate::cuda::graphs::EagerReason::ActivationCheckpointing,
+                )
             }
             m => m,
         };

@@ -60,7 +60,7 @@ pub struct RunOptions {
     /// Record libtorch's profiler (CPU ops; CUDA kernels on a GPU) over
     /// some of this run's optimizer steps and write a Chrome trace
     /// (`accrue-worker train --profile`).
-    pub profile: Option<crate::profiler::Profile>,
+    pub profile: Option<crate::cuda::profiler::Profile>,
     /// How long rank 0 waits for the checkpoint folder's writer lock
     /// (checkpoint/lock.rs) before it refuses: zero for `accrue-worker
     /// train` (a second run is refused at once); the daemon waits a while

@@ -2,9 +2,9 @@
 //! this rank reads for the rest of the epoch, and how many steps are left.
 
 use super::Engine;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::optim::schedule::Schedule;
-use crate::sampler::{ShardSpec, WindowPlan};
+use crate::source::sampler::{ShardSpec, WindowPlan};
 
 impl<C: Collective> Engine<C> {
     /// Points the sharding and the window plan at the current world size

@@ -12,7 +12,7 @@
 
 use super::window::LossScaleBy;
 use super::Engine;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use crate::family::model::Model;
 use crate::source::batch::Batch;
@@ -171,7 +171,7 @@ impl<C: Collective> Engine<C> {
         } else {
             self.set_apart(shared)?
         };
-        let mut autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
+        let mut autocast = crate::cuda::amp::Autocast::enter_with(device, precision, true)?;
         let out = self
             .model
             .staged()
@@ -270,7 +270,8 @@ impl<C: Collective> Engine<C> {
         packed: Option<&Tensor>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let _guard = tch::no_grad_guard();
-        let _autocast = crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
+        let _autocast =
+            crate::cuda::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
         let mut saved = Vec::with_capacity(segments.len());
         let mut x = input;
         for seg in segments {
@@ -310,7 +311,7 @@ impl<C: Collective> Engine<C> {
             let next = self.next_units(segments.get(i + 1));
             let (device, precision) = (self.device, self.spec.precision);
             let out = self.with_prefetch(&next, |model| {
-                let _autocast = crate::amp::Autocast::enter_with(device, precision, true)?;
+                let _autocast = crate::cuda::amp::Autocast::enter_with(device, precision, true)?;
                 staged_of(model)?.stage_forward_with(&x_in, seg.clone(), packed)
             })?;
             self.zero3_release_after_forward(&units)?;
@@ -406,7 +407,7 @@ impl<C: Collective> Engine<C> {
             };
             let out = {
                 let _autocast =
-                    crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
+                    crate::cuda::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
                 self.staged()?
                     .stage_forward_with(&x_in, seg.clone(), packed)?
             };

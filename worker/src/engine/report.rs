@@ -59,15 +59,15 @@ pub struct StepReport {
     /// Micro-steps of this window that replayed a CUDA graph.
     pub graph_replays: u64,
     /// Why the window's micro-steps (the last that did) ran eagerly (None:
-    /// none did; the proto's "" through [`crate::graphs::reason_text`]).
-    #[serde(serialize_with = "crate::graphs::serialize_reason")]
-    pub eager_reason: Option<crate::graphs::EagerReason>,
+    /// none did; the proto's "" through [`crate::cuda::graphs::reason_text`]).
+    #[serde(serialize_with = "crate::cuda::graphs::serialize_reason")]
+    pub eager_reason: Option<crate::cuda::graphs::EagerReason>,
     /// The sync step's work after the reduction replayed its CUDA graph.
     pub sync_graph_replayed: bool,
     /// Why the sync step ran eagerly (None: on the device, as a graph or
     /// its body).
-    #[serde(serialize_with = "crate::graphs::serialize_reason")]
-    pub sync_eager_reason: Option<crate::graphs::EagerReason>,
+    #[serde(serialize_with = "crate::cuda::graphs::serialize_reason")]
+    pub sync_eager_reason: Option<crate::cuda::graphs::EagerReason>,
     /// The first report of this process or generation: where the rank's
     /// state came from and why ("fresh start", "checkpoint step-32 (...)",
     /// "rank 1's state (step 52)"); "" on later reports.

@@ -1,9 +1,9 @@
 //! The engine's set-up checks and names: the device, the spec's hash, the
 //! splits as messages name them, and the refusals made before any step.
 
-use crate::data::Dataset;
 use crate::error::{Error, Result};
-use crate::sampler::ShardSpec;
+use crate::source::data::Dataset;
+use crate::source::sampler::ShardSpec;
 use crate::spec::JobSpec;
 use std::path::Path;
 use tch::{Device, Tensor};

@@ -10,7 +10,7 @@
 use super::flat::{flatten, unflatten};
 use super::Engine;
 use crate::checkpoint::TrainerState;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use tch::{Kind, Tensor};
 
@@ -88,7 +88,7 @@ pub(super) fn decode_state(bytes: &[u8]) -> Result<(StateHeader, Vec<f32>)> {
 
 /// Every rank's `mine` over the engine's collective (the data axis).
 fn all_gather_u64(c: &mut impl Collective, mine: u64) -> Result<Vec<u64>> {
-    Ok(crate::collective::gather_u64(c, mine)?)
+    Ok(crate::comm::collective::gather_u64(c, mine)?)
 }
 
 /// The rank holding the newest committed state: the highest value (lowest
@@ -385,7 +385,7 @@ impl<C: Collective> Engine<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::SingleRank;
+    use crate::comm::collective::SingleRank;
 
     fn header() -> StateHeader {
         StateHeader {

@@ -1,7 +1,7 @@
 //! The sync step as a CUDA graph (issue 19): the work after the
 //! all-reduce (normalize, the norm, the clip, the optimizer, zeroing the
 //! gradients) captured once and replayed, so a step is one graph launch
-//! after the reduction. Decisions are in crate::graphs.
+//! after the reduction. Decisions are in crate::cuda::graphs.
 //!
 //! A graph cannot read the norm back to decide on the host whether to
 //! step, so the whole decision is on the device: the norm of the
@@ -21,9 +21,9 @@
 
 use super::graph::{capture, warm_up, GraphHolder};
 use super::Engine;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
+use crate::cuda::graphs::{self, Action, EagerReason};
 use crate::error::{Error, InPlace, Result, TorchContext};
-use crate::graphs::{self, Action, EagerReason};
 use tch::{Kind, Tensor};
 
 /// The sync step's graph and its static tensors.

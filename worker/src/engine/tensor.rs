@@ -16,7 +16,7 @@
 //!   load whole and are cut ([`Engine::tensor_slice_state`]).
 
 use super::Engine;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::comm::tensor_ops::{Reduce, TensorGroupCell};
 use crate::error::{Error, Result, TorchContext};
 use crate::family::model::Model;

@@ -6,10 +6,10 @@
 
 use super::trainer::{Op, SyncOutcome};
 use super::{Engine, StepReport};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
+use crate::cuda::graphs::EagerReason;
 use crate::error::{Error, Result, TorchContext};
 use crate::grads::tally::WindowTally;
-use crate::graphs::EagerReason;
 use crate::optim::GradPrep;
 use crate::spec::{Normalize, OnNonfinite, SyncMode};
 use std::collections::VecDeque;
@@ -28,7 +28,7 @@ pub(super) struct Window {
     ops: VecDeque<Op>,
     /// Non-empty micro-batches among them (`mean` divides by their global sum).
     pub(super) batches: usize,
-    /// Loss terms of the window's batches ([`crate::batch::Batch::count`]).
+    /// Loss terms of the window's batches ([`crate::source::batch::Batch::count`]).
     pub(super) count: u64,
     pub(super) started: Option<Instant>,
     pub(super) compute: Duration,
@@ -225,7 +225,8 @@ impl<C: Collective> Engine<C> {
         }
         // precision = bf16 | fp16: the forward and the loss under
         // autocast, as in torch.autocast's `with` block.
-        let autocast = crate::amp::Autocast::enter_with(self.device, self.spec.precision, !graph)?;
+        let autocast =
+            crate::cuda::amp::Autocast::enter_with(self.device, self.spec.precision, !graph)?;
         let output = self.model.forward(&batch.inputs, true)?;
         let loss_sum = self.loss_backward(&output, &batch, scale, autocast)?;
         self.graph.add_loss(&loss_sum)?;
@@ -240,9 +241,9 @@ impl<C: Collective> Engine<C> {
     pub(super) fn loss_backward(
         &self,
         output: &Tensor,
-        batch: &crate::batch::Batch,
+        batch: &crate::source::batch::Batch,
         scale: LossScaleBy<'_>,
-        autocast: Option<crate::amp::Autocast>,
+        autocast: Option<crate::cuda::amp::Autocast>,
     ) -> Result<Tensor> {
         let summed = self.spec.accumulation.normalize == Normalize::GlobalCount;
         let loss = if summed {
@@ -274,7 +275,11 @@ impl<C: Collective> Engine<C> {
     /// or objective, autocast, or a head weight without a gradient buffer.
     /// In a graph's body every batch takes the masked path (a replay's
     /// batch may have ignored targets where the captured one had none).
-    fn head_loss(&mut self, batch: &crate::batch::Batch, graph: bool) -> Result<Option<Tensor>> {
+    fn head_loss(
+        &mut self,
+        batch: &crate::source::batch::Batch,
+        graph: bool,
+    ) -> Result<Option<Tensor>> {
         if !self.head_loss_applies() {
             return Ok(None);
         }
@@ -302,7 +307,7 @@ impl<C: Collective> Engine<C> {
     pub(super) fn head_loss_of(
         &mut self,
         features: &Tensor,
-        batch: &crate::batch::Batch,
+        batch: &crate::source::batch::Batch,
         graph: bool,
     ) -> Result<Tensor> {
         let model = self
@@ -571,11 +576,11 @@ impl<C: Collective> Engine<C> {
     /// fp16's loss scale now (the state's, or the spec's initial one for a
     /// state that has none yet, e.g. resumed from an fp32 checkpoint);
     /// None for fp32 and bf16.
-    pub(super) fn loss_scale(&self) -> Option<crate::amp::LossScale> {
+    pub(super) fn loss_scale(&self) -> Option<crate::cuda::amp::LossScale> {
         (self.spec.precision == crate::spec::Precision::Fp16).then(|| {
             self.state
                 .loss_scale
-                .unwrap_or_else(|| crate::amp::LossScale::new(&self.spec.loss_scaling))
+                .unwrap_or_else(|| crate::cuda::amp::LossScale::new(&self.spec.loss_scaling))
         })
     }
 

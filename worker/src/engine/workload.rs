@@ -14,9 +14,9 @@
 //!   `AutoTokenizer`, `generate()` and `pipeline()` read the step folder.
 
 use super::setup::{check_eval_shape, data_error, split_name};
-use crate::data;
 use crate::error::{Error, Result};
 use crate::objective::{CausalLm, Classification, Objective};
+use crate::source::data;
 use crate::source::DataSource;
 use crate::spec::{DataKind, JobSpec, LlamaConfig};
 use tch::Device;

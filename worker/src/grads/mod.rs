@@ -14,7 +14,7 @@
 
 pub mod tally;
 
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::optim::GradPrep;
 use std::ops::Range;
@@ -489,7 +489,7 @@ pub fn define_grads(params: &[(String, Tensor)]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::SingleRank;
+    use crate::comm::collective::SingleRank;
 
     fn params() -> Vec<(String, Tensor)> {
         tch::manual_seed(0);

@@ -5,8 +5,8 @@
 
 pub mod head_loss;
 
-use crate::batch::Batch;
 use crate::error::{Result, TorchContext};
+use crate::source::batch::Batch;
 use tch::{Kind, Reduction, Tensor};
 
 /// The loss of one batch: its sum over the batch's loss terms (a 0-dim
@@ -112,7 +112,7 @@ impl Objective for Classification {
 /// bf16 or fp16 (the Llama forward under autocast with its fused
 /// operations) are widened as transformers' `logits.float()` does; the
 /// summed loss of such logits is one fused operation
-/// (crate::fused_ops::cross_entropy_sum: on CUDA without the fp32 logits).
+/// (crate::cuda::fused_ops::cross_entropy_sum: on CUDA without the fp32 logits).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CausalLm;
 
@@ -121,8 +121,8 @@ impl CausalLm {
         let vocab = output.size().last().copied().unwrap_or(0);
         let low = matches!(output.kind(), Kind::BFloat16 | Kind::Half);
         if low && matches!(reduction, Reduction::Sum) {
-            let kernels = crate::fused_ops::use_kernels(output.device());
-            return crate::fused_ops::cross_entropy_sum(output, &batch.targets, kernels)
+            let kernels = crate::cuda::fused_ops::use_kernels(output.device());
+            return crate::cuda::fused_ops::cross_entropy_sum(output, &batch.targets, kernels)
                 .ctx("computing the loss");
         }
         output

@@ -3,9 +3,9 @@
 //! Each returns the whole split in memory as (x: f32 [N, ...], y: i64 [N]).
 //! Errors name the file and what is wrong with it.
 
-use crate::batch::Batch;
 use crate::error::{io_err, Error, Result, TorchContext};
-use crate::rng::Mt19937;
+use crate::source::batch::Batch;
+use crate::source::rng::Mt19937;
 use crate::source::DataSource;
 use crate::spec::{DataKind, DataSpec, MAX_CLASSES};
 use std::path::Path;

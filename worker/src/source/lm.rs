@@ -3,8 +3,8 @@
 //! host and building a batch.
 
 use super::{TokenOptions, IGNORE_INDEX};
-use crate::batch::Batch;
 use crate::error::{Error, Result, TorchContext};
+use crate::source::batch::Batch;
 use memmap2::Mmap;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};

@@ -11,8 +11,8 @@
 //! `[N, T]`, targets of [`IGNORE_INDEX`] meaning "no target", and count the
 //! other targets exactly on the host.
 
-use crate::batch::Batch;
 use crate::error::{Result, TorchContext};
+use crate::source::batch::Batch;
 use tch::{Device, Kind, Tensor};
 
 pub mod batch;

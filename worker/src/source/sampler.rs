@@ -4,7 +4,7 @@
 //! Everything here is pure arithmetic: the engine asks for an epoch's plan and
 //! walks it with a cursor (epoch, micro-batch index) that checkpoints record.
 
-use crate::rng::randperm;
+use crate::source::rng::randperm;
 
 /// How one epoch is sharded over ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -21,8 +21,8 @@
 
 use super::lm::{self, file_err};
 use super::{DataSource, TokenOptions, IGNORE_INDEX};
-use crate::batch::Batch;
 use crate::error::{Result, TorchContext};
+use crate::source::batch::Batch;
 use safetensors::tensor::{Dtype, TensorInfo};
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};

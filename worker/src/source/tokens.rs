@@ -13,8 +13,8 @@
 
 use super::lm::{self, file_err};
 use super::{DataSource, TokenDtype, TokenOptions};
-use crate::batch::Batch;
 use crate::error::Result;
+use crate::source::batch::Batch;
 use std::path::{Path, PathBuf};
 use tch::{Device, Tensor};
 

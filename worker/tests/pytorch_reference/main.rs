@@ -6,8 +6,8 @@
 mod common;
 
 use accrue_worker::engine::RunOptions;
-use accrue_worker::rng::Mt19937;
-use accrue_worker::sampler::ShardSpec;
+use accrue_worker::source::rng::Mt19937;
+use accrue_worker::source::sampler::ShardSpec;
 use accrue_worker::{Engine, SingleRank};
 use common::procs::{run_ranks, Torchrun};
 use common::*;

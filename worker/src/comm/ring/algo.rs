@@ -3,9 +3,9 @@
 
 use super::threads::{frames, lost, send_abort, SendJob};
 use super::{CommError, Counters, Reply, Request, Returned, RingConfig, MAX_BROADCAST_BYTES};
-use crate::chunks::{self, chunk_range};
+use crate::comm::chunks::{self, chunk_range};
+use crate::comm::shard;
 use crate::comm::wire::{self, Kind, HEADER_LEN};
-use crate::shard;
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -103,7 +103,7 @@ impl Comm {
     }
 
     /// The reduce-scatter half of [`Self::all_reduce`] on the relabelled
-    /// schedule of [`crate::shard`]: rank r ends owning chunk r.
+    /// schedule of [`crate::comm::shard`]: rank r ends owning chunk r.
     fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
         let sched = |r, w, s| (shard::rs_send(r, w, s), shard::rs_recv(r, w, s));
         self.phase(buf, sched, Apply::Add, "reduce-scatter")

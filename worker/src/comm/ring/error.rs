@@ -51,8 +51,8 @@ impl CommError {
 
 /// The ring below the collective interface: its errors travel boxed (the
 /// worker's error takes them out again as `Error::Comm`).
-impl From<CommError> for crate::collective::CollectiveError {
+impl From<CommError> for crate::comm::collective::CollectiveError {
     fn from(e: CommError) -> Self {
-        crate::collective::CollectiveError::Transport(Box::new(e))
+        crate::comm::collective::CollectiveError::Transport(Box::new(e))
     }
 }

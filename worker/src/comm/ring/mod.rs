@@ -22,7 +22,7 @@ mod threads;
 
 pub use error::CommError;
 
-use crate::collective::{BucketCopy, Collective, CollectiveError};
+use crate::comm::collective::{BucketCopy, Collective, CollectiveError};
 use crate::comm::wire::{self, Header, Kind};
 use algo::Comm;
 use connect::{connect_next, spawn_acceptor};
@@ -336,7 +336,7 @@ impl TcpRing {
     }
 
     /// ZeRO's reduce-scatter (issue 17), in place: afterwards slice `rank`
-    /// of `buf` ([`crate::shard::slice`]) holds the sum over all ranks;
+    /// of `buf` ([`crate::comm::shard::slice`]) holds the sum over all ranks;
     /// the rest of `buf` is scratch. Sends (W-1)/W of the buffer.
     pub fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
         self.lend(buf, Request::ReduceScatterLent)

@@ -13,7 +13,7 @@
 
 use super::wire::{recv_bytes, send_bytes};
 use crate::checkpoint::{self, manifest::Entry, shards};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::engine::Engine;
 use crate::error::{Error, Result, TorchContext};
 use crate::family::Named;

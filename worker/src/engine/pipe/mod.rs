@@ -21,7 +21,7 @@ use super::recompute::Recompute;
 use super::trainer::pipeline::{stage_ops, PipeOp, PipeSchedule};
 use super::trainer::Op;
 use super::{Engine, StepReport};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use std::collections::HashSet;
 use std::ops::Range;
@@ -97,7 +97,7 @@ impl<C: Collective> Engine<C> {
         self.window.started = Some(started);
         self.window.bytes_at_start = self.collective.bytes();
         self.graph.zero_loss(self.device)?;
-        if let crate::graphs::Mode::Off(reason) = self.graph.mode().clone() {
+        if let crate::cuda::graphs::Mode::Off(reason) = self.graph.mode().clone() {
             self.window.eager_reason = Some(self.graph.holder.eager("micro-steps", &reason));
         }
         let micros: Vec<usize> = self
@@ -211,8 +211,11 @@ impl<C: Collective> Engine<C> {
                     }
                     // precision = bf16 | fp16: the forward and the loss
                     // under autocast, as one process's micro-step.
-                    let mut autocast =
-                        crate::amp::Autocast::enter_with(self.device, self.spec.precision, true)?;
+                    let mut autocast = crate::cuda::amp::Autocast::enter_with(
+                        self.device,
+                        self.spec.precision,
+                        true,
+                    )?;
                     let staged = self.model.staged().ok_or_else(|| {
                         Error::Schedule("this model does not run in pipeline stages".into())
                     })?;

@@ -6,7 +6,7 @@
 
 use super::wire::{group_err, recv_into, Posted};
 use super::Pipe;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::engine::Engine;
 use crate::error::{Error, Result, TorchContext};
 use tch::Tensor;

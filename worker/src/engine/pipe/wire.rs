@@ -2,7 +2,7 @@
 //! shape and type, received on the caller's device through the group's;
 //! bytes (a stage's part of a checkpoint) as i64 words.
 
-use crate::collective::CollectiveError;
+use crate::comm::collective::CollectiveError;
 use crate::comm::group::{Group, Pending, ReduceOp};
 use crate::error::{Error, Result, TorchContext};
 use tch::{Kind, Tensor};

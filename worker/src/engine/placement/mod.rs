@@ -45,11 +45,11 @@ pub(super) use replicated::Replicated;
 pub(super) use sharded::{views_by_name, ShardedGradients, ShardedOptimizer};
 pub(super) use stage3::ShardedParameters;
 
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
+use crate::comm::shard;
 use crate::error::{Error, Result};
 use crate::grads::FlatGrads;
 use crate::optim::{GradPrep, Optimizer};
-use crate::shard;
 use std::time::Duration;
 use tch::{Device, Tensor};
 
@@ -417,7 +417,7 @@ impl<C: Collective> super::Engine<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::SingleRank;
+    use crate::comm::collective::SingleRank;
 
     #[test]
     fn each_stage_has_its_strategy_and_state_shape() {

@@ -30,9 +30,9 @@
 //! have changed) and releases every unit.
 
 use super::{host_f32, host_f32_mut};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
+use crate::comm::shard;
 use crate::error::{Error, Result, TorchContext};
-use crate::shard;
 use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 
@@ -524,7 +524,7 @@ impl ShardTaker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::SingleRank;
+    use crate::comm::collective::SingleRank;
 
     fn params() -> Vec<(String, Tensor)> {
         let t = |n: i64, v: f64| Tensor::full([n], v, (Kind::Float, Device::Cpu));

@@ -1,7 +1,7 @@
 //! ZeRO stage 0: parameters, gradients and optimizer state whole on every rank.
 
 use super::{Axis, Parts, Placement};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{InPlace, Result, TorchContext};
 use crate::optim::{GradPrep, Optimizer};
 use std::time::{Duration, Instant};

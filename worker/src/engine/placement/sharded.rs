@@ -1,7 +1,7 @@
 //! ZeRO stages 1 and 2 (issue 17): optimizer state, then gradients too, sharded over the data axis.
 //!
 //! The sync step reduce-scatters the flat gradients so rank r holds slice r
-//! ([`crate::shard::slice`]) reduced, assembles the clipping norm from
+//! ([`crate::comm::shard::slice`]) reduced, assembles the clipping norm from
 //! every rank's partial, prepares and steps only its slice with optimizer
 //! state for that slice only (one flat state tensor per kind: 1/W of
 //! stage 0's), then all-gathers the parameters. Checkpoints gather the
@@ -28,11 +28,11 @@
 
 use super::replicated::WindowSums;
 use super::{host_f32, host_f32_mut, Axis, Parts, Placement};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
+use crate::comm::shard;
 use crate::engine::flat::flatten;
 use crate::error::{Error, InPlace, Result, TorchContext};
 use crate::optim::{GradPrep, Optimizer};
-use crate::shard;
 use std::ops::Range;
 use std::time::Duration;
 use tch::{Device, Tensor};

@@ -20,7 +20,7 @@
 
 use super::sharded::{slice_norm, step_slice, views_by_name, Shard, KEYS};
 use super::{Axis, ParamShards, Parts, Placement, ShardTaker};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use crate::optim::{GradPrep, Optimizer};
 use std::time::Duration;
@@ -82,7 +82,7 @@ impl<C: Collective> Placement<C> for ShardedParameters {
             .layout_of_units()
             .into_iter()
             .map(|(flat, _)| {
-                let c = crate::shard::slice(flat.len(), w, r);
+                let c = crate::comm::shard::slice(flat.len(), w, r);
                 flat.start + c.start..flat.start + c.end
             })
             .collect();

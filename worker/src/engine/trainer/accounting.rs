@@ -1,6 +1,6 @@
 //! The trainer's accounting: a sync step's outcome committed to the trainer state and reported.
 
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::engine::{Engine, StepReport, Timing};
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ pub(in crate::engine) struct SyncOutcome {
     pub skip_reason: Option<&'static str>,
     /// fp16: the step overflowed (the loss scale backs off).
     pub overflow: bool,
-    pub scaler: Option<crate::amp::LossScale>,
+    pub scaler: Option<crate::cuda::amp::LossScale>,
     pub lr: f64,
     pub comm: Duration,
     pub clip: Duration,

@@ -1,7 +1,7 @@
 //! The trainer's checkpoints: the committed state written by rank 0 (every rank gathers what it owns; pipeline stages write their own parts).
 
 use crate::checkpoint;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::engine::Engine;
 use crate::error::Result;
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! Evaluation on the held-out split: the objective's metrics summed over
 //! its batches.
 
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::engine::{Engine, EvalReport};
 use crate::error::Result;
 use crate::objective::EvalSums;

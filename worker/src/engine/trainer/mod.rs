@@ -23,7 +23,7 @@ pub use step_schedule::{AccumulateThenSync, Op, StepSchedule};
 
 use super::verdict;
 use super::{Engine, Event, StepReport, Summary};
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{Error, Result};
 
 impl<C: Collective> Engine<C> {
@@ -195,16 +195,16 @@ impl<'e, C: Collective> Trainer<'e, C> {
 /// records, whether it has been written, and the step this run started at.
 #[derive(Default)]
 pub(super) struct Profiling {
-    session: Option<crate::profiler::Session>,
+    session: Option<crate::cuda::profiler::Session>,
     finished: bool,
     from: u64,
 }
 
 impl<C: Collective> Engine<C> {
-    /// Starts or stops the profiler as [`crate::profiler::decide`] says,
+    /// Starts or stops the profiler as [`crate::cuda::profiler::decide`] says,
     /// between windows; `done`: the run loop has ended.
     fn profile_tick(&mut self, p: &mut Profiling, done: bool) -> Result<()> {
-        use crate::profiler::{decide, Act, Session};
+        use crate::cuda::profiler::{decide, Act, Session};
         let Some(spec) = &self.opts.profile else {
             return Ok(());
         };

@@ -10,7 +10,7 @@
 //! its own [`Op`]s; the engine runs them one by one
 //! ([`crate::engine::Engine::micro_step`]).
 
-use crate::sampler::WindowPlan;
+use crate::source::sampler::WindowPlan;
 use std::collections::VecDeque;
 
 /// One operation of a window.

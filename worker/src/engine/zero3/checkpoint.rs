@@ -2,7 +2,7 @@
 //! rank its run of the units), and ZeRO 1 and 2's (rank 0 the parameters,
 //! every rank its run's optimizer state), never whole on one rank.
 
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::engine::Engine;
 use crate::error::{Error, Result, TorchContext};
 use tch::Tensor;

@@ -13,7 +13,7 @@ pub(super) use build::{build, by_unit, check, shards};
 
 use super::recompute::Recompute;
 use super::Engine;
-use crate::collective::Collective;
+use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use crate::family::model::{Model, WeightsFrom};
 use std::ops::Range;

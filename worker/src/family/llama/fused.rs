@@ -1,6 +1,6 @@
 //! The Llama's faster CUDA path (docs/SEMANTICS.md, "On CUDA"): one
 //! product for q/k/v and one for gate/up, and under autocast the fused
-//! operations of crate::fused_ops (their CUDA kernels, or their ATen
+//! operations of crate::cuda::fused_ops (their CUDA kernels, or their ATen
 //! reference); the training forward through them.
 
 use super::{Layer, Linear, Net};
@@ -20,7 +20,7 @@ impl Net {
     /// The autocast type when this forward takes the fused operations.
     pub(super) fn fused_kind(&self, device: Device) -> Option<Kind> {
         if self.fused_ops {
-            crate::amp::Autocast::kind(device)
+            crate::cuda::amp::Autocast::kind(device)
         } else {
             None
         }
@@ -62,18 +62,19 @@ impl Net {
                 .unwrap_or(&self.norm)
         };
         let first = norm_after(0);
-        let mut x = crate::fused_ops::rms_norm_cast(&h, &first.weight, first.eps, kind, k)?;
+        let mut x = crate::cuda::fused_ops::rms_norm_cast(&h, &first.weight, first.eps, kind, k)?;
         for (i, l) in self.layers.iter().enumerate() {
             let (w, b) = concat(&[(&l.q, None), (&l.k, None), (&l.v, None)], cast)?;
             let y = x.f_linear(&w, b.as_ref())?;
-            let qkv = crate::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
+            let qkv =
+                crate::cuda::fused_ops::rope_qkv(&y, &cos, &sin, self.heads, self.kv_heads, k)?;
             let a = self.attend(l, &qkv, n, t, None)?;
             let post = &l.post_norm;
-            (h, x) = crate::fused_ops::add_rms_norm_cast(&h, &a, &post.weight, post.eps, k)?;
+            (h, x) = crate::cuda::fused_ops::add_rms_norm_cast(&h, &a, &post.weight, post.eps, k)?;
             let (w, b) = concat(&[(&l.gate, None), (&l.up, None)], cast)?;
-            let m = crate::fused_ops::swiglu(&x.f_linear(&w, b.as_ref())?, k)?;
+            let m = crate::cuda::fused_ops::swiglu(&x.f_linear(&w, b.as_ref())?, k)?;
             let next = norm_after(i + 1);
-            (h, x) = crate::fused_ops::add_rms_norm_cast(
+            (h, x) = crate::cuda::fused_ops::add_rms_norm_cast(
                 &h,
                 &l.down.forward(&m)?,
                 &next.weight,

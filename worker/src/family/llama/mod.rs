@@ -276,7 +276,7 @@ pub struct Net {
     /// Tensor parallelism (tensor.rs): None at T = 1.
     tp: Option<tensor::Tp>,
     /// Under autocast, the norms, RoPE and SwiGLU of the training forward
-    /// through crate::fused_ops (with the fused projections), and with
+    /// through crate::cuda::fused_ops (with the fused projections), and with
     /// `kernels` their CUDA kernels: on CUDA in a build that has them,
     /// unless `ACCRUE_FUSED_KERNELS=0` (docs/OPERATIONS.md).
     fused_ops: bool,
@@ -367,7 +367,7 @@ impl Net {
             vocab: c.vocab_size,
             tp: None,
             fused_ops: root.device().is_cuda() && d % 2 == 0,
-            kernels: crate::fused_ops::use_kernels(root.device()),
+            kernels: crate::cuda::fused_ops::use_kernels(root.device()),
         })
     }
 

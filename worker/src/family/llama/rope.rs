@@ -30,7 +30,7 @@ impl Net {
         // autocast takes the fused operations instead (rope_qkv).
         let complex = h.kind() == Kind::Float
             && self.head_dim % 2 == 0
-            && !crate::amp::Autocast::is_enabled(device);
+            && !crate::cuda::amp::Autocast::is_enabled(device);
         if complex {
             // [T, 1, d/2] (broadcast over rows before) or [N, T, 1, d/2],
             // broadcast over heads.

@@ -22,7 +22,7 @@ use tch::{Kind, TchError, Tensor};
 pub(super) fn vocab_ranges(vocab: i64, t: i64) -> Vec<(i64, i64)> {
     (0..t)
         .map(|r| {
-            let s = crate::shard::slice(vocab as usize, t as usize, r as usize);
+            let s = crate::comm::shard::slice(vocab as usize, t as usize, r as usize);
             (s.start as i64, s.end as i64)
         })
         .collect()

@@ -2,7 +2,7 @@
 //! the CPU.
 
 use super::*;
-use crate::amp::Autocast;
+use crate::cuda::amp::Autocast;
 use crate::spec::Precision;
 
 fn config(kv_heads: i64, bias: bool) -> LlamaConfig {
