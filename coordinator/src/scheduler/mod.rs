@@ -37,6 +37,8 @@ mod recovery_tests;
 mod reports;
 pub use reports::{coords_of, model_dims};
 #[cfg(test)]
+mod reports_tests;
+#[cfg(test)]
 mod resume_tests;
 #[cfg(test)]
 mod spec_tests;
