@@ -33,6 +33,7 @@ pub mod grads;
 pub mod objective;
 pub mod optim;
 mod ring_buckets;
+pub(crate) mod shim;
 pub mod sample;
 pub mod source;
 pub mod storage;

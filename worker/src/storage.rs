@@ -3,7 +3,7 @@
 //! by resizing their one storage to 0 bytes, and resizes it back before
 //! refilling it (engine/placement/params.rs).
 
-use crate::cuda::fused_ops::{call, handle};
+use crate::shim::{call, handle};
 use std::ffi::{c_char, c_void};
 use tch::{TchError, Tensor};
 

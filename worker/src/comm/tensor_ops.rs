@@ -16,7 +16,7 @@
 //! The group of a generation changes when the mesh re-forms; the model
 //! reaches the current one through a [`TensorGroupCell`] the engine sets.
 
-use crate::cuda::fused_ops::{handle, one};
+use crate::shim::{handle, one};
 use std::ffi::{c_char, c_void};
 use std::sync::{Arc, Mutex};
 use tch::{TchError, Tensor};
@@ -147,7 +147,7 @@ impl TensorGroup {
             Reduce::Sum => 0,
             Reduce::Max => 1,
         };
-        crate::cuda::fused_ops::call(|err, len| unsafe {
+        crate::shim::call(|err, len| unsafe {
             accrue_tp_all_reduce(self.ptr, handle(t), op, err, len)
         })
     }

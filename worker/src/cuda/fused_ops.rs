@@ -17,7 +17,8 @@
 //!   or fp16 logits as transformers computes it on `logits.float()`,
 //!   without the fp32 logits (their gradient comes back in their type).
 
-use std::ffi::{c_char, c_void, CStr};
+use crate::shim::{call, handle, one, owned};
+use std::ffi::{c_char, c_void};
 use tch::{Kind, TchError, Tensor};
 
 extern "C" {
@@ -88,45 +89,6 @@ pub fn use_kernels(device: tch::Device) -> bool {
     let off =
         *SWITCHED_OFF.get_or_init(|| std::env::var("ACCRUE_FUSED_KERNELS").as_deref() == Ok("0"));
     device.is_cuda() && kernels_built() && !off
-}
-
-/// A tensor's handle as the shim takes it (`at::Tensor*`).
-pub(crate) fn handle(t: &Tensor) -> *mut c_void {
-    t.as_ptr() as *mut c_void
-}
-
-/// Calls a shim function with an error buffer: Err carries the first
-/// line of libtorch's message.
-pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), TchError> {
-    let mut buf = [0 as c_char; 1024];
-    if f(buf.as_mut_ptr(), buf.len()) == 0 {
-        return Ok(());
-    }
-    // SAFETY: the buffer starts zeroed and the shim NUL-terminates what it
-    // writes into it.
-    let text = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy();
-    Err(TchError::Torch(
-        text.lines().next().unwrap_or_default().to_string(),
-    ))
-}
-
-/// Calls a shim function that makes one tensor.
-pub(crate) fn one(
-    f: impl FnOnce(*mut *mut c_void, *mut c_char, usize) -> i32,
-) -> Result<Tensor, TchError> {
-    let mut out = std::ptr::null_mut();
-    call(|err, len| f(&mut out, err, len))?;
-    // SAFETY: on success the shim set `out` to a new handle.
-    Ok(unsafe { owned(out) })
-}
-
-/// Takes ownership of a tensor handle the shim made.
-///
-/// # Safety
-/// `p` is a live `at::Tensor*` allocated by the shim with `new`, owned by
-/// nobody else.
-unsafe fn owned(p: *mut c_void) -> Tensor {
-    Tensor::from_ptr(p.cast())
 }
 
 /// c10::ScalarType's number of an autocast type (as amp.rs maps it).

@@ -19,7 +19,7 @@
 
 use super::rule::{EXP_AVG, EXP_AVG_SQ};
 use super::{MaskedCoefs, Optimizer, Rule};
-use crate::cuda::fused_ops::handle;
+use crate::shim::handle;
 use crate::error::{Error, InPlace, Result, TorchContext};
 use std::ffi::{c_char, c_void};
 use tch::{Kind, Tensor};
@@ -193,7 +193,7 @@ impl Optimizer {
         // for the length of the call; the four lists have the same length
         // n; the shim catches every C++ exception and writes at most `len`
         // bytes, NUL-terminated, into `err`.
-        crate::cuda::fused_ops::call(|err, len| unsafe {
+        crate::shim::call(|err, len| unsafe {
             accrue_fused_adam(
                 lists[0].as_ptr(),
                 lists[1].as_ptr(),
