@@ -18,7 +18,7 @@
 //! N.
 
 use super::recompute::Recompute;
-use super::trainer::pipeline::{stage_ops, PipeOp, PipeSchedule};
+use super::trainer::pipeline::{rank_ops, Layout, PipeOp, PipeSchedule};
 use super::trainer::Op;
 use super::{Engine, StepReport};
 use crate::comm::collective::Collective;
@@ -118,7 +118,8 @@ impl<C: Collective> Engine<C> {
         // The blocks in segments: activation checkpointing, or ZeRO-3.
         let segmented = self.stage_recompute(&pipe);
         let zero3 = segmented.as_ref().filter(|_| self.spec.sharding.stage == 3);
-        let ops = stage_ops(pipe.schedule, pipe.stage, pipe.stages, micros.len());
+        let layout = Layout::new(pipe.stages, 1);
+        let ops = rank_ops(pipe.schedule, &layout, pipe.stage, micros.len());
         let mut flight: Vec<Option<InFlight>> = (0..micros.len()).map(|_| None).collect();
         let mut sends: Vec<Posted> = Vec::new();
         let (mut bubble, mut transfer) = (Duration::ZERO, Duration::ZERO);
@@ -131,7 +132,7 @@ impl<C: Collective> Engine<C> {
         let packed = self.spec.data.pack;
         for op in ops {
             match op {
-                PipeOp::Forward { micro } => {
+                PipeOp::Forward { micro, .. } => {
                     let (a, b) = self.plan.micro_batch_range(micros[micro]);
                     if b == a {
                         // ZeRO-3: the stage's other data ranks gather
@@ -269,7 +270,7 @@ impl<C: Collective> Engine<C> {
                         std::thread::sleep(d);
                     }
                 }
-                PipeOp::Backward { micro } => {
+                PipeOp::Backward { micro, .. } => {
                     let f = flight[micro].take();
                     // ZeRO-3: an empty micro-batch's share of its stage's
                     // backward collectives (the last stage's ran above).
@@ -325,6 +326,8 @@ impl<C: Collective> Engine<C> {
                         }
                     }
                 }
+                // (The transfers run inside the forwards and backwards.)
+                _ => {}
             }
         }
         let t = Instant::now();
