@@ -562,4 +562,6 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
 }
 
 #[cfg(test)]
+mod drift_tests;
+#[cfg(test)]
 mod tests;

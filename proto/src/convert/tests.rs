@@ -346,7 +346,7 @@ fn model_and_data() -> impl Strategy<Value = (ModelSpec, DataSpec)> {
 }
 
 /// A valid spec, every field and kind drawn.
-fn spec() -> impl Strategy<Value = JobSpec> {
+pub(super) fn spec() -> impl Strategy<Value = JobSpec> {
     let top = (
         "[a-z0-9]([a-z0-9._-]{0,20}[a-z0-9])?",
         1u32..8,
