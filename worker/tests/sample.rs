@@ -13,7 +13,7 @@
 use accrue_worker::checkpoint::{self, owner::Owner, TrainerState, WriteOptions};
 use accrue_worker::family::llama::{KvCache, Net};
 use accrue_worker::sample::{load_tokenizer, read_step_files, GenerateOptions, LoadedModel, Stop};
-use accrue_worker::spec::{DecoderArch, LlamaConfig};
+use accrue_worker::spec::{DecoderArch, LlamaConfig, ModelKind};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use tch::{nn, Device, Kind, Tensor};
@@ -283,6 +283,11 @@ fn python() -> PathBuf {
     p
 }
 
+/// The registry's decoder of `kind`.
+fn decoder(kind: ModelKind) -> DecoderArch {
+    DecoderArch::of_kind(kind).unwrap()
+}
+
 #[test]
 fn greedy_continuation_equals_transformers_generate() {
     tch::set_num_threads(1);
@@ -291,11 +296,11 @@ fn greedy_continuation_equals_transformers_generate() {
     // Qwen2 and Mistral (issue 39): a window of 5 positions, shorter than
     // the 29 the generation reaches, so the cache's mask matters.
     let qwen2 = LlamaConfig {
-        arch: DecoderArch::Qwen2,
+        arch: decoder(ModelKind::Qwen2),
         ..config(2, false, false)
     };
     let mistral = LlamaConfig {
-        arch: DecoderArch::Mistral,
+        arch: decoder(ModelKind::Mistral),
         sliding_window: Some(5),
         ..config(2, false, false)
     };

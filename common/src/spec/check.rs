@@ -429,8 +429,9 @@ impl JobSpec {
                 "model.kind",
                 self.model.kind.as_str(),
                 format!(
-                    "data.kind = {} needs model.kind = llama, qwen2 or mistral",
-                    d.kind
+                    "data.kind = {} needs model.kind = {}",
+                    d.kind,
+                    super::family::any_decoder()
                 ),
             );
         }
@@ -477,7 +478,8 @@ impl JobSpec {
                 "performance.activation_checkpointing",
                 "full",
                 format!(
-                    "model.kind = {kind} has no blocks to recompute; the families that do: llama, qwen2, mistral, mlp"
+                    "model.kind = {kind} has no blocks to recompute; the families that do: {}",
+                    super::family::decoders_and(&[ModelKind::Mlp])
                 ),
             );
         }

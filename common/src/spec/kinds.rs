@@ -350,15 +350,3 @@ pub fn merge_kind_errors(
         Err(SpecErrors(errors))
     }
 }
-
-impl ModelKind {
-    /// Whether it is a decoder-only language model (the Llama layout and
-    /// the families that extend it): trained on token data, its classes
-    /// the vocabulary.
-    pub fn is_decoder(self) -> bool {
-        matches!(
-            self,
-            ModelKind::Llama | ModelKind::Qwen2 | ModelKind::Mistral
-        )
-    }
-}

@@ -14,7 +14,10 @@ mod parallel;
 mod paths;
 mod pipeline_check;
 pub use check::{shown, Checker, MAX_SHOWN_CHARS};
-pub use family::{DecoderArch, FamilyFields, FieldSet, LlamaConfig, LlamaSpec, RopeScaling};
+pub use family::{
+    decoder_kinds, Decoder, DecoderArch, FamilyFields, FieldSet, LlamaConfig, LlamaSpec,
+    RopeScaling, Window,
+};
 pub use kinds::*;
 pub use load::LoadError;
 pub use memory::{host_memory_bytes, MemoryEstimate, GIB};

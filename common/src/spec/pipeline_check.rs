@@ -55,7 +55,8 @@ impl JobSpec {
                 stages,
                 format!(
                     "model.kind = {kind} does not run in pipeline stages; the families that do: \
-                     llama, qwen2, mistral, mlp"
+                     {}",
+                    super::family::decoders_and(&[ModelKind::Mlp])
                 ),
             );
             None
@@ -113,7 +114,8 @@ impl JobSpec {
                 t,
                 format!(
                     "model.kind = {kind} has no tensor-parallel forward; the families that do: \
-                     llama, qwen2, mistral"
+                     {}",
+                    super::family::decoders_and(&[])
                 ),
             );
             return;

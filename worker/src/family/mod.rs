@@ -200,11 +200,15 @@ pub trait Family: Sync {
     /// without a tensor-parallel forward refuse (the spec's check names
     /// those that have one).
     fn tensor_layout(&self, spec: &ModelSpec, t: usize) -> Result<Vec<(String, tensor::TpSlice)>> {
+        let have: Vec<&str> = crate::spec::decoder_kinds()
+            .into_iter()
+            .map(ModelKind::as_str)
+            .collect();
         Err(Error::ModelInput {
             model: spec.kind.to_string(),
             reason: format!(
-                "has no tensor-parallel forward (parallel.tensor = {t}); llama, qwen2 and \
-                 mistral have one"
+                "has no tensor-parallel forward (parallel.tensor = {t}); the decoders have one: {}",
+                have.join(", ")
             ),
         })
     }
@@ -260,16 +264,7 @@ mod tests {
 
     #[test]
     fn every_kind_has_exactly_one_family() {
-        for kind in [
-            ModelKind::Mlp,
-            ModelKind::Lenet5,
-            ModelKind::Resnet18,
-            ModelKind::Resnet34,
-            ModelKind::Torchscript,
-            ModelKind::Llama,
-            ModelKind::Qwen2,
-            ModelKind::Mistral,
-        ] {
+        for &kind in ModelKind::ALL {
             let n = FAMILIES
                 .iter()
                 .filter(|f| f.kinds().contains(&kind))

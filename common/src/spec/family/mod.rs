@@ -24,7 +24,7 @@ mod torchscript;
 
 use super::{Checker, DataSpec, ModelKind, ModelSpec, SpecErrors};
 pub use fields::FieldSet;
-pub use llama::{DecoderArch, LlamaConfig, LlamaSpec, RopeScaling};
+pub use llama::{Decoder, DecoderArch, LlamaConfig, LlamaSpec, RopeScaling, Window};
 use serde::de::MapAccess;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -142,6 +142,12 @@ pub(super) trait ModelFamily: Sync {
     /// The spec kinds it builds.
     fn kinds(&self) -> &'static [ModelKind];
 
+    /// A decoder-only language model on the Llama layout: its
+    /// transformers names and rules (None: not one).
+    fn decoder(&self) -> Option<&'static Decoder> {
+        None
+    }
+
     /// The field sets of [`FamilyFields`] it reads (its own, and those of
     /// a family it extends); a field of another set is refused.
     fn field_sets(&self) -> &'static [&'static str] {
@@ -198,6 +204,45 @@ pub(super) fn family(kind: ModelKind) -> &'static dyn ModelFamily {
         .copied()
         .find(|f| f.kinds().contains(&kind))
         .unwrap_or_else(|| unreachable!("model kind {kind} has no family in the registry"))
+}
+
+/// Every decoder family's [`Decoder`], in the registry's order.
+pub(in crate::spec) fn decoders() -> impl Iterator<Item = &'static Decoder> {
+    FAMILIES.iter().filter_map(|f| f.decoder())
+}
+
+/// The kinds of the decoder families, in the registry's order, for
+/// messages ("the families that do: llama, qwen2, ...").
+pub fn decoder_kinds() -> Vec<ModelKind> {
+    decoders().map(|d| d.kind).collect()
+}
+
+impl ModelKind {
+    /// Whether it is a decoder-only language model (the Llama layout and
+    /// the families that extend it): trained on token data, its classes
+    /// the vocabulary. The family registry says.
+    pub fn is_decoder(self) -> bool {
+        family(self).decoder().is_some()
+    }
+}
+
+/// The decoder kinds and `more`, for messages: "llama, qwen2, mistral, mlp".
+pub(in crate::spec) fn decoders_and(more: &[ModelKind]) -> String {
+    let names: Vec<&str> = decoder_kinds()
+        .into_iter()
+        .chain(more.iter().copied())
+        .map(ModelKind::as_str)
+        .collect();
+    names.join(", ")
+}
+
+/// The decoder kinds as alternatives, for messages: "llama, qwen2 or mistral".
+pub(in crate::spec) fn any_decoder() -> String {
+    let names: Vec<&str> = decoder_kinds().into_iter().map(ModelKind::as_str).collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => names.join(""),
+    }
 }
 
 /// Refuses the fields of a set that the family of `model.kind` does not

@@ -10,7 +10,7 @@ impl Net {
     /// Turns the fused operations under autocast on or off, and their CUDA
     /// kernels (tests compare them with transformers' op chains).
     pub fn set_fused_ops(&mut self, on: bool, kernels: bool) {
-        self.fused_ops = on && self.head_dim % 2 == 0;
+        self.fused_ops = on && self.head_dim % 2 == 0 && !self.qk_norm;
         self.kernels = on && kernels;
         if on {
             self.fuse_projections = true;

@@ -75,6 +75,10 @@ impl Linear {
 pub(super) struct RmsNorm {
     pub(super) weight: Tensor,
     pub(super) eps: f64,
+    /// Tensor parallelism: a norm over each rank's own heads (Qwen3's q
+    /// and k norms), whose weight is replicated and its gradient summed
+    /// over the group (`f` on the weight; tensor.rs).
+    pub(super) partial: Option<crate::comm::tensor_ops::TensorGroupCell>,
 }
 
 impl RmsNorm {
@@ -83,7 +87,11 @@ impl RmsNorm {
             .f_var("weight", &[width], Init::Const(1.0))
             .ctx("creating the llama parameters")?;
         made(&p.path("weight"), &weight)?;
-        Ok(Self { weight, eps })
+        Ok(Self {
+            weight,
+            eps,
+            partial: None,
+        })
     }
 
     /// `weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`.
@@ -97,10 +105,14 @@ impl RmsNorm {
     /// result is float32 where the fused op's would be `x`'s type.
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let kind = x.kind();
-        if kind == Kind::Float && self.weight.kind() == Kind::Float {
-            let width = self.weight.size();
+        let weight = match &self.partial {
+            Some(g) => g.get()?.copy(&self.weight)?,
+            None => self.weight.shallow_clone(),
+        };
+        if kind == Kind::Float && weight.kind() == Kind::Float {
+            let width = weight.size();
             return Ok(x
-                .f_internal_fused_rms_norm(width.as_slice(), Some(&self.weight), self.eps)?
+                .f_internal_fused_rms_norm(width.as_slice(), Some(&weight), self.eps)?
                 .0);
         }
         let x32 = x.f_to_kind(Kind::Float)?;
@@ -108,7 +120,7 @@ impl RmsNorm {
             x32.f_pow_tensor_scalar(2)?
                 .f_mean_dim(Some([-1i64].as_slice()), true, None::<Kind>)?;
         let normed = x32.f_mul(&variance.f_add_scalar(self.eps)?.f_rsqrt()?)?;
-        self.weight.f_mul(&normed.f_to_kind(kind)?)
+        weight.f_mul(&normed.f_to_kind(kind)?)
     }
 }
 
@@ -118,6 +130,9 @@ pub(super) struct Layer {
     pub(super) k: Linear,
     pub(super) v: Linear,
     pub(super) o: Linear,
+    /// Qwen3's RMSNorms over each head of q and of k (None: Llama's).
+    pub(super) q_norm: Option<RmsNorm>,
+    pub(super) k_norm: Option<RmsNorm>,
     pub(super) gate: Linear,
     pub(super) up: Linear,
     pub(super) down: Linear,

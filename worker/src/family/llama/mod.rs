@@ -263,6 +263,10 @@ pub struct Net {
     scale: f64,
     /// Mistral's attention window (None: every earlier position).
     sliding_window: Option<i64>,
+    /// Qwen3's per-head norms on q and k: RoPE then takes its real form
+    /// (the norm reads each head's width in transformers' order) and the
+    /// fused CUDA operations stay off (their q/k/v kernel has no norm).
+    qk_norm: bool,
     /// One matrix product for q, k and v and one for gate and up (their
     /// weights concatenated each forward) instead of five: on CUDA, where
     /// under autocast it also casts each norm's output to bf16 once
@@ -315,6 +319,15 @@ impl Net {
                     k: Linear::new(&attn / "k_proj", h, kv, qkv_b, normal)?,
                     v: Linear::new(&attn / "v_proj", h, kv, qkv_b, normal)?,
                     o: Linear::new(&attn / "o_proj", c.num_attention_heads * d, h, o_b, normal)?,
+                    // Qwen3: an RMSNorm over each head's width on q and k.
+                    q_norm: c
+                        .qk_norm()
+                        .then(|| RmsNorm::new(&attn / "q_norm", d, c.rms_norm_eps))
+                        .transpose()?,
+                    k_norm: c
+                        .qk_norm()
+                        .then(|| RmsNorm::new(&attn / "k_norm", d, c.rms_norm_eps))
+                        .transpose()?,
                     gate: Linear::new(
                         &mlp / "gate_proj",
                         h,
@@ -363,10 +376,11 @@ impl Net {
             head_dim: d,
             scale: (d as f64).powf(-0.5),
             sliding_window: c.sliding_window,
+            qk_norm: c.qk_norm(),
             fuse_projections: root.device().is_cuda(),
             vocab: c.vocab_size,
             tp: None,
-            fused_ops: root.device().is_cuda() && d % 2 == 0,
+            fused_ops: root.device().is_cuda() && d % 2 == 0 && !c.qk_norm(),
             kernels: crate::cuda::fused_ops::use_kernels(root.device()),
         })
     }
@@ -376,14 +390,21 @@ impl Net {
     fn qkv(&self, l: &Layer, x: &Tensor, rope: &Rope) -> Result<[Tensor; 3], TchError> {
         let (n, t, _) = x.size3()?;
         let d = self.head_dim;
-        let split =
-            |y: Tensor| -> Result<Tensor, TchError> { y.f_view([n, t, -1, d])?.f_transpose(1, 2) };
+        // Into heads `[N, heads, T, D]`, through the head's norm first
+        // when it has one (Qwen3's, on `[N, T, heads, D]` as transformers).
+        let split = |y: Tensor, norm: Option<&RmsNorm>| -> Result<Tensor, TchError> {
+            let y = y.f_view([n, t, -1, d])?;
+            match norm {
+                Some(norm) => norm.forward(&y)?.f_transpose(1, 2),
+                None => y.f_transpose(1, 2),
+            }
+        };
         match rope {
             Rope::Real { cos, sin } => {
                 let [q, k, v] = self.project_qkv(l, x, None)?;
-                let q = rotate(&split(q)?, cos, sin)?;
-                let k = rotate(&split(k)?, cos, sin)?;
-                Ok([q, k, split(v)?])
+                let q = rotate(&split(q, l.q_norm.as_ref())?, cos, sin)?;
+                let k = rotate(&split(k, l.k_norm.as_ref())?, cos, sin)?;
+                Ok([q, k, split(v, None)?])
             }
             Rope::Complex { rotation } => {
                 let turn = |y: Tensor| -> Result<Tensor, TchError> {
@@ -395,7 +416,7 @@ impl Net {
                         .f_transpose(1, 2)
                 };
                 let [q, k, v] = self.project_qkv(l, x, Some((&self.q_rows, &self.k_rows)))?;
-                Ok([turn(q)?, turn(k)?, split(v)?])
+                Ok([turn(q)?, turn(k)?, split(v, None)?])
             }
         }
     }

@@ -21,6 +21,8 @@ const MLP: [(&str, Split); 3] = [
     ("down_proj", Split::Row),
 ];
 const NORMS: [&str; 2] = ["input_layernorm", "post_attention_layernorm"];
+/// Qwen3's per-head norms on q and k (after o_proj in its state_dict).
+const HEAD_NORMS: [&str; 2] = ["self_attn.q_norm", "self_attn.k_norm"];
 const EMBED: &str = "model.embed_tokens.weight";
 const NORM: &str = "model.norm.weight";
 const HEAD: &str = "lm_head.weight";
@@ -43,7 +45,10 @@ fn linears(at: &str, c: &LlamaConfig) -> Vec<(String, bool, Split)> {
 /// them (transformers' state_dict order).
 fn layer_params(at: &str, c: &LlamaConfig) -> Vec<String> {
     let mut params = Vec::new();
-    for (path, bias, _) in linears(at, c) {
+    for (i, (path, bias, _)) in linears(at, c).into_iter().enumerate() {
+        if i == ATTENTION.len() {
+            params.extend(head_norms(at, c));
+        }
         params.push(format!("{path}.weight"));
         if bias {
             params.push(format!("{path}.bias"));
@@ -51,6 +56,13 @@ fn layer_params(at: &str, c: &LlamaConfig) -> Vec<String> {
     }
     params.extend(NORMS.iter().map(|n| format!("{at}.{n}.weight")));
     params
+}
+
+/// The per-head norms' weights of decoder layer `at` (none without
+/// `qk_norm`).
+fn head_norms(at: &str, c: &LlamaConfig) -> Vec<String> {
+    let norms: &[&str] = if c.qk_norm() { &HEAD_NORMS } else { &[] };
+    norms.iter().map(|n| format!("{at}.{n}.weight")).collect()
 }
 
 /// The blocks in forward order: `embed`, `layers.0` ... `layers.{L-1}`,
@@ -98,10 +110,17 @@ pub fn parallel_plan(c: &LlamaConfig) -> ParallelPlan {
             splits.push((format!("{path}.bias"), bias_split));
         }
     }
+    // Norms replicated; the per-head ones' gradients are each rank's
+    // heads' and are summed over the group by the model (tensor.rs).
     splits.extend(
         NORMS
             .iter()
-            .map(|n| (format!("model.layers.*.{n}.weight"), Split::Replicated)),
+            .map(|n| (format!("model.layers.*.{n}.weight"), Split::Replicated))
+            .chain(
+                head_norms("model.layers.*", c)
+                    .into_iter()
+                    .map(|n| (n, Split::Replicated)),
+            ),
     );
     splits.push((NORM.into(), Split::Replicated));
     if !c.tie_word_embeddings {

@@ -28,8 +28,11 @@ impl Net {
         // backward, and the bf16 casts of the gradients turn a last-bit
         // difference into a bf16 one). On CUDA the training forward under
         // autocast takes the fused operations instead (rope_qkv).
+        // Qwen3's head norms read each head in transformers' order: the
+        // real form, whose rows are not permuted.
         let complex = h.kind() == Kind::Float
             && self.head_dim % 2 == 0
+            && !self.qk_norm
             && !crate::cuda::amp::Autocast::is_enabled(device);
         if complex {
             // [T, 1, d/2] (broadcast over rows before) or [N, T, 1, d/2],

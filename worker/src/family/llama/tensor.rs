@@ -195,6 +195,14 @@ impl Net {
                 l.v.shared = Some(shared.clone());
             }
         }
+        // Qwen3's head norms: replicated, each rank's gradient from its
+        // own heads only, so summed over the group (transformers'
+        // "replicated_with_grad_allreduce").
+        for l in &mut self.layers {
+            for norm in [&mut l.q_norm, &mut l.k_norm].into_iter().flatten() {
+                norm.partial = Some(place.group.clone());
+            }
+        }
         self.heads /= t;
         self.kv_heads = (self.kv_heads / t).max(1);
         let device = self.embed.device();

@@ -92,7 +92,7 @@ impl Fields {
                 bad(
                     "model_type",
                     v,
-                    "accrue builds \"llama\", \"qwen2\" and \"mistral\" models",
+                    &format!("accrue builds {} models", DecoderArch::model_types()),
                 );
             }
             a
@@ -307,17 +307,20 @@ impl LlamaConfig {
         });
         // What the families that extend Llama say their own way.
         let o = v.as_object_mut().expect("a JSON object literal");
-        match self.arch {
-            DecoderArch::Llama => {}
-            DecoderArch::Qwen2 => {
-                o.remove("attention_bias");
-                o.remove("mlp_bias");
+        let arch = self.arch;
+        if !arch.attention_bias {
+            o.remove("attention_bias");
+        }
+        if !arch.mlp_bias {
+            o.remove("mlp_bias");
+        }
+        match arch.window {
+            Window::None => {}
+            Window::Switch => {
                 o.insert("use_sliding_window".into(), false.into());
                 o.insert("max_window_layers".into(), self.num_hidden_layers.into());
             }
-            DecoderArch::Mistral => {
-                o.remove("attention_bias");
-                o.remove("mlp_bias");
+            Window::Sliding { .. } => {
                 o.insert("sliding_window".into(), self.sliding_window.into());
             }
         }

@@ -20,7 +20,8 @@ mod arch;
 mod hf;
 mod size;
 mod spec;
-pub use arch::{DecoderArch, RopeScaling};
+pub(super) use arch::LLAMA;
+pub use arch::{Decoder, DecoderArch, RopeScaling, Window};
 use hf::read_config;
 
 /// The largest hidden and intermediate width and position count a spec
@@ -38,11 +39,6 @@ pub const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
 pub const DEFAULT_MAX_POSITION_EMBEDDINGS: i64 = 2048;
 pub const DEFAULT_INITIALIZER_RANGE: f64 = 0.02;
-/// MistralConfig's defaults where a config leaves them out.
-pub const MISTRAL_DEFAULT_WINDOW: i64 = 4096;
-pub const MISTRAL_DEFAULT_KV_HEADS: i64 = 8;
-/// Qwen2Config's default key-value heads where a config leaves them out.
-pub const QWEN2_DEFAULT_KV_HEADS: i64 = 32;
 
 /// A llama model's configuration with every field filled.
 #[derive(Clone, Debug, PartialEq)]
@@ -314,12 +310,7 @@ impl Fields {
             // A config.json without the key: its class's default (Qwen2's
             // is 32, Mistral's 8, not the heads), as transformers reads it.
             // The spec's own fields default to the heads for every kind.
-            None if arch == DecoderArch::Mistral && self.source.is_some() => {
-                Some(MISTRAL_DEFAULT_KV_HEADS)
-            }
-            None if arch == DecoderArch::Qwen2 && self.source.is_some() => {
-                Some(QWEN2_DEFAULT_KV_HEADS)
-            }
+            None if self.source.is_some() && arch.file_kv_heads.is_some() => arch.file_kv_heads,
             None => heads,
             Some(kv) => int(c, "model.num_key_value_heads", Some(kv), 1, MAX_HEADS),
         };
@@ -334,7 +325,11 @@ impl Fields {
         // q_proj with num_attention_heads * head_dim rows, whatever the
         // hidden size: Mistral Nemo's 128 with 5120 / 32 = 160), else
         // hidden_size / num_attention_heads, which must then divide.
-        let explicit = self.head_dim.filter(|&d| match (hidden, heads) {
+        // A config.json without the key: its class's default (Qwen3's 128).
+        let head_dim = self
+            .head_dim
+            .or(arch.file_head_dim.filter(|_| self.source.is_some()));
+        let explicit = head_dim.filter(|&d| match (hidden, heads) {
             (Some(h), Some(n)) => h % n != 0 || d != h / n,
             _ => true,
         });
@@ -416,9 +411,9 @@ impl Fields {
             rope_scaling: self.rope_scaling.unwrap_or_default(),
             explicit_head_dim: explicit,
             arch,
-            sliding_window: match arch {
-                DecoderArch::Mistral => self.sliding_window.unwrap_or(Some(MISTRAL_DEFAULT_WINDOW)),
-                _ => None,
+            sliding_window: match arch.window {
+                Window::Sliding { default } => self.sliding_window.unwrap_or(Some(default)),
+                Window::None | Window::Switch => None,
             },
         })
     }
@@ -451,53 +446,6 @@ fn gather(m: &LlamaSpec, kind: ModelKind, read: bool, c: &mut Checker) -> Option
     }
     f.arch = Some(want);
     Some(f)
-}
-
-impl Fields {
-    /// What the decoder adds to Llama's rules (issue 39): false when one
-    /// failed.
-    fn arch_rules(&self, arch: DecoderArch, c: &mut Checker) -> bool {
-        let mut good = true;
-        let name = arch.model_type();
-        if arch != DecoderArch::Llama {
-            let why = match arch {
-                DecoderArch::Qwen2 => {
-                    "qwen2 has biases on q_proj, k_proj and v_proj always and \
-                                       none on o_proj or the MLP: leave it out"
-                }
-                _ => "mistral has no biases: leave it out",
-            };
-            for (field, v) in [
-                ("model.attention_bias", self.attention_bias),
-                ("model.mlp_bias", self.mlp_bias),
-            ] {
-                if v == Some(true) {
-                    c.fail(field, true, why);
-                    good = false;
-                }
-            }
-        }
-        if arch == DecoderArch::Qwen2 && self.use_sliding_window == Some(true) {
-            c.fail(
-                "model.config",
-                self.source.clone().unwrap_or_default(),
-                "use_sliding_window = true in the file: accrue's qwen2 has no sliding window \
-                 (its layer-by-layer window is not built); set it false",
-            );
-            good = false;
-        }
-        if let Some(Some(w)) = self.sliding_window.filter(|_| arch == DecoderArch::Mistral) {
-            if w < 1 {
-                c.fail(
-                    "model.config",
-                    self.source.clone().unwrap_or_default(),
-                    format!("sliding_window = {w} in the file: must be >= 1 or null ({name})"),
-                );
-                good = false;
-            }
-        }
-        good
-    }
 }
 
 impl LlamaConfig {
@@ -558,7 +506,12 @@ impl LlamaConfig {
     /// (transformers' `num_parameters()`).
     /// Whether q_proj, k_proj and v_proj have biases (Qwen2's always).
     pub fn qkv_bias(&self) -> bool {
-        self.attention_bias || self.arch == DecoderArch::Qwen2
+        self.attention_bias || self.arch.qkv_bias
+    }
+
+    /// Whether q and k have a per-head RMSNorm (Qwen3's).
+    pub fn qk_norm(&self) -> bool {
+        self.arch.qk_norm
     }
 }
 
@@ -567,6 +520,10 @@ pub(super) struct Llama;
 impl ModelFamily for Llama {
     fn kinds(&self) -> &'static [ModelKind] {
         &[ModelKind::Llama]
+    }
+
+    fn decoder(&self) -> Option<&'static Decoder> {
+        Some(&LLAMA)
     }
 
     fn field_sets(&self) -> &'static [&'static str] {
@@ -643,14 +600,19 @@ impl ModelFamily for Llama {
     }
 }
 
-/// A family that extends Llama (qwen2, mistral: their folders): Llama's
-/// fields (its field set), checks and size for its `kinds`; what differs
-/// is the config's [`DecoderArch`].
-pub(super) struct Extends(pub &'static [ModelKind]);
+/// A family that extends Llama (qwen2, mistral, qwen3: their folders):
+/// Llama's fields (its field set), checks and size for its decoder's kind;
+/// what differs is the [`Decoder`] it declares.
+pub(super) struct Extends(pub &'static Decoder);
 
 impl ModelFamily for Extends {
     fn kinds(&self) -> &'static [ModelKind] {
-        self.0
+        let d: &'static Decoder = self.0;
+        std::slice::from_ref(&d.kind)
+    }
+
+    fn decoder(&self) -> Option<&'static Decoder> {
+        Some(self.0)
     }
 
     fn field_sets(&self) -> &'static [&'static str] {

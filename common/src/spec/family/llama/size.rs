@@ -32,7 +32,16 @@ impl LlamaConfig {
         } else {
             0
         });
-        let layer = attention.saturating_add(mlp).saturating_add(m(2, h));
+        // Qwen3's per-head norms on q and k.
+        let head_norms = if self.qk_norm() {
+            m(2, u(self.head_dim()))
+        } else {
+            0
+        };
+        let layer = attention
+            .saturating_add(mlp)
+            .saturating_add(m(2, h))
+            .saturating_add(head_norms);
         let head = if self.tie_word_embeddings { 0 } else { m(v, h) };
         m(v, h)
             .saturating_add(m(u(self.num_hidden_layers), layer))

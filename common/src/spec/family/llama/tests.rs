@@ -709,7 +709,7 @@ fn the_kind_comes_from_the_config_when_left_out() {
     assert_eq!(s.model.kind, ModelKind::Mistral);
     assert_eq!(
         LlamaConfig::resolve(&s.model).unwrap().arch,
-        DecoderArch::Mistral
+        DecoderArch::of_kind(ModelKind::Mistral).unwrap()
     );
     // Where files are not read (a client submitting for the workers), the
     // kind must be given.
