@@ -191,6 +191,10 @@ spec_enum!(
         /// Every forward, then every backward.
         #[serde(rename = "gpipe")]
         GPipe = "gpipe",
+        /// Megatron's interleaved 1F1B: `stages_per_rank` model chunks per
+        /// rank, a smaller bubble for more transfers.
+        #[serde(rename = "interleaved_1f1b")]
+        Interleaved1F1B = "interleaved_1f1b",
     }
 );
 

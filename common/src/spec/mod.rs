@@ -98,6 +98,11 @@ pub struct ParallelSpec {
     /// (default 1f1b).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<PipelineSchedule>,
+    /// With `schedule = "interleaved_1f1b"`: V >= 2, the model chunks each
+    /// pipeline rank holds (the model cut into pipeline x V chunks; absent:
+    /// 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages_per_rank: Option<u32>,
     /// With pipeline > 1: each stage's count of pipeline units (a Llama's
     /// decoder layers, an mlp's layers), first to last; default: balanced
     /// by parameter count.

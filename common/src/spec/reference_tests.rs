@@ -528,7 +528,7 @@ fn the_probe_sees_the_spec_types() {
     assert_eq!(keys.leaves["model.hidden"], Kind::List);
     assert_eq!(
         keys.leaves["parallel.schedule"],
-        Kind::Enum(vec!["1f1b", "gpipe"])
+        Kind::Enum(vec!["1f1b", "gpipe", "interleaved_1f1b"])
     );
     assert!(!keys.leaves.contains_key("model"));
 }

@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 /// field the generator cannot draw gets its spec here.
 const EXTRA: &[&str] = &[
     "workers = 2\n[parallel]\npipeline = 2\nschedule = \"gpipe\"\nlayers_per_stage = [1, 3]",
+    "workers = 2\n[parallel]\npipeline = 2\nschedule = \"interleaved_1f1b\"\nstages_per_rank = 2",
     "workers = 2\n[parallel]\npipeline = 2\nbalance = \"compute\"\n[performance]\nactivation_checkpointing = \"full\"\ncheckpoint_every = 2",
 ];
 

@@ -93,6 +93,7 @@ kind_map!(CommBackend, CommBackend, {
 kind_map!(PipelineSchedule, PipelineSchedule, {
     OneFOneB <=> OneFOneB,
     GPipe <=> Gpipe,
+    Interleaved1F1B <=> Interleaved1f1b,
 });
 kind_map!(ActivationCheckpointing, ActivationCheckpointing, {
     None <=> None,
@@ -184,6 +185,7 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             pipeline: s.parallel.pipeline,
             tensor: s.parallel.tensor,
             schedule: s.parallel.schedule.map_or(0, |k| k.to_proto().into()),
+            stages_per_rank: s.parallel.stages_per_rank,
             layers_per_stage: s.parallel.layers_per_stage.clone().unwrap_or_default(),
             balance: s.parallel.balance.map_or(0, |k| k.to_proto().into()),
         }),
@@ -292,6 +294,7 @@ fn parallel_from_proto(q: &v1::ParallelSpec, e: &mut Vec<FieldError>) -> Paralle
                 e,
             )
         }),
+        stages_per_rank: q.stages_per_rank,
         layers_per_stage: (!q.layers_per_stage.is_empty()).then(|| q.layers_per_stage.clone()),
         balance: (q.balance != 0).then(|| {
             from_proto(

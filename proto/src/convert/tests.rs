@@ -479,6 +479,7 @@ pub(super) fn spec() -> impl Strategy<Value = JobSpec> {
                     pipeline: (seed % 3 == 1).then_some(1),
                     tensor: (seed % 5 == 1).then_some(1),
                     schedule: None,
+                    stages_per_rank: None,
                     layers_per_stage: None,
                     balance: None,
                 },
@@ -752,6 +753,29 @@ fn pipeline_fields_cross_the_wire() {
     super::parallel_from_proto(&bad, &mut errors);
     assert_eq!(errors.len(), 2);
     assert_eq!(errors[1].field, "parallel.balance", "{errors:?}");
+}
+
+/// `schedule = "interleaved_1f1b"` and its `stages_per_rank` cross the
+/// wire (absent stays absent).
+#[test]
+fn interleaved_schedule_crosses_the_wire() {
+    let toml = "name = \"p\"\nworkers = 2\n[model]\nkind = \"mlp\"\nhidden = [8, 8, 8]\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n[parallel]\npipeline = 2\nschedule = \"interleaved_1f1b\"\nstages_per_rank = 2\n";
+    let s = JobSpec::fields_from_toml_str(toml, std::path::Path::new("t.toml")).unwrap();
+    assert_eq!(s.parallel.stages_per_rank, Some(2));
+    let p = spec_to_proto(&s).parallel.unwrap();
+    assert_eq!(p.schedule, v1::PipelineSchedule::Interleaved1f1b as i32);
+    assert_eq!(p.stages_per_rank, Some(2));
+    let mut errors = Vec::new();
+    assert_eq!(super::parallel_from_proto(&p, &mut errors), s.parallel);
+    let unset = v1::ParallelSpec {
+        stages_per_rank: None,
+        ..p
+    };
+    assert_eq!(
+        super::parallel_from_proto(&unset, &mut errors).stages_per_rank,
+        None
+    );
+    assert!(errors.is_empty(), "{errors:?}");
 }
 
 /// Issue 41: `[performance] activation_checkpointing` and

@@ -136,6 +136,12 @@ pub(in crate::engine) fn plan(
     let schedule = match spec.parallel.schedule.unwrap_or_default() {
         crate::spec::PipelineSchedule::OneFOneB => PipeSchedule::OneFOneB,
         crate::spec::PipelineSchedule::GPipe => PipeSchedule::GPipe,
+        crate::spec::PipelineSchedule::Interleaved1F1B => {
+            return Err(crate::error::Error::Schedule(
+                "parallel.schedule = \"interleaved_1f1b\": this worker runs 1f1b and gpipe only"
+                    .into(),
+            ))
+        }
     };
     Ok((
         Pipe {
