@@ -89,7 +89,10 @@ lr = nan
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     for needle in [
-        "model.kind = \"transformer\": must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral",
+        &*format!(
+            "model.kind = \"transformer\": {}",
+            <accrue_worker::spec::ModelKind as accrue_worker::spec::SpecEnum>::allowed()
+        ),
         "data.batch_size = 0: must be an integer in 1..=1048576",
         "accumulation.steps = 0: must be an integer in 1..=65536",
         "clipping.max_norm = -1.0: must be a finite number > 0",

@@ -107,7 +107,7 @@ fn unknown_and_unspecified_kinds() {
     assert_eq!(
         shown,
         vec![
-            "model.kind = 99: must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral",
+            &*format!("model.kind = 99: {}", ModelKind::allowed()),
             "data.kind = -1: must be one of mnist, cifar10, tensors, synthetic, sequences, tokens",
             "accumulation.normalize = 7: must be one of global_count, mean, sum",
             "accumulation.sync = 8: must be one of boundary, every_step",
@@ -143,7 +143,7 @@ fn unknown_and_unspecified_kinds() {
     assert_eq!(
         shown,
         vec![
-            "model.kind = (unspecified): must be one of mlp, lenet5, resnet18, resnet34, torchscript, llama, qwen2, mistral",
+            &*format!("model.kind = (unspecified): {}", ModelKind::allowed()),
             "data.kind = (unspecified): must be one of mnist, cifar10, tensors, synthetic, sequences, tokens",
             "optimizer.kind = (unspecified): must be one of sgd, adam, adamw",
         ]
