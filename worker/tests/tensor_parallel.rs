@@ -9,10 +9,10 @@
 
 mod common;
 
-use accrue_worker::comm::mesh::{Backend, Mesh, MeshConfig};
+use accrue_worker::comm::mesh::{Mesh, MeshConfig};
 use accrue_worker::family::model::{Model, WeightsFrom};
 use accrue_worker::family::tensor::TensorPlace;
-use accrue_worker::spec::{Axis, ParallelDims};
+use accrue_worker::spec::{Axis, CommBackend, ParallelDims};
 use common::lm_ddp;
 use common::procs::Torchrun;
 use common::*;
@@ -305,7 +305,7 @@ fn tp_logits(job: &str, step_dir: &Path, ids: &Tensor, t: usize) -> Vec<Tensor> 
                 pipeline: 1,
                 tensor: t as u32,
             },
-            backend: Backend::Auto,
+            backend: CommBackend::Auto,
             cuda: None,
             shared_gpu: false,
             host: "127.0.0.1".into(),

@@ -12,10 +12,10 @@
 //!   stdout `LISTEN2 <addr>`, stdin `<rank> <addr>,...` (the next generation)
 //!   stdout `REFORMED <sum>`
 use accrue_worker::comm::group::{Group, ReduceOp, KINDS};
-use accrue_worker::comm::mesh::{Backend, Mesh, MeshConfig};
+use accrue_worker::comm::mesh::{Mesh, MeshConfig};
 use accrue_worker::comm::mesh_collective::MeshCollective;
 use accrue_worker::comm::{RingConfig, TcpRing};
-use accrue_worker::spec::{Axis, ParallelDims};
+use accrue_worker::spec::{Axis, CommBackend, ParallelDims};
 use accrue_worker::Collective;
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -82,7 +82,10 @@ fn form(
     cfg.timeout = Duration::from_secs_f64(cli.timeout_s);
     cfg.connect_timeout = Duration::from_secs(30);
     let ring = TcpRing::start(Some(listener), cfg).context("the world ring")?;
-    let backend = Backend::parse(&cli.backend).context("--backend is ring, c10d or auto")?;
+    let backend: CommBackend = cli
+        .backend
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--backend: {e}"))?;
     let mesh_cfg = MeshConfig {
         dims,
         backend,

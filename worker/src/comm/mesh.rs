@@ -20,38 +20,17 @@ pub enum Transport {
     C10d,
 }
 
-/// What `[comm] backend` says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
-    /// The ring for the data axis on the CPU, c10d for every other axis
-    /// and for everything on CUDA.
-    Auto,
-    Ring,
-    C10d,
-}
-
-impl Backend {
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "auto" => Backend::Auto,
-            "ring" => Backend::Ring,
-            "c10d" => Backend::C10d,
-            _ => return None,
-        })
-    }
-}
-
 impl Transport {
     /// The transport of `axis` (None: the world group) under `backend`.
     /// The ring has no point-to-point, so pipeline and tensor groups are
     /// c10d whatever the backend says.
-    pub fn for_axis(backend: Backend, axis: Option<Axis>, cuda: bool) -> Self {
+    pub fn for_axis(backend: CommBackend, axis: Option<Axis>, cuda: bool) -> Self {
         match (backend, axis) {
             (_, Some(Axis::Pipeline | Axis::Tensor)) => Transport::C10d,
-            (Backend::Ring, _) => Transport::Ring,
-            (Backend::C10d, _) => Transport::C10d,
-            (Backend::Auto, _) if cuda => Transport::C10d,
-            (Backend::Auto, _) => Transport::Ring,
+            (CommBackend::Ring, _) => Transport::Ring,
+            (CommBackend::C10d, _) => Transport::C10d,
+            (CommBackend::Auto, _) if cuda => Transport::C10d,
+            (CommBackend::Auto, _) => Transport::Ring,
         }
     }
 }
@@ -60,7 +39,7 @@ impl Transport {
 #[derive(Clone, Debug)]
 pub struct MeshConfig {
     pub dims: ParallelDims,
-    pub backend: Backend,
+    pub backend: CommBackend,
     /// The CUDA device the model lives on (None: the CPU): auto picks
     /// c10d then, and c10d is NCCL on this device.
     pub cuda: Option<usize>,
@@ -98,11 +77,7 @@ impl MeshConfig {
         cuda: Option<usize>,
     ) -> Result<Self, String> {
         let dims = spec.parallel_dims_for(world).map_err(|e| e.to_string())?;
-        let backend = match spec.comm.backend {
-            CommBackend::Auto => Backend::Auto,
-            CommBackend::Ring => Backend::Ring,
-            CommBackend::C10d => Backend::C10d,
-        };
+        let backend = spec.comm.backend;
         let host = peers
             .get(rank)
             .map(|p| host_of(p).to_string())
@@ -127,12 +102,12 @@ impl MeshConfig {
             Some(a) => self.dims.degree(a),
             None => self.dims.world(),
         };
-        let one_rank_c10d = self.backend == Backend::C10d && self.dims.world() == 1;
+        let one_rank_c10d = self.backend == CommBackend::C10d && self.dims.world() == 1;
         if size == 1 && !one_rank_c10d {
             return Transport::Ring;
         }
         let data_or_world = matches!(axis, None | Some(Axis::Data));
-        if self.backend == Backend::Auto && self.shared_gpu && data_or_world {
+        if self.backend == CommBackend::Auto && self.shared_gpu && data_or_world {
             return Transport::Ring;
         }
         Transport::for_axis(self.backend, axis, self.cuda.is_some())
@@ -458,14 +433,14 @@ mod tests {
     fn auto_keeps_the_ring_for_the_cpu_data_axis_only() {
         use Transport::*;
         let t = |b, a, cuda| Transport::for_axis(b, a, cuda);
-        assert_eq!(t(Backend::Auto, Some(Axis::Data), false), Ring);
-        assert_eq!(t(Backend::Auto, None, false), Ring);
-        assert_eq!(t(Backend::Auto, Some(Axis::Data), true), C10d);
-        assert_eq!(t(Backend::Auto, Some(Axis::Tensor), false), C10d);
-        assert_eq!(t(Backend::Ring, Some(Axis::Pipeline), false), C10d);
-        assert_eq!(t(Backend::Ring, Some(Axis::Data), true), Ring);
-        assert_eq!(t(Backend::C10d, Some(Axis::Data), false), C10d);
-        assert_eq!(Backend::parse("nccl"), None);
+        assert_eq!(t(CommBackend::Auto, Some(Axis::Data), false), Ring);
+        assert_eq!(t(CommBackend::Auto, None, false), Ring);
+        assert_eq!(t(CommBackend::Auto, Some(Axis::Data), true), C10d);
+        assert_eq!(t(CommBackend::Auto, Some(Axis::Tensor), false), C10d);
+        assert_eq!(t(CommBackend::Ring, Some(Axis::Pipeline), false), C10d);
+        assert_eq!(t(CommBackend::Ring, Some(Axis::Data), true), Ring);
+        assert_eq!(t(CommBackend::C10d, Some(Axis::Data), false), C10d);
+        assert!("nccl".parse::<CommBackend>().is_err());
     }
 
     #[test]
@@ -481,7 +456,7 @@ mod tests {
         assert_eq!(group_name(&d, 0, None), "world");
     }
 
-    fn cfg(data: u32, backend: Backend, cuda: Option<usize>, peers: &[&str]) -> MeshConfig {
+    fn cfg(data: u32, backend: CommBackend, cuda: Option<usize>, peers: &[&str]) -> MeshConfig {
         let peers: Vec<String> = peers.iter().map(|p| p.to_string()).collect();
         MeshConfig {
             dims: ParallelDims {
@@ -503,35 +478,50 @@ mod tests {
         assert!(!shares_host(&["10.0.0.1:5".into(), "10.0.0.2:5".into()]));
         assert!(shares_host(&["[::1]:5".into(), "[::1]:6".into()]));
         // Two local workers on cuda:0: auto keeps data and world on the ring.
-        let local = cfg(2, Backend::Auto, Some(0), &["127.0.0.1:1", "127.0.0.1:2"]);
+        let local = cfg(
+            2,
+            CommBackend::Auto,
+            Some(0),
+            &["127.0.0.1:1", "127.0.0.1:2"],
+        );
         assert!(local.shared_gpu);
         assert_eq!(local.transport(Some(Axis::Data)), Ring);
         assert_eq!(local.transport(None), Ring);
         assert!(local.check_nccl().is_ok());
         // One GPU per host: auto on CUDA is c10d (NCCL).
-        let pods = cfg(2, Backend::Auto, Some(0), &["10.0.0.1:1", "10.0.0.2:1"]);
+        let pods = cfg(2, CommBackend::Auto, Some(0), &["10.0.0.1:1", "10.0.0.2:1"]);
         assert_eq!(pods.transport(Some(Axis::Data)), C10d);
         assert!(pods.check_nccl().is_ok());
         // c10d asked for on a shared GPU: refused, naming the way out.
-        let asked = cfg(2, Backend::C10d, Some(0), &["127.0.0.1:1", "127.0.0.1:2"]);
+        let asked = cfg(
+            2,
+            CommBackend::C10d,
+            Some(0),
+            &["127.0.0.1:1", "127.0.0.1:2"],
+        );
         let e = asked.check_nccl().unwrap_err().to_string();
         assert!(
             e.contains("cuda:0") && e.contains("backend = \"ring\""),
             "{e}"
         );
         // The CPU has no such limit.
-        let cpu = cfg(2, Backend::C10d, None, &["127.0.0.1:1", "127.0.0.1:2"]);
+        let cpu = cfg(2, CommBackend::C10d, None, &["127.0.0.1:1", "127.0.0.1:2"]);
         assert!(!cpu.shared_gpu && cpu.check_nccl().is_ok());
         assert_eq!(cpu.nccl_device(), None);
         // Two pipeline stages sharing cuda:0: their axis is c10d (point to
         // point) on gloo, not NCCL, and not refused.
-        let mut stages = cfg(1, Backend::Auto, Some(0), &["127.0.0.1:1", "127.0.0.1:2"]);
+        let mut stages = cfg(
+            1,
+            CommBackend::Auto,
+            Some(0),
+            &["127.0.0.1:1", "127.0.0.1:2"],
+        );
         stages.dims.pipeline = 2;
         assert_eq!(stages.transport(Some(Axis::Pipeline)), C10d);
         assert_eq!(stages.nccl_device(), None);
         assert!(stages.check_nccl().is_ok());
         // A stage per host: NCCL on the job's GPU.
-        let mut apart = cfg(1, Backend::Auto, Some(0), &["10.0.0.1:1", "10.0.0.2:1"]);
+        let mut apart = cfg(1, CommBackend::Auto, Some(0), &["10.0.0.1:1", "10.0.0.2:1"]);
         apart.dims.pipeline = 2;
         assert_eq!(apart.nccl_device(), Some(0));
     }
@@ -539,15 +529,15 @@ mod tests {
     #[test]
     fn a_one_rank_job_that_asks_for_c10d_gets_c10d_groups() {
         use Transport::*;
-        let one = cfg(1, Backend::C10d, Some(0), &["127.0.0.1:1"]);
+        let one = cfg(1, CommBackend::C10d, Some(0), &["127.0.0.1:1"]);
         assert_eq!(one.transport(None), C10d);
         assert_eq!(one.transport(Some(Axis::Data)), C10d);
         // Otherwise a group of one is a ring of one.
         assert_eq!(
-            cfg(1, Backend::Auto, Some(0), &["h:1"]).transport(None),
+            cfg(1, CommBackend::Auto, Some(0), &["h:1"]).transport(None),
             Ring
         );
-        let two = cfg(2, Backend::C10d, None, &["a:1", "b:1"]);
+        let two = cfg(2, CommBackend::C10d, None, &["a:1", "b:1"]);
         assert_eq!(two.transport(Some(Axis::Tensor)), Ring);
         assert_eq!(two.transport(Some(Axis::Data)), C10d);
     }

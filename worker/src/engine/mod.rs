@@ -18,6 +18,7 @@
 
 mod flat;
 mod graph;
+mod norm;
 mod options;
 mod pipe;
 mod placement;

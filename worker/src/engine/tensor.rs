@@ -9,15 +9,15 @@
 //!   family/llama/tensor.rs);
 //! - the clip norm counts each element once: this rank's slices, a
 //!   replicated tensor on tensor rank 0 only, a shared slice on its first
-//!   holder, summed over the tensor group ([`Engine::tensor_norm`]; the
-//!   pipeline's sum over stages follows);
+//!   holder ([`Engine::tensor_partial`]), summed over the tensor group
+//!   (engine/norm.rs, with the data axis's and the stages');
 //! - checkpoints are whole: every tensor rank's slices gathered, tensor
 //!   rank 0 writes ([`Engine::tensor_whole`]); weights and optimizer state
 //!   load whole and are cut ([`Engine::tensor_slice_state`]).
 
 use super::Engine;
 use crate::comm::collective::Collective;
-use crate::comm::tensor_ops::{Reduce, TensorGroupCell};
+use crate::comm::tensor_ops::TensorGroupCell;
 use crate::error::{Error, Result, TorchContext};
 use crate::family::model::Model;
 use crate::family::tensor::{counts, join, take, TensorPlace, TpSlice};
@@ -87,19 +87,18 @@ impl<C: Collective> Engine<C> {
         self.tensor.as_ref().map_or(0, |t| t.rank)
     }
 
-    /// The `norm_type` norm of the whole model's gradients over the
-    /// tensor ranks, each element counted once (None without tensor
+    /// This rank's partial of the clip norm with tensor parallelism, each
+    /// element counted once over the tensor ranks (None without tensor
     /// parallelism): the p-th powers of the norms of this rank's counted
     /// parameters' elements (max for inf) within what it owns of the
     /// gradients (all of them at stage 0, its slice under ZeRO 1 and 2,
-    /// its chunk of each unit under ZeRO-3, combined over the data axis),
-    /// then summed over the tensor group.
-    pub(super) fn tensor_norm(&mut self, norm_type: f64) -> Result<Option<f64>> {
+    /// its chunk of each unit under ZeRO-3). engine/norm.rs combines it
+    /// over the data axis (when sharded), the tensor group and the stages.
+    pub(super) fn tensor_partial(&mut self, norm_type: f64) -> Result<Option<f64>> {
         if self.tensor.is_none() {
             return Ok(None);
         }
         let inf = norm_type.is_infinite();
-        let sharded = self.placement.strategy.stage() >= 1;
         let (flat, segments) = {
             let (placement, mut parts) = self.placed();
             placement.owned_grads(&mut parts)?
@@ -137,31 +136,7 @@ impl<C: Collective> Engine<C> {
                 offset += seg.len();
             }
         }
-        if sharded {
-            // Over the data axis: this rank's partial (the sum of squares,
-            // or the max) with the others' (ZeRO's norms are 2 or inf).
-            let all = super::placement::combine_norm(
-                &mut self.collective,
-                mine,
-                &[super::placement::Axis::Data],
-                norm_type,
-            )?;
-            mine = if inf { all } else { all.powf(norm_type) };
-        }
-        let group = axis.cell.get().ctx("computing the gradient norm")?;
-        let t = Tensor::f_from_slice(&[mine])
-            .and_then(|t| t.f_to_device(group.device))
-            .ctx("computing the gradient norm")?;
-        let op = if inf { Reduce::Max } else { Reduce::Sum };
-        group
-            .all_reduce_(&t, op)
-            .ctx("summing the gradient norm over the tensor group")?;
-        let total = t.f_double_value(&[0]).ctx("computing the gradient norm")?;
-        Ok(Some(if inf {
-            total
-        } else {
-            total.powf(1.0 / norm_type)
-        }))
+        Ok(Some(mine))
     }
 
     /// `named` (this rank's parameters or optimizer state, the same names

@@ -473,17 +473,8 @@ impl<C: Collective> Engine<C> {
         let norm = match on_device {
             _ if no_terms => 0.0,
             Some(norm) => norm,
-            None => {
-                // Each element once over the tensor ranks (engine/tensor.rs).
-                let norm = match self.tensor_norm(norm_type)? {
-                    Some(norm) => norm,
-                    None => {
-                        let (placement, mut parts) = self.placed();
-                        placement.clip_norm(&mut parts, norm_type)?
-                    }
-                };
-                self.pipeline_norm(norm, norm_type)?
-            }
+            // Assembled over the mesh's axes in one place (engine/norm.rs).
+            None => self.clip_norm(norm_type)?,
         };
         let grad_norm = if no_terms { 0.0 } else { norm / divisor };
         let mut clip_coef = 1.0;

@@ -23,11 +23,12 @@
 //!   block), steps them in place and gathers a unit around its forward
 //!   and its backward (engine/recompute.rs runs the blocks).
 //!
-//! **The clip norm** is assembled from what each rank owns, over exactly
-//! the axes on which the owned elements are distinct ([`Placement::
-//! norm_axes`]): a replicated tensor is counted once (no reduction over an
-//! axis it is replicated on); sharded slices are combined over the data
-//! axis (sum of squares, max for the inf norm; [`combine_norm`]).
+//! **The clip norm** is assembled in one place (engine/norm.rs) from what
+//! each rank owns ([`Placement::norm_part`]), over exactly the axes on
+//! which the owned elements are distinct ([`Placement::norm_axes`], then
+//! the model splits'): a replicated tensor is counted once (no reduction
+//! over an axis it is replicated on); sharded slices are combined over the
+//! data axis (sum of squares, max for the inf norm; [`combine_norm`]).
 //!
 //! **The tally** (loss sum, count, stop and checkpoint votes) is reduced
 //! over the group that owns the loss ([`LOSS_OWNER`]). With today's
@@ -45,6 +46,7 @@ pub(super) use replicated::Replicated;
 pub(super) use sharded::{views_by_name, ShardedGradients, ShardedOptimizer};
 pub(super) use stage3::ShardedParameters;
 
+use super::norm::NormPart;
 use crate::comm::collective::Collective;
 use crate::comm::shard;
 use crate::error::{Error, Result};
@@ -53,14 +55,10 @@ use crate::optim::{GradPrep, Optimizer};
 use std::time::Duration;
 use tch::{Device, Tensor};
 
-/// A mesh axis a placement can shard or replicate over. Today's jobs have
-/// one: the data axis, the engine's collective. Tensor and pipeline axes
-/// come with the model splits that need them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Axis {
-    /// Data parallelism: the engine's collective.
-    Data,
-}
+/// The mesh's axes (the spec's one enum): a placement shards or
+/// replicates over the data axis; the tensor and pipeline axes are the
+/// model splits'.
+pub(super) use crate::spec::Axis;
 
 /// The group that owns the loss (every rank of it computes part of the
 /// same loss): the tally is reduced over these axes. Unsplit models: the
@@ -92,7 +90,7 @@ impl<C: Collective> Parts<'_, C> {
 
 /// One way of placing parameters, gradients and optimizer state over the
 /// ranks. The sync step calls, in order: [`Placement::reduce`],
-/// [`Placement::clip_norm`], [`Placement::step`].
+/// [`Placement::norm_part`] (engine/norm.rs), [`Placement::step`].
 pub(super) trait Placement<C: Collective>: Send {
     /// The ZeRO stage this strategy is (0 to 3), for logs and the CUDA
     /// graph decisions.
@@ -116,10 +114,11 @@ pub(super) trait Placement<C: Collective>: Send {
     /// counted once).
     fn norm_axes(&self) -> &'static [Axis];
 
-    /// The `norm_type` norm of the reduced (summed) gradients, the same on
-    /// every rank: this rank's owned elements combined over
-    /// [`Placement::norm_axes`].
-    fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64>;
+    /// This rank's share of the clip norm of the reduced (summed)
+    /// gradients: the norm or the partial of the elements it owns, which
+    /// engine/norm.rs combines over [`Placement::norm_axes`] and the
+    /// mesh's other axes.
+    fn norm_part(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<NormPart>;
 
     /// The reduced gradients this rank owns, flat, and the ranges of the
     /// model's flat parameter order they are, in the tensor's order (the

@@ -1,6 +1,6 @@
 //! ZeRO stage 0: parameters, gradients and optimizer state whole on every rank.
 
-use super::{Axis, Parts, Placement};
+use super::{Axis, NormPart, Parts, Placement};
 use crate::comm::collective::Collective;
 use crate::error::{InPlace, Result, TorchContext};
 use crate::optim::{GradPrep, Optimizer};
@@ -106,10 +106,11 @@ impl<C: Collective> Placement<C> for Replicated {
         Ok((p.grads.view()?, vec![whole]))
     }
 
-    fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64> {
+    fn norm_part(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<NormPart> {
         p.grads
             .norm(norm_type)?
             .f_double_value(&[])
+            .map(NormPart::Norm)
             .ctx("reading the gradient norm")
     }
 

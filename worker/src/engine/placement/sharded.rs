@@ -27,7 +27,7 @@
 //! neighbour are not built.
 
 use super::replicated::WindowSums;
-use super::{host_f32, host_f32_mut, Axis, Parts, Placement};
+use super::{host_f32, host_f32_mut, Axis, NormPart, Parts, Placement};
 use crate::comm::collective::Collective;
 use crate::comm::shard;
 use crate::engine::flat::flatten;
@@ -87,21 +87,15 @@ fn buffer_slice<C: Collective>(p: &Parts<'_, C>) -> Result<Tensor> {
         .ctx("the gradient slice")
 }
 
-/// The `norm_type` partial of this rank's slice `g`, combined over the
-/// data axis.
-pub(super) fn slice_norm<C: Collective>(
-    p: &mut Parts<'_, C>,
-    g: Tensor,
-    axes: &[Axis],
-    norm_type: f64,
-) -> Result<f64> {
+/// The `norm_type` partial of this rank's slice `g` ([`shard::partial`]),
+/// which engine/norm.rs combines over the data axis.
+pub(super) fn slice_partial(g: Tensor, norm_type: f64) -> Result<NormPart> {
     let g = if g.device() == Device::Cpu {
         g
     } else {
         g.f_to_device(Device::Cpu).ctx("the gradient slice")?
     };
-    let mine = shard::partial(host_f32(&g)?, norm_type);
-    super::combine_norm(p.collective, mine, axes, norm_type)
+    Ok(NormPart::Partial(shard::partial(host_f32(&g)?, norm_type)))
 }
 
 /// Prepares the gradient slice `grad` and steps the flat parameter
@@ -443,10 +437,8 @@ macro_rules! sharded_common {
             Ok((self.grad_slice(p)?, vec![my_slice(p)]))
         }
 
-        fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64> {
-            let g = self.grad_slice(p)?;
-            let axes = <Self as Placement<C>>::norm_axes(self);
-            slice_norm(p, g, axes, norm_type)
+        fn norm_part(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<NormPart> {
+            slice_partial(self.grad_slice(p)?, norm_type)
         }
     };
 }

@@ -18,8 +18,8 @@
 //! into PyTorch's per-parameter names, so they load under any stage and
 //! world size.
 
-use super::sharded::{slice_norm, step_slice, views_by_name, Shard, KEYS};
-use super::{Axis, ParamShards, Parts, Placement, ShardTaker};
+use super::sharded::{slice_partial, step_slice, views_by_name, Shard, KEYS};
+use super::{Axis, NormPart, ParamShards, Parts, Placement, ShardTaker};
 use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use crate::optim::{GradPrep, Optimizer};
@@ -131,9 +131,8 @@ impl<C: Collective> Placement<C> for ShardedParameters {
         &[Axis::Data]
     }
 
-    fn clip_norm(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<f64> {
-        let g = self.sum_at(p)?;
-        slice_norm(p, g, &[Axis::Data], norm_type)
+    fn norm_part(&mut self, p: &mut Parts<'_, C>, norm_type: f64) -> Result<NormPart> {
+        slice_partial(self.sum_at(p)?, norm_type)
     }
 
     fn step(&mut self, p: &mut Parts<'_, C>, prep: Option<GradPrep>, lr: f64) -> Result<Duration> {
