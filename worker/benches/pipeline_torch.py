@@ -1,15 +1,19 @@
-"""One rank of torch.distributed.pipelining's Schedule1F1B (or GPipe) on
-transformers' Llama layers: the PyTorch side of pipeline_vs_torch.py.
+"""One rank of torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe
+or ScheduleInterleaved1F1B on transformers' Llama layers: the PyTorch
+side of pipeline_vs_torch.py.
 
     torchrun --nproc-per-node P pipeline_torch.py CONFIG_JSON
 
 CONFIG_JSON: {"init": INIT_SAFETENSORS, "tokens": TOKEN_FILE, "seq_len": T,
-"batch": b, "k": k, "steps": S, "schedule": "1f1b"|"gpipe",
-"model": {...LlamaConfig fields...}, "layers_per_stage": [..],
+"batch": b, "k": k, "steps": S, "schedule": "1f1b"|"gpipe"|"interleaved_1f1b",
+"stages_per_rank": V (interleaved: V model chunks a rank, default 1),
+"model": {...LlamaConfig fields...}, "layers_per_stage": [.. P x V ..],
 "out": OUT_JSON}.
 
-Stage s holds layers_per_stage[s] decoder layers, the first stage also
-the embedding, the last the final norm and lm_head (accrue's split).
+Stage (chunk) c holds layers_per_stage[c] decoder layers, the first also
+the embedding, the last the final norm and lm_head (accrue's split);
+rank r holds chunks r, r + P, ..., r + (V - 1) P (Megatron's virtual
+pipeline, as accrue places them).
 Every rank reads the same token file (llm.c format, u16) and takes the
 window's k micro-batches of b rows of T + 1 tokens in order (sample j =
 tokens[jT : jT + T + 1]); the loss is the summed cross-entropy divided by
@@ -27,7 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -64,8 +73,8 @@ def main():
     model = LlamaForCausalLM(config)
     model.load_state_dict(load_file(cfg["init"]), strict=False)
     per = cfg["layers_per_stage"]
-    start = sum(per[:rank])
-    stage_mod = Stage(model, rank == 0, rank == world - 1, range(start, start + per[rank]))
+    v_per_rank = cfg.get("stages_per_rank", 1)
+    chunks = world * v_per_rank
     t, b, k = cfg["seq_len"], cfg["batch"], cfg["k"]
     tokens_per_window = b * k * t
 
@@ -74,12 +83,22 @@ def main():
                                reduction="sum") / tokens_per_window
 
     h = config.hidden_size
-    example = (torch.zeros(b, t, dtype=torch.long) if rank == 0
-               else torch.zeros(b, t, h))
-    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"), input_args=(example,))
-    kind = Schedule1F1B if cfg["schedule"] == "1f1b" else ScheduleGPipe
-    schedule = kind(stage, n_microbatches=k, loss_fn=loss_fn, scale_grads=False)
-    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3, weight_decay=0.1)
+    mods, stages = [], []
+    for c in range(rank, chunks, world):
+        start = sum(per[:c])
+        mod = Stage(model, c == 0, c == chunks - 1, range(start, start + per[c]))
+        example = (torch.zeros(b, t, dtype=torch.long) if c == 0
+                   else torch.zeros(b, t, h))
+        mods.append(mod)
+        stages.append(PipelineStage(mod, c, chunks, torch.device("cpu"), input_args=(example,)))
+    if cfg["schedule"] == "interleaved_1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=k, loss_fn=loss_fn,
+                                           scale_grads=False)
+    else:
+        kind = Schedule1F1B if cfg["schedule"] == "1f1b" else ScheduleGPipe
+        schedule = kind(stages[0], n_microbatches=k, loss_fn=loss_fn, scale_grads=False)
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
     raw = np.fromfile(cfg["tokens"], dtype=np.int32, count=256)
     data = np.fromfile(cfg["tokens"], dtype=np.uint16, offset=1024, count=int(raw[2]))
     data = torch.from_numpy(data.astype(np.int64))

@@ -13,8 +13,10 @@ micro-batches a window; the same initial weights (transformers' init,
 seed 0; accrue reads them through `model.init`), the same token file
 (llm.c format), the same windows in order (accrue: shuffle = false), the
 same stage split (layers_per_stage), AdamW (lr 1e-3, weight decay 0.1), no
-clipping. PyTorch: pipeline_torch.py under torchrun, Schedule1F1B or
-ScheduleGPipe with scale_grads=False and the summed loss divided by the
+clipping. PyTorch: pipeline_torch.py under torchrun, Schedule1F1B,
+ScheduleGPipe or ScheduleInterleaved1F1B (`--schedule interleaved_1f1b
+--stages-per-rank V`: V chunks a rank on both sides, the ideal bubble
+(P - 1) / (V k + P - 1)) with scale_grads=False and the summed loss divided by the
 window's token count. tokens/s: the median over the steps after the first
 two (accrue: each step report's tokens/s, the window's wall time; PyTorch:
 rank 0's time between barriers around schedule.step and the optimizer
@@ -83,7 +85,7 @@ def token_file(path, count, vocab=VOCAB):
         f.write(ids.tobytes())
 
 
-def accrue_job(d, fields, t, b, k, steps, stages, per, schedule, balance=None, init=True):
+def accrue_job(d, fields, t, b, k, steps, stages, per, schedule, balance=None, init=True, v=1):
     model = "\n".join(f"{key} = {json.dumps(v)}" for key, v in fields.items())
     return f"""
 name = "pp-bench"
@@ -114,7 +116,7 @@ connect_timeout_s = 60
 """ + (f"""[parallel]
 pipeline = {stages}
 schedule = "{schedule}"
-""" + (f'balance = "{balance}"\n' if balance else f"layers_per_stage = {json.dumps(per)}\n")
+""" + (f"stages_per_rank = {v}\n" if v > 1 else "") + (f'balance = "{balance}"\n' if balance else f"layers_per_stage = {json.dumps(per)}\n")
     if stages > 1 else "")
 
 
@@ -180,7 +182,10 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--schedule", default="1f1b",
+                    choices=["1f1b", "gpipe", "interleaved_1f1b"])
+    ap.add_argument("--stages-per-rank", type=int, default=1,
+                    help="V model chunks a rank (interleaved_1f1b; the layers split P x V ways)")
     ap.add_argument("--split", help="layers per stage, e.g. 4,2 (default: even)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="launches of each side, alternating; medians and the ratio's range")
@@ -192,7 +197,8 @@ def main():
     if a.split:
         per = [int(x) for x in a.split.split(",")]
     else:
-        per = [a.layers // a.stages] * a.stages
+        chunks = a.stages * a.stages_per_rank
+        per = [a.layers // chunks] * chunks
         per[-1] += a.layers - sum(per)
     from transformers import LlamaConfig, LlamaForCausalLM  # the PyTorch side only
 
@@ -206,10 +212,11 @@ def main():
                       str(d / "init.safetensors"))
             token_file(d / "train.bin", a.steps * k * a.batch * a.seq_len + 1)
             text = accrue_job(d, fields, a.seq_len, a.batch, k, a.steps, a.stages, per, a.schedule,
-                              a.balance)
+                              a.balance, v=a.stages_per_rank)
             cfg = {"init": str(d / "init.safetensors"), "tokens": str(d / "train.bin"),
                    "seq_len": a.seq_len, "batch": a.batch, "k": k, "steps": a.steps,
-                   "schedule": a.schedule, "model": fields, "layers_per_stage": per,
+                   "schedule": a.schedule, "stages_per_rank": a.stages_per_rank,
+                   "model": fields, "layers_per_stage": per,
                    "out": str(d / "torch-out.json")}
             # Alternating launches; the ratio within each repeat.
             runs = []
@@ -219,7 +226,7 @@ def main():
                 ours, bubble = run_accrue(a.worker, d, text, a.stages)
                 theirs = run_torch(d, cfg, a.stages)
                 runs.append((ours, theirs, bubble, ours / theirs))
-            ideal = (a.stages - 1) / (k + a.stages - 1)
+            ideal = (a.stages - 1) / (a.stages_per_rank * k + a.stages - 1)
             med = [statistics.median(r[i] for r in runs) for i in range(4)]
             ratios = [r[3] for r in runs]
             rows.append((k, med[0], med[1], med[2], ideal, med[3], min(ratios), max(ratios)))
@@ -227,12 +234,12 @@ def main():
     print(f"- CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"torch {torch.__version__}")
     print(f"- model: Llama L={a.layers}, H={a.hidden}, vocab {VOCAB}, T={a.seq_len}, b={a.batch}; "
-          f"P={a.stages} ({a.schedule}), layers_per_stage={per}"
+          f"P={a.stages} ({a.schedule}, V={a.stages_per_rank}), layers_per_stage={per}"
           + (f" for PyTorch, accrue: balance = \"{a.balance}\"" if a.balance else "")
           + f"; {a.steps} steps, median of steps 3.., {a.repeat} launch(es) a side")
     print()
     print("| k | accrue tokens/s | torch.distributed.pipelining tokens/s | accrue / torch "
-          "| accrue stage 0 bubble share | (P - 1) / (k + P - 1) |")
+          "| accrue stage 0 bubble share | (P - 1) / (V k + P - 1) |")
     print("|---|---|---|---|---|---|")
     for k, ours, theirs, bubble, ideal, ratio, lo, hi in rows:
         spread = f" ({lo:.2f}-{hi:.2f})" if a.repeat > 1 else ""
