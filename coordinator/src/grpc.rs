@@ -65,9 +65,17 @@ impl v1::job_service_server::JobService for JobApi {
             .get::<Principal>()
             .map(|p| p.name.clone())
             .unwrap_or_default();
-        let spec = submitted_spec(req.into_inner())?;
+        let coordinator = self.0.get()?;
         // Answers once the job is durable (bounded; UNAVAILABLE otherwise).
-        Ok(Response::new(self.0.get()?.submit_as(spec, owner).await?))
+        let job = match req.into_inner() {
+            // The structured spec: converted once, here.
+            v1::SubmitJobRequest {
+                spec: Some(spec),
+                spec_toml,
+            } if spec_toml.is_empty() => coordinator.submit_as(spec, owner).await?,
+            r => coordinator.submit_spec(submitted_toml(r)?, owner).await?,
+        };
+        Ok(Response::new(job))
     }
     async fn get_job(&self, req: Request<v1::GetJobRequest>) -> Result<Response<Job>, Status> {
         Ok(Response::new(self.0.get()?.job(&req.into_inner().id)?))
@@ -122,20 +130,21 @@ impl v1::job_service_server::JobService for JobApi {
     }
 }
 
-/// The spec of a SubmitJob: the structured one, or the TOML text parsed
+/// The spec of a SubmitJob without a structured one: the TOML text parsed
 /// and checked as `accrue submit` checks a file (its fields; the
-/// coordinator's own checks follow for both).
-fn submitted_spec(r: v1::SubmitJobRequest) -> Result<v1::JobSpec, CoordError> {
+/// coordinator's own checks follow).
+fn submitted_toml(r: v1::SubmitJobRequest) -> Result<accrue_common::JobSpec, CoordError> {
     match (r.spec, r.spec_toml.is_empty()) {
         (Some(_), false) => Err(CoordError::InvalidArgument(
             "spec and spec_toml are both set: give one".into(),
         )),
-        (Some(spec), true) => Ok(spec),
+        (Some(_), true) => Err(CoordError::Internal(
+            "a structured spec is submitted as such".into(),
+        )),
         (None, false) => {
             let origin = std::path::Path::new("spec_toml");
-            let spec = accrue_common::JobSpec::fields_from_toml_str(&r.spec_toml, origin)
-                .map_err(|e| CoordError::InvalidArgument(e.to_string()))?;
-            Ok(accrue_proto::spec_to_proto(&spec))
+            accrue_common::JobSpec::fields_from_toml_str(&r.spec_toml, origin)
+                .map_err(|e| CoordError::InvalidArgument(e.to_string()))
         }
         (None, true) => Err(CoordError::InvalidArgument(
             "spec: (missing): required (the structured spec or spec_toml)".into(),

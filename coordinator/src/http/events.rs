@@ -36,7 +36,10 @@ pub(super) async fn events(
         Err(r) => return r,
     };
     let mut rx = c.subscribe();
-    let first = c.with_cluster(|cl| cl.job(&id).map(|j| job_view(j, cl.series(&id))));
+    let first = c.with_cluster(|cl| {
+        cl.job(&id)
+            .map(|j| job_view(j, cl.spec(&id), cl.series(&id)))
+    });
     let Some(first) = first else {
         return CoordError::JobNotFound(id).into_response();
     };
@@ -81,7 +84,7 @@ pub(super) async fn events(
                         let step = matches!(ev.event, Some(accrue_proto::v1::job_event::Event::Step(_)));
                         let Some(view) = c.with_cluster(|cl| {
                             let whole = if step { cl.job(&id) } else { Some(j) };
-                            whole.map(|w| job_view(w, cl.series(&id)))
+                            whole.map(|w| job_view(w, cl.spec(&id), cl.series(&id)))
                         }) else {
                             return;
                         };

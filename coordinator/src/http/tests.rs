@@ -46,7 +46,7 @@ fn close(a: f64, b: f64) -> bool {
 fn a_language_model_job_shows_tokens_and_perplexity() {
     let lm = job("lm-1", ModelKind::Llama);
     assert!(is_lm(&lm));
-    let v = job_view(&lm, None);
+    let v = job_view(&lm, None, None);
     assert_eq!(v["unit"], "tokens");
     assert_eq!(v["counters"]["tokens_per_sec"], json!(12_500.5));
     assert_eq!(v["counters"]["tokens_seen"], json!(57_344));
@@ -62,7 +62,7 @@ fn a_language_model_job_shows_tokens_and_perplexity() {
     // Before any evaluation: no eval, so no perplexity either.
     let mut fresh = lm.clone();
     fresh.eval = None;
-    let v = job_view(&fresh, None);
+    let v = job_view(&fresh, None, None);
     assert!(v["eval"].is_null(), "{v}");
     assert_eq!(v["counters"]["tokens_seen"], json!(57_344));
 }
@@ -72,7 +72,7 @@ fn a_classification_job_has_no_language_model_fields() {
     for kind in [ModelKind::Mlp, ModelKind::Resnet18, ModelKind::Unspecified] {
         let c = job("cls-1", kind);
         assert!(!is_lm(&c));
-        let v = job_view(&c, None);
+        let v = job_view(&c, None, None);
         assert_eq!(v["unit"], "samples");
         let counters = v["counters"].as_object().unwrap();
         assert!(!counters.contains_key("tokens_per_sec"), "{v}");
@@ -87,7 +87,7 @@ fn a_classification_job_has_no_language_model_fields() {
     // A job without a spec (as stored by an old coordinator) too.
     let mut bare = job("bare", ModelKind::Mlp);
     bare.spec = None;
-    assert_eq!(job_view(&bare, None)["unit"], "samples");
+    assert_eq!(job_view(&bare, None, None)["unit"], "samples");
 }
 
 #[test]
@@ -175,9 +175,10 @@ fn a_job_shows_its_spec_as_toml_and_its_hyperparameters() {
     );
     let mut j = job("hp-1", ModelKind::Mlp);
     j.spec = Some(spec);
-    let v = job_view(&j, None);
-    // The TOML reads back as the spec the job holds.
+    // The domain spec the coordinator holds beside the record.
     let held = accrue_proto::spec_from_proto(j.spec.as_ref().unwrap()).unwrap();
+    let v = job_view(&j, Some(&held), None);
+    // The TOML reads back as the spec the job holds.
     let back: accrue_common::JobSpec = toml::from_str(v["spec_toml"].as_str().unwrap()).unwrap();
     assert_eq!(back, held);
     assert!(
@@ -200,6 +201,6 @@ fn a_job_shows_its_spec_as_toml_and_its_hyperparameters() {
     assert_eq!(h["seed"], 9);
     // No spec: nulls, not a failure.
     j.spec = None;
-    let v = job_view(&j, None);
+    let v = job_view(&j, None, None);
     assert!(v["spec_toml"].is_null() && v["hparams"].is_null(), "{v}");
 }

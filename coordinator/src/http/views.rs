@@ -11,6 +11,7 @@ use crate::error::CoordError;
 use crate::gate::Gate;
 use crate::series;
 use crate::service::Coordinator;
+use accrue_common::JobSpec;
 use accrue_proto::v1::Job;
 use axum::extract::FromRequestParts;
 use axum::extract::{Path, Query, State};
@@ -90,7 +91,7 @@ pub(super) async fn list(State(g): State<Arc<Gate>>, Query(q): Query<ListQuery>)
         let jobs = page
             .into_iter()
             .map(|j| {
-                let mut v = job_view(j, cl.series(&j.id));
+                let mut v = job_view(j, cl.spec(&j.id), cl.series(&j.id));
                 if let Some(o) = v.as_object_mut() {
                     o.remove("spec_toml");
                 }
@@ -107,7 +108,10 @@ pub(super) async fn one(State(g): State<Arc<Gate>>, Path(id): Path<String>) -> R
         Ok(c) => c,
         Err(r) => return r,
     };
-    match c.with_cluster(|cl| cl.job(&id).map(|j| job_view(j, cl.series(&id)))) {
+    match c.with_cluster(|cl| {
+        cl.job(&id)
+            .map(|j| job_view(j, cl.spec(&id), cl.series(&id)))
+    }) {
         Some(v) => Json(v).into_response(),
         None => CoordError::JobNotFound(id).into_response(),
     }
@@ -197,11 +201,16 @@ pub(super) fn add_perplexities(evals: &mut Value) {
 }
 
 /// A job as the API shows it: [`job_json`], its ETA and its clipping, its
-/// spec (`spec_toml` and `hparams`, see `add_spec`), its
+/// spec (`spec_toml` and `hparams` from the domain spec the coordinator
+/// holds, see `add_spec`), its
 /// `unit` (`"samples"`, or `"tokens"` for a language model, which also has
 /// `counters.tokens_per_sec`, `counters.tokens_seen`, `eval.perplexity` and
 /// `eval.tokens`).
-pub fn job_view(j: &Job, series: Option<&accrue_proto::v1::JobSeries>) -> Value {
+pub fn job_view(
+    j: &Job,
+    spec: Option<&JobSpec>,
+    series: Option<&accrue_proto::v1::JobSeries>,
+) -> Value {
     let mut v = job_json(j);
     v["unit"] = json!(unit(j));
     add_lm_fields(j, &mut v);
@@ -222,7 +231,7 @@ pub fn job_view(j: &Job, series: Option<&accrue_proto::v1::JobSeries>) -> Value 
         Ok(accrue_proto::v1::Precision::Fp16) => "fp16",
         _ => "fp32",
     });
-    add_spec(j, &mut v);
+    add_spec(spec, &mut v);
     v
 }
 
@@ -230,13 +239,9 @@ pub fn job_view(j: &Job, series: Option<&accrue_proto::v1::JobSeries>) -> Value 
 /// and `hparams`: what the status page sums up of it (k and the parallel
 /// degrees as the spec resolves them for its `workers`); nulls when the
 /// spec cannot be read back.
-fn add_spec(j: &Job, v: &mut Value) {
-    let spec = j
-        .spec
-        .as_ref()
-        .and_then(|s| accrue_proto::spec_from_proto(s).ok());
-    v["spec_toml"] = json!(spec.as_ref().and_then(|s| toml::to_string(s).ok()));
-    v["hparams"] = spec.as_ref().map_or(Value::Null, |s| {
+fn add_spec(spec: Option<&JobSpec>, v: &mut Value) {
+    v["spec_toml"] = json!(spec.and_then(|s| toml::to_string(s).ok()));
+    v["hparams"] = spec.map_or(Value::Null, |s| {
         let k = s.accumulation_steps(u64::from(s.workers)).ok();
         let dims = s.parallel_dims().ok();
         json!({

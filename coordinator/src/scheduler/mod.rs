@@ -18,16 +18,21 @@ pub use crate::domain::{Caller, RingKeys};
 use crate::error::CoordError;
 use crate::paging::seq_of;
 use crate::state::{self, Waiting};
+use accrue_common::JobSpec;
 use accrue_proto::v1::{
     self, coordinator_message, worker_message, CoordinatorMessage, Counters, Job, JobEvent,
     JobState, StepReport, WorkerMessage,
 };
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 pub use access::{may_cancel, may_resume};
+use held::held_spec;
+pub use held::{parse_spec, HeldSpec};
 
 mod access;
+mod held;
 mod membership;
 #[cfg(test)]
 mod records_tests;
@@ -138,9 +143,10 @@ pub enum Input {
         reason: String,
     },
     /// A client submits a job. It is recorded but not scheduled until the
-    /// shell says its record is durable ([`Input::Admit`]).
+    /// shell says its record is durable ([`Input::Admit`]). The spec was
+    /// parsed and its fields checked at the edge ([`parse_spec`]).
     Submit {
-        spec: v1::JobSpec,
+        spec: Box<JobSpec>,
         /// The principal submitting (empty with authentication off): the
         /// job's owner.
         owner: String,
@@ -243,7 +249,11 @@ impl WorkerEntry {
 
 #[derive(Clone, Debug)]
 pub struct JobEntry {
+    /// The record as stored and shown: its `spec` is the wire form of
+    /// [`JobEntry::spec`], written once from it.
     pub job: Job,
+    /// The domain spec every decision reads.
+    pub spec: HeldSpec,
     saved_ms: i64,
     /// Since when the job waits for workers to re-form (Recovering).
     recovering_since: Option<i64>,
@@ -274,8 +284,9 @@ pub struct JobEntry {
 }
 
 impl JobEntry {
-    fn new(job: Job, now: i64, admitted: bool) -> Self {
+    fn new(job: Job, spec: HeldSpec, now: i64, admitted: bool) -> Self {
         Self {
+            spec,
             saved_ms: now,
             recovering_since: None,
             stalled: 0,
@@ -362,7 +373,8 @@ impl Cluster {
     pub fn restore(&mut self, jobs: Vec<Job>, now: i64) {
         let grace = self.cfg.heartbeat_ttl_ms;
         for job in jobs {
-            let mut e = JobEntry::new(job, now, true);
+            let spec = held_spec(&job);
+            let mut e = JobEntry::new(job, spec, now, true);
             match e.job.state() {
                 JobState::Rendezvous | JobState::Running => e.reattach_by = Some(now + grace),
                 JobState::Recovering => {
@@ -391,6 +403,12 @@ impl Cluster {
 
     pub fn job(&self, id: &str) -> Option<&Job> {
         self.jobs.get(id).map(|e| &e.job)
+    }
+
+    /// Job `id`'s domain spec (None: no such job, or a stored spec that
+    /// did not read back).
+    pub fn spec(&self, id: &str) -> Option<&JobSpec> {
+        self.jobs.get(id).and_then(|e| e.spec.as_deref().ok())
     }
 
     /// One ListJobs page: the jobs after `req.after` in creation order, at
@@ -486,22 +504,16 @@ impl Cluster {
         fx
     }
 
-    fn submit(&mut self, spec: v1::JobSpec, owner: String, now: i64, fx: &mut Vec<Effect>) {
-        let domain = match accrue_proto::spec_from_proto(&spec)
-            .and_then(|d| {
-                d.confined(&self.cfg.roots, &accrue_common::spec::Lexical)
-                    .map(|_| d)
-            })
-            .and_then(|d| d.check_memory(self.cfg.max_job_memory).map(|()| d))
-        {
-            Ok(d) => d,
-            Err(e) => {
-                fx.push(Effect::Reply(Err(CoordError::InvalidArgument(
-                    e.to_string(),
-                ))));
-                return;
-            }
-        };
+    fn submit(&mut self, domain: Box<JobSpec>, owner: String, now: i64, fx: &mut Vec<Effect>) {
+        let checked = domain
+            .confined(&self.cfg.roots, &accrue_common::spec::Lexical)
+            .and_then(|_| domain.check_memory(self.cfg.max_job_memory));
+        if let Err(e) = checked {
+            fx.push(Effect::Reply(Err(CoordError::InvalidArgument(
+                e.to_string(),
+            ))));
+            return;
+        }
         let id = format!("{}-{}", domain.name, self.next_seq);
         if let Err(e) = self.check_folder(&id, domain.checkpoint.dir.as_deref()) {
             fx.push(Effect::Reply(Err(e.into())));
@@ -523,7 +535,7 @@ impl Cluster {
                 return;
             }
         }
-        let mut entry = JobEntry::new(job, now, false);
+        let mut entry = JobEntry::new(job, Ok(Arc::from(domain)), now, false);
         save(&mut entry, fx);
         fx.push(Effect::Reply(Ok(entry.job.clone())));
         self.order.push(id.clone());
@@ -557,11 +569,10 @@ impl Cluster {
                 state: j.state(),
                 dir: self.checkpoint_folder(
                     &j.id,
-                    j.spec
-                        .as_ref()
-                        .and_then(|s| s.checkpoint.as_ref())
-                        .and_then(|c| c.dir.as_deref())
-                        .map(std::path::Path::new),
+                    self.jobs
+                        .get(&j.id)
+                        .and_then(|e| e.spec.as_ref().ok())
+                        .and_then(|s| s.checkpoint.dir.as_deref()),
                 ),
             })
             .collect();

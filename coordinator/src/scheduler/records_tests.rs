@@ -197,3 +197,59 @@ fn restored_jobs_list_in_creation_order() {
     );
     assert_eq!(next, "");
 }
+
+/// A record as today's coordinator stores it (the proto `Job` with its spec
+/// in the wire form, prost-encoded) restores with its domain spec parsed
+/// once: the spec the scheduler decides with is the submitted one, the job
+/// forms from it (k from it; the assignments carry the stored wire spec),
+/// and a record whose spec does not read back fails when it would form,
+/// naming why.
+#[test]
+fn a_stored_record_restores_with_its_domain_spec() {
+    use prost::Message;
+    let wire = spec("old", 2, "[accumulation]\nsteps = 3");
+    let domain = parse_spec(&wire).unwrap();
+    let stored = |id: &str, spec: Option<v1::JobSpec>| {
+        Job {
+            id: id.into(),
+            state: JobState::Pending as i32,
+            spec,
+            version: 2,
+            ..Default::default()
+        }
+        .encode_to_vec()
+    };
+    let records = [
+        stored("old-4", Some(accrue_proto::spec_to_proto(&domain))),
+        stored("bad-5", None),
+    ];
+    let mut c = cluster();
+    c.restore(
+        records
+            .iter()
+            .map(|b| Job::decode(b.as_slice()).unwrap())
+            .collect(),
+        0,
+    );
+    assert_eq!(c.spec("old-4"), Some(&domain));
+    assert_eq!(c.spec("bad-5"), None);
+    let mut fx = Vec::new();
+    for (i, w) in ["w0", "w1", "w2"].iter().enumerate() {
+        fx.extend(attach(&mut c, w, i as u64 + 1, 1));
+    }
+    let assigned: Vec<v1::Assignment> = sends(&fx)
+        .into_iter()
+        .filter_map(|(_, m)| match m {
+            coordinator_message::Msg::Assign(a) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(assigned.len(), 2, "{fx:?}");
+    for a in &assigned {
+        assert_eq!((a.job_id.as_str(), a.accumulation_steps), ("old-4", 3));
+        assert_eq!(a.spec.as_ref(), c.job("old-4").unwrap().spec.as_ref());
+    }
+    let bad = c.job("bad-5").unwrap();
+    assert_eq!(bad.state(), JobState::Failed, "{:?}", bad.history);
+    assert!(bad.error.contains("model = (missing)"), "{}", bad.error);
+}

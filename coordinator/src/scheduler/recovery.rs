@@ -150,11 +150,7 @@ impl Cluster {
             .filter(|e| e.admitted && e.job.state() == JobState::Pending)
             .map(|e| Waiting {
                 job: e.job.id.clone(),
-                world: e
-                    .job
-                    .spec
-                    .as_ref()
-                    .map_or(1, |s| s.workers.unwrap_or(1).max(1)) as usize,
+                world: e.spec.as_ref().map_or(1, |s| s.workers.max(1)) as usize,
             })
             .collect();
         let free = self.free_workers();
@@ -179,8 +175,7 @@ impl Cluster {
             if state_now != JobState::Recovering && state_now != JobState::Running {
                 continue;
             }
-            let spec = entry.job.spec.clone().unwrap_or_default();
-            let domain = match accrue_proto::spec_from_proto(&spec) {
+            let domain = match entry.spec.clone() {
                 Ok(d) => d,
                 // A stored spec this coordinator cannot read (one written
                 // before an incompatible upgrade): it can never re-form.
@@ -291,11 +286,12 @@ impl Cluster {
         let Some(entry) = self.jobs.get_mut(job_id) else {
             return;
         };
-        let spec = entry.job.spec.clone().unwrap_or_default();
-        let domain = match accrue_proto::spec_from_proto(&spec) {
+        let domain = match entry.spec.clone() {
             Ok(d) => d,
-            Err(e) => return self.fail(job_id, e.to_string(), now, fx),
+            Err(e) => return self.fail(job_id, e, now, fx),
         };
+        // The assignments carry the record's wire form.
+        let spec = entry.job.spec.clone().unwrap_or_default();
         let world = workers.len();
         // The mesh of this generation: whole replicas of pipeline x tensor
         // ranks, the data axis what the world leaves.

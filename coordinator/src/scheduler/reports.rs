@@ -356,11 +356,7 @@ impl Cluster {
         if e.peaks.0 == job.generation {
             job.peak_rss_bytes = e.peaks.1.clone();
         }
-        job.memory_estimate_bytes = job
-            .spec
-            .as_ref()
-            .and_then(|s| accrue_proto::spec_from_proto(s).ok())
-            .map_or(0, |s| s.memory_estimate().total());
+        job.memory_estimate_bytes = e.spec.as_ref().map_or(0, |s| s.memory_estimate().total());
         Some(job)
     }
 }

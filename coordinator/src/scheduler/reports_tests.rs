@@ -12,11 +12,10 @@ fn evaluations_are_taken_from_the_loss_owner() {
     for (i, w) in ["w0", "w1"].iter().enumerate() {
         attach(&mut c, w, i as u64 + 1, 0);
     }
-    let id = reply(&c.step(
-        Input::Submit {
-            spec: spec("pp", 2, "[parallel]\npipeline = 2"),
-            owner: String::new(),
-        },
+    let id = reply(&step_submit(
+        &mut c,
+        spec("pp", 2, "[parallel]\npipeline = 2"),
+        String::new(),
         0,
     ))
     .unwrap()

@@ -153,13 +153,7 @@ fn resume_refusals_name_the_reason_and_change_nothing() {
     };
     let e = resume(&mut c, "nope-3", Caller::Anyone).unwrap_err();
     assert_eq!(e.grpc_code(), tonic::Code::NotFound);
-    let fx = c.step(
-        Input::Submit {
-            spec: spec("a", 1, ""),
-            owner: "alice".into(),
-        },
-        0,
-    );
+    let fx = step_submit(&mut c, spec("a", 1, ""), "alice".into(), 0);
     let id = reply(&fx).unwrap().id;
     c.step(Input::Admit { job: id.clone() }, 0);
     let e = resume(&mut c, &id, Caller::Anyone).unwrap_err();
@@ -180,13 +174,7 @@ fn resume_refusals_name_the_reason_and_change_nothing() {
     assert_eq!(c.job(&id).unwrap(), &before);
     // Failed: not bob's, alice's (and admin's).
     let id = submit(&mut c, spec("b", 1, ""), 3);
-    let fx = c.step(
-        Input::Submit {
-            spec: spec("c", 1, ""),
-            owner: "alice".into(),
-        },
-        3,
-    );
+    let fx = step_submit(&mut c, spec("c", 1, ""), "alice".into(), 3);
     let alices = reply(&fx).unwrap().id;
     c.step(
         Input::Cancel {
@@ -290,13 +278,7 @@ fn a_checkpoint_folder_of_another_job_is_refused_at_submit() {
         1,
     );
     let refused = |c: &mut Cluster, s: v1::JobSpec| {
-        let fx = c.step(
-            Input::Submit {
-                spec: s,
-                owner: String::new(),
-            },
-            2,
-        );
+        let fx = step_submit(c, s, String::new(), 2);
         assert!(!fx.iter().any(|e| matches!(e, Effect::Save(_))), "{fx:?}");
         reply(&fx).unwrap_err()
     };

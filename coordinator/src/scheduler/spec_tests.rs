@@ -2,7 +2,7 @@
 //! field error, or run to a final state with every worker free afterwards;
 //! and a job wider than the cluster never blocks the queue.
 
-use super::tests::{attach_all, cluster, deliver, done, reply, spec, submit};
+use super::tests::{attach_all, cluster, deliver, done, reply, spec, step_submit, submit};
 use super::*;
 use proptest::prelude::*;
 
@@ -254,7 +254,7 @@ proptest! {
             apply(&mut p, ch);
         }
         let now = 10;
-        let job = match reply(&c.step(Input::Submit { spec: p, owner: String::new() }, now)) {
+        let job = match reply(&step_submit(&mut c, p, String::new(), now)) {
             Err(CoordError::InvalidArgument(msg)) => return assert_field_errors(&msg),
             Err(other) => return Err(TestCaseError::fail(format!("refused without a field: {other}"))),
             Ok(job) => job.id,
@@ -334,13 +334,7 @@ fn paths_outside_their_roots_are_refused_at_submit() {
             "a/../../data2/t",
         ),
     ] {
-        let fx = c.step(
-            Input::Submit {
-                spec: s,
-                owner: String::new(),
-            },
-            1,
-        );
+        let fx = step_submit(&mut c, s, String::new(), 1);
         let Err(CoordError::InvalidArgument(msg)) = reply(&fx) else {
             panic!("{field} = {value}: expected INVALID_ARGUMENT, got {fx:?}");
         };

@@ -45,13 +45,7 @@ fn each_generation_gets_its_own_derived_key() {
         attach(&mut c, w, i as u64 + 1, 0);
     }
     let spec = spec("j", 2, "");
-    let fx = c.step(
-        Input::Submit {
-            spec,
-            owner: String::new(),
-        },
-        0,
-    );
+    let fx = step_submit(&mut c, spec, String::new(), 0);
     let job = reply(&fx).unwrap().id;
     let mut fx2 = c.step(Input::Admit { job: job.clone() }, 0);
     fx2.extend(fx);
@@ -85,13 +79,7 @@ fn assignments_carry_each_ranks_mesh_coordinates() {
     for (i, w) in ["w0", "w1", "w2"].iter().enumerate() {
         attach(&mut c, w, i as u64 + 1, 0);
     }
-    let fx = c.step(
-        Input::Submit {
-            spec: spec("j", 2, ""),
-            owner: String::new(),
-        },
-        0,
-    );
+    let fx = step_submit(&mut c, spec("j", 2, ""), String::new(), 0);
     let job = reply(&fx).unwrap().id;
     let fx = c.step(Input::Admit { job: job.clone() }, 0);
     let coords: Vec<(u32, Option<v1::MeshCoords>)> = sends(&fx)
@@ -118,6 +106,27 @@ pub(super) fn spec(name: &str, workers: u32, extra: &str) -> v1::JobSpec {
     );
     let s = accrue_common::JobSpec::from_toml_str(&text, std::path::Path::new("t.toml")).unwrap();
     accrue_proto::spec_to_proto(&s)
+}
+
+/// A submission from the wire as the service makes it: the spec parsed at
+/// the edge ([`parse_spec`]; a refusal is the client's reply), then
+/// [`Input::Submit`].
+pub(super) fn step_submit(
+    c: &mut Cluster,
+    spec: v1::JobSpec,
+    owner: String,
+    now: i64,
+) -> Vec<Effect> {
+    match parse_spec(&spec) {
+        Ok(spec) => c.step(
+            Input::Submit {
+                spec: Box::new(spec),
+                owner,
+            },
+            now,
+        ),
+        Err(e) => vec![Effect::Reply(Err(e))],
+    }
 }
 
 pub(super) fn hello(id: &str) -> v1::WorkerHello {
@@ -155,15 +164,7 @@ pub(super) fn reply(fx: &[Effect]) -> Result<Job, CoordError> {
 
 /// Submits and admits a job; returns its id.
 pub(super) fn submit(c: &mut Cluster, s: v1::JobSpec, now: i64) -> String {
-    let id = reply(&c.step(
-        Input::Submit {
-            spec: s,
-            owner: String::new(),
-        },
-        now,
-    ))
-    .unwrap()
-    .id;
+    let id = reply(&step_submit(c, s, String::new(), now)).unwrap().id;
     c.step(Input::Admit { job: id.clone() }, now);
     id
 }
@@ -211,13 +212,7 @@ pub(super) fn interrupted(job: &str, generation: u64, rank: u32) -> WorkerMessag
 fn a_submission_waits_for_admission_and_can_be_taken_back() {
     let mut c = cluster();
     attach(&mut c, "w0", 1, 0);
-    let fx = c.step(
-        Input::Submit {
-            spec: spec("a", 1, ""),
-            owner: String::new(),
-        },
-        1,
-    );
+    let fx = step_submit(&mut c, spec("a", 1, ""), String::new(), 1);
     let job = reply(&fx).unwrap();
     assert_eq!(job.state(), JobState::Pending);
     assert!(sends(&fx).is_empty(), "not scheduled before it is durable");
@@ -232,14 +227,7 @@ fn a_submission_waits_for_admission_and_can_be_taken_back() {
     assert_eq!(fx, vec![Effect::Delete(job.id.clone())]);
     assert!(c.job(&job.id).is_none());
     // Ids are never reused.
-    let again = reply(&c.step(
-        Input::Submit {
-            spec: spec("a", 1, ""),
-            owner: String::new(),
-        },
-        4,
-    ))
-    .unwrap();
+    let again = reply(&step_submit(&mut c, spec("a", 1, ""), String::new(), 4)).unwrap();
     assert_ne!(again.id, job.id);
     let fx = c.step(
         Input::Admit {
@@ -266,14 +254,7 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
     let mut c = cluster();
     let mut s = spec("a", 1, "");
     s.data.as_mut().unwrap().batch_size = 0;
-    let e = reply(&c.step(
-        Input::Submit {
-            spec: s,
-            owner: String::new(),
-        },
-        0,
-    ))
-    .unwrap_err();
+    let e = reply(&step_submit(&mut c, s, String::new(), 0)).unwrap_err();
     assert!(
         matches!(&e, CoordError::InvalidArgument(m) if m.contains("data.batch_size")),
         "{e}"
@@ -281,14 +262,7 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
     // Defect 4: a name with markup (it broke the dashboard's HTML).
     let mut s = spec("a", 1, "");
     s.name = r#"evil"><script>alert(1)</script>"#.into();
-    let e = reply(&c.step(
-        Input::Submit {
-            spec: s,
-            owner: String::new(),
-        },
-        0,
-    ))
-    .unwrap_err();
+    let e = reply(&step_submit(&mut c, s, String::new(), 0)).unwrap_err();
     assert!(
         matches!(&e, CoordError::InvalidArgument(m) if m.contains("name = ")),
         "{e}"
@@ -310,13 +284,7 @@ fn bad_specs_and_worker_ids_are_refused_with_their_field() {
 fn every_write_carries_a_newer_version_and_only_the_newest_is_kept() {
     let mut c = cluster();
     attach(&mut c, "w0", 1, 0);
-    let fx = c.step(
-        Input::Submit {
-            spec: spec("a", 1, ""),
-            owner: String::new(),
-        },
-        0,
-    );
+    let fx = step_submit(&mut c, spec("a", 1, ""), String::new(), 0);
     let id = reply(&fx).unwrap().id;
     // Admission forms the job: one Save (the newest of the step).
     let fx = c.step(Input::Admit { job: id.clone() }, 1);
@@ -379,14 +347,7 @@ fn restored_jobs_keep_their_place_and_ids_continue() {
     assert_eq!(aborts(&fx), 0);
     c.step(Input::Tick, TTL + 1);
     assert_eq!(c.job("old-7").unwrap().state(), JobState::Running);
-    let next = reply(&c.step(
-        Input::Submit {
-            spec: spec("new", 1, ""),
-            owner: String::new(),
-        },
-        20,
-    ))
-    .unwrap();
+    let next = reply(&step_submit(&mut c, spec("new", 1, ""), String::new(), 20)).unwrap();
     assert_eq!(next.id, "new-8");
 }
 
@@ -472,7 +433,7 @@ proptest! {
                 Op::Lost(i) => Input::Lost { worker: w(i), conn: None, reason: "gone".into() },
                 Op::Detach(i) | Op::Step(i) | Op::Done(i, _) | Op::Interrupt(i) if c.worker(&w(i)).is_none() => Input::Tick,
                 Op::Detach(i) => Input::Message { worker: w(i), conn: conn_of(&c, &w(i)), msg: m(worker_message::Msg::Detach(v1::Detach { reason: "bye".into() })) },
-                Op::Submit(n) => Input::Submit { spec: spec("p", n, ""), owner: String::new() },
+                Op::Submit(n) => Input::Submit { spec: Box::new(parse_spec(&spec("p", n, "")).unwrap()), owner: String::new() },
                 Op::Admit => Input::Admit { job: pick(jobs.len().saturating_sub(1)) },
                 Op::Cancel(i) => Input::Cancel { job: pick(i), by: Caller::Anyone },
                 Op::Step(i) | Op::Done(i, _) | Op::Interrupt(i) => {
@@ -639,13 +600,7 @@ fn the_owner_cancels_its_job_admin_any_other_principals_none() {
     };
     let mut c = cluster();
     let job = |c: &mut Cluster, owner: &str| {
-        let fx = c.step(
-            Input::Submit {
-                spec: spec("a", 1, ""),
-                owner: owner.into(),
-            },
-            0,
-        );
+        let fx = step_submit(c, spec("a", 1, ""), owner.into(), 0);
         let j = reply(&fx).unwrap();
         assert_eq!(j.owner, owner);
         j.id

@@ -22,6 +22,7 @@ use crate::ringkey::RingMaster;
 use crate::scheduler::{self, Cluster, Effect, Input};
 use crate::store::{JobStore, WriteProgress};
 use accrue_common::spec::{confine_field, Area, LocalFs};
+use accrue_common::JobSpec;
 use accrue_proto::v1::{self, CoordinatorMessage, Job, JobEvent};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -442,14 +443,26 @@ impl Coordinator {
         if let Err(why) = self.store_health() {
             return Err(CoordError::StoreUnavailable(why));
         }
-        // A bad field (an over-long path among them) is refused before
-        // anything here reads the file system for the spec.
-        accrue_proto::spec_from_proto(&spec)
-            .map_err(|e| CoordError::InvalidArgument(e.to_string()))?;
+        // The one conversion of a submission: a bad field (an over-long
+        // path among them) is refused before anything here reads the file
+        // system for the spec.
+        let spec = scheduler::parse_spec(&spec)?;
+        self.submit_spec(spec, owner).await
+    }
+
+    /// [`Coordinator::submit_as`] for a spec already parsed and its fields
+    /// checked (a TOML submission, or one converted from the wire).
+    pub async fn submit_spec(&self, spec: JobSpec, owner: String) -> Result<Job, CoordError> {
+        if let Err(why) = self.store_health() {
+            return Err(CoordError::StoreUnavailable(why));
+        }
         self.check_local_paths(&spec).await?;
         self.check_owner_record(&spec).await?;
         let job = self
-            .handle(Input::Submit { spec, owner })
+            .handle(Input::Submit {
+                spec: Box::new(spec),
+                owner,
+            })
             .unwrap_or_else(|| Err(CoordError::Internal("submit decided nothing".into())))?;
         self.admit_when_durable(&job.id, "job", "was not created")
             .await?;
@@ -485,15 +498,12 @@ impl Coordinator {
 
     /// What the scheduler cannot see: where the spec's paths land on this
     /// host's file system (symlinks followed), off the runtime (the roots
-    /// may be network mounts). A spec that does not convert is left to the
-    /// scheduler, which names every bad field.
-    async fn check_local_paths(&self, spec: &v1::JobSpec) -> Result<(), CoordError> {
+    /// may be network mounts).
+    async fn check_local_paths(&self, spec: &JobSpec) -> Result<(), CoordError> {
         if self.cfg.roots.is_empty() {
             return Ok(());
         }
-        let Ok(domain) = accrue_proto::spec_from_proto(spec) else {
-            return Ok(());
-        };
+        let domain = spec.clone();
         let roots = self.cfg.roots.clone();
         tokio::task::spawn_blocking(move || domain.confined(&roots, &LocalFs).map(|_| ()))
             .await
@@ -506,14 +516,9 @@ impl Coordinator {
     /// (`OWNER.json`, see [`crate::ownership::check_record`]) is refused.
     /// Read off the runtime; a folder this host cannot see passes (the
     /// workers check the record again before they touch the folder).
-    async fn check_owner_record(&self, spec: &v1::JobSpec) -> Result<(), CoordError> {
+    async fn check_owner_record(&self, spec: &JobSpec) -> Result<(), CoordError> {
         use crate::ownership::{check_record, Folder, OWNER_FILE};
-        let Some(dir) = spec
-            .checkpoint
-            .as_ref()
-            .and_then(|c| c.dir.as_deref())
-            .map(std::path::Path::new)
-        else {
+        let Some(dir) = spec.checkpoint.dir.as_deref() else {
             return Ok(());
         };
         let lexical = self.with_cluster(|cl| cl.checkpoint_folder("", Some(dir)));
