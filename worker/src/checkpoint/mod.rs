@@ -25,7 +25,9 @@ mod write;
 
 pub use format::safetensors_bytes;
 use format::tensors_from;
-pub use write::{abandon_step, begin_step, claim, finish_step, write, write_on, write_part};
+pub use write::{
+    abandon_step, begin_step, claim, finish_step, latest_says, write, write_on, write_part,
+};
 
 use crate::error::{Error, Result, TorchContext};
 use disk::Disk;

@@ -235,7 +235,7 @@ fn write_step(
 }
 
 /// "LATEST still names step-N" (or that there is none), for errors.
-fn latest_says(dir: &Path) -> String {
+pub fn latest_says(dir: &Path) -> String {
     match std::fs::read_to_string(dir.join(LATEST)) {
         Ok(s) => format!("LATEST still names {}", s.trim()),
         Err(_) => "no LATEST yet".into(),

@@ -16,6 +16,7 @@
 //! rank to the newest committed state) and [`flat`] (tensors to and from
 //! flat host buffers). This file holds the engine and its set-up.
 
+mod commit;
 mod flat;
 mod graph;
 mod norm;

@@ -28,7 +28,6 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
 
-pub(super) mod checkpoint;
 mod plan;
 mod tied;
 mod wire;

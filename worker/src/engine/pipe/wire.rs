@@ -1,6 +1,5 @@
 //! What crosses between stages: tensors with a small i64 header of their
-//! shape and type, received on the caller's device through the group's;
-//! bytes (a stage's part of a checkpoint) as i64 words.
+//! shape and type, received on the caller's device through the group's.
 
 use crate::comm::collective::CollectiveError;
 use crate::comm::group::{Group, Pending, ReduceOp};
@@ -101,36 +100,4 @@ pub(super) fn recv_into(
         t.shallow_clone().f_copy_(&buffer).ctx(what)?;
     }
     Ok(())
-}
-
-/// Bytes over the pipeline group: their length, then the bytes in i64
-/// words (the group carries f32, bf16, f16 and i64).
-pub(super) fn send_bytes(g: &mut dyn Group, bytes: &[u8], to: usize) -> Result<()> {
-    let len = Tensor::f_from_slice(&[bytes.len() as i64]).ctx("sending a stage's part")?;
-    g.send(&len, to)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    let words = crate::comm::group::bytes_as_words(bytes).ctx("sending a stage's part")?;
-    g.send(&words, to)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)
-}
-
-pub(super) fn recv_bytes(g: &mut dyn Group, from: usize) -> Result<Vec<u8>> {
-    let len =
-        Tensor::f_zeros([1], (Kind::Int64, tch::Device::Cpu)).ctx("receiving a stage's part")?;
-    g.recv(&len, from)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    let n = len.int64_value(&[0]).max(0) as usize;
-    let words = Tensor::f_zeros([n.div_ceil(8) as i64], (Kind::Int64, tch::Device::Cpu))
-        .ctx("receiving a stage's part")?;
-    g.recv(&words, from)
-        .map_err(group_err)?
-        .wait()
-        .map_err(group_err)?;
-    crate::comm::group::words_as_bytes(&words, n).ctx("receiving a stage's part")
 }

@@ -3,10 +3,9 @@
 //! chunks of `model.init` and of a resumed checkpoint), gathered and
 //! released around each block's forward and backward (engine/recompute.rs
 //! runs the blocks), the next one prefetched beside the current one, and
-//! the checkpoints every rank writes (checkpoint.rs).
+//! the checkpoints every rank writes (engine/commit/).
 
 mod build;
-mod checkpoint;
 
 use build::chunks_of;
 pub(super) use build::{build, by_unit, check, shards};
