@@ -184,10 +184,10 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             data: s.parallel.data,
             pipeline: s.parallel.pipeline,
             tensor: s.parallel.tensor,
-            schedule: s.parallel.schedule.map_or(0, |k| k.to_proto().into()),
+            schedule: s.parallel.schedule.map_or(0, to_proto),
             stages_per_rank: s.parallel.stages_per_rank,
             layers_per_stage: s.parallel.layers_per_stage.clone().unwrap_or_default(),
-            balance: s.parallel.balance.map_or(0, |k| k.to_proto().into()),
+            balance: s.parallel.balance.map_or(0, to_proto),
         }),
         model: Some(model_to_proto(&s.model)),
         data: Some(v1::DataSpec {
@@ -253,14 +253,14 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
             connect_timeout_s: Some(s.comm.connect_timeout_s),
             bucket_cap_mb: Some(s.comm.bucket_cap_mb),
             rendezvous_timeout_s: Some(s.comm.rendezvous_timeout_s),
-            backend: s.comm.backend.to_proto().into(),
+            backend: to_proto(s.comm.backend),
         }),
         sharding: Some(v1::ShardingSpec {
             stage: s.sharding.stage,
             reshard_after_forward: s.sharding.reshard_after_forward,
             prefetch: s.sharding.prefetch,
         }),
-        precision: s.precision.to_proto().into(),
+        precision: to_proto(s.precision),
         loss_scaling: Some(v1::LossScalingSpec {
             init_scale: Some(s.loss_scaling.init_scale),
             growth_factor: Some(s.loss_scaling.growth_factor),
@@ -270,147 +270,91 @@ pub fn spec_to_proto(s: &JobSpec) -> v1::JobSpec {
         performance: Some(v1::PerformanceSpec {
             cuda_graphs: s.performance.cuda_graphs,
             cudnn_deterministic: s.performance.cudnn_deterministic,
-            activation_checkpointing: s
-                .performance
-                .activation_checkpointing
-                .map_or(0, |k| k.to_proto().into()),
+            activation_checkpointing: s.performance.activation_checkpointing.map_or(0, to_proto),
             checkpoint_every: s.performance.checkpoint_every,
         }),
     }
 }
 
-/// Converts and validates; the error names every bad field.
+/// A kind whose UNSPECIFIED is the TOML default.
+fn or_default<K: KindMap + Default>(raw: i32, e: &mut Vec<FieldError>) -> K {
+    from_proto(raw, Unspecified::Default(K::default()), K::default(), e)
+}
+
+/// A kind that may be absent: UNSPECIFIED is None; an unknown value is a
+/// field error (the first kind stands in).
+fn optional<K: KindMap>(raw: i32, e: &mut Vec<FieldError>) -> Option<K> {
+    (raw != 0).then(|| from_proto(raw, Unspecified::Required, K::ALL[0], e))
+}
+
 /// `[parallel]` from the wire: UNSPECIFIED and an empty list are absent.
 fn parallel_from_proto(q: &v1::ParallelSpec, e: &mut Vec<FieldError>) -> ParallelSpec {
     ParallelSpec {
         data: q.data,
         pipeline: q.pipeline,
         tensor: q.tensor,
-        schedule: (q.schedule != 0).then(|| {
-            from_proto(
-                q.schedule,
-                Unspecified::Default(PipelineSchedule::default()),
-                PipelineSchedule::default(),
-                e,
-            )
-        }),
+        schedule: optional(q.schedule, e),
         stages_per_rank: q.stages_per_rank,
         layers_per_stage: (!q.layers_per_stage.is_empty()).then(|| q.layers_per_stage.clone()),
-        balance: (q.balance != 0).then(|| {
-            from_proto(
-                q.balance,
-                Unspecified::Default(StageBalance::default()),
-                StageBalance::default(),
-                e,
-            )
-        }),
+        balance: optional(q.balance, e),
     }
 }
 
+/// Converts and validates; the error names every bad field. An absent
+/// section, like an absent field, takes the TOML defaults; present fields
+/// are kept as given (a 0 is refused by validation, never reinterpreted).
 pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
-    let mut missing = Vec::new();
-    let model = p.model.clone().unwrap_or_else(|| {
-        missing.push("model");
-        Default::default()
-    });
-    let data = p.data.clone().unwrap_or_else(|| {
-        missing.push("data");
-        Default::default()
-    });
-    let opt = p.optimizer.clone().unwrap_or_else(|| {
-        missing.push("optimizer");
-        Default::default()
-    });
+    let required = [
+        ("model", p.model.is_none()),
+        ("data", p.data.is_none()),
+        ("optimizer", p.optimizer.is_none()),
+    ];
+    let missing: Vec<FieldError> = required
+        .iter()
+        .filter(|(_, absent)| *absent)
+        .map(|(m, _)| FieldError {
+            field: (*m).into(),
+            value: "(missing)".into(),
+            allowed: "required".into(),
+        })
+        .collect();
     if !missing.is_empty() {
-        return Err(SpecErrors(
-            missing
-                .into_iter()
-                .map(|m| FieldError {
-                    field: m.into(),
-                    value: "(missing)".into(),
-                    allowed: "required".into(),
-                })
-                .collect(),
-        ));
+        return Err(SpecErrors(missing));
     }
+    let (model, data, opt) = (
+        p.model.clone().unwrap_or_default(),
+        p.data.clone().unwrap_or_default(),
+        p.optimizer.clone().unwrap_or_default(),
+    );
     let acc = p.accumulation.unwrap_or_default();
     let clip = p.clipping.unwrap_or_default();
     let sched = p.schedule.unwrap_or_default();
-    let ck_default = CheckpointSpec::default();
-    let ev_default = EvalSpec::default();
-    let comm_default = CommSpec::default();
-    let non_empty = |s: &str, d: &str| {
-        if s.is_empty() {
-            d.to_string()
-        } else {
-            s.to_string()
-        }
-    };
+    let ck = p.checkpoint.clone().unwrap_or_default();
+    let ev = p.eval.unwrap_or_default();
+    let comm = p.comm.unwrap_or_default();
+    let shard = p.sharding.unwrap_or_default();
+    let ls = p.loss_scaling.unwrap_or_default();
+    let perf = p.performance.unwrap_or_default();
+    let (ck_d, ev_d, comm_d, ls_d) = (
+        CheckpointSpec::default(),
+        EvalSpec::default(),
+        CommSpec::default(),
+        LossScalingSpec::default(),
+    );
     // Kind errors first (as from TOML); other errors come from validation.
     let mut kind_errors = Vec::new();
     let e = &mut kind_errors;
     let model_kind = from_proto(model.kind, Unspecified::Required, ModelKind::Mlp, e);
     let data_kind = from_proto(data.kind, Unspecified::Required, DataKind::Synthetic, e);
-    let normalize = from_proto(
-        acc.normalize,
-        Unspecified::Default(Normalize::default()),
-        Normalize::default(),
-        e,
-    );
-    let sync = from_proto(
-        acc.sync,
-        Unspecified::Default(SyncMode::default()),
-        SyncMode::default(),
-        e,
-    );
-    let on_nonfinite = from_proto(
-        clip.on_nonfinite,
-        Unspecified::Default(OnNonfinite::default()),
-        OnNonfinite::default(),
-        e,
-    );
-    // data.dtype: UNSPECIFIED is absent; an unknown value is refused.
-    let dtype = match v1::TokenDtype::try_from(data.dtype) {
-        Ok(v1::TokenDtype::Unspecified) => None,
-        _ => Some(from_proto(
-            data.dtype,
-            Unspecified::Required,
-            TokenDtype::U16,
-            e,
-        )),
-    };
+    let normalize = or_default(acc.normalize, e);
+    let sync = or_default(acc.sync, e);
+    let on_nonfinite = or_default(clip.on_nonfinite, e);
+    let dtype = optional(data.dtype, e);
     let optimizer_kind = from_proto(opt.kind, Unspecified::Required, OptimizerKind::Sgd, e);
-    let schedule_kind = from_proto(
-        sched.kind,
-        Unspecified::Default(ScheduleKind::default()),
-        ScheduleKind::default(),
-        e,
-    );
-    let comm_backend = from_proto(
-        p.comm.as_ref().map_or(0, |c| c.backend),
-        Unspecified::Default(CommBackend::default()),
-        CommBackend::default(),
-        e,
-    );
-    let activation_checkpointing = p
-        .performance
-        .as_ref()
-        .filter(|x| x.activation_checkpointing != 0)
-        .map(|x| {
-            from_proto(
-                x.activation_checkpointing,
-                Unspecified::Default(ActivationCheckpointing::default()),
-                ActivationCheckpointing::default(),
-                e,
-            )
-        });
-    let precision = from_proto(
-        p.precision,
-        Unspecified::Default(Precision::default()),
-        Precision::default(),
-        e,
-    );
-    let ls_default = LossScalingSpec::default();
+    let schedule_kind = or_default(sched.kind, e);
+    let comm_backend = or_default(comm.backend, e);
+    let activation_checkpointing = optional(perf.activation_checkpointing, e);
+    let precision = or_default(p.precision, e);
     let mut errors = Vec::new();
     let betas = match opt.betas.as_slice() {
         [] => None,
@@ -426,15 +370,17 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
     };
     let spec = JobSpec {
         name: p.name.clone(),
-        // Absent fields take the TOML defaults; present ones are kept as
-        // given (a 0 is refused by validation, never reinterpreted).
         workers: p.workers.unwrap_or(1),
         min_workers: p.min_workers,
         max_workers: p.max_workers,
         seed: p.seed,
         epochs: p.epochs,
         max_steps: p.max_steps,
-        device: non_empty(&p.device, "auto"),
+        device: if p.device.is_empty() {
+            "auto".into()
+        } else {
+            p.device.clone()
+        },
         threads: p.threads,
         max_skipped_fraction: p.max_skipped_fraction,
         parallel: p
@@ -497,60 +443,43 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
             gamma: sched.gamma,
             min_lr: sched.min_lr,
         },
-        checkpoint: match &p.checkpoint {
-            Some(c) => CheckpointSpec {
-                dir: c.dir.clone().map(PathBuf::from),
-                every_steps: c.every_steps,
-                keep: c.keep.unwrap_or(ck_default.keep),
-                max_shard_size: c
-                    .max_shard_size
-                    .clone()
-                    .unwrap_or(ck_default.max_shard_size.clone()),
-            },
-            None => ck_default,
+        checkpoint: CheckpointSpec {
+            dir: ck.dir.map(PathBuf::from),
+            every_steps: ck.every_steps,
+            keep: ck.keep.unwrap_or(ck_d.keep),
+            max_shard_size: ck.max_shard_size.unwrap_or(ck_d.max_shard_size),
         },
-        eval: match &p.eval {
-            Some(e) => EvalSpec {
-                every_epochs: e.every_epochs,
-                batch_size: e.batch_size.unwrap_or(ev_default.batch_size),
-                every_steps: e.every_steps,
-            },
-            None => ev_default,
+        eval: EvalSpec {
+            every_epochs: ev.every_epochs,
+            batch_size: ev.batch_size.unwrap_or(ev_d.batch_size),
+            every_steps: ev.every_steps,
         },
-        comm: match &p.comm {
-            Some(c) => CommSpec {
-                timeout_s: c.timeout_s.unwrap_or(comm_default.timeout_s),
-                connect_timeout_s: c
-                    .connect_timeout_s
-                    .unwrap_or(comm_default.connect_timeout_s),
-                bucket_cap_mb: c.bucket_cap_mb.unwrap_or(comm_default.bucket_cap_mb),
-                rendezvous_timeout_s: c
-                    .rendezvous_timeout_s
-                    .unwrap_or(comm_default.rendezvous_timeout_s),
-                backend: comm_backend,
-            },
-            None => comm_default,
+        comm: CommSpec {
+            timeout_s: comm.timeout_s.unwrap_or(comm_d.timeout_s),
+            connect_timeout_s: comm.connect_timeout_s.unwrap_or(comm_d.connect_timeout_s),
+            bucket_cap_mb: comm.bucket_cap_mb.unwrap_or(comm_d.bucket_cap_mb),
+            rendezvous_timeout_s: comm
+                .rendezvous_timeout_s
+                .unwrap_or(comm_d.rendezvous_timeout_s),
+            backend: comm_backend,
         },
         sharding: ShardingSpec {
-            stage: p.sharding.as_ref().map_or(0, |s| s.stage),
-            reshard_after_forward: p.sharding.as_ref().and_then(|s| s.reshard_after_forward),
-            prefetch: p.sharding.as_ref().and_then(|s| s.prefetch),
+            stage: shard.stage,
+            reshard_after_forward: shard.reshard_after_forward,
+            prefetch: shard.prefetch,
         },
         precision,
-        loss_scaling: match &p.loss_scaling {
-            Some(l) => LossScalingSpec {
-                init_scale: l.init_scale.unwrap_or(ls_default.init_scale),
-                growth_factor: l.growth_factor.unwrap_or(ls_default.growth_factor),
-                backoff_factor: l.backoff_factor.unwrap_or(ls_default.backoff_factor),
-                growth_interval: l.growth_interval.unwrap_or(ls_default.growth_interval),
-            },
-            None => ls_default,
+        loss_scaling: LossScalingSpec {
+            init_scale: ls.init_scale.unwrap_or(ls_d.init_scale),
+            growth_factor: ls.growth_factor.unwrap_or(ls_d.growth_factor),
+            backoff_factor: ls.backoff_factor.unwrap_or(ls_d.backoff_factor),
+            growth_interval: ls.growth_interval.unwrap_or(ls_d.growth_interval),
         },
         performance: PerformanceSpec {
-            cuda_graphs: p.performance.as_ref().and_then(|x| x.cuda_graphs),
-            cudnn_deterministic: p.performance.as_ref().and_then(|x| x.cudnn_deterministic),
+            cuda_graphs: perf.cuda_graphs,
+            cudnn_deterministic: perf.cudnn_deterministic,
             activation_checkpointing,
-            checkpoint_every: p.performance.as_ref().and_then(|x| x.checkpoint_every),
+            checkpoint_every: perf.checkpoint_every,
         },
     };
     let checked = merge_kind_errors(kind_errors, spec.validate_fields());
