@@ -222,7 +222,7 @@ impl<C: Collective> Engine<C> {
                 // The last stage's copy of a tied embedding gathers its
                 // gradient apart (engine/pipe/ sends it to the first).
                 crate::grads::define_grads(&model.shared)?;
-                tracing::info!(stage, stages = n, blocks = ?p.blocks, params = model.params.len(), "pipeline stage");
+                tracing::info!(stage, stages = n, chunks = ?p.chunks, params = model.params.len(), "pipeline stage");
                 if k < n {
                     // (P - 1) / (k + P - 1) of each window is the bubble.
                     let bubble = (n - 1) as f64 / (k + n - 1) as f64;
@@ -291,7 +291,7 @@ impl<C: Collective> Engine<C> {
         };
         let stage_blocks = pipe
             .as_ref()
-            .map(|p| (all_names.as_slice(), p.blocks.clone()));
+            .map(|p| (all_names.as_slice(), p.blocks()));
         let shards = zero3::shards(&spec, &model, built, stage_blocks)?;
         let placement = placement::Placed::new(
             spec.sharding.stage,

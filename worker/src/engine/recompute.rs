@@ -200,10 +200,10 @@ impl<C: Collective> Engine<C> {
         Ok(batch.count)
     }
 
-    /// A pipeline stage's blocks in segments: recomputed under activation
-    /// checkpointing, or ZeRO-3's one block a segment with their graphs
-    /// kept; None for neither.
-    pub(super) fn stage_recompute(&self, pipe: &super::pipe::Pipe) -> Option<Recompute> {
+    /// A pipeline rank's model chunk (`blocks`) in segments: recomputed
+    /// under activation checkpointing, or ZeRO-3's one block a segment
+    /// with their graphs kept; None for neither.
+    pub(super) fn stage_recompute(&self, blocks: Range<usize>) -> Option<Recompute> {
         let full =
             self.spec.performance.activation_checkpointing == Some(ActivationCheckpointing::Full);
         if !full && self.spec.sharding.stage != 3 {
@@ -214,7 +214,7 @@ impl<C: Collective> Engine<C> {
             false => 1,
         };
         Some(Recompute {
-            segments: split_range(pipe.blocks.clone(), every),
+            segments: split_range(blocks, every),
             shared: Vec::new(),
             keep: !full,
         })

@@ -5,35 +5,37 @@
 //! pipeline group (engine/trainer/pipeline.rs has the schedules; the
 //! family's `Staged` runs a stage's blocks).
 //!
-//! Transfers: a forward's output is sent with a small i64 header (its
-//! rank and dims) so the next stage needs no shape rules; its gradient
-//! comes back with the shape the sender knows (pipe/wire.rs). Sends are
-//! posted and waited for at the end of the window (the schedules are
-//! deadlock-free that way: `pipeline::simulate`), an activation's once the
-//! next stage's gradient for it has arrived. A tied embedding's two copies
+//! The window (pipe/window.rs) runs the rank's op list from the schedule:
+//! every transfer carries a small i64 header (what it is, for which chunk
+//! and micro-batch, its shape and type: pipe/channel.rs), so the receiver
+//! needs no shape rules and takes its own message whatever the order.
+//! Sends are posted and waited for later (the schedules are deadlock-free
+//! that way: `pipeline::simulate`), an activation's once the next chunk's
+//! gradient for it has arrived. Under interleaved 1F1B a rank holds V
+//! chunks of the model (`Pipe::chunks`). A tied embedding's two copies
 //! are kept in step by pipe/tied.rs. Every stage reads the micro-batch's indices; the
 //! first stage its inputs, the last its targets. Only the last stage counts
 //! loss terms and non-empty micro-batches; the sync step sums the tally
 //! over the stages before any division, so every stage divides by the same
 //! N.
 
-use super::recompute::Recompute;
-use super::trainer::pipeline::{rank_ops, Layout, PipeOp, PipeSchedule};
-use super::trainer::Op;
-use super::{Engine, StepReport};
+use super::trainer::pipeline::{Layout, PipeSchedule};
+use super::Engine;
 use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use std::collections::HashSet;
 use std::ops::Range;
-use std::time::{Duration, Instant};
-use tch::{Kind, Tensor};
+use std::time::Instant;
+use tch::Tensor;
 
+mod channel;
 mod plan;
 mod tied;
+mod window;
 mod wire;
 
 pub(in crate::engine) use plan::plan;
-use wire::{group_err, recv_into, recv_with_shape, send_with_shape, sum_over, Posted};
+use wire::{group_err, recv_with_shape, send_with_shape, sum_over};
 
 /// This rank's place in the pipeline.
 #[derive(Debug, Clone)]
@@ -41,8 +43,10 @@ pub(super) struct Pipe {
     pub stage: usize,
     pub stages: usize,
     pub schedule: PipeSchedule,
-    /// The family's blocks this stage runs.
-    pub blocks: Range<usize>,
+    /// The family's blocks of each model chunk this rank runs, in order:
+    /// its global chunks rank, P + rank, ... (one but for interleaved
+    /// 1F1B; chunk 0 holds the embedding, the last chunk the head).
+    pub chunks: Vec<Range<usize>>,
     /// A tied embedding: its name. The first stage trains it (embedding);
     /// the last uses a copy as its head, sends its gradient to the first
     /// before the data reduction and takes the updated values after the
@@ -58,290 +62,20 @@ impl Pipe {
     pub fn is_last(&self) -> bool {
         self.stage + 1 == self.stages
     }
+    /// P ranks of V chunks.
+    pub fn layout(&self) -> Layout {
+        Layout::new(self.stages, self.chunks.len())
+    }
+    /// The blocks from this rank's first chunk's start to its last's end:
+    /// all of them with one chunk (what ZeRO-3 in stages shards, which
+    /// interleaved 1F1B does not run with).
+    pub fn blocks(&self) -> Range<usize> {
+        let start = self.chunks.first().map_or(0, |c| c.start);
+        start..self.chunks.last().map_or(start, |c| c.end)
+    }
 }
-
-/// What a stage keeps of a micro-batch between its forward and backward.
-struct InFlight {
-    /// The stage's input (with its gradient after the backward; None on
-    /// the first stage).
-    input: Option<Tensor>,
-    /// The output to back-propagate the next stage's gradient through
-    /// (None on the last stage, which runs its backward with its forward,
-    /// as one process's micro-step does).
-    output: Option<Tensor>,
-    /// The output's posted sends to the next stage: complete once that
-    /// stage's gradient for this micro-batch has arrived (it needed them),
-    /// waited for then, so the activation's storage goes with the
-    /// backward instead of at the window's end.
-    sent: Vec<Posted>,
-    /// Activation checkpointing (or ZeRO-3's one block a segment): the
-    /// stage's segments, what their forward kept (each one's input, and
-    /// under ZeRO-3 without recomputing its output with its graph) and
-    /// packed rows' inputs.
-    kept: Option<Kept>,
-}
-
-/// What a stage run in segments keeps of a micro-batch's forward.
-type Kept = (Recompute, Vec<Tensor>, Option<Tensor>);
 
 impl<C: Collective> Engine<C> {
-    /// The whole window of a pipeline stage: the schedule's forwards and
-    /// backwards of its micro-batches, then the sync step.
-    pub(super) fn pipeline_window(&mut self) -> Result<StepReport> {
-        let pipe = self
-            .pipe
-            .clone()
-            .ok_or_else(|| Error::Schedule("a pipeline window on a job without stages".into()))?;
-        let started = Instant::now();
-        self.window.started = Some(started);
-        self.window.bytes_at_start = self.collective.bytes();
-        self.graph.zero_loss(self.device)?;
-        if let crate::cuda::graphs::Mode::Off(reason) = self.graph.mode().clone() {
-            self.window.eager_reason = Some(self.graph.holder.eager("micro-steps", &reason));
-        }
-        let micros: Vec<usize> = self
-            .step_schedule
-            .window(&self.plan, self.state.cursor as usize)
-            .into_iter()
-            .filter_map(|op| match op {
-                Op::Micro { index } => Some(index),
-                Op::Sync => None,
-            })
-            .collect();
-        // ZeRO-3 shards the parameters before the first forward; with
-        // gradients by unit the flat buffer stays unallocated.
-        self.shard_params()?;
-        if !self.zero3_by_unit {
-            self.placement.grads.restore(&self.model.params)?;
-        }
-        // The blocks in segments: activation checkpointing, or ZeRO-3.
-        let segmented = self.stage_recompute(&pipe);
-        let zero3 = segmented.as_ref().filter(|_| self.spec.sharding.stage == 3);
-        let layout = Layout::new(pipe.stages, 1);
-        let ops = rank_ops(pipe.schedule, &layout, pipe.stage, micros.len());
-        let mut flight: Vec<Option<InFlight>> = (0..micros.len()).map(|_| None).collect();
-        let mut sends: Vec<Posted> = Vec::new();
-        let (mut bubble, mut transfer) = (Duration::ZERO, Duration::ZERO);
-        let summed = self.spec.accumulation.normalize == crate::spec::Normalize::GlobalCount;
-        // sync = every_step: each micro-batch's gradients are reduced over
-        // the stage's data group where its backward ends on this stage
-        // (the last stage's inside its forward), an empty micro-batch's
-        // too, so every replica of a stage reduces at the same ops.
-        let every = self.spec.accumulation.sync == crate::spec::SyncMode::EveryStep;
-        let packed = self.spec.data.pack;
-        for op in ops {
-            match op {
-                PipeOp::Forward { micro, .. } => {
-                    let (a, b) = self.plan.micro_batch_range(micros[micro]);
-                    if b == a {
-                        // ZeRO-3: the stage's other data ranks gather
-                        // (and reduce) unit by unit meanwhile; this one
-                        // takes part (its backward's share at the
-                        // micro-batch's backward, on the last stage now).
-                        match zero3 {
-                            Some(rc) if pipe.is_last() => self.zero3_empty_micro_step(rc)?,
-                            Some(rc) => self.zero3_empty_forward(&rc.segments)?,
-                            None => {}
-                        }
-                        if every && pipe.is_last() {
-                            self.pipeline_reduce_micro()?;
-                        }
-                        continue;
-                    }
-                    let idx = self.micro_batch_indices(a, b)?;
-                    // Packed rows: every stage reads the rows' positions.
-                    let batch = if pipe.is_first() || pipe.is_last() || packed {
-                        Some(self.train.batch(&idx)?)
-                    } else {
-                        None
-                    };
-                    let input = if pipe.is_first() {
-                        None
-                    } else {
-                        let t = Instant::now();
-                        let g = self.collective.pipeline_group()?;
-                        let x = recv_with_shape(g, pipe.stage - 1, self.device)?;
-                        bubble += t.elapsed();
-                        Some(x.set_requires_grad(true))
-                    };
-                    let x = match (&input, &batch) {
-                        (Some(x), _) => x.shallow_clone(),
-                        (None, Some(b)) => b.inputs.shallow_clone(),
-                        (None, None) => unreachable!("the first stage reads its batch"),
-                    };
-                    // Activation checkpointing: the stage's blocks in
-                    // segments, recomputed in the backward; ZeRO-3: one
-                    // block a segment, each gathered (recompute.rs).
-                    if let Some(rc) = &segmented {
-                        let inputs = batch
-                            .as_ref()
-                            .filter(|_| packed)
-                            .map(|b| b.inputs.shallow_clone());
-                        let (output, sent, kept) = if pipe.is_last() {
-                            let batch = batch.ok_or_else(|| {
-                                Error::Schedule("the last stage reads its batch".into())
-                            })?;
-                            self.recompute_last(&batch, self.micro_scale(), rc, x)?;
-                            self.window.count += batch.count;
-                            self.window.batches += 1;
-                            if every {
-                                self.pipeline_reduce_micro()?;
-                            }
-                            (None, Vec::new(), None)
-                        } else {
-                            let (out, saved) =
-                                self.forward_segments(rc.keep, &rc.segments, x, inputs.as_ref())?;
-                            let t = Instant::now();
-                            let g = self.collective.pipeline_group()?;
-                            let detached = out.f_detach().ctx("sending an activation")?;
-                            let sent = send_with_shape(g, detached, pipe.stage + 1)?;
-                            transfer += t.elapsed();
-                            (Some(out), sent, Some((rc.clone(), saved, inputs)))
-                        };
-                        flight[micro] = Some(InFlight {
-                            input,
-                            output,
-                            sent,
-                            kept,
-                        });
-                        if let Some(d) = self.opts.micro_step_delay {
-                            std::thread::sleep(d);
-                        }
-                        continue;
-                    }
-                    // precision = bf16 | fp16: the forward and the loss
-                    // under autocast, as one process's micro-step.
-                    let mut autocast = crate::cuda::amp::Autocast::enter_with(
-                        self.device,
-                        self.spec.precision,
-                        true,
-                    )?;
-                    let staged = self.model.staged().ok_or_else(|| {
-                        Error::Schedule("this model does not run in pipeline stages".into())
-                    })?;
-                    let inputs = batch.as_ref().filter(|_| packed).map(|b| &b.inputs);
-                    let out = staged.stage_forward_with(&x, pipe.blocks.clone(), inputs)?;
-                    let mut sent = Vec::new();
-                    let output = if pipe.is_last() {
-                        // The head (a Headed model's stage ends at its
-                        // features), the loss and its backward, as one
-                        // process's micro-step computes them.
-                        let batch = batch.ok_or_else(|| {
-                            Error::Schedule("the last stage reads its batch".into())
-                        })?;
-                        let loss_sum = if summed && self.head_loss_applies() {
-                            self.head_loss_of(&out, &batch, false)?
-                        } else {
-                            let logits = self.stage_logits(out)?;
-                            // fp16: the backward of loss * scale / k, as
-                            // GradScaler's scaler.scale(loss / k).
-                            self.loss_backward(
-                                &logits,
-                                &batch,
-                                self.micro_scale(),
-                                autocast.take(),
-                            )?
-                        };
-                        self.graph.add_loss(&loss_sum)?;
-                        self.window.count += batch.count;
-                        self.window.batches += 1;
-                        if every {
-                            self.pipeline_reduce_micro()?;
-                        }
-                        None
-                    } else {
-                        drop(autocast);
-                        let t = Instant::now();
-                        let g = self.collective.pipeline_group()?;
-                        let detached = out.f_detach().ctx("sending an activation")?;
-                        sent = send_with_shape(g, detached, pipe.stage + 1)?;
-                        transfer += t.elapsed();
-                        Some(out)
-                    };
-                    flight[micro] = Some(InFlight {
-                        input,
-                        output,
-                        sent,
-                        kept: None,
-                    });
-                    // Fault-injection tests: a micro-step that lasts.
-                    if let Some(d) = self.opts.micro_step_delay {
-                        std::thread::sleep(d);
-                    }
-                }
-                PipeOp::Backward { micro, .. } => {
-                    let f = flight[micro].take();
-                    // ZeRO-3: an empty micro-batch's share of its stage's
-                    // backward collectives (the last stage's ran above).
-                    if let (None, Some(rc), false) = (&f, zero3, pipe.is_last()) {
-                        self.zero3_empty_backward(&rc.segments)?;
-                    }
-                    if let Some(f) = f {
-                        // The last stage's backward ran with its forward.
-                        if let Some(output) = &f.output {
-                            let grad = output.f_zeros_like().ctx("receiving a gradient")?;
-                            let t = Instant::now();
-                            let g = self.collective.pipeline_group()?;
-                            recv_into(g, &grad, pipe.stage + 1, "receiving a gradient")?;
-                            bubble += t.elapsed();
-                            // The next stage computed this gradient from
-                            // the activation: its sends are complete.
-                            for (posted, _activation) in f.sent {
-                                posted.wait().map_err(group_err)?;
-                            }
-                            // backward(grad): the backward of sum(output * grad),
-                            // whose gradient at the output is `grad` exactly
-                            // (recomputed first under activation checkpointing).
-                            match f.kept {
-                                Some((rc, saved, inputs)) => self.backward_segments(
-                                    rc.keep,
-                                    &rc.segments,
-                                    saved,
-                                    grad,
-                                    inputs.as_ref(),
-                                )?,
-                                None => output
-                                    .f_mul(&grad)
-                                    .and_then(|y| y.f_sum(Kind::Float))
-                                    .and_then(|y| y.f_backward())
-                                    .ctx("running backward")?,
-                            }
-                        }
-                        if let Some(x) = f.input {
-                            let t = Instant::now();
-                            let g = self.collective.pipeline_group()?;
-                            let g_in =
-                                x.grad().f_to_device(g.device()).ctx("sending a gradient")?;
-                            sends.push((g.send(&g_in, pipe.stage - 1).map_err(group_err)?, g_in));
-                            transfer += t.elapsed();
-                        }
-                    }
-                    if every {
-                        // A tied head's gradient of this micro-batch joins
-                        // the embedding's before the first stage reduces.
-                        self.pipeline_tied_micro(&mut sends)?;
-                        if !pipe.is_last() {
-                            self.pipeline_reduce_micro()?;
-                        }
-                    }
-                }
-                // (The transfers run inside the forwards and backwards.)
-                _ => {}
-            }
-        }
-        let t = Instant::now();
-        for (s, _keep) in sends {
-            s.wait().map_err(group_err)?;
-        }
-        transfer += t.elapsed();
-        self.window.micro += micros.len();
-        self.state.micro_step += micros.len() as u64;
-        self.window.bubble += bubble;
-        self.window.transfer += transfer;
-        self.window.compute += started.elapsed().saturating_sub(bubble + transfer);
-        self.sync_step()
-    }
-
     /// The model's output from the last stage's: a headed model's stage
     /// ends at its features, the head makes the logits.
     pub(super) fn stage_logits(&self, out: Tensor) -> Result<Tensor> {
@@ -490,25 +224,32 @@ impl<C: Collective> Engine<C> {
             if let Some(b) = &batch {
                 read = Some(read.unwrap_or(0) + b.count);
             }
-            let x = match &batch {
-                Some(b) if pipe.is_first() => b.inputs.shallow_clone(),
-                _ => {
-                    let device = self.device;
-                    recv_with_shape(self.collective.pipeline_group()?, pipe.stage - 1, device)?
-                }
-            };
-            let inputs = batch.as_ref().filter(|_| packed).map(|b| &b.inputs);
-            let out = self.blocks_forward(&x, pipe.blocks.clone(), inputs)?;
-            if pipe.is_last() {
-                let batch = batch
-                    .as_ref()
-                    .ok_or_else(|| Error::Schedule("the last stage reads its batch".into()))?;
-                let logits = self.stage_logits(out)?;
-                sums.add(self.objective.evaluate(&logits, batch)?);
-            } else {
-                let g = self.collective.pipeline_group()?;
-                for (p, _keep) in send_with_shape(g, out, pipe.stage + 1)? {
-                    p.wait().map_err(group_err)?;
+            // Through the chunks in order: rank 0's chunk 0, rank 1's
+            // chunk 1, ..., rank 0's chunk P, ... (one at a time, so each
+            // channel's messages come in order).
+            let layout = pipe.layout();
+            for (v, blocks) in pipe.chunks.iter().enumerate() {
+                let chunk = layout.global(pipe.stage, v);
+                let x = match &batch {
+                    Some(b) if chunk == 0 => b.inputs.shallow_clone(),
+                    _ => {
+                        let (device, from) = (self.device, layout.rank_of(chunk - 1));
+                        recv_with_shape(self.collective.pipeline_group()?, from, device)?
+                    }
+                };
+                let inputs = batch.as_ref().filter(|_| packed).map(|b| &b.inputs);
+                let out = self.blocks_forward(&x, blocks.clone(), inputs)?;
+                if layout.is_last(chunk) {
+                    let batch = batch
+                        .as_ref()
+                        .ok_or_else(|| Error::Schedule("the last stage reads its batch".into()))?;
+                    let logits = self.stage_logits(out)?;
+                    sums.add(self.objective.evaluate(&logits, batch)?);
+                } else {
+                    let g = self.collective.pipeline_group()?;
+                    for (p, _keep) in send_with_shape(g, out, layout.rank_of(chunk + 1))? {
+                        p.wait().map_err(group_err)?;
+                    }
                 }
             }
             start += len;

@@ -69,7 +69,8 @@ fn unit_costs(
 }
 
 /// The stage of `model` for `stage` of `stages`, and the parameter names
-/// it trains (its blocks', and the tied embedding on the last stage).
+/// it trains (its chunks' blocks', and the tied embedding on the last
+/// stage).
 pub(in crate::engine) fn plan(
     spec: &crate::spec::JobSpec,
     params: &[(String, Vec<i64>)],
@@ -121,38 +122,62 @@ pub(in crate::engine) fn plan(
     } else {
         "layers"
     };
-    let split = crate::family::stage_units(
-        &sizes,
-        stages,
-        spec.parallel.layers_per_stage.as_deref(),
-        what,
-    )?;
-    let mine = &split[stage];
-    let range = units[mine.start].start..units[mine.end - 1].end;
-    let train: HashSet<String> = blocks[range.clone()]
-        .iter()
-        .flat_map(|b| b.params.iter().cloned())
-        .collect();
     let schedule = match spec.parallel.schedule.unwrap_or_default() {
         crate::spec::PipelineSchedule::OneFOneB => PipeSchedule::OneFOneB,
         crate::spec::PipelineSchedule::GPipe => PipeSchedule::GPipe,
-        crate::spec::PipelineSchedule::Interleaved1F1B => {
-            return Err(crate::error::Error::Schedule(
-                "parallel.schedule = \"interleaved_1f1b\": this worker runs 1f1b and gpipe only"
-                    .into(),
-            ))
-        }
+        crate::spec::PipelineSchedule::Interleaved1F1B => PipeSchedule::Interleaved1F1B,
     };
+    // V chunks a rank (interleaved 1F1B): the units cut into P x V
+    // chunks of equal count (or by layers_per_stage), chunk c on rank
+    // c mod P.
+    let per_rank = match schedule {
+        PipeSchedule::Interleaved1F1B => spec.parallel.stages_per_rank.unwrap_or(1).max(1) as usize,
+        _ => 1,
+    };
+    let split = if per_rank > 1 && spec.parallel.layers_per_stage.is_none() {
+        even_chunks(units.len(), stages * per_rank, what)?
+    } else {
+        crate::family::stage_units(
+            &sizes,
+            stages * per_rank,
+            spec.parallel.layers_per_stage.as_deref(),
+            what,
+        )?
+    };
+    let layout = crate::engine::trainer::pipeline::Layout::new(stages, per_rank);
+    let chunks: Vec<Range<usize>> = (0..per_rank)
+        .map(|v| {
+            let mine = &split[layout.global(stage, v)];
+            units[mine.start].start..units[mine.end - 1].end
+        })
+        .collect();
+    let train: HashSet<String> = chunks
+        .iter()
+        .flat_map(|r| &blocks[r.clone()])
+        .flat_map(|b| b.params.iter().cloned())
+        .collect();
     Ok((
         Pipe {
             stage,
             stages,
             schedule,
-            blocks: range,
+            chunks,
             tied: tied.filter(|_| stages > 1),
         },
         train,
     ))
+}
+
+/// `units` units in `chunks` chunks of equal count (the spec's check
+/// refused any other count).
+fn even_chunks(units: usize, chunks: usize, what: &str) -> Result<Vec<Range<usize>>> {
+    if chunks == 0 || units % chunks != 0 {
+        return Err(crate::error::Error::Schedule(format!(
+            "{units} {what} do not cut into {chunks} chunks of equal size"
+        )));
+    }
+    let each = units / chunks;
+    Ok((0..chunks).map(|c| c * each..(c + 1) * each).collect())
 }
 
 #[cfg(test)]
@@ -200,9 +225,36 @@ pipeline = 2
             .collect()
     }
 
+    /// Interleaved 1F1B, P = 2, V = 2 on the 4-layer Llama: 4 chunks of
+    /// one layer (blocks: 0 the embedding, 1..=4 the layers, 5 the norm
+    /// and head); rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3 with
+    /// the tied head; layers_per_stage = [1, 1, 1, 1] cuts the same.
+    #[test]
+    fn interleaved_ranks_hold_every_pth_chunk() {
+        let s = spec("schedule = \"interleaved_1f1b\"\nstages_per_rank = 2", true);
+        let all = shapes(&s);
+        let (zero, names) = plan(&s, &all, 0, 2).unwrap();
+        assert_eq!(zero.chunks, vec![0..2, 3..4]);
+        assert_eq!(zero.schedule, PipeSchedule::Interleaved1F1B);
+        assert!(names.contains("model.embed_tokens.weight"));
+        assert!(names.contains("model.layers.2.mlp.up_proj.weight"));
+        assert!(!names.contains("model.layers.1.mlp.up_proj.weight"));
+        let (one, _) = plan(&s, &all, 1, 2).unwrap();
+        assert_eq!(one.chunks, vec![2..3, 4..6]);
+        assert_eq!(one.tied.as_deref(), Some("model.embed_tokens.weight"));
+        let s = spec(
+            "schedule = \"interleaved_1f1b\"\nstages_per_rank = 2\nlayers_per_stage = [1, 1, 1, 1]",
+            false,
+        );
+        assert_eq!(
+            plan(&s, &shapes(&s), 1, 2).unwrap().0.chunks,
+            vec![2..3, 4..6]
+        );
+    }
+
     fn first_stage_blocks(balance: &str, tied: bool) -> Range<usize> {
         let s = spec(balance, tied);
-        plan(&s, &shapes(&s), 0, 2).unwrap().0.blocks
+        plan(&s, &shapes(&s), 0, 2).unwrap().0.blocks()
     }
 
     /// By parameters the embedding weighs as much as the head: 2 + 2

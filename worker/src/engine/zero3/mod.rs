@@ -24,7 +24,7 @@ impl<C: Collective> Engine<C> {
     /// (In a pipeline stage the units are the stage's blocks, from its
     /// first.)
     pub(super) fn units_of(&self, blocks: Range<usize>, tied_head: bool) -> Vec<usize> {
-        let first = self.pipe.as_ref().map_or(0, |p| p.blocks.start);
+        let first = self.pipe.as_ref().map_or(0, |p| p.blocks().start);
         let mut u: Vec<usize> = blocks.map(|b| b.saturating_sub(first)).collect();
         if tied_head && !u.contains(&0) {
             u.push(0);
