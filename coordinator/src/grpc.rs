@@ -65,17 +65,9 @@ impl v1::job_service_server::JobService for JobApi {
             .get::<Principal>()
             .map(|p| p.name.clone())
             .unwrap_or_default();
-        let coordinator = self.0.get()?;
+        let spec = submitted_spec(req.into_inner())?;
         // Answers once the job is durable (bounded; UNAVAILABLE otherwise).
-        let job = match req.into_inner() {
-            // The structured spec: converted once, here.
-            v1::SubmitJobRequest {
-                spec: Some(spec),
-                spec_toml,
-            } if spec_toml.is_empty() => coordinator.submit_as(spec, owner).await?,
-            r => coordinator.submit_spec(submitted_toml(r)?, owner).await?,
-        };
-        Ok(Response::new(job))
+        Ok(Response::new(self.0.get()?.submit_spec(spec, owner).await?))
     }
     async fn get_job(&self, req: Request<v1::GetJobRequest>) -> Result<Response<Job>, Status> {
         Ok(Response::new(self.0.get()?.job(&req.into_inner().id)?))
@@ -130,17 +122,16 @@ impl v1::job_service_server::JobService for JobApi {
     }
 }
 
-/// The spec of a SubmitJob without a structured one: the TOML text parsed
-/// and checked as `accrue submit` checks a file (its fields; the
-/// coordinator's own checks follow).
-fn submitted_toml(r: v1::SubmitJobRequest) -> Result<accrue_common::JobSpec, CoordError> {
+/// The spec of a SubmitJob, parsed once here at the edge: the structured
+/// one converted from the wire, or the TOML text parsed and checked as
+/// `accrue submit` checks a file (its fields; the coordinator's own checks
+/// follow for both).
+fn submitted_spec(r: v1::SubmitJobRequest) -> Result<accrue_common::JobSpec, CoordError> {
     match (r.spec, r.spec_toml.is_empty()) {
         (Some(_), false) => Err(CoordError::InvalidArgument(
             "spec and spec_toml are both set: give one".into(),
         )),
-        (Some(_), true) => Err(CoordError::Internal(
-            "a structured spec is submitted as such".into(),
-        )),
+        (Some(spec), true) => crate::scheduler::parse_spec(&spec),
         (None, false) => {
             let origin = std::path::Path::new("spec_toml");
             accrue_common::JobSpec::fields_from_toml_str(&r.spec_toml, origin)
