@@ -86,6 +86,8 @@ spec_enum!(
         /// MistralForCausalLM: Llama with a sliding attention window
         /// (issue 39).
         Mistral = "mistral",
+        /// Qwen3ForCausalLM: Llama with per-head RMSNorms on q and k.
+        Qwen3 = "qwen3",
     }
 );
 

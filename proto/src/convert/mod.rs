@@ -54,6 +54,7 @@ kind_map!(ModelKind, ModelKind, {
     Llama <=> Llama,
     Qwen2 <=> Qwen2,
     Mistral <=> Mistral,
+    Qwen3 <=> Qwen3,
 });
 kind_map!(DataKind, DataKind, {
     Mnist <=> Mnist,

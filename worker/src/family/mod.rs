@@ -19,6 +19,7 @@ mod mlp;
 pub mod model;
 mod plan;
 mod qwen2;
+mod qwen3;
 mod resnet;
 mod stage_build;
 pub mod tensor;
@@ -247,6 +248,7 @@ static FAMILIES: &[&dyn Family] = &[
     &llama::Llama,
     &qwen2::QWEN2,
     &mistral::MISTRAL,
+    &qwen3::QWEN3,
 ];
 
 /// The family that builds `kind`.

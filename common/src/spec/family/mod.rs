@@ -19,6 +19,7 @@ mod llama;
 mod mistral;
 mod mlp;
 mod qwen2;
+mod qwen3;
 mod resnet;
 mod torchscript;
 
@@ -111,6 +112,7 @@ registry! {
     llama::Llama { llama: llama::LlamaSpec },
     qwen2::QWEN2,
     mistral::MISTRAL,
+    qwen3::QWEN3,
 }
 
 /// A model's size as the memory estimate counts it.

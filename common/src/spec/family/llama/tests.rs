@@ -388,12 +388,12 @@ fn transformers_resolves(configs: &[serde_json::Value]) -> Vec<serde_json::Value
 import json, sys
 import transformers
 transformers.logging.set_verbosity_error()
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import CONFIG_MAPPING
 assert transformers.__version__ == "5.24.0", transformers.__version__
-classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 out = []
 for d in json.load(sys.stdin):
-    c = classes[d.get("model_type", "llama")].from_dict(d)
+    # The config class of the file's model_type, as AutoConfig picks it.
+    c = CONFIG_MAPPING[d.get("model_type", "llama")].from_dict(d)
     r = c.rope_parameters
     # Qwen2's and Mistral's configs have no bias switches (fixed by the
     # class) and may have no head_dim (hidden / heads then).
@@ -545,6 +545,15 @@ fn hf_config_fields_resolve_as_transformers_resolves_them() {
         (
             "another head width (Mistral Nemo's kind)",
             json!({"head_dim": 16}),
+        ),
+        (
+            "qwen3's defaults (head_dim 128, 32 kv heads, 32768 positions)",
+            json!({"model_type": "qwen3", "num_attention_heads": 32, "hidden_size": 64}),
+        ),
+        (
+            "qwen3 with its head width and biases, without a window",
+            json!({"model_type": "qwen3", "head_dim": 16, "attention_bias": true,
+            "use_sliding_window": false, "sliding_window": 64, "num_key_value_heads": 2}),
         ),
     ];
     // (what accrue does not implement, keys added, transformers' field
