@@ -45,7 +45,7 @@ fn spec(extra: &str) -> ModelSpec {
     spec_of("llama", extra)
 }
 
-/// [`spec`] of another decoder kind (qwen2, mistral).
+/// [`spec`] of another decoder kind (qwen2, mistral, qwen3).
 fn spec_of(kind: &str, extra: &str) -> ModelSpec {
     toml::from_str(&format!(
         "kind = \"{kind}\"\nvocab_size = {VOCAB}\nhidden_size = 32\nintermediate_size = 64\n\
@@ -147,6 +147,12 @@ fn llama_equals_transformers_llama_for_causal_lm() {
         // q_proj 32 -> 4 x 16.
         ("head_dim", "config = head_dim 16 (hidden 32, 4 heads)"),
         ("mistral", "kind = mistral, sliding_window = 4"),
+        // Qwen3: per-head q/k norms, its own head width (16 against
+        // 32 / 4 = 8), grouped-query attention and attention biases.
+        (
+            "qwen3",
+            "kind = qwen3, head_dim 16, 2 kv heads, attention_bias",
+        ),
     ];
     let mut cases = Vec::new();
     for (i, (name, extra)) in variants.into_iter().enumerate() {
@@ -171,7 +177,7 @@ fn llama_equals_transformers_llama_for_causal_lm() {
             let spec = spec(&format!("config = \"{}\"", file.display()));
             assert_eq!(LlamaConfig::resolve(&spec).unwrap().head_dim(), 16);
             spec
-        } else if name == "qwen2" || name == "mistral" {
+        } else if name == "qwen2" || name == "mistral" || name == "qwen3" {
             let mut json = LlamaConfig::resolve(&spec("")).unwrap().to_hf_json();
             let o = json.as_object_mut().unwrap();
             o.remove("attention_bias");
@@ -181,6 +187,11 @@ fn llama_equals_transformers_llama_for_causal_lm() {
                 o.insert("sliding_window".into(), 4.into());
             } else {
                 o.insert("use_sliding_window".into(), false.into());
+            }
+            if name == "qwen3" {
+                o.insert("head_dim".into(), 16.into());
+                o.insert("num_key_value_heads".into(), 2.into());
+                o.insert("attention_bias".into(), true.into());
             }
             let file = tmp.path().join(format!("{name}-config.json"));
             std::fs::write(&file, serde_json::to_vec(&json).unwrap()).unwrap();
@@ -255,7 +266,7 @@ fn llama_equals_transformers_llama_for_causal_lm() {
     }
     let list: Vec<serde_json::Value> = cases
         .iter()
-        .map(|c| serde_json::json!({"dir": c.dir, "bf16": c.name == "gqa"}))
+        .map(|c| serde_json::json!({"dir": c.dir, "bf16": c.name == "gqa" || c.name == "qwen3"}))
         .collect();
     let list_path = tmp.path().join("cases.json");
     std::fs::write(&list_path, serde_json::to_vec(&list).unwrap()).unwrap();
@@ -279,6 +290,7 @@ fn llama_equals_transformers_llama_for_causal_lm() {
         let class = match name {
             "qwen2" => "Qwen2ForCausalLM",
             "mistral" => "MistralForCausalLM",
+            "qwen3" => "Qwen3ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         assert_eq!(report["class"], class, "{name}");
@@ -374,7 +386,7 @@ fn llama_equals_transformers_llama_for_causal_lm() {
                 "{name}: gradient of {n} from the sharded folder differs by {d}"
             );
         }
-        if name == "gqa" {
+        if name == "gqa" || name == "qwen3" {
             bf16_equals_autocast(&case.model, &case.dir, &ids, &targets);
         }
     }
@@ -430,7 +442,9 @@ fn bf16_equals_autocast(model: &Model, dir: &Path, ids: &Tensor, targets: &Tenso
         assert!(d <= TOL, "bf16: gradient of {n} differs by {d}");
         worst = worst.max(d);
     }
-    eprintln!("gqa under bf16 autocast: loss {got:.6} (torch.autocast {want:.6}), logits within {d:.1e}, gradients within {worst:.1e}");
+    // The case's folder is named after it.
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    eprintln!("{name} under bf16 autocast: loss {got:.6} (torch.autocast {want:.6}), logits within {d:.1e}, gradients within {worst:.1e}");
 }
 
 /// The probe: token ids in, `[2, T, vocab]` out; a model built for other

@@ -542,6 +542,13 @@ fn step_folders_tell_transformers_where_text_ends() {
     }
 }
 
+/// Qwen3's step folder, sharded: transformers loads it as
+/// Qwen3ForCausalLM with accrue's tensors (its q/k norms included).
+#[test]
+fn qwen3_step_folder_loads_in_transformers() {
+    hub_folder_of("qwen3", "Qwen3ForCausalLM", "4KB");
+}
+
 fn hub_folder_of(kind: &str, class: &str, max_shard_size: &str) {
     let dir = TempDir::new().unwrap();
     let d = dir.path();
@@ -677,78 +684,102 @@ fn qwen2_mistral_and_llama3_at_two_ranks_equal_transformers_ddp() {
         ),
         ("llama", "llama", llama3),
     ] {
-        let dir = TempDir::new().unwrap();
-        let d = dir.path();
-        let mut cfg = config();
-        cfg["modes"] = serde_json::json!(["global_count"]);
-        cfg["model_type"] = model_type.into();
-        for (k, v) in extra.as_object().unwrap() {
-            cfg["model"][k] = v.clone();
-        }
-        run_script("prepare", d, &cfg);
-        let py = python();
-        let mut ddp = Torchrun::start(
-            &py,
-            &script(),
-            2,
-            d,
-            &["train", d.to_str().unwrap(), &cfg.to_string()],
-        );
-        // accrue's job: the same fields, the family's own keys from a
-        // config.json (file-only, as transformers' folders carry them).
-        let mut file = cfg["model"].clone();
-        file["model_type"] = model_type.into();
-        let config_json = d.join("config.json");
-        std::fs::write(&config_json, file.to_string()).unwrap();
-        let text = job(d, "global_count", 4, 2).replace(
-            "kind = \"llama\"\n",
-            &format!(
-                "kind = \"{kind}\"\nconfig = \"{}\"\n",
-                config_json.display()
-            ),
-        );
-        let out = d.join("accrue");
-        std::fs::create_dir_all(&out).unwrap();
-        let ranks = run_ranks(&out, &text, 2, |_| {});
-        let steps = ranks[0].steps();
-        let model = read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
-        lm_ddp::finish(&mut ddp, &format!("{kind}: "));
-        let want = read(&d.join("ddp-global_count-rank0.safetensors"));
-        // PyTorch's own floor: the same 16-row windows on one process,
-        // k = 8, with transformers' eager attention instead of SDPA
-        // (another valid order of the same sums). AdamW turns the last
-        // bits of a gradient near zero into whole steps (Qwen2's k_proj
-        // bias: softmax ignores a key bias but for RoPE's rotation).
-        let (one, mut single) = lm_ddp::start_floor(d, &cfg, None);
-        lm_ddp::finish(&mut single, &format!("{kind}: "));
-        let pytorch_one = read(&one.join("ddp-global_count-rank0.safetensors"));
-        let (floor, floor_name) = rel_diff(&pytorch_one, &want);
-        let (diff, name) = rel_diff(&model, &want);
-        eprintln!(
-            "{model_type} {extra}: parameters vs DDP: {diff:.3e} ({name}); PyTorch W=1,k=8 \
-             eager vs W=2,k=4 SDPA: {floor:.3e} ({floor_name})"
-        );
-
-        let report: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(d.join("ddp-global_count-rank0.json")).unwrap(),
-        )
-        .unwrap();
-        let want_steps = report["steps"].as_array().unwrap();
-        assert_eq!(steps.len(), want_steps.len(), "{model_type}: step count");
-        for (i, (g, w)) in steps.iter().zip(want_steps).enumerate() {
-            for key in ["loss", "grad_norm"] {
-                let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
-                eprintln!("{model_type}, step {}: {key} {g} vs DDP {w}", i + 1);
-                assert!(
-                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
-                    "{model_type}, step {}: {key} {g} vs DDP's {w}",
-                    i + 1
-                );
-            }
-        }
-        assert!(
-            diff <= 1e-5_f64.max(4.0 * floor),
-            "{model_type}: {name} differs from DDP by {diff:.3e}, PyTorch's floor {floor:.3e}"
-        );
+        decoder_at_two_ranks_equals_transformers_ddp(kind, model_type, extra);
     }
+}
+
+/// Qwen3 (per-head q/k norms, a head width other than hidden / heads: 16
+/// against 32 / 4) at W = 2, k = 4, as the other decoders above.
+#[test]
+fn qwen3_at_two_ranks_equals_transformers_ddp() {
+    let _turn = torchrun_turn();
+    decoder_at_two_ranks_equals_transformers_ddp(
+        "qwen3",
+        "qwen3",
+        serde_json::json!({"head_dim": 16, "attention_bias": true, "use_sliding_window": false}),
+    );
+}
+
+/// A decoder family `kind` (its config.json's `model_type` and `extra`
+/// keys) at W = 2, k = 4: accrue's parameters and every step's loss and
+/// gradient norm against transformers' class under PyTorch DDP with
+/// no_sync, the parameters within PyTorch's own floor.
+fn decoder_at_two_ranks_equals_transformers_ddp(
+    kind: &str,
+    model_type: &str,
+    extra: serde_json::Value,
+) {
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let mut cfg = config();
+    cfg["modes"] = serde_json::json!(["global_count"]);
+    cfg["model_type"] = model_type.into();
+    for (k, v) in extra.as_object().unwrap() {
+        cfg["model"][k] = v.clone();
+    }
+    run_script("prepare", d, &cfg);
+    let py = python();
+    let mut ddp = Torchrun::start(
+        &py,
+        &script(),
+        2,
+        d,
+        &["train", d.to_str().unwrap(), &cfg.to_string()],
+    );
+    // accrue's job: the same fields, the family's own keys from a
+    // config.json (file-only, as transformers' folders carry them).
+    let mut file = cfg["model"].clone();
+    file["model_type"] = model_type.into();
+    let config_json = d.join("config.json");
+    std::fs::write(&config_json, file.to_string()).unwrap();
+    let text = job(d, "global_count", 4, 2).replace(
+        "kind = \"llama\"\n",
+        &format!(
+            "kind = \"{kind}\"\nconfig = \"{}\"\n",
+            config_json.display()
+        ),
+    );
+    let out = d.join("accrue");
+    std::fs::create_dir_all(&out).unwrap();
+    let ranks = run_ranks(&out, &text, 2, |_| {});
+    let steps = ranks[0].steps();
+    let model = read(&out.join(format!("ckpt/step-{}/model.safetensors", steps.len())));
+    lm_ddp::finish(&mut ddp, &format!("{kind}: "));
+    let want = read(&d.join("ddp-global_count-rank0.safetensors"));
+    // PyTorch's own floor: the same 16-row windows on one process,
+    // k = 8, with transformers' eager attention instead of SDPA
+    // (another valid order of the same sums). AdamW turns the last
+    // bits of a gradient near zero into whole steps (Qwen2's k_proj
+    // bias: softmax ignores a key bias but for RoPE's rotation).
+    let (one, mut single) = lm_ddp::start_floor(d, &cfg, None);
+    lm_ddp::finish(&mut single, &format!("{kind}: "));
+    let pytorch_one = read(&one.join("ddp-global_count-rank0.safetensors"));
+    let (floor, floor_name) = rel_diff(&pytorch_one, &want);
+    let (diff, name) = rel_diff(&model, &want);
+    eprintln!(
+        "{model_type} {extra}: parameters vs DDP: {diff:.3e} ({name}); PyTorch W=1,k=8 \
+         eager vs W=2,k=4 SDPA: {floor:.3e} ({floor_name})"
+    );
+
+    let report: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(d.join("ddp-global_count-rank0.json")).unwrap(),
+    )
+    .unwrap();
+    let want_steps = report["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), want_steps.len(), "{model_type}: step count");
+    for (i, (g, w)) in steps.iter().zip(want_steps).enumerate() {
+        for key in ["loss", "grad_norm"] {
+            let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+            eprintln!("{model_type}, step {}: {key} {g} vs DDP {w}", i + 1);
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                "{model_type}, step {}: {key} {g} vs DDP's {w}",
+                i + 1
+            );
+        }
+    }
+    assert!(
+        diff <= 1e-5_f64.max(4.0 * floor),
+        "{model_type}: {name} differs from DDP by {diff:.3e}, PyTorch's floor {floor:.3e}"
+    );
 }

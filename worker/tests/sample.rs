@@ -304,11 +304,20 @@ fn greedy_continuation_equals_transformers_generate() {
         sliding_window: Some(5),
         ..config(2, false, false)
     };
+    // Qwen3: per-head q/k norms over a head width of 16 (not 32 / 4),
+    // attention biases, over the cache.
+    let qwen3 = LlamaConfig {
+        arch: decoder(ModelKind::Qwen3),
+        explicit_head_dim: Some(16),
+        attention_bias: true,
+        ..config(2, false, false)
+    };
     for (i, (name, c)) in [
         ("gqa", config(2, false, false)),
         ("tied_biases", config(4, true, true)),
         ("qwen2", qwen2),
         ("mistral_window", mistral),
+        ("qwen3", qwen3),
     ]
     .into_iter()
     .enumerate()
