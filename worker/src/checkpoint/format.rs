@@ -77,13 +77,7 @@ pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
 /// them, so `from_pretrained` and accrue's readers take either.
 pub fn model_files(tensors: &[(String, Tensor)], max_shard: u64) -> Result<Vec<(String, Vec<u8>)>> {
     use super::shards;
-    let mut sizes = Vec::with_capacity(tensors.len());
-    for (_, t) in tensors {
-        let kind = t
-            .f_kind()
-            .ctx("reading a tensor's kind for the checkpoint")?;
-        sizes.push((t.numel() * kind.elt_size_in_bytes()) as u64);
-    }
+    let sizes = tensor_bytes(tensors)?;
     let plan = shards::plan(&sizes, max_shard);
     if plan.len() == 1 {
         return Ok(vec![(
@@ -91,10 +85,39 @@ pub fn model_files(tensors: &[(String, Tensor)], max_shard: u64) -> Result<Vec<(
             safetensors_bytes(tensors)?,
         )]);
     }
+    let (mut files, weight_map) =
+        shard_files(tensors, &plan, |i| shards::shard_name(i, plan.len()))?;
+    files.push((
+        shards::INDEX_FILE.into(),
+        shards::index_json(sizes.iter().sum(), &weight_map),
+    ));
+    Ok(files)
+}
+
+/// Each tensor's bytes (what a shard plan weighs).
+pub fn tensor_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u64>> {
+    tensors
+        .iter()
+        .map(|(_, t)| {
+            let kind = t
+                .f_kind()
+                .ctx("reading a tensor's kind for the checkpoint")?;
+            Ok((t.numel() * kind.elt_size_in_bytes()) as u64)
+        })
+        .collect()
+}
+
+/// The shard files of `tensors` grouped by `plan` (indices), shard `i`
+/// named `name(i)`, and the weight map (tensor name -> its shard file).
+pub fn shard_files(
+    tensors: &[(String, Tensor)],
+    plan: &[Vec<usize>],
+    name: impl Fn(usize) -> String,
+) -> Result<ShardFiles> {
     let mut files = Vec::with_capacity(plan.len() + 1);
     let mut weight_map = Vec::with_capacity(tensors.len());
     for (i, members) in plan.iter().enumerate() {
-        let name = shards::shard_name(i, plan.len());
+        let name = name(i);
         // Shallow copies: the same storage, no tensor bytes copied.
         let part: Vec<(String, Tensor)> = members
             .iter()
@@ -103,12 +126,12 @@ pub fn model_files(tensors: &[(String, Tensor)], max_shard: u64) -> Result<Vec<(
         weight_map.extend(part.iter().map(|(n, _)| (n.clone(), name.clone())));
         files.push((name, safetensors_bytes(&part)?));
     }
-    files.push((
-        shards::INDEX_FILE.into(),
-        shards::index_json(sizes.iter().sum(), &weight_map),
-    ));
-    Ok(files)
+    Ok((files, weight_map))
 }
+
+/// Files by name and contents, and the weight map naming each tensor's
+/// file.
+pub type ShardFiles = (Vec<(String, Vec<u8>)>, Vec<(String, String)>);
 
 /// Tensors from safetensors bytes (`path` names them in errors).
 pub(super) fn tensors_from(

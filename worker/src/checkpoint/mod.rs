@@ -23,8 +23,8 @@ pub mod owner;
 pub mod shards;
 mod write;
 
-pub use format::safetensors_bytes;
 use format::tensors_from;
+pub use format::{safetensors_bytes, shard_files, tensor_bytes};
 pub use write::{
     abandon_step, begin_step, claim, finish_step, latest_says, write, write_on, write_part,
 };

@@ -29,7 +29,7 @@ mod share;
 use crate::checkpoint::{self, shards};
 use crate::comm::collective::Collective;
 use crate::engine::Engine;
-use crate::error::{Error, Result, TorchContext};
+use crate::error::{Error, Result};
 use crate::family::Named;
 use plan::{Numbering, Outcome, Part, NO_PLACE};
 pub(in crate::engine) use share::Share;
@@ -49,19 +49,6 @@ fn decode<T: serde::de::DeserializeOwned>(b: &[u8], from: usize, dir: &Path) -> 
     })
 }
 
-/// The tensors' bytes, each.
-fn sizes(tensors: &Named) -> Result<Vec<u64>> {
-    tensors
-        .iter()
-        .map(|(_, t)| {
-            let kind = t
-                .f_kind()
-                .ctx("reading a tensor's kind for the checkpoint")?;
-            Ok((t.numel() * kind.elt_size_in_bytes()) as u64)
-        })
-        .collect()
-}
-
 /// Writes a writer's files into `tmp`: `model` in the shards `plan`
 /// groups (numbered from `n.first` of `n.total`) and the optimizer state
 /// `opt` as part `n.part` of `n.parts`.
@@ -72,18 +59,9 @@ fn write_share(
     plan: &[Vec<usize>],
     n: &Numbering,
 ) -> Result<Part> {
-    let sizes = sizes(model)?;
-    let mut files: Vec<(String, Vec<u8>)> = Vec::with_capacity(plan.len() + 1);
-    let mut weight_map = Vec::with_capacity(model.len());
-    for (i, members) in plan.iter().enumerate() {
-        let name = plan::model_file(n.first + i, n.total);
-        let part: Named = members
-            .iter()
-            .map(|&j| (model[j].0.clone(), model[j].1.shallow_clone()))
-            .collect();
-        weight_map.extend(part.iter().map(|(t, _)| (t.clone(), name.clone())));
-        files.push((name, checkpoint::safetensors_bytes(&part)?));
-    }
+    let sizes = checkpoint::tensor_bytes(model)?;
+    let (mut files, weight_map) =
+        checkpoint::shard_files(model, plan, |i| plan::model_file(n.first + i, n.total))?;
     files.push((
         plan::optimizer_file(n.part, n.parts),
         checkpoint::safetensors_bytes(opt)?,
@@ -119,7 +97,7 @@ impl<C: Collective> Engine<C> {
         // (A writer without model tensors writes no shard.)
         let groups = match share.model.is_empty() {
             true => Vec::new(),
-            false => shards::plan(&sizes(&share.model)?, max_shard),
+            false => shards::plan(&checkpoint::tensor_bytes(&share.model)?, max_shard),
         };
         let places = self.collective.world_gather_u64(share.place)?;
         let counts = self.collective.world_gather_u64(groups.len() as u64)?;
