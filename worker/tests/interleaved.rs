@@ -2,8 +2,8 @@
 //! rank: chunk c on rank c mod P) over real `accrue-worker` processes: an
 //! 8-layer Llama in 2 stages ends where one process does (which the
 //! pipeline and lm tests hold to PyTorch and transformers) and where 1F1B
-//! does, tied and untied, in 2 data x 2 stages, and across a resume that
-//! changes the schedule.
+//! does, tied and untied, in 2 data x 2 stages (ZeRO 0 to 2), recomputed,
+//! and across a resume that changes the schedule.
 
 mod common;
 
@@ -81,6 +81,17 @@ fn interleaved_llama_equals_one_process_and_1f1b() {
             continue;
         }
         from_pretrained_equals(&b.path().join("ckpt/step-4"), &got);
+        // Activation checkpointing recomputes each chunk's segments: the
+        // same bits.
+        let e = TempDir::new().unwrap();
+        let ac = "[performance]\nactivation_checkpointing = \"full\"\ncheckpoint_every = 2\n";
+        let recomputed = ranks(
+            e.path(),
+            &format!("{}{ac}", job(&tokens, 2, tied, INTERLEAVED)),
+            2,
+            &[],
+        );
+        within(&recomputed, &got, 0.0, "interleaved, recomputed");
         let c = TempDir::new().unwrap();
         let two = job(&tokens, 2, tied, ONE_F_ONE_B).replace("max_steps = 4", "max_steps = 2");
         common::procs::run_ranks(c.path(), &two, 2, |_| {});
@@ -122,4 +133,18 @@ fn interleaved_in_two_data_by_two_stages_equals_1f1b_and_one_process() {
         5.2e-5,
         "2 x 2, V = 2: against one process, k = 8",
     );
+    // ZeRO 1 and 2 inside each rank's data group: against ZeRO 0 within 4
+    // x the floor the pipeline tests measured (data parallelism alone,
+    // ZeRO 1 against stage 0: 2.0e-5).
+    for zero in [1, 2] {
+        let c = TempDir::new().unwrap();
+        let text = format!("{}[sharding]\nstage = {zero}\n", four(INTERLEAVED));
+        let sharded = ranks(c.path(), &text, 4, &[]);
+        within(
+            &sharded,
+            &got,
+            8e-5,
+            &format!("2 x 2, V = 2, ZeRO {zero}: against ZeRO 0"),
+        );
+    }
 }
