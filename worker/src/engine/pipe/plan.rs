@@ -171,7 +171,7 @@ pub(in crate::engine) fn plan(
 /// `units` units in `chunks` chunks of equal count (the spec's check
 /// refused any other count).
 fn even_chunks(units: usize, chunks: usize, what: &str) -> Result<Vec<Range<usize>>> {
-    if chunks == 0 || units % chunks != 0 {
+    if chunks == 0 || !units.is_multiple_of(chunks) {
         return Err(crate::error::Error::Schedule(format!(
             "{units} {what} do not cut into {chunks} chunks of equal size"
         )));

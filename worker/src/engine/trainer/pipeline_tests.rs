@@ -151,7 +151,7 @@ fn every_schedule_runs_to_completion_once_per_chunk_in_chunk_order() {
                         simulate(schedule, &l, k).unwrap_or_else(|e| panic!("{what}: {e:?}"));
                     // When each (forward?, chunk, micro) ran.
                     let mut when = std::collections::HashMap::new();
-                    for r in 0..p {
+                    for (r, rounds) in trace.iter().enumerate() {
                         let ops = rank_ops(schedule, &l, r, k);
                         for (i, op) in ops.iter().enumerate() {
                             let key = match *op {
@@ -160,7 +160,7 @@ fn every_schedule_runs_to_completion_once_per_chunk_in_chunk_order() {
                                 _ => continue,
                             };
                             assert_eq!(l.rank_of(key.1), r, "{what}: {op:?} on rank {r}");
-                            let before = when.insert(key, (trace[r][i], i));
+                            let before = when.insert(key, (rounds[i], i));
                             assert!(before.is_none(), "{what}: {op:?} twice");
                         }
                         assert_eq!(
