@@ -200,8 +200,10 @@ impl JobSpec {
             return;
         }
         let (p, chunks) = (u64::from(stages), u64::from(stages) * u64::from(v));
-        if units % chunks != 0 {
-            let fits: Vec<u64> = (2..=units / p).filter(|w| units % (p * w) == 0).collect();
+        if !units.is_multiple_of(chunks) {
+            let fits: Vec<u64> = (2..=units / p)
+                .filter(|w| units.is_multiple_of(p * w))
+                .collect();
             let allowed = if fits.is_empty() {
                 format!("none at pipeline = {stages}")
             } else {
