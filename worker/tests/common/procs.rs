@@ -65,6 +65,20 @@ pub fn spawn_rank_with(
     dir: &Path,
     extra: &[&str],
 ) -> Rank {
+    spawn_rank_limited(job, rank, peers, dir, extra, None)
+}
+
+/// [`spawn_rank_with`] whose files (its logs included) may grow to
+/// `file_limit` bytes at most (RLIMIT_FSIZE, SIGXFSZ ignored): a longer
+/// write fails with EFBIG, as a full disk would fail that rank alone.
+pub fn spawn_rank_limited(
+    job: &Path,
+    rank: usize,
+    peers: &[String],
+    dir: &Path,
+    extra: &[&str],
+    file_limit: Option<u64>,
+) -> Rank {
     let world = peers.len();
     let secret = dir.join("secret");
     if !secret.exists() {
@@ -72,7 +86,26 @@ pub fn spawn_rank_with(
     }
     let stdout = dir.join(format!("rank{rank}.out"));
     let stderr = dir.join(format!("rank{rank}.log"));
-    let child = Command::new(env!("CARGO_BIN_EXE_accrue-worker"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_accrue-worker"));
+    if let Some(limit) = file_limit {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: between fork and exec the closure calls only signal and
+        // setrlimit, both async-signal-safe, and touches no shared state.
+        unsafe {
+            command.pre_exec(move || {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                let r = libc::rlimit {
+                    rlim_cur: limit,
+                    rlim_max: limit,
+                };
+                match libc::setrlimit(libc::RLIMIT_FSIZE, &r) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                }
+            });
+        }
+    }
+    let child = command
         .arg("train")
         .arg(job)
         .args([

@@ -74,7 +74,7 @@ fn write_share(
         checkpoint::write_part(&mut checkpoint::disk::Local, tmp, &refs).map_err(|e| {
             Error::Checkpoint {
                 path: tmp.to_path_buf(),
-                reason: format!("part {}: {e}", n.part),
+                reason: e,
             }
         })?;
     Ok(Part {
