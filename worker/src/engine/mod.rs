@@ -16,6 +16,7 @@
 //! rank to the newest committed state) and [`flat`] (tensors to and from
 //! flat host buffers). This file holds the engine and its set-up.
 
+mod build;
 mod commit;
 mod flat;
 mod graph;
@@ -42,7 +43,6 @@ use options::Agreed;
 pub use options::{Control, RunOptions};
 pub use report::{EvalReport, Event, StepReport, Summary, Timing};
 pub use setup::{read_init, resolve_device};
-use setup::{spec_hash, starved};
 /// Pipeline schedules (issue 40): what each stage runs in which order.
 pub use trainer::pipeline;
 
@@ -50,7 +50,6 @@ use crate::checkpoint::{self, TrainerState};
 use crate::comm::collective::Collective;
 use crate::error::{Error, Result};
 use crate::family::model::{Model, WeightsFrom};
-use crate::grads::FlatGrads;
 use crate::objective::Objective;
 use crate::optim::schedule::Schedule;
 use crate::source::sampler::{ShardSpec, WindowPlan};
@@ -140,115 +139,19 @@ impl<C: Collective> Engine<C> {
     /// checks everything before anything is written.
     pub fn new(spec: JobSpec, collective: C, opts: RunOptions) -> Result<Self> {
         spec.validate()?;
-        // The data axis: the engine shards samples and reduces gradients
-        // over it (the world when the model is not split).
-        let world = collective.world_size();
-        let rank = collective.rank();
-        let stages = collective.stages();
-        // k follows the data degree (the coordinator's k for the whole
-        // mesh, tensor ranks included).
-        let k = spec
-            .accumulation_steps_for_data(world as u64)
-            .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
-        let device = resolve_device(&spec.device)?;
-        if let Some(t) = spec.threads {
-            tch::set_num_threads(t as i32);
-        }
+        let place = build::place(&spec, &collective)?;
+        let build::Place { world, rank, k, .. } = place;
+        let device = build::device(&spec)?;
         let workload = workload::load(&spec, device)?;
-        zero3::check(&spec, device)?;
-        if spec.sharding.stage == 3 {
-            // Each gathered unit is freed after use: give the memory back.
-            crate::storage::return_freed_memory();
-        }
-        // ZeRO-3 builds each rank's chunks only (of `model.init` too).
-        let mut built = None;
-        let mut all_names: Vec<String> = Vec::new();
-        // A pipeline stage trains its blocks' parameters: a first build
-        // holding none gives every parameter's name and shape (the plan's
-        // input), the second holds the stage's only; both draw the whole
-        // model's initial values from the job's seed, so the stage's are
-        // P = 1's. The rest stays frozen by name.
-        let (mut model, stage_plan) = match stages {
-            Some((stage, n)) => {
-                let build = |keep: Box<dyn Fn(&str) -> bool>| {
-                    Model::build_stage(
-                        &spec.model,
-                        &workload.sample_shape,
-                        workload.classes,
-                        device,
-                        spec.seed,
-                        keep,
-                    )
-                };
-                let all = build(Box::new(|_| false))?.frozen;
-                let (p, names) = pipe::plan(&spec, &all, stage, n)?;
-                // ZeRO-3 in stages: the stage's blocks are its units.
-                all_names = all.into_iter().map(|(n, _)| n).collect();
-                let shared = p.tied.clone().filter(|_| p.is_last());
-                let mut keep = names.clone();
-                keep.extend(shared.clone());
-                let model = build(Box::new(move |n| keep.contains(n)))?;
-                (model, Some((p, names, shared)))
-            }
-            // (Under tensor parallelism the model is built whole, cut, then
-            // sharded over the data axis by the first micro-step.)
-            None if spec.sharding.stage == 3 && collective.tensor().is_none() => {
-                let layout = (world, rank);
-                let (model, owned) = zero3::build(
-                    &spec,
-                    &workload.sample_shape,
-                    workload.classes,
-                    device,
-                    layout,
-                )?;
-                built = Some((owned, layout));
-                (model, None)
-            }
-            None => (
-                Model::build(
-                    &spec.model,
-                    &workload.sample_shape,
-                    workload.classes,
-                    device,
-                    spec.seed,
-                )?,
-                None,
-            ),
-        };
-        let pipe = match stage_plan {
-            Some((p, names, shared)) => {
-                let (stage, n) = (p.stage, p.stages);
-                model.restrict(&names, shared.as_deref())?;
-                // The last stage's copy of a tied embedding gathers its
-                // gradient apart (engine/pipe/ sends it to the first).
-                crate::grads::define_grads(&model.shared)?;
-                tracing::info!(stage, stages = n, chunks = ?p.chunks, params = model.params.len(), "pipeline stage");
-                if k < n {
-                    // (P - 1) / (k + P - 1) of each window is the bubble.
-                    let bubble = (n - 1) as f64 / (k + n - 1) as f64;
-                    tracing::warn!(
-                        k,
-                        stages = n,
-                        "accumulation.steps = {k} is below parallel.pipeline = {n}: about {:.0}% of each step is the pipeline's bubble (more accumulation steps shrink it)",
-                        bubble * 100.0
-                    );
-                }
-                Some(p)
-            }
-            None => None,
-        };
-        // Tensor parallelism: the whole model drawn from the seed, cut to
-        // this rank's slices (`init` and checkpoints are cut as they load).
+        build::prepare_zero3(&spec, device)?;
         let mut collective = collective;
-        let tensor = tensor::split(&spec, &mut model, &mut collective)?;
-        // (ZeRO-3 took its chunks of `init` in its build.)
-        if let Some(given) = spec.model.init.as_ref().filter(|_| built.is_none()) {
-            // A file, or a folder transformers wrote (save_pretrained):
-            // model.safetensors, or shards and their index (a stage takes
-            // its own tensors, as from a checkpoint).
-            let tensors = setup::read_init(given)?;
-            model.load_named(WeightsFrom::Init(given), tensors)?;
-        }
+        let build::Built {
+            model,
+            pipe,
+            tensor,
+            all_names,
+            chunks,
+        } = build::model(&spec, &place, &workload, device, &mut collective)?;
         let build_shape = (workload.sample_shape.clone(), workload.classes);
         let workload::Workload {
             train,
@@ -257,135 +160,31 @@ impl<C: Collective> Engine<C> {
             extra_files,
             ..
         } = workload;
-        let shard = ShardSpec {
-            len: train.len(),
-            world,
-            seed: spec.seed,
-            shuffle: spec.data.shuffle,
-            drop_last: spec.data.drop_last,
-            pad: spec.data.pad,
-            offset: 0,
-        };
-        let plan = WindowPlan {
-            samples: shard.rank_len(rank),
-            max_samples: shard.rank_len(0),
-            batch: spec.data.batch_size as usize,
-            k,
-        };
-        if let Some(e) = starved(&shard) {
-            return Err(e);
-        }
-        let total_steps = spec
-            .max_steps
-            .unwrap_or(spec.epochs.unwrap_or(1) * plan.windows() as u64);
+        let (shard, plan) = build::data_plan(&spec, &place, train.len())?;
+        let total_steps = build::total_steps(spec.max_steps, spec.epochs, plan.windows());
         let schedule = Schedule::from_spec(&spec, total_steps);
-        // The placement decides the optimizer state's shape (ZeRO stages 1
-        // and 2 step one flat slice: one parameter's worth of state).
-        let cap_elems = (spec.comm.bucket_cap_mb * (1 << 20) as f64 / 4.0) as usize;
-        // ZeRO-3 with gradients by unit never allocates the whole buffer.
-        let zero3_by_unit = zero3::by_unit(&spec);
-        let grads = if zero3_by_unit {
-            FlatGrads::unallocated(&model.params)?
-        } else {
-            FlatGrads::attach_via_host(&model.params, cap_elems, opts.copy_through_host)?
-        };
-        let stage_blocks = pipe
-            .as_ref()
-            .map(|p| (all_names.as_slice(), p.blocks()));
-        let shards = zero3::shards(&spec, &model, built, stage_blocks)?;
-        let placement = placement::Placed::new(
-            spec.sharding.stage,
-            &spec.optimizer,
-            model.params.len(),
-            grads,
-            shards,
-        );
-        let checkpoint_dir = opts
-            .checkpoint_dir
-            .clone()
-            .or_else(|| spec.checkpoint.dir.clone())
-            .unwrap_or_else(|| {
-                // Without a coordinator there is no job id: the name stands
-                // in (the same layout as the coordinator's default).
-                let state_dir = opts.state_dir.clone().unwrap_or_else(|| "runs".into());
-                accrue_proto::layout::default_checkpoint_dir(&state_dir, &spec.name)
-            });
-        let owner = checkpoint::owner::Owner {
-            job_id: opts.job_id.clone().unwrap_or_else(|| spec.name.clone()),
-            cluster: opts.cluster.clone(),
-            spec_hash: spec_hash(&spec),
-            created_unix_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as i64),
-        };
-        let state = TrainerState {
-            loss_scale: (spec.precision == crate::spec::Precision::Fp16)
-                .then(|| crate::cuda::amp::LossScale::new(&spec.loss_scaling)),
-            job: spec.name.clone(),
-            job_id: owner.job_id.clone(),
-            spec_hash: owner.spec_hash.clone(),
-            model_kind: spec.model.kind.as_str().to_string(),
-            optimizer_kind: spec.optimizer.kind.as_str().to_string(),
-            seed: spec.seed,
-            lr: schedule.lr_at(0),
-            world_size: world as u64,
-            accumulation_steps: k as u64,
-            ..Default::default()
-        };
+        let stage = pipe.as_ref().map(|p| (all_names.as_slice(), p));
+        let (placement, zero3_by_unit) = build::placement(&spec, &opts, &model, chunks, stage)?;
+        let checkpoint_dir = build::checkpoint_dir(&spec, &opts);
+        let owner = build::owner(&spec, &opts);
+        let state = build::fresh_state(&spec, &owner, schedule.lr_at(0), &place);
         // Process-wide, as torch.backends.cudnn.deterministic: set for
         // every job (absent: libtorch's default, off), so a daemon's next
         // job does not inherit the last one's.
         crate::cuda::backends::set_cudnn_deterministic(
             spec.performance.cudnn_deterministic.unwrap_or(false),
         )?;
-        let graph_mode = if opts.graph_body_only {
-            crate::cuda::graphs::Mode::BodyOnly
-        } else if opts.force_graph_capture {
-            crate::cuda::graphs::Mode::Capture {
-                warmup: crate::cuda::graphs::WARMUP,
-            }
-        } else {
-            crate::cuda::graphs::mode(
-                spec.performance.cuda_graphs,
-                device.is_cuda(),
-                cfg!(accrue_cuda),
-                placement.strategy.stage(),
-            )
-        };
-        // A source read on the host is staged: each micro-batch is copied
-        // into the graph's input buffers before the replay (engine/graph.rs).
-        // Per-micro-batch means divide by the batch's own count, which a
-        // replay cannot see.
         let staged = train.resident().is_empty();
-        let recompute = recompute::plan(&spec, &model, stages.is_some())?;
-        let graph_mode = match graph_mode {
-            crate::cuda::graphs::Mode::Capture { .. } | crate::cuda::graphs::Mode::BodyOnly
-                if staged && spec.accumulation.normalize != crate::spec::Normalize::GlobalCount =>
-            {
-                crate::cuda::graphs::Mode::Off(crate::cuda::graphs::EagerReason::PerBatchCount)
-            }
-            // A stage waits on its neighbours inside a micro-step and sums
-            // the norm over the stages inside the sync step.
-            crate::cuda::graphs::Mode::Capture { .. } | crate::cuda::graphs::Mode::BodyOnly
-                if stages.is_some() =>
-            {
-                crate::cuda::graphs::Mode::Off(crate::cuda::graphs::EagerReason::PipelineStage)
-            }
-            crate::cuda::graphs::Mode::Capture { .. } | crate::cuda::graphs::Mode::BodyOnly
-                if tensor.is_some() =>
-            {
-                crate::cuda::graphs::Mode::Off(crate::cuda::graphs::EagerReason::TensorParallel)
-            }
-            crate::cuda::graphs::Mode::Capture { .. } | crate::cuda::graphs::Mode::BodyOnly
-                if recompute.is_some() =>
-            {
-                crate::cuda::graphs::Mode::Off(
-                    crate::cuda::graphs::EagerReason::ActivationCheckpointing,
-                )
-            }
-            m => m,
+        let recompute = recompute::plan(&spec, &model, place.stages.is_some())?;
+        let bars = build::GraphBars {
+            per_batch_count: staged
+                && spec.accumulation.normalize != crate::spec::Normalize::GlobalCount,
+            pipeline: place.stages.is_some(),
+            tensor: tensor.is_some(),
+            recompute: recompute.is_some(),
         };
-        let graph = graph::MicroGraph::new(graph_mode, staged);
+        let mode = build::graph_mode(&spec, &opts, device, placement.strategy.stage());
+        let graph = graph::MicroGraph::new(build::eager_override(mode, bars), staged);
         let mut engine = Self {
             spec,
             collective,
@@ -422,36 +221,9 @@ impl<C: Collective> Engine<C> {
             build_shape,
             tensor,
         };
-        engine.check_sharding()?;
-        if engine.writes_checkpoints() {
-            engine.take_folder_lock()?;
-        }
-        if engine.opts.resume || engine.opts.resume_if_present {
-            // Reads only after the owner check inside load_newest. Without
-            // a checkpoint, a rank joining a recovery takes the state from
-            // a surviving rank (or this is a fresh start); --resume fails.
-            if !engine.resume()? && engine.opts.resume {
-                return Err(Error::Checkpoint {
-                    path: engine.checkpoint_dir.clone(),
-                    reason: "no checkpoint to resume from (no step folder and no LATEST)".into(),
-                });
-            }
-        } else {
-            engine.check_owner()?;
-            if let Some(n) = checkpoint::list_steps(&engine.checkpoint_dir)?.last() {
-                return Err(Error::Checkpoint {
-                    path: engine.checkpoint_dir.clone(),
-                    reason: format!(
-                        "already holds checkpoints (newest step-{n}); resume to continue, or choose another checkpoint.dir"
-                    ),
-                });
-            }
-        }
-        if engine.resumed_from.is_none() {
-            engine.resumed_from = Some("fresh start".into());
-        }
-        // The folder is claimed by the first checkpoint write (and checked
-        // at every one): a run that fails before writes nothing.
+        engine.open_checkpoints()?;
+        // The initial broadcast: every rank takes the newest committed
+        // state (a resumed rank's, else rank 0's initial weights).
         engine.sync_state()?;
         engine.reshard();
         // The peak so far is the build's (the model, `init`, a resume).
