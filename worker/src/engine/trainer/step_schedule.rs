@@ -1,14 +1,13 @@
 //! The step schedule: the sequence of micro-steps and sync steps one window runs.
 //!
 //! A [`StepSchedule`] says, for the window that starts at a micro-batch of
-//! the epoch, which operations the engine runs in which order. Today's one
-//! schedule is [`AccumulateThenSync`]: k micro-steps (forward, loss,
-//! backward into the accumulation buffers), then the sync step (the last
-//! window of an epoch may be shorter). A pipeline schedule (1F1B: forwards
-//! and backwards of different micro-batches interleaved across stages, with
-//! sends and receives between them) is a second implementation, yielding
-//! its own [`Op`]s; the engine runs them one by one
-//! ([`crate::engine::Engine::micro_step`]).
+//! the epoch, which operations the engine runs in which order. Without
+//! stages it is [`AccumulateThenSync`]: the one-stage pipeline schedule's
+//! op list (engine/trainer/pipeline.rs, P = V = 1) as k micro-steps
+//! (forward, loss, backward into the accumulation buffers), then the sync
+//! step (the last window of an epoch may be shorter); the engine runs them
+//! one by one ([`crate::engine::Engine::micro_step`]). Pipeline stages run
+//! the same generator's lists for P ranks (engine/pipe/window.rs).
 
 use crate::source::sampler::WindowPlan;
 use std::collections::VecDeque;
@@ -38,18 +37,27 @@ pub trait StepSchedule: Send {
 pub struct AccumulateThenSync;
 
 impl StepSchedule for AccumulateThenSync {
+    /// The one-stage pipeline schedule's op list (P = V = 1: no transfers;
+    /// the only chunk is the last, so each forward runs the loss and its
+    /// backward, and the backward op only marks the micro-batch done) as
+    /// micro-steps, then the sync step: data parallelism is the schedule
+    /// with one stage.
     fn window(&self, plan: &WindowPlan, first: usize) -> VecDeque<Op> {
-        let mut ops = VecDeque::new();
-        let mut m = first;
-        loop {
-            ops.push_back(Op::Micro { index: m });
-            if plan.is_sync(m) {
-                break;
-            }
-            m += 1;
+        let mut k = 1;
+        while !plan.is_sync(first + k - 1) {
+            k += 1;
         }
-        ops.push_back(Op::Sync);
-        ops
+        let one = super::pipeline::Layout::new(1, 1);
+        super::pipeline::rank_ops(super::pipeline::PipeSchedule::OneFOneB, &one, 0, k)
+            .into_iter()
+            .filter_map(|op| match op {
+                super::pipeline::PipeOp::Forward { micro, .. } => Some(Op::Micro {
+                    index: first + micro,
+                }),
+                _ => None,
+            })
+            .chain(std::iter::once(Op::Sync))
+            .collect()
     }
 }
 
@@ -73,6 +81,23 @@ mod tests {
                 Op::Sync => None,
             })
             .collect()
+    }
+
+    /// The one-stage schedule's list: forward then backward of each
+    /// micro-batch in order, no transfers.
+    #[test]
+    fn one_stage_is_forward_backward_without_transfers() {
+        use crate::engine::trainer::pipeline::{rank_ops, Layout, PipeOp, PipeSchedule};
+        let ops = rank_ops(PipeSchedule::OneFOneB, &Layout::new(1, 1), 0, 3);
+        let want: Vec<PipeOp> = (0..3)
+            .flat_map(|micro| {
+                [
+                    PipeOp::Forward { chunk: 0, micro },
+                    PipeOp::Backward { chunk: 0, micro },
+                ]
+            })
+            .collect();
+        assert_eq!(ops, want);
     }
 
     #[test]
