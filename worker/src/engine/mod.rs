@@ -19,6 +19,7 @@
 mod build;
 mod commit;
 mod flat;
+mod grad_prep;
 mod graph;
 mod norm;
 mod options;

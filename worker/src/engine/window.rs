@@ -5,13 +5,12 @@
 //! engine/trainer/accounting.rs), and the sample audit log.
 
 use super::trainer::{Op, SyncOutcome};
-use super::{Engine, StepReport};
+use super::{grad_prep, Engine, StepReport};
 use crate::comm::collective::Collective;
 use crate::cuda::graphs::EagerReason;
 use crate::error::{Error, Result, TorchContext};
 use crate::grads::tally::WindowTally;
-use crate::optim::GradPrep;
-use crate::spec::{Normalize, OnNonfinite, SyncMode};
+use crate::spec::{Normalize, SyncMode};
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -477,55 +476,15 @@ impl<C: Collective> Engine<C> {
             None => self.clip_norm(norm_type)?,
         };
         let grad_norm = if no_terms { 0.0 } else { norm / divisor };
-        let mut clip_coef = 1.0;
-        let skipped = no_terms || !grad_norm.is_finite();
-        let mut skip_reason = None;
-        // What the gradients go through before the optimizer: 1/divisor and
-        // the clip, as one multiplier where possible.
-        let prep = if no_terms {
-            skip_reason = Some("no loss terms");
-            tracing::info!(
-                step = step + 1,
-                "no loss term in the window on any rank (N = 0): step skipped"
-            );
-            None
-        } else if skipped {
-            if let Some(ls) = scaler {
-                skip_reason = Some("fp16 overflow");
-                // GradScaler's skip: not an on_nonfinite failure.
-                tracing::info!(
-                    step = step + 1,
-                    loss_scale = ls.scale,
-                    "non-finite fp16 gradients: step skipped, loss scale backs off"
-                );
-                None
-            } else {
-                match self.spec.clipping.on_nonfinite {
-                    OnNonfinite::Skip => {}
-                    OnNonfinite::Error => {
-                        return Err(Error::NonFinite {
-                            step: step + 1,
-                            norm: grad_norm,
-                        })
-                    }
-                }
-                skip_reason = Some("non-finite gradients");
-                tracing::warn!(
-                    step = step + 1,
-                    grad_norm,
-                    "non-finite gradient norm, step skipped"
-                );
-                None
-            }
-        } else if let Some(max_norm) = self.spec.clipping.max_norm {
-            // clip_grad_norm_: min(1, max_norm / (total_norm + 1e-6)).
-            clip_coef = (max_norm / (grad_norm + 1e-6)).min(1.0);
-            Some(GradPrep::Mul((clip_coef / divisor) as f32))
-        } else if let Some(v) = self.spec.clipping.clip_value {
-            Some(GradPrep::DivClamp(divisor as f32, v as f32))
-        } else {
-            Some(GradPrep::Div(divisor as f32))
-        };
+        // Skip, fail, or what the gradients go through before the
+        // optimizer: 1/divisor and the clip (engine/grad_prep.rs).
+        let loss_scale = scaler.map(|ls| ls.scale);
+        let decided = grad_prep::decide(divisor, grad_norm, &self.spec.clipping, loss_scale, step)?;
+        if let Some(skip) = decided.skip {
+            grad_prep::log_skip(skip, step, grad_norm);
+        }
+        let (prep, clip_coef) = (decided.prep, decided.clip_coef);
+        let skipped = decided.skip.is_some();
         let mut clip_s = t_clip.elapsed();
         let mut prep_s = Duration::ZERO;
         // 4. optimizer step of what this rank owns, parameters back on
@@ -553,7 +512,7 @@ impl<C: Collective> Engine<C> {
             grad_norm,
             clip_coef,
             skipped,
-            skip_reason,
+            skip_reason: decided.skip.map(grad_prep::Skip::reason),
             // GradScaler backs off on an overflow only.
             overflow: skipped && !no_terms,
             scaler,
