@@ -13,40 +13,12 @@
 //! - pipeline: each stage's parameters, a tied embedding on the first
 //!   stage only (engine/pipe/).
 
-use super::placement::{combine_norm, Axis};
+use super::placement::{combine_norm, Axis, NormPart};
 use super::Engine;
 use crate::comm::collective::Collective;
 use crate::comm::tensor_ops::Reduce;
 use crate::error::{Result, TorchContext};
 use tch::Tensor;
-
-/// A rank's share of the norm: a norm already, or the partial it comes
-/// from (the sum of the `norm_type`-th powers; the max for the inf norm).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum NormPart {
-    Norm(f64),
-    Partial(f64),
-}
-
-impl NormPart {
-    /// The partial: a norm raised to `norm_type` (itself for inf).
-    pub(super) fn partial(self, norm_type: f64) -> f64 {
-        match self {
-            NormPart::Partial(x) => x,
-            NormPart::Norm(n) if norm_type.is_infinite() => n,
-            NormPart::Norm(n) => n.powf(norm_type),
-        }
-    }
-
-    /// The norm: a partial's `norm_type`-th root (itself for inf).
-    pub(super) fn norm(self, norm_type: f64) -> f64 {
-        match self {
-            NormPart::Norm(n) => n,
-            NormPart::Partial(x) if norm_type.is_infinite() => x,
-            NormPart::Partial(x) => x.powf(1.0 / norm_type),
-        }
-    }
-}
 
 /// The axes a norm is combined over, in order: the placement's (the data
 /// axis when it shards), then the model splits' the mesh has.

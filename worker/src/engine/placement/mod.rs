@@ -46,7 +46,6 @@ pub(super) use replicated::Replicated;
 pub(super) use sharded::{views_by_name, ShardedGradients, ShardedOptimizer};
 pub(super) use stage3::ShardedParameters;
 
-use super::norm::NormPart;
 use crate::comm::collective::Collective;
 use crate::comm::shard;
 use crate::error::{Error, Result};
@@ -59,6 +58,34 @@ use tch::{Device, Tensor};
 /// replicates over the data axis; the tensor and pipeline axes are the
 /// model splits'.
 pub(super) use crate::spec::Axis;
+
+/// A rank's share of the norm: a norm already, or the partial it comes
+/// from (the sum of the `norm_type`-th powers; the max for the inf norm).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(in crate::engine) enum NormPart {
+    Norm(f64),
+    Partial(f64),
+}
+
+impl NormPart {
+    /// The partial: a norm raised to `norm_type` (itself for inf).
+    pub(in crate::engine) fn partial(self, norm_type: f64) -> f64 {
+        match self {
+            NormPart::Partial(x) => x,
+            NormPart::Norm(n) if norm_type.is_infinite() => n,
+            NormPart::Norm(n) => n.powf(norm_type),
+        }
+    }
+
+    /// The norm: a partial's `norm_type`-th root (itself for inf).
+    pub(in crate::engine) fn norm(self, norm_type: f64) -> f64 {
+        match self {
+            NormPart::Norm(n) => n,
+            NormPart::Partial(x) if norm_type.is_infinite() => x,
+            NormPart::Partial(x) => x.powf(1.0 / norm_type),
+        }
+    }
+}
 
 /// The group that owns the loss (every rank of it computes part of the
 /// same loss): the tally is reduced over these axes. Unsplit models: the
