@@ -247,8 +247,9 @@ fn enter_stage(model: &mut Model, (p, names, shared): StagePlan, k: usize) -> Re
     crate::grads::define_grads(&model.shared)?;
     tracing::info!(stage, stages = n, chunks = ?p.chunks, params = model.params.len(), "pipeline stage");
     if k < n {
-        // (P - 1) / (k + P - 1) of each window is the bubble.
-        let bubble = (n - 1) as f64 / (k + n - 1) as f64;
+        // (P - 1) / (V k + P - 1) of each window is the bubble (V chunks
+        // a rank: 1 but for interleaved 1F1B).
+        let bubble = (n - 1) as f64 / (p.chunks.len() * k + n - 1) as f64;
         tracing::warn!(
             k,
             stages = n,
