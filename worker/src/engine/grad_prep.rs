@@ -6,7 +6,18 @@
 
 use crate::error::{Error, Result};
 use crate::optim::GradPrep;
-use crate::spec::{ClippingSpec, OnNonfinite};
+use crate::spec::{ClippingSpec, Normalize, OnNonfinite};
+
+/// What `accumulation.normalize` divides the window's summed gradients
+/// by: the loss terms over every rank (`global_count`), the non-empty
+/// micro-batches over every rank (`mean`), or the data ranks (`sum`).
+pub(super) fn divisor(normalize: Normalize, count: u64, batches: u64, world: f64) -> f64 {
+    match normalize {
+        Normalize::GlobalCount => count as f64,
+        Normalize::Mean => batches as f64,
+        Normalize::Sum => world,
+    }
+}
 
 /// Why a sync step took no optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -125,6 +136,15 @@ mod tests {
             },
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_divisor_is_the_terms_the_batches_or_the_ranks() {
+        assert_eq!(divisor(Normalize::GlobalCount, 37, 5, 2.0), 37.0);
+        assert_eq!(divisor(Normalize::Mean, 37, 5, 2.0), 5.0);
+        assert_eq!(divisor(Normalize::Sum, 37, 5, 2.0), 2.0);
+        // No terms anywhere: 0, the step skips (decide).
+        assert_eq!(divisor(Normalize::GlobalCount, 0, 0, 2.0), 0.0);
     }
 
     #[test]

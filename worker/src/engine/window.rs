@@ -448,11 +448,8 @@ impl<C: Collective> Engine<C> {
         // is that divided by the divisor), then one pass that applies
         // 1/divisor and the clip coefficient together.
         let t_clip = Instant::now();
-        let divisor = match self.spec.accumulation.normalize {
-            Normalize::GlobalCount => global_count as f64,
-            Normalize::Mean => global_micro as f64,
-            Normalize::Sum => world,
-        } / unscale;
+        let normalize = self.spec.accumulation.normalize;
+        let divisor = grad_prep::divisor(normalize, global_count, global_micro, world) / unscale;
         let norm_type = self.spec.norm_type();
         let step = self.state.step;
         let lr = self.schedule.lr_at(step);
