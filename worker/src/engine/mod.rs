@@ -22,7 +22,6 @@ mod commit;
 mod flat;
 mod grad_prep;
 mod graph;
-mod mesh;
 mod norm;
 mod options;
 mod pipe;
@@ -42,7 +41,6 @@ mod workload;
 mod zero3;
 
 pub use flat::{flatten, unflatten};
-pub use mesh::Mesh;
 use options::Agreed;
 pub use options::{Control, RunOptions};
 pub use report::{EvalReport, Event, StepReport, Summary, Timing};
@@ -128,9 +126,6 @@ pub struct Engine<C: Collective> {
     build_shape: (Vec<i64>, i64),
     /// This rank's place on the tensor axis (issue 42; None: T = 1).
     tensor: Option<tensor::TensorAxis>,
-    /// The job's mesh and this rank's place in it (engine/mesh.rs): every
-    /// question about stages, tensor ranks and degrees goes there.
-    mesh: Mesh,
 }
 
 impl<C: Collective> Engine<C> {
@@ -146,7 +141,6 @@ impl<C: Collective> Engine<C> {
     /// checks everything before anything is written.
     pub fn new(spec: JobSpec, collective: C, opts: RunOptions) -> Result<Self> {
         spec.validate()?;
-        let mesh = Mesh::of(&collective);
         let place = build::place(&spec, &collective)?;
         let build::Place { world, rank, k, .. } = place;
         let device = build::device(&spec)?;
@@ -228,7 +222,6 @@ impl<C: Collective> Engine<C> {
             zero3_by_unit,
             build_shape,
             tensor,
-            mesh,
         };
         engine.open_checkpoints()?;
         // The initial broadcast: every rank takes the newest committed
@@ -250,14 +243,11 @@ impl<C: Collective> Engine<C> {
         // A rank keeps its pipeline stage across generations (the
         // coordinator re-forms survivors at their place; the daemon builds
         // a new engine for one that moves): its model holds that stage.
-        let next = Mesh::of(&collective);
-        if !self.mesh.same_split(&next) {
+        let was = self.stage();
+        if collective.stages() != was {
             return Err(Error::Schedule(format!(
-                "this rank's pipeline stage (stage, stages) was {:?} and is {:?}, its tensor place (rank, degree) {:?} and {:?}, in the new generation; a rank that changes stage or tensor place needs a new engine",
-                self.mesh.stages(),
-                next.stages(),
-                self.mesh.tensor(),
-                next.tensor()
+                "this rank's pipeline stage (stage, stages) was {was:?} and is {:?} in the new generation; a rank that changes stage needs a new engine",
+                collective.stages()
             )));
         }
         self.discard_window()?;
@@ -265,7 +255,6 @@ impl<C: Collective> Engine<C> {
         self.graph.holder.reset();
         self.sync_graph.holder.reset();
         self.collective = collective;
-        self.mesh = next;
         self.renew_tensor_group()?;
         // Rank 0 of the new generation (the first stage's, with stages)
         // writes the folder: it holds the lock; one that no longer does
@@ -292,7 +281,10 @@ impl<C: Collective> Engine<C> {
             self.spec.accumulation.global_batch = None;
         }
         // k follows the data degree.
-        self.plan.k = self.mesh.accumulation_steps(&self.spec)?;
+        self.plan.k = self
+            .spec
+            .accumulation_steps_for_data(world as u64)
+            .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
         self.sync_state()?;
         self.reshard();
         tracing::info!(
@@ -309,13 +301,15 @@ impl<C: Collective> Engine<C> {
     /// Whether this rank writes the checkpoints: data rank 0 of the first
     /// stage (every stage sends it its part).
     pub(super) fn writes_checkpoints(&self) -> bool {
-        self.mesh.writes_checkpoints()
+        self.collective.rank() == 0
+            && self.pipe.as_ref().is_none_or(|p| p.is_first())
+            && self.tensor_rank() == 0
     }
 
     /// This rank's pipeline stage and the number of stages (None: the
     /// model is whole).
     pub fn stage(&self) -> Option<(usize, usize)> {
-        self.mesh.stages()
+        self.pipe.as_ref().map(|p| (p.stage, p.stages))
     }
 
     /// The collective in use (for replacing it between generations).
