@@ -19,8 +19,8 @@
 
 use super::rule::{EXP_AVG, EXP_AVG_SQ};
 use super::{MaskedCoefs, Optimizer, Rule};
-use crate::shim::handle;
 use crate::error::{Error, InPlace, Result, TorchContext};
+use crate::shim::handle;
 use std::ffi::{c_char, c_void};
 use tch::{Kind, Tensor};
 
