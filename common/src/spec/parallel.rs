@@ -185,6 +185,12 @@ impl ParallelDims {
             .collect()
     }
 
+    /// Whether `at` is the last place along `axis` (the last pipeline
+    /// stage, say).
+    pub fn is_last(&self, at: Coords, axis: Axis) -> bool {
+        at.on(axis) + 1 == self.degree(axis)
+    }
+
     /// The rank that computes the loss and owns the reports: the last
     /// pipeline stage, tensor rank 0, data rank 0 (rank 0 when the model
     /// is not split).

@@ -11,6 +11,8 @@
 //! [`CollectiveError`] above it). Stage callbacks keep the caller's own
 //! error type `E`.
 
+use crate::spec::{Axis, Coords, ParallelDims};
+
 /// Why a collective did not complete. Either way the rank's committed
 /// state is intact and a new generation can re-form the communicator.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +25,33 @@ pub enum CollectiveError {
     /// generations).
     #[error("{0}")]
     Interrupted(String),
+}
+
+/// This rank's place in the job's mesh: the degrees and its coordinates
+/// (the arithmetic between them is [`ParallelDims`]'s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MeshPlace {
+    pub dims: ParallelDims,
+    pub at: Coords,
+}
+
+impl MeshPlace {
+    /// Data parallelism alone over `world` ranks, this one `rank`.
+    pub fn data_only(world: usize, rank: usize) -> Self {
+        let dims = ParallelDims::data_only(world as u32);
+        Self {
+            dims,
+            at: dims.coords(rank as u32),
+        }
+    }
+
+    /// `rank`'s place in `dims` (`rank` a world rank).
+    pub fn of(dims: ParallelDims, rank: u32) -> Self {
+        Self {
+            dims,
+            at: dims.coords(rank),
+        }
+    }
 }
 
 pub type Result<T, E = CollectiveError> = std::result::Result<T, E>;
@@ -98,28 +127,50 @@ pub trait Collective: Send {
     fn bytes(&self) -> (u64, u64) {
         (0, 0)
     }
-    /// This rank's pipeline stage and the number of stages of a split
-    /// model (issue 40); None without stages.
+    /// Where this rank sits in the job's mesh: the degrees of every axis
+    /// and its coordinates on them. The default is data parallelism
+    /// alone: this collective's world and rank are the data axis's.
+    fn place(&self) -> MeshPlace {
+        MeshPlace::data_only(self.world_size(), self.rank())
+    }
+    /// This rank's group along a model-split `axis` (pipeline: its rank
+    /// is the stage, the activations and their gradients travel there;
+    /// tensor: its rank is the tensor rank, the model's operations take
+    /// it through [`crate::comm::group::Group::tensor_group`]). The data
+    /// axis's group is the collective itself. The default has no split
+    /// axis: an error naming it.
+    fn group(&mut self, axis: Axis) -> Result<&mut dyn crate::comm::group::Group> {
+        Err(CollectiveError::Interrupted(format!(
+            "this job has no {} axis (its degree is 1)",
+            axis.name()
+        )))
+    }
+    /// TRANSITIONAL (removed once the engine asks its mesh).
     fn stages(&self) -> Option<(usize, usize)> {
-        None
+        let p = self.place();
+        (p.dims.pipeline > 1).then_some((p.at.pipeline as usize, p.dims.pipeline as usize))
     }
-    /// This rank's tensor-parallel rank and the tensor degree when it is
-    /// above 1 (issue 42); None otherwise.
+    /// TRANSITIONAL (removed once the engine asks its mesh).
     fn tensor(&self) -> Option<(usize, usize)> {
-        None
+        let p = self.place();
+        (p.dims.tensor > 1).then_some((p.at.tensor as usize, p.dims.tensor as usize))
     }
-    /// The tensor group of this generation (its rank is the tensor rank),
-    /// as the model's operations take it; None without tensor parallelism.
+    /// TRANSITIONAL (removed once the engine asks its mesh).
     fn tensor_group(&mut self) -> Result<Option<crate::comm::tensor_ops::TensorGroup>> {
-        Ok(None)
+        if self.tensor().is_none() {
+            return Ok(None);
+        }
+        let g = self.group(Axis::Tensor)?;
+        g.tensor_group().map(Some).ok_or_else(|| {
+            CollectiveError::Interrupted(format!(
+                "the tensor group runs on {}, tensor parallelism needs c10d",
+                g.transport()
+            ))
+        })
     }
-    /// The group of this replica's stages (its rank is the stage): the
-    /// activations and their gradients travel there, and the window's
-    /// tally and norm are summed over it.
+    /// TRANSITIONAL (removed once the engine asks its mesh).
     fn pipeline_group(&mut self) -> Result<&mut dyn crate::comm::group::Group> {
-        Err(CollectiveError::Interrupted(
-            "this job has no pipeline stages".into(),
-        ))
+        self.group(Axis::Pipeline)
     }
     /// Every rank's `mine` over the whole world (every stage of every
     /// replica), in world rank order. The default is [`gather_u64`] over

@@ -9,7 +9,7 @@
 //! ([`Staged`]): the engine's flat gradients are staged through the host
 //! on CUDA today, so NCCL carries the same bytes the ring would.
 
-use crate::comm::collective::{BucketCopy, Collective, CollectiveError};
+use crate::comm::collective::{BucketCopy, Collective, CollectiveError, MeshPlace};
 use crate::comm::group::{Group, GroupError, ReduceOp};
 use crate::comm::mesh::Mesh;
 use crate::spec::Axis;
@@ -24,26 +24,23 @@ impl From<GroupError> for CollectiveError {
 /// The engine's [`Collective`] over a mesh: its rank and world are the
 /// data axis's (what the engine shards samples and reduces gradients
 /// over; the world's when the model is not split), and a split model's
-/// stages reach the pipeline group through [`Collective::pipeline_group`].
+/// stages and tensor ranks reach their groups through
+/// [`Collective::group`].
 pub struct MeshCollective {
     mesh: Option<Mesh>,
     rank: usize,
     world: usize,
-    /// (stage, stages) when the pipeline degree is above 1.
-    stages: Option<(usize, usize)>,
-    /// (tensor rank, degree) when the tensor degree is above 1.
-    tensor: Option<(usize, usize)>,
+    /// The job's degrees and this rank's coordinates.
+    place: MeshPlace,
 }
 
 impl MeshCollective {
     pub fn new(mesh: Mesh) -> Self {
-        let dims = *mesh.dims();
-        let at = dims.coords(mesh.rank());
+        let place = MeshPlace::of(*mesh.dims(), mesh.rank());
         Self {
-            rank: at.data as usize,
-            world: dims.data as usize,
-            stages: (dims.pipeline > 1).then_some((at.pipeline as usize, dims.pipeline as usize)),
-            tensor: (dims.tensor > 1).then_some((at.tensor as usize, dims.tensor as usize)),
+            rank: place.at.data as usize,
+            world: place.dims.data as usize,
+            place,
             mesh: Some(mesh),
         }
     }
@@ -55,8 +52,7 @@ impl MeshCollective {
             mesh: None,
             rank: self.rank,
             world: self.world,
-            stages: self.stages,
-            tensor: self.tensor,
+            place: self.place,
         }
     }
 
@@ -70,7 +66,7 @@ impl MeshCollective {
     /// data axis is not the world then, and each data group agrees among
     /// itself.
     fn split(&self) -> bool {
-        self.stages.is_some() || self.tensor.is_some()
+        self.place.dims.replica() > 1
     }
 
     /// The data group when it is not the control ring.
@@ -158,8 +154,8 @@ impl Collective for MeshCollective {
     fn world_size(&self) -> usize {
         self.world
     }
-    fn stages(&self) -> Option<(usize, usize)> {
-        self.stages
+    fn place(&self) -> MeshPlace {
+        self.place
     }
     fn world_gather_u64(&mut self, mine: u64) -> Result<Vec<u64>, CollectiveError> {
         crate::comm::collective::gather_u64(self.mesh()?.control(), mine)
@@ -171,30 +167,15 @@ impl Collective for MeshCollective {
     ) -> Result<(), CollectiveError> {
         Collective::broadcast_bytes(self.mesh()?.control(), buf, root)
     }
-    fn pipeline_group(&mut self) -> Result<&mut dyn Group, CollectiveError> {
-        if self.stages.is_none() {
-            return Err(CollectiveError::Interrupted(
-                "this job has no pipeline stages".into(),
-            ));
+    fn group(&mut self, axis: Axis) -> Result<&mut dyn Group, CollectiveError> {
+        if axis == Axis::Data || self.place.dims.degree(axis) == 1 {
+            return Err(CollectiveError::Interrupted(format!(
+                "this job has no {} group (data: the collective itself; a split axis needs a degree above 1, it is {})",
+                axis.name(),
+                self.place.dims.degree(axis)
+            )));
         }
-        Ok(self.mesh()?.axis(Axis::Pipeline))
-    }
-    fn tensor(&self) -> Option<(usize, usize)> {
-        self.tensor
-    }
-    fn tensor_group(
-        &mut self,
-    ) -> Result<Option<crate::comm::tensor_ops::TensorGroup>, CollectiveError> {
-        if self.tensor.is_none() {
-            return Ok(None);
-        }
-        let g = self.mesh()?.axis(Axis::Tensor);
-        g.tensor_group().map(Some).ok_or_else(|| {
-            CollectiveError::Interrupted(format!(
-                "the tensor group runs on {}, tensor parallelism needs c10d",
-                g.transport()
-            ))
-        })
+        Ok(self.mesh()?.axis(axis))
     }
     fn all_reduce_sum(&mut self, buf: &mut Vec<f32>) -> Result<(), CollectiveError> {
         match self.data_group()? {

@@ -4,7 +4,6 @@
 
 use super::assign::{assigned_checkpoint_dir, assigned_spec};
 use super::{wrap, DaemonConfig};
-use crate::comm::collective::Collective;
 use crate::comm::mesh::{Mesh, MeshConfig};
 use crate::comm::mesh_collective::MeshCollective;
 use crate::comm::{RingConfig, TcpRing};
@@ -213,7 +212,7 @@ impl JobThread<'_> {
         if self
             .engine
             .as_ref()
-            .is_some_and(|e| e.stage() != ring.stages())
+            .is_some_and(|e| e.stage() != crate::engine::Mesh::of(&ring).stages())
         {
             tracing::info!(
                 job,

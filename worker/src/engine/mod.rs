@@ -22,6 +22,7 @@ mod commit;
 mod flat;
 mod grad_prep;
 mod graph;
+mod mesh;
 mod norm;
 mod options;
 mod pipe;
@@ -41,6 +42,7 @@ mod workload;
 mod zero3;
 
 pub use flat::{flatten, unflatten};
+pub use mesh::Mesh;
 use options::Agreed;
 pub use options::{Control, RunOptions};
 pub use report::{EvalReport, Event, StepReport, Summary, Timing};
@@ -126,6 +128,9 @@ pub struct Engine<C: Collective> {
     build_shape: (Vec<i64>, i64),
     /// This rank's place on the tensor axis (issue 42; None: T = 1).
     tensor: Option<tensor::TensorAxis>,
+    /// The job's mesh and this rank's place in it (engine/mesh.rs): every
+    /// question about stages, tensor ranks and degrees goes there.
+    mesh: Mesh,
 }
 
 impl<C: Collective> Engine<C> {
@@ -141,6 +146,7 @@ impl<C: Collective> Engine<C> {
     /// checks everything before anything is written.
     pub fn new(spec: JobSpec, collective: C, opts: RunOptions) -> Result<Self> {
         spec.validate()?;
+        let mesh = Mesh::of(&collective);
         let place = build::place(&spec, &collective)?;
         let build::Place { world, rank, k, .. } = place;
         let device = build::device(&spec)?;
@@ -222,6 +228,7 @@ impl<C: Collective> Engine<C> {
             zero3_by_unit,
             build_shape,
             tensor,
+            mesh,
         };
         engine.open_checkpoints()?;
         // The initial broadcast: every rank takes the newest committed
@@ -243,11 +250,14 @@ impl<C: Collective> Engine<C> {
         // A rank keeps its pipeline stage across generations (the
         // coordinator re-forms survivors at their place; the daemon builds
         // a new engine for one that moves): its model holds that stage.
-        let was = self.stage();
-        if collective.stages() != was {
+        let next = Mesh::of(&collective);
+        if !self.mesh.same_split(&next) {
             return Err(Error::Schedule(format!(
-                "this rank's pipeline stage (stage, stages) was {was:?} and is {:?} in the new generation; a rank that changes stage needs a new engine",
-                collective.stages()
+                "this rank's pipeline stage (stage, stages) was {:?} and is {:?}, its tensor place (rank, degree) {:?} and {:?}, in the new generation; a rank that changes stage or tensor place needs a new engine",
+                self.mesh.stages(),
+                next.stages(),
+                self.mesh.tensor(),
+                next.tensor()
             )));
         }
         self.discard_window()?;
@@ -255,6 +265,7 @@ impl<C: Collective> Engine<C> {
         self.graph.holder.reset();
         self.sync_graph.holder.reset();
         self.collective = collective;
+        self.mesh = next;
         self.renew_tensor_group()?;
         // Rank 0 of the new generation (the first stage's, with stages)
         // writes the folder: it holds the lock; one that no longer does
@@ -281,10 +292,7 @@ impl<C: Collective> Engine<C> {
             self.spec.accumulation.global_batch = None;
         }
         // k follows the data degree.
-        self.plan.k = self
-            .spec
-            .accumulation_steps_for_data(world as u64)
-            .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
+        self.plan.k = self.mesh.accumulation_steps(&self.spec)?;
         self.sync_state()?;
         self.reshard();
         tracing::info!(
@@ -301,15 +309,13 @@ impl<C: Collective> Engine<C> {
     /// Whether this rank writes the checkpoints: data rank 0 of the first
     /// stage (every stage sends it its part).
     pub(super) fn writes_checkpoints(&self) -> bool {
-        self.collective.rank() == 0
-            && self.pipe.as_ref().is_none_or(|p| p.is_first())
-            && self.tensor_rank() == 0
+        self.mesh.writes_checkpoints()
     }
 
     /// This rank's pipeline stage and the number of stages (None: the
     /// model is whole).
     pub fn stage(&self) -> Option<(usize, usize)> {
-        self.pipe.as_ref().map(|p| (p.stage, p.stages))
+        self.mesh.stages()
     }
 
     /// The collective in use (for replacing it between generations).

@@ -45,8 +45,8 @@ impl<C: Collective> Engine<C> {
         };
         let axes = norm_axes(
             self.placement.strategy.norm_axes(),
-            self.tensor.is_some(),
-            self.pipe.is_some(),
+            self.mesh.has(Axis::Tensor),
+            self.mesh.has(Axis::Pipeline),
         );
         for axis in axes {
             part = NormPart::Norm(self.combine_over(axis, part, norm_type)?);

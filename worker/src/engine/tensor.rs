@@ -15,20 +15,19 @@
 //!   rank 0 writes ([`Engine::tensor_whole`]); weights and optimizer state
 //!   load whole and are cut ([`Engine::tensor_slice_state`]).
 
-use super::Engine;
+use super::{Engine, Mesh};
 use crate::comm::collective::Collective;
 use crate::comm::tensor_ops::TensorGroupCell;
-use crate::error::{Error, Result, TorchContext};
+use crate::error::{Result, TorchContext};
 use crate::family::model::Model;
 use crate::family::tensor::{counts, join, take, TensorPlace, TpSlice};
 use crate::spec::JobSpec;
 use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
-/// This rank's place on the tensor axis.
+/// What this rank holds on the tensor axis (its rank and the degree are
+/// the mesh's: `Engine::mesh`).
 pub(super) struct TensorAxis {
-    pub rank: usize,
-    pub size: usize,
     /// The current generation's group, which the model's operations use.
     pub cell: TensorGroupCell,
     /// Every parameter's slice.
@@ -42,12 +41,13 @@ pub(super) fn split<C: Collective>(
     model: &mut Model,
     collective: &mut C,
 ) -> Result<Option<TensorAxis>> {
-    let Some((rank, size)) = collective.tensor() else {
+    let mesh = Mesh::of(collective);
+    let Some((rank, size)) = mesh.tensor() else {
         return Ok(None);
     };
     let layout = crate::family::family(spec.model.kind).tensor_layout(&spec.model, size)?;
     let cell = TensorGroupCell::default();
-    cell.set(collective.tensor_group()?);
+    cell.set(mesh.tensor_group(collective)?);
     let place = TensorPlace {
         rank,
         size,
@@ -57,34 +57,25 @@ pub(super) fn split<C: Collective>(
     let elements: i64 = model.params.iter().map(|(_, t)| t.numel() as i64).sum();
     tracing::info!(rank, size, elements, "tensor-parallel shard");
     Ok(Some(TensorAxis {
-        rank,
-        size,
         cell,
         layout: layout.into_iter().collect(),
     }))
 }
 
 impl<C: Collective> Engine<C> {
-    /// A new generation's tensor group for the model's operations; a rank
-    /// keeps its tensor rank across generations.
+    /// A new generation's tensor group for the model's operations (a rank
+    /// keeps its tensor place across generations: `Engine::reconfigure`
+    /// checks it).
     pub(super) fn renew_tensor_group(&mut self) -> Result<()> {
-        let was = self.tensor.as_ref().map(|t| (t.rank, t.size));
-        if self.collective.tensor() != was {
-            return Err(Error::Schedule(format!(
-                "this rank's tensor place (rank, degree) was {was:?} and is {:?} in the new \
-                 generation; a rank that changes place needs a new engine",
-                self.collective.tensor()
-            )));
-        }
         if let Some(t) = &self.tensor {
-            t.cell.set(self.collective.tensor_group()?);
+            t.cell.set(self.mesh.tensor_group(&mut self.collective)?);
         }
         Ok(())
     }
 
     /// The tensor rank (0 without tensor parallelism).
     pub(super) fn tensor_rank(&self) -> usize {
-        self.tensor.as_ref().map_or(0, |t| t.rank)
+        self.mesh.tensor_rank()
     }
 
     /// This rank's partial of the clip norm with tensor parallelism, each
@@ -106,12 +97,13 @@ impl<C: Collective> Engine<C> {
         let Some(axis) = &self.tensor else {
             return Ok(None);
         };
+        let rank = self.mesh.tensor_rank();
         let mut mine = 0f64;
         let mut at = 0usize;
         for (name, p) in &self.model.params {
             let (start, end) = (at, at + p.numel());
             at = end;
-            if !axis.layout.get(name).is_some_and(|s| counts(s, axis.rank)) {
+            if !axis.layout.get(name).is_some_and(|s| counts(s, rank)) {
                 continue;
             }
             // This parameter's elements among the owned segments (laid

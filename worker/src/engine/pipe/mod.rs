@@ -23,6 +23,7 @@ use super::trainer::pipeline::{Layout, PipeSchedule};
 use super::Engine;
 use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
+use crate::spec::Axis;
 use std::collections::HashSet;
 use std::ops::Range;
 use std::time::Instant;
@@ -90,11 +91,11 @@ impl<C: Collective> Engine<C> {
     /// The sync step's tally summed over the stages (only the last stage
     /// counted terms; any stage may ask to stop or checkpoint).
     pub(super) fn pipeline_tally(&mut self, stats: &mut [f32]) -> Result<()> {
-        if self.pipe.is_none() {
+        if !self.mesh.tally_axes().contains(&Axis::Pipeline) {
             return Ok(());
         }
         let t = Tensor::f_from_slice(stats).ctx("summing the tally over the stages")?;
-        sum_over(self.collective.pipeline_group()?, &t)?;
+        sum_over(self.mesh.group(&mut self.collective, Axis::Pipeline)?, &t)?;
         let summed = Vec::<f32>::try_from(&t).ctx("summing the tally over the stages")?;
         stats.copy_from_slice(&summed);
         Ok(())
@@ -117,7 +118,7 @@ impl<C: Collective> Engine<C> {
     /// over the stages (max for inf); a tied embedding is the first stage's
     /// only.
     pub(super) fn pipeline_norm(&mut self, norm: f64, norm_type: f64) -> Result<f64> {
-        if self.pipe.is_none() {
+        if !self.mesh.has(Axis::Pipeline) {
             return Ok(norm);
         }
         let inf = norm_type.is_infinite();
@@ -138,16 +139,16 @@ impl<C: Collective> Engine<C> {
     /// bits in i64 slots of their own, the others 0, summed over the
     /// pipeline group in one reduction.
     fn pipeline_each(&mut self, mine: &[f64]) -> Result<Vec<Vec<f64>>> {
-        let Some(pipe) = &self.pipe else {
+        let Some((stage, stages)) = self.mesh.stages() else {
             return Ok(vec![mine.to_vec()]);
         };
         let n = mine.len();
-        let mut slots = vec![0i64; pipe.stages * n];
+        let mut slots = vec![0i64; stages * n];
         for (i, v) in mine.iter().enumerate() {
-            slots[pipe.stage * n + i] = v.to_bits() as i64;
+            slots[stage * n + i] = v.to_bits() as i64;
         }
         let t = Tensor::f_from_slice(&slots).ctx("gathering over the stages")?;
-        sum_over(self.collective.pipeline_group()?, &t)?;
+        sum_over(self.mesh.group(&mut self.collective, Axis::Pipeline)?, &t)?;
         let back = Vec::<i64>::try_from(&t).ctx("gathering over the stages")?;
         Ok(back
             .chunks(n.max(1))
@@ -234,7 +235,11 @@ impl<C: Collective> Engine<C> {
                     Some(b) if chunk == 0 => b.inputs.shallow_clone(),
                     _ => {
                         let (device, from) = (self.device, layout.rank_of(chunk - 1));
-                        recv_with_shape(self.collective.pipeline_group()?, from, device)?
+                        recv_with_shape(
+                            self.mesh.group(&mut self.collective, Axis::Pipeline)?,
+                            from,
+                            device,
+                        )?
                     }
                 };
                 let inputs = batch.as_ref().filter(|_| packed).map(|b| &b.inputs);
@@ -246,7 +251,7 @@ impl<C: Collective> Engine<C> {
                     let logits = self.stage_logits(out)?;
                     sums.add(self.objective.evaluate(&logits, batch)?);
                 } else {
-                    let g = self.collective.pipeline_group()?;
+                    let g = self.mesh.group(&mut self.collective, Axis::Pipeline)?;
                     for (p, _keep) in send_with_shape(g, out, layout.rank_of(chunk + 1))? {
                         p.wait().map_err(group_err)?;
                     }

@@ -9,6 +9,7 @@ use super::Pipe;
 use crate::comm::collective::Collective;
 use crate::engine::Engine;
 use crate::error::{Error, Result, TorchContext};
+use crate::spec::Axis;
 use tch::Tensor;
 
 impl<C: Collective> Engine<C> {
@@ -36,7 +37,7 @@ impl<C: Collective> Engine<C> {
     /// `t` to stage `to` (`send`) or from it into `t`, waited for
     /// (through the host when the group carries host tensors).
     fn exchange(&mut self, t: &Tensor, peer: usize, send: bool) -> Result<()> {
-        let group = self.collective.pipeline_group()?;
+        let group = self.mesh.group(&mut self.collective, Axis::Pipeline)?;
         if !send {
             return recv_into(group, t, peer, "receiving from another stage");
         }
@@ -95,7 +96,7 @@ impl<C: Collective> Engine<C> {
         if pipe.is_last() {
             let copy = self.tied_tensor(&name, true)?;
             let mut g = copy.grad();
-            let group = self.collective.pipeline_group()?;
+            let group = self.mesh.group(&mut self.collective, Axis::Pipeline)?;
             let sent = if g.defined() {
                 g.f_detach_copy()
             } else {

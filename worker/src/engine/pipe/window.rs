@@ -21,6 +21,7 @@ use crate::engine::trainer::pipeline::{rank_ops, Layout, MsgKind, PipeOp};
 use crate::engine::trainer::Op;
 use crate::engine::{Engine, StepReport};
 use crate::error::{Error, Result, TorchContext};
+use crate::spec::Axis;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
@@ -190,7 +191,7 @@ impl<C: Collective> Engine<C> {
         }
         let key = (chunk, micro);
         let t = Instant::now();
-        let g = self.collective.pipeline_group()?;
+        let g = self.mesh.group(&mut self.collective, Axis::Pipeline)?;
         if let Some((from, want)) = op.receives(&layout) {
             let x = run.stash.recv(g, from, want, device)?;
             match want.kind {

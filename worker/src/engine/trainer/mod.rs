@@ -166,11 +166,11 @@ impl<'e, C: Collective> Trainer<'e, C> {
             gradient_bytes_after_sync = e.gradient_bytes(),
             "optimizer state held by this rank"
         );
-        if let Some(t) = &e.tensor {
+        if e.tensor.is_some() {
             // What the tensor group carried (worker/benches/tensor_parallel.py).
             let (layers, other) = crate::comm::tensor_ops::bytes_so_far();
             tracing::info!(
-                tensor_rank = t.rank,
+                tensor_rank = e.mesh.tensor_rank(),
                 layer_allreduce_bytes = layers,
                 other_tensor_bytes = other,
                 "tensor-parallel traffic of this rank"

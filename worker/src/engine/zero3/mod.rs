@@ -342,9 +342,10 @@ impl<C: Collective> Engine<C> {
         // Tensor parallelism: this rank's slices of the whole values.
         if let Some(t) = &self.tensor {
             let _guard = tch::no_grad_guard();
+            let rank = self.mesh.tensor_rank();
             for (name, p) in &mut fresh.params {
                 if let Some(slice) = t.layout.get(name) {
-                    *p = crate::family::tensor::take(p, slice, t.rank)
+                    *p = crate::family::tensor::take(p, slice, rank)
                         .ctx("cutting the initial weights for tensor parallelism")?;
                 }
             }
