@@ -145,33 +145,6 @@ pub trait Collective: Send {
             axis.name()
         )))
     }
-    /// TRANSITIONAL (removed once the engine asks its mesh).
-    fn stages(&self) -> Option<(usize, usize)> {
-        let p = self.place();
-        (p.dims.pipeline > 1).then_some((p.at.pipeline as usize, p.dims.pipeline as usize))
-    }
-    /// TRANSITIONAL (removed once the engine asks its mesh).
-    fn tensor(&self) -> Option<(usize, usize)> {
-        let p = self.place();
-        (p.dims.tensor > 1).then_some((p.at.tensor as usize, p.dims.tensor as usize))
-    }
-    /// TRANSITIONAL (removed once the engine asks its mesh).
-    fn tensor_group(&mut self) -> Result<Option<crate::comm::tensor_ops::TensorGroup>> {
-        if self.tensor().is_none() {
-            return Ok(None);
-        }
-        let g = self.group(Axis::Tensor)?;
-        g.tensor_group().map(Some).ok_or_else(|| {
-            CollectiveError::Interrupted(format!(
-                "the tensor group runs on {}, tensor parallelism needs c10d",
-                g.transport()
-            ))
-        })
-    }
-    /// TRANSITIONAL (removed once the engine asks its mesh).
-    fn pipeline_group(&mut self) -> Result<&mut dyn crate::comm::group::Group> {
-        self.group(Axis::Pipeline)
-    }
     /// Every rank's `mine` over the whole world (every stage of every
     /// replica), in world rank order. The default is [`gather_u64`] over
     /// this collective, whose ranks are the world's when the model is not

@@ -15,7 +15,7 @@ use super::pipe::{self, Pipe};
 use super::setup::{self, spec_hash};
 use super::tensor::{self, TensorAxis};
 use super::workload::Workload;
-use super::{placement, zero3, Engine, RunOptions};
+use super::{placement, zero3, Engine, Mesh, RunOptions};
 use crate::checkpoint::{self, TrainerState};
 use crate::comm::collective::Collective;
 use crate::cuda::graphs::{EagerReason, Mode};
@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::family::model::{Model, WeightsFrom};
 use crate::grads::FlatGrads;
 use crate::source::sampler::{ShardSpec, WindowPlan};
-use crate::spec::JobSpec;
+use crate::spec::{Axis, JobSpec};
 use std::collections::HashSet;
 use std::path::PathBuf;
 use tch::{Device, Tensor};
@@ -43,20 +43,15 @@ pub(super) struct Place {
     pub k: usize,
 }
 
-/// Resolves the rank's place on the mesh and k: k follows the data degree
-/// (the coordinator's k for the whole mesh, tensor ranks included).
-pub(super) fn place<C: Collective>(spec: &JobSpec, collective: &C) -> Result<Place> {
-    let world = collective.world_size();
-    let rank = collective.rank();
-    let stages = collective.stages();
-    let k = spec
-        .accumulation_steps_for_data(world as u64)
-        .map_err(|e| crate::spec::SpecErrors(vec![e]))? as usize;
+/// The rank's place on the mesh as the build reads it, and k: k follows
+/// the data degree (the coordinator's k for the whole mesh, tensor ranks
+/// included).
+pub(super) fn place(spec: &JobSpec, mesh: &Mesh) -> Result<Place> {
     Ok(Place {
-        world,
-        rank,
-        stages,
-        k,
+        world: mesh.degree(Axis::Data),
+        rank: mesh.coord(Axis::Data),
+        stages: mesh.stages(),
+        k: mesh.accumulation_steps(spec)?,
     })
 }
 
@@ -147,7 +142,7 @@ pub(super) fn model<C: Collective>(
     let build = model_build(
         place.stages,
         spec.sharding.stage,
-        collective.tensor().is_some(),
+        Mesh::of(collective).has(Axis::Tensor),
     );
     let (mut model, stage_plan) = match build {
         ModelBuild::Stage { stage, stages: n } => {

@@ -69,6 +69,12 @@ impl Mesh {
         self.degree(axis) > 1
     }
 
+    /// Whether the model is split (pipeline stages or tensor shards): a
+    /// replica is more than one rank.
+    pub fn is_split(&self) -> bool {
+        self.place.dims.replica() > 1
+    }
+
     /// (this rank's coordinate, the degree) along `axis` when it is split;
     /// None otherwise.
     pub fn along(&self, axis: Axis) -> Option<(usize, usize)> {

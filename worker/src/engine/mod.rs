@@ -147,7 +147,7 @@ impl<C: Collective> Engine<C> {
     pub fn new(spec: JobSpec, collective: C, opts: RunOptions) -> Result<Self> {
         spec.validate()?;
         let mesh = Mesh::of(&collective);
-        let place = build::place(&spec, &collective)?;
+        let place = build::place(&spec, &mesh)?;
         let build::Place { world, rank, k, .. } = place;
         let device = build::device(&spec)?;
         let workload = workload::load(&spec, device)?;

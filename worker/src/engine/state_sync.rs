@@ -121,7 +121,7 @@ impl<C: Collective> Engine<C> {
         }
         // Stages and tensor ranks hold parts of one replica: every part
         // must be at the same step (or all roll back).
-        if self.pipe.is_some() || self.tensor.is_some() {
+        if self.mesh.is_split() {
             self.sync_stages()?;
         }
         Ok(())

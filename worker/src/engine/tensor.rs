@@ -73,11 +73,6 @@ impl<C: Collective> Engine<C> {
         Ok(())
     }
 
-    /// The tensor rank (0 without tensor parallelism).
-    pub(super) fn tensor_rank(&self) -> usize {
-        self.mesh.tensor_rank()
-    }
-
     /// This rank's partial of the clip norm with tensor parallelism, each
     /// element counted once over the tensor ranks (None without tensor
     /// parallelism): the p-th powers of the norms of this rank's counted

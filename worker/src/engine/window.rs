@@ -10,7 +10,7 @@ use crate::comm::collective::Collective;
 use crate::cuda::graphs::EagerReason;
 use crate::error::{Error, Result, TorchContext};
 use crate::grads::tally::WindowTally;
-use crate::spec::{Normalize, SyncMode};
+use crate::spec::{Axis, Normalize, SyncMode};
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -136,7 +136,7 @@ impl<C: Collective> Engine<C> {
                 ));
             }
         }
-        if self.pipe.is_some() {
+        if self.mesh.has(Axis::Pipeline) {
             return self.pipeline_window().map(Some);
         }
         let started = Instant::now();
@@ -380,7 +380,7 @@ impl<C: Collective> Engine<C> {
         // too; its step is redone and the audit keeps the newest attempt).
         // Pipeline stages read the same indices: the first stage's line
         // speaks for its data rank.
-        let logs = self.pipe.as_ref().is_none_or(|p| p.is_first());
+        let logs = self.mesh.is_first_stage();
         if let Some(path) = self.opts.sample_log.clone().filter(|_| logs) {
             self.log_window(&path)?;
         }

@@ -10,6 +10,7 @@ use crate::engine::placement::views_by_name;
 use crate::engine::Engine;
 use crate::error::{Error, Result, TorchContext};
 use crate::family::Named;
+use crate::spec::Axis;
 use std::ops::Range;
 
 /// One rank's part of a checkpoint: its place in the step's files
@@ -24,13 +25,13 @@ pub(in crate::engine) struct Share {
 impl<C: Collective> Engine<C> {
     /// This rank's seat in the mesh.
     fn seat(&self) -> Seat {
-        let (stage, stages) = self.pipe.as_ref().map_or((0, 1), |p| (p.stage, p.stages));
+        let m = &self.mesh;
         Seat {
-            stage,
-            stages,
-            data: self.collective.rank(),
-            datas: self.collective.world_size(),
-            tensor: self.tensor_rank(),
+            stage: m.coord(Axis::Pipeline),
+            stages: m.degree(Axis::Pipeline),
+            data: m.coord(Axis::Data),
+            datas: m.degree(Axis::Data),
+            tensor: m.tensor_rank(),
         }
     }
 

@@ -88,9 +88,9 @@ impl NormPart {
 }
 
 /// The group that owns the loss (every rank of it computes part of the
-/// same loss): the tally is reduced over these axes. Unsplit models: the
-/// data axis.
-pub(super) const LOSS_OWNER: &[Axis] = &[Axis::Data];
+/// same loss): the tally is reduced over these axes, the mesh's (the loss
+/// owner's data group; engine/mesh.rs).
+pub(super) use super::mesh::LOSS_OWNER;
 
 /// What a strategy works on: the engine's pieces it borrows for one call.
 pub(super) struct Parts<'a, C: Collective> {

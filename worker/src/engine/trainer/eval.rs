@@ -5,6 +5,7 @@ use crate::comm::collective::Collective;
 use crate::engine::{Engine, EvalReport};
 use crate::error::Result;
 use crate::objective::EvalSums;
+use crate::spec::Axis;
 
 impl<C: Collective> Engine<C> {
     /// Loss, accuracy (and a language model's perplexity) on the held-out
@@ -33,7 +34,7 @@ impl<C: Collective> Engine<C> {
         self.model.set_train(false)?;
         let n = eval.len() as i64;
         let bs = eval_chunk(&self.spec, self.objective.has_perplexity());
-        let (sums, read) = if self.pipe.is_some() {
+        let (sums, read) = if self.mesh.has(Axis::Pipeline) {
             // Through the stages (engine/pipe/).
             self.pipeline_eval(eval, bs)?
         } else {

@@ -15,6 +15,7 @@ use super::Engine;
 use crate::comm::collective::Collective;
 use crate::error::{Error, Result, TorchContext};
 use crate::family::model::{Model, WeightsFrom};
+use crate::spec::Axis;
 use std::ops::Range;
 use tch::Tensor;
 
@@ -162,10 +163,9 @@ impl<C: Collective> Engine<C> {
         if !self.zero3_by_unit {
             return Ok(());
         }
-        let tied_waits = self
-            .pipe
-            .as_ref()
-            .is_some_and(|p| p.is_first() && p.stages > 1 && p.tied.is_some());
+        let tied_waits = self.mesh.has(Axis::Pipeline)
+            && self.mesh.is_first_stage()
+            && self.pipe.as_ref().is_some_and(|p| p.tied.is_some());
         let now: Vec<usize> = units
             .iter()
             .copied()
@@ -315,7 +315,7 @@ impl<C: Collective> Engine<C> {
         let (shape, classes) = self.build_shape.clone();
         let (device, seed) = (self.device, self.spec.seed);
         // Tensor parallelism builds the whole model and cuts it (below).
-        if self.pipe.is_none() && self.tensor.is_none() {
+        if !self.mesh.is_split() {
             let layout = (self.collective.world_size(), self.collective.rank());
             let (_, owned) = build(&self.spec, &shape, classes, device, layout)?;
             return match self.placement.strategy.param_shards() {
