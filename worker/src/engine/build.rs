@@ -139,14 +139,12 @@ pub(super) fn model<C: Collective>(
     // ZeRO-3 builds each rank's chunks only (of `model.init` too).
     let mut built = None;
     let mut all_names: Vec<String> = Vec::new();
-    let build = model_build(
-        place.stages,
-        spec.sharding.stage,
-        Mesh::of(collective).has(Axis::Tensor),
-    );
+    let mesh = Mesh::of(collective);
+    let build = model_build(place.stages, spec.sharding.stage, mesh.has(Axis::Tensor));
     let (mut model, stage_plan) = match build {
         ModelBuild::Stage { stage, stages: n } => {
-            let (model, plan, names) = build_stage(spec, workload, device, stage, n)?;
+            let last = mesh.is_last_stage();
+            let (model, plan, names) = build_stage(spec, workload, device, (stage, n), last)?;
             all_names = names;
             (model, Some(plan))
         }
@@ -203,13 +201,14 @@ pub(super) fn model<C: Collective>(
 /// holding none gives every parameter's name and shape (the plan's
 /// input), the second holds the stage's only; both draw the whole
 /// model's initial values from the job's seed, so the stage's are
-/// P = 1's. The rest stays frozen by name.
+/// P = 1's. The rest stays frozen by name; the last stage (`last`, the
+/// mesh's) also keeps a tied embedding's copy as its head.
 fn build_stage(
     spec: &JobSpec,
     workload: &Workload,
     device: Device,
-    stage: usize,
-    n: usize,
+    (stage, n): (usize, usize),
+    last: bool,
 ) -> Result<(Model, StagePlan, Vec<String>)> {
     let build = |keep: Box<dyn Fn(&str) -> bool>| {
         Model::build_stage(
@@ -225,7 +224,7 @@ fn build_stage(
     let (p, names) = pipe::plan(spec, &all, stage, n)?;
     // ZeRO-3 in stages: the stage's blocks are its units.
     let all_names = all.into_iter().map(|(n, _)| n).collect();
-    let shared = p.tied.clone().filter(|_| p.is_last());
+    let shared = p.tied.clone().filter(|_| last);
     let mut keep = names.clone();
     keep.extend(shared.clone());
     let model = build(Box::new(move |n| keep.contains(n)))?;

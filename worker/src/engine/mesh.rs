@@ -105,6 +105,13 @@ impl Mesh {
         self.place.dims.is_last(self.place.at, Axis::Pipeline)
     }
 
+    /// The last stage (the loss owner's, [`ParallelDims::loss_owner`]):
+    /// its rank in the pipeline group.
+    pub fn last_stage(&self) -> usize {
+        let dims = self.place.dims;
+        dims.coords(dims.loss_owner()).on(Axis::Pipeline) as usize
+    }
+
     /// Whether this rank writes the checkpoints: the world's first rank
     /// (data rank 0 of the first stage, tensor rank 0; every other rank
     /// hands it its part).

@@ -57,12 +57,6 @@ pub(super) struct Pipe {
 }
 
 impl Pipe {
-    pub fn is_first(&self) -> bool {
-        self.stage == 0
-    }
-    pub fn is_last(&self) -> bool {
-        self.stage + 1 == self.stages
-    }
     /// P ranks of V chunks.
     pub fn layout(&self) -> Layout {
         Layout::new(self.stages, self.chunks.len())
@@ -217,7 +211,8 @@ impl<C: Collective> Engine<C> {
         while start < n {
             let len = bs.min(n - start);
             let packed = self.spec.data.pack;
-            let batch = if pipe.is_first() || pipe.is_last() || packed {
+            let ends = self.mesh.is_first_stage() || self.mesh.is_last_stage();
+            let batch = if ends || packed {
                 Some(eval.range(start, len, self.device)?)
             } else {
                 None

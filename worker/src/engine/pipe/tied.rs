@@ -5,7 +5,6 @@
 //! `sync = "every_step"`); after the step the new values go to the copy.
 
 use super::wire::{group_err, recv_into, Posted};
-use super::Pipe;
 use crate::comm::collective::Collective;
 use crate::engine::Engine;
 use crate::error::{Error, Result, TorchContext};
@@ -14,10 +13,9 @@ use tch::Tensor;
 
 impl<C: Collective> Engine<C> {
     /// The tied embedding's name, where this job has one across stages.
-    fn tied_across(&self) -> Option<(Pipe, String)> {
-        let pipe = self.pipe.clone()?;
-        let name = pipe.tied.clone().filter(|_| pipe.stages > 1)?;
-        Some((pipe, name))
+    fn tied_across(&self) -> Option<String> {
+        let pipe = self.pipe.as_ref()?;
+        pipe.tied.clone().filter(|_| self.mesh.has(Axis::Pipeline))
     }
 
     /// The tied embedding: the first stage's parameter, or (`copy`) the
@@ -55,7 +53,7 @@ impl<C: Collective> Engine<C> {
     /// the first stage's embedding gradient, before the data reduction;
     /// the copy's gradient is cleared.
     pub(in crate::engine) fn pipeline_tied_grads(&mut self) -> Result<()> {
-        let Some((pipe, name)) = self.tied_across() else {
+        let Some(name) = self.tied_across() else {
             return Ok(());
         };
         // sync = every_step sent them with each micro-batch.
@@ -63,23 +61,23 @@ impl<C: Collective> Engine<C> {
             return Ok(());
         }
         let _guard = tch::no_grad_guard();
-        if pipe.is_last() {
+        if self.mesh.is_last_stage() {
             let mut g = self.tied_tensor(&name, true)?.grad();
             let sent = g.f_contiguous().ctx("sending the tied gradient")?;
             self.exchange(&sent, 0, true)?;
             let _ = g.f_zero_().ctx("clearing the tied gradient")?;
-        } else if pipe.is_first() {
-            self.add_tied_from_last(&name, pipe.stages)?;
+        } else if self.mesh.is_first_stage() {
+            self.add_tied_from_last(&name)?;
         }
         Ok(())
     }
 
     /// The first stage: the last stage's tied head gradient received and
     /// added to the embedding's.
-    fn add_tied_from_last(&mut self, name: &str, stages: usize) -> Result<()> {
+    fn add_tied_from_last(&mut self, name: &str) -> Result<()> {
         let mut g = self.tied_tensor(name, false)?.grad();
         let other = g.f_zeros_like().ctx("receiving the tied gradient")?;
-        self.exchange(&other, stages - 1, false)?;
+        self.exchange(&other, self.mesh.last_stage(), false)?;
         let _ = g.f_add_(&other).ctx("adding the tied gradient")?;
         Ok(())
     }
@@ -89,11 +87,11 @@ impl<C: Collective> Engine<C> {
     /// clears it; the first stage adds it to the embedding's gradient
     /// before that micro-batch's reduction.
     pub(super) fn pipeline_tied_micro(&mut self, sends: &mut Vec<Posted>) -> Result<()> {
-        let Some((pipe, name)) = self.tied_across() else {
+        let Some(name) = self.tied_across() else {
             return Ok(());
         };
         let _guard = tch::no_grad_guard();
-        if pipe.is_last() {
+        if self.mesh.is_last_stage() {
             let copy = self.tied_tensor(&name, true)?;
             let mut g = copy.grad();
             let group = self.mesh.group(&mut self.collective, Axis::Pipeline)?;
@@ -108,10 +106,10 @@ impl<C: Collective> Engine<C> {
             if g.defined() {
                 let _ = g.f_zero_().ctx("clearing the tied gradient")?;
             }
-        } else if pipe.is_first() {
+        } else if self.mesh.is_first_stage() {
             // (ZeRO-3 with gradients by unit: the embedding's unit was
             // kept open for this, and is reduced now.)
-            self.zero3_reduce_tied(|e| e.add_tied_from_last(&name, pipe.stages))?;
+            self.zero3_reduce_tied(|e| e.add_tied_from_last(&name))?;
         }
         Ok(())
     }
@@ -119,11 +117,11 @@ impl<C: Collective> Engine<C> {
     /// After the step: the first stage's tied embedding (its updated
     /// values) into the last stage's copy.
     pub(in crate::engine) fn pipeline_tied_values(&mut self) -> Result<()> {
-        let Some((pipe, name)) = self.tied_across() else {
+        let Some(name) = self.tied_across() else {
             return Ok(());
         };
         let _guard = tch::no_grad_guard();
-        if pipe.is_first() {
+        if self.mesh.is_first_stage() {
             // ZeRO-3: the embedding's unit (the stage's first) gathered
             // for this.
             self.zero3_gather(&[0])?;
@@ -132,8 +130,8 @@ impl<C: Collective> Engine<C> {
                 .f_detach_copy()
                 .ctx("sending the tied embedding")?;
             self.zero3_release(&[0])?;
-            self.exchange(&values, pipe.stages - 1, true)?;
-        } else if pipe.is_last() {
+            self.exchange(&values, self.mesh.last_stage(), true)?;
+        } else if self.mesh.is_last_stage() {
             let mut copy = self.tied_tensor(&name, true)?;
             let fresh = copy.f_zeros_like().ctx("receiving the tied embedding")?;
             self.exchange(&fresh, 0, false)?;
