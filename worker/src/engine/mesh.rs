@@ -215,6 +215,8 @@ mod tests {
                 assert_eq!(m.is_first_stage(), at.pipeline == 0);
                 assert_eq!(m.is_last_stage(), at.pipeline == p - 1);
                 assert_eq!(m.writes_checkpoints(), r == 0);
+                assert_eq!(m.last_stage(), p as usize - 1);
+                assert_eq!(m.is_split(), p * t > 1);
             }
         }
         // D = 2, P = 2, T = 2: rank 5 is data 1, stage 0, tensor 1.
