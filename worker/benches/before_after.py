@@ -89,8 +89,8 @@ def main():
     with tempfile.TemporaryDirectory(prefix="accrue-before-after-") as tmp:
         tmp = Path(tmp)
         work = []
-        for name in a.lm_configs.split(","):
-            cfg = lm_setup(name.strip(), tmp)
+        for name in filter(None, (n.strip() for n in a.lm_configs.split(","))):
+            cfg = lm_setup(name, tmp)
             work.append((f"Llama {name} (`accrue local`, W = 2, k = 4)",
                          lambda d, cfg=cfg: lm_rate(d / "accrue", cfg, tmp)))
         for k in [int(x) for x in a.pipeline_ks.split(",")]:
