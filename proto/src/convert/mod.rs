@@ -498,3 +498,5 @@ pub fn spec_from_proto(p: &v1::JobSpec) -> Result<JobSpec, SpecErrors> {
 mod drift_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod wire_example_tests;
